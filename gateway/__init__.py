@@ -1,0 +1,3 @@
+"""A conversation-continuity gateway for LLM providers: an OpenAI-compatible proxy that owns the conversation."""
+
+__version__ = "0.1.0"

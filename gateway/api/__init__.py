@@ -1,0 +1,122 @@
+"""The ASGI application: `create_app(settings, *, store=None, router=None)`.
+
+Tests pass twins (MemoryStore, a Router over MockUpstream); production builds both from settings.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
+from typing import Any
+
+from starlette.applications import Starlette
+from starlette.exceptions import HTTPException
+from starlette.requests import Request
+from starlette.responses import Response
+from starlette.routing import Route
+
+from gateway.api.chat import chat_completions
+from gateway.api.http import JSONBody, error_response
+from gateway.config import Settings, load_settings
+from gateway.exceptions import GatewayError, NotFound
+from gateway.service import ChatService
+from gateway.store import Store, create_store
+from gateway.upstream import Router
+
+log = logging.getLogger("gateway")
+
+
+async def models(request: Request) -> Response:
+    settings: Settings = request.app.state.settings
+    created = int(request.app.state.started)
+    data: list[dict[str, Any]] = []
+    for name in settings.models:
+        provider = name.partition("/")[0] if "/" in name else settings.default_provider
+        data.append({"id": name, "object": "model", "created": created, "owned_by": provider})
+    for name, provider_settings in settings.providers.items():
+        if provider_settings.kind == "demo":
+            data.append({"id": name, "object": "model", "created": created, "owned_by": "gateway"})
+    return JSONBody({"object": "list", "data": data})
+
+
+async def healthz(request: Request) -> Response:
+    return JSONBody({"status": "ok"})
+
+
+async def readyz(request: Request) -> Response:
+    if not getattr(request.app.state, "ready", False):
+        return JSONBody({"status": "starting"}, status_code=503)
+    return JSONBody({"status": "ready"})
+
+
+async def _gateway_error(request: Request, exc: Exception) -> Response:
+    assert isinstance(exc, GatewayError)
+    return error_response(exc)
+
+
+async def _http_error(request: Request, exc: Exception) -> Response:
+    assert isinstance(exc, HTTPException)
+    if exc.status_code == 404:
+        return error_response(NotFound(f"Unknown path {request.url.path}", code="unknown_url"))
+    err = GatewayError(str(exc.detail))
+    err.status_code = exc.status_code
+    err.error_type = "invalid_request_error"
+    return error_response(err)
+
+
+async def _unexpected(request: Request, exc: Exception) -> Response:
+    log.exception("unhandled error on %s", request.url.path)
+    return error_response(GatewayError("Internal gateway error; see the gateway log"))
+
+
+def create_app(
+    settings: Settings | None = None,
+    *,
+    store: Store | None = None,
+    router: Router | None = None,
+) -> Starlette:
+    settings = settings or load_settings()
+    store = store or create_store(settings)
+    router = router or Router.from_settings(settings)
+
+    @asynccontextmanager
+    async def lifespan(app: Starlette) -> AsyncIterator[None]:
+        await store.open()
+        app.state.ready = True
+        try:
+            yield
+        finally:
+            app.state.ready = False
+            await router.aclose()
+            await store.close()
+
+    routes = [
+        Route("/v1/chat/completions", chat_completions, methods=["POST"]),
+        Route("/chat/completions", chat_completions, methods=["POST"]),
+        Route("/v1/models", models, methods=["GET"]),
+        Route("/healthz", healthz, methods=["GET"]),
+        Route("/readyz", readyz, methods=["GET"]),
+    ]
+    app = Starlette(
+        routes=routes,
+        lifespan=lifespan,
+        exception_handlers={
+            GatewayError: _gateway_error,
+            HTTPException: _http_error,
+            Exception: _unexpected,
+        },
+    )
+    app.state.settings = settings
+    app.state.store = store
+    app.state.router = router
+    app.state.service = ChatService(settings, store, router)
+    app.state.started = time.time()
+    app.state.ready = False
+    return app
+
+
+def app_from_env() -> Starlette:
+    """Factory for `uvicorn --factory` (and worker processes): settings from the environment."""
+    return create_app(load_settings())

@@ -1,0 +1,79 @@
+"""`POST /v1/chat/completions`: parse, hand the turn to the service, render JSON or SSE."""
+
+from __future__ import annotations
+
+import logging
+import time
+from typing import Any
+
+import orjson
+from starlette.requests import Request
+from starlette.responses import Response
+
+from gateway.api.http import ClientDisconnected, JSONBody, SSEResponse, read_json, until_disconnect
+from gateway.exceptions import GatewayError
+from gateway.service import ChatRequest, ChatService, PreparedTurn
+
+access_log = logging.getLogger("gateway.access")
+
+
+def _headers(turn: PreparedTurn) -> dict[str, str]:
+    headers = {"x-response-id": turn.response_id}
+    if turn.conversation_id is not None:
+        headers["x-conversation-id"] = turn.conversation_id
+    return headers
+
+
+def _log_line(turn: PreparedTurn, status: int, outcome: str) -> None:
+    if not access_log.isEnabledFor(logging.INFO):
+        return
+    line: dict[str, Any] = {
+        "event": "chat.completion",
+        "response_id": turn.response_id,
+        "conversation_id": turn.conversation_id,
+        "model": turn.request.model,
+        "provider": turn.route.provider,
+        "stream": turn.request.stream,
+        "status": status,
+        "outcome": outcome,
+        "new_messages": len(turn.new),
+        "sent_messages": len(turn.upstream_body["messages"]),
+        "ms": round((time.perf_counter() - turn.started) * 1000, 3),
+    }
+    access_log.info(orjson.dumps(line).decode())
+
+
+async def chat_completions(request: Request) -> Response:
+    service: ChatService = request.app.state.service
+    body = await read_json(request, service.settings.server.max_body_bytes)
+    chat = ChatRequest.parse(body, header_conversation_id=request.headers.get("x-conversation-id"))
+    turn = await service.prepare(chat)
+    if not chat.stream:
+        try:
+            result = await until_disconnect(service.complete(turn), request.receive)
+        except BaseException as exc:
+            await service.close(turn, exc)
+            status = exc.status_code if isinstance(exc, GatewayError) else 499
+            _log_line(turn, status, "disconnected" if isinstance(exc, ClientDisconnected) else "error")
+            if isinstance(exc, ClientDisconnected):
+                return Response(status_code=499)
+            raise
+        await service.close(turn)
+        _log_line(turn, 200, "complete")
+        return JSONBody(result, headers=_headers(turn))
+
+    try:
+        events = await until_disconnect(service.open_stream(turn), request.receive)
+    except BaseException as exc:
+        await service.close(turn, exc)
+        status = exc.status_code if isinstance(exc, GatewayError) else 499
+        _log_line(turn, status, "error")
+        if isinstance(exc, ClientDisconnected):
+            return Response(status_code=499)
+        raise
+
+    async def on_close(exc: BaseException | None) -> None:
+        await service.close(turn, exc)
+        _log_line(turn, 200, "complete" if turn.done and exc is None else "incomplete")
+
+    return SSEResponse(events, headers=_headers(turn), on_close=on_close)

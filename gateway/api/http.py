@@ -1,0 +1,122 @@
+"""HTTP plumbing shared by the routes: bounded body reading, OpenAI-shaped errors, disconnect
+watching, and a server-sent-events response that reports how it ended."""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import AsyncIterator, Awaitable, Callable, Coroutine
+from typing import Any, TypeVar
+
+import orjson
+from starlette.requests import Request
+from starlette.responses import Response
+from starlette.types import Receive, Scope, Send
+
+from gateway.exceptions import BodyTooLarge, GatewayError, InvalidRequest
+
+T = TypeVar("T")
+
+
+class JSONBody(Response):
+    media_type = "application/json"
+
+    def render(self, content: Any) -> bytes:
+        return orjson.dumps(content)
+
+
+def error_response(exc: GatewayError) -> Response:
+    return JSONBody(exc.to_dict(), status_code=exc.status_code, headers=exc.headers())
+
+
+async def read_json(request: Request, limit: int) -> Any:
+    """The request body decoded, refusing bodies over `limit` bytes before reading them whole."""
+    declared = request.headers.get("content-length")
+    if declared is not None and declared.isdigit() and int(declared) > limit:
+        raise BodyTooLarge(f"Request body of {declared} bytes exceeds the limit of {limit} bytes")
+    parts: list[bytes] = []
+    size = 0
+    async for chunk in request.stream():
+        size += len(chunk)
+        if size > limit:
+            raise BodyTooLarge(f"Request body exceeds the limit of {limit} bytes")
+        parts.append(chunk)
+    data = b"".join(parts)
+    if not data:
+        raise InvalidRequest("The request body is empty; a JSON object is expected")
+    try:
+        return orjson.loads(data)
+    except orjson.JSONDecodeError as exc:
+        raise InvalidRequest(f"The request body is not valid JSON: {exc}") from None
+
+
+async def _wait_disconnect(receive: Receive) -> None:
+    while True:
+        message = await receive()
+        if message["type"] == "http.disconnect":
+            return
+
+
+class ClientDisconnected(Exception):
+    """The client went away before the answer was ready."""
+
+
+async def until_disconnect(work: Coroutine[Any, Any, T], receive: Receive) -> T:
+    """Run `work`, cancelling it if the client disconnects first (then ClientDisconnected)."""
+    task = asyncio.ensure_future(work)
+    watcher = asyncio.ensure_future(_wait_disconnect(receive))
+    try:
+        await asyncio.wait({task, watcher}, return_when=asyncio.FIRST_COMPLETED)
+    except asyncio.CancelledError:
+        task.cancel()
+        raise
+    finally:
+        watcher.cancel()
+    if not task.done():
+        task.cancel()
+        try:
+            await task
+        except asyncio.CancelledError:
+            pass
+        raise ClientDisconnected()
+    return task.result()
+
+
+class SSEResponse(Response):
+    """Streams `body` as text/event-stream; stops (and cancels the producer) when the client
+    disconnects; always calls `on_close(exc)` once, with None when everything was sent."""
+
+    media_type = "text/event-stream"
+
+    def __init__(
+        self,
+        body: AsyncIterator[bytes],
+        *,
+        headers: dict[str, str],
+        on_close: Callable[[BaseException | None], Awaitable[None]],
+    ) -> None:
+        # No super().__init__: a streamed body must not get a Content-Length header.
+        self.status_code = 200
+        self.background = None
+        self.init_headers({"cache-control": "no-cache", **headers})
+        self.body_iterator = body
+        self.on_close = on_close
+
+    async def _pump(self, send: Send) -> None:
+        await send({"type": "http.response.start", "status": self.status_code, "headers": self.raw_headers})
+        async for chunk in self.body_iterator:
+            await send({"type": "http.response.body", "body": chunk, "more_body": True})
+        await send({"type": "http.response.body", "body": b"", "more_body": False})
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        outcome: BaseException | None = None
+        try:
+            await until_disconnect(self._pump(send), receive)
+        except BaseException as exc:  # noqa: BLE001 - reported to on_close, then re-raised
+            outcome = exc
+            if not isinstance(exc, ClientDisconnected | OSError):
+                raise
+        finally:
+            aclose = getattr(self.body_iterator, "aclose", None)
+            if aclose is not None:
+                await aclose()
+            await self.on_close(outcome)

@@ -1,0 +1,253 @@
+"""The `gateway` command: serve, demo, and read-only views of the data dir (no server needed)."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import sys
+import textwrap
+from collections.abc import Callable
+from datetime import datetime
+from functools import wraps
+from typing import Any, TypeVar
+
+import click
+import orjson
+
+from gateway.config import Settings, load_settings
+from gateway.context import Message, Turn
+from gateway.exceptions import GatewayError
+from gateway.store.jsonl import JsonlStore
+from gateway.store.records import turn_from_records
+
+F = TypeVar("F", bound=Callable[..., Any])
+
+
+def _common(func: F) -> F:
+    """--config and --data-dir on every command; errors become one line and exit 1."""
+
+    @click.option("--config", "config_path", type=click.Path(), default=None, help="Config file (default config/gateway.toml).")
+    @click.option("--data-dir", "data_dir", type=click.Path(), default=None, help="Data directory (overrides storage.data_dir).")
+    @wraps(func)
+    def wrapper(*args: Any, config_path: str | None, data_dir: str | None, **kwargs: Any) -> Any:
+        try:
+            overrides: dict[str, Any] = {}
+            if data_dir is not None:
+                overrides["storage"] = {"data_dir": data_dir}
+            settings = load_settings(config_path, overrides=overrides)
+            return func(settings, *args, config_path=config_path, **kwargs)
+        except GatewayError as exc:
+            click.echo(f"gateway: {exc.message}", err=True)
+            sys.exit(1)
+
+    return wrapper  # type: ignore[return-value]
+
+
+def _store(settings: Settings) -> JsonlStore:
+    return JsonlStore(settings.storage.data_dir, durability="none")
+
+
+def _when(ts: float) -> str:
+    return datetime.fromtimestamp(ts).strftime("%Y-%m-%d %H:%M:%S") if ts else "-"
+
+
+def _text(message: Message) -> str:
+    content = message.get("content")
+    if isinstance(content, list):
+        content = " ".join(str(p.get("text", f"[{p.get('type')}]")) for p in content if isinstance(p, dict))
+    text = content if isinstance(content, str) else ""
+    for call in message.get("tool_calls") or []:
+        fn = call.get("function") or {}
+        text += f"\n→ call {fn.get('name')}({fn.get('arguments')}) [{call.get('id')}]"
+    if message.get("role") == "tool":
+        text = f"[{message.get('tool_call_id')}] {text}"
+    return text
+
+
+def _render_message(message: Message, *, tokens: int | None = None, note: str = "") -> str:
+    role = str(message.get("role", "?"))
+    head = click.style(f"{role:>9}", bold=True, fg={"user": "cyan", "assistant": "green"}.get(role, "yellow"))
+    extra = []
+    if tokens is not None:
+        extra.append(f"{tokens} tok")
+    if message.get("is_feedback"):
+        extra.append("feedback")
+    if note:
+        extra.append(note)
+    suffix = click.style(f"  ({', '.join(extra)})", dim=True) if extra else ""
+    body = textwrap.indent(_text(message), " " * 11).lstrip()
+    return f"{head}  {body}{suffix}"
+
+
+def _render_turn(turn: Turn, model: str = "") -> str:
+    from gateway.tokens import count_message
+
+    lines = [click.style(f"── {turn.response_id}", dim=True)]
+    if turn.system is not None:
+        lines += [_render_message(m, tokens=count_message(m, model), note="new system prompt") for m in turn.system]
+    lines += [_render_message(m, tokens=count_message(m, model)) for m in turn.input]
+    lines.append(_render_message(turn.output, tokens=count_message(turn.output, model)))
+    return "\n".join(lines)
+
+
+@click.group(context_settings={"help_option_names": ["-h", "--help"]})
+@click.version_option(package_name="gateway")
+def main() -> None:
+    """A conversation-continuity gateway for LLM providers (OpenAI-compatible proxy)."""
+
+
+@main.command()
+@_common
+@click.option("--host", default=None, help="Bind address (default server.host).")
+@click.option("--port", type=int, default=None, help="Port (default server.port).")
+@click.option("--workers", type=int, default=1, show_default=True, help="Worker processes.")
+@click.option("--log-level", default="info", show_default=True)
+def serve(settings: Settings, *, config_path: str | None, host: str | None, port: int | None, workers: int, log_level: str) -> None:
+    """Run the gateway."""
+    from gateway.server import serve as run
+
+    # Workers build their own app from the environment, so flags travel as env overrides.
+    if config_path is not None:
+        os.environ["GATEWAY_CONFIG"] = config_path
+    if host is not None:
+        os.environ["GATEWAY_SERVER__HOST"] = host
+    if port is not None:
+        os.environ["GATEWAY_SERVER__PORT"] = str(port)
+    os.environ["GATEWAY_STORAGE__DATA_DIR"] = settings.storage.data_dir
+    settings = load_settings(config_path)
+    run(settings, workers=workers, log_level=log_level)
+
+
+@main.command()
+@_common
+def demo(settings: Settings, *, config_path: str | None) -> None:
+    """Show continuity end to end on the built-in demo model (no provider needed)."""
+    from gateway.demo import run_demo
+
+    run_demo(settings)
+
+
+@main.command()
+@_common
+@click.option("--limit", type=int, default=50, show_default=True)
+def conversations(settings: Settings, *, config_path: str | None, limit: int) -> None:
+    """Table of conversations, most recently active first."""
+    rows = asyncio.run(_store(settings).list_conversations())[:limit]
+    if not rows:
+        click.echo(f"no conversations in {settings.storage.data_dir}")
+        return
+    click.echo(f"{'conversation':<32} {'turns':>6} {'messages':>9}  {'last activity':<19}  state")
+    for row in rows:
+        click.echo(
+            f"{row.conversation_id:<32} {row.turns:>6} {row.messages:>9}  {_when(row.last_activity):<19}  {row.state}"
+        )
+
+
+async def _turns(store: JsonlStore, conversation_id: str) -> tuple[list[Turn], list[str | dict[str, Any]]]:
+    entries = await store.read_index(conversation_id)
+    turns = []
+    for entry in entries:
+        if isinstance(entry, str):
+            turn = turn_from_records(await store.read_response(entry))
+            if turn is not None:
+                turns.append(turn)
+    return turns, entries
+
+
+@main.command()
+@_common
+@click.argument("conversation_id")
+@click.option("--json", "as_json", is_flag=True, help="Print the history as JSON.")
+def show(settings: Settings, *, config_path: str | None, conversation_id: str, as_json: bool) -> None:
+    """The conversation's history as the model will see it."""
+    from gateway.tokens import count_message
+
+    store = _store(settings)
+    view = asyncio.run(store.load(conversation_id))
+    if not view.turns:
+        raise GatewayError(f"no conversation {conversation_id!r} in {settings.storage.data_dir}")
+    turns, _ = asyncio.run(_turns(store, conversation_id))
+    if as_json:
+        out = {
+            "conversation_id": conversation_id,
+            "system": view.system,
+            "messages": [*(view.system or []), *view.history],
+            "turns": [t.to_dict() for t in turns],
+        }
+        click.echo(orjson.dumps(out, option=orjson.OPT_INDENT_2).decode())
+        return
+    total = 0
+    for m in view.system or []:
+        n = count_message(m)
+        total += n
+        click.echo(_render_message(m, tokens=n, note="system prompt"))
+    for turn in turns:
+        if turn.is_feedback_only:
+            click.echo(click.style(f"── {turn.response_id} (feedback turn: not replayed)", dim=True))
+            continue
+        click.echo(click.style(f"── {turn.response_id}", dim=True))
+        for m in [*turn.input, turn.output]:
+            if m.get("is_feedback"):
+                click.echo(_render_message(m, note="not replayed"))
+                continue
+            n = count_message(m)
+            total += n
+            click.echo(_render_message(m, tokens=n))
+    click.echo(click.style(f"{view.turns} turns, {len(view.history)} messages, {total} tokens (cl100k_base)", dim=True))
+
+
+@main.command()
+@_common
+@click.argument("conversation_id")
+@click.option("--poll", type=float, default=0.5, show_default=True, help="Seconds between checks.")
+def tail(settings: Settings, *, config_path: str | None, conversation_id: str, poll: float) -> None:
+    """Follow a conversation live, rendered (Ctrl-C to stop)."""
+    from gateway.ids import check_conversation_id
+
+    check_conversation_id(conversation_id)
+    store = _store(settings)
+
+    async def follow() -> None:
+        async for turn in store.follow(conversation_id, poll=poll):
+            click.echo(_render_turn(turn))
+
+    click.echo(click.style(f"following {store.index_path(conversation_id)} (Ctrl-C to stop)", dim=True))
+    try:
+        asyncio.run(follow())
+    except KeyboardInterrupt:
+        pass
+
+
+@main.command()
+@_common
+@click.argument("response_id")
+@click.option("--json", "as_json", is_flag=True, help="Print the raw response log records.")
+def context(settings: Settings, *, config_path: str | None, response_id: str, as_json: bool) -> None:
+    """What was recorded for one response: request, context snapshot, reply, outcome."""
+    records = asyncio.run(_store(settings).read_response(response_id))
+    if as_json:
+        for record in records:
+            click.echo(orjson.dumps(record).decode())
+        return
+    for record in records:
+        kind = record.get("type")
+        if kind == "request":
+            click.echo(f"response     {record.get('response_id')}")
+            click.echo(f"conversation {record.get('conversation_id')}")
+            click.echo(f"model        {record.get('model')} → {record.get('provider')}:{record.get('upstream_model')}")
+            click.echo(f"created      {_when(record.get('created') or 0)}")
+            for m in record.get("system") or []:
+                click.echo(_render_message(m, note="new system prompt"))
+            for m in record.get("input") or []:
+                click.echo(_render_message(m, note="new"))
+        elif kind == "context":
+            fields = {k: v for k, v in record.items() if k not in ("type", "messages")}
+            click.echo("context      " + ", ".join(f"{k}={v}" for k, v in fields.items()))
+        elif kind == "response":
+            click.echo(_render_message(record.get("message") or {}, note=f"finish={record.get('finish_reason')}"))
+            click.echo(f"usage        {record.get('usage')}")
+            click.echo(f"timings      {record.get('timings')}")
+        elif kind == "commit":
+            click.echo(click.style("committed    yes", fg="green"))
+        elif kind == "incomplete":
+            click.echo(click.style(f"incomplete   {record.get('reason')}: {record.get('error')}", fg="red"))

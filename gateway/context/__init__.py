@@ -1,0 +1,27 @@
+"""Pure context functions: rebuild history, find what is new, repair tool calls."""
+
+from gateway.context.history import (
+    ConversationView,
+    Message,
+    Turn,
+    clean_message,
+    is_feedback,
+    message_key,
+    new_messages,
+    rebuild_view,
+    repair_tool_calls,
+    split_system,
+)
+
+__all__ = [
+    "ConversationView",
+    "Message",
+    "Turn",
+    "clean_message",
+    "is_feedback",
+    "message_key",
+    "new_messages",
+    "rebuild_view",
+    "repair_tool_calls",
+    "split_system",
+]

@@ -1,0 +1,198 @@
+"""Pure history rules: what a stored conversation looks like to the model, and what is new.
+
+No I/O and no async: every function takes plain lists of OpenAI message dicts.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import orjson
+
+Message = dict[str, Any]
+
+SYSTEM_ROLES = frozenset({"system", "developer"})
+GATEWAY_MESSAGE_FIELDS = ("is_feedback",)
+UNANSWERED_TOOL_RESULT = "[no result: the user continued without answering this tool call]"
+
+
+def is_feedback(message: Message) -> bool:
+    return message.get("is_feedback") is True
+
+
+def clean_message(message: Message) -> Message:
+    """The message as a provider may see it: gateway-only fields removed."""
+    if "is_feedback" not in message:
+        return message
+    return {k: v for k, v in message.items() if k not in GATEWAY_MESSAGE_FIELDS}
+
+
+def split_system(messages: Sequence[Message]) -> tuple[list[Message], list[Message]]:
+    """Leading system/developer messages (the system prompt) and the rest."""
+    i = 0
+    while i < len(messages) and messages[i].get("role") in SYSTEM_ROLES:
+        i += 1
+    return list(messages[:i]), list(messages[i:])
+
+
+def _content_text(content: Any) -> Any:
+    # Clients echo assistant text as a string or as a list of text parts; compare them alike.
+    if content is None:
+        return ""
+    if isinstance(content, list) and all(
+        isinstance(p, dict) and p.get("type") == "text" for p in content
+    ):
+        return "".join(str(p.get("text", "")) for p in content)
+    return content
+
+
+def message_key(message: Message) -> bytes:
+    """A canonical form for "is this the same message?", blind to null fields and part layout."""
+    calls = message.get("tool_calls") or None
+    if calls:
+        calls = [
+            (c.get("id"), (c.get("function") or {}).get("name"), (c.get("function") or {}).get("arguments"))
+            for c in calls
+            if isinstance(c, dict)
+        ]
+    canon = (
+        message.get("role"),
+        _content_text(message.get("content")),
+        calls,
+        message.get("tool_call_id"),
+        message.get("name"),
+    )
+    return orjson.dumps(canon, option=orjson.OPT_SORT_KEYS)
+
+
+@dataclass(frozen=True, slots=True)
+class Turn:
+    """One acknowledged exchange: the new input messages and the assistant's reply."""
+
+    response_id: str
+    input: tuple[Message, ...]
+    output: Message
+    system: tuple[Message, ...] | None = None  # set when this turn replaced the system prompt
+
+    @property
+    def is_feedback_only(self) -> bool:
+        return bool(self.input) and all(is_feedback(m) for m in self.input)
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "response_id": self.response_id,
+            "input": list(self.input),
+            "output": self.output,
+            "system": list(self.system) if self.system is not None else None,
+        }
+
+
+@dataclass(slots=True)
+class ConversationView:
+    """A conversation rebuilt from its turns, extended in place as turns are appended.
+
+    `history` is what the model sees (feedback left out); `transcript` is everything the
+    client said and heard, which is what a full-history client sends back.
+    """
+
+    system: list[Message] | None = None
+    history: list[Message] = field(default_factory=list)
+    transcript: list[Message] = field(default_factory=list)
+    response_ids: list[str] = field(default_factory=list)
+    turns: int = 0
+    _keys: dict[str, list[bytes]] = field(default_factory=dict)
+
+    def extend(self, turn: Turn) -> None:
+        if turn.system is not None:
+            self.system = list(turn.system)
+        self.transcript.extend(clean_message(m) for m in turn.input)
+        self.transcript.append(turn.output)
+        self.turns += 1
+        self.response_ids.append(turn.response_id)
+        if not turn.is_feedback_only:
+            self.history.extend(clean_message(m) for m in turn.input if not is_feedback(m))
+            self.history.append(turn.output)
+
+    def reset(self, *, keep_system_message: bool) -> None:
+        system = self.system if keep_system_message else None
+        self.system = system
+        self.history = []
+        self.transcript = []
+        self.response_ids = []
+        self.turns = 0
+        self._keys = {}
+
+    def keys(self, which: str) -> list[bytes]:
+        """Canonical keys of `history` or `transcript`, computed once and extended lazily."""
+        messages = self.history if which == "history" else self.transcript
+        cached = self._keys.setdefault(which, [])
+        if len(cached) < len(messages):
+            cached.extend(message_key(m) for m in messages[len(cached) :])
+        return cached
+
+
+def rebuild_view(turns: Iterable[Turn]) -> ConversationView:
+    view = ConversationView()
+    for turn in turns:
+        view.extend(turn)
+    return view
+
+
+def _common_prefix(incoming: Sequence[Message], stored_keys: Sequence[bytes]) -> int:
+    n = min(len(incoming), len(stored_keys))
+    i = 0
+    while i < n and message_key(incoming[i]) == stored_keys[i]:
+        i += 1
+    return i
+
+
+def new_messages(incoming: Sequence[Message], view: ConversationView) -> list[Message]:
+    """The part of a request (system prompt already split off) that is not yet stored.
+
+    A full-history client resends what it heard, so a leading overlap with the stored
+    transcript (or history) is dropped; the last message is always new, so a one-message
+    request is never mistaken for an echo of the conversation's first message.
+    """
+    if len(incoming) <= 1 or not view.transcript:
+        return list(incoming)
+    overlap = max(
+        _common_prefix(incoming, view.keys("transcript")),
+        _common_prefix(incoming, view.keys("history")),
+    )
+    overlap = min(overlap, len(incoming) - 1)
+    return list(incoming[overlap:])
+
+
+def repair_tool_calls(messages: Sequence[Message]) -> list[Message]:
+    """Make a message list acceptable to providers' tool-call rules without losing anything.
+
+    An assistant `tool_calls` message whose calls were not all answered before the next
+    non-tool message gets a synthetic `tool` result per missing call; a `tool` message that
+    answers no pending call is dropped (providers reject orphans).
+    """
+    out: list[Message] = []
+    pending: list[str] = []
+
+    def close_pending() -> None:
+        for call_id in pending:
+            out.append({"role": "tool", "tool_call_id": call_id, "content": UNANSWERED_TOOL_RESULT})
+        pending.clear()
+
+    for message in messages:
+        role = message.get("role")
+        if role == "tool":
+            call_id = message.get("tool_call_id")
+            if call_id in pending:
+                pending.remove(call_id)
+                out.append(message)
+            continue
+        close_pending()
+        out.append(message)
+        if role == "assistant" and message.get("tool_calls"):
+            pending = [
+                c.get("id") for c in message["tool_calls"] if isinstance(c, dict) and c.get("id")
+            ]
+    # A trailing unanswered call is the model asking for tools now; leave it for the client.
+    return out

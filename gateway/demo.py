@@ -1,0 +1,69 @@
+"""`gateway demo`: an in-process gateway on the built-in `demo` model, driven by the official
+`openai` SDK that sends ONLY the new message each turn, to show the gateway keeps the rest."""
+
+from __future__ import annotations
+
+import secrets
+
+import click
+
+from gateway.config import ProviderSettings, Settings
+
+SCRIPT = [
+    "Hi! My name is Bob and my favourite colour is teal.",
+    "I live in Lisbon, by the way. My city is Lisbon.",
+    "What is my name?",
+    "What is my favourite colour?",
+    "And what is my city?",
+]
+
+
+def run_demo(settings: Settings) -> None:
+    from openai import OpenAI
+
+    from gateway.api import create_app
+    from gateway.server import running_in_thread
+
+    providers = dict(settings.providers)
+    providers.setdefault("demo", ProviderSettings(kind="demo"))
+    if providers["demo"].kind != "demo":
+        providers["demo"] = ProviderSettings(kind="demo")
+    settings = settings.model_copy(update={"providers": providers})
+    conversation_id = f"demo-{secrets.token_hex(3)}"
+    app = create_app(settings)
+    with running_in_thread(app) as base_url:
+        client = OpenAI(base_url=f"{base_url}/v1", api_key="not-needed")
+        click.echo(f"gateway on {base_url}, model 'demo', conversation {conversation_id}")
+        click.echo("each request carries only the new user message; the gateway supplies the rest\n")
+        for i, text in enumerate(SCRIPT, 1):
+            raw = client.chat.completions.with_raw_response.create(
+                model="demo",
+                messages=[{"role": "user", "content": text}],
+                extra_body={"conversation_id": conversation_id},
+            )
+            completion = raw.parse()
+            reply = completion.choices[0].message.content
+            click.echo(click.style(f"[{i}] user      ", fg="cyan", bold=True) + text)
+            click.echo(click.style("    assistant ", fg="green", bold=True) + str(reply))
+            click.echo(click.style(f"    response id {completion.id}", dim=True))
+        # One streamed turn too, to show streaming keeps continuity the same way.
+        stream = client.chat.completions.create(
+            model="demo",
+            messages=[{"role": "user", "content": "What did I first say?"}],
+            stream=True,
+            extra_body={"conversation_id": conversation_id},
+        )
+        parts = []
+        stream_id = ""
+        for chunk in stream:
+            stream_id = chunk.id
+            if chunk.choices and chunk.choices[0].delta.content:
+                parts.append(chunk.choices[0].delta.content)
+        click.echo(click.style(f"[{len(SCRIPT) + 1}] user      ", fg="cyan", bold=True) + "What did I first say? (streamed)")
+        click.echo(click.style("    assistant ", fg="green", bold=True) + "".join(parts))
+        click.echo(click.style(f"    response id {stream_id}", dim=True))
+    data_dir = settings.storage.data_dir
+    click.echo("\nlogs:")
+    click.echo(f"  index      {data_dir}/logs/conversations/{conversation_id}.jsonl")
+    click.echo(f"  responses  {data_dir}/logs/responses/<response id>.jsonl")
+    click.echo(f"try: gateway show {conversation_id}   |   gateway context {stream_id}")

@@ -1,0 +1,167 @@
+"""Every error the gateway raises on purpose, each knowing its HTTP status and OpenAI error shape.
+
+    GatewayError
+    ├── ConfigError                    bad configuration (raised at start, never over HTTP)
+    ├── InvalidRequest          400    malformed body, bad field, bad conversation id
+    │   └── ContextLengthExceeded 400  the request alone does not fit the model's window
+    ├── AuthenticationError     401    missing or unknown gateway key
+    ├── NotFound                404    unknown conversation, response or model
+    ├── ConversationBusy        409    another request holds the conversation too long
+    ├── BodyTooLarge            413    request body over server.max_body_bytes
+    ├── StorageError            503    the store cannot acknowledge a write
+    │   └── CorruptRecord              a stored line that cannot be decoded (keeps path and line)
+    └── UpstreamError           502    the provider failed
+        ├── UpstreamUnreachable 502    connection refused / DNS / reset before an answer
+        ├── UpstreamStatusError  *     the provider answered with an HTTP error (status kept)
+        ├── UpstreamProtocolError 502  the provider answered something that is not valid
+        └── UpstreamTimeout     504    the provider took longer than its timeout
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+
+class GatewayError(Exception):
+    """Base class: an error with an HTTP status and an OpenAI error type/code."""
+
+    status_code = 500
+    error_type = "server_error"
+    code: str | None = None
+
+    def __init__(self, message: str, *, param: str | None = None, code: str | None = None) -> None:
+        super().__init__(message)
+        self.message = message
+        self.param = param
+        if code is not None:
+            self.code = code
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "error": {
+                "message": self.message,
+                "type": self.error_type,
+                "param": self.param,
+                "code": self.code,
+            }
+        }
+
+    def headers(self) -> dict[str, str]:
+        return {}
+
+
+class ConfigError(GatewayError):
+    """The configuration is invalid; the message names the key."""
+
+
+class InvalidRequest(GatewayError):
+    """The client sent something the gateway cannot accept."""
+
+    status_code = 400
+    error_type = "invalid_request_error"
+
+
+class ContextLengthExceeded(InvalidRequest):
+    """Even the current request alone does not fit the model's context window."""
+
+    code = "context_length_exceeded"
+
+
+class AuthenticationError(GatewayError):
+    """Missing or unknown gateway key."""
+
+    status_code = 401
+    error_type = "authentication_error"
+    code = "invalid_api_key"
+
+
+class NotFound(GatewayError):
+    """The named conversation, response or model does not exist (for this tenant)."""
+
+    status_code = 404
+    error_type = "invalid_request_error"
+    code = "not_found"
+
+
+class ConversationBusy(GatewayError):
+    """Another request on the same conversation held it longer than the lock wait."""
+
+    status_code = 409
+    error_type = "conflict_error"
+    code = "conversation_busy"
+
+
+class BodyTooLarge(GatewayError):
+    """The request body is larger than server.max_body_bytes."""
+
+    status_code = 413
+    error_type = "invalid_request_error"
+    code = "request_too_large"
+
+
+class StorageError(GatewayError):
+    """The store could not durably record a turn; nothing is acknowledged."""
+
+    status_code = 503
+    error_type = "server_error"
+    code = "storage_unavailable"
+
+
+class CorruptRecord(StorageError):
+    """A stored line could not be decoded; keeps where it was found."""
+
+    def __init__(self, message: str, *, path: str = "", lineno: int = 0) -> None:
+        super().__init__(f"{message} ({path}:{lineno})")
+        self.path = path
+        self.lineno = lineno
+
+
+class UpstreamError(GatewayError):
+    """The provider failed to produce an answer."""
+
+    status_code = 502
+    error_type = "upstream_error"
+    code = "upstream_error"
+
+
+class UpstreamUnreachable(UpstreamError):
+    """The provider could not be reached (refused, DNS, reset before an answer)."""
+
+    code = "upstream_unreachable"
+
+
+class UpstreamProtocolError(UpstreamError):
+    """The provider answered with something that is not a valid chat completion."""
+
+    code = "upstream_bad_response"
+
+
+class UpstreamTimeout(UpstreamError):
+    """The provider did not answer within its configured timeout."""
+
+    status_code = 504
+    code = "upstream_timeout"
+
+
+class UpstreamStatusError(UpstreamError):
+    """The provider answered with an HTTP error; 4xx are passed through, 5xx become 502."""
+
+    def __init__(
+        self,
+        message: str,
+        *,
+        upstream_status: int,
+        error_type: str | None = None,
+        param: str | None = None,
+        code: str | None = None,
+        retry_after: str | None = None,
+    ) -> None:
+        super().__init__(message, param=param, code=code)
+        self.upstream_status = upstream_status
+        self.status_code = upstream_status if 400 <= upstream_status < 500 else 502
+        if error_type:
+            self.error_type = error_type
+        self.retry_after = retry_after
+
+    def headers(self) -> dict[str, str]:
+        return {"Retry-After": self.retry_after} if self.retry_after else {}

@@ -1,0 +1,110 @@
+"""The store seam: append-only response logs and per-conversation indexes.
+
+A response log is a list of JSON records (request, context, response, and a final commit or
+incomplete marker). A conversation index names the committed response ids in order. The
+one ordering rule: a response is complete and durable before its id enters an index.
+"""
+
+from __future__ import annotations
+
+import time
+from abc import ABC, abstractmethod
+from collections.abc import AsyncIterator
+from contextlib import AbstractAsyncContextManager
+from dataclasses import dataclass
+from typing import Any
+
+from gateway.context.history import ConversationView, Turn
+
+Record = dict[str, Any]
+
+
+def now() -> float:
+    return time.time()
+
+
+@dataclass(frozen=True, slots=True)
+class ConversationSummary:
+    conversation_id: str
+    turns: int
+    messages: int
+    last_activity: float
+    state: str = "active"
+
+
+class ResponseLog(ABC):
+    """An open response log being written for one request."""
+
+    response_id: str
+
+    @abstractmethod
+    def append(self, record: Record) -> None:
+        """Add a record (not yet durable: only `commit` makes the response count)."""
+
+    @abstractmethod
+    async def commit(self, conversation_id: str | None, turn: Turn | None) -> None:
+        """Write the commit record, make it durable, then append the id to the index."""
+
+    @abstractmethod
+    async def abandon(self, reason: str, error: dict[str, Any] | None = None) -> None:
+        """Close the log marked incomplete; nothing enters any index."""
+
+
+class Store(ABC):
+    """Where conversations live. Every method is safe to call from the event loop."""
+
+    async def open(self) -> None:  # noqa: B027 - optional hook
+        """Prepare the backend (create folders, connect)."""
+
+    async def close(self) -> None:  # noqa: B027 - optional hook
+        """Release resources."""
+
+    @abstractmethod
+    def lock(self, conversation_id: str, timeout: float) -> AbstractAsyncContextManager[None]:
+        """Serialize turns on one conversation; raise ConversationBusy after `timeout` s."""
+
+    @abstractmethod
+    async def load(self, conversation_id: str) -> ConversationView:
+        """The conversation as stored (empty if new). Call under `lock`; do not mutate."""
+
+    @abstractmethod
+    def start(self, response_id: str, request: Record) -> ResponseLog:
+        """Open the response log for a new request with its first record."""
+
+    @abstractmethod
+    async def read_response(self, response_id: str) -> list[Record]:
+        """All records of a response log; NotFound if there is none."""
+
+    @abstractmethod
+    async def read_index(self, conversation_id: str) -> list[str | Record]:
+        """The raw index entries (response ids and marker records); NotFound if none."""
+
+    @abstractmethod
+    async def list_conversations(self) -> list[ConversationSummary]:
+        """Every conversation, most recently active first."""
+
+    def follow(self, conversation_id: str, poll: float = 0.5) -> AsyncIterator[Turn]:
+        """Yield turns as they are committed (used by `gateway tail`)."""
+        return _follow(self, conversation_id, poll)
+
+
+async def _follow(store: Store, conversation_id: str, poll: float) -> AsyncIterator[Turn]:
+    import asyncio
+
+    from gateway.store.records import turn_from_records
+
+    seen = 0
+    while True:
+        try:
+            entries = await store.read_index(conversation_id)
+        except Exception:  # noqa: BLE001 - not created yet
+            entries = []
+        ids = [e for e in entries if isinstance(e, str)]
+        if len(ids) < seen:
+            seen = 0
+        for rid in ids[seen:]:
+            turn = turn_from_records(await store.read_response(rid))
+            if turn is not None:
+                yield turn
+        seen = len(ids)
+        await asyncio.sleep(poll)

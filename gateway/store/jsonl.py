@@ -1,0 +1,338 @@
+"""The embedded store: one JSONL file per response, one append-only JSONL index per conversation.
+
+    {data_dir}/logs/responses/{response_id}.jsonl      request, context, response, commit
+    {data_dir}/logs/conversations/{conversation_id}.jsonl  one response id per line
+    {data_dir}/locks/{conversation_id}.lock            flock() target shared by worker processes
+
+A response file is written and fsync'd before its id is appended to the index (then the index
+is fsync'd), so the index never names an incomplete response. Each process caches assembled
+conversations and revalidates them by index size, so writes by another process are noticed.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import fcntl
+import logging
+import os
+import weakref
+from collections import OrderedDict
+from collections.abc import AsyncIterator, Callable
+from contextlib import asynccontextmanager
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import orjson
+
+from gateway.context.history import ConversationView, Turn
+from gateway.exceptions import ConversationBusy, CorruptRecord, NotFound, StorageError
+from gateway.ids import check_conversation_id, is_valid_response_id
+from gateway.store.base import ConversationSummary, Record, ResponseLog, Store, now
+from gateway.store.records import turn_from_records
+
+log = logging.getLogger("gateway.store")
+
+# Conversations bigger than this (index bytes) are loaded in a worker thread.
+_THREAD_LOAD_BYTES = 4096
+
+
+def parse_jsonl(data: bytes, *, path: str = "", start_line: int = 1) -> tuple[list[Any], int]:
+    """Decode complete lines; return (values, bytes consumed). A torn last line is not consumed.
+
+    An undecodable complete line raises CorruptRecord with its path and line number.
+    """
+    end = data.rfind(b"\n") + 1
+    values: list[Any] = []
+    for offset, line in enumerate(data[:end].split(b"\n")[:-1]):
+        if not line.strip():
+            continue
+        try:
+            values.append(orjson.loads(line))
+        except orjson.JSONDecodeError as exc:
+            raise CorruptRecord(f"undecodable record: {exc}", path=path, lineno=start_line + offset) from None
+    return values, end
+
+
+def parse_index(data: bytes, *, path: str = "") -> tuple[list[str | Record], int]:
+    """Index lines are bare response ids or JSON marker objects."""
+    end = data.rfind(b"\n") + 1
+    entries: list[str | Record] = []
+    for lineno, raw in enumerate(data[:end].split(b"\n")[:-1], start=1):
+        line = raw.strip()
+        if not line:
+            continue
+        if line.startswith(b"{"):
+            try:
+                entry = orjson.loads(line)
+            except orjson.JSONDecodeError as exc:
+                raise CorruptRecord(f"undecodable index marker: {exc}", path=path, lineno=lineno) from None
+            if not isinstance(entry, dict):
+                raise CorruptRecord("index marker is not an object", path=path, lineno=lineno)
+            entries.append(entry)
+            continue
+        try:
+            text = line.decode("ascii")
+        except UnicodeDecodeError:
+            raise CorruptRecord("index line is not a response id", path=path, lineno=lineno) from None
+        if not is_valid_response_id(text):
+            raise CorruptRecord("index line is not a response id", path=path, lineno=lineno)
+        entries.append(text)
+    return entries, end
+
+
+@dataclass(slots=True)
+class _Cached:
+    size: int
+    view: ConversationView
+
+
+def _fsync_dir(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+class _JsonlLog(ResponseLog):
+    def __init__(self, store: JsonlStore, response_id: str, request: Record) -> None:
+        self.store = store
+        self.response_id = response_id
+        self.path = store.response_path(response_id)
+        self._pending: list[bytes] = []
+        self._closed = False
+        try:
+            self._fd: int = os.open(self.path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_APPEND, 0o644)
+            os.write(self._fd, orjson.dumps(request) + b"\n")
+        except OSError as exc:
+            raise StorageError(f"cannot create response log: {exc.strerror}") from exc
+
+    def append(self, record: Record) -> None:
+        self._pending.append(orjson.dumps(record) + b"\n")
+
+    async def commit(self, conversation_id: str | None, turn: Turn | None) -> None:
+        self._pending.append(orjson.dumps({"type": "commit", "status": "complete", "committed": now()}) + b"\n")
+        data = b"".join(self._pending)
+        self._pending.clear()
+        store = self.store
+        if store.fsync:
+            await asyncio.shield(asyncio.to_thread(self._commit_sync, data, conversation_id))
+        else:
+            self._commit_sync(data, conversation_id)
+        if conversation_id is not None and turn is not None:
+            store._note_commit(conversation_id, self.response_id, turn)
+
+    def _commit_sync(self, data: bytes, conversation_id: str | None) -> None:
+        store = self.store
+        self._closed = True
+        try:
+            try:
+                os.write(self._fd, data)
+                if store.fsync:
+                    os.fsync(self._fd)
+            finally:
+                os.close(self._fd)
+            if store.fsync:
+                _fsync_dir(store.responses_dir)
+            if store.before_index_append is not None:
+                store.before_index_append(self.response_id)
+            if conversation_id is None:
+                return
+            index = store.index_path(conversation_id)
+            fd = os.open(index, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
+            try:
+                created = os.fstat(fd).st_size == 0
+                os.write(fd, self.response_id.encode() + b"\n")
+                if store.fsync:
+                    os.fsync(fd)
+            finally:
+                os.close(fd)
+            if created and store.fsync:
+                _fsync_dir(store.conversations_dir)
+        except OSError as exc:
+            store._forget(conversation_id)
+            raise StorageError(f"could not record the response durably: {exc.strerror or exc}") from exc
+
+    async def abandon(self, reason: str, error: dict[str, Any] | None = None) -> None:
+        if self._closed:
+            return
+        self._closed = True
+        self._pending.append(orjson.dumps({"type": "incomplete", "reason": reason, "error": error}) + b"\n")
+        try:
+            os.write(self._fd, b"".join(self._pending))
+        except OSError as exc:
+            log.warning("could not mark %s incomplete: %s", self.response_id, exc)
+        finally:
+            os.close(self._fd)
+
+
+class JsonlStore(Store):
+    def __init__(
+        self,
+        data_dir: str | os.PathLike[str],
+        *,
+        durability: str = "fsync",
+        cache_size: int = 1024,
+    ) -> None:
+        self.root = Path(data_dir)
+        self.responses_dir = self.root / "logs" / "responses"
+        self.conversations_dir = self.root / "logs" / "conversations"
+        self.locks_dir = self.root / "locks"
+        self.fsync = durability == "fsync"
+        self.cache_size = cache_size
+        self._cache: OrderedDict[str, _Cached] = OrderedDict()
+        self._locks: weakref.WeakValueDictionary[str, asyncio.Lock] = weakref.WeakValueDictionary()
+        # Test hook: called after the response is durable and before the index append.
+        self.before_index_append: Callable[[str], None] | None = None
+
+    async def open(self) -> None:
+        for d in (self.responses_dir, self.conversations_dir, self.locks_dir):
+            d.mkdir(parents=True, exist_ok=True)
+
+    # -- paths: the only place ids become file names ---------------------------------------
+    def index_path(self, conversation_id: str) -> Path:
+        return self.conversations_dir / f"{check_conversation_id(conversation_id)}.jsonl"
+
+    def response_path(self, response_id: str) -> Path:
+        if not is_valid_response_id(response_id):
+            raise NotFound(f"No response {response_id!r}", param="response_id")
+        return self.responses_dir / f"{response_id}.jsonl"
+
+    # -- locking ----------------------------------------------------------------------------
+    @asynccontextmanager
+    async def lock(self, conversation_id: str, timeout: float) -> AsyncIterator[None]:
+        lock = self._locks.get(conversation_id)
+        if lock is None:
+            lock = asyncio.Lock()
+            self._locks[conversation_id] = lock
+        busy = ConversationBusy(
+            f"Conversation {conversation_id!r} is busy with another request; retry later"
+        )
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + timeout
+        try:
+            async with asyncio.timeout(timeout):
+                await lock.acquire()
+        except TimeoutError:
+            raise busy from None
+        fd = -1
+        try:
+            path = self.locks_dir / f"{check_conversation_id(conversation_id)}.lock"
+            fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
+            delay = 0.001
+            while True:
+                try:
+                    fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                    break
+                except BlockingIOError:
+                    if loop.time() >= deadline:
+                        raise busy from None
+                    await asyncio.sleep(delay)
+                    delay = min(delay * 2, 0.05)
+            yield
+        finally:
+            if fd >= 0:
+                os.close(fd)  # closing releases the flock
+            lock.release()
+
+    # -- reading ----------------------------------------------------------------------------
+    def _read_records(self, path: Path) -> list[Record]:
+        try:
+            data = path.read_bytes()
+        except FileNotFoundError:
+            return []
+        records, _ = parse_jsonl(data, path=str(path))
+        return [r for r in records if isinstance(r, dict)]
+
+    def _load_sync(self, conversation_id: str, cached: _Cached | None, repair: bool) -> _Cached:
+        path = self.index_path(conversation_id)
+        try:
+            with open(path, "rb") as f:
+                size = os.fstat(f.fileno()).st_size
+                if cached is not None and cached.size == size:
+                    return cached
+                if cached is None or size < cached.size:
+                    cached = _Cached(0, ConversationView())
+                f.seek(cached.size)
+                data = f.read()
+        except FileNotFoundError:
+            return _Cached(0, ConversationView())
+        entries, consumed = parse_index(data, path=str(path))
+        if consumed < len(data) and repair:
+            # A torn last line: the crash happened before its fsync, so it was never acknowledged.
+            log.warning("repairing torn last line of %s", path)
+            os.truncate(path, cached.size + consumed)
+        for entry in entries:
+            if isinstance(entry, dict):
+                if entry.get("type") == "reset":
+                    cached.view.reset(keep_system_message=bool(entry.get("keep_system_message")))
+                continue
+            turn = turn_from_records(self._read_records(self.response_path(entry)))
+            if turn is None:
+                log.warning("index %s names %s, which is not committed: skipped", path, entry)
+                continue
+            cached.view.extend(turn)
+        cached.size += consumed
+        return cached
+
+    async def load(self, conversation_id: str) -> ConversationView:
+        cached = self._cache.get(conversation_id)
+        if cached is None:
+            result = await asyncio.to_thread(self._load_sync, conversation_id, None, True)
+        else:
+            result = self._load_sync(conversation_id, cached, True)
+        if result.size:
+            self._cache[conversation_id] = result
+            self._cache.move_to_end(conversation_id)
+            while len(self._cache) > self.cache_size:
+                self._cache.popitem(last=False)
+        else:
+            self._cache.pop(conversation_id, None)
+        return result.view
+
+    def _note_commit(self, conversation_id: str, response_id: str, turn: Turn) -> None:
+        cached = self._cache.get(conversation_id)
+        line = len(response_id) + 1
+        if cached is None:
+            return
+        cached.size += line
+        cached.view.extend(turn)
+
+    def _forget(self, conversation_id: str | None) -> None:
+        if conversation_id is not None:
+            self._cache.pop(conversation_id, None)
+
+    def start(self, response_id: str, request: Record) -> ResponseLog:
+        return _JsonlLog(self, response_id, request)
+
+    async def read_response(self, response_id: str) -> list[Record]:
+        path = self.response_path(response_id)
+        if not path.exists():
+            raise NotFound(f"No response {response_id!r}", param="response_id")
+        return self._read_records(path)
+
+    async def read_index(self, conversation_id: str) -> list[str | Record]:
+        path = self.index_path(conversation_id)
+        try:
+            data = path.read_bytes()
+        except FileNotFoundError:
+            raise NotFound(f"No conversation {conversation_id!r}", param="conversation_id") from None
+        entries, _ = parse_index(data, path=str(path))
+        return entries
+
+    async def list_conversations(self) -> list[ConversationSummary]:
+        out: list[ConversationSummary] = []
+        if not self.conversations_dir.is_dir():
+            return out
+        for path in self.conversations_dir.glob("*.jsonl"):
+            cid = path.stem
+            try:
+                cached = await asyncio.to_thread(self._load_sync, cid, None, False)
+                mtime = path.stat().st_mtime
+            except (OSError, CorruptRecord) as exc:
+                log.warning("skipping %s: %s", path, exc)
+                continue
+            view = cached.view
+            out.append(ConversationSummary(cid, view.turns, len(view.history), mtime))
+        return sorted(out, key=lambda s: s.last_activity, reverse=True)

@@ -1,0 +1,96 @@
+"""In-memory store: the test twin of the JSONL store, with the same contract."""
+
+from __future__ import annotations
+
+import asyncio
+import copy
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
+from typing import Any
+
+from gateway.context.history import ConversationView, Turn
+from gateway.exceptions import ConversationBusy, NotFound
+from gateway.store.base import ConversationSummary, Record, ResponseLog, Store, now
+from gateway.store.records import turn_from_records
+
+
+class _MemoryLog(ResponseLog):
+    def __init__(self, store: MemoryStore, response_id: str, request: Record) -> None:
+        self.store = store
+        self.response_id = response_id
+        self.records: list[Record] = [request]
+        store.responses[response_id] = self.records
+
+    def append(self, record: Record) -> None:
+        self.records.append(copy.deepcopy(record))
+
+    async def commit(self, conversation_id: str | None, turn: Turn | None) -> None:
+        if self.store.fail_commit is not None:
+            raise self.store.fail_commit
+        self.records.append({"type": "commit", "status": "complete", "committed": now()})
+        if conversation_id is not None:
+            self.store.indexes.setdefault(conversation_id, []).append(self.response_id)
+            self.store.activity[conversation_id] = now()
+
+    async def abandon(self, reason: str, error: dict[str, Any] | None = None) -> None:
+        self.records.append({"type": "incomplete", "reason": reason, "error": error})
+
+
+class MemoryStore(Store):
+    """Keeps everything in dicts; `fail_commit` injects a storage failure for tests."""
+
+    def __init__(self) -> None:
+        self.responses: dict[str, list[Record]] = {}
+        self.indexes: dict[str, list[str | Record]] = {}
+        self.activity: dict[str, float] = {}
+        self.fail_commit: Exception | None = None
+        self._locks: dict[str, asyncio.Lock] = {}
+
+    @asynccontextmanager
+    async def lock(self, conversation_id: str, timeout: float) -> AsyncIterator[None]:
+        lock = self._locks.setdefault(conversation_id, asyncio.Lock())
+        try:
+            async with asyncio.timeout(timeout):
+                await lock.acquire()
+        except TimeoutError:
+            raise ConversationBusy(
+                f"Conversation {conversation_id!r} is busy with another request; retry later"
+            ) from None
+        try:
+            yield
+        finally:
+            lock.release()
+
+    async def load(self, conversation_id: str) -> ConversationView:
+        view = ConversationView()
+        for entry in self.indexes.get(conversation_id, []):
+            if isinstance(entry, dict):
+                if entry.get("type") == "reset":
+                    view.reset(keep_system_message=bool(entry.get("keep_system_message")))
+                continue
+            turn = turn_from_records(self.responses.get(entry, []))
+            if turn is not None:
+                view.extend(turn)
+        return view
+
+    def start(self, response_id: str, request: Record) -> ResponseLog:
+        return _MemoryLog(self, response_id, copy.deepcopy(request))
+
+    async def read_response(self, response_id: str) -> list[Record]:
+        if response_id not in self.responses:
+            raise NotFound(f"No response {response_id!r}")
+        return list(self.responses[response_id])
+
+    async def read_index(self, conversation_id: str) -> list[str | Record]:
+        if conversation_id not in self.indexes:
+            raise NotFound(f"No conversation {conversation_id!r}")
+        return list(self.indexes[conversation_id])
+
+    async def list_conversations(self) -> list[ConversationSummary]:
+        out = []
+        for cid in self.indexes:
+            view = await self.load(cid)
+            out.append(
+                ConversationSummary(cid, view.turns, len(view.history), self.activity.get(cid, 0.0))
+            )
+        return sorted(out, key=lambda s: s.last_activity, reverse=True)

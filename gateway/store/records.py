@@ -1,0 +1,42 @@
+"""Response-log record kinds and how a committed log becomes a `Turn`.
+
+    {"type": "request",  "response_id", "conversation_id", "created", "model", "stream",
+                         "params", "system", "input"}
+    {"type": "context",  "stored_messages", "sent_messages", ...}
+    {"type": "response", "message", "finish_reason", "usage", "timings"}
+    {"type": "commit",   "status": "complete", "committed"}
+    {"type": "incomplete", "reason", "error"}
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from gateway.context.history import Turn
+
+Record = dict[str, Any]
+
+
+def is_committed(records: list[Record]) -> bool:
+    return bool(records) and records[-1].get("type") == "commit"
+
+
+def turn_from_records(records: list[Record]) -> Turn | None:
+    """The turn a response log describes, or None unless it is committed with a reply."""
+    if not is_committed(records):
+        return None
+    request = next((r for r in records if r.get("type") == "request"), None)
+    response = next((r for r in reversed(records) if r.get("type") == "response"), None)
+    if request is None or response is None or not isinstance(response.get("message"), dict):
+        return None
+    system = request.get("system")
+    return Turn(
+        response_id=str(request.get("response_id")),
+        input=tuple(request.get("input") or ()),
+        output=response["message"],
+        system=tuple(system) if system is not None else None,
+    )
+
+
+def is_marker(entry: object) -> bool:
+    return isinstance(entry, dict)

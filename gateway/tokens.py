@@ -1,0 +1,71 @@
+"""Token counting that works offline: tiktoken with the BPE files that litellm's wheel ships.
+
+`tiktoken.get_encoding()` would download its files on first use; we point TIKTOKEN_CACHE_DIR
+at litellm's bundled copies (found without importing litellm, which is slow and heavy).
+Models whose family is unknown are counted with `cl100k_base` (documented fallback).
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+from functools import lru_cache
+from pathlib import Path
+from typing import Any
+
+import orjson
+
+# OpenAI's per-message and per-request framing overheads (chat format).
+TOKENS_PER_MESSAGE = 3
+TOKENS_PER_REQUEST = 3
+
+
+def bundled_tiktoken_dir() -> str | None:
+    spec = importlib.util.find_spec("litellm")
+    if spec is None or not spec.submodule_search_locations:
+        return None
+    folder = Path(next(iter(spec.submodule_search_locations))) / "litellm_core_utils" / "tokenizers"
+    return str(folder) if folder.is_dir() else None
+
+
+def _ensure_cache_dir() -> None:
+    if "TIKTOKEN_CACHE_DIR" not in os.environ:
+        folder = bundled_tiktoken_dir()
+        if folder:
+            os.environ["TIKTOKEN_CACHE_DIR"] = folder
+
+
+def encoding_name_for(model: str) -> str:
+    name = model.rsplit("/", 1)[-1].lower()
+    if name.startswith(("gpt-4o", "gpt-4.1", "gpt-5", "o1", "o3", "o4", "chatgpt-4o")):
+        return "o200k_base"
+    return "cl100k_base"
+
+
+@lru_cache(maxsize=4)
+def get_encoding(name: str) -> Any:
+    _ensure_cache_dir()
+    import tiktoken
+
+    return tiktoken.get_encoding(name)
+
+
+def count_text(text: str, model: str = "") -> int:
+    return len(get_encoding(encoding_name_for(model)).encode(text, disallowed_special=()))
+
+
+def count_message(message: dict[str, Any], model: str = "") -> int:
+    """Tokens a message costs in a chat request: its text fields plus framing."""
+    enc = get_encoding(encoding_name_for(model))
+    total = TOKENS_PER_MESSAGE
+    for key, value in message.items():
+        if key == "is_feedback" or value is None:
+            continue
+        if isinstance(value, str):
+            text = value
+        else:
+            text = orjson.dumps(value).decode()
+        total += len(enc.encode(text, disallowed_special=()))
+        if key == "name":
+            total += 1
+    return total

@@ -1,0 +1,88 @@
+"""The upstream seam: send an OpenAI chat-completions body, get a completion or a chunk stream.
+
+Implementations: `openai.py` (direct HTTP fast path), `litellm.py` (every other provider),
+`demo.py` (built-in deterministic model) and `mock.py` (test twin with a handler).
+"""
+
+from __future__ import annotations
+
+import time
+from abc import ABC, abstractmethod
+from collections.abc import AsyncIterator
+from typing import Any
+
+Body = dict[str, Any]
+Chunk = dict[str, Any]
+
+
+class Upstream(ABC):
+    """One configured provider. `body["model"]` is already the provider's own model name."""
+
+    name: str = "upstream"
+    url: str = ""
+
+    @abstractmethod
+    async def complete(self, body: Body) -> Body:
+        """A whole `chat.completion` object."""
+
+    @abstractmethod
+    def stream(self, body: Body) -> AsyncIterator[Chunk]:
+        """`chat.completion.chunk` objects, in order; ends when the provider is done."""
+
+    async def aclose(self) -> None:  # noqa: B027 - optional hook
+        """Release connections."""
+
+
+def completion_from_text(model: str, text: str, *, prompt_tokens: int = 0) -> Body:
+    """A minimal, valid `chat.completion` carrying one assistant text reply."""
+    completion_tokens = max(1, len(text) // 4)
+    return {
+        "id": "chatcmpl-local",
+        "object": "chat.completion",
+        "created": int(time.time()),
+        "model": model,
+        "choices": [
+            {
+                "index": 0,
+                "message": {"role": "assistant", "content": text},
+                "finish_reason": "stop",
+                "logprobs": None,
+            }
+        ],
+        "usage": {
+            "prompt_tokens": prompt_tokens,
+            "completion_tokens": completion_tokens,
+            "total_tokens": prompt_tokens + completion_tokens,
+        },
+    }
+
+
+def chunks_from_completion(completion: Body, *, include_usage: bool) -> list[Chunk]:
+    """Split a completion into the chunk sequence an OpenAI-compatible server would stream."""
+    created = completion.get("created", int(time.time()))
+    model = completion.get("model", "")
+    base = {"id": completion.get("id", "chatcmpl-local"), "object": "chat.completion.chunk", "created": created, "model": model}
+    choice = completion["choices"][0]
+    message = choice.get("message") or {}
+    out: list[Chunk] = [{**base, "choices": [{"index": 0, "delta": {"role": "assistant", "content": ""}, "finish_reason": None}]}]
+    text = message.get("content") or ""
+    words = text.split(" ")
+    for i, word in enumerate(words):
+        piece = word if i == len(words) - 1 else word + " "
+        if piece:
+            out.append({**base, "choices": [{"index": 0, "delta": {"content": piece}, "finish_reason": None}]})
+    for i, call in enumerate(message.get("tool_calls") or []):
+        out.append({**base, "choices": [{"index": 0, "delta": {"tool_calls": [{"index": i, **call}]}, "finish_reason": None}]})
+    out.append({**base, "choices": [{"index": 0, "delta": {}, "finish_reason": choice.get("finish_reason", "stop")}]})
+    if include_usage and completion.get("usage"):
+        out.append({**base, "choices": [], "usage": completion["usage"]})
+    return out
+
+
+def approx_tokens(messages: list[dict[str, Any]]) -> int:
+    """A cheap token estimate for local models (4 characters a token, 4 per message)."""
+    total = 0
+    for m in messages:
+        content = m.get("content")
+        total += 4 + (len(content) // 4 if isinstance(content, str) else 8)
+    return total

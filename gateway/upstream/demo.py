@@ -1,0 +1,80 @@
+"""The built-in `demo` model: deterministic, offline, and it answers from the history it is sent.
+
+It remembers facts of the form "my X is Y" and answers "what is my X?", so continuity is
+visible without any provider: if the gateway forgot a turn, the demo model forgets it too.
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import AsyncIterator
+from typing import Any
+
+from gateway.upstream.base import (
+    Body,
+    Chunk,
+    Upstream,
+    approx_tokens,
+    chunks_from_completion,
+    completion_from_text,
+)
+
+_FACT = re.compile(r"\bmy ([a-z][a-z ]{0,30}?) is ((?:(?! and | but )[^.,!?\n])+)", re.IGNORECASE)
+_QUESTION = re.compile(r"\bwhat(?:'s| is| was) my ([a-z][a-z ]{0,30}?)\s*\?", re.IGNORECASE)
+_FIRST = re.compile(r"\bwhat did i (?:first )?(?:say|ask)\b", re.IGNORECASE)
+
+
+def _text(message: dict[str, Any]) -> str:
+    content = message.get("content")
+    if isinstance(content, str):
+        return content
+    if isinstance(content, list):
+        return " ".join(str(p.get("text", "")) for p in content if isinstance(p, dict))
+    return ""
+
+
+def demo_reply(messages: list[dict[str, Any]]) -> str:
+    """The demo model's answer to a message list (pure, deterministic)."""
+    users = [_text(m) for m in messages if m.get("role") == "user"]
+    if not users:
+        return "Hello! Tell me something about yourself."
+    last = users[-1]
+    facts: dict[str, str] = {}
+    for text in users[:-1]:
+        for key, value in _FACT.findall(text):
+            facts[key.strip().lower()] = value.strip()
+    question = _QUESTION.search(last)
+    if question:
+        key = question.group(1).strip().lower()
+        if key in facts:
+            return f"Your {key} is {facts[key]}."
+        return f"I don't know your {key} yet."
+    if _FIRST.search(last) and len(users) > 1:
+        return f'You first said: "{users[0]}"'
+    stated = _FACT.findall(last)
+    turn = len(users)
+    if stated:
+        found = {k.strip().lower(): v.strip() for k, v in stated}
+        if "name" in found:
+            return f"Nice to meet you, {found['name']}! (turn {turn})"
+        key, value = next(iter(found.items()))
+        return f"Got it: your {key} is {value}. (turn {turn})"
+    return f"You said: {last} (turn {turn}, {len(messages)} messages in my context)"
+
+
+class DemoUpstream(Upstream):
+    def __init__(self, name: str = "demo") -> None:
+        self.name = name
+        self.url = "builtin:demo"
+
+    async def complete(self, body: Body) -> Body:
+        messages = body.get("messages") or []
+        return completion_from_text(
+            str(body.get("model", "demo")), demo_reply(messages), prompt_tokens=approx_tokens(messages)
+        )
+
+    async def stream(self, body: Body) -> AsyncIterator[Chunk]:
+        completion = await self.complete(body)
+        include_usage = bool((body.get("stream_options") or {}).get("include_usage"))
+        for chunk in chunks_from_completion(completion, include_usage=include_usage):
+            yield chunk

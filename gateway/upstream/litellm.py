@@ -1,0 +1,99 @@
+"""Every provider that is not OpenAI-compatible (Anthropic, Gemini, Bedrock, Ollama native, ...)
+goes through `litellm.acompletion`. litellm is imported lazily, the first time it is needed,
+with its bundled model cost map (it would otherwise try the network at import).
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import AsyncIterator, Iterator
+from contextlib import contextmanager
+from typing import Any
+
+from gateway.config import ProviderSettings
+from gateway.exceptions import (
+    UpstreamError,
+    UpstreamProtocolError,
+    UpstreamStatusError,
+    UpstreamTimeout,
+    UpstreamUnreachable,
+)
+from gateway.upstream.base import Body, Chunk, Upstream
+
+_litellm: Any = None
+
+
+def import_litellm() -> Any:
+    global _litellm
+    if _litellm is None:
+        os.environ.setdefault("LITELLM_LOCAL_MODEL_COST_MAP", "True")
+        import litellm
+
+        litellm.telemetry = False
+        litellm.suppress_debug_info = True
+        _litellm = litellm
+    return _litellm
+
+
+@contextmanager
+def map_litellm_errors(name: str, url: str) -> Iterator[None]:
+    """Translate litellm's exceptions (which mirror OpenAI's) into gateway upstream errors."""
+    try:
+        yield
+    except UpstreamError:
+        raise
+    except Exception as exc:
+        litellm = import_litellm()
+        where = f"Provider {name!r}" + (f" at {url}" if url else "")
+        if isinstance(exc, litellm.exceptions.Timeout):
+            raise UpstreamTimeout(f"{where} timed out") from exc
+        if isinstance(exc, litellm.exceptions.APIConnectionError):
+            raise UpstreamUnreachable(f"{where} is unreachable: {exc}") from exc
+        status = getattr(exc, "status_code", None)
+        if isinstance(status, int) and status >= 400:
+            raise UpstreamStatusError(
+                f"{where} returned HTTP {status}: {getattr(exc, 'message', exc)}",
+                upstream_status=status,
+            ) from exc
+        raise UpstreamProtocolError(f"{where} failed: {type(exc).__name__}: {exc}") from exc
+
+
+def _dump(obj: Any) -> dict[str, Any]:
+    if isinstance(obj, dict):
+        return obj
+    dumped: dict[str, Any] = obj.model_dump(exclude_none=False)
+    return dumped
+
+
+class LitellmUpstream(Upstream):
+    def __init__(self, name: str, settings: ProviderSettings) -> None:
+        self.name = name
+        self.url = settings.base_url.rstrip("/")
+        self.prefix = settings.litellm_provider or name
+        self.settings = settings
+
+    def _kwargs(self, body: Body) -> dict[str, Any]:
+        kwargs = dict(body)
+        kwargs["model"] = f"{self.prefix}/{body['model']}"
+        if self.url:
+            kwargs["api_base"] = self.url
+        key = os.environ.get(self.settings.api_key_env, "") if self.settings.api_key_env else ""
+        if key:
+            kwargs["api_key"] = key
+        kwargs["timeout"] = self.settings.timeout
+        if self.settings.headers:
+            kwargs["extra_headers"] = dict(self.settings.headers)
+        return kwargs
+
+    async def complete(self, body: Body) -> Body:
+        litellm = import_litellm()
+        with map_litellm_errors(self.name, self.url):
+            response = await litellm.acompletion(**self._kwargs({**body, "stream": False}))
+        return _dump(response)
+
+    async def stream(self, body: Body) -> AsyncIterator[Chunk]:
+        litellm = import_litellm()
+        with map_litellm_errors(self.name, self.url):
+            response = await litellm.acompletion(**self._kwargs({**body, "stream": True}))
+            async for chunk in response:
+                yield _dump(chunk)

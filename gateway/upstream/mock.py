@@ -1,0 +1,65 @@
+"""Test twin of the upstream seam: `MockUpstream(handler)` records every body it is sent.
+
+The handler gets the body and returns reply text, an assistant message dict, or a whole
+completion dict; it may raise a gateway `UpstreamError` to simulate a provider fault.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import copy
+from collections.abc import AsyncIterator, Callable
+from typing import Any
+
+from gateway.upstream.base import (
+    Body,
+    Chunk,
+    Upstream,
+    approx_tokens,
+    chunks_from_completion,
+    completion_from_text,
+)
+from gateway.upstream.demo import demo_reply
+
+Handler = Callable[[Body], Any]
+
+
+def _demo_handler(body: Body) -> Any:
+    return demo_reply(body.get("messages") or [])
+
+
+class MockUpstream(Upstream):
+    def __init__(self, handler: Handler | None = None, *, name: str = "mock", delay: float = 0.0) -> None:
+        self.handler = handler or _demo_handler
+        self.name = name
+        self.url = "mock://upstream"
+        self.delay = delay
+        self.requests: list[Body] = []
+
+    def _completion(self, body: Body) -> Body:
+        self.requests.append(copy.deepcopy(body))
+        reply = self.handler(body)
+        model = str(body.get("model", "mock"))
+        messages = body.get("messages") or []
+        if isinstance(reply, str):
+            return completion_from_text(model, reply, prompt_tokens=approx_tokens(messages))
+        if isinstance(reply, dict) and "choices" in reply:
+            return reply
+        if isinstance(reply, dict):
+            completion = completion_from_text(model, "", prompt_tokens=approx_tokens(messages))
+            completion["choices"][0]["message"] = reply
+            if reply.get("tool_calls"):
+                completion["choices"][0]["finish_reason"] = "tool_calls"
+            return completion
+        raise TypeError(f"mock handler returned {type(reply).__name__}")
+
+    async def complete(self, body: Body) -> Body:
+        if self.delay:
+            await asyncio.sleep(self.delay)
+        return self._completion(body)
+
+    async def stream(self, body: Body) -> AsyncIterator[Chunk]:
+        completion = await self.complete(body)
+        include_usage = bool((body.get("stream_options") or {}).get("include_usage"))
+        for chunk in chunks_from_completion(completion, include_usage=include_usage):
+            yield chunk

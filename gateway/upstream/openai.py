@@ -1,0 +1,162 @@
+"""The direct HTTP fast path for OpenAI-compatible providers (OpenAI, Ollama /v1, vLLM, ...).
+
+One pooled httpx client per provider; the body is serialized once with orjson; httpx
+exceptions are translated to gateway errors in exactly one place, `map_upstream_errors`.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import AsyncIterator, Iterator
+from contextlib import contextmanager
+from typing import Any
+
+import httpx
+import orjson
+
+from gateway.config import ProviderSettings
+from gateway.exceptions import (
+    UpstreamError,
+    UpstreamProtocolError,
+    UpstreamStatusError,
+    UpstreamTimeout,
+    UpstreamUnreachable,
+)
+from gateway.upstream.base import Body, Chunk, Upstream
+
+# Every httpx exception class, mapped. tests/test_upstream_openai.py fails on any unmapped one.
+_TIMEOUTS: tuple[type[Exception], ...] = (httpx.TimeoutException,)
+_UNREACHABLE: tuple[type[Exception], ...] = (httpx.NetworkError, httpx.RemoteProtocolError, httpx.ProxyError)
+_PROTOCOL: tuple[type[Exception], ...] = (
+    httpx.DecodingError,
+    httpx.LocalProtocolError,
+    httpx.TooManyRedirects,
+    httpx.UnsupportedProtocol,
+    httpx.HTTPStatusError,
+    httpx.StreamError,
+    httpx.InvalidURL,
+    httpx.CookieConflict,
+    httpx.HTTPError,
+)
+
+
+@contextmanager
+def map_upstream_errors(name: str, url: str) -> Iterator[None]:
+    """Re-raise httpx errors as gateway upstream errors naming the provider and its URL."""
+    try:
+        yield
+    except UpstreamError:
+        raise
+    except _TIMEOUTS as exc:
+        raise UpstreamTimeout(
+            f"Provider {name!r} at {url} timed out ({type(exc).__name__})"
+        ) from exc
+    except _UNREACHABLE as exc:
+        raise UpstreamUnreachable(
+            f"Provider {name!r} at {url} is unreachable: {exc or type(exc).__name__}"
+        ) from exc
+    except _PROTOCOL as exc:
+        raise UpstreamProtocolError(
+            f"Provider {name!r} at {url} failed: {exc or type(exc).__name__}"
+        ) from exc
+
+
+def status_error(name: str, status: int, content: bytes, headers: httpx.Headers) -> UpstreamStatusError:
+    """An UpstreamStatusError carrying the provider's own error message when it sent one."""
+    message = content.decode("utf-8", "replace")[:500].strip() or f"HTTP {status}"
+    err_type = code = param = None
+    try:
+        payload = orjson.loads(content)
+    except orjson.JSONDecodeError:
+        payload = None
+    if isinstance(payload, dict):
+        err = payload.get("error", payload)
+        if isinstance(err, dict):
+            message = str(err.get("message") or message)
+            err_type = err.get("type") if isinstance(err.get("type"), str) else None
+            code = err.get("code") if isinstance(err.get("code"), str) else None
+            param = err.get("param") if isinstance(err.get("param"), str) else None
+        elif isinstance(err, str):
+            message = err
+    return UpstreamStatusError(
+        f"Provider {name!r} returned HTTP {status}: {message}",
+        upstream_status=status,
+        error_type=err_type,
+        code=code,
+        param=param,
+        retry_after=headers.get("retry-after"),
+    )
+
+
+def parse_sse_line(line: str) -> Chunk | None | bool:
+    """One SSE line -> a chunk dict, None (nothing to yield) or True (the [DONE] sentinel)."""
+    if not line.startswith("data:"):
+        return None  # comments (": ping"), "event:", "id:", blank separators
+    data = line[5:].strip()
+    if not data:
+        return None
+    if data == "[DONE]":
+        return True
+    try:
+        chunk = orjson.loads(data)
+    except orjson.JSONDecodeError as exc:
+        raise UpstreamProtocolError(f"invalid JSON in stream: {data[:100]!r}") from exc
+    if not isinstance(chunk, dict):
+        raise UpstreamProtocolError(f"stream event is not an object: {data[:100]!r}")
+    return chunk
+
+
+class OpenAIUpstream(Upstream):
+    def __init__(self, name: str, settings: ProviderSettings, *, client: httpx.AsyncClient | None = None) -> None:
+        self.name = name
+        self.url = settings.base_url.rstrip("/")
+        headers = {"content-type": "application/json", **settings.headers}
+        key = os.environ.get(settings.api_key_env, "") if settings.api_key_env else ""
+        if key:
+            headers["authorization"] = f"Bearer {key}"
+        self._client = client or httpx.AsyncClient(
+            timeout=httpx.Timeout(settings.timeout, connect=settings.connect_timeout),
+            limits=httpx.Limits(max_connections=512, max_keepalive_connections=64),
+            headers=headers,
+        )
+        self._endpoint = f"{self.url}/chat/completions"
+
+    async def aclose(self) -> None:
+        await self._client.aclose()
+
+    async def complete(self, body: Body) -> Body:
+        with map_upstream_errors(self.name, self.url):
+            response = await self._client.post(self._endpoint, content=orjson.dumps(body))
+            content = response.content
+        if response.status_code >= 400:
+            raise status_error(self.name, response.status_code, content, response.headers)
+        try:
+            result: Any = orjson.loads(content)
+        except orjson.JSONDecodeError as exc:
+            raise UpstreamProtocolError(
+                f"Provider {self.name!r} at {self.url} returned invalid JSON"
+            ) from exc
+        if not isinstance(result, dict) or not isinstance(result.get("choices"), list):
+            if isinstance(result, dict) and "error" in result:
+                raise status_error(self.name, 502, content, response.headers)
+            raise UpstreamProtocolError(
+                f"Provider {self.name!r} at {self.url} returned no choices"
+            )
+        return result
+
+    async def stream(self, body: Body) -> AsyncIterator[Chunk]:
+        with map_upstream_errors(self.name, self.url):
+            async with self._client.stream("POST", self._endpoint, content=orjson.dumps(body)) as response:
+                if response.status_code >= 400:
+                    content = await response.aread()
+                    raise status_error(self.name, response.status_code, content, response.headers)
+                async for line in response.aiter_lines():
+                    parsed = parse_sse_line(line)
+                    if parsed is None:
+                        continue
+                    if parsed is True:
+                        return
+                    assert isinstance(parsed, dict)
+                    if "error" in parsed and "choices" not in parsed:
+                        raise status_error(self.name, 502, orjson.dumps(parsed), response.headers)
+                    yield parsed
