@@ -1,0 +1,166 @@
+"""Shared fixtures: a real mock upstream over HTTP, real `gateway serve` processes, and
+in-process apps built on the twins (MemoryStore / JsonlStore + MockUpstream)."""
+
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from collections.abc import AsyncIterator, Iterator
+from pathlib import Path
+from typing import Any
+
+import httpx
+import pytest
+
+from gateway.api import create_app
+from gateway.config import Settings, load_settings
+from gateway.store.base import Store
+from gateway.store.memory import MemoryStore
+from gateway.upstream import Router
+from gateway.upstream.mock import MockUpstream
+from tests.mockserver import MockServer, mock_server
+
+REPO = Path(__file__).resolve().parent.parent
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+@pytest.fixture(scope="session")
+def upstream_server() -> Iterator[MockServer]:
+    with mock_server() as server:
+        yield server
+
+
+@pytest.fixture
+def upstream(upstream_server: MockServer) -> Iterator[MockServer]:
+    upstream_server.reset()
+    yield upstream_server
+    upstream_server.reset()
+
+
+class GatewayProcess:
+    """`gateway serve` as a real subprocess on a free loopback port."""
+
+    def __init__(self, config: Path, data_dir: Path, *, workers: int = 1, env: dict[str, str] | None = None) -> None:
+        self.config = config
+        self.data_dir = data_dir
+        self.workers = workers
+        self.env = {**os.environ, **(env or {})}
+        self.port = 0
+        self.proc: subprocess.Popen[bytes] | None = None
+        self.log_path = data_dir.parent / f"gateway-{id(self)}.log"
+
+    @property
+    def url(self) -> str:
+        return f"http://127.0.0.1:{self.port}"
+
+    def start(self, timeout: float = 20.0) -> GatewayProcess:
+        self.port = free_port()
+        cmd = [
+            sys.executable, "-m", "gateway", "serve",
+            "--config", str(self.config), "--data-dir", str(self.data_dir),
+            "--port", str(self.port), "--workers", str(self.workers),
+        ]
+        self._log = open(self.log_path, "ab")  # noqa: SIM115 - closed in stop()
+        self.proc = subprocess.Popen(cmd, cwd=REPO, env=self.env, stdout=self._log, stderr=subprocess.STDOUT, start_new_session=True)
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"gateway exited with {self.proc.returncode}: {self.log()}")
+            try:
+                if httpx.get(f"{self.url}/readyz", timeout=0.5).status_code == 200:
+                    return self
+            except httpx.HTTPError:
+                pass
+            time.sleep(0.05)
+        self.stop()
+        raise RuntimeError(f"gateway did not become ready: {self.log()}")
+
+    def log(self) -> str:
+        return self.log_path.read_text(errors="replace") if self.log_path.exists() else ""
+
+    def stop(self, sig: int = signal.SIGTERM) -> None:
+        if self.proc is not None and self.proc.poll() is None:
+            try:
+                os.killpg(self.proc.pid, sig)
+            except ProcessLookupError:
+                pass
+            try:
+                self.proc.wait(timeout=10)
+            except subprocess.TimeoutExpired:
+                os.killpg(self.proc.pid, signal.SIGKILL)
+                self.proc.wait(timeout=10)
+        if hasattr(self, "_log"):
+            self._log.close()
+
+
+def write_config(path: Path, upstream_url: str, *, extra: str = "") -> Path:
+    path.write_text(
+        f"""default_provider = "mock"
+
+[storage]
+durability = "fsync"
+lock_timeout = 10
+
+[providers.mock]
+kind = "openai"
+base_url = "{upstream_url}/v1"
+timeout = 5
+connect_timeout = 2
+
+[providers.demo]
+kind = "demo"
+{extra}
+"""
+    )
+    return path
+
+
+@pytest.fixture
+def gateway(tmp_path: Path, upstream: MockServer) -> Iterator[GatewayProcess]:
+    config = write_config(tmp_path / "gateway.toml", upstream.url)
+    proc = GatewayProcess(config, tmp_path / "var").start()
+    try:
+        yield proc
+    finally:
+        proc.stop()
+
+
+@pytest.fixture
+def mock_upstream() -> MockUpstream:
+    return MockUpstream(name="mock")
+
+
+def make_settings(tmp_path: Path | None = None, **storage: Any) -> Settings:
+    overrides: dict[str, Any] = {
+        "default_provider": "mock",
+        "providers": {"mock": {"kind": "openai", "base_url": "http://mock.invalid/v1"}},
+        "storage": {"backend": "jsonl" if tmp_path else "memory", "lock_timeout": 2, **storage},
+    }
+    if tmp_path is not None:
+        overrides["storage"]["data_dir"] = str(tmp_path / "var")
+    return load_settings(REPO / "tests" / "empty.toml", environ={}, overrides=overrides)
+
+
+@pytest.fixture
+def memory_store() -> MemoryStore:
+    return MemoryStore()
+
+
+def build_client(settings: Settings, store: Store | None, upstream: MockUpstream) -> httpx.AsyncClient:
+    app = create_app(settings, store=store, router=Router({"mock": upstream}, "mock"))
+    return httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://gateway.test")
+
+
+@pytest.fixture
+async def app_client(memory_store: MemoryStore, mock_upstream: MockUpstream) -> AsyncIterator[httpx.AsyncClient]:
+    async with build_client(make_settings(), memory_store, mock_upstream) as client:
+        yield client
