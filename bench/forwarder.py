@@ -1,0 +1,122 @@
+"""The floor: a bare pass-through forwarder with no continuity (uvicorn + pooled httpx).
+
+    python bench/forwarder.py --port 9001 --upstream http://127.0.0.1:9000
+
+Every request is read whole, forwarded to `{upstream}{path}` with the same method, body and
+content type, and the upstream's answer is returned: read whole and sent with a
+content-length, or relayed chunk by chunk when it is `text/event-stream`. This is the least
+any Python proxy on the same stack (uvicorn, uvloop, httptools, httpx) has to do, so
+"gateway overhead / forwarder overhead" says how much the continuity work costs on top.
+"""
+
+from __future__ import annotations
+
+import argparse
+from typing import Any
+
+import httpx
+import uvicorn
+
+_PASS_HEADERS = (b"content-type", b"authorization")
+
+
+class Forwarder:
+    def __init__(self, upstream: str) -> None:
+        self.upstream = upstream.rstrip("/")
+        self.client: httpx.AsyncClient | None = None
+
+    async def _lifespan(self, receive: Any, send: Any) -> None:
+        while True:
+            message = await receive()
+            if message["type"] == "lifespan.startup":
+                self.client = httpx.AsyncClient(
+                    timeout=httpx.Timeout(600.0, connect=10.0),
+                    limits=httpx.Limits(max_connections=512, max_keepalive_connections=64),
+                )
+                await send({"type": "lifespan.startup.complete"})
+            elif message["type"] == "lifespan.shutdown":
+                if self.client is not None:
+                    await self.client.aclose()
+                await send({"type": "lifespan.shutdown.complete"})
+                return
+
+    async def __call__(self, scope: dict[str, Any], receive: Any, send: Any) -> None:
+        if scope["type"] == "lifespan":
+            await self._lifespan(receive, send)
+            return
+        if scope["type"] != "http":
+            return
+        if scope["path"] in ("/readyz", "/healthz"):
+            await _send_whole(send, 200, b"application/json", b'{"status":"ready"}')
+            return
+        parts: list[bytes] = []
+        while True:
+            message = await receive()
+            if message["type"] == "http.disconnect":
+                return
+            parts.append(message.get("body", b""))
+            if not message.get("more_body", False):
+                break
+        body = b"".join(parts)
+        headers = [(k, v) for k, v in scope["headers"] if k in _PASS_HEADERS]
+        url = self.upstream + scope["path"]
+        if scope.get("query_string"):
+            url += "?" + scope["query_string"].decode("latin-1")
+        assert self.client is not None
+        try:
+            request = self.client.build_request(scope["method"], url, content=body, headers=headers)
+            response = await self.client.send(request, stream=True)
+        except httpx.HTTPError as exc:
+            await _send_whole(send, 502, b"application/json", b'{"error":{"message":"%b"}}' % str(exc).encode())
+            return
+        try:
+            ctype = response.headers.get("content-type", "application/json").encode("latin-1")
+            if ctype.startswith(b"text/event-stream"):
+                await send(
+                    {
+                        "type": "http.response.start",
+                        "status": response.status_code,
+                        "headers": [(b"content-type", ctype), (b"cache-control", b"no-cache")],
+                    }
+                )
+                async for chunk in response.aiter_raw():
+                    await send({"type": "http.response.body", "body": chunk, "more_body": True})
+                await send({"type": "http.response.body", "body": b"", "more_body": False})
+            else:
+                content = await response.aread()
+                await _send_whole(send, response.status_code, ctype, content)
+        finally:
+            await response.aclose()
+
+
+async def _send_whole(send: Any, status: int, ctype: bytes, body: bytes) -> None:
+    await send(
+        {
+            "type": "http.response.start",
+            "status": status,
+            "headers": [(b"content-type", ctype), (b"content-length", str(len(body)).encode())],
+        }
+    )
+    await send({"type": "http.response.body", "body": body, "more_body": False})
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description="bare pass-through forwarder (benchmark floor)")
+    parser.add_argument("--host", default="127.0.0.1")
+    parser.add_argument("--port", type=int, default=9001)
+    parser.add_argument("--upstream", required=True, help="e.g. http://127.0.0.1:9000")
+    args = parser.parse_args(argv)
+    uvicorn.run(
+        Forwarder(args.upstream),
+        host=args.host,
+        port=args.port,
+        loop="uvloop",
+        http="httptools",
+        lifespan="on",
+        access_log=False,
+        log_level="warning",
+    )
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,107 @@
+"""The `gateway` command line, run as a user would: real subprocesses on a real data dir."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+from openai import OpenAI
+
+from tests.conftest import REPO, GatewayProcess
+from tests.mockserver import MockServer
+
+
+def gw(*args: str, cwd: Path = REPO, env: dict[str, str] | None = None, timeout: float = 60) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        [sys.executable, "-m", "gateway", *args], cwd=cwd, env={**os.environ, **(env or {})},
+        capture_output=True, text=True, timeout=timeout,
+    )
+
+
+def test_demo_shows_recall_on_a_fresh_dir(tmp_path: Path) -> None:
+    result = gw("demo", "--data-dir", str(tmp_path / "var"))
+    assert result.returncode == 0, result.stderr
+    out = result.stdout
+    assert "Your name is Bob." in out
+    assert "Your favourite colour is teal." in out
+    assert 'You first said: "Hi! My name is Bob' in out
+    assert len(list((tmp_path / "var" / "logs" / "responses").glob("demo-*.jsonl"))) == 6
+
+
+def _seed(gateway: GatewayProcess) -> list[str]:
+    client = OpenAI(base_url=f"{gateway.url}/v1", api_key="x", max_retries=0)
+    ids = []
+    for text in ["my name is Cli", "what is my name?"]:
+        ids.append(client.chat.completions.create(model="mock/tiny", messages=[{"role": "user", "content": text}], extra_body={"conversation_id": "cli-1"}).id)
+    return ids
+
+
+def test_conversations_show_context(gateway: GatewayProcess, upstream: MockServer) -> None:
+    ids = _seed(gateway)
+    data = ["--data-dir", str(gateway.data_dir)]
+    listing = gw("conversations", *data)
+    assert listing.returncode == 0
+    row = next(line for line in listing.stdout.splitlines() if line.startswith("cli-1"))
+    assert row.split()[1:3] == ["2", "4"]
+    show = gw("show", "cli-1", *data)
+    assert show.returncode == 0
+    assert ids[0] in show.stdout and "Your name is Cli." in show.stdout and "tok" in show.stdout
+    as_json = gw("show", "cli-1", "--json", *data)
+    import json
+
+    doc = json.loads(as_json.stdout)
+    assert [m["content"] for m in doc["messages"]][-1] == "Your name is Cli."
+    ctx = gw("context", ids[1], *data)
+    assert ctx.returncode == 0 and "sent_messages=3" in ctx.stdout and "committed" in ctx.stdout
+
+
+def test_errors_are_one_line_and_nonzero(tmp_path: Path) -> None:
+    result = gw("show", "nope", "--data-dir", str(tmp_path))
+    assert result.returncode != 0 and len(result.stderr.strip().splitlines()) == 1
+    bad = tmp_path / "bad.toml"
+    bad.write_text('[storage]\ndurability = "maybe"\n')
+    result = gw("conversations", "--config", str(bad))
+    assert result.returncode != 0
+    assert result.stderr.strip().count("\n") == 0 and "storage.durability" in result.stderr
+    result = gw("serve", "--config", str(bad))
+    assert result.returncode != 0 and "storage.durability" in result.stderr
+    result = gw("context", "../../etc/passwd", "--data-dir", str(tmp_path))
+    assert result.returncode != 0
+
+
+def test_tail_follows_new_turns(gateway: GatewayProcess, upstream: MockServer) -> None:
+    out_path = gateway.data_dir.parent / "tail.out"
+    with open(out_path, "w") as out_file:
+        proc = subprocess.Popen(
+            [sys.executable, "-m", "gateway", "tail", "cli-1", "--poll", "0.1", "--data-dir", str(gateway.data_dir)],
+            cwd=REPO, stdout=out_file, stderr=subprocess.STDOUT, env={**os.environ, "PYTHONUNBUFFERED": "1"},
+        )
+        try:
+            time.sleep(1.0)
+            _seed(gateway)
+            deadline = time.monotonic() + 15
+            while time.monotonic() < deadline and "Your name is Cli." not in out_path.read_text():
+                time.sleep(0.1)
+            out = out_path.read_text()
+            assert "my name is Cli" in out and "Your name is Cli." in out
+        finally:
+            proc.terminate()
+            proc.wait(timeout=10)
+
+
+def test_serve_precedence_flag_over_env(tmp_path: Path, upstream: MockServer) -> None:
+    from tests.conftest import write_config
+
+    config = write_config(tmp_path / "g.toml", upstream.url)
+    env_dir = tmp_path / "from-env"
+    proc = GatewayProcess(config, tmp_path / "from-flag", env={"GATEWAY_STORAGE__DATA_DIR": str(env_dir)}).start()
+    try:
+        client = OpenAI(base_url=f"{proc.url}/v1", api_key="x", max_retries=0)
+        client.chat.completions.create(model="mock/t", messages=[{"role": "user", "content": "hi"}], extra_body={"conversation_id": "p"})
+        assert (tmp_path / "from-flag" / "logs" / "conversations" / "p.jsonl").exists()
+        assert not env_dir.exists()
+    finally:
+        proc.stop()

@@ -1,0 +1,238 @@
+"""The chat-completions turn through the app, on the twins (MemoryStore / JsonlStore + MockUpstream)."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+import httpx
+import pytest
+
+from gateway.exceptions import UpstreamTimeout
+from gateway.store.jsonl import JsonlStore
+from gateway.store.memory import MemoryStore
+from gateway.upstream.mock import MockUpstream
+from tests.conftest import build_client, make_settings
+
+
+async def chat(client: httpx.AsyncClient, messages: list[dict[str, Any]], cid: str | None = "c", **extra: Any) -> httpx.Response:
+    body: dict[str, Any] = {"model": "mock/m", "messages": messages, **extra}
+    if cid is not None:
+        body["conversation_id"] = cid
+    return await client.post("/v1/chat/completions", json=body)
+
+
+def user(text: str, **kw: Any) -> dict[str, Any]:
+    return {"role": "user", "content": text, **kw}
+
+
+def sent(upstream: MockUpstream, i: int = -1) -> list[tuple[str, Any]]:
+    return [(m["role"], m.get("content")) for m in upstream.requests[i]["messages"]]
+
+
+async def test_system_prompt_carried_forward_and_replaced(app_client: httpx.AsyncClient, mock_upstream: MockUpstream) -> None:
+    await chat(app_client, [{"role": "system", "content": "S1"}, user("a")])
+    await chat(app_client, [user("b")])
+    assert sent(mock_upstream)[0] == ("system", "S1")
+    await chat(app_client, [{"role": "system", "content": "S2"}, user("c")])
+    await chat(app_client, [user("d")])
+    msgs = sent(mock_upstream)
+    assert msgs[0] == ("system", "S2")
+    assert [m for m in msgs if m[0] == "system"] == [("system", "S2")]
+    assert [c for r, c in msgs if r == "user"] == ["a", "b", "c", "d"]
+
+
+async def test_feedback_only_turn_forwarded_once_never_replayed(app_client: httpx.AsyncClient, mock_upstream: MockUpstream) -> None:
+    await chat(app_client, [user("my name is Eve")])
+    r = await chat(app_client, [user("that answer was rude", is_feedback=True)])
+    assert r.status_code == 200
+    fb = mock_upstream.requests[-1]["messages"]
+    assert fb[-1] == {"role": "user", "content": "that answer was rude"}  # forwarded, flag stripped
+    await chat(app_client, [user("what is my name?")])
+    msgs = sent(mock_upstream)
+    assert "that answer was rude" not in [c for _, c in msgs]
+    # Neither the feedback nor its reply is replayed: no orphan assistant turn.
+    assert [r for r, _ in msgs] == ["user", "assistant", "user"]
+
+
+async def test_feedback_beside_ordinary_message_left_out_alone(app_client: httpx.AsyncClient, mock_upstream: MockUpstream) -> None:
+    await chat(app_client, [user("first")])
+    await chat(app_client, [user("meh", is_feedback=True), user("second")])
+    await chat(app_client, [user("third")])
+    assert [c for r, c in sent(mock_upstream) if r == "user"] == ["first", "second", "third"]
+    assert [r for r, _ in sent(mock_upstream)] == ["user", "assistant", "user", "assistant", "user"]
+
+
+async def test_tool_calls_round_trip_exactly() -> None:
+    def handler(body: dict[str, Any]) -> Any:
+        last = body["messages"][-1]
+        if last["role"] == "user":
+            return {"role": "assistant", "content": None, "tool_calls": [
+                {"id": "call_1", "type": "function", "function": {"name": "weather", "arguments": '{"city":"Oslo"}'}}
+            ]}
+        return f"It is {last['content']}."
+
+    upstream = MockUpstream(handler)
+    async with build_client(make_settings(), MemoryStore(), upstream) as client:
+        r = await chat(client, [user("weather in Oslo?")])
+        call = r.json()["choices"][0]["message"]["tool_calls"][0]
+        assert r.json()["choices"][0]["finish_reason"] == "tool_calls"
+        await chat(client, [{"role": "tool", "tool_call_id": call["id"], "content": "sunny"}])
+        await chat(client, [user("thanks")])
+    msgs = upstream.requests[-1]["messages"]
+    assert msgs[1] == {"role": "assistant", "content": None, "tool_calls": [
+        {"id": "call_1", "type": "function", "function": {"name": "weather", "arguments": '{"city":"Oslo"}'}}
+    ]}
+    assert msgs[2] == {"role": "tool", "tool_call_id": "call_1", "content": "sunny"}
+    assert msgs[3] == {"role": "assistant", "content": "It is sunny."}
+
+
+async def test_abandoned_tool_call_is_repaired_before_forwarding() -> None:
+    def handler(body: dict[str, Any]) -> Any:
+        if len(body["messages"]) == 1:
+            return {"role": "assistant", "content": None, "tool_calls": [
+                {"id": "call_x", "type": "function", "function": {"name": "delete_all", "arguments": "{}"}}
+            ]}
+        return "ok"
+
+    upstream = MockUpstream(handler)
+    async with build_client(make_settings(), MemoryStore(), upstream) as client:
+        await chat(client, [user("clean up")])
+        await chat(client, [user("no, stop")])
+    msgs = upstream.requests[-1]["messages"]
+    assert [m["role"] for m in msgs] == ["user", "assistant", "tool", "user"]
+    assert msgs[2]["tool_call_id"] == "call_x"
+    assert msgs[3]["content"] == "no, stop"
+
+
+async def test_stateless_pass_through_is_logged_not_indexed(tmp_path: Path, mock_upstream: MockUpstream) -> None:
+    store = JsonlStore(tmp_path / "var", durability="none")
+    await store.open()
+    async with build_client(make_settings(tmp_path), store, mock_upstream) as client:
+        r = await chat(client, [user("hi", is_feedback=True)], cid=None)
+    assert r.status_code == 200
+    assert "conversation_id" not in r.json() and "x-conversation-id" not in r.headers
+    assert mock_upstream.requests[-1]["messages"] == [{"role": "user", "content": "hi"}]
+    assert (tmp_path / "var" / "logs" / "responses" / f"{r.json()['id']}.jsonl").exists()
+    assert list((tmp_path / "var" / "logs" / "conversations").iterdir()) == []
+
+
+async def test_agent_id_and_header_are_conversation_ids(app_client: httpx.AsyncClient, memory_store: MemoryStore) -> None:
+    r = await app_client.post("/v1/chat/completions", json={"model": "mock/m", "messages": [user("x")], "agent_id": "agent-7"})
+    assert r.json()["conversation_id"] == "agent-7"
+    r = await app_client.post("/v1/chat/completions", json={"model": "mock/m", "messages": [user("x")]}, headers={"X-Conversation-Id": "../x"})
+    assert r.status_code == 400 and r.json()["error"]["param"] == "X-Conversation-Id"
+    assert set(memory_store.indexes) == {"agent-7"}
+
+
+@pytest.mark.parametrize(
+    "body, param",
+    [
+        ({"messages": [{"role": "user", "content": "x"}]}, "model"),
+        ({"model": "m", "messages": []}, "messages"),
+        ({"model": "m", "messages": [{"role": "wizard", "content": "x"}]}, "messages[0].role"),
+        ({"model": "m", "messages": [{"role": "user", "content": "x", "is_feedback": "yes"}]}, "messages[0].is_feedback"),
+        ({"model": "m", "messages": [{"role": "user", "content": "x"}], "stream": "yes"}, "stream"),
+        ({"model": "m", "messages": [{"role": "user", "content": "x"}], "conversation_id": "a b"}, "conversation_id"),
+        ({"model": "m", "messages": [{"role": "user", "content": "x"}], "conversation_id": "x" * 129}, "conversation_id"),
+    ],
+)
+async def test_bad_input_is_400_with_param(app_client: httpx.AsyncClient, mock_upstream: MockUpstream, body: dict[str, Any], param: str) -> None:
+    r = await app_client.post("/v1/chat/completions", json=body)
+    assert r.status_code == 400
+    err = r.json()["error"]
+    assert err["type"] == "invalid_request_error" and err["param"] == param and err["message"]
+    assert mock_upstream.requests == []
+
+
+async def test_invalid_json_and_oversized_body(mock_upstream: MockUpstream) -> None:
+    settings = make_settings()
+    settings = settings.model_copy(update={"server": settings.server.model_copy(update={"max_body_bytes": 1000})})
+    async with build_client(settings, MemoryStore(), mock_upstream) as client:
+        r = await client.post("/v1/chat/completions", content=b"{not json")
+        assert r.status_code == 400 and "not valid JSON" in r.json()["error"]["message"]
+        r = await chat(client, [user("x" * 2000)])
+        assert r.status_code == 413 and r.json()["error"]["code"] == "request_too_large"
+    assert mock_upstream.requests == []
+
+
+async def test_upstream_timeout_is_504_and_adds_nothing(memory_store: MemoryStore) -> None:
+    calls = []
+
+    def handler(body: dict[str, Any]) -> Any:
+        calls.append(body)
+        if len(calls) == 2:
+            raise UpstreamTimeout("Provider 'mock' timed out")
+        return "fine"
+
+    async with build_client(make_settings(), memory_store, MockUpstream(handler)) as client:
+        assert (await chat(client, [user("one")])).status_code == 200
+        r = await chat(client, [user("two")])
+        assert r.status_code == 504 and r.json()["error"]["code"] == "upstream_timeout"
+        await chat(client, [user("three")])
+    assert [m["content"] for m in calls[-1]["messages"] if m["role"] == "user"] == ["one", "three"]
+    assert len(memory_store.indexes["c"]) == 2
+    failed = [rs for rs in memory_store.responses.values() if rs[-1]["type"] == "incomplete"]
+    assert len(failed) == 1 and failed[0][0]["input"][0]["content"] == "two"
+
+
+async def test_stream_error_mid_stream_is_reported_in_band_and_not_stored(memory_store: MemoryStore) -> None:
+    class Broken(MockUpstream):
+        async def stream(self, body: dict[str, Any]) -> Any:
+            yield {"id": "x", "object": "chat.completion.chunk", "created": 0, "model": "m",
+                   "choices": [{"index": 0, "delta": {"role": "assistant", "content": "par"}, "finish_reason": None}]}
+            raise UpstreamTimeout("Provider 'mock' timed out")
+
+    async with build_client(make_settings(), memory_store, Broken()) as client:
+        r = await chat(client, [user("hi")], stream=True)
+    lines = [line for line in r.text.split("\n\n") if line]
+    assert json.loads(lines[0][6:])["choices"][0]["delta"]["content"] == "par"
+    assert json.loads(lines[-1][6:])["error"]["code"] == "upstream_timeout"
+    assert "[DONE]" not in r.text
+    assert memory_store.indexes.get("c", []) == []
+
+
+async def test_stream_without_finish_is_incomplete(memory_store: MemoryStore) -> None:
+    class Cut(MockUpstream):
+        async def stream(self, body: dict[str, Any]) -> Any:
+            yield {"id": "x", "object": "chat.completion.chunk", "created": 0, "model": "m",
+                   "choices": [{"index": 0, "delta": {"content": "half"}, "finish_reason": None}]}
+
+    async with build_client(make_settings(), memory_store, Cut()) as client:
+        r = await chat(client, [user("hi")], stream=True)
+    assert '"error"' in r.text and "[DONE]" not in r.text
+    assert memory_store.indexes.get("c", []) == []
+
+
+async def test_stream_usage_chunk_only_when_asked(app_client: httpx.AsyncClient) -> None:
+    r = await chat(app_client, [user("hi")], stream=True)
+    events = [json.loads(e[6:]) for e in r.text.split("\n\n") if e and e != "data: [DONE]"]
+    assert all(e["choices"] for e in events)
+    assert r.text.endswith("data: [DONE]\n\n")
+    r = await chat(app_client, [user("hi")], stream=True, stream_options={"include_usage": True})
+    events = [json.loads(e[6:]) for e in r.text.split("\n\n") if e and e != "data: [DONE]"]
+    assert events[-1]["choices"] == [] and events[-1]["usage"]["total_tokens"] > 0
+    assert {e["id"] for e in events} == {r.headers["x-response-id"]}
+
+
+async def test_client_supplied_endpoints_and_keys_are_not_forwarded(app_client: httpx.AsyncClient, mock_upstream: MockUpstream) -> None:
+    await chat(app_client, [user("hi")], api_base="http://evil.example", base_url="http://evil", api_key="sk-x", user_timezone="Europe/Berlin", temperature=0.3)
+    body = mock_upstream.requests[-1]
+    assert body["temperature"] == 0.3
+    for key in ("api_base", "base_url", "api_key", "user_timezone", "conversation_id"):
+        assert key not in body
+
+
+async def test_storage_failure_is_503_and_not_acknowledged(memory_store: MemoryStore, app_client: httpx.AsyncClient) -> None:
+    from gateway.exceptions import StorageError
+
+    memory_store.fail_commit = StorageError("disk full")
+    r = await chat(app_client, [user("hi")])
+    assert r.status_code == 503 and r.json()["error"]["code"] == "storage_unavailable"
+    assert memory_store.indexes.get("c", []) == []
+
+
+async def test_unknown_route_is_openai_shaped_404(app_client: httpx.AsyncClient) -> None:
+    r = await app_client.get("/v1/nothing")
+    assert r.status_code == 404 and r.json()["error"]["message"]

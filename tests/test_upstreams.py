@@ -1,0 +1,143 @@
+"""The upstream seam: OpenAI fast path (real HTTP mock), error mapping, litellm path, routing."""
+
+from __future__ import annotations
+
+import inspect
+from typing import Any
+
+import httpx
+import pytest
+
+from gateway.config import ProviderSettings
+from gateway.exceptions import (
+    NotFound,
+    UpstreamError,
+    UpstreamStatusError,
+    UpstreamTimeout,
+    UpstreamUnreachable,
+)
+from gateway.upstream import Router
+from gateway.upstream.demo import DemoUpstream
+from gateway.upstream.openai import OpenAIUpstream, map_upstream_errors, parse_sse_line
+from tests.conftest import free_port
+from tests.mockserver import MockServer
+
+BODY = {"model": "tiny", "messages": [{"role": "user", "content": "my name is Kim"}]}
+
+
+def _all_httpx_exceptions() -> list[type[Exception]]:
+    return [
+        obj for _, obj in inspect.getmembers(httpx)
+        if inspect.isclass(obj) and issubclass(obj, Exception) and obj.__module__.startswith("httpx")
+    ]
+
+
+@pytest.mark.parametrize("exc_class", _all_httpx_exceptions(), ids=lambda c: c.__name__)
+def test_every_httpx_exception_is_mapped(exc_class: type[Exception]) -> None:
+    attempts: list[tuple[Any, ...]] = [("x",), ()]
+    exc: Exception | None = None
+    for args in attempts:
+        try:
+            exc = exc_class(*args)
+            break
+        except TypeError:
+            continue
+    if exc is None:
+        exc = exc_class("x", request=httpx.Request("GET", "http://u"), response=httpx.Response(500))  # type: ignore[call-arg]
+    with pytest.raises(UpstreamError) as info, map_upstream_errors("p", "http://u"):
+        raise exc
+    assert "'p'" in info.value.message and "http://u" in info.value.message
+    if isinstance(exc, httpx.TimeoutException):
+        assert isinstance(info.value, UpstreamTimeout)
+
+
+def test_sse_line_parsing() -> None:
+    assert parse_sse_line(": ping") is None
+    assert parse_sse_line("event: message") is None
+    assert parse_sse_line("data: [DONE]") is True
+    assert parse_sse_line('data: {"a": 1}') == {"a": 1}
+    with pytest.raises(UpstreamError):
+        parse_sse_line("data: {broken")
+
+
+def _provider(url: str, **kw: Any) -> ProviderSettings:
+    return ProviderSettings(kind="openai", base_url=f"{url}/v1", timeout=kw.pop("timeout", 5), **kw)
+
+
+async def test_openai_fast_path_complete_and_stream(upstream: MockServer) -> None:
+    up = OpenAIUpstream("mock", _provider(upstream.url))
+    try:
+        result = await up.complete(BODY)
+        assert result["choices"][0]["message"]["content"]
+        chunks = [c async for c in up.stream({**BODY, "stream": True})]
+        assert chunks[-1]["choices"][0]["finish_reason"] == "stop"
+    finally:
+        await up.aclose()
+    assert upstream.requests[0] == BODY
+
+
+async def test_openai_status_errors_keep_message_and_retry_after(upstream: MockServer) -> None:
+    up = OpenAIUpstream("mock", _provider(upstream.url))
+    try:
+        upstream.mode = "error429"
+        with pytest.raises(UpstreamStatusError) as info:
+            await up.complete(BODY)
+        assert info.value.status_code == 429 and info.value.headers() == {"Retry-After": "7"}
+        assert "slow down" in info.value.message
+        upstream.mode = "error500"
+        with pytest.raises(UpstreamStatusError) as info:
+            await up.complete(BODY)
+        assert info.value.status_code == 502
+        with pytest.raises(UpstreamStatusError):
+            [c async for c in up.stream({**BODY, "stream": True})]
+    finally:
+        await up.aclose()
+
+
+async def test_openai_timeout_and_unreachable(upstream: MockServer) -> None:
+    upstream.mode = "hang"
+    upstream.hang_seconds = 2
+    up = OpenAIUpstream("mock", _provider(upstream.url, timeout=0.3))
+    try:
+        with pytest.raises(UpstreamTimeout):
+            await up.complete(BODY)
+    finally:
+        await up.aclose()
+    dead = OpenAIUpstream("ollama", _provider(f"http://127.0.0.1:{free_port()}"))
+    try:
+        with pytest.raises(UpstreamUnreachable) as info:
+            await dead.complete(BODY)
+        assert "'ollama'" in info.value.message and "127.0.0.1" in info.value.message
+    finally:
+        await dead.aclose()
+
+
+async def test_litellm_path_against_real_http_mock(upstream: MockServer, monkeypatch: pytest.MonkeyPatch) -> None:
+    from gateway.upstream.litellm import LitellmUpstream
+
+    monkeypatch.setenv("LITE_TEST_KEY", "sk-test")
+    settings = ProviderSettings(kind="litellm", litellm_provider="openai", base_url=f"{upstream.url}/v1", api_key_env="LITE_TEST_KEY", timeout=10)
+    up = LitellmUpstream("lite", settings)
+    result = await up.complete(dict(BODY))
+    assert result["choices"][0]["message"]["content"] == "Nice to meet you, Kim! (turn 1)"
+    assert upstream.requests[-1]["messages"] == BODY["messages"]
+    assert upstream.requests[-1]["model"] == "tiny"
+    chunks = [c async for c in up.stream(dict(BODY))]
+    text = "".join((c["choices"][0]["delta"].get("content") or "") for c in chunks if c.get("choices"))
+    assert text == "Nice to meet you, Kim! (turn 1)"
+    upstream.mode = "error500"
+    with pytest.raises(UpstreamError):
+        await up.complete(dict(BODY))
+
+
+def test_routing() -> None:
+    demo = DemoUpstream()
+    other = DemoUpstream("ollama")
+    router = Router({"demo": demo, "ollama": other}, "ollama")
+    assert router.resolve("ollama/phi4-mini").model == "phi4-mini"
+    assert router.resolve("ollama/phi4-mini").upstream is other
+    assert router.resolve("demo").upstream is demo
+    assert router.resolve("llama3:8b").upstream is other and router.resolve("llama3:8b").model == "llama3:8b"
+    assert router.resolve("unknown/x").model == "unknown/x"
+    with pytest.raises(NotFound):
+        Router({}, "none").resolve("x")
