@@ -135,10 +135,14 @@ class Server:
 
     def stop(self) -> None:
         proc = self.proc
-        if proc is None or proc.poll() is not None:
+        if proc is None:
             return
+        # The session we created for it: its process group id is its pid. Signal the group even
+        # if the leader already exited, so that none of its own children outlive the run.
         with contextlib.suppress(ProcessLookupError, PermissionError):
-            os.killpg(proc.pid, signal.SIGTERM)  # the session we created for it: its group id is its pid
+            os.killpg(proc.pid, signal.SIGTERM)
+        if proc.poll() is not None:
+            return
         try:
             proc.wait(timeout=8)
         except subprocess.TimeoutExpired:

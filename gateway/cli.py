@@ -26,8 +26,20 @@ F = TypeVar("F", bound=Callable[..., Any])
 def _common(func: F) -> F:
     """--config and --data-dir on every command; errors become one line and exit 1."""
 
-    @click.option("--config", "config_path", type=click.Path(), default=None, help="Config file (default config/gateway.toml).")
-    @click.option("--data-dir", "data_dir", type=click.Path(), default=None, help="Data directory (overrides storage.data_dir).")
+    @click.option(
+        "--config",
+        "config_path",
+        type=click.Path(),
+        default=None,
+        help="Config file (default config/gateway.toml).",
+    )
+    @click.option(
+        "--data-dir",
+        "data_dir",
+        type=click.Path(),
+        default=None,
+        help="Data directory (overrides storage.data_dir).",
+    )
     @wraps(func)
     def wrapper(*args: Any, config_path: str | None, data_dir: str | None, **kwargs: Any) -> Any:
         try:
@@ -84,7 +96,9 @@ def _render_turn(turn: Turn, model: str = "") -> str:
 
     lines = [click.style(f"── {turn.response_id}", dim=True)]
     if turn.system is not None:
-        lines += [_render_message(m, tokens=count_message(m, model), note="new system prompt") for m in turn.system]
+        lines += [
+            _render_message(m, tokens=count_message(m, model), note="new system prompt") for m in turn.system
+        ]
     lines += [_render_message(m, tokens=count_message(m, model)) for m in turn.input]
     lines.append(_render_message(turn.output, tokens=count_message(turn.output, model)))
     return "\n".join(lines)
@@ -102,7 +116,15 @@ def main() -> None:
 @click.option("--port", type=int, default=None, help="Port (default server.port).")
 @click.option("--workers", type=int, default=1, show_default=True, help="Worker processes.")
 @click.option("--log-level", default="info", show_default=True)
-def serve(settings: Settings, *, config_path: str | None, host: str | None, port: int | None, workers: int, log_level: str) -> None:
+def serve(
+    settings: Settings,
+    *,
+    config_path: str | None,
+    host: str | None,
+    port: int | None,
+    workers: int,
+    log_level: str,
+) -> None:
     """Run the gateway."""
     from gateway.server import serve as run
 
@@ -138,9 +160,8 @@ def conversations(settings: Settings, *, config_path: str | None, limit: int) ->
         return
     click.echo(f"{'conversation':<32} {'turns':>6} {'messages':>9}  {'last activity':<19}  state")
     for row in rows:
-        click.echo(
-            f"{row.conversation_id:<32} {row.turns:>6} {row.messages:>9}  {_when(row.last_activity):<19}  {row.state}"
-        )
+        when = _when(row.last_activity)
+        click.echo(f"{row.conversation_id:<32} {row.turns:>6} {row.messages:>9}  {when:<19}  {row.state}")
 
 
 async def _turns(store: JsonlStore, conversation_id: str) -> tuple[list[Turn], list[str | dict[str, Any]]]:
@@ -193,7 +214,11 @@ def show(settings: Settings, *, config_path: str | None, conversation_id: str, a
             n = count_message(m)
             total += n
             click.echo(_render_message(m, tokens=n))
-    click.echo(click.style(f"{view.turns} turns, {len(view.history)} messages, {total} tokens (cl100k_base)", dim=True))
+    click.echo(
+        click.style(
+            f"{view.turns} turns, {len(view.history)} messages, {total} tokens (cl100k_base)", dim=True
+        )
+    )
 
 
 @main.command()
@@ -234,7 +259,8 @@ def context(settings: Settings, *, config_path: str | None, response_id: str, as
         if kind == "request":
             click.echo(f"response     {record.get('response_id')}")
             click.echo(f"conversation {record.get('conversation_id')}")
-            click.echo(f"model        {record.get('model')} → {record.get('provider')}:{record.get('upstream_model')}")
+            target = f"{record.get('provider')}:{record.get('upstream_model')}"
+            click.echo(f"model        {record.get('model')} → {target}")
             click.echo(f"created      {_when(record.get('created') or 0)}")
             for m in record.get("system") or []:
                 click.echo(_render_message(m, note="new system prompt"))
@@ -244,7 +270,9 @@ def context(settings: Settings, *, config_path: str | None, response_id: str, as
             fields = {k: v for k, v in record.items() if k not in ("type", "messages")}
             click.echo("context      " + ", ".join(f"{k}={v}" for k, v in fields.items()))
         elif kind == "response":
-            click.echo(_render_message(record.get("message") or {}, note=f"finish={record.get('finish_reason')}"))
+            click.echo(
+                _render_message(record.get("message") or {}, note=f"finish={record.get('finish_reason')}")
+            )
             click.echo(f"usage        {record.get('usage')}")
             click.echo(f"timings      {record.get('timings')}")
         elif kind == "commit":

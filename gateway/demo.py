@@ -59,7 +59,10 @@ def run_demo(settings: Settings) -> None:
             stream_id = chunk.id
             if chunk.choices and chunk.choices[0].delta.content:
                 parts.append(chunk.choices[0].delta.content)
-        click.echo(click.style(f"[{len(SCRIPT) + 1}] user      ", fg="cyan", bold=True) + "What did I first say? (streamed)")
+        click.echo(
+            click.style(f"[{len(SCRIPT) + 1}] user      ", fg="cyan", bold=True)
+            + "What did I first say? (streamed)"
+        )
         click.echo(click.style("    assistant ", fg="green", bold=True) + "".join(parts))
         click.echo(click.style(f"    response id {stream_id}", dim=True))
     data_dir = settings.storage.data_dir

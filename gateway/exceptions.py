@@ -1,20 +1,20 @@
 """Every error the gateway raises on purpose, each knowing its HTTP status and OpenAI error shape.
 
-    GatewayError
-    ├── ConfigError                    bad configuration (raised at start, never over HTTP)
-    ├── InvalidRequest          400    malformed body, bad field, bad conversation id
-    │   └── ContextLengthExceeded 400  the request alone does not fit the model's window
-    ├── AuthenticationError     401    missing or unknown gateway key
-    ├── NotFound                404    unknown conversation, response or model
-    ├── ConversationBusy        409    another request holds the conversation too long
-    ├── BodyTooLarge            413    request body over server.max_body_bytes
-    ├── StorageError            503    the store cannot acknowledge a write
-    │   └── CorruptRecord              a stored line that cannot be decoded (keeps path and line)
-    └── UpstreamError           502    the provider failed
-        ├── UpstreamUnreachable 502    connection refused / DNS / reset before an answer
-        ├── UpstreamStatusError  *     the provider answered with an HTTP error (status kept)
-        ├── UpstreamProtocolError 502  the provider answered something that is not valid
-        └── UpstreamTimeout     504    the provider took longer than its timeout
+GatewayError
+├── ConfigError                    bad configuration (raised at start, never over HTTP)
+├── InvalidRequest          400    malformed body, bad field, bad conversation id
+│   └── ContextLengthExceeded 400  the request alone does not fit the model's window
+├── AuthenticationError     401    missing or unknown gateway key
+├── NotFound                404    unknown conversation, response or model
+├── ConversationBusy        409    another request holds the conversation too long
+├── BodyTooLarge            413    request body over server.max_body_bytes
+├── StorageError            503    the store cannot acknowledge a write
+│   └── CorruptRecord              a stored line that cannot be decoded (keeps path and line)
+└── UpstreamError           502    the provider failed
+    ├── UpstreamUnreachable 502    connection refused / DNS / reset before an answer
+    ├── UpstreamStatusError  *     the provider answered with an HTTP error (status kept)
+    ├── UpstreamProtocolError 502  the provider answered something that is not valid
+    └── UpstreamTimeout     504    the provider took longer than its timeout
 """
 
 from __future__ import annotations

@@ -46,7 +46,5 @@ def mint_response_id(model: str) -> str:
 
 def is_valid_response_id(value: object) -> bool:
     return (
-        isinstance(value, str)
-        and RESPONSE_ID_RE.fullmatch(value) is not None
-        and not value.startswith(".")
+        isinstance(value, str) and RESPONSE_ID_RE.fullmatch(value) is not None and not value.startswith(".")
     )

@@ -224,9 +224,7 @@ class ChatService:
             cid = request.conversation_id
             view = ConversationView()
             if cid is not None:
-                await stack.enter_async_context(
-                    self.store.lock(cid, self.settings.storage.lock_timeout)
-                )
+                await stack.enter_async_context(self.store.lock(cid, self.settings.storage.lock_timeout))
                 view = await self.store.load(cid)
             system_in, rest = split_system(request.messages)
             if cid is None:

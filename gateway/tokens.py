@@ -61,10 +61,7 @@ def count_message(message: dict[str, Any], model: str = "") -> int:
     for key, value in message.items():
         if key == "is_feedback" or value is None:
             continue
-        if isinstance(value, str):
-            text = value
-        else:
-            text = orjson.dumps(value).decode()
+        text = value if isinstance(value, str) else orjson.dumps(value).decode()
         total += len(enc.encode(text, disallowed_special=()))
         if key == "name":
             total += 1

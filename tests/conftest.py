@@ -49,7 +49,9 @@ def upstream(upstream_server: MockServer) -> Iterator[MockServer]:
 class GatewayProcess:
     """`gateway serve` as a real subprocess on a free loopback port."""
 
-    def __init__(self, config: Path, data_dir: Path, *, workers: int = 1, env: dict[str, str] | None = None) -> None:
+    def __init__(
+        self, config: Path, data_dir: Path, *, workers: int = 1, env: dict[str, str] | None = None
+    ) -> None:
         self.config = config
         self.data_dir = data_dir
         self.workers = workers
@@ -65,12 +67,23 @@ class GatewayProcess:
     def start(self, timeout: float = 20.0) -> GatewayProcess:
         self.port = free_port()
         cmd = [
-            sys.executable, "-m", "gateway", "serve",
-            "--config", str(self.config), "--data-dir", str(self.data_dir),
-            "--port", str(self.port), "--workers", str(self.workers),
+            sys.executable,
+            "-m",
+            "gateway",
+            "serve",
+            "--config",
+            str(self.config),
+            "--data-dir",
+            str(self.data_dir),
+            "--port",
+            str(self.port),
+            "--workers",
+            str(self.workers),
         ]
         self._log = open(self.log_path, "ab")  # noqa: SIM115 - closed in stop()
-        self.proc = subprocess.Popen(cmd, cwd=REPO, env=self.env, stdout=self._log, stderr=subprocess.STDOUT, start_new_session=True)
+        self.proc = subprocess.Popen(
+            cmd, cwd=REPO, env=self.env, stdout=self._log, stderr=subprocess.STDOUT, start_new_session=True
+        )
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
             if self.proc.poll() is not None:
@@ -161,6 +174,8 @@ def build_client(settings: Settings, store: Store | None, upstream: MockUpstream
 
 
 @pytest.fixture
-async def app_client(memory_store: MemoryStore, mock_upstream: MockUpstream) -> AsyncIterator[httpx.AsyncClient]:
+async def app_client(
+    memory_store: MemoryStore, mock_upstream: MockUpstream
+) -> AsyncIterator[httpx.AsyncClient]:
     async with build_client(make_settings(), memory_store, mock_upstream) as client:
         yield client

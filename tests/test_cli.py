@@ -14,10 +14,16 @@ from tests.conftest import REPO, GatewayProcess
 from tests.mockserver import MockServer
 
 
-def gw(*args: str, cwd: Path = REPO, env: dict[str, str] | None = None, timeout: float = 60) -> subprocess.CompletedProcess[str]:
+def gw(
+    *args: str, cwd: Path = REPO, env: dict[str, str] | None = None, timeout: float = 60
+) -> subprocess.CompletedProcess[str]:
     return subprocess.run(
-        [sys.executable, "-m", "gateway", *args], cwd=cwd, env={**os.environ, **(env or {})},
-        capture_output=True, text=True, timeout=timeout,
+        [sys.executable, "-m", "gateway", *args],
+        cwd=cwd,
+        env={**os.environ, **(env or {})},
+        capture_output=True,
+        text=True,
+        timeout=timeout,
     )
 
 
@@ -35,7 +41,13 @@ def _seed(gateway: GatewayProcess) -> list[str]:
     client = OpenAI(base_url=f"{gateway.url}/v1", api_key="x", max_retries=0)
     ids = []
     for text in ["my name is Cli", "what is my name?"]:
-        ids.append(client.chat.completions.create(model="mock/tiny", messages=[{"role": "user", "content": text}], extra_body={"conversation_id": "cli-1"}).id)
+        ids.append(
+            client.chat.completions.create(
+                model="mock/tiny",
+                messages=[{"role": "user", "content": text}],
+                extra_body={"conversation_id": "cli-1"},
+            ).id
+        )
     return ids
 
 
@@ -76,8 +88,21 @@ def test_tail_follows_new_turns(gateway: GatewayProcess, upstream: MockServer) -
     out_path = gateway.data_dir.parent / "tail.out"
     with open(out_path, "w") as out_file:
         proc = subprocess.Popen(
-            [sys.executable, "-m", "gateway", "tail", "cli-1", "--poll", "0.1", "--data-dir", str(gateway.data_dir)],
-            cwd=REPO, stdout=out_file, stderr=subprocess.STDOUT, env={**os.environ, "PYTHONUNBUFFERED": "1"},
+            [
+                sys.executable,
+                "-m",
+                "gateway",
+                "tail",
+                "cli-1",
+                "--poll",
+                "0.1",
+                "--data-dir",
+                str(gateway.data_dir),
+            ],
+            cwd=REPO,
+            stdout=out_file,
+            stderr=subprocess.STDOUT,
+            env={**os.environ, "PYTHONUNBUFFERED": "1"},
         )
         try:
             time.sleep(1.0)
@@ -97,10 +122,14 @@ def test_serve_precedence_flag_over_env(tmp_path: Path, upstream: MockServer) ->
 
     config = write_config(tmp_path / "g.toml", upstream.url)
     env_dir = tmp_path / "from-env"
-    proc = GatewayProcess(config, tmp_path / "from-flag", env={"GATEWAY_STORAGE__DATA_DIR": str(env_dir)}).start()
+    proc = GatewayProcess(
+        config, tmp_path / "from-flag", env={"GATEWAY_STORAGE__DATA_DIR": str(env_dir)}
+    ).start()
     try:
         client = OpenAI(base_url=f"{proc.url}/v1", api_key="x", max_retries=0)
-        client.chat.completions.create(model="mock/t", messages=[{"role": "user", "content": "hi"}], extra_body={"conversation_id": "p"})
+        client.chat.completions.create(
+            model="mock/t", messages=[{"role": "user", "content": "hi"}], extra_body={"conversation_id": "p"}
+        )
         assert (tmp_path / "from-flag" / "logs" / "conversations" / "p.jsonl").exists()
         assert not env_dir.exists()
     finally:

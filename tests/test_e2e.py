@@ -26,14 +26,22 @@ def _user_and_assistant(messages: list[dict]) -> list[tuple[str, str]]:
 
 
 @pytest.mark.parametrize("stream", [False, True])
-def test_three_turn_recall_sending_only_new_messages(gateway: GatewayProcess, upstream: MockServer, stream: bool) -> None:
+def test_three_turn_recall_sending_only_new_messages(
+    gateway: GatewayProcess, upstream: MockServer, stream: bool
+) -> None:
     client = sdk(gateway)
     replies = []
     ids = []
     for text in TURNS:
-        kwargs = {"model": "mock/tiny", "messages": [{"role": "user", "content": text}], "extra_body": {"conversation_id": "c1"}}
+        kwargs = {
+            "model": "mock/tiny",
+            "messages": [{"role": "user", "content": text}],
+            "extra_body": {"conversation_id": "c1"},
+        }
         if stream:
-            chunks = list(client.chat.completions.create(stream=True, stream_options={"include_usage": True}, **kwargs))
+            chunks = list(
+                client.chat.completions.create(stream=True, stream_options={"include_usage": True}, **kwargs)
+            )
             assert len({c.id for c in chunks}) == 1
             ids.append(chunks[0].id)
             replies.append("".join(c.choices[0].delta.content or "" for c in chunks if c.choices))
@@ -50,8 +58,10 @@ def test_three_turn_recall_sending_only_new_messages(gateway: GatewayProcess, up
     assert len(upstream.requests) == 3
     last = upstream.requests[-1]["messages"]
     assert _user_and_assistant(last) == [
-        ("user", TURNS[0]), ("assistant", replies[0]),
-        ("user", TURNS[1]), ("assistant", replies[1]),
+        ("user", TURNS[0]),
+        ("assistant", replies[0]),
+        ("user", TURNS[1]),
+        ("assistant", replies[1]),
         ("user", TURNS[2]),
     ]
     assert upstream.requests[-1]["model"] == "tiny"
@@ -60,7 +70,10 @@ def test_three_turn_recall_sending_only_new_messages(gateway: GatewayProcess, up
     index = (gateway.data_dir / "logs" / "conversations" / "c1.jsonl").read_text().split()
     assert index == ids
     for rid in ids:
-        records = [json.loads(line) for line in (gateway.data_dir / "logs" / "responses" / f"{rid}.jsonl").read_text().splitlines()]
+        records = [
+            json.loads(line)
+            for line in (gateway.data_dir / "logs" / "responses" / f"{rid}.jsonl").read_text().splitlines()
+        ]
         assert records[0]["type"] == "request" and records[-1]["type"] == "commit"
 
 
@@ -69,7 +82,9 @@ def test_full_history_client_is_not_duplicated(gateway: GatewayProcess, upstream
     history: list[dict] = [{"role": "system", "content": "Be brief."}]
     for text in TURNS:
         history.append({"role": "user", "content": text})
-        completion = client.chat.completions.create(model="mock/tiny", messages=history, extra_body={"conversation_id": "full"})
+        completion = client.chat.completions.create(
+            model="mock/tiny", messages=history, extra_body={"conversation_id": "full"}
+        )
         history.append(completion.choices[0].message.model_dump(exclude_none=True))
     assert history[-1]["content"] == "Your name is Bob."
     sent = upstream.requests[-1]["messages"]
@@ -93,7 +108,9 @@ def test_bad_conversation_id_is_400_in_openai_shape(gateway: GatewayProcess, ups
     client = sdk(gateway)
     with pytest.raises(openai.BadRequestError) as info:
         client.chat.completions.create(
-            model="mock/tiny", messages=[{"role": "user", "content": "x"}], extra_body={"conversation_id": "../etc/passwd"}
+            model="mock/tiny",
+            messages=[{"role": "user", "content": "x"}],
+            extra_body={"conversation_id": "../etc/passwd"},
         )
     assert info.value.status_code == 400
     assert info.value.body["param"] == "conversation_id"
@@ -103,14 +120,26 @@ def test_bad_conversation_id_is_400_in_openai_shape(gateway: GatewayProcess, ups
 
 def test_upstream_500_adds_nothing_to_history(gateway: GatewayProcess, upstream: MockServer) -> None:
     client = sdk(gateway)
-    client.chat.completions.create(model="mock/tiny", messages=[{"role": "user", "content": "my name is Ann"}], extra_body={"conversation_id": "e5"})
+    client.chat.completions.create(
+        model="mock/tiny",
+        messages=[{"role": "user", "content": "my name is Ann"}],
+        extra_body={"conversation_id": "e5"},
+    )
     upstream.mode = "error500"
     with pytest.raises(openai.APIStatusError) as info:
-        client.chat.completions.create(model="mock/tiny", messages=[{"role": "user", "content": "lost message"}], extra_body={"conversation_id": "e5"})
+        client.chat.completions.create(
+            model="mock/tiny",
+            messages=[{"role": "user", "content": "lost message"}],
+            extra_body={"conversation_id": "e5"},
+        )
     assert info.value.status_code == 502
     assert "boom" in info.value.message
     upstream.mode = "normal"
-    reply = client.chat.completions.create(model="mock/tiny", messages=[{"role": "user", "content": "what is my name?"}], extra_body={"conversation_id": "e5"})
+    reply = client.chat.completions.create(
+        model="mock/tiny",
+        messages=[{"role": "user", "content": "what is my name?"}],
+        extra_body={"conversation_id": "e5"},
+    )
     assert reply.choices[0].message.content == "Your name is Ann."
     contents = upstream.user_contents()
     assert "lost message" not in contents
@@ -118,8 +147,7 @@ def test_upstream_500_adds_nothing_to_history(gateway: GatewayProcess, upstream:
     assert len(index) == 2
     # The failed attempt stays in its own log, marked incomplete.
     incomplete = [
-        p for p in (gateway.data_dir / "logs" / "responses").iterdir()
-        if '"incomplete"' in p.read_text()
+        p for p in (gateway.data_dir / "logs" / "responses").iterdir() if '"incomplete"' in p.read_text()
     ]
     assert len(incomplete) == 1 and "lost message" in incomplete[0].read_text()
 
@@ -130,7 +158,14 @@ def test_unreachable_provider_is_502_naming_it(tmp_path, upstream: MockServer) -
     dead = f"http://127.0.0.1:{free_port()}"
     proc = GatewayProcess(write_config(tmp_path / "g.toml", dead), tmp_path / "var").start()
     try:
-        r = httpx.post(f"{proc.url}/v1/chat/completions", json={"model": "mock/x", "messages": [{"role": "user", "content": "hi"}], "conversation_id": "u1"})
+        r = httpx.post(
+            f"{proc.url}/v1/chat/completions",
+            json={
+                "model": "mock/x",
+                "messages": [{"role": "user", "content": "hi"}],
+                "conversation_id": "u1",
+            },
+        )
         assert r.status_code == 502
         err = r.json()["error"]
         assert "'mock'" in err["message"] and dead in err["message"]
@@ -143,8 +178,16 @@ def test_demo_model_and_models_endpoint(gateway: GatewayProcess) -> None:
     client = sdk(gateway)
     ids = [m.id for m in client.models.list().data]
     assert "demo" in ids
-    client.chat.completions.create(model="demo", messages=[{"role": "user", "content": "My name is Zed."}], extra_body={"conversation_id": "d"})
-    r = client.chat.completions.create(model="demo", messages=[{"role": "user", "content": "What is my name?"}], extra_body={"conversation_id": "d"})
+    client.chat.completions.create(
+        model="demo",
+        messages=[{"role": "user", "content": "My name is Zed."}],
+        extra_body={"conversation_id": "d"},
+    )
+    r = client.chat.completions.create(
+        model="demo",
+        messages=[{"role": "user", "content": "What is my name?"}],
+        extra_body={"conversation_id": "d"},
+    )
     assert r.choices[0].message.content == "Your name is Zed."
     assert r.id.startswith("demo-")
 
@@ -155,15 +198,19 @@ def test_concurrent_clients_across_two_workers_lose_nothing(tmp_path, upstream: 
 
     from tests.conftest import write_config
 
-    proc = GatewayProcess(write_config(tmp_path / "g.toml", upstream.url), tmp_path / "var", workers=2).start()
+    proc = GatewayProcess(
+        write_config(tmp_path / "g.toml", upstream.url), tmp_path / "var", workers=2
+    ).start()
     acked: dict[str, list[str]] = {"w-a": [], "w-b": []}
     try:
+
         def client_run(n: int) -> None:
             client = OpenAI(base_url=f"{proc.url}/v1", api_key="x", max_retries=0)
             cid = "w-a" if n % 2 else "w-b"
             for turn in range(5):
                 r = client.chat.completions.create(
-                    model="mock/t", messages=[{"role": "user", "content": f"client {n} turn {turn}"}],
+                    model="mock/t",
+                    messages=[{"role": "user", "content": f"client {n} turn {turn}"}],
                     extra_body={"conversation_id": cid},
                 )
                 acked[cid].append(r.id)
@@ -183,6 +230,6 @@ def test_concurrent_clients_across_two_workers_lose_nothing(tmp_path, upstream: 
         by_conv.setdefault("w-a" if n % 2 else "w-b", []).append(body["messages"])
     for histories in by_conv.values():
         histories.sort(key=len)
-        for before, after in zip(histories, histories[1:]):
+        for before, after in zip(histories, histories[1:], strict=False):
             assert len(after) == len(before) + 2
             assert after[: len(before)] == before

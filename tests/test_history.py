@@ -114,7 +114,7 @@ def test_full_history_client_sending_several_new_messages() -> None:
 
 def test_full_history_echo_with_content_as_text_parts_and_null_fields() -> None:
     view = two_turn_view()
-    incoming = [
+    incoming: list[Message] = [
         {"role": "user", "content": [{"type": "text", "text": "hi"}]},
         {
             "role": "assistant",
@@ -164,7 +164,13 @@ def test_full_history_client_with_tool_calls_echo() -> None:
         "refusal": None,
         "tool_calls": [call("call_1")],
     }
-    incoming = [user("weather?"), echoed_call, result("call_1", "sunny"), assistant("It is sunny."), user("thanks")]
+    incoming = [
+        user("weather?"),
+        echoed_call,
+        result("call_1", "sunny"),
+        assistant("It is sunny."),
+        user("thanks"),
+    ]
     assert new_messages(incoming, view) == [user("thanks")]
 
 
@@ -350,7 +356,10 @@ def test_complete_chains_are_replayed_exactly() -> None:
         {
             "role": "assistant",
             "content": "Let me check.",
-            "tool_calls": [call("c1", "weather", '{"city":"Paris"}'), call("c2", "weather", '{"city":"Rome"}')],
+            "tool_calls": [
+                call("c1", "weather", '{"city":"Paris"}'),
+                call("c2", "weather", '{"city":"Rome"}'),
+            ],
         },
         {"role": "tool", "tool_call_id": "c2", "content": "rain", "name": "weather"},
         {"role": "tool", "tool_call_id": "c1", "content": "sun", "name": "weather"},

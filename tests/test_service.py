@@ -16,7 +16,9 @@ from gateway.upstream.mock import MockUpstream
 from tests.conftest import build_client, make_settings
 
 
-async def chat(client: httpx.AsyncClient, messages: list[dict[str, Any]], cid: str | None = "c", **extra: Any) -> httpx.Response:
+async def chat(
+    client: httpx.AsyncClient, messages: list[dict[str, Any]], cid: str | None = "c", **extra: Any
+) -> httpx.Response:
     body: dict[str, Any] = {"model": "mock/m", "messages": messages, **extra}
     if cid is not None:
         body["conversation_id"] = cid
@@ -31,7 +33,9 @@ def sent(upstream: MockUpstream, i: int = -1) -> list[tuple[str, Any]]:
     return [(m["role"], m.get("content")) for m in upstream.requests[i]["messages"]]
 
 
-async def test_system_prompt_carried_forward_and_replaced(app_client: httpx.AsyncClient, mock_upstream: MockUpstream) -> None:
+async def test_system_prompt_carried_forward_and_replaced(
+    app_client: httpx.AsyncClient, mock_upstream: MockUpstream
+) -> None:
     await chat(app_client, [{"role": "system", "content": "S1"}, user("a")])
     await chat(app_client, [user("b")])
     assert sent(mock_upstream)[0] == ("system", "S1")
@@ -43,7 +47,9 @@ async def test_system_prompt_carried_forward_and_replaced(app_client: httpx.Asyn
     assert [c for r, c in msgs if r == "user"] == ["a", "b", "c", "d"]
 
 
-async def test_feedback_only_turn_forwarded_once_never_replayed(app_client: httpx.AsyncClient, mock_upstream: MockUpstream) -> None:
+async def test_feedback_only_turn_forwarded_once_never_replayed(
+    app_client: httpx.AsyncClient, mock_upstream: MockUpstream
+) -> None:
     await chat(app_client, [user("my name is Eve")])
     r = await chat(app_client, [user("that answer was rude", is_feedback=True)])
     assert r.status_code == 200
@@ -56,7 +62,9 @@ async def test_feedback_only_turn_forwarded_once_never_replayed(app_client: http
     assert [r for r, _ in msgs] == ["user", "assistant", "user"]
 
 
-async def test_feedback_beside_ordinary_message_left_out_alone(app_client: httpx.AsyncClient, mock_upstream: MockUpstream) -> None:
+async def test_feedback_beside_ordinary_message_left_out_alone(
+    app_client: httpx.AsyncClient, mock_upstream: MockUpstream
+) -> None:
     await chat(app_client, [user("first")])
     await chat(app_client, [user("meh", is_feedback=True), user("second")])
     await chat(app_client, [user("third")])
@@ -68,9 +76,17 @@ async def test_tool_calls_round_trip_exactly() -> None:
     def handler(body: dict[str, Any]) -> Any:
         last = body["messages"][-1]
         if last["role"] == "user":
-            return {"role": "assistant", "content": None, "tool_calls": [
-                {"id": "call_1", "type": "function", "function": {"name": "weather", "arguments": '{"city":"Oslo"}'}}
-            ]}
+            return {
+                "role": "assistant",
+                "content": None,
+                "tool_calls": [
+                    {
+                        "id": "call_1",
+                        "type": "function",
+                        "function": {"name": "weather", "arguments": '{"city":"Oslo"}'},
+                    }
+                ],
+            }
         return f"It is {last['content']}."
 
     upstream = MockUpstream(handler)
@@ -81,9 +97,17 @@ async def test_tool_calls_round_trip_exactly() -> None:
         await chat(client, [{"role": "tool", "tool_call_id": call["id"], "content": "sunny"}])
         await chat(client, [user("thanks")])
     msgs = upstream.requests[-1]["messages"]
-    assert msgs[1] == {"role": "assistant", "content": None, "tool_calls": [
-        {"id": "call_1", "type": "function", "function": {"name": "weather", "arguments": '{"city":"Oslo"}'}}
-    ]}
+    assert msgs[1] == {
+        "role": "assistant",
+        "content": None,
+        "tool_calls": [
+            {
+                "id": "call_1",
+                "type": "function",
+                "function": {"name": "weather", "arguments": '{"city":"Oslo"}'},
+            }
+        ],
+    }
     assert msgs[2] == {"role": "tool", "tool_call_id": "call_1", "content": "sunny"}
     assert msgs[3] == {"role": "assistant", "content": "It is sunny."}
 
@@ -91,9 +115,17 @@ async def test_tool_calls_round_trip_exactly() -> None:
 async def test_abandoned_tool_call_is_repaired_before_forwarding() -> None:
     def handler(body: dict[str, Any]) -> Any:
         if len(body["messages"]) == 1:
-            return {"role": "assistant", "content": None, "tool_calls": [
-                {"id": "call_x", "type": "function", "function": {"name": "delete_all", "arguments": "{}"}}
-            ]}
+            return {
+                "role": "assistant",
+                "content": None,
+                "tool_calls": [
+                    {
+                        "id": "call_x",
+                        "type": "function",
+                        "function": {"name": "delete_all", "arguments": "{}"},
+                    }
+                ],
+            }
         return "ok"
 
     upstream = MockUpstream(handler)
@@ -106,7 +138,9 @@ async def test_abandoned_tool_call_is_repaired_before_forwarding() -> None:
     assert msgs[3]["content"] == "no, stop"
 
 
-async def test_stateless_pass_through_is_logged_not_indexed(tmp_path: Path, mock_upstream: MockUpstream) -> None:
+async def test_stateless_pass_through_is_logged_not_indexed(
+    tmp_path: Path, mock_upstream: MockUpstream
+) -> None:
     store = JsonlStore(tmp_path / "var", durability="none")
     await store.open()
     async with build_client(make_settings(tmp_path), store, mock_upstream) as client:
@@ -118,10 +152,18 @@ async def test_stateless_pass_through_is_logged_not_indexed(tmp_path: Path, mock
     assert list((tmp_path / "var" / "logs" / "conversations").iterdir()) == []
 
 
-async def test_agent_id_and_header_are_conversation_ids(app_client: httpx.AsyncClient, memory_store: MemoryStore) -> None:
-    r = await app_client.post("/v1/chat/completions", json={"model": "mock/m", "messages": [user("x")], "agent_id": "agent-7"})
+async def test_agent_id_and_header_are_conversation_ids(
+    app_client: httpx.AsyncClient, memory_store: MemoryStore
+) -> None:
+    r = await app_client.post(
+        "/v1/chat/completions", json={"model": "mock/m", "messages": [user("x")], "agent_id": "agent-7"}
+    )
     assert r.json()["conversation_id"] == "agent-7"
-    r = await app_client.post("/v1/chat/completions", json={"model": "mock/m", "messages": [user("x")]}, headers={"X-Conversation-Id": "../x"})
+    r = await app_client.post(
+        "/v1/chat/completions",
+        json={"model": "mock/m", "messages": [user("x")]},
+        headers={"X-Conversation-Id": "../x"},
+    )
     assert r.status_code == 400 and r.json()["error"]["param"] == "X-Conversation-Id"
     assert set(memory_store.indexes) == {"agent-7"}
 
@@ -132,13 +174,24 @@ async def test_agent_id_and_header_are_conversation_ids(app_client: httpx.AsyncC
         ({"messages": [{"role": "user", "content": "x"}]}, "model"),
         ({"model": "m", "messages": []}, "messages"),
         ({"model": "m", "messages": [{"role": "wizard", "content": "x"}]}, "messages[0].role"),
-        ({"model": "m", "messages": [{"role": "user", "content": "x", "is_feedback": "yes"}]}, "messages[0].is_feedback"),
+        (
+            {"model": "m", "messages": [{"role": "user", "content": "x", "is_feedback": "yes"}]},
+            "messages[0].is_feedback",
+        ),
         ({"model": "m", "messages": [{"role": "user", "content": "x"}], "stream": "yes"}, "stream"),
-        ({"model": "m", "messages": [{"role": "user", "content": "x"}], "conversation_id": "a b"}, "conversation_id"),
-        ({"model": "m", "messages": [{"role": "user", "content": "x"}], "conversation_id": "x" * 129}, "conversation_id"),
+        (
+            {"model": "m", "messages": [{"role": "user", "content": "x"}], "conversation_id": "a b"},
+            "conversation_id",
+        ),
+        (
+            {"model": "m", "messages": [{"role": "user", "content": "x"}], "conversation_id": "x" * 129},
+            "conversation_id",
+        ),
     ],
 )
-async def test_bad_input_is_400_with_param(app_client: httpx.AsyncClient, mock_upstream: MockUpstream, body: dict[str, Any], param: str) -> None:
+async def test_bad_input_is_400_with_param(
+    app_client: httpx.AsyncClient, mock_upstream: MockUpstream, body: dict[str, Any], param: str
+) -> None:
     r = await app_client.post("/v1/chat/completions", json=body)
     assert r.status_code == 400
     err = r.json()["error"]
@@ -148,7 +201,9 @@ async def test_bad_input_is_400_with_param(app_client: httpx.AsyncClient, mock_u
 
 async def test_invalid_json_and_oversized_body(mock_upstream: MockUpstream) -> None:
     settings = make_settings()
-    settings = settings.model_copy(update={"server": settings.server.model_copy(update={"max_body_bytes": 1000})})
+    settings = settings.model_copy(
+        update={"server": settings.server.model_copy(update={"max_body_bytes": 1000})}
+    )
     async with build_client(settings, MemoryStore(), mock_upstream) as client:
         r = await client.post("/v1/chat/completions", content=b"{not json")
         assert r.status_code == 400 and "not valid JSON" in r.json()["error"]["message"]
@@ -180,8 +235,15 @@ async def test_upstream_timeout_is_504_and_adds_nothing(memory_store: MemoryStor
 async def test_stream_error_mid_stream_is_reported_in_band_and_not_stored(memory_store: MemoryStore) -> None:
     class Broken(MockUpstream):
         async def stream(self, body: dict[str, Any]) -> Any:
-            yield {"id": "x", "object": "chat.completion.chunk", "created": 0, "model": "m",
-                   "choices": [{"index": 0, "delta": {"role": "assistant", "content": "par"}, "finish_reason": None}]}
+            yield {
+                "id": "x",
+                "object": "chat.completion.chunk",
+                "created": 0,
+                "model": "m",
+                "choices": [
+                    {"index": 0, "delta": {"role": "assistant", "content": "par"}, "finish_reason": None}
+                ],
+            }
             raise UpstreamTimeout("Provider 'mock' timed out")
 
     async with build_client(make_settings(), memory_store, Broken()) as client:
@@ -196,8 +258,13 @@ async def test_stream_error_mid_stream_is_reported_in_band_and_not_stored(memory
 async def test_stream_without_finish_is_incomplete(memory_store: MemoryStore) -> None:
     class Cut(MockUpstream):
         async def stream(self, body: dict[str, Any]) -> Any:
-            yield {"id": "x", "object": "chat.completion.chunk", "created": 0, "model": "m",
-                   "choices": [{"index": 0, "delta": {"content": "half"}, "finish_reason": None}]}
+            yield {
+                "id": "x",
+                "object": "chat.completion.chunk",
+                "created": 0,
+                "model": "m",
+                "choices": [{"index": 0, "delta": {"content": "half"}, "finish_reason": None}],
+            }
 
     async with build_client(make_settings(), memory_store, Cut()) as client:
         r = await chat(client, [user("hi")], stream=True)
@@ -216,15 +283,27 @@ async def test_stream_usage_chunk_only_when_asked(app_client: httpx.AsyncClient)
     assert {e["id"] for e in events} == {r.headers["x-response-id"]}
 
 
-async def test_client_supplied_endpoints_and_keys_are_not_forwarded(app_client: httpx.AsyncClient, mock_upstream: MockUpstream) -> None:
-    await chat(app_client, [user("hi")], api_base="http://evil.example", base_url="http://evil", api_key="sk-x", user_timezone="Europe/Berlin", temperature=0.3)
+async def test_client_supplied_endpoints_and_keys_are_not_forwarded(
+    app_client: httpx.AsyncClient, mock_upstream: MockUpstream
+) -> None:
+    await chat(
+        app_client,
+        [user("hi")],
+        api_base="http://evil.example",
+        base_url="http://evil",
+        api_key="sk-x",
+        user_timezone="Europe/Berlin",
+        temperature=0.3,
+    )
     body = mock_upstream.requests[-1]
     assert body["temperature"] == 0.3
     for key in ("api_base", "base_url", "api_key", "user_timezone", "conversation_id"):
         assert key not in body
 
 
-async def test_storage_failure_is_503_and_not_acknowledged(memory_store: MemoryStore, app_client: httpx.AsyncClient) -> None:
+async def test_storage_failure_is_503_and_not_acknowledged(
+    memory_store: MemoryStore, app_client: httpx.AsyncClient
+) -> None:
     from gateway.exceptions import StorageError
 
     memory_store.fail_commit = StorageError("disk full")

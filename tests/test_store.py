@@ -121,7 +121,9 @@ async def commit_turn(
 
 async def test_roundtrip_start_append_commit_load(store: Store) -> None:
     assert (await store.load("conv-1")).history == []
-    r1 = await commit_turn(store, "conv-1", "héllo ✓", "hi there", system=[{"role": "system", "content": "S"}])
+    r1 = await commit_turn(
+        store, "conv-1", "héllo ✓", "hi there", system=[{"role": "system", "content": "S"}]
+    )
     r2 = await commit_turn(store, "conv-1", "second", "ok")
     view = await store.load("conv-1")
     assert view.system == [{"role": "system", "content": "S"}]
@@ -154,7 +156,9 @@ async def test_tool_calls_and_results_are_replayed_exactly(store: Store) -> None
 
 async def test_feedback_is_stored_but_not_replayed(store: Store) -> None:
     await commit_turn(store, "fb", "hi", "hello")
-    fid = await commit_turn(store, "fb", "", output=reply("thanks!"), inputs=[user("great", is_feedback=True)])
+    fid = await commit_turn(
+        store, "fb", "", output=reply("thanks!"), inputs=[user("great", is_feedback=True)]
+    )
     view = await store.load("fb")
     assert view.history == [user("hi"), reply("hello")]
     assert fid in view.response_ids
@@ -196,9 +200,7 @@ async def test_abandoned_first_turn_creates_no_conversation(store: Store) -> Non
     assert await store.list_conversations() == []
 
 
-async def test_abandon_after_commit_does_not_uncommit(
-    store: Store, request: pytest.FixtureRequest
-) -> None:
+async def test_abandon_after_commit_does_not_uncommit(store: Store, request: pytest.FixtureRequest) -> None:
     if isinstance(store, MemoryStore):
         request.applymarker(
             pytest.mark.xfail(
@@ -512,8 +514,14 @@ async def test_bad_response_ids_are_rejected(jstore: JsonlStore, tmp_path: Path,
         await jstore.read_response(bad)
     with pytest.raises(GatewayError):
         jstore.start(bad, request_record(bad, None, []))
-    before = set(tmp_path.rglob("*"))
-    assert all(p.is_relative_to(tmp_path / "var") for p in before)
+    # Nothing was created anywhere: only the folders `open()` made exist.
+    assert sorted(str(p.relative_to(tmp_path)) for p in tmp_path.rglob("*")) == [
+        "var",
+        "var/locks",
+        "var/logs",
+        "var/logs/conversations",
+        "var/logs/responses",
+    ]
 
 
 _ROOT = Path("/nonexistent-gateway-data")  # paths only: nothing is read or written here
@@ -542,8 +550,30 @@ def test_ids_never_produce_paths_outside_data_dir(value: str) -> None:
 # -- JSONL: decoding at the edge ----------------------------------------------------------------------
 
 _line_parts = st.sampled_from(
-    [b"{", b"}", b"[", b"]", b"\n", b'"', b":", b",", b" ", b"1", b"null", b"\xff", b"\x00",
-     b"m-0123456789ab", b'{"type": "reset"}', b"[1]", b"\r", b"\\u", b"\xed\xa0\x80"]
+    [
+        b"{",
+        b"}",
+        b"[",
+        b"]",
+        b"\n",
+        b'"',
+        b":",
+        b",",
+        b" ",
+        b"1",
+        b"null",
+        b"\xff",
+        b"\x00",
+        b"m-0123456789ab",
+        b'{"type": "reset"}',
+        b"[1]",
+        b"\r",
+        b"\\u",
+        b"\xed\xa0\x80",
+        b'"\\ud800"',
+        b"123456789012345678901234567890",
+        b"1e999",
+    ]
 )
 _random_jsonl = st.one_of(st.binary(max_size=300), st.lists(_line_parts, max_size=30).map(b"".join))
 
@@ -572,7 +602,7 @@ def test_parsers_reject_deep_nesting_as_corrupt() -> None:
 
 
 def test_parse_index_reports_line_numbers() -> None:
-    data = b"m-0123456789ab\n\n{\"type\": \"reset\"}\nnot an id\n"
+    data = b'm-0123456789ab\n\n{"type": "reset"}\nnot an id\n'
     with pytest.raises(CorruptRecord) as info:
         parse_index(data, path="conv.jsonl")
     assert info.value.lineno == 4

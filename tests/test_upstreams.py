@@ -27,7 +27,8 @@ BODY = {"model": "tiny", "messages": [{"role": "user", "content": "my name is Ki
 
 def _all_httpx_exceptions() -> list[type[Exception]]:
     return [
-        obj for _, obj in inspect.getmembers(httpx)
+        obj
+        for _, obj in inspect.getmembers(httpx)
         if inspect.isclass(obj) and issubclass(obj, Exception) and obj.__module__.startswith("httpx")
     ]
 
@@ -112,11 +113,19 @@ async def test_openai_timeout_and_unreachable(upstream: MockServer) -> None:
         await dead.aclose()
 
 
-async def test_litellm_path_against_real_http_mock(upstream: MockServer, monkeypatch: pytest.MonkeyPatch) -> None:
+async def test_litellm_path_against_real_http_mock(
+    upstream: MockServer, monkeypatch: pytest.MonkeyPatch
+) -> None:
     from gateway.upstream.litellm import LitellmUpstream
 
     monkeypatch.setenv("LITE_TEST_KEY", "sk-test")
-    settings = ProviderSettings(kind="litellm", litellm_provider="openai", base_url=f"{upstream.url}/v1", api_key_env="LITE_TEST_KEY", timeout=10)
+    settings = ProviderSettings(
+        kind="litellm",
+        litellm_provider="openai",
+        base_url=f"{upstream.url}/v1",
+        api_key_env="LITE_TEST_KEY",
+        timeout=10,
+    )
     up = LitellmUpstream("lite", settings)
     result = await up.complete(dict(BODY))
     assert result["choices"][0]["message"]["content"] == "Nice to meet you, Kim! (turn 1)"

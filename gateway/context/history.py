@@ -41,9 +41,7 @@ def _content_text(content: Any) -> Any:
     # Clients echo assistant text as a string or as a list of text parts; compare them alike.
     if content is None:
         return ""
-    if isinstance(content, list) and all(
-        isinstance(p, dict) and p.get("type") == "text" for p in content
-    ):
+    if isinstance(content, list) and all(isinstance(p, dict) and p.get("type") == "text" for p in content):
         return "".join(str(p.get("text", "")) for p in content)
     return content
 
@@ -191,8 +189,6 @@ def repair_tool_calls(messages: Sequence[Message]) -> list[Message]:
         close_pending()
         out.append(message)
         if role == "assistant" and message.get("tool_calls"):
-            pending = [
-                c.get("id") for c in message["tool_calls"] if isinstance(c, dict) and c.get("id")
-            ]
+            pending = [str(c["id"]) for c in message["tool_calls"] if isinstance(c, dict) and c.get("id")]
     # A trailing unanswered call is the model asking for tools now; leave it for the client.
     return out

@@ -112,7 +112,9 @@ class _JsonlLog(ResponseLog):
         self._pending.append(orjson.dumps(record) + b"\n")
 
     async def commit(self, conversation_id: str | None, turn: Turn | None) -> None:
-        self._pending.append(orjson.dumps({"type": "commit", "status": "complete", "committed": now()}) + b"\n")
+        self._pending.append(
+            orjson.dumps({"type": "commit", "status": "complete", "committed": now()}) + b"\n"
+        )
         data = b"".join(self._pending)
         self._pending.clear()
         store = self.store
@@ -206,9 +208,7 @@ class JsonlStore(Store):
         if lock is None:
             lock = asyncio.Lock()
             self._locks[conversation_id] = lock
-        busy = ConversationBusy(
-            f"Conversation {conversation_id!r} is busy with another request; retry later"
-        )
+        busy = ConversationBusy(f"Conversation {conversation_id!r} is busy with another request; retry later")
         loop = asyncio.get_running_loop()
         deadline = loop.time() + timeout
         try:

@@ -90,7 +90,5 @@ class MemoryStore(Store):
         out = []
         for cid in self.indexes:
             view = await self.load(cid)
-            out.append(
-                ConversationSummary(cid, view.turns, len(view.history), self.activity.get(cid, 0.0))
-            )
+            out.append(ConversationSummary(cid, view.turns, len(view.history), self.activity.get(cid, 0.0)))
         return sorted(out, key=lambda s: s.last_activity, reverse=True)

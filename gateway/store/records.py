@@ -1,11 +1,11 @@
 """Response-log record kinds and how a committed log becomes a `Turn`.
 
-    {"type": "request",  "response_id", "conversation_id", "created", "model", "stream",
-                         "params", "system", "input"}
-    {"type": "context",  "stored_messages", "sent_messages", ...}
-    {"type": "response", "message", "finish_reason", "usage", "timings"}
-    {"type": "commit",   "status": "complete", "committed"}
-    {"type": "incomplete", "reason", "error"}
+{"type": "request",  "response_id", "conversation_id", "created", "model", "stream",
+                     "params", "system", "input"}
+{"type": "context",  "stored_messages", "sent_messages", ...}
+{"type": "response", "message", "finish_reason", "usage", "timings"}
+{"type": "commit",   "status": "complete", "committed"}
+{"type": "incomplete", "reason", "error"}
 """
 
 from __future__ import annotations

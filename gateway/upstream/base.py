@@ -61,19 +61,40 @@ def chunks_from_completion(completion: Body, *, include_usage: bool) -> list[Chu
     """Split a completion into the chunk sequence an OpenAI-compatible server would stream."""
     created = completion.get("created", int(time.time()))
     model = completion.get("model", "")
-    base = {"id": completion.get("id", "chatcmpl-local"), "object": "chat.completion.chunk", "created": created, "model": model}
+    base = {
+        "id": completion.get("id", "chatcmpl-local"),
+        "object": "chat.completion.chunk",
+        "created": created,
+        "model": model,
+    }
     choice = completion["choices"][0]
     message = choice.get("message") or {}
-    out: list[Chunk] = [{**base, "choices": [{"index": 0, "delta": {"role": "assistant", "content": ""}, "finish_reason": None}]}]
+    out: list[Chunk] = [
+        {
+            **base,
+            "choices": [{"index": 0, "delta": {"role": "assistant", "content": ""}, "finish_reason": None}],
+        }
+    ]
     text = message.get("content") or ""
     words = text.split(" ")
     for i, word in enumerate(words):
         piece = word if i == len(words) - 1 else word + " "
         if piece:
-            out.append({**base, "choices": [{"index": 0, "delta": {"content": piece}, "finish_reason": None}]})
+            out.append(
+                {**base, "choices": [{"index": 0, "delta": {"content": piece}, "finish_reason": None}]}
+            )
     for i, call in enumerate(message.get("tool_calls") or []):
-        out.append({**base, "choices": [{"index": 0, "delta": {"tool_calls": [{"index": i, **call}]}, "finish_reason": None}]})
-    out.append({**base, "choices": [{"index": 0, "delta": {}, "finish_reason": choice.get("finish_reason", "stop")}]})
+        out.append(
+            {
+                **base,
+                "choices": [
+                    {"index": 0, "delta": {"tool_calls": [{"index": i, **call}]}, "finish_reason": None}
+                ],
+            }
+        )
+    out.append(
+        {**base, "choices": [{"index": 0, "delta": {}, "finish_reason": choice.get("finish_reason", "stop")}]}
+    )
     if include_usage and completion.get("usage"):
         out.append({**base, "choices": [], "usage": completion["usage"]})
     return out

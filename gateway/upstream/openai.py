@@ -48,9 +48,7 @@ def map_upstream_errors(name: str, url: str) -> Iterator[None]:
     except UpstreamError:
         raise
     except _TIMEOUTS as exc:
-        raise UpstreamTimeout(
-            f"Provider {name!r} at {url} timed out ({type(exc).__name__})"
-        ) from exc
+        raise UpstreamTimeout(f"Provider {name!r} at {url} timed out ({type(exc).__name__})") from exc
     except _UNREACHABLE as exc:
         raise UpstreamUnreachable(
             f"Provider {name!r} at {url} is unreachable: {exc or type(exc).__name__}"
@@ -107,7 +105,9 @@ def parse_sse_line(line: str) -> Chunk | None | bool:
 
 
 class OpenAIUpstream(Upstream):
-    def __init__(self, name: str, settings: ProviderSettings, *, client: httpx.AsyncClient | None = None) -> None:
+    def __init__(
+        self, name: str, settings: ProviderSettings, *, client: httpx.AsyncClient | None = None
+    ) -> None:
         self.name = name
         self.url = settings.base_url.rstrip("/")
         headers = {"content-type": "application/json", **settings.headers}
@@ -139,9 +139,7 @@ class OpenAIUpstream(Upstream):
         if not isinstance(result, dict) or not isinstance(result.get("choices"), list):
             if isinstance(result, dict) and "error" in result:
                 raise status_error(self.name, 502, content, response.headers)
-            raise UpstreamProtocolError(
-                f"Provider {self.name!r} at {self.url} returned no choices"
-            )
+            raise UpstreamProtocolError(f"Provider {self.name!r} at {self.url} returned no choices")
         return result
 
     async def stream(self, body: Body) -> AsyncIterator[Chunk]:

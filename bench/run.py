@@ -1,0 +1,431 @@
+"""`make bench`: the gateway's overhead against a bare forwarder, side by side, in one run.
+
+    .venv/bin/python bench/run.py [--quick] [--keep]
+
+Starts the mock upstream, the bare forwarder and the real `gateway serve` as subprocesses on
+loopback, measures every scenario with one keep-alive client (bench/client.py), prints a
+table and writes var/bench/result-<timestamp>.json and var/bench/latest.json.
+Set LITELLM_BIN to a `litellm` executable to add a LiteLLM proxy column. See bench/README.md.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import os
+import platform
+import shutil
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import orjson
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from client import Connection, Response  # noqa: E402
+from procs import HOST, Processes, Server, clean_env, free_port, rss_kib  # noqa: E402
+from report import print_report  # noqa: E402
+from seed import grow_conversation, user_text  # noqa: E402
+
+REPO = Path(__file__).resolve().parent.parent
+MODEL = "bench-model"
+CHAT = "/v1/chat/completions"
+CONCURRENCY = 32
+
+
+@dataclass(frozen=True)
+class Plan:
+    """Iteration counts (warmup, measured). Sized so the full run stays under 3 minutes."""
+
+    single: tuple[int, int] = (300, 3000)
+    nosync: tuple[int, int] = (200, 1500)
+    grown: tuple[tuple[int, int, int], ...] = ((200, 20, 600), (1_000, 10, 300), (10_000, 5, 100))
+    stream: tuple[int, int] = (100, 1000)
+    throughput_warmup: int = 500
+    throughput_stateless: int = 5_000
+    conversations_total: int = 10_000  # served before the idle RSS reading
+
+    @classmethod
+    def quick(cls) -> Plan:
+        return cls((20, 200), (20, 100), ((200, 3, 30), (1_000, 3, 20), (10_000, 2, 10)), (10, 100), 50, 500, 1_000)
+
+
+def _body(payload: dict[str, Any]) -> bytes:
+    return orjson.dumps(payload)
+
+
+def one_message(i: int, **extra: Any) -> bytes:
+    return _body({"model": MODEL, "messages": [{"role": "user", "content": user_text(i)}], **extra})
+
+
+class Bench:
+    def __init__(self, plan: Plan, ports: dict[str, int], data_dirs: dict[str, Path], litellm_key: str | None) -> None:
+        self.plan = plan
+        self.ports = ports
+        self.data_dirs = data_dirs
+        self.litellm_key = litellm_key
+        self.results: dict[str, Any] = {"latency": [], "stream": [], "throughput": []}
+        self.served_conversations = 0
+        self._seq = 0
+
+    # -- helpers ------------------------------------------------------------------------------
+    def conn(self, target: str) -> Connection:
+        return Connection(HOST, self.ports[target])
+
+    def headers(self, target: str) -> dict[str, str] | None:
+        if target == "litellm" and self.litellm_key:
+            return {"Authorization": f"Bearer {self.litellm_key}"}
+        return None
+
+    def stateless_targets(self) -> list[str]:
+        return [t for t in ("direct", "forwarder", "litellm") if t in self.ports]
+
+    def new_cid(self, prefix: str) -> str:
+        self._seq += 1
+        return f"{prefix}-{self._seq:06d}"
+
+    async def post(self, conn: Connection, target: str, body: bytes) -> Response:
+        r = await conn.request("POST", CHAT, body, self.headers(target))
+        if r.status != 200:
+            raise RuntimeError(f"{target}: HTTP {r.status}: {r.body[:300]!r}")
+        return r
+
+    async def last_upstream_body(self) -> bytes:
+        r = await self.conn("direct").request("GET", "/_bench/last")
+        return r.body
+
+    def record(self, kind: str, **row: Any) -> None:
+        self.results[kind].append(row)
+
+    # -- scenarios ------------------------------------------------------------------------------
+    async def sequential(self, target: str, make_body: Any, warmup: int, n: int) -> list[float]:
+        conn = self.conn(target)
+        out: list[float] = []
+        for i in range(warmup + n):
+            r = await self.post(conn, target, make_body(i))
+            if i >= warmup:
+                out.append(r.latency)
+        conn.close()
+        return out
+
+    async def single_message(self) -> None:
+        warmup, n = self.plan.single
+        for target in self.stateless_targets():
+            lat = await self.sequential(target, one_message, warmup, n)
+            self.record("latency", group="1 message", target=target, sent_messages=1, samples=lat)
+
+        def new_conversation(prefix: str) -> Any:
+            return lambda i: one_message(i, conversation_id=self.new_cid(prefix))
+
+        lat = await self.sequential("gateway", new_conversation("bench-new"), warmup, n)
+        self.served_conversations += warmup + n
+        self.record("latency", group="1 message", target="gateway", label="gateway, new conversation",
+                    sent_messages=1, samples=lat)
+        if "gateway_nosync" in self.ports:
+            w, n2 = self.plan.nosync
+            lat = await self.sequential("gateway_nosync", new_conversation("bench-nosync"), w, n2)
+            self.record("latency", group="1 message", target="gateway_nosync",
+                        label="gateway, new conversation, durability=none", sent_messages=1, samples=lat)
+
+    async def grown(self, size: int, warmup: int, n: int, cid: str) -> None:
+        """A conversation pre-grown to `size` messages; each iteration sends one new message to
+        the gateway, then the exact body the gateway sent upstream to every stateless target."""
+        gw = self.conn("gateway")
+        conns = {t: self.conn(t) for t in self.stateless_targets()}
+        i0 = size // 2
+        first = await self.post(gw, "gateway", one_message(i0, conversation_id=cid))
+        stored = self._stored_messages(first)
+        if stored is not None and stored != size:
+            raise RuntimeError(f"seeded conversation {cid}: gateway saw {stored} stored messages, not {size}")
+        samples: dict[str, list[float]] = {t: [] for t in ["gateway", *conns]}
+        sent: list[int] = []
+        for k in range(1, warmup + n + 1):
+            r = await self.post(gw, "gateway", one_message(i0 + k, conversation_id=cid))
+            body = await self.last_upstream_body()
+            if k > warmup:
+                samples["gateway"].append(r.latency)
+                sent.append(len(orjson.loads(body)["messages"]))
+            for target, conn in conns.items():
+                rr = await self.post(conn, target, body)
+                if k > warmup:
+                    samples[target].append(rr.latency)
+        for c in (gw, *conns.values()):
+            c.close()
+        group = f"{size:,} stored"
+        for target, lat in samples.items():
+            label = f"gateway, conversation of {size:,} msgs" if target == "gateway" else None
+            self.record("latency", group=group, target=target, label=label, stored_messages=size,
+                        sent_messages=sorted(sent)[len(sent) // 2], sent_messages_range=[min(sent), max(sent)],
+                        samples=lat, **({"cold_first_request_ms": first.latency * 1000} if target == "gateway" else {}))
+
+    def _stored_messages(self, r: Response) -> int | None:
+        """What the gateway's own context snapshot says it loaded (checks the seeded files)."""
+        rid = r.headers.get(b"x-response-id", b"").decode()
+        path = self.data_dirs["gateway"] / "logs" / "responses" / f"{rid}.jsonl"
+        try:
+            for line in path.read_bytes().splitlines():
+                rec = orjson.loads(line)
+                if rec.get("type") == "context" and isinstance(rec.get("stored_messages"), int):
+                    return int(rec["stored_messages"])
+        except (OSError, orjson.JSONDecodeError):
+            pass
+        print(f"  note: could not read the context snapshot of {rid}; seeded size not verified")
+        return None
+
+    async def streaming(self) -> None:
+        warmup, n = self.plan.stream
+        opts = {"stream": True, "stream_options": {"include_usage": True}}
+        for target in [*self.stateless_targets(), "gateway"]:
+            conn = self.conn(target)
+            ttfc: list[float] = []
+            total: list[float] = []
+            for i in range(warmup + n):
+                extra = dict(opts)
+                if target == "gateway":
+                    extra["conversation_id"] = self.new_cid("bench-stream")
+                r = await self.post(conn, target, one_message(i, **extra))
+                if not r.body.rstrip().endswith(b"data: [DONE]"):
+                    raise RuntimeError(f"{target}: stream did not end with [DONE]: {r.body[-200:]!r}")
+                if i >= warmup:
+                    ttfc.append(r.ttfb)
+                    total.append(r.latency)
+            conn.close()
+            if target == "gateway":
+                self.served_conversations += warmup + n
+            self.record("stream", target=target, samples=ttfc, total_samples=total)
+
+    async def _burst(self, target: str, total: int, make_body: Any) -> tuple[float, list[float]]:
+        conns = [self.conn(target) for _ in range(CONCURRENCY)]
+        for c in conns:  # connect before the clock starts
+            await c.request("GET", "/readyz" if target != "litellm" else "/health/liveliness")
+        counter = 0
+        lat: list[float] = []
+
+        async def worker(conn: Connection) -> None:
+            nonlocal counter
+            while counter < total:
+                i = counter
+                counter += 1
+                r = await self.post(conn, target, make_body(i))
+                lat.append(r.latency)
+
+        start = time.perf_counter()
+        await asyncio.gather(*(worker(c) for c in conns))
+        elapsed = time.perf_counter() - start
+        for c in conns:
+            c.close()
+        return elapsed, lat
+
+    async def throughput(self) -> None:
+        plan = self.plan
+        for target in self.stateless_targets():
+            await self._burst(target, plan.throughput_warmup, one_message)
+            elapsed, lat = await self._burst(target, plan.throughput_stateless, one_message)
+            self.record("throughput", target=target, requests=len(lat), seconds=elapsed, samples=lat)
+
+        def fresh(i: int) -> bytes:
+            return one_message(i, conversation_id=self.new_cid("bench-tp"))
+
+        await self._burst("gateway", plan.throughput_warmup, fresh)
+        self.served_conversations += plan.throughput_warmup
+        remaining = max(plan.throughput_stateless, plan.conversations_total - self.served_conversations)
+        elapsed, lat = await self._burst("gateway", remaining, fresh)
+        self.served_conversations += remaining
+        self.record("throughput", target="gateway", label="gateway, new conversations",
+                    requests=len(lat), seconds=elapsed, samples=lat)
+
+
+def write_gateway_config(path: Path, *, port: int, upstream_port: int, data_dir: Path, durability: str) -> None:
+    path.write_text(
+        f"""# written by bench/run.py
+default_provider = "mock"
+
+[server]
+host = "{HOST}"
+port = {port}
+
+[storage]
+backend = "jsonl"
+data_dir = "{data_dir}"
+durability = "{durability}"
+
+[providers.mock]
+kind = "openai"
+base_url = "http://{HOST}:{upstream_port}/v1"
+"""
+    )
+
+
+def start_litellm(procs: Processes, tmp: Path, upstream_port: int) -> tuple[Server | None, str | None, str]:
+    binary = os.environ.get("LITELLM_BIN", "")
+    if not binary:
+        return None, None, "skipped (LITELLM_BIN is not set)"
+    key = os.environ.get("LITELLM_MASTER_KEY") or "sk-bench-master"
+    port = free_port()
+    cfg = tmp / "litellm.yaml"
+    cfg.write_text(
+        f"""model_list:
+  - model_name: {MODEL}
+    litellm_params:
+      model: openai/{MODEL}
+      api_base: http://{HOST}:{upstream_port}/v1
+      api_key: sk-mock
+general_settings:
+  master_key: {key}
+"""
+    )
+    env = clean_env({"LITELLM_MASTER_KEY": key, "LITELLM_LOCAL_MODEL_COST_MAP": "True"})
+    argv = [binary, "--config", str(cfg), "--host", HOST, "--port", str(port), "--num_workers", "1"]
+    server = procs.start(Server("litellm", argv, port, tmp / "litellm.log", env), REPO)
+    try:
+        server.wait_ready("/health/liveliness", timeout=120)
+    except RuntimeError as exc:
+        server.stop()
+        print(f"warning: LiteLLM proxy did not start; column skipped\n{exc}")
+        return None, None, "failed to start (see warning)"
+    return server, key, "measured"
+
+
+def git_info() -> dict[str, Any]:
+    def git(*args: str) -> str:
+        try:
+            out = subprocess.run(["git", "-C", str(REPO), *args], capture_output=True, text=True, timeout=10)
+            return out.stdout.strip()
+        except (OSError, subprocess.SubprocessError):
+            return ""
+
+    return {"commit": git("rev-parse", "HEAD"), "dirty": bool(git("status", "--porcelain", "gateway"))}
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description="measure the gateway's overhead against a bare forwarder")
+    parser.add_argument("--quick", action="store_true", help="tiny iteration counts (smoke test)")
+    parser.add_argument("--keep", action="store_true", help="keep the temporary data dirs and logs")
+    parser.add_argument("--no-nosync", action="store_true", help="skip the durability=none gateway row")
+    args = parser.parse_args(argv)
+    plan = Plan.quick() if args.quick else Plan()
+
+    # SIGTERM/SIGHUP become SystemExit so the finally below still stops every server.
+    for sig in (signal.SIGTERM, signal.SIGHUP):
+        signal.signal(sig, lambda s, f: sys.exit(128 + s))
+
+    python = sys.executable
+    gateway_bin = REPO / ".venv" / "bin" / "gateway"
+    gateway_cmd = [str(gateway_bin)] if gateway_bin.exists() else [python, "-m", "gateway"]
+    tmp = Path(tempfile.mkdtemp(prefix="gateway-bench-"))
+    procs = Processes()
+    wall = time.perf_counter()
+    try:
+        ports = {"direct": free_port()}
+        env = clean_env()
+        mock = procs.start(
+            Server("mock", [python, str(REPO / "bench" / "mock_upstream.py"), "--port", str(ports["direct"])],
+                   ports["direct"], tmp / "mock.log", env), REPO)
+        ports["forwarder"] = free_port()
+        fwd = procs.start(
+            Server("forwarder", [python, str(REPO / "bench" / "forwarder.py"), "--port", str(ports["forwarder"]),
+                                 "--upstream", f"http://{HOST}:{ports['direct']}"],
+                   ports["forwarder"], tmp / "forwarder.log", env), REPO)
+        mock.wait_ready("/healthz", 30)
+
+        data_dirs = {"gateway": tmp / "data-fsync", "gateway_nosync": tmp / "data-nosync"}
+        grown_ids = {}
+        t = time.perf_counter()
+        for size, _, _ in plan.grown:
+            grown_ids[size] = f"bench-grown-{size}"
+            grow_conversation(data_dirs["gateway"], grown_ids[size], size, model=MODEL, provider="mock")
+        seed_seconds = time.perf_counter() - t
+
+        gateways = {"gateway": "fsync"} if args.no_nosync else {"gateway": "fsync", "gateway_nosync": "none"}
+        servers: dict[str, Server] = {}
+        for name, durability in gateways.items():
+            ports[name] = free_port()
+            cfg = tmp / f"{name}.toml"
+            write_gateway_config(cfg, port=ports[name], upstream_port=ports["direct"],
+                                 data_dir=data_dirs[name], durability=durability)
+            argv = [*gateway_cmd, "serve", "--config", str(cfg), "--data-dir", str(data_dirs[name]),
+                    "--port", str(ports[name])]
+            servers[name] = procs.start(Server(name, argv, ports[name], tmp / f"{name}.log", env), REPO)
+            # One at a time, so the startup time is not inflated by a sibling starting on 2 cores.
+            servers[name].wait_ready("/readyz", 60)
+        gw = servers["gateway"]
+        fwd.wait_ready("/readyz", 30)
+        rss_ready = rss_kib(gw.pid)
+
+        litellm, litellm_key, litellm_status = start_litellm(procs, tmp, ports["direct"])
+        if litellm is not None:
+            ports["litellm"] = litellm.port
+
+        bench = Bench(plan, ports, data_dirs, litellm_key)
+        steps: dict[str, float] = {}
+
+        async def run_all() -> None:
+            for name, coro in (
+                ("single_message", bench.single_message),
+                *(((f"grown_{s}", lambda s=s, w=w, n=n: bench.grown(s, w, n, grown_ids[s])) for s, w, n in plan.grown)),
+                ("streaming", bench.streaming),
+                ("throughput", bench.throughput),
+            ):
+                t0 = time.perf_counter()
+                print(f"  {name} ...", flush=True)
+                await coro()
+                steps[name] = round(time.perf_counter() - t0, 2)
+
+        print(f"bench: servers up (gateway ready in {gw.ready_seconds * 1000:.0f} ms); measuring", flush=True)
+        try:
+            import uvloop
+
+            uvloop.run(run_all())
+        except ImportError:
+            asyncio.run(run_all())
+
+        time.sleep(1.0)  # let the gateway go idle before reading its memory
+        rss_idle = rss_kib(gw.pid)
+        result = {
+            "started": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
+            "machine": {"cpus": os.cpu_count(), "python": platform.python_version(), "platform": platform.platform()},
+            "gateway": {
+                **git_info(),
+                "durability": "fsync",
+                "startup_to_readyz_ms": round(gw.ready_seconds * 1000, 1),
+                "rss_at_ready_mib": round(rss_ready / 1024, 1),
+                "rss_idle_mib": round(rss_idle / 1024, 1),
+                "conversations_served": bench.served_conversations,
+            },
+            "litellm": litellm_status,
+            "plan": plan.__dict__,
+            "seed_seconds": round(seed_seconds, 2),
+            "step_seconds": steps,
+            **bench.results,
+        }
+        result["wall_seconds"] = round(time.perf_counter() - wall, 1)
+        summary = print_report(result)
+        out_dir = REPO / "var" / "bench"
+        out_dir.mkdir(parents=True, exist_ok=True)
+        stamp = time.strftime("%Y%m%d-%H%M%S")
+        payload = orjson.dumps({**result, "summary": summary}, option=orjson.OPT_INDENT_2 | orjson.OPT_SERIALIZE_NUMPY)
+        (out_dir / f"result-{stamp}.json").write_bytes(payload)
+        (out_dir / "latest.json").write_bytes(payload)
+        print(f"\nwrote var/bench/result-{stamp}.json and var/bench/latest.json ({result['wall_seconds']} s)")
+        return 0
+    except BaseException:
+        for server in procs.servers:
+            if server.proc is not None and server.proc.poll() is not None:
+                print(f"--- {server.name} exited ({server.proc.returncode}); log tail:\n{server.log_tail()}")
+        raise
+    finally:
+        procs.stop_all()
+        if args.keep:
+            print(f"kept {tmp}")
+        else:
+            shutil.rmtree(tmp, ignore_errors=True)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
