@@ -1,12 +1,14 @@
 """The floor: a bare pass-through forwarder with no continuity (uvicorn + pooled httpx).
 
-    python bench/forwarder.py --port 9001 --upstream http://127.0.0.1:9000
+    python bench/forwarder.py --port 9001 --upstream http://127.0.0.1:9000 [--client aiohttp]
 
 Every request is read whole, forwarded to `{upstream}{path}` with the same method, body and
 content type, and the upstream's answer is returned: read whole and sent with a
 content-length, or relayed chunk by chunk when it is `text/event-stream`. This is the least
 any Python proxy on the same stack (uvicorn, uvloop, httptools, httpx) has to do, so
 "gateway overhead / forwarder overhead" says how much the continuity work costs on top.
+`--client aiohttp` swaps httpx for an aiohttp session (a reference: how much of the floor is
+the HTTP client library itself).
 """
 
 from __future__ import annotations
@@ -18,6 +20,83 @@ import httpx
 import uvicorn
 
 _PASS_HEADERS = (b"content-type", b"authorization")
+
+
+class AiohttpForwarder:
+    """The same forwarder over an aiohttp ClientSession instead of httpx."""
+
+    def __init__(self, upstream: str) -> None:
+        self.upstream = upstream.rstrip("/")
+        self.session: Any = None
+
+    async def _lifespan(self, receive: Any, send: Any) -> None:
+        import aiohttp
+
+        while True:
+            message = await receive()
+            if message["type"] == "lifespan.startup":
+                self.session = aiohttp.ClientSession(
+                    connector=aiohttp.TCPConnector(limit=512),
+                    timeout=aiohttp.ClientTimeout(total=600, connect=10),
+                    auto_decompress=False,
+                )
+                await send({"type": "lifespan.startup.complete"})
+            elif message["type"] == "lifespan.shutdown":
+                if self.session is not None:
+                    await self.session.close()
+                await send({"type": "lifespan.shutdown.complete"})
+                return
+
+    async def __call__(self, scope: dict[str, Any], receive: Any, send: Any) -> None:
+        if scope["type"] == "lifespan":
+            await self._lifespan(receive, send)
+            return
+        if scope["type"] != "http":
+            return
+        if scope["path"] in ("/readyz", "/healthz"):
+            await _send_whole(send, 200, b"application/json", b'{"status":"ready"}')
+            return
+        body = await _read_body(receive)
+        if body is None:
+            return
+        headers = {k.decode("latin-1"): v.decode("latin-1") for k, v in scope["headers"] if k in _PASS_HEADERS}
+        url = self.upstream + scope["path"]
+        if scope.get("query_string"):
+            url += "?" + scope["query_string"].decode("latin-1")
+        import aiohttp
+
+        try:
+            response = await self.session.request(scope["method"], url, data=body, headers=headers)
+        except aiohttp.ClientError as exc:
+            await _send_whole(send, 502, b"application/json", b'{"error":{"message":"%b"}}' % str(exc).encode())
+            return
+        async with response:
+            ctype = response.headers.get("content-type", "application/json").encode("latin-1")
+            if ctype.startswith(b"text/event-stream"):
+                await send(
+                    {
+                        "type": "http.response.start",
+                        "status": response.status,
+                        "headers": [(b"content-type", ctype), (b"cache-control", b"no-cache")],
+                    }
+                )
+                async for chunk in response.content.iter_any():
+                    await send({"type": "http.response.body", "body": chunk, "more_body": True})
+                await send({"type": "http.response.body", "body": b"", "more_body": False})
+            else:
+                content = await response.read()
+                await _send_whole(send, response.status, ctype, content)
+
+
+async def _read_body(receive: Any) -> bytes | None:
+    parts: list[bytes] = []
+    while True:
+        message = await receive()
+        if message["type"] == "http.disconnect":
+            return None
+        parts.append(message.get("body", b""))
+        if not message.get("more_body", False):
+            return b"".join(parts)
 
 
 class Forwarder:
@@ -49,15 +128,9 @@ class Forwarder:
         if scope["path"] in ("/readyz", "/healthz"):
             await _send_whole(send, 200, b"application/json", b'{"status":"ready"}')
             return
-        parts: list[bytes] = []
-        while True:
-            message = await receive()
-            if message["type"] == "http.disconnect":
-                return
-            parts.append(message.get("body", b""))
-            if not message.get("more_body", False):
-                break
-        body = b"".join(parts)
+        body = await _read_body(receive)
+        if body is None:
+            return
         headers = [(k, v) for k, v in scope["headers"] if k in _PASS_HEADERS]
         url = self.upstream + scope["path"]
         if scope.get("query_string"):
@@ -105,9 +178,11 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--host", default="127.0.0.1")
     parser.add_argument("--port", type=int, default=9001)
     parser.add_argument("--upstream", required=True, help="e.g. http://127.0.0.1:9000")
+    parser.add_argument("--client", choices=("httpx", "aiohttp"), default="httpx")
     args = parser.parse_args(argv)
+    app = AiohttpForwarder(args.upstream) if args.client == "aiohttp" else Forwarder(args.upstream)
     uvicorn.run(
-        Forwarder(args.upstream),
+        app,
         host=args.host,
         port=args.port,
         loop="uvloop",

@@ -11,11 +11,12 @@ from typing import Any
 LABELS = {
     "direct": "direct -> mock",
     "forwarder": "bare forwarder",
+    "forwarder_aiohttp": "bare forwarder, aiohttp client",
     "litellm": "LiteLLM proxy",
     "gateway": "gateway",
     "gateway_nosync": "gateway, durability=none",
 }
-_ORDER = {"direct": 0, "forwarder": 1, "litellm": 2, "gateway": 3, "gateway_nosync": 4}
+_ORDER = {"direct": 0, "forwarder": 1, "forwarder_aiohttp": 2, "litellm": 3, "gateway": 4, "gateway_nosync": 5}
 
 
 def percentile(sorted_values: list[float], q: float) -> float:
@@ -48,7 +49,7 @@ def _label(row: dict[str, Any], grouped: bool) -> str:
     base = LABELS.get(row["target"], row["target"])
     if grouped and row["target"] == "direct":
         return f"{base}, same body the gateway sent"
-    if grouped and row["target"] in ("forwarder", "litellm"):
+    if grouped and row["target"] in ("forwarder", "forwarder_aiohttp", "litellm"):
         return f"{base}, same body (full history)"
     return base
 

@@ -48,7 +48,7 @@ class Plan:
     grown: tuple[tuple[int, int, int], ...] = ((200, 20, 600), (1_000, 10, 300), (10_000, 5, 100))
     stream: tuple[int, int] = (100, 1000)
     throughput_warmup: int = 500
-    throughput_stateless: int = 5_000
+    throughput_stateless: int = 3_000
     conversations_total: int = 10_000  # served before the idle RSS reading
 
     @classmethod
@@ -84,7 +84,7 @@ class Bench:
         return None
 
     def stateless_targets(self) -> list[str]:
-        return [t for t in ("direct", "forwarder", "litellm") if t in self.ports]
+        return [t for t in ("direct", "forwarder", "forwarder_aiohttp", "litellm") if t in self.ports]
 
     def new_cid(self, prefix: str) -> str:
         self._seq += 1
@@ -332,6 +332,12 @@ def main(argv: list[str] | None = None) -> int:
             Server("forwarder", [python, str(REPO / "bench" / "forwarder.py"), "--port", str(ports["forwarder"]),
                                  "--upstream", f"http://{HOST}:{ports['direct']}"],
                    ports["forwarder"], tmp / "forwarder.log", env), REPO)
+        ports["forwarder_aiohttp"] = free_port()
+        fwd_aio = procs.start(
+            Server("forwarder_aiohttp",
+                   [python, str(REPO / "bench" / "forwarder.py"), "--port", str(ports["forwarder_aiohttp"]),
+                    "--upstream", f"http://{HOST}:{ports['direct']}", "--client", "aiohttp"],
+                   ports["forwarder_aiohttp"], tmp / "forwarder_aiohttp.log", env), REPO)
         mock.wait_ready("/healthz", 30)
 
         data_dirs = {"gateway": tmp / "data-fsync", "gateway_nosync": tmp / "data-nosync"}
@@ -356,6 +362,7 @@ def main(argv: list[str] | None = None) -> int:
             servers[name].wait_ready("/readyz", 60)
         gw = servers["gateway"]
         fwd.wait_ready("/readyz", 30)
+        fwd_aio.wait_ready("/readyz", 30)
         rss_ready = rss_kib(gw.pid)
 
         litellm, litellm_key, litellm_status = start_litellm(procs, tmp, ports["direct"])

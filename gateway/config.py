@@ -6,6 +6,7 @@ Precedence: flag > environment > file > built-in default. Validation errors beco
 
 from __future__ import annotations
 
+import math
 import os
 import re
 import tomllib
@@ -20,6 +21,7 @@ from gateway.exceptions import ConfigError
 ENV_PREFIX = "GATEWAY_"
 DEFAULT_CONFIG_PATH = "config/gateway.toml"
 _DURATION_RE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*(ms|s|m|h|d)?\s*$")
+_TYPE_LABEL = re.compile(r"^(int|float|str|bool|none|dict\[.*\]|list\[.*\]|literal\[.*\]|function-.*)$")
 _UNIT_SECONDS = {"ms": 0.001, "s": 1.0, "m": 60.0, "h": 3600.0, "d": 86400.0, None: 1.0}
 
 
@@ -28,8 +30,8 @@ def parse_duration(value: object) -> float:
     if isinstance(value, bool):
         raise ValueError("a duration must be a number of seconds or a string like '30m'")
     if isinstance(value, int | float):
-        if value < 0:
-            raise ValueError("a duration cannot be negative")
+        if not math.isfinite(value) or value < 0:
+            raise ValueError("a duration must be a finite, non-negative number of seconds")
         return float(value)
     if isinstance(value, str):
         match = _DURATION_RE.match(value)
@@ -122,11 +124,14 @@ class Settings(_Section):
 
 
 def _parse_env_value(raw: str) -> Any:
-    """Interpret an env value as a TOML literal (numbers, booleans, arrays), else a string."""
-    try:
-        return tomllib.loads(f"v = {raw}")["v"]
-    except tomllib.TOMLDecodeError:
-        return raw
+    """Env values stay strings (pydantic converts "9090" or "true" where the key wants it);
+    only TOML arrays and inline tables (`[...]`, `{...}`) are parsed, for list/table keys."""
+    if raw.lstrip().startswith(("[", "{")):
+        try:
+            return tomllib.loads(f"v = {raw}")["v"]
+        except tomllib.TOMLDecodeError:
+            return raw
+    return raw
 
 
 def _set_path(data: dict[str, Any], path: list[str], value: Any) -> None:
@@ -165,7 +170,11 @@ def _merge(base: dict[str, Any], extra: Mapping[str, Any]) -> dict[str, Any]:
 
 def _format_validation_error(exc: ValidationError, source: str) -> str:
     err = exc.errors()[0]
-    key = ".".join(str(p) for p in err["loc"]) or "(root)"
+    loc = [str(p) for p in err["loc"]]
+    # Union errors end with pydantic's member label ("int", "literal['auto']"): not part of the key.
+    while loc and _TYPE_LABEL.match(loc[-1]):
+        loc.pop()
+    key = ".".join(loc) or "(root)"
     msg = err["msg"]
     if err["type"] == "extra_forbidden":
         msg = "unknown key"

@@ -201,14 +201,6 @@ async def test_abandoned_first_turn_creates_no_conversation(store: Store) -> Non
 
 
 async def test_abandon_after_commit_does_not_uncommit(store: Store, request: pytest.FixtureRequest) -> None:
-    if isinstance(store, MemoryStore):
-        request.applymarker(
-            pytest.mark.xfail(
-                strict=True,
-                reason="BUG: MemoryStore.abandon after a successful commit appends an "
-                "'incomplete' record, un-committing the turn; JsonlStore ignores it",
-            )
-        )
     rid = mint_response_id("test/model")
     log = store.start(rid, request_record(rid, "conv", [user("q")]))
     log.append({"type": "response", "message": reply("a"), "finish_reason": "stop", "usage": None})
@@ -334,11 +326,6 @@ async def test_jsonl_list_survives_a_stray_file(jstore: JsonlStore, tmp_path: Pa
     assert [s.conversation_id for s in await jstore.list_conversations()] == ["real"]
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="BUG: JsonlStore.list_conversations lets InvalidRequest escape for an index file whose "
-    "stem is not a valid conversation id",
-)
 async def test_jsonl_list_skips_files_that_are_not_conversation_ids(
     jstore: JsonlStore, tmp_path: Path
 ) -> None:

@@ -27,7 +27,7 @@ import orjson
 
 from gateway.context.history import ConversationView, Turn
 from gateway.exceptions import ConversationBusy, CorruptRecord, NotFound, StorageError
-from gateway.ids import check_conversation_id, is_valid_response_id
+from gateway.ids import check_conversation_id, is_valid_conversation_id, is_valid_response_id
 from gateway.store.base import ConversationSummary, Record, ResponseLog, Store, now
 from gateway.store.records import turn_from_records
 
@@ -119,13 +119,14 @@ class _JsonlLog(ResponseLog):
         self._pending.clear()
         store = self.store
         if store.fsync:
-            await asyncio.shield(asyncio.to_thread(self._commit_sync, data, conversation_id))
+            before = await asyncio.shield(asyncio.to_thread(self._commit_sync, data, conversation_id))
         else:
-            self._commit_sync(data, conversation_id)
+            before = self._commit_sync(data, conversation_id)
         if conversation_id is not None and turn is not None:
-            store._note_commit(conversation_id, self.response_id, turn)
+            store._note_commit(conversation_id, self.response_id, turn, before)
 
-    def _commit_sync(self, data: bytes, conversation_id: str | None) -> None:
+    def _commit_sync(self, data: bytes, conversation_id: str | None) -> int:
+        """Write and commit; return the index size before our line was appended."""
         store = self.store
         self._closed = True
         try:
@@ -140,18 +141,19 @@ class _JsonlLog(ResponseLog):
             if store.before_index_append is not None:
                 store.before_index_append(self.response_id)
             if conversation_id is None:
-                return
+                return 0
             index = store.index_path(conversation_id)
             fd = os.open(index, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
             try:
-                created = os.fstat(fd).st_size == 0
+                before = os.fstat(fd).st_size
                 os.write(fd, self.response_id.encode() + b"\n")
                 if store.fsync:
                     os.fsync(fd)
             finally:
                 os.close(fd)
-            if created and store.fsync:
+            if before == 0 and store.fsync:
                 _fsync_dir(store.conversations_dir)
+            return before
         except OSError as exc:
             store._forget(conversation_id)
             raise StorageError(f"could not record the response durably: {exc.strerror or exc}") from exc
@@ -291,12 +293,15 @@ class JsonlStore(Store):
             self._cache.pop(conversation_id, None)
         return result.view
 
-    def _note_commit(self, conversation_id: str, response_id: str, turn: Turn) -> None:
+    def _note_commit(self, conversation_id: str, response_id: str, turn: Turn, index_before: int) -> None:
         cached = self._cache.get(conversation_id)
-        line = len(response_id) + 1
         if cached is None:
             return
-        cached.size += line
+        if cached.size != index_before:
+            # Someone else appended since our load: rebuild from disk next time.
+            self._cache.pop(conversation_id, None)
+            return
+        cached.size += len(response_id) + 1
         cached.view.extend(turn)
 
     def _forget(self, conversation_id: str | None) -> None:
@@ -327,6 +332,9 @@ class JsonlStore(Store):
             return out
         for path in self.conversations_dir.glob("*.jsonl"):
             cid = path.stem
+            if not is_valid_conversation_id(cid):
+                log.warning("skipping %s: not a conversation index", path)
+                continue
             try:
                 cached = await asyncio.to_thread(self._load_sync, cid, None, False)
                 mtime = path.stat().st_mtime

@@ -19,12 +19,14 @@ class _MemoryLog(ResponseLog):
         self.store = store
         self.response_id = response_id
         self.records: list[Record] = [request]
+        self.closed = False
         store.responses[response_id] = self.records
 
     def append(self, record: Record) -> None:
         self.records.append(copy.deepcopy(record))
 
     async def commit(self, conversation_id: str | None, turn: Turn | None) -> None:
+        self.closed = True
         if self.store.fail_commit is not None:
             raise self.store.fail_commit
         self.records.append({"type": "commit", "status": "complete", "committed": now()})
@@ -33,6 +35,9 @@ class _MemoryLog(ResponseLog):
             self.store.activity[conversation_id] = now()
 
     async def abandon(self, reason: str, error: dict[str, Any] | None = None) -> None:
+        if self.closed:
+            return
+        self.closed = True
         self.records.append({"type": "incomplete", "reason": reason, "error": error})
 
 
