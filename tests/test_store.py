@@ -606,3 +606,17 @@ def test_parse_jsonl_reports_line_numbers_and_keeps_torn_tail() -> None:
     with pytest.raises(CorruptRecord) as info:
         parse_jsonl(b'{"a": 1}\n{oops}\n', path="r.jsonl", start_line=10)
     assert info.value.lineno == 11
+
+
+async def test_commit_after_an_unseen_append_does_not_corrupt_the_cache(jstore: JsonlStore, tmp_path: Path) -> None:
+    """If another writer appended between our load and our commit, our cached view must not
+    silently skip its turn: the cache is dropped and rebuilt from disk."""
+    other = JsonlStore(tmp_path / "var")
+    await other.open()
+    r1 = await commit_turn(jstore, "conv", "one")
+    await jstore.load("conv")
+    r2 = await commit_turn(other, "conv", "two")  # jstore has not seen this
+    r3 = await commit_turn(jstore, "conv", "three")
+    view = await jstore.load("conv")
+    assert view.response_ids == [r1, r2, r3]
+    assert [m["content"] for m in view.history if m["role"] == "user"] == ["one", "two", "three"]
