@@ -178,6 +178,12 @@ def print_report(result: dict[str, Any]) -> dict[str, Any]:
             f"{_fmt(r['overhead_p50_ms'], True):>9}{_fmt(r['overhead_p99_ms'], True):>9}{ratio:>7}{cold}"
         )
 
+    print(
+        "sent = messages the mock received (median); ovh = target - direct; x fwd = that p50 overhead /"
+        " the bare (httpx) forwarder's;\ncold = median latency of the first request on a seeded"
+        " conversation (the gateway loads it from disk)"
+    )
+
     print("\nStreaming, time to first chunk (ms), 1 message")
     print(f"{'scenario':<{width}}{'':>7}{'n':>6}{'p50':>8}{'p99':>8}{'ovh p50':>9}{'ovh p99':>9}{'x fwd':>7}  whole stream p50")
     print(rule)
@@ -201,6 +207,10 @@ def print_report(result: dict[str, Any]) -> dict[str, Any]:
     print(f"{'startup: process start -> /readyz 200':<{width}}{gw['startup_to_readyz_ms']:>10.0f} ms")
     print(f"{'RSS at ready':<{width}}{gw['rss_at_ready_mib']:>10.1f} MiB")
     print(f"{'idle RSS after ' + format(gw['conversations_served'], ',') + ' conversations':<{width}}{gw['rss_idle_mib']:>10.1f} MiB")
+    fs = result.get("filesystem") or {}
+    if fs:
+        print(f"{'data dir filesystem: create+write file p50':<{width}}{fs['create_write_p50_ms']:>10.3f} ms")
+        print(f"{'data dir filesystem: fsync file+dir p50':<{width}}{fs['fsync_file_and_dir_p50_ms']:>10.3f} ms")
     if result.get("litellm") != "measured":
         print(f"{'LiteLLM proxy column':<{width}}{result.get('litellm')}")
     return {"latency": latency, "streaming": stream, "throughput": throughput, "gateway": gw}

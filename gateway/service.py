@@ -11,7 +11,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from contextlib import AsyncExitStack
 from dataclasses import dataclass, field
 from typing import Any
@@ -28,9 +28,13 @@ from gateway.context import (
     repair_tool_calls,
     split_system,
 )
+from gateway.context.window import Window, fit_window, omitted_marker
 from gateway.exceptions import GatewayError, InvalidRequest, UpstreamProtocolError
 from gateway.ids import check_conversation_id, mint_response_id
+from gateway.models import context_window
 from gateway.store.base import ResponseLog, Store, now
+from gateway.summarizer import Summarizer, Summary, current_summary, snap_to_turn_end
+from gateway.tokens import counter_for
 from gateway.upstream import Route, Router
 
 log = logging.getLogger("gateway.service")
@@ -40,6 +44,59 @@ GATEWAY_FIELDS = frozenset({"conversation_id", "agent_id", "user_timezone"})
 FORBIDDEN_FIELDS = frozenset({"api_base", "base_url", "api_key", "api_version", "extra_headers"})
 MESSAGE_ROLES = frozenset({"system", "developer", "user", "assistant", "tool", "function"})
 _OUTPUT_FIELDS = ("role", "content", "tool_calls", "function_call", "name", "refusal")
+# Counting more text than this runs in a worker thread, off the event loop.
+_COUNT_OFF_LOOP_CHARS = 20_000
+# A provider reporting fewer prompt tokens than this share of ours probably cut the prompt.
+_TRUNCATION_RATIO = 0.7
+_TRUNCATION_MIN_TOKENS = 256
+
+
+def _size(messages: list[Message]) -> int:
+    total = 0
+    for m in messages:
+        content = m.get("content")
+        total += len(content) if isinstance(content, str) else len(orjson.dumps(content))
+    return total
+
+
+async def _off_loop_if_large(messages: list[Message], work: Callable[[], Any]) -> Any:
+    if _size(messages) > _COUNT_OFF_LOOP_CHARS:
+        return await asyncio.to_thread(work)
+    return work()
+
+
+@dataclass(frozen=True, slots=True)
+class ContextPlan:
+    """The window chosen for a turn and the facts behind it (the manifest)."""
+
+    window: Window
+    encoding: str
+    context_window: int
+    reserve: int
+    summary: Summary | None
+    kept_from: int  # index in stored history of the first message sent
+    summary_target: str | None  # response id a new summary should cover through
+
+    def snapshot(self, view: ConversationView, new_messages: int, sent: list[Message]) -> dict[str, Any]:
+        included = list(dict.fromkeys(view.history_owner[self.kept_from :]))
+        return {
+            "type": "context",
+            "encoding": self.encoding,
+            "context_window": self.context_window,
+            "reserve_tokens": self.reserve,
+            "budget": self.window.budget,
+            "stored_messages": len(view.history) + len(view.system or []),
+            "stored_turns": view.turns,
+            "new_messages": new_messages,
+            "sent_messages": len(sent),
+            "truncated": self.window.omitted,
+            "tokens": self.window.tokens,
+            "summary_version": self.summary.version if self.summary else None,
+            "summary_covers_messages": self.summary.covered if self.summary else 0,
+            "summary_covers_through": self.summary.covers_through if self.summary else None,
+            "included_response_ids": included,
+            "messages": sent,
+        }
 
 
 @dataclass(slots=True)
@@ -110,6 +167,10 @@ class PreparedTurn:
     upstream_started: float = 0.0
     done: bool = False
     commit_task: asyncio.Future[None] | None = None
+    encoding: str | None = None
+    new_tokens: list[int] | None = None
+    system_tokens: list[int] | None = None
+    plan: ContextPlan | None = None
 
     @property
     def conversation_id(self) -> str | None:
@@ -209,14 +270,18 @@ SSE_DONE = b"data: [DONE]\n\n"
 
 
 class ChatService:
-    def __init__(self, settings: Settings, store: Store, router: Router) -> None:
+    def __init__(
+        self, settings: Settings, store: Store, router: Router, summarizer: Summarizer | None = None
+    ) -> None:
         self.settings = settings
         self.store = store
         self.router = router
+        self.summarizer = summarizer or Summarizer(settings, store, router)
 
     # -- preparing ----------------------------------------------------------------------------
     async def prepare(self, request: ChatRequest) -> PreparedTurn:
-        """Lock and load the conversation, and open the response log. Caller must `close`."""
+        """Lock and load the conversation, fit the window, and open the response log.
+        The caller must `close` the returned turn."""
         route = self.router.resolve(request.model)
         response_id = mint_response_id(request.model)
         stack = AsyncExitStack()
@@ -227,15 +292,23 @@ class ChatService:
                 await stack.enter_async_context(self.store.lock(cid, self.settings.storage.lock_timeout))
                 view = await self.store.load(cid)
             system_in, rest = split_system(request.messages)
+            encoding, count = counter_for(request.model)
+            plan: ContextPlan | None = None
             if cid is None:
                 new = list(rest)
                 sent = [clean_message(m) for m in request.messages]
+                new_tokens: list[int] | None = None
+                system_tokens: list[int] | None = None
             else:
                 new = new_messages(rest, view)
-                system = system_in or view.system or []
-                sent = repair_tool_calls(
-                    [*map(clean_message, system), *view.history, *map(clean_message, new)]
+                new_tokens = await _off_loop_if_large(
+                    [*system_in, *new], lambda: [count(clean_message(m)) for m in new]
                 )
+                system_tokens = [count(m) for m in system_in] if system_in else None
+                plan = await self._plan(
+                    request, route, view, cid, system_in, system_tokens, new, new_tokens, encoding, count
+                )
+                sent = plan.window.messages
             stored_system = system_in if system_in and system_in != view.system else None
             params = {
                 k: v
@@ -243,7 +316,7 @@ class ChatService:
                 if k not in GATEWAY_FIELDS and k not in FORBIDDEN_FIELDS and k != "messages"
             }
             upstream_body = {**params, "model": route.model, "messages": sent}
-            record = {
+            record: dict[str, Any] = {
                 "type": "request",
                 "response_id": response_id,
                 "conversation_id": cid,
@@ -256,31 +329,136 @@ class ChatService:
                 "system": stored_system,
                 "input": new,
             }
+            if new_tokens is not None:
+                record["encoding"] = encoding
+                record["input_tokens"] = new_tokens
+                if stored_system is not None:
+                    record["system_tokens"] = system_tokens
             response_log = self.store.start(response_id, record)
-            response_log.append(
-                {
-                    "type": "context",
-                    "stored_messages": len(view.history) + len(view.system or []),
-                    "stored_turns": view.turns,
-                    "new_messages": len(new),
-                    "sent_messages": len(sent),
-                    "system_messages": len(system_in or view.system or []),
-                }
-            )
-            return PreparedTurn(
+            if plan is not None:
+                response_log.append(plan.snapshot(view, len(new), sent))
+            else:
+                response_log.append(
+                    {
+                        "type": "context",
+                        "stateless": True,
+                        "new_messages": len(new),
+                        "sent_messages": len(sent),
+                        "messages": sent,
+                    }
+                )
+            turn = PreparedTurn(
                 request, response_id, route, upstream_body, response_log, new, stored_system, stack
             )
+            turn.encoding = encoding
+            turn.new_tokens = new_tokens
+            turn.system_tokens = system_tokens if stored_system is not None else None
+            turn.plan = plan
+            return turn
         except BaseException:
             await stack.aclose()
             raise
 
+    async def _plan(
+        self,
+        request: ChatRequest,
+        route: Route,
+        view: ConversationView,
+        cid: str,
+        system_in: list[Message],
+        system_in_tokens: list[int] | None,
+        new: list[Message],
+        new_tokens: list[int],
+        encoding: str,
+        count: Callable[[Message], int],
+    ) -> ContextPlan:
+        """Decide what of the stored conversation goes upstream (SPEC section 7)."""
+        ctx = self.settings.context
+        if view.encoding != encoding or view.needs_count:
+            # Counted once per stored message; only a model-family switch recounts.
+            if len(view.history) > 64:
+                await asyncio.to_thread(view.count_tokens, encoding, count)
+            else:
+                view.count_tokens(encoding, count)
+        if system_in:
+            system, system_tokens = system_in, list(system_in_tokens or [])
+        else:
+            system = view.system or []
+            system_tokens = [int(n or 0) for n in (view.system_tokens or [])]
+        summary = None
+        if ctx.strategy == "summarize":
+            summary = current_summary(await self.store.read_summaries(cid), view)
+        covered = summary.covered if summary else 0
+        history = view.history
+        # Only the newest max_history_messages can be sent: never touch more than that.
+        lower = max(covered, len(history) - ctx.max_history_messages - 1)
+        while lower > covered and history[lower].get("role") == "tool":
+            lower -= 1
+        hist = history[lower:]
+        hist_tokens = [int(n or 0) for n in view.history_tokens[lower:]]
+        clean_new = [clean_message(m) for m in new]
+        combined = [*hist, *clean_new]
+        known = {id(m): n for m, n in zip(combined, [*hist_tokens, *new_tokens], strict=True)}
+        conversation = repair_tool_calls(combined)
+        conversation_tokens = [known[id(m)] if id(m) in known else count(m) for m in conversation]
+        new_ids = {id(m) for m in clean_new}
+        first_new = next((i for i, m in enumerate(conversation) if id(m) in new_ids), len(conversation))
+        window_size = context_window(self.settings, request.model, route.provider, route.model)
+        requested = request.body.get("max_completion_tokens") or request.body.get("max_tokens") or 0
+        requested = requested if isinstance(requested, int) and requested > 0 else 0
+        reserve = max(min(ctx.reserve_tokens, window_size // 2), requested)
+        summary_message = summary.message() if summary else None
+        window = fit_window(
+            system=[clean_message(m) for m in system],
+            system_tokens=system_tokens,
+            conversation=conversation,
+            conversation_tokens=conversation_tokens,
+            first_new=first_new,
+            budget=window_size - reserve,
+            max_history_messages=ctx.max_history_messages,
+            marker_tokens=lambda n: count(omitted_marker(n)),
+            summary=summary_message,
+            summary_tokens=count(summary_message) if summary_message else 0,
+            omitted_before=lower - covered,
+        )
+        positions = {id(m): lower + i for i, m in enumerate(hist)}
+        kept_abs = next(
+            (positions[id(m)] for m in conversation[window.history_start :] if id(m) in positions),
+            len(history),
+        )
+        target = None
+        if ctx.strategy == "summarize" and window.omitted > 0 and history:
+            # Cover what fell out plus half of what is kept, so the next turns fit too.
+            end = snap_to_turn_end(view, kept_abs + (len(history) - kept_abs) // 2)
+            if end > covered:
+                target = view.history_owner[end - 1]
+        return ContextPlan(
+            window=window,
+            encoding=encoding,
+            context_window=window_size,
+            reserve=reserve,
+            summary=summary,
+            kept_from=kept_abs,
+            summary_target=target,
+        )
+
     async def _commit(self, turn: PreparedTurn, message: Message, record: dict[str, Any]) -> None:
+        output_tokens = None
+        if turn.encoding is not None and turn.new_tokens is not None:
+            _, count = counter_for(turn.request.model)
+            output_tokens = await _off_loop_if_large([message], lambda: count(message))
+            record["message_tokens"] = output_tokens
+        self._check_upstream_truncation(turn, record)
         turn.log.append(record)
         stored = Turn(
             turn.response_id,
             tuple(turn.new),
             message,
             tuple(turn.system_in) if turn.system_in is not None else None,
+            encoding=turn.encoding if turn.new_tokens is not None else None,
+            input_tokens=tuple(turn.new_tokens) if turn.new_tokens is not None else None,
+            output_tokens=output_tokens,
+            system_tokens=tuple(turn.system_tokens) if turn.system_tokens is not None else None,
         )
         # Shielded: a client disconnect must never interrupt the write of an answered turn.
         turn.commit_task = asyncio.ensure_future(
@@ -306,6 +484,34 @@ class ChatService:
                 await asyncio.shield(turn.log.abandon(reason, error))
         finally:
             await turn.stack.aclose()
+        plan = turn.plan
+        task = turn.commit_task
+        committed = task is not None and task.done() and not task.cancelled() and task.exception() is None
+        if plan is not None and plan.summary_target and turn.conversation_id and committed:
+            self.summarizer.schedule(turn.conversation_id, plan.summary_target, turn.request.model)
+
+    def _check_upstream_truncation(self, turn: PreparedTurn, record: dict[str, Any]) -> None:
+        """Flag a provider that silently dropped part of the prompt (e.g. Ollama's num_ctx)."""
+        plan = turn.plan
+        usage = record.get("usage")
+        if plan is None or not isinstance(usage, dict):
+            return
+        theirs = usage.get("prompt_tokens")
+        ours = plan.window.total_tokens
+        if isinstance(theirs, int) and ours >= _TRUNCATION_MIN_TOKENS and theirs < ours * _TRUNCATION_RATIO:
+            record["upstream_truncation_suspected"] = {"prompt_tokens": theirs, "our_count": ours}
+            log.warning(
+                orjson.dumps(
+                    {
+                        "event": "upstream_truncation_suspected",
+                        "response_id": turn.response_id,
+                        "conversation_id": turn.conversation_id,
+                        "provider": turn.route.provider,
+                        "prompt_tokens": theirs,
+                        "our_count": ours,
+                    }
+                ).decode()
+            )
 
     def _response_record(
         self, turn: PreparedTurn, message: Message, finish_reason: Any, usage: Any, raw: Any = None

@@ -66,3 +66,22 @@ def count_message(message: dict[str, Any], model: str = "") -> int:
         if key == "name":
             total += 1
     return total
+
+
+def truncate_text(text: str, max_tokens: int, model: str = "") -> str:
+    """`text` cut to at most `max_tokens` tokens (on a token boundary)."""
+    enc = get_encoding(encoding_name_for(model))
+    ids = enc.encode(text, disallowed_special=())
+    if len(ids) <= max_tokens:
+        return text
+    return str(enc.decode(ids[:max_tokens]))
+
+
+def counter_for(model: str) -> tuple[str, Any]:
+    """(encoding name, count_message bound to it) for a model."""
+    name = encoding_name_for(model)
+
+    def count(message: dict[str, Any]) -> int:
+        return count_message(message, model)
+
+    return name, count

@@ -508,6 +508,7 @@ async def test_bad_response_ids_are_rejected(jstore: JsonlStore, tmp_path: Path,
         "var/logs",
         "var/logs/conversations",
         "var/logs/responses",
+        "var/logs/summaries",
     ]
 
 

@@ -81,6 +81,8 @@ def create_app(
     store = store or create_store(settings)
     router = router or Router.from_settings(settings)
 
+    service = ChatService(settings, store, router)
+
     @asynccontextmanager
     async def lifespan(app: Starlette) -> AsyncIterator[None]:
         await store.open()
@@ -89,6 +91,7 @@ def create_app(
             yield
         finally:
             app.state.ready = False
+            await service.summarizer.aclose()
             await router.aclose()
             await store.close()
 
@@ -111,7 +114,7 @@ def create_app(
     app.state.settings = settings
     app.state.store = store
     app.state.router = router
-    app.state.service = ChatService(settings, store, router)
+    app.state.service = service
     app.state.started = time.time()
     app.state.ready = False
     return app

@@ -5,7 +5,7 @@ No I/O and no async: every function takes plain lists of OpenAI message dicts.
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -73,6 +73,11 @@ class Turn:
     input: tuple[Message, ...]
     output: Message
     system: tuple[Message, ...] | None = None  # set when this turn replaced the system prompt
+    # Token counts made once, when the turn was stored, with `encoding` (None: not counted).
+    encoding: str | None = None
+    input_tokens: tuple[int, ...] | None = None
+    output_tokens: int | None = None
+    system_tokens: tuple[int, ...] | None = None
 
     @property
     def is_feedback_only(self) -> bool:
@@ -100,27 +105,77 @@ class ConversationView:
     transcript: list[Message] = field(default_factory=list)
     response_ids: list[str] = field(default_factory=list)
     turns: int = 0
+    # Parallel to `history`: the response that stored each message, and its token count in
+    # `encoding` (None where it is not known yet; the service fills those in once).
+    history_owner: list[str] = field(default_factory=list)
+    history_tokens: list[int | None] = field(default_factory=list)
+    system_tokens: list[int | None] | None = None
+    encoding: str | None = None
+    needs_count: bool = False
+    history_end: dict[str, int] = field(default_factory=dict)  # response id -> end in history
     _keys: dict[str, list[bytes]] = field(default_factory=dict)
 
     def extend(self, turn: Turn) -> None:
+        same_encoding = turn.encoding is not None and turn.encoding == self.encoding
+        if self.encoding is None and turn.encoding is not None and not self.history:
+            self.encoding = turn.encoding
+            same_encoding = True
         if turn.system is not None:
             self.system = list(turn.system)
+            counts = turn.system_tokens if same_encoding else None
+            self.system_tokens = list(counts) if counts is not None else [None] * len(turn.system)
+            self.needs_count = self.needs_count or counts is None
         self.transcript.extend(clean_message(m) for m in turn.input)
         self.transcript.append(turn.output)
         self.turns += 1
         self.response_ids.append(turn.response_id)
-        if not turn.is_feedback_only:
-            self.history.extend(clean_message(m) for m in turn.input if not is_feedback(m))
-            self.history.append(turn.output)
+        if turn.is_feedback_only:
+            return
+        counts_in = turn.input_tokens if same_encoding and turn.input_tokens is not None else None
+        if counts_in is None or turn.output_tokens is None or not same_encoding:
+            self.needs_count = True
+        for i, m in enumerate(turn.input):
+            if is_feedback(m):
+                continue
+            self.history.append(clean_message(m))
+            self.history_owner.append(turn.response_id)
+            self.history_tokens.append(counts_in[i] if counts_in is not None and i < len(counts_in) else None)
+        self.history.append(turn.output)
+        self.history_owner.append(turn.response_id)
+        self.history_tokens.append(turn.output_tokens if same_encoding else None)
+        self.history_end[turn.response_id] = len(self.history)
 
     def reset(self, *, keep_system_message: bool) -> None:
-        system = self.system if keep_system_message else None
-        self.system = system
+        if not keep_system_message:
+            self.system = None
+            self.system_tokens = None
         self.history = []
+        self.history_owner = []
+        self.history_tokens = []
+        self.history_end = {}
         self.transcript = []
         self.response_ids = []
         self.turns = 0
         self._keys = {}
+        self.needs_count = self.system_tokens is not None and None in self.system_tokens
+
+    def count_tokens(self, encoding: str, count: Callable[[Message], int]) -> None:
+        """Fill in missing counts (all of them if the encoding changed). Counts already made
+        are never redone for the same encoding."""
+        if encoding != self.encoding:
+            self.encoding = encoding
+            self.history_tokens = [None] * len(self.history)
+            if self.system is not None:
+                self.system_tokens = [None] * len(self.system)
+        for i, n in enumerate(self.history_tokens):
+            if n is None:
+                self.history_tokens[i] = count(self.history[i])
+        if self.system is not None:
+            tokens = self.system_tokens or [None] * len(self.system)
+            self.system_tokens = [
+                n if n is not None else count(m) for n, m in zip(tokens, self.system, strict=False)
+            ]
+        self.needs_count = False
 
     def keys(self, which: str) -> list[bytes]:
         """Canonical keys of `history` or `transcript`, computed once and extended lazily."""

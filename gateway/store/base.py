@@ -80,6 +80,14 @@ class Store(ABC):
         """The raw index entries (response ids and marker records); NotFound if none."""
 
     @abstractmethod
+    async def append_summary(self, conversation_id: str, record: Record) -> None:
+        """Append a summary (or summary failure) record to the conversation's summary log."""
+
+    @abstractmethod
+    async def read_summaries(self, conversation_id: str) -> list[Record]:
+        """Every summary record of the conversation, oldest first (empty if none)."""
+
+    @abstractmethod
     async def list_conversations(self) -> list[ConversationSummary]:
         """Every conversation, most recently active first."""
 

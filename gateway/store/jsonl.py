@@ -2,6 +2,7 @@
 
     {data_dir}/logs/responses/{response_id}.jsonl      request, context, response, commit
     {data_dir}/logs/conversations/{conversation_id}.jsonl  one response id per line
+    {data_dir}/logs/summaries/{conversation_id}.jsonl  rolling summary versions (append-only)
     {data_dir}/locks/{conversation_id}.lock            flock() target shared by worker processes
 
 A response file is written and fsync'd before its id is appended to the index (then the index
@@ -183,6 +184,8 @@ class JsonlStore(Store):
         self.responses_dir = self.root / "logs" / "responses"
         self.conversations_dir = self.root / "logs" / "conversations"
         self.locks_dir = self.root / "locks"
+        self.summaries_dir = self.root / "logs" / "summaries"
+        self._summaries: dict[str, tuple[int, list[Record]]] = {}
         self.fsync = durability == "fsync"
         self.cache_size = cache_size
         self._cache: OrderedDict[str, _Cached] = OrderedDict()
@@ -191,7 +194,7 @@ class JsonlStore(Store):
         self.before_index_append: Callable[[str], None] | None = None
 
     async def open(self) -> None:
-        for d in (self.responses_dir, self.conversations_dir, self.locks_dir):
+        for d in (self.responses_dir, self.conversations_dir, self.locks_dir, self.summaries_dir):
             d.mkdir(parents=True, exist_ok=True)
 
     # -- paths: the only place ids become file names ---------------------------------------
@@ -325,6 +328,41 @@ class JsonlStore(Store):
             raise NotFound(f"No conversation {conversation_id!r}", param="conversation_id") from None
         entries, _ = parse_index(data, path=str(path))
         return entries
+
+    def summary_path(self, conversation_id: str) -> Path:
+        return self.summaries_dir / f"{check_conversation_id(conversation_id)}.jsonl"
+
+    async def append_summary(self, conversation_id: str, record: Record) -> None:
+        path = self.summary_path(conversation_id)
+        line = orjson.dumps(record) + b"\n"
+
+        def write() -> None:
+            fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
+            try:
+                os.write(fd, line)
+                if self.fsync:
+                    os.fsync(fd)
+            finally:
+                os.close(fd)
+
+        try:
+            await asyncio.to_thread(write)
+        except OSError as exc:
+            raise StorageError(f"could not record the summary: {exc.strerror or exc}") from exc
+        self._summaries.pop(conversation_id, None)
+
+    async def read_summaries(self, conversation_id: str) -> list[Record]:
+        path = self.summary_path(conversation_id)
+        try:
+            size = path.stat().st_size
+        except FileNotFoundError:
+            return []
+        cached = self._summaries.get(conversation_id)
+        if cached is not None and cached[0] == size:
+            return cached[1]
+        records = [r for r in self._read_records(path)]
+        self._summaries[conversation_id] = (size, records)
+        return records
 
     async def list_conversations(self) -> list[ConversationSummary]:
         out: list[ConversationSummary] = []

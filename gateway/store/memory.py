@@ -48,6 +48,7 @@ class MemoryStore(Store):
         self.responses: dict[str, list[Record]] = {}
         self.indexes: dict[str, list[str | Record]] = {}
         self.activity: dict[str, float] = {}
+        self.summaries: dict[str, list[Record]] = {}
         self.fail_commit: Exception | None = None
         self._locks: dict[str, asyncio.Lock] = {}
 
@@ -90,6 +91,12 @@ class MemoryStore(Store):
         if conversation_id not in self.indexes:
             raise NotFound(f"No conversation {conversation_id!r}")
         return list(self.indexes[conversation_id])
+
+    async def append_summary(self, conversation_id: str, record: Record) -> None:
+        self.summaries.setdefault(conversation_id, []).append(copy.deepcopy(record))
+
+    async def read_summaries(self, conversation_id: str) -> list[Record]:
+        return list(self.summaries.get(conversation_id, []))
 
     async def list_conversations(self) -> list[ConversationSummary]:
         out = []

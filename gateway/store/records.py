@@ -30,11 +30,18 @@ def turn_from_records(records: list[Record]) -> Turn | None:
     if request is None or response is None or not isinstance(response.get("message"), dict):
         return None
     system = request.get("system")
+    input_tokens = request.get("input_tokens")
+    system_tokens = request.get("system_tokens")
+    output_tokens = response.get("message_tokens")
     return Turn(
         response_id=str(request.get("response_id")),
         input=tuple(request.get("input") or ()),
         output=response["message"],
         system=tuple(system) if system is not None else None,
+        encoding=request.get("encoding"),
+        input_tokens=tuple(input_tokens) if isinstance(input_tokens, list) else None,
+        output_tokens=output_tokens if isinstance(output_tokens, int) else None,
+        system_tokens=tuple(system_tokens) if isinstance(system_tokens, list) else None,
     )
 
 

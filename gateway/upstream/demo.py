@@ -40,7 +40,9 @@ def demo_reply(messages: list[dict[str, Any]]) -> str:
         return "Hello! Tell me something about yourself."
     last = users[-1]
     facts: dict[str, str] = {}
-    for text in users[:-1]:
+    # What the user said earlier, and what a summary or recap (system messages) says they said.
+    earlier = [_text(m) for m in messages[:-1] if m.get("role") in ("user", "system")]
+    for text in earlier:
         for key, value in _FACT.findall(text):
             facts[key.strip().lower()] = value.strip()
     question = _QUESTION.search(last)

@@ -1,0 +1,148 @@
+"""Fitting a conversation into the model's context window (pure, deterministic).
+
+Always kept: the system prompt, the summary, the recap, the current request (and the stored
+tool-call unit it answers). Then history is kept newest first, whole units at a time — an
+assistant `tool_calls` message travels with its `tool` results — until the token budget or
+`max_history_messages` is reached. Where history was cut, a marker system message says so.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+
+from gateway.context.history import Message
+from gateway.exceptions import ContextLengthExceeded
+
+# Framing a chat request costs on top of its messages (OpenAI: every reply is primed).
+REQUEST_OVERHEAD_TOKENS = 3
+
+
+def omitted_marker(count: int) -> Message:
+    return {"role": "system", "content": f"[{count} earlier messages omitted]"}
+
+
+def tool_units(messages: Sequence[Message]) -> list[tuple[int, int]]:
+    """Split into [start, end) units: an assistant `tool_calls` message and the `tool` messages
+    right after it form one unit; every other message is a unit of its own."""
+    units: list[tuple[int, int]] = []
+    i = 0
+    n = len(messages)
+    while i < n:
+        j = i + 1
+        if messages[i].get("role") == "assistant" and messages[i].get("tool_calls"):
+            while j < n and messages[j].get("role") == "tool":
+                j += 1
+        units.append((i, j))
+        i = j
+    return units
+
+
+@dataclass(frozen=True, slots=True)
+class Window:
+    """What goes upstream, and the numbers that explain it."""
+
+    messages: list[Message]
+    budget: int
+    history_start: int  # index in `conversation` of the first message kept
+    omitted: int  # history messages left out (after any summary's coverage)
+    tokens: dict[str, int] = field(default_factory=dict)
+
+    @property
+    def total_tokens(self) -> int:
+        return self.tokens.get("total", 0)
+
+
+def fit_window(
+    *,
+    system: Sequence[Message],
+    system_tokens: Sequence[int],
+    conversation: Sequence[Message],
+    conversation_tokens: Sequence[int],
+    first_new: int,
+    budget: int,
+    max_history_messages: int,
+    marker_tokens: Callable[[int], int],
+    summary: Message | None = None,
+    summary_tokens: int = 0,
+    recap: Message | None = None,
+    recap_tokens: int = 0,
+    omitted_before: int = 0,
+) -> Window:
+    """Choose the messages to send.
+
+    `conversation` is the stored history (after any summary's coverage) followed by the new
+    messages, starting at `first_new`; `conversation_tokens` are their counts;
+    `omitted_before` history messages were already left out before `conversation`. Raises
+    ContextLengthExceeded when even the fixed part (system, summary, recap, current request)
+    does not fit the budget.
+    """
+    units = tool_units(conversation)
+    # The current request, plus any stored unit it continues (tool results answering it).
+    pinned_from = len(conversation)
+    for start, end in reversed(units):
+        if end > first_new:
+            pinned_from = start
+        else:
+            break
+    pinned_tokens = sum(conversation_tokens[pinned_from:])
+    fixed = REQUEST_OVERHEAD_TOKENS + sum(system_tokens) + summary_tokens + recap_tokens + pinned_tokens
+    if fixed > budget:
+        raise ContextLengthExceeded(
+            f"This request needs {fixed} tokens before any history, more than the {budget} the "
+            "model's context window allows (context window minus reserve_tokens); shorten it",
+            param="messages",
+        )
+    history_units = [u for u in units if u[1] <= pinned_from]
+    kept_from = pinned_from
+    used = 0
+    kept_messages = 0
+    for start, end in reversed(history_units):
+        cost = sum(conversation_tokens[start:end])
+        size = end - start
+        omitted_after = omitted_before + start  # still omitted if we keep this unit
+        marker = marker_tokens(omitted_after) if omitted_after else 0
+        if kept_messages + size > max_history_messages or fixed + used + cost + marker > budget:
+            break
+        used += cost
+        kept_messages += size
+        kept_from = start
+    omitted = omitted_before + kept_from
+    marker_cost = marker_tokens(omitted) if omitted else 0
+    if omitted and fixed + used + marker_cost > budget:
+        # Dropping the oldest kept unit makes room for the marker (rare: the marker is tiny).
+        for start, end in history_units:
+            if start >= kept_from:
+                used -= sum(conversation_tokens[start:end])
+                kept_from = end
+                omitted = omitted_before + end
+                marker_cost = marker_tokens(omitted)
+                if fixed + used + marker_cost <= budget:
+                    break
+    if omitted and fixed + marker_cost > budget:
+        raise ContextLengthExceeded(
+            f"This request needs {fixed + marker_cost} tokens before any history, more than the "
+            f"{budget} the model's context window allows; shorten it",
+            param="messages",
+        )
+    messages: list[Message] = [*system]
+    if summary is not None:
+        messages.append(summary)
+    if recap is not None:
+        messages.append(recap)
+    if omitted:
+        messages.append(omitted_marker(omitted))
+    messages.extend(conversation[kept_from:])
+    history_tokens = sum(conversation_tokens[kept_from:pinned_from])
+    new_tokens = sum(conversation_tokens[pinned_from:])
+    tokens = {
+        "system": sum(system_tokens),
+        "summary": summary_tokens,
+        "recap": recap_tokens,
+        "history": history_tokens,
+        "new": new_tokens,
+        "marker": marker_cost,
+        "overhead": REQUEST_OVERHEAD_TOKENS,
+    }
+    tokens["total"] = sum(tokens.values())
+    return Window(messages=messages, budget=budget, history_start=kept_from, omitted=omitted, tokens=tokens)
