@@ -26,8 +26,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from client import Connection  # noqa: E402
 from procs import HOST, Processes, Server, clean_env, free_port  # noqa: E402
-from run import CHAT, MODEL, REPO, one_message, write_gateway_config  # noqa: E402
-from seed import grow_conversation  # noqa: E402
+from run import CHAT, REPO, one_message, seed_conversations, write_gateway_config  # noqa: E402
 
 _FRAME = re.compile(r"^(?P<func>.*?) \((?P<file>[^()]*?)(?::\d+)?\)$")
 
@@ -121,10 +120,6 @@ def main(argv: list[str] | None = None) -> int:
         procs.start(Server("mock", [sys.executable, str(REPO / "bench" / "mock_upstream.py"), "--port", str(up)],
                            up, tmp / "mock.log", env), REPO).wait_ready("/healthz", 30)
         data = tmp / "data"
-        cid = None
-        if args.messages:
-            cid = "profile-grown"
-            grow_conversation(data, cid, args.messages, model=MODEL, provider="mock")
         port = free_port()
         cfg = tmp / "gateway.toml"
         write_gateway_config(cfg, port=port, upstream_port=up, data_dir=data, durability=args.durability)
@@ -132,6 +127,10 @@ def main(argv: list[str] | None = None) -> int:
         argv_gw = [str(gateway_bin), "serve", "--config", str(cfg), "--data-dir", str(data), "--port", str(port)]
         gw = procs.start(Server("gateway", argv_gw, port, tmp / "gateway.log", env), REPO)
         gw.wait_ready("/readyz", 60)
+        cid = None
+        if args.messages:
+            ids, _ = seed_conversations(port, data, 150, [(args.messages, 1)])
+            cid = ids[args.messages][0]
 
         async def warm() -> None:
             await drive(port, args.messages, 1.0, cid)  # imports, caches, the seeded conversation's cold load

@@ -31,7 +31,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from client import Connection, Response  # noqa: E402
 from procs import HOST, Processes, Server, clean_env, free_port, rss_kib  # noqa: E402
 from report import print_report  # noqa: E402
-from seed import grow_conversation, probe_filesystem, user_text  # noqa: E402
+from seed import clone_conversation, probe_filesystem, read_conversation, user_text  # noqa: E402
 
 REPO = Path(__file__).resolve().parent.parent
 MODEL = "bench-model"
@@ -53,6 +53,7 @@ class Plan:
         (10_000, 1, 5, 100),
     )
     stream: tuple[int, int] = (100, 1000)
+    template_turns: int = 150  # real turns the gateway serves first; seeded turns copy them
     throughput_warmup: int = 500
     throughput_stateless: int = 3_000
     conversations_total: int = 10_000  # served before the idle RSS reading
@@ -60,7 +61,7 @@ class Plan:
     @classmethod
     def quick(cls) -> Plan:
         grown = ((200, 3, 1, 10), (1_000, 2, 1, 10), (10_000, 1, 1, 10))
-        return cls((20, 200), (20, 100), grown, (10, 100), 50, 500, 1_000)
+        return cls((20, 200), (20, 100), grown, (10, 100), 150, 50, 500, 1_000)
 
 
 def _body(payload: dict[str, Any]) -> bytes:
@@ -257,7 +258,11 @@ class Bench:
                     requests=len(lat), seconds=elapsed, samples=lat)
 
 
-def write_gateway_config(path: Path, *, port: int, upstream_port: int, data_dir: Path, durability: str) -> None:
+def write_gateway_config(
+    path: Path, *, port: int, upstream_port: int, data_dir: Path, durability: str,
+    context: dict[str, int] | None = None,
+) -> None:
+    extra = "".join(f"{k} = {v}\n" for k, v in (context or {}).items())
     path.write_text(
         f"""# written by bench/run.py
 default_provider = "mock"
@@ -270,7 +275,7 @@ port = {port}
 backend = "jsonl"
 data_dir = "{data_dir}"
 durability = "{durability}"
-
+{"[context]" + chr(10) + extra if extra else ""}
 [providers.mock]
 kind = "openai"
 base_url = "http://{HOST}:{upstream_port}/v1"
@@ -319,6 +324,46 @@ def git_info() -> dict[str, Any]:
     return {"commit": git("rev-parse", "HEAD"), "dirty": bool(git("status", "--porcelain", "gateway"))}
 
 
+def seed_conversations(
+    port: int, data_dir: Path, template_turns: int, sizes: list[tuple[int, int]]
+) -> tuple[dict[int, list[str]], dict[str, Any]]:
+    """Have the gateway grow a short template conversation, then clone it into every seeded
+    conversation (see bench/seed.py): the files are the gateway's own format by construction."""
+    template_cid = "bench-template"
+
+    async def grow_template() -> None:
+        conn = Connection(HOST, port)
+        for i in range(template_turns):
+            r = await conn.request("POST", CHAT, one_message(i, conversation_id=template_cid))
+            if r.status != 200:
+                raise RuntimeError(f"gateway: HTTP {r.status} while growing the template: {r.body[:300]!r}")
+        conn.close()
+
+    t = time.perf_counter()
+    run_async(grow_template())
+    template = read_conversation(data_dir, template_cid)
+    template_seconds = time.perf_counter() - t
+    ids: dict[int, list[str]] = {}
+    for size, copies in sizes:
+        ids[size] = [f"bench-grown-{size}-{c:03d}" for c in range(copies)]
+        for cid in ids[size]:
+            clone_conversation(data_dir, cid, size, template)
+    return ids, {
+        "template_turns": len(template),
+        "template_seconds": round(template_seconds, 2),
+        "clone_seconds": round(time.perf_counter() - t - template_seconds, 2),
+        "seeded_files": sum(size // 2 * copies for size, copies in sizes),
+    }
+
+
+def run_async(coro: Any) -> Any:
+    try:
+        import uvloop
+    except ImportError:
+        return asyncio.run(coro)
+    return uvloop.run(coro)
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description="measure the gateway's overhead against a bare forwarder")
     parser.add_argument("--quick", action="store_true", help="tiny iteration counts (smoke test)")
@@ -327,8 +372,14 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--tmp-dir", default=None,
                         help="where the gateways' data dirs go (default: $TMPDIR or /tmp); its file-creation and "
                              "fsync costs are part of the gateway's numbers and are reported")
+    parser.add_argument("--max-history-messages", type=int, default=None,
+                        help="gateway [context] max_history_messages (default: the gateway's own default)")
+    parser.add_argument("--max-context-tokens", type=int, default=None,
+                        help="gateway [context] max_context_tokens (default: the gateway's own default)")
     args = parser.parse_args(argv)
     plan = Plan.quick() if args.quick else Plan()
+    context = {k: v for k, v in (("max_history_messages", args.max_history_messages),
+                                 ("max_context_tokens", args.max_context_tokens)) if v is not None}
 
     # SIGTERM/SIGHUP become SystemExit so the finally below still stops every server.
     for sig in (signal.SIGTERM, signal.SIGHUP):
@@ -341,56 +392,48 @@ def main(argv: list[str] | None = None) -> int:
     procs = Processes()
     wall = time.perf_counter()
     try:
-        ports = {"direct": free_port()}
         env = clean_env()
-        mock = procs.start(
-            Server("mock", [python, str(REPO / "bench" / "mock_upstream.py"), "--port", str(ports["direct"])],
-                   ports["direct"], tmp / "mock.log", env), REPO)
-        ports["forwarder"] = free_port()
-        fwd = procs.start(
-            Server("forwarder", [python, str(REPO / "bench" / "forwarder.py"), "--port", str(ports["forwarder"]),
-                                 "--upstream", f"http://{HOST}:{ports['direct']}"],
-                   ports["forwarder"], tmp / "forwarder.log", env), REPO)
-        ports["forwarder_aiohttp"] = free_port()
-        fwd_aio = procs.start(
-            Server("forwarder_aiohttp",
-                   [python, str(REPO / "bench" / "forwarder.py"), "--port", str(ports["forwarder_aiohttp"]),
-                    "--upstream", f"http://{HOST}:{ports['direct']}", "--client", "aiohttp"],
-                   ports["forwarder_aiohttp"], tmp / "forwarder_aiohttp.log", env), REPO)
+        ports = {"direct": free_port(), "forwarder": free_port(), "forwarder_aiohttp": free_port()}
+        up = f"http://{HOST}:{ports['direct']}"
+        bench_dir = REPO / "bench"
+        mock = procs.start(Server("mock", [python, str(bench_dir / "mock_upstream.py"), "--port", str(ports["direct"])],
+                                  ports["direct"], tmp / "mock.log", env), REPO)
+        forwarders = [
+            procs.start(Server(name, [python, str(bench_dir / "forwarder.py"), "--port", str(ports[name]),
+                                      "--upstream", up, "--client", client],
+                               ports[name], tmp / f"{name}.log", env), REPO)
+            for name, client in (("forwarder", "httpx"), ("forwarder_aiohttp", "aiohttp"))
+        ]
         mock.wait_ready("/healthz", 30)
+        for server in forwarders:
+            server.wait_ready("/readyz", 30)
 
         data_dirs = {"gateway": tmp / "data-fsync", "gateway_nosync": tmp / "data-nosync"}
         fs_probe = {"data_dir_parent": str(tmp), **probe_filesystem(tmp / "probe")}
-        grown_ids: dict[int, list[str]] = {}
-        t = time.perf_counter()
-        for size, copies, _, _ in plan.grown:
-            grown_ids[size] = [f"bench-grown-{size}-{c:03d}" for c in range(copies)]
-            for cid in grown_ids[size]:
-                grow_conversation(data_dirs["gateway"], cid, size, model=MODEL, provider="mock")
-        seed_seconds = time.perf_counter() - t
-
         gateways = {"gateway": "fsync"} if args.no_nosync else {"gateway": "fsync", "gateway_nosync": "none"}
         servers: dict[str, Server] = {}
         for name, durability in gateways.items():
             ports[name] = free_port()
             cfg = tmp / f"{name}.toml"
             write_gateway_config(cfg, port=ports[name], upstream_port=ports["direct"],
-                                 data_dir=data_dirs[name], durability=durability)
-            argv = [*gateway_cmd, "serve", "--config", str(cfg), "--data-dir", str(data_dirs[name]),
-                    "--port", str(ports[name])]
-            servers[name] = procs.start(Server(name, argv, ports[name], tmp / f"{name}.log", env), REPO)
+                                 data_dir=data_dirs[name], durability=durability, context=context)
+            argv_gw = [*gateway_cmd, "serve", "--config", str(cfg), "--data-dir", str(data_dirs[name]),
+                       "--port", str(ports[name])]
+            servers[name] = procs.start(Server(name, argv_gw, ports[name], tmp / f"{name}.log", env), REPO)
             # One at a time, so the startup time is not inflated by a sibling starting on 2 cores.
             servers[name].wait_ready("/readyz", 60)
         gw = servers["gateway"]
-        fwd.wait_ready("/readyz", 30)
-        fwd_aio.wait_ready("/readyz", 30)
         rss_ready = rss_kib(gw.pid)
 
         litellm, litellm_key, litellm_status = start_litellm(procs, tmp, ports["direct"])
         if litellm is not None:
             ports["litellm"] = litellm.port
 
+        print(f"bench: servers up (gateway ready in {gw.ready_seconds * 1000:.0f} ms); seeding", flush=True)
+        sizes = [(size, copies) for size, copies, _, _ in plan.grown]
+        grown_ids, seeding = seed_conversations(ports["gateway"], data_dirs["gateway"], plan.template_turns, sizes)
         bench = Bench(plan, ports, data_dirs, litellm_key)
+        bench.served_conversations = 1  # the template
         steps: dict[str, float] = {}
 
         async def run_all() -> None:
@@ -405,13 +448,8 @@ def main(argv: list[str] | None = None) -> int:
                 await coro()
                 steps[name] = round(time.perf_counter() - t0, 2)
 
-        print(f"bench: servers up (gateway ready in {gw.ready_seconds * 1000:.0f} ms); measuring", flush=True)
-        try:
-            import uvloop
-
-            uvloop.run(run_all())
-        except ImportError:
-            asyncio.run(run_all())
+        print(f"bench: seeded {seeding['seeded_files']} turns in {seeding['clone_seconds']} s; measuring", flush=True)
+        run_async(run_all())
 
         time.sleep(1.0)  # let the gateway go idle before reading its memory
         rss_idle = rss_kib(gw.pid)
@@ -421,6 +459,7 @@ def main(argv: list[str] | None = None) -> int:
             "gateway": {
                 **git_info(),
                 "durability": "fsync",
+                "context_overrides": context,
                 "startup_to_readyz_ms": round(gw.ready_seconds * 1000, 1),
                 "rss_at_ready_mib": round(rss_ready / 1024, 1),
                 "rss_idle_mib": round(rss_idle / 1024, 1),
@@ -429,7 +468,7 @@ def main(argv: list[str] | None = None) -> int:
             "litellm": litellm_status,
             "plan": plan.__dict__,
             "filesystem": fs_probe,
-            "seed_seconds": round(seed_seconds, 2),
+            "seeding": seeding,
             "step_seconds": steps,
             **bench.results,
         }
@@ -438,7 +477,7 @@ def main(argv: list[str] | None = None) -> int:
         out_dir = REPO / "var" / "bench"
         out_dir.mkdir(parents=True, exist_ok=True)
         stamp = time.strftime("%Y%m%d-%H%M%S")
-        payload = orjson.dumps({**result, "summary": summary}, option=orjson.OPT_INDENT_2 | orjson.OPT_SERIALIZE_NUMPY)
+        payload = orjson.dumps({**result, "summary": summary}, option=orjson.OPT_INDENT_2)
         (out_dir / f"result-{stamp}.json").write_bytes(payload)
         (out_dir / "latest.json").write_bytes(payload)
         print(f"\nwrote var/bench/result-{stamp}.json and var/bench/latest.json ({result['wall_seconds']} s)")

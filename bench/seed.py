@@ -1,19 +1,22 @@
-"""Pre-grow a conversation by writing the gateway's JSONL store files directly.
-
-The files match, record for record, what the gateway writes for a committed non-streaming
-turn (see gateway/store/jsonl.py and gateway/store/records.py):
+"""Pre-grow conversations by writing the gateway's JSONL store files directly.
 
     {data_dir}/logs/responses/{response_id}.jsonl      request, context, response, commit
     {data_dir}/logs/conversations/{conversation_id}.jsonl  one bare response id per line
 
-Each turn is one user message and one assistant reply, so N stored messages = N/2 turns.
-Seeding 10,000 messages this way takes well under a second instead of 5,000 HTTP round trips.
+The format is not re-typed here: the gateway itself first serves a short *template*
+conversation (bench/run.py does this over HTTP), and every seeded turn is a copy of one of its
+committed response logs, record for record and field for field (token counts, context
+snapshot and whatever else the gateway writes), with fresh ids and timestamps. Seeded turn t
+takes its request and reply from template turn t mod K and its context snapshot from template
+turn min(t, K-1), i.e. the steady-state window once the template has filled it. Response ids
+named anywhere in a copied record (e.g. the snapshot's included ids) are mapped to the seeded
+turns they stand for. So a seeded conversation looks exactly like one the gateway grew, and
+10,000 messages take seconds instead of 5,000 round trips.
 """
 
 from __future__ import annotations
 
 import os
-import re
 import secrets
 import time
 from pathlib import Path
@@ -21,16 +24,11 @@ from typing import Any
 
 import orjson
 
-_SLUG_UNSAFE = re.compile(r"[^A-Za-z0-9._-]")
+Record = dict[str, Any]
 _WORDS = (
     "amber", "basalt", "cedar", "delta", "ember", "fjord", "granite", "harbor", "indigo",
     "juniper", "kestrel", "lagoon", "meadow", "nectar", "onyx", "prairie", "quartz", "river",
 )  # fmt: skip
-
-
-def model_slug(model: str) -> str:
-    """As gateway.ids.model_slug: every character outside [A-Za-z0-9._-] becomes '-'."""
-    return re.sub(r"^\.+", lambda m: "-" * len(m.group()), _SLUG_UNSAFE.sub("-", model)[:80]) or "model"
 
 
 def user_text(i: int) -> str:
@@ -38,79 +36,96 @@ def user_text(i: int) -> str:
     return f"Turn {i}: please remember that item number {i} is filed under '{word}', thanks."
 
 
-def assistant_text(i: int) -> str:
-    word = _WORDS[(i * 7) % len(_WORDS)]
-    return (
-        f"Noted: item {i} is filed under '{word}'. I will keep that in mind for the rest of this "
-        f"conversation and can recall it whenever you ask about item {i} again, together with "
-        f"everything else you told me earlier."
-    )
+def read_conversation(data_dir: Path, conversation_id: str) -> list[list[Record]]:
+    """The committed response logs of a conversation, oldest first, as parsed records."""
+    index = data_dir / "logs" / "conversations" / f"{conversation_id}.jsonl"
+    turns: list[list[Record]] = []
+    for line in index.read_bytes().splitlines():
+        line = line.strip()
+        if not line or line.startswith(b"{"):  # markers (e.g. a reset) are not turns
+            continue
+        path = data_dir / "logs" / "responses" / f"{line.decode()}.jsonl"
+        records = [orjson.loads(raw) for raw in path.read_bytes().splitlines() if raw.strip()]
+        if not records or records[-1].get("type") != "commit":
+            raise ValueError(f"template response {path} is not committed")
+        turns.append(records)
+    return turns
 
 
-def _turn_records(
-    response_id: str, conversation_id: str, i: int, created: float, model: str, provider: str
-) -> list[dict[str, Any]]:
-    user = {"role": "user", "content": user_text(i)}
-    reply = {"role": "assistant", "content": assistant_text(i)}
-    prompt_tokens = 8 * (2 * i + 1)
-    return [
-        {
-            "type": "request",
-            "response_id": response_id,
-            "conversation_id": conversation_id,
-            "created": created,
-            "model": model,
-            "provider": provider,
-            "upstream_model": model,
-            "stream": False,
-            "params": {},
-            "system": None,
-            "input": [user],
-        },
-        {
-            "type": "context",
-            "stored_messages": 2 * i,
-            "stored_turns": i,
-            "new_messages": 1,
-            "sent_messages": 2 * i + 1,
-            "system_messages": 0,
-        },
-        {
-            "type": "response",
-            "message": reply,
-            "finish_reason": "stop",
-            "usage": {"prompt_tokens": prompt_tokens, "completion_tokens": 40, "total_tokens": prompt_tokens + 40},
-            "timings": {"upstream_ms": 0.5, "total_ms": 1.5},
-        },
-        {"type": "commit", "status": "complete", "committed": created + 0.001},
-    ]
+def _turn_shape(records: list[Record]) -> tuple[str, str, int]:
+    request = next(r for r in records if r.get("type") == "request")
+    inputs = request.get("input") or []
+    return str(request["response_id"]), str(request["conversation_id"]), len(inputs) + 1
 
 
-def grow_conversation(
-    data_dir: Path, conversation_id: str, messages: int, *, model: str, provider: str
+def _remap(value: Any, ids: dict[str, str]) -> Any:
+    if isinstance(value, str):
+        return ids.get(value, value)
+    if isinstance(value, list):
+        return [_remap(v, ids) for v in value]
+    if isinstance(value, dict):
+        return {k: _remap(v, ids) for k, v in value.items()}
+    return value
+
+
+def clone_conversation(
+    data_dir: Path, conversation_id: str, messages: int, template: list[list[Record]]
 ) -> list[str]:
-    """Write a committed conversation of `messages` stored messages; return its response ids."""
+    """Write a committed conversation of `messages` stored messages made of template turns."""
+    if not template:
+        raise ValueError("empty template conversation")
+    shapes = [_turn_shape(t) for t in template]
+    if any(n != 2 for _, _, n in shapes):
+        raise ValueError("template turns must be one user message and one reply each")
     if messages % 2:
         raise ValueError("a seeded conversation holds whole turns: an even number of messages")
     responses = data_dir / "logs" / "responses"
-    conversations = data_dir / "logs" / "conversations"
-    responses.mkdir(parents=True, exist_ok=True)
-    conversations.mkdir(parents=True, exist_ok=True)
-    index = conversations / f"{conversation_id}.jsonl"
+    index = data_dir / "logs" / "conversations" / f"{conversation_id}.jsonl"
     if index.exists():
         raise FileExistsError(f"{index} already exists")
-    slug = model_slug(model)
+    k = len(template)
+    template_ids = [rid for rid, _, _ in shapes]
+    template_cid = shapes[0][1]
+    slug = template_ids[0].rsplit("-", 1)[0]
     turns = messages // 2
+    new_ids = [f"{slug}-{secrets.token_hex(6)}" for _ in range(turns)]
     start = time.time() - 2.0 * turns
-    ids: list[str] = []
-    for i in range(turns):
-        response_id = f"{slug}-{secrets.token_hex(6)}"
-        records = _turn_records(response_id, conversation_id, i, start + 2.0 * i, model, provider)
-        (responses / f"{response_id}.jsonl").write_bytes(b"".join(orjson.dumps(r) + b"\n" for r in records))
-        ids.append(response_id)
+    for t in range(turns):
+        src = t % k
+        ctx_src = min(t, k - 1)
+        # Ids of the request/reply source map to this turn; ids inside the context snapshot
+        # map to the seeded turns at the same distance back from this one.
+        offset = t - ctx_src
+        ctx_ids = {template_ids[j]: new_ids[j + offset] for j in range(ctx_src + 1)}
+        ctx_ids[template_cid] = conversation_id
+        own_ids = {template_ids[src]: new_ids[t], template_cid: conversation_id}
+        out: list[bytes] = []
+        for record in template[src]:
+            kind = record.get("type")
+            if kind == "context":
+                ctx = next((r for r in template[ctx_src] if r.get("type") == "context"), record)
+                # Top level only: ids sit in fields like included_response_ids, and walking the
+                # sent messages of every snapshot would cost more than writing them.
+                record = {
+                    key: ctx_ids.get(v, v) if isinstance(v, str) else
+                    [ctx_ids.get(x, x) if isinstance(x, str) else x for x in v] if isinstance(v, list) else v
+                    for key, v in ctx.items()
+                }
+                if isinstance(record.get("stored_messages"), int):
+                    record["stored_messages"] = 2 * t
+                if isinstance(record.get("stored_turns"), int):
+                    record["stored_turns"] = t
+            else:
+                record = _remap(record, own_ids)
+            if kind == "request" and isinstance(record.get("created"), int | float):
+                record["created"] = start + 2.0 * t
+            if kind == "commit" and isinstance(record.get("committed"), int | float):
+                record["committed"] = start + 2.0 * t + 0.001
+            out.append(orjson.dumps(record) + b"\n")
+        (responses / f"{new_ids[t]}.jsonl").write_bytes(b"".join(out))
     # The index last: it must never name a response file that is not complete.
-    index.write_bytes("".join(f"{rid}\n" for rid in ids).encode())
-    return ids
+    index.write_bytes("".join(f"{rid}\n" for rid in new_ids).encode())
+    return new_ids
 
 
 def probe_filesystem(folder: Path, files: int = 200, syncs: int = 50) -> dict[str, float]:

@@ -1,0 +1,223 @@
+"""The context window through the whole turn: long conversations, summaries, the manifest."""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+import httpx
+import pytest
+import tiktoken
+
+from gateway.api import create_app
+from gateway.config import ModelSettings
+from gateway.store.jsonl import JsonlStore
+from gateway.store.memory import MemoryStore
+from gateway.tokens import bundled_tiktoken_dir
+from gateway.upstream import Router
+from gateway.upstream.demo import demo_reply
+from gateway.upstream.mock import MockUpstream
+from tests.conftest import REPO, make_settings
+
+os.environ.setdefault("TIKTOKEN_CACHE_DIR", bundled_tiktoken_dir() or "")
+ENC = tiktoken.get_encoding("cl100k_base")
+WINDOW = 4096
+BUDGET = WINDOW // 2  # reserve_tokens (4500) is capped at half of a small window
+
+
+def independent_count(messages: list[dict[str, Any]]) -> int:
+    """The mock upstream's own count (OpenAI's chat framing), not the gateway's code."""
+    total = 3
+    for m in messages:
+        total += 3
+        for key, value in m.items():
+            if value is None:
+                continue
+            total += len(ENC.encode(value if isinstance(value, str) else json.dumps(value, separators=(",", ":"))))
+    return total
+
+
+def valid_for_openai(messages: list[dict[str, Any]]) -> None:
+    pending: set[str] = set()
+    for m in messages:
+        if m["role"] == "tool":
+            assert m["tool_call_id"] in pending
+            pending.discard(m["tool_call_id"])
+        else:
+            assert not pending
+            if m["role"] == "assistant" and m.get("tool_calls"):
+                pending = {c["id"] for c in m["tool_calls"]}
+
+
+_FACTS = re.compile(r"\bmy ([a-z]+) is ([A-Za-z]+)", re.IGNORECASE)
+
+
+class Model:
+    """Mock model + mock summarizer; checks every request it receives against the window."""
+
+    def __init__(self) -> None:
+        self.sizes: list[int] = []
+        self.calls = 0
+
+    def __call__(self, body: dict[str, Any]) -> Any:
+        messages = body["messages"]
+        first = str(messages[0].get("content") or "")
+        if first.startswith("You maintain the running summary"):
+            facts = dict((k.lower(), v) for k, v in _FACTS.findall(messages[-1]["content"]))
+            return " ".join(f"The user said my {k} is {v}." for k, v in facts.items()) or "Nothing notable."
+        self.sizes.append(independent_count(messages))
+        assert messages[0] == {"role": "system", "content": "You are terse."}
+        valid_for_openai(messages)
+        last = messages[-1]
+        if last["role"] == "user" and "weather" in str(last["content"]):
+            self.calls += 1
+            return {"role": "assistant", "content": None, "tool_calls": [
+                {"id": f"call_{self.calls}", "type": "function", "function": {"name": "weather", "arguments": '{"city": "Oslo"}'}}
+            ]}
+        if last["role"] == "tool":
+            return f"Weather report: {last['content']}"
+        return demo_reply(messages)
+
+
+FILLER = "this is an ordinary turn with some words to take up room in the context window " * 2
+
+
+async def run_long_conversation(strategy: str, turns: int, tmp_path: Path) -> tuple[Model, list[httpx.Response], Any]:
+    settings = make_settings(tmp_path, durability="none")
+    settings = settings.model_copy(
+        update={
+            "models": {"mock/m": ModelSettings(context_window=WINDOW)},
+            "context": settings.context.model_copy(update={"strategy": strategy, "summary_model": "mock/summ"}),
+        }
+    )
+    store = JsonlStore(tmp_path / "var", durability="none")
+    await store.open()
+    model = Model()
+    app = create_app(settings, store=store, router=Router({"mock": MockUpstream(model)}, "mock"))
+    service = app.state.service
+    answers = []
+    async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://g") as client:
+
+        async def say(messages: list[dict[str, Any]]) -> httpx.Response:
+            r = await client.post("/v1/chat/completions", json={"model": "mock/m", "messages": messages, "conversation_id": "long"})
+            assert r.status_code == 200, r.text
+            await service.summarizer.wait_idle()
+            return r
+
+        await say([{"role": "system", "content": "You are terse."}, {"role": "user", "content": "hello " + FILLER}])
+        for i in range(1, turns - 1):
+            if i == 3:
+                text = "By the way, my name is Bob."
+            elif i == turns - 5:
+                text = "Also my colour is green."
+            elif i % 10 == 0:
+                text = "what is the weather?"
+            else:
+                text = f"turn {i}: {FILLER}"
+            r = await say([{"role": "user", "content": text}])
+            message = r.json()["choices"][0]["message"]
+            if message.get("tool_calls"):
+                await say([{"role": "tool", "tool_call_id": message["tool_calls"][0]["id"], "content": "sunny, 21C"}])
+        answers.append(await say([{"role": "user", "content": "what is my colour?"}]))
+        answers.append(await say([{"role": "user", "content": "what is my name?"}]))
+    return model, answers, store
+
+
+async def test_thousand_turns_in_a_4k_window_truncate(tmp_path: Path) -> None:
+    model, answers, store = await run_long_conversation("truncate", 1000, tmp_path)
+    assert len(model.sizes) > 1000
+    assert max(model.sizes) <= BUDGET <= WINDOW
+    colour, name = (a.json()["choices"][0]["message"]["content"] for a in answers)
+    assert colour == "Your colour is green."
+    assert name == "I don't know your name yet."  # turn 3 fell out of the window, as it should
+    rid = answers[-1].json()["id"]
+    context = next(r for r in await store.read_response(rid) if r["type"] == "context")
+    assert context["truncated"] > 1500 and context["tokens"]["total"] <= BUDGET
+    assert context["messages"][1]["content"] == f"[{context['truncated']} earlier messages omitted]"
+    assert context["budget"] == BUDGET and context["context_window"] == WINDOW
+    assert context["included_response_ids"][-1] == answers[0].json()["id"]
+
+
+async def test_summary_recalls_turn_3_at_turn_900(tmp_path: Path) -> None:
+    model, answers, store = await run_long_conversation("summarize", 900, tmp_path)
+    assert max(model.sizes) <= BUDGET
+    colour, name = (a.json()["choices"][0]["message"]["content"] for a in answers)
+    assert colour == "Your colour is green."
+    assert name == "Your name is Bob."
+    summaries = await store.read_summaries("long")
+    versions = [s for s in summaries if s["type"] == "summary"]
+    assert versions and [s["version"] for s in versions] == list(range(1, len(versions) + 1))
+    # Coverage is contiguous: every turn is covered exactly once, oldest first, no gaps.
+    covered = [rid for s in versions for rid in s["covered_response_ids"]]
+    index = [e for e in await store.read_index("long") if isinstance(e, str)]
+    assert covered == index[: len(covered)]
+    rid = answers[-1].json()["id"]
+    context = next(r for r in await store.read_response(rid) if r["type"] == "context")
+    # The newest version at the time (the last turn may have asked for one more).
+    used = next(s for s in versions if s["version"] == context["summary_version"])
+    assert context["summary_version"] >= versions[-1]["version"] - 1
+    assert context["summary_covers_through"] == used["covers_through"]
+    assert context["messages"][1]["content"].startswith("Summary of the earlier conversation")
+    assert all(s["tokens"] <= 500 for s in versions)
+
+
+async def test_request_too_big_is_400_before_upstream(tmp_path: Path) -> None:
+    upstream = MockUpstream()
+    settings = make_settings()
+    settings = settings.model_copy(update={"context": settings.context.model_copy(update={"max_context_tokens": 1000})})
+    app = create_app(settings, store=MemoryStore(), router=Router({"mock": upstream}, "mock"))
+    async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://g") as client:
+        r = await client.post("/v1/chat/completions", json={"model": "mock/m", "messages": [{"role": "user", "content": "word " * 800}], "conversation_id": "big"})
+    assert r.status_code == 400 and r.json()["error"]["code"] == "context_length_exceeded"
+    assert upstream.requests == []
+
+
+async def test_max_tokens_in_request_enlarges_reserve(tmp_path: Path) -> None:
+    upstream = MockUpstream()
+    settings = make_settings()
+    settings = settings.model_copy(update={"context": settings.context.model_copy(update={"max_context_tokens": 2000, "reserve_tokens": 100})})
+    store = MemoryStore()
+    app = create_app(settings, store=store, router=Router({"mock": upstream}, "mock"))
+    async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://g") as client:
+        for _ in range(30):
+            r = await client.post("/v1/chat/completions", json={"model": "mock/m", "messages": [{"role": "user", "content": "word " * 60}], "max_tokens": 1500, "conversation_id": "mt"})
+    context = next(x for x in store.responses[r.json()["id"]] if x["type"] == "context")
+    assert context["reserve_tokens"] == 1500 and context["budget"] == 500
+    assert context["tokens"]["total"] <= 500 and context["truncated"] > 0
+
+
+async def test_upstream_truncation_is_flagged(tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+    def lying(body: dict[str, Any]) -> Any:
+        return {"id": "x", "object": "chat.completion", "created": 0, "model": "m",
+                "choices": [{"index": 0, "message": {"role": "assistant", "content": "ok"}, "finish_reason": "stop"}],
+                "usage": {"prompt_tokens": 100, "completion_tokens": 1, "total_tokens": 101}}
+
+    store = MemoryStore()
+    app = create_app(make_settings(), store=store, router=Router({"mock": MockUpstream(lying)}, "mock"))
+    async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://g") as client:
+        r = await client.post("/v1/chat/completions", json={"model": "mock/m", "messages": [{"role": "user", "content": "word " * 1000}], "conversation_id": "t"})
+    response = next(x for x in store.responses[r.json()["id"]] if x["type"] == "response")
+    assert response["upstream_truncation_suspected"]["prompt_tokens"] == 100
+    assert response["upstream_truncation_suspected"]["our_count"] > 1000
+    assert "upstream_truncation_suspected" in caplog.text
+
+
+def test_token_counting_works_offline() -> None:
+    """tiktoken must not download anything: the network is cut inside the child process."""
+    code = (
+        "import socket\n"
+        "def refuse(*a, **k): raise OSError('network is off')\n"
+        "socket.socket.connect = refuse\nsocket.create_connection = refuse\nsocket.getaddrinfo = refuse\n"
+        "from gateway.tokens import count_text, count_message\n"
+        "print(count_text('hello world', 'gpt-4o'), count_text('hello world', 'ollama/llama3'), "
+        "count_message({'role': 'user', 'content': 'hi'}))\n"
+    )
+    env = {k: v for k, v in os.environ.items() if k != "TIKTOKEN_CACHE_DIR"}
+    out = subprocess.run([sys.executable, "-c", code], cwd=REPO, env=env, capture_output=True, text=True, timeout=60)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.split() == ["2", "2", "5"]
