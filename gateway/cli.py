@@ -104,6 +104,63 @@ def _render_turn(turn: Turn, model: str = "") -> str:
     return "\n".join(lines)
 
 
+_LAYERS = [
+    ("system", "S", "yellow"),
+    ("summary", "Σ", "magenta"),
+    ("recap", "R", "blue"),
+    ("history", "h", "cyan"),
+    ("marker", "m", "white"),
+    ("new", "N", "green"),
+]
+
+
+def _render_context(record: dict[str, Any], *, show_messages: bool) -> None:
+    """The manifest: how the window was filled, what was left out, and what was sent."""
+    if record.get("stateless"):
+        click.echo(
+            f"context      stateless pass-through: {record.get('sent_messages')} messages sent as given"
+        )
+    else:
+        budget = int(record.get("budget") or 0)
+        tokens = record.get("tokens") or {}
+        click.echo(
+            f"window       {record.get('context_window')} tokens, reserve {record.get('reserve_tokens')}, "
+            f"budget {budget} ({record.get('encoding')})"
+        )
+        click.echo(
+            "tokens       "
+            + " | ".join(f"{name} {tokens.get(name, 0)}" for name, _, _ in _LAYERS)
+            + f" | total {tokens.get('total', 0)}"
+        )
+        width = 60
+        bar = ""
+        for name, char, color in _LAYERS:
+            cells = round(width * int(tokens.get(name, 0)) / budget) if budget else 0
+            bar += click.style(char * cells, fg=color)
+        free = max(0, width - len(click.unstyle(bar)))
+        click.echo(f"             [{bar}{'·' * free}] budget")
+        click.echo(
+            f"stored       {record.get('stored_messages')} messages in {record.get('stored_turns')} turns; "
+            f"sent {record.get('sent_messages')} messages; {record.get('new_messages')} new"
+        )
+        truncated = record.get("truncated") or 0
+        click.echo(
+            f"truncated    {truncated} earlier messages omitted" if truncated else "truncated    nothing"
+        )
+        if record.get("summary_version") is not None:
+            click.echo(
+                f"summary      v{record.get('summary_version')} covers {record.get('summary_covers_messages')} "
+                f"messages, through {record.get('summary_covers_through')}"
+            )
+        included = record.get("included_response_ids") or []
+        if included:
+            click.echo(f"included     {len(included)} responses: {included[0]} … {included[-1]}")
+    if show_messages:
+        click.echo("sent (exact):")
+        for m in record.get("messages") or []:
+            click.echo("  " + _render_message(m))
+
+
 @click.group(context_settings={"help_option_names": ["-h", "--help"]})
 @click.version_option(package_name="gateway")
 def main() -> None:
@@ -247,7 +304,10 @@ def tail(settings: Settings, *, config_path: str | None, conversation_id: str, p
 @_common
 @click.argument("response_id")
 @click.option("--json", "as_json", is_flag=True, help="Print the raw response log records.")
-def context(settings: Settings, *, config_path: str | None, response_id: str, as_json: bool) -> None:
+@click.option("--brief", is_flag=True, help="Leave out the exact list of messages sent.")
+def context(
+    settings: Settings, *, config_path: str | None, response_id: str, as_json: bool, brief: bool
+) -> None:
     """What was recorded for one response: request, context snapshot, reply, outcome."""
     records = asyncio.run(_store(settings).read_response(response_id))
     if as_json:
@@ -267,8 +327,7 @@ def context(settings: Settings, *, config_path: str | None, response_id: str, as
             for m in record.get("input") or []:
                 click.echo(_render_message(m, note="new"))
         elif kind == "context":
-            fields = {k: v for k, v in record.items() if k not in ("type", "messages")}
-            click.echo("context      " + ", ".join(f"{k}={v}" for k, v in fields.items()))
+            _render_context(record, show_messages=not brief)
         elif kind == "response":
             click.echo(
                 _render_message(record.get("message") or {}, note=f"finish={record.get('finish_reason')}")

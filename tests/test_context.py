@@ -221,3 +221,21 @@ def test_token_counting_works_offline() -> None:
     out = subprocess.run([sys.executable, "-c", code], cwd=REPO, env=env, capture_output=True, text=True, timeout=60)
     assert out.returncode == 0, out.stderr
     assert out.stdout.split() == ["2", "2", "5"]
+
+
+async def test_context_endpoint_returns_latest_snapshot(tmp_path: Path) -> None:
+    store = MemoryStore()
+    app = create_app(make_settings(), store=store, router=Router({"mock": MockUpstream()}, "mock"))
+    async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://g") as client:
+        assert (await client.get("/v1/conversations/none/context")).status_code == 404
+        assert (await client.get("/v1/conversations/..%2fx/context")).status_code in (400, 404)
+        ids = []
+        for text in ["my name is Al", "what is my name?"]:
+            r = await client.post("/v1/chat/completions", json={"model": "mock/m", "messages": [{"role": "user", "content": text}], "conversation_id": "ctx"})
+            ids.append(r.json()["id"])
+        r = await client.get("/v1/conversations/ctx/context")
+    body = r.json()
+    assert r.status_code == 200 and body["response_id"] == ids[-1]
+    assert body["sent_messages"] == 3 and body["included_response_ids"] == [ids[0]]
+    assert [m["content"] for m in body["messages"]][-1] == "what is my name?"
+    assert body["tokens"]["total"] == sum(v for k, v in body["tokens"].items() if k != "total")

@@ -18,6 +18,7 @@ from starlette.responses import Response
 from starlette.routing import Route
 
 from gateway.api.chat import chat_completions
+from gateway.api.conversations import conversation_context
 from gateway.api.http import JSONBody, error_response
 from gateway.config import Settings, load_settings
 from gateway.exceptions import GatewayError, NotFound
@@ -99,6 +100,7 @@ def create_app(
         Route("/v1/chat/completions", chat_completions, methods=["POST"]),
         Route("/chat/completions", chat_completions, methods=["POST"]),
         Route("/v1/models", models, methods=["GET"]),
+        Route("/v1/conversations/{conversation_id}/context", conversation_context, methods=["GET"]),
         Route("/healthz", healthz, methods=["GET"]),
         Route("/readyz", readyz, methods=["GET"]),
     ]

@@ -40,6 +40,12 @@ def _log_line(turn: PreparedTurn, status: int, outcome: str) -> None:
         "sent_messages": len(turn.upstream_body["messages"]),
         "ms": round((time.perf_counter() - turn.started) * 1000, 3),
     }
+    plan = turn.plan
+    if plan is not None:
+        line["tokens"] = plan.window.tokens
+        line["budget"] = plan.window.budget
+        line["truncated"] = plan.window.omitted
+        line["summary_version"] = plan.summary.version if plan.summary else None
     access_log.info(orjson.dumps(line).decode())
 
 
