@@ -148,10 +148,9 @@ def _render_context(record: dict[str, Any], *, show_messages: bool) -> None:
             f"truncated    {truncated} earlier messages omitted" if truncated else "truncated    nothing"
         )
         if record.get("summary_version") is not None:
-            click.echo(
-                f"summary      v{record.get('summary_version')} covers {record.get('summary_covers_messages')} "
-                f"messages, through {record.get('summary_covers_through')}"
-            )
+            covers = record.get("summary_covers_messages")
+            through = record.get("summary_covers_through")
+            click.echo(f"summary      v{record.get('summary_version')} covers {covers} messages, through {through}")
         included = record.get("included_response_ids") or []
         if included:
             click.echo(f"included     {len(included)} responses: {included[0]} … {included[-1]}")

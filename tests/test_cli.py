@@ -67,7 +67,8 @@ def test_conversations_show_context(gateway: GatewayProcess, upstream: MockServe
     doc = json.loads(as_json.stdout)
     assert [m["content"] for m in doc["messages"]][-1] == "Your name is Cli."
     ctx = gw("context", ids[1], *data)
-    assert ctx.returncode == 0 and "sent_messages=3" in ctx.stdout and "committed" in ctx.stdout
+    assert ctx.returncode == 0 and "sent 3 messages" in ctx.stdout and "committed" in ctx.stdout
+    assert "Your name is Cli." in ctx.stdout and "sent (exact):" in ctx.stdout
 
 
 def test_errors_are_one_line_and_nonzero(tmp_path: Path) -> None:
