@@ -150,7 +150,8 @@ def _render_context(record: dict[str, Any], *, show_messages: bool) -> None:
         if record.get("summary_version") is not None:
             covers = record.get("summary_covers_messages")
             through = record.get("summary_covers_through")
-            click.echo(f"summary      v{record.get('summary_version')} covers {covers} messages, through {through}")
+            version = record.get("summary_version")
+            click.echo(f"summary      v{version} covers {covers} messages, through {through}")
         included = record.get("included_response_ids") or []
         if included:
             click.echo(f"included     {len(included)} responses: {included[0]} … {included[-1]}")
