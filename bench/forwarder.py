@@ -59,7 +59,9 @@ class AiohttpForwarder:
         body = await _read_body(receive)
         if body is None:
             return
-        headers = {k.decode("latin-1"): v.decode("latin-1") for k, v in scope["headers"] if k in _PASS_HEADERS}
+        headers = {
+            k.decode("latin-1"): v.decode("latin-1") for k, v in scope["headers"] if k in _PASS_HEADERS
+        }
         url = self.upstream + scope["path"]
         if scope.get("query_string"):
             url += "?" + scope["query_string"].decode("latin-1")
@@ -68,7 +70,9 @@ class AiohttpForwarder:
         try:
             response = await self.session.request(scope["method"], url, data=body, headers=headers)
         except aiohttp.ClientError as exc:
-            await _send_whole(send, 502, b"application/json", b'{"error":{"message":"%b"}}' % str(exc).encode())
+            await _send_whole(
+                send, 502, b"application/json", b'{"error":{"message":"%b"}}' % str(exc).encode()
+            )
             return
         async with response:
             ctype = response.headers.get("content-type", "application/json").encode("latin-1")
@@ -140,7 +144,9 @@ class Forwarder:
             request = self.client.build_request(scope["method"], url, content=body, headers=headers)
             response = await self.client.send(request, stream=True)
         except httpx.HTTPError as exc:
-            await _send_whole(send, 502, b"application/json", b'{"error":{"message":"%b"}}' % str(exc).encode())
+            await _send_whole(
+                send, 502, b"application/json", b'{"error":{"message":"%b"}}' % str(exc).encode()
+            )
             return
         try:
             ctype = response.headers.get("content-type", "application/json").encode("latin-1")

@@ -65,8 +65,10 @@ def _error(status: bytes, message: str, keep_alive: bool) -> bytes:
     return _json_response(status, err, keep_alive)
 
 
-def _usage(messages: Any) -> dict[str, int]:
-    prompt = 8 * len(messages) if isinstance(messages, list) else 8
+def _usage(body_bytes: int) -> dict[str, int]:
+    # About 4 bytes of JSON per token: never far below a real count, so a gateway that checks
+    # reported prompt tokens against its own count sees no (false) upstream truncation.
+    prompt = max(1, body_bytes // 4)
     completion = len(REPLY_PARTS) + 1
     return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion}
 
@@ -86,7 +88,7 @@ def chat_response(body: bytes, keep_alive: bool) -> bytes:
     cid = f"chatcmpl-mock{STATE.seq:012d}"
     model = req.get("model") or "mock"
     created = int(time.time())
-    usage = _usage(req["messages"])
+    usage = _usage(len(body))
     if req.get("stream") is not True:
         completion = {
             "id": cid,
@@ -103,7 +105,10 @@ def chat_response(body: bytes, keep_alive: bool) -> bytes:
     include_usage = isinstance(options, dict) and options.get("include_usage") is True
     base = {"id": cid, "object": "chat.completion.chunk", "created": created, "model": model}
     events: list[dict[str, Any]] = [
-        {**base, "choices": [{"index": 0, "delta": {"role": "assistant", "content": ""}, "finish_reason": None}]}
+        {
+            **base,
+            "choices": [{"index": 0, "delta": {"role": "assistant", "content": ""}, "finish_reason": None}],
+        }
     ]
     for part in REPLY_PARTS:
         events.append({**base, "choices": [{"index": 0, "delta": {"content": part}, "finish_reason": None}]})
@@ -168,10 +173,15 @@ class MockProtocol(asyncio.Protocol):
         elif method == b"GET" and path in (b"/healthz", b"/readyz", b"/health"):
             transport.write(_json_response(b"200 OK", {"status": "ok"}, keep_alive))
         elif method == b"GET" and path in (b"/v1/models", b"/models"):
-            models = {"object": "list", "data": [{"id": "bench-model", "object": "model", "owned_by": "mock"}]}
+            models = {
+                "object": "list",
+                "data": [{"id": "bench-model", "object": "model", "owned_by": "mock"}],
+            }
             transport.write(_json_response(b"200 OK", models, keep_alive))
         else:
-            transport.write(_error(b"404 Not Found", f"unknown path {path.decode(errors='replace')}", keep_alive))
+            transport.write(
+                _error(b"404 Not Found", f"unknown path {path.decode(errors='replace')}", keep_alive)
+            )
         self.body = []
         if not keep_alive:
             transport.close()

@@ -82,7 +82,9 @@ def rss_kib(pid: int) -> int:
 
 
 class Server:
-    def __init__(self, name: str, argv: Sequence[str], port: int, log_path: Path, env: Mapping[str, str]) -> None:
+    def __init__(
+        self, name: str, argv: Sequence[str], port: int, log_path: Path, env: Mapping[str, str]
+    ) -> None:
         self.name = name
         self.argv = list(argv)
         self.port = port

@@ -66,7 +66,9 @@ def summarize(raw: str, top: int) -> dict[str, object]:
         fields = stack.split(";")
         group = "event loop" if fields[0].endswith(": MainThread") else "workers"
         frames = [_short(f) for f in fields[1:]]
-        frames = [f for f in frames if not _ROOT_FRAMES.match(f)] or ["(entry frames only)"]
+        frames = [f for f in frames if not _ROOT_FRAMES.match(f)] or [
+            "(no Python frame: uvloop/httptools C code, I/O)"
+        ]
         g = groups.setdefault(group, {"inclusive": Counter(), "self": Counter()})
         totals[group] += count
         for name in set(frames):
@@ -82,29 +84,41 @@ def summarize(raw: str, top: int) -> dict[str, object]:
     return out
 
 
-async def drive(port: int, messages: int, seconds: float, cid: str | None) -> int:
-    conn = Connection(HOST, port)
+async def drive(port: int, messages: int, seconds: float, cid: str | None, concurrency: int = 1) -> int:
+    """Send requests for `seconds` from `concurrency` clients; new conversations unless `cid`."""
     deadline = time.perf_counter() + seconds
     n = 0
-    while time.perf_counter() < deadline and n < 1_000_000:
-        body = one_message(messages // 2 + n, conversation_id=cid or f"profile-{n:07d}")
-        r = await conn.request("POST", CHAT, body)
-        if r.status != 200:
-            raise RuntimeError(f"HTTP {r.status}: {r.body[:200]!r}")
-        n += 1
-    conn.close()
+
+    async def client() -> None:
+        nonlocal n
+        conn = Connection(HOST, port)
+        while time.perf_counter() < deadline and n < 1_000_000:
+            i = n
+            n += 1
+            body = one_message(messages // 2 + i, conversation_id=cid or f"profile-{i:07d}")
+            r = await conn.request("POST", CHAT, body)
+            if r.status != 200:
+                raise RuntimeError(f"HTTP {r.status}: {r.body[:200]!r}")
+        conn.close()
+
+    await asyncio.gather(*(client() for _ in range(concurrency)))
     return n
 
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description="profile the gateway's request path with py-spy")
-    parser.add_argument("--messages", type=int, default=0, help="seeded conversation size (0 = new conversations)")
+    parser.add_argument(
+        "--messages", type=int, default=0, help="seeded conversation size (0 = new conversations)"
+    )
     parser.add_argument("--seconds", type=float, default=10.0)
+    parser.add_argument("--concurrency", type=int, default=1, help="concurrent clients (1 = sequential)")
     parser.add_argument("--durability", choices=("fsync", "none"), default="fsync")
     parser.add_argument("--rate", type=int, default=500, help="py-spy samples per second")
     parser.add_argument("--top", type=int, default=25)
     parser.add_argument("--tmp-dir", default=None)
     parser.add_argument("--save", default=None, help="also write the raw collapsed stacks here")
+    parser.add_argument("--max-history-messages", type=int, default=None)
+    parser.add_argument("--max-context-tokens", type=int, default=None)
     args = parser.parse_args(argv)
     py_spy = shutil.which("py-spy") or str(Path(sys.executable).parent / "py-spy")
     if not Path(py_spy).exists():
@@ -117,14 +131,41 @@ def main(argv: list[str] | None = None) -> int:
     try:
         env = clean_env()
         up = free_port()
-        procs.start(Server("mock", [sys.executable, str(REPO / "bench" / "mock_upstream.py"), "--port", str(up)],
-                           up, tmp / "mock.log", env), REPO).wait_ready("/healthz", 30)
+        procs.start(
+            Server(
+                "mock",
+                [sys.executable, str(REPO / "bench" / "mock_upstream.py"), "--port", str(up)],
+                up,
+                tmp / "mock.log",
+                env,
+            ),
+            REPO,
+        ).wait_ready("/healthz", 30)
         data = tmp / "data"
         port = free_port()
         cfg = tmp / "gateway.toml"
-        write_gateway_config(cfg, port=port, upstream_port=up, data_dir=data, durability=args.durability)
+        context = {
+            k: v
+            for k, v in (
+                ("max_history_messages", args.max_history_messages),
+                ("max_context_tokens", args.max_context_tokens),
+            )
+            if v is not None
+        }
+        write_gateway_config(
+            cfg, port=port, upstream_port=up, data_dir=data, durability=args.durability, context=context
+        )
         gateway_bin = REPO / ".venv" / "bin" / "gateway"
-        argv_gw = [str(gateway_bin), "serve", "--config", str(cfg), "--data-dir", str(data), "--port", str(port)]
+        argv_gw = [
+            str(gateway_bin),
+            "serve",
+            "--config",
+            str(cfg),
+            "--data-dir",
+            str(data),
+            "--port",
+            str(port),
+        ]
         gw = procs.start(Server("gateway", argv_gw, port, tmp / "gateway.log", env), REPO)
         gw.wait_ready("/readyz", 60)
         cid = None
@@ -138,12 +179,27 @@ def main(argv: list[str] | None = None) -> int:
         asyncio.run(warm())
         raw_path = tmp / "stacks.txt"
         spy = subprocess.Popen(
-            [py_spy, "record", "--pid", str(gw.pid), "--rate", str(args.rate), "--format", "raw",
-             "--output", str(raw_path), "--duration", str(int(args.seconds) + 1), "--nonblocking", "--threads"],
-            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
+            [
+                py_spy,
+                "record",
+                "--pid",
+                str(gw.pid),
+                "--rate",
+                str(args.rate),
+                "--format",
+                "raw",
+                "--output",
+                str(raw_path),
+                "--duration",
+                str(int(args.seconds) + 1),
+                "--nonblocking",
+                "--threads",
+            ],
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.PIPE,
         )
         time.sleep(0.5)
-        requests = asyncio.run(drive(port, args.messages, args.seconds, cid))
+        requests = asyncio.run(drive(port, args.messages, args.seconds, cid, args.concurrency))
         _, err = spy.communicate(timeout=args.seconds + 30)
         if not raw_path.exists():
             print(f"py-spy failed: {err.decode(errors='replace')}", file=sys.stderr)
@@ -154,13 +210,17 @@ def main(argv: list[str] | None = None) -> int:
         summary = summarize(raw, args.top)
         samples: dict[str, int] = summary["samples"]  # type: ignore[assignment]
         what = f"conversation of {args.messages:,} msgs" if args.messages else "new conversations, 1 message"
-        print(f"gateway profile: {what}, durability={args.durability}: {requests} sequential requests in "
-              f"{args.seconds:.0f}s ({requests / args.seconds:.0f}/s, {1000 * args.seconds / requests:.2f} ms each)")
+        mode = "sequential" if args.concurrency == 1 else f"{args.concurrency} concurrent clients"
+        print(
+            f"gateway profile: {what}, durability={args.durability}: {requests} requests ({mode}) in "
+            f"{args.seconds:.0f}s ({requests / args.seconds:.0f}/s)"
+        )
         wall = args.rate * args.seconds
         for group in ("event loop", "workers"):
             if group not in summary:
                 continue
-            print(f"\n== {group}: {samples[group]} busy samples ({100 * samples[group] / wall:.0f}% of wall time)")
+            share = 100 * samples[group] / wall
+            print(f"\n== {group}: {samples[group]} busy samples ({share:.0f}% of wall time)")
             for kind in ("self", "inclusive"):
                 print(f"-- {kind} % of {group} busy samples")
                 for name, pct in summary[group][kind]:  # type: ignore[index]

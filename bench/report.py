@@ -16,7 +16,14 @@ LABELS = {
     "gateway": "gateway",
     "gateway_nosync": "gateway, durability=none",
 }
-_ORDER = {"direct": 0, "forwarder": 1, "forwarder_aiohttp": 2, "litellm": 3, "gateway": 4, "gateway_nosync": 5}
+_ORDER = {
+    "direct": 0,
+    "forwarder": 1,
+    "forwarder_aiohttp": 2,
+    "litellm": 3,
+    "gateway": 4,
+    "gateway_nosync": 5,
+}
 
 
 def percentile(sorted_values: list[float], q: float) -> float:
@@ -46,7 +53,7 @@ def stats_ms(samples: list[float]) -> dict[str, float]:
 def _label(row: dict[str, Any], grouped: bool) -> str:
     if row.get("label"):
         return str(row["label"])
-    base = LABELS.get(row["target"], row["target"])
+    base = str(LABELS.get(row["target"], row["target"]))
     if grouped and row["target"] == "direct":
         return f"{base}, same body the gateway sent"
     if grouped and row["target"] in ("forwarder", "forwarder_aiohttp", "litellm"):
@@ -93,7 +100,11 @@ def _latency_rows(result: dict[str, Any]) -> list[dict[str, Any]]:
                     "overhead_p50_ms": None if over50 is None else round(over50, 3),
                     "overhead_p99_ms": None if over99 is None else round(over99, 3),
                     "x_forwarder_overhead": None if ratio is None else round(ratio, 2),
-                    **({"cold_first_request_ms": round(r["cold_first_request_ms"], 2)} if "cold_first_request_ms" in r else {}),
+                    **(
+                        {"cold_first_request_ms": round(r["cold_first_request_ms"], 2)}
+                        if "cold_first_request_ms" in r
+                        else {}
+                    ),
                 }
             )
     return rows
@@ -115,7 +126,9 @@ def _stream_rows(result: dict[str, Any]) -> list[dict[str, Any]]:
             over99 = s["p99"] - base["stats"]["p99"]
             if fwd_over and r is not fwd:
                 ratio = over50 / fwd_over
-        label = LABELS.get(r["target"], r["target"]) + (", new conversation" if r["target"] == "gateway" else "")
+        label = LABELS.get(r["target"], r["target"]) + (
+            ", new conversation" if r["target"] == "gateway" else ""
+        )
         rows.append(
             {
                 "scenario": label,
@@ -155,6 +168,15 @@ def _throughput_rows(result: dict[str, Any]) -> list[dict[str, Any]]:
     return rows
 
 
+def _row(label: str, width: int, *cells: tuple[object, int], tail: str = "") -> str:
+    """`label` padded to `width`, then each (text, right-aligned width) cell, then `tail`."""
+    return f"{label:<{width}}" + "".join(f"{str(text):>{w}}" for text, w in cells) + tail
+
+
+def _ratio(value: float | None) -> str:
+    return "-" if value is None else f"{value:.2f}"
+
+
 def print_report(result: dict[str, Any]) -> dict[str, Any]:
     """Print the tables; return the summary (raw samples in `result` become statistics)."""
     latency = _latency_rows(result)
@@ -163,21 +185,26 @@ def print_report(result: dict[str, Any]) -> dict[str, Any]:
     gw = result["gateway"]
     width = max(len(r["scenario"]) for r in [*latency, *stream, *throughput]) + 2
     rule = "-" * (width + 62)
+    heads = (("n", 6), ("p50", 8), ("p99", 8), ("ovh p50", 9), ("ovh p99", 9), ("x fwd", 7))
 
-    print("\nLatency, sequential non-streaming requests (ms); overhead = target - direct with the same messages")
-    print(f"{'scenario':<{width}}{'sent':>7}{'n':>6}{'p50':>8}{'p99':>8}{'ovh p50':>9}{'ovh p99':>9}{'x fwd':>7}  cold")
+    print("\nLatency, sequential non-streaming requests (ms); overhead = target - direct, same messages")
+    print(_row("scenario", width, ("sent", 7), *heads, tail="  cold"))
     group = None
     for r in latency:
         if r["group"] != group:
             group = r["group"]
             print(rule if group == "1 message" else "")
-        ratio = "-" if r["x_forwarder_overhead"] is None else f"{r['x_forwarder_overhead']:.2f}"
         cold = f"  {r['cold_first_request_ms']:.1f}" if "cold_first_request_ms" in r else ""
-        print(
-            f"{r['scenario']:<{width}}{r['sent_messages'] or '-':>7}{r['n']:>6}{r['p50_ms']:>8.2f}{r['p99_ms']:>8.2f}"
-            f"{_fmt(r['overhead_p50_ms'], True):>9}{_fmt(r['overhead_p99_ms'], True):>9}{ratio:>7}{cold}"
+        cells = (
+            (r["sent_messages"] or "-", 7),
+            (r["n"], 6),
+            (f"{r['p50_ms']:.2f}", 8),
+            (f"{r['p99_ms']:.2f}", 8),
+            (_fmt(r["overhead_p50_ms"], True), 9),
+            (_fmt(r["overhead_p99_ms"], True), 9),
+            (_ratio(r["x_forwarder_overhead"]), 7),
         )
-
+        print(_row(r["scenario"], width, *cells, tail=cold))
     print(
         "sent = messages the mock received (median); ovh = target - direct; x fwd = that p50 overhead /"
         " the bare (httpx) forwarder's;\ncold = median latency of the first request on a seeded"
@@ -185,32 +212,58 @@ def print_report(result: dict[str, Any]) -> dict[str, Any]:
     )
 
     print("\nStreaming, time to first chunk (ms), 1 message")
-    print(f"{'scenario':<{width}}{'':>7}{'n':>6}{'p50':>8}{'p99':>8}{'ovh p50':>9}{'ovh p99':>9}{'x fwd':>7}  whole stream p50")
+    print(_row("scenario", width, ("", 7), *heads, tail="  whole stream p50"))
     print(rule)
     for r in stream:
-        ratio = "-" if r["x_forwarder_overhead"] is None else f"{r['x_forwarder_overhead']:.2f}"
-        print(
-            f"{r['scenario']:<{width}}{'':>7}{r['n']:>6}{r['ttfc_p50_ms']:>8.2f}{r['ttfc_p99_ms']:>8.2f}"
-            f"{_fmt(r['overhead_p50_ms'], True):>9}{_fmt(r['overhead_p99_ms'], True):>9}{ratio:>7}"
-            f"  {r['full_stream_p50_ms']:.2f}"
+        cells = (
+            ("", 7),
+            (r["n"], 6),
+            (f"{r['ttfc_p50_ms']:.2f}", 8),
+            (f"{r['ttfc_p99_ms']:.2f}", 8),
+            (_fmt(r["overhead_p50_ms"], True), 9),
+            (_fmt(r["overhead_p99_ms"], True), 9),
+            (_ratio(r["x_forwarder_overhead"]), 7),
         )
+        print(_row(r["scenario"], width, *cells, tail=f"  {r['full_stream_p50_ms']:.2f}"))
 
-    print(f"\nThroughput, {32} concurrent clients, 1 message, non-streaming (client, servers and mock share the CPUs)")
-    print(f"{'scenario':<{width}}{'requests':>9}{'req/s':>10}{'vs direct':>11}{'p50':>8}{'p99':>8}")
+    clients = result.get("concurrency", 32)
+    print(
+        f"\nThroughput, {clients} concurrent clients, 1 message, non-streaming (all processes share the CPUs)"
+    )
+    print(_row("scenario", width, ("requests", 9), ("req/s", 10), ("vs direct", 11), ("p50", 8), ("p99", 8)))
     print(rule)
     for r in throughput:
         vs = "-" if r["vs_direct"] is None else f"{r['vs_direct']:.3f}"
-        print(f"{r['scenario']:<{width}}{r['requests']:>9}{r['req_per_s']:>10.0f}{vs:>11}{r['p50_ms']:>8.2f}{r['p99_ms']:>8.2f}")
+        tp_cells = (
+            (r["requests"], 9),
+            (f"{r['req_per_s']:.0f}", 10),
+            (vs, 11),
+            (f"{r['p50_ms']:.2f}", 8),
+            (f"{r['p99_ms']:.2f}", 8),
+        )
+        print(_row(r["scenario"], width, *tp_cells))
 
+    fs = result.get("filesystem") or {}
+    served = format(gw["conversations_served"], ",")
+    facts = [
+        ("startup: process start -> /readyz 200", f"{gw['startup_to_readyz_ms']:.0f} ms"),
+        ("first chat request after /readyz", f"{gw['first_request_after_ready_ms']:.0f} ms"),
+        ("RSS at ready", f"{gw['rss_at_ready_mib']:.1f} MiB"),
+        ("RSS after the first request", f"{gw['rss_after_first_request_mib']:.1f} MiB"),
+        (f"idle RSS after {served} conversations", f"{gw['rss_idle_mib']:.1f} MiB"),
+    ]
+    if fs:
+        facts.append(("data dir filesystem: create+write file p50", f"{fs['create_write_p50_ms']:.3f} ms"))
+        facts.append(("data dir filesystem: fsync file+dir p50", f"{fs['fsync_file_and_dir_p50_ms']:.3f} ms"))
+    if result.get("litellm") != "measured":
+        facts.append(("LiteLLM proxy column", str(result.get("litellm"))))
     print("\nGateway process (durability=fsync, jsonl store)")
     print(rule)
-    print(f"{'startup: process start -> /readyz 200':<{width}}{gw['startup_to_readyz_ms']:>10.0f} ms")
-    print(f"{'RSS at ready':<{width}}{gw['rss_at_ready_mib']:>10.1f} MiB")
-    print(f"{'idle RSS after ' + format(gw['conversations_served'], ',') + ' conversations':<{width}}{gw['rss_idle_mib']:>10.1f} MiB")
-    fs = result.get("filesystem") or {}
-    if fs:
-        print(f"{'data dir filesystem: create+write file p50':<{width}}{fs['create_write_p50_ms']:>10.3f} ms")
-        print(f"{'data dir filesystem: fsync file+dir p50':<{width}}{fs['fsync_file_and_dir_p50_ms']:>10.3f} ms")
-    if result.get("litellm") != "measured":
-        print(f"{'LiteLLM proxy column':<{width}}{result.get('litellm')}")
+    for label, value in facts:
+        print(_row(label, width, (value, 14)))
+    log = gw.get("log") or {}
+    if log.get("other_lines"):
+        print(f"warning: the gateway logged {log['other_lines']} lines besides its access log, e.g.:")
+        for line in log["examples"][:3]:
+            print(f"  {line[:200]}")
     return {"latency": latency, "streaming": stream, "throughput": throughput, "gateway": gw}

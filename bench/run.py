@@ -73,7 +73,9 @@ def one_message(i: int, **extra: Any) -> bytes:
 
 
 class Bench:
-    def __init__(self, plan: Plan, ports: dict[str, int], data_dirs: dict[str, Path], litellm_key: str | None) -> None:
+    def __init__(
+        self, plan: Plan, ports: dict[str, int], data_dirs: dict[str, Path], litellm_key: str | None
+    ) -> None:
         self.plan = plan
         self.ports = ports
         self.data_dirs = data_dirs
@@ -81,6 +83,7 @@ class Bench:
         self.results: dict[str, Any] = {"latency": [], "stream": [], "throughput": []}
         self.served_conversations = 0
         self._seq = 0
+        self._control: Connection | None = None
 
     # -- helpers ------------------------------------------------------------------------------
     def conn(self, target: str) -> Connection:
@@ -105,7 +108,10 @@ class Bench:
         return r
 
     async def last_upstream_body(self) -> bytes:
-        r = await self.conn("direct").request("GET", "/_bench/last")
+        """The exact body of the last chat request the mock received (untimed)."""
+        if self._control is None:
+            self._control = self.conn("direct")
+        r = await self._control.request("GET", "/_bench/last")
         return r.body
 
     def record(self, kind: str, **row: Any) -> None:
@@ -133,13 +139,25 @@ class Bench:
 
         lat = await self.sequential("gateway", new_conversation("bench-new"), warmup, n)
         self.served_conversations += warmup + n
-        self.record("latency", group="1 message", target="gateway", label="gateway, new conversation",
-                    sent_messages=1, samples=lat)
+        self.record(
+            "latency",
+            group="1 message",
+            target="gateway",
+            label="gateway, new conversation",
+            sent_messages=1,
+            samples=lat,
+        )
         if "gateway_nosync" in self.ports:
             w, n2 = self.plan.nosync
             lat = await self.sequential("gateway_nosync", new_conversation("bench-nosync"), w, n2)
-            self.record("latency", group="1 message", target="gateway_nosync",
-                        label="gateway, new conversation, durability=none", sent_messages=1, samples=lat)
+            self.record(
+                "latency",
+                group="1 message",
+                target="gateway_nosync",
+                label="gateway, new conversation, durability=none",
+                sent_messages=1,
+                samples=lat,
+            )
 
     async def grown(self, size: int, cids: list[str], warmup: int, n: int) -> None:
         """Conversations pre-grown to `size` messages. Each iteration sends one new message to
@@ -156,7 +174,9 @@ class Bench:
             cold.append(first.latency)
             stored = self._stored_messages(first)
             if stored is not None and stored != size:
-                raise RuntimeError(f"seeded conversation {cid}: gateway saw {stored} stored messages, not {size}")
+                raise RuntimeError(
+                    f"seeded conversation {cid}: gateway saw {stored} stored messages, not {size}"
+                )
             for k in range(1, warmup + n + 1):
                 r = await self.post(gw, "gateway", one_message(i0 + k, conversation_id=cid))
                 body = await self.last_upstream_body()
@@ -170,16 +190,29 @@ class Bench:
                         samples[target].append(rr.latency)
         for c in (gw, *conns.values()):
             c.close()
+        if self._control is not None:
+            self._control.close()
+            self._control = None
         group = f"{size:,} stored"
         cold.sort()
         for target, lat in samples.items():
             extra: dict[str, Any] = {}
             if target == "gateway":
-                extra = {"label": f"gateway, conversation of {size:,} msgs", "conversations": len(cids),
-                         "cold_first_request_ms": cold[len(cold) // 2] * 1000}
-            self.record("latency", group=group, target=target, stored_messages=size,
-                        sent_messages=sorted(sent)[len(sent) // 2], sent_messages_range=[min(sent), max(sent)],
-                        samples=lat, **extra)
+                extra = {
+                    "label": f"gateway, conversation of {size:,} msgs",
+                    "conversations": len(cids),
+                    "cold_first_request_ms": cold[len(cold) // 2] * 1000,
+                }
+            self.record(
+                "latency",
+                group=group,
+                target=target,
+                stored_messages=size,
+                sent_messages=sorted(sent)[len(sent) // 2],
+                sent_messages_range=[min(sent), max(sent)],
+                samples=lat,
+                **extra,
+            )
 
     def _stored_messages(self, r: Response) -> int | None:
         """What the gateway's own context snapshot says it loaded (checks the seeded files)."""
@@ -254,12 +287,23 @@ class Bench:
         remaining = max(plan.throughput_stateless, plan.conversations_total - self.served_conversations)
         elapsed, lat = await self._burst("gateway", remaining, fresh)
         self.served_conversations += remaining
-        self.record("throughput", target="gateway", label="gateway, new conversations",
-                    requests=len(lat), seconds=elapsed, samples=lat)
+        self.record(
+            "throughput",
+            target="gateway",
+            label="gateway, new conversations",
+            requests=len(lat),
+            seconds=elapsed,
+            samples=lat,
+        )
 
 
 def write_gateway_config(
-    path: Path, *, port: int, upstream_port: int, data_dir: Path, durability: str,
+    path: Path,
+    *,
+    port: int,
+    upstream_port: int,
+    data_dir: Path,
+    durability: str,
     context: dict[str, int] | None = None,
 ) -> None:
     extra = "".join(f"{k} = {v}\n" for k, v in (context or {}).items())
@@ -356,6 +400,33 @@ def seed_conversations(
     }
 
 
+async def first_request(port: int) -> float:
+    """Latency (ms) of the very first chat request after /readyz (lazy imports, tokenizer)."""
+    conn = Connection(HOST, port)
+    r = await conn.request("POST", CHAT, one_message(0, conversation_id="bench-first"))
+    conn.close()
+    if r.status != 200:
+        raise RuntimeError(f"gateway: first request failed: HTTP {r.status}: {r.body[:300]!r}")
+    return r.latency * 1000
+
+
+def scan_gateway_log(path: Path) -> dict[str, Any]:
+    """Count the gateway's log lines other than the per-request access line: warnings on the
+    request path (e.g. a suspected upstream truncation) would skew the numbers."""
+    other: list[str] = []
+    access = 0
+    try:
+        lines = path.read_text(errors="replace").splitlines()
+    except OSError:
+        return {"access_lines": 0, "other_lines": 0, "examples": []}
+    for line in lines:
+        if line.startswith('{"event":"chat.completion"'):
+            access += 1
+        elif not line.startswith("gateway listening on"):
+            other.append(line)
+    return {"access_lines": access, "other_lines": len(other), "examples": other[:5]}
+
+
 def run_async(coro: Any) -> Any:
     try:
         import uvloop
@@ -369,17 +440,34 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--quick", action="store_true", help="tiny iteration counts (smoke test)")
     parser.add_argument("--keep", action="store_true", help="keep the temporary data dirs and logs")
     parser.add_argument("--no-nosync", action="store_true", help="skip the durability=none gateway row")
-    parser.add_argument("--tmp-dir", default=None,
-                        help="where the gateways' data dirs go (default: $TMPDIR or /tmp); its file-creation and "
-                             "fsync costs are part of the gateway's numbers and are reported")
-    parser.add_argument("--max-history-messages", type=int, default=None,
-                        help="gateway [context] max_history_messages (default: the gateway's own default)")
-    parser.add_argument("--max-context-tokens", type=int, default=None,
-                        help="gateway [context] max_context_tokens (default: the gateway's own default)")
+    parser.add_argument(
+        "--tmp-dir",
+        default=None,
+        help="where the gateways' data dirs go (default: $TMPDIR or /tmp); its file-creation and "
+        "fsync costs are part of the gateway's numbers and are reported",
+    )
+    parser.add_argument(
+        "--max-history-messages",
+        type=int,
+        default=None,
+        help="gateway [context] max_history_messages (default: the gateway's own default)",
+    )
+    parser.add_argument(
+        "--max-context-tokens",
+        type=int,
+        default=None,
+        help="gateway [context] max_context_tokens (default: the gateway's own default)",
+    )
     args = parser.parse_args(argv)
     plan = Plan.quick() if args.quick else Plan()
-    context = {k: v for k, v in (("max_history_messages", args.max_history_messages),
-                                 ("max_context_tokens", args.max_context_tokens)) if v is not None}
+    context = {
+        k: v
+        for k, v in (
+            ("max_history_messages", args.max_history_messages),
+            ("max_context_tokens", args.max_context_tokens),
+        )
+        if v is not None
+    }
 
     # SIGTERM/SIGHUP become SystemExit so the finally below still stops every server.
     for sig in (signal.SIGTERM, signal.SIGHUP):
@@ -396,12 +484,36 @@ def main(argv: list[str] | None = None) -> int:
         ports = {"direct": free_port(), "forwarder": free_port(), "forwarder_aiohttp": free_port()}
         up = f"http://{HOST}:{ports['direct']}"
         bench_dir = REPO / "bench"
-        mock = procs.start(Server("mock", [python, str(bench_dir / "mock_upstream.py"), "--port", str(ports["direct"])],
-                                  ports["direct"], tmp / "mock.log", env), REPO)
+        mock = procs.start(
+            Server(
+                "mock",
+                [python, str(bench_dir / "mock_upstream.py"), "--port", str(ports["direct"])],
+                ports["direct"],
+                tmp / "mock.log",
+                env,
+            ),
+            REPO,
+        )
         forwarders = [
-            procs.start(Server(name, [python, str(bench_dir / "forwarder.py"), "--port", str(ports[name]),
-                                      "--upstream", up, "--client", client],
-                               ports[name], tmp / f"{name}.log", env), REPO)
+            procs.start(
+                Server(
+                    name,
+                    [
+                        python,
+                        str(bench_dir / "forwarder.py"),
+                        "--port",
+                        str(ports[name]),
+                        "--upstream",
+                        up,
+                        "--client",
+                        client,
+                    ],
+                    ports[name],
+                    tmp / f"{name}.log",
+                    env,
+                ),
+                REPO,
+            )
             for name, client in (("forwarder", "httpx"), ("forwarder_aiohttp", "aiohttp"))
         ]
         mock.wait_ready("/healthz", 30)
@@ -415,15 +527,31 @@ def main(argv: list[str] | None = None) -> int:
         for name, durability in gateways.items():
             ports[name] = free_port()
             cfg = tmp / f"{name}.toml"
-            write_gateway_config(cfg, port=ports[name], upstream_port=ports["direct"],
-                                 data_dir=data_dirs[name], durability=durability, context=context)
-            argv_gw = [*gateway_cmd, "serve", "--config", str(cfg), "--data-dir", str(data_dirs[name]),
-                       "--port", str(ports[name])]
+            write_gateway_config(
+                cfg,
+                port=ports[name],
+                upstream_port=ports["direct"],
+                data_dir=data_dirs[name],
+                durability=durability,
+                context=context,
+            )
+            argv_gw = [
+                *gateway_cmd,
+                "serve",
+                "--config",
+                str(cfg),
+                "--data-dir",
+                str(data_dirs[name]),
+                "--port",
+                str(ports[name]),
+            ]
             servers[name] = procs.start(Server(name, argv_gw, ports[name], tmp / f"{name}.log", env), REPO)
             # One at a time, so the startup time is not inflated by a sibling starting on 2 cores.
             servers[name].wait_ready("/readyz", 60)
         gw = servers["gateway"]
         rss_ready = rss_kib(gw.pid)
+        first_request_ms = run_async(first_request(ports["gateway"]))
+        rss_first = rss_kib(gw.pid)
 
         litellm, litellm_key, litellm_status = start_litellm(procs, tmp, ports["direct"])
         if litellm is not None:
@@ -431,15 +559,22 @@ def main(argv: list[str] | None = None) -> int:
 
         print(f"bench: servers up (gateway ready in {gw.ready_seconds * 1000:.0f} ms); seeding", flush=True)
         sizes = [(size, copies) for size, copies, _, _ in plan.grown]
-        grown_ids, seeding = seed_conversations(ports["gateway"], data_dirs["gateway"], plan.template_turns, sizes)
+        grown_ids, seeding = seed_conversations(
+            ports["gateway"], data_dirs["gateway"], plan.template_turns, sizes
+        )
         bench = Bench(plan, ports, data_dirs, litellm_key)
-        bench.served_conversations = 1  # the template
+        bench.served_conversations = 2  # the first request and the template
         steps: dict[str, float] = {}
 
         async def run_all() -> None:
             for name, coro in (
                 ("single_message", bench.single_message),
-                *(((f"grown_{s}", lambda s=s, w=w, n=n: bench.grown(s, grown_ids[s], w, n)) for s, _, w, n in plan.grown)),
+                *(
+                    (
+                        (f"grown_{s}", lambda s=s, w=w, n=n: bench.grown(s, grown_ids[s], w, n))
+                        for s, _, w, n in plan.grown
+                    )
+                ),
                 ("streaming", bench.streaming),
                 ("throughput", bench.throughput),
             ):
@@ -448,25 +583,36 @@ def main(argv: list[str] | None = None) -> int:
                 await coro()
                 steps[name] = round(time.perf_counter() - t0, 2)
 
-        print(f"bench: seeded {seeding['seeded_files']} turns in {seeding['clone_seconds']} s; measuring", flush=True)
+        print(
+            f"bench: seeded {seeding['seeded_files']} turns in {seeding['clone_seconds']} s; measuring",
+            flush=True,
+        )
         run_async(run_all())
 
         time.sleep(1.0)  # let the gateway go idle before reading its memory
         rss_idle = rss_kib(gw.pid)
         result = {
             "started": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
-            "machine": {"cpus": os.cpu_count(), "python": platform.python_version(), "platform": platform.platform()},
+            "machine": {
+                "cpus": os.cpu_count(),
+                "python": platform.python_version(),
+                "platform": platform.platform(),
+            },
             "gateway": {
                 **git_info(),
                 "durability": "fsync",
                 "context_overrides": context,
                 "startup_to_readyz_ms": round(gw.ready_seconds * 1000, 1),
                 "rss_at_ready_mib": round(rss_ready / 1024, 1),
+                "rss_after_first_request_mib": round(rss_first / 1024, 1),
                 "rss_idle_mib": round(rss_idle / 1024, 1),
+                "first_request_after_ready_ms": round(first_request_ms, 1),
                 "conversations_served": bench.served_conversations,
+                "log": scan_gateway_log(gw.log_path),
             },
             "litellm": litellm_status,
             "plan": plan.__dict__,
+            "concurrency": CONCURRENCY,
             "filesystem": fs_probe,
             "seeding": seeding,
             "step_seconds": steps,

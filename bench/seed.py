@@ -107,8 +107,11 @@ def clone_conversation(
                 # Top level only: ids sit in fields like included_response_ids, and walking the
                 # sent messages of every snapshot would cost more than writing them.
                 record = {
-                    key: ctx_ids.get(v, v) if isinstance(v, str) else
-                    [ctx_ids.get(x, x) if isinstance(x, str) else x for x in v] if isinstance(v, list) else v
+                    key: ctx_ids.get(v, v)
+                    if isinstance(v, str)
+                    else [ctx_ids.get(x, x) if isinstance(x, str) else x for x in v]
+                    if isinstance(v, list)
+                    else v
                     for key, v in ctx.items()
                 }
                 if isinstance(record.get("stored_messages"), int):
