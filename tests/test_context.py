@@ -38,7 +38,9 @@ def independent_count(messages: list[dict[str, Any]]) -> int:
         for key, value in m.items():
             if value is None:
                 continue
-            total += len(ENC.encode(value if isinstance(value, str) else json.dumps(value, separators=(",", ":"))))
+            total += len(
+                ENC.encode(value if isinstance(value, str) else json.dumps(value, separators=(",", ":")))
+            )
     return total
 
 
@@ -76,9 +78,17 @@ class Model:
         last = messages[-1]
         if last["role"] == "user" and "weather" in str(last["content"]):
             self.calls += 1
-            return {"role": "assistant", "content": None, "tool_calls": [
-                {"id": f"call_{self.calls}", "type": "function", "function": {"name": "weather", "arguments": '{"city": "Oslo"}'}}
-            ]}
+            return {
+                "role": "assistant",
+                "content": None,
+                "tool_calls": [
+                    {
+                        "id": f"call_{self.calls}",
+                        "type": "function",
+                        "function": {"name": "weather", "arguments": '{"city": "Oslo"}'},
+                    }
+                ],
+            }
         if last["role"] == "tool":
             return f"Weather report: {last['content']}"
         return demo_reply(messages)
@@ -87,12 +97,16 @@ class Model:
 FILLER = "this is an ordinary turn with some words to take up room in the context window " * 2
 
 
-async def run_long_conversation(strategy: str, turns: int, tmp_path: Path) -> tuple[Model, list[httpx.Response], Any]:
+async def run_long_conversation(
+    strategy: str, turns: int, tmp_path: Path
+) -> tuple[Model, list[httpx.Response], Any]:
     settings = make_settings(tmp_path, durability="none")
     settings = settings.model_copy(
         update={
             "models": {"mock/m": ModelSettings(context_window=WINDOW)},
-            "context": settings.context.model_copy(update={"strategy": strategy, "summary_model": "mock/summ"}),
+            "context": settings.context.model_copy(
+                update={"strategy": strategy, "summary_model": "mock/summ"}
+            ),
         }
     )
     store = JsonlStore(tmp_path / "var", durability="none")
@@ -104,12 +118,17 @@ async def run_long_conversation(strategy: str, turns: int, tmp_path: Path) -> tu
     async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://g") as client:
 
         async def say(messages: list[dict[str, Any]]) -> httpx.Response:
-            r = await client.post("/v1/chat/completions", json={"model": "mock/m", "messages": messages, "conversation_id": "long"})
+            r = await client.post(
+                "/v1/chat/completions",
+                json={"model": "mock/m", "messages": messages, "conversation_id": "long"},
+            )
             assert r.status_code == 200, r.text
             await service.summarizer.wait_idle()
             return r
 
-        await say([{"role": "system", "content": "You are terse."}, {"role": "user", "content": "hello " + FILLER}])
+        await say(
+            [{"role": "system", "content": "You are terse."}, {"role": "user", "content": "hello " + FILLER}]
+        )
         for i in range(1, turns - 1):
             if i == 3:
                 text = "By the way, my name is Bob."
@@ -122,7 +141,15 @@ async def run_long_conversation(strategy: str, turns: int, tmp_path: Path) -> tu
             r = await say([{"role": "user", "content": text}])
             message = r.json()["choices"][0]["message"]
             if message.get("tool_calls"):
-                await say([{"role": "tool", "tool_call_id": message["tool_calls"][0]["id"], "content": "sunny, 21C"}])
+                await say(
+                    [
+                        {
+                            "role": "tool",
+                            "tool_call_id": message["tool_calls"][0]["id"],
+                            "content": "sunny, 21C",
+                        }
+                    ]
+                )
         answers.append(await say([{"role": "user", "content": "what is my colour?"}]))
         answers.append(await say([{"role": "user", "content": "what is my name?"}]))
     return model, answers, store
@@ -169,10 +196,19 @@ async def test_summary_recalls_turn_3_at_turn_900(tmp_path: Path) -> None:
 async def test_request_too_big_is_400_before_upstream(tmp_path: Path) -> None:
     upstream = MockUpstream()
     settings = make_settings()
-    settings = settings.model_copy(update={"context": settings.context.model_copy(update={"max_context_tokens": 1000})})
+    settings = settings.model_copy(
+        update={"context": settings.context.model_copy(update={"max_context_tokens": 1000})}
+    )
     app = create_app(settings, store=MemoryStore(), router=Router({"mock": upstream}, "mock"))
     async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://g") as client:
-        r = await client.post("/v1/chat/completions", json={"model": "mock/m", "messages": [{"role": "user", "content": "word " * 800}], "conversation_id": "big"})
+        r = await client.post(
+            "/v1/chat/completions",
+            json={
+                "model": "mock/m",
+                "messages": [{"role": "user", "content": "word " * 800}],
+                "conversation_id": "big",
+            },
+        )
     assert r.status_code == 400 and r.json()["error"]["code"] == "context_length_exceeded"
     assert upstream.requests == []
 
@@ -180,12 +216,24 @@ async def test_request_too_big_is_400_before_upstream(tmp_path: Path) -> None:
 async def test_max_tokens_in_request_enlarges_reserve(tmp_path: Path) -> None:
     upstream = MockUpstream()
     settings = make_settings()
-    settings = settings.model_copy(update={"context": settings.context.model_copy(update={"max_context_tokens": 2000, "reserve_tokens": 100})})
+    settings = settings.model_copy(
+        update={
+            "context": settings.context.model_copy(update={"max_context_tokens": 2000, "reserve_tokens": 100})
+        }
+    )
     store = MemoryStore()
     app = create_app(settings, store=store, router=Router({"mock": upstream}, "mock"))
     async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://g") as client:
         for _ in range(30):
-            r = await client.post("/v1/chat/completions", json={"model": "mock/m", "messages": [{"role": "user", "content": "word " * 60}], "max_tokens": 1500, "conversation_id": "mt"})
+            r = await client.post(
+                "/v1/chat/completions",
+                json={
+                    "model": "mock/m",
+                    "messages": [{"role": "user", "content": "word " * 60}],
+                    "max_tokens": 1500,
+                    "conversation_id": "mt",
+                },
+            )
     context = next(x for x in store.responses[r.json()["id"]] if x["type"] == "context")
     assert context["reserve_tokens"] == 1500 and context["budget"] == 500
     assert context["tokens"]["total"] <= 500 and context["truncated"] > 0
@@ -193,14 +241,28 @@ async def test_max_tokens_in_request_enlarges_reserve(tmp_path: Path) -> None:
 
 async def test_upstream_truncation_is_flagged(tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
     def lying(body: dict[str, Any]) -> Any:
-        return {"id": "x", "object": "chat.completion", "created": 0, "model": "m",
-                "choices": [{"index": 0, "message": {"role": "assistant", "content": "ok"}, "finish_reason": "stop"}],
-                "usage": {"prompt_tokens": 100, "completion_tokens": 1, "total_tokens": 101}}
+        return {
+            "id": "x",
+            "object": "chat.completion",
+            "created": 0,
+            "model": "m",
+            "choices": [
+                {"index": 0, "message": {"role": "assistant", "content": "ok"}, "finish_reason": "stop"}
+            ],
+            "usage": {"prompt_tokens": 100, "completion_tokens": 1, "total_tokens": 101},
+        }
 
     store = MemoryStore()
     app = create_app(make_settings(), store=store, router=Router({"mock": MockUpstream(lying)}, "mock"))
     async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://g") as client:
-        r = await client.post("/v1/chat/completions", json={"model": "mock/m", "messages": [{"role": "user", "content": "word " * 1000}], "conversation_id": "t"})
+        r = await client.post(
+            "/v1/chat/completions",
+            json={
+                "model": "mock/m",
+                "messages": [{"role": "user", "content": "word " * 1000}],
+                "conversation_id": "t",
+            },
+        )
     response = next(x for x in store.responses[r.json()["id"]] if x["type"] == "response")
     assert response["upstream_truncation_suspected"]["prompt_tokens"] == 100
     assert response["upstream_truncation_suspected"]["our_count"] > 1000
@@ -218,7 +280,9 @@ def test_token_counting_works_offline() -> None:
         "count_message({'role': 'user', 'content': 'hi'}))\n"
     )
     env = {k: v for k, v in os.environ.items() if k != "TIKTOKEN_CACHE_DIR"}
-    out = subprocess.run([sys.executable, "-c", code], cwd=REPO, env=env, capture_output=True, text=True, timeout=60)
+    out = subprocess.run(
+        [sys.executable, "-c", code], cwd=REPO, env=env, capture_output=True, text=True, timeout=60
+    )
     assert out.returncode == 0, out.stderr
     assert out.stdout.split() == ["2", "2", "5"]
 
@@ -231,7 +295,14 @@ async def test_context_endpoint_returns_latest_snapshot(tmp_path: Path) -> None:
         assert (await client.get("/v1/conversations/..%2fx/context")).status_code in (400, 404)
         ids = []
         for text in ["my name is Al", "what is my name?"]:
-            r = await client.post("/v1/chat/completions", json={"model": "mock/m", "messages": [{"role": "user", "content": text}], "conversation_id": "ctx"})
+            r = await client.post(
+                "/v1/chat/completions",
+                json={
+                    "model": "mock/m",
+                    "messages": [{"role": "user", "content": text}],
+                    "conversation_id": "ctx",
+                },
+            )
             ids.append(r.json()["id"])
         r = await client.get("/v1/conversations/ctx/context")
     body = r.json()

@@ -609,7 +609,9 @@ def test_parse_jsonl_reports_line_numbers_and_keeps_torn_tail() -> None:
     assert info.value.lineno == 11
 
 
-async def test_commit_after_an_unseen_append_does_not_corrupt_the_cache(jstore: JsonlStore, tmp_path: Path) -> None:
+async def test_commit_after_an_unseen_append_does_not_corrupt_the_cache(
+    jstore: JsonlStore, tmp_path: Path
+) -> None:
     """If another writer appended between our load and our commit, our cached view must not
     silently skip its turn: the cache is dropped and rebuilt from disk."""
     other = JsonlStore(tmp_path / "var")

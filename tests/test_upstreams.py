@@ -6,10 +6,10 @@ import inspect
 from typing import Any
 
 import aiohttp
+import pytest
 from aiohttp.client_reqrep import ConnectionKey
 from multidict import CIMultiDict, CIMultiDictProxy
 from yarl import URL
-import pytest
 
 from gateway.config import ProviderSettings
 from gateway.exceptions import (
@@ -30,15 +30,24 @@ BODY = {"model": "tiny", "messages": [{"role": "user", "content": "my name is Ki
 
 def _all_client_exceptions() -> list[type[BaseException]]:
     classes = [
-        obj for _, obj in inspect.getmembers(aiohttp)
+        obj
+        for _, obj in inspect.getmembers(aiohttp)
         if inspect.isclass(obj) and issubclass(obj, aiohttp.ClientError)
     ]
     return [*classes, TimeoutError]
 
 
 def _instance(exc_class: type[BaseException]) -> BaseException:
-    request_info = aiohttp.RequestInfo(URL("http://u"), "POST", CIMultiDictProxy(CIMultiDict()), URL("http://u"))
-    for args in [("x",), (), (request_info, ()), (ConnectionKey("u", 80, False, True, None, None, None), OSError(1, "x")), (b"a", b"b", "u", 443)]:
+    request_info = aiohttp.RequestInfo(
+        URL("http://u"), "POST", CIMultiDictProxy(CIMultiDict()), URL("http://u")
+    )
+    for args in [
+        ("x",),
+        (),
+        (request_info, ()),
+        (ConnectionKey("u", 80, False, True, None, None, None), OSError(1, "x")),
+        (b"a", b"b", "u", 443),
+    ]:
         try:
             exc = exc_class(*args)
             str(exc)  # some classes only fail when rendered with the wrong arguments

@@ -27,7 +27,14 @@ def marker_tokens(n: int) -> int:
     return count(omitted_marker(n))
 
 
-def fit(system: list[Message], history: list[Message], new: list[Message], budget: int, max_msgs: int = 1000, **kw: Any):
+def fit(
+    system: list[Message],
+    history: list[Message],
+    new: list[Message],
+    budget: int,
+    max_msgs: int = 1000,
+    **kw: Any,
+):
     conversation = repair_tool_calls([*history, *new])
     first_new = next((i for i, m in enumerate(conversation) if any(m is n for n in new)), len(conversation))
     return fit_window(
@@ -52,7 +59,11 @@ def a(text: str) -> Message:
 
 
 def call(cid: str) -> Message:
-    return {"role": "assistant", "content": None, "tool_calls": [{"id": cid, "type": "function", "function": {"name": "f", "arguments": "{}"}}]}
+    return {
+        "role": "assistant",
+        "content": None,
+        "tool_calls": [{"id": cid, "type": "function", "function": {"name": "f", "arguments": "{}"}}],
+    }
 
 
 def result(cid: str, text: str = "ok") -> Message:
@@ -115,7 +126,16 @@ def test_request_alone_too_big_is_context_length_exceeded() -> None:
 def test_summary_and_recap_are_kept_in_order() -> None:
     summary = {"role": "system", "content": "Summary: name is Bob"}
     recap = {"role": "system", "content": "Earlier today: ..."}
-    w = fit(SYSTEM, [u("a") for _ in range(30)], [u("now")], budget=60, summary=summary, summary_tokens=count(summary), recap=recap, recap_tokens=count(recap))
+    w = fit(
+        SYSTEM,
+        [u("a") for _ in range(30)],
+        [u("now")],
+        budget=60,
+        summary=summary,
+        summary_tokens=count(summary),
+        recap=recap,
+        recap_tokens=count(recap),
+    )
     assert w.messages[:3] == [*SYSTEM, summary, recap]
     assert w.messages[3]["content"].endswith("earlier messages omitted]")
 
@@ -127,7 +147,10 @@ def test_omitted_before_counts_in_marker() -> None:
 
 def test_deterministic() -> None:
     history = [u(f"m {i} " * (i % 7)) for i in range(50)]
-    assert fit(SYSTEM, history, [u("z")], budget=120).messages == fit(SYSTEM, history, [u("z")], budget=120).messages
+    assert (
+        fit(SYSTEM, history, [u("z")], budget=120).messages
+        == fit(SYSTEM, history, [u("z")], budget=120).messages
+    )
 
 
 # -- properties --------------------------------------------------------------------------------
@@ -144,9 +167,20 @@ def conversations(draw: st.DrawFn) -> list[Message]:
             out.append(a(" ".join(["r"] * draw(st.integers(0, 30)))))
         else:
             ids = [f"t{t}_{k}" for k in range(draw(st.integers(1, 3)))]
-            out.append({"role": "assistant", "content": None, "tool_calls": [
-                {"id": i, "type": "function", "function": {"name": "f", "arguments": "x " * draw(st.integers(0, 10))}} for i in ids
-            ]})
+            out.append(
+                {
+                    "role": "assistant",
+                    "content": None,
+                    "tool_calls": [
+                        {
+                            "id": i,
+                            "type": "function",
+                            "function": {"name": "f", "arguments": "x " * draw(st.integers(0, 10))},
+                        }
+                        for i in ids
+                    ],
+                }
+            )
             if kind == "tools":
                 out.extend(result(i, "v " * draw(st.integers(0, 10))) for i in ids)
                 out.append(a("after tools"))
@@ -166,7 +200,12 @@ def _valid_for_openai(messages: list[Message]) -> None:
 
 
 @settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.too_slow])
-@given(history=conversations(), budget=st.integers(30, 600), max_msgs=st.integers(0, 60), new_words=st.integers(0, 20))
+@given(
+    history=conversations(),
+    budget=st.integers(30, 600),
+    max_msgs=st.integers(0, 60),
+    new_words=st.integers(0, 20),
+)
 def test_window_properties(history: list[Message], budget: int, max_msgs: int, new_words: int) -> None:
     new = [u(" ".join(["n"] * new_words))]
     try:
