@@ -35,7 +35,7 @@ def independent_count(messages: list[dict[str, Any]]) -> int:
     total = 3
     for m in messages:
         total += 3
-        for key, value in m.items():
+        for value in m.values():
             if value is None:
                 continue
             total += len(
