@@ -34,7 +34,7 @@ from gateway.ids import check_conversation_id, mint_response_id
 from gateway.models import context_window
 from gateway.store.base import ResponseLog, Store, now
 from gateway.summarizer import Summarizer, Summary, current_summary, snap_to_turn_end
-from gateway.tokens import counter_for
+from gateway.tokens import count_message, counter_for
 from gateway.upstream import Route, Router
 
 log = logging.getLogger("gateway.service")
@@ -49,6 +49,21 @@ _COUNT_OFF_LOOP_CHARS = 20_000
 # A provider reporting fewer prompt tokens than this share of ours probably cut the prompt.
 _TRUNCATION_RATIO = 0.7
 _TRUNCATION_MIN_TOKENS = 256
+
+
+_MARKER_COSTS: dict[tuple[str, int], int] = {}
+
+
+def marker_cost(encoding: str, omitted: int) -> int:
+    """Tokens of the `[N earlier messages omitted]` marker; depends only on N's digit count
+    (counted once per encoding and width, with the widest number of that width)."""
+    digits = len(str(omitted))
+    key = (encoding, digits)
+    cost = _MARKER_COSTS.get(key)
+    if cost is None:
+        model = "gpt-4o" if encoding == "o200k_base" else ""
+        cost = _MARKER_COSTS[key] = count_message(omitted_marker(int("9" * digits)), model)
+    return cost
 
 
 def _size(messages: list[Message]) -> int:
@@ -416,7 +431,7 @@ class ChatService:
             first_new=first_new,
             budget=window_size - reserve,
             max_history_messages=ctx.max_history_messages,
-            marker_tokens=lambda n: count(omitted_marker(n)),
+            marker_tokens=lambda n: marker_cost(encoding, n),
             summary=summary_message,
             summary_tokens=count(summary_message) if summary_message else 0,
             omitted_before=lower - covered,

@@ -5,6 +5,7 @@ Tests pass twins (MemoryStore, a Router over MockUpstream); production builds bo
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import time
 from collections.abc import AsyncIterator
@@ -24,6 +25,7 @@ from gateway.config import Settings, load_settings
 from gateway.exceptions import GatewayError, NotFound
 from gateway.service import ChatService
 from gateway.store import Store, create_store
+from gateway.tokens import get_encoding
 from gateway.upstream import Router
 
 log = logging.getLogger("gateway")
@@ -87,6 +89,9 @@ def create_app(
     @asynccontextmanager
     async def lifespan(app: Starlette) -> AsyncIterator[None]:
         await store.open()
+        # Load the default tokenizer in the background: the first request need not pay for it.
+        warm = asyncio.get_running_loop().run_in_executor(None, get_encoding, "cl100k_base")
+        warm.add_done_callback(lambda f: None if f.cancelled() else f.exception())
         app.state.ready = True
         try:
             yield

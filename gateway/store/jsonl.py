@@ -108,6 +108,18 @@ class _JsonlLog(ResponseLog):
             os.write(self._fd, orjson.dumps(request) + b"\n")
         except OSError as exc:
             raise StorageError(f"cannot create response log: {exc.strerror}") from exc
+        # The new file's directory entry is made durable while the provider works, so the
+        # commit itself only waits for the file's data and the index line.
+        self._dir_synced: asyncio.Future[None] | None = None
+        if store.fsync:
+            try:
+                loop = asyncio.get_running_loop()
+            except RuntimeError:
+                loop = None
+            if loop is not None:
+                self._dir_synced = loop.run_in_executor(None, _fsync_dir, store.responses_dir)
+                # An abandoned log never awaits it: retrieve its outcome so nothing is left unread.
+                self._dir_synced.add_done_callback(lambda f: None if f.cancelled() else f.exception())
 
     def append(self, record: Record) -> None:
         self._pending.append(orjson.dumps(record) + b"\n")
@@ -120,6 +132,12 @@ class _JsonlLog(ResponseLog):
         self._pending.clear()
         store = self.store
         if store.fsync:
+            if self._dir_synced is not None:
+                try:
+                    await asyncio.shield(self._dir_synced)
+                except OSError as exc:
+                    self._dir_synced = None  # fsync it again in the commit
+                    log.warning("early directory fsync failed: %s", exc)
             before = await asyncio.shield(asyncio.to_thread(self._commit_sync, data, conversation_id))
         else:
             before = self._commit_sync(data, conversation_id)
@@ -134,10 +152,10 @@ class _JsonlLog(ResponseLog):
             try:
                 os.write(self._fd, data)
                 if store.fsync:
-                    os.fsync(self._fd)
+                    os.fdatasync(self._fd)
             finally:
                 os.close(self._fd)
-            if store.fsync:
+            if store.fsync and self._dir_synced is None:
                 _fsync_dir(store.responses_dir)
             if store.before_index_append is not None:
                 store.before_index_append(self.response_id)
@@ -149,7 +167,7 @@ class _JsonlLog(ResponseLog):
                 before = os.fstat(fd).st_size
                 os.write(fd, self.response_id.encode() + b"\n")
                 if store.fsync:
-                    os.fsync(fd)
+                    os.fdatasync(fd)
             finally:
                 os.close(fd)
             if before == 0 and store.fsync:
@@ -284,7 +302,15 @@ class JsonlStore(Store):
     async def load(self, conversation_id: str) -> ConversationView:
         cached = self._cache.get(conversation_id)
         if cached is None:
-            result = await asyncio.to_thread(self._load_sync, conversation_id, None, True)
+            try:
+                size = os.stat(self.index_path(conversation_id)).st_size
+            except FileNotFoundError:
+                size = 0
+            # Reading many response files is slow: off the event loop unless it is tiny.
+            if size > _THREAD_LOAD_BYTES:
+                result = await asyncio.to_thread(self._load_sync, conversation_id, None, True)
+            else:
+                result = self._load_sync(conversation_id, None, True)
         else:
             result = self._load_sync(conversation_id, cached, True)
         if result.size:

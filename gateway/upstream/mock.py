@@ -35,9 +35,10 @@ class MockUpstream(Upstream):
         self.url = "mock://upstream"
         self.delay = delay
         self.requests: list[Body] = []
+        self.record = True
 
     def _completion(self, body: Body) -> Body:
-        self.requests.append(copy.deepcopy(body))
+        self.requests.append(copy.deepcopy(body) if self.record else body)
         reply = self.handler(body)
         model = str(body.get("model", "mock"))
         messages = body.get("messages") or []
