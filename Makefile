@@ -23,6 +23,9 @@ test: install
 demo: install
 	$(VENV)/bin/gateway demo
 
+bench: install
+	$(PY) bench/run.py
+
 lint: install
 	$(VENV)/bin/ruff check gateway tests
 	$(VENV)/bin/mypy gateway

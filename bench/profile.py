@@ -26,7 +26,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from client import Connection  # noqa: E402
 from procs import HOST, Processes, Server, clean_env, free_port  # noqa: E402
-from run import CHAT, REPO, one_message, seed_conversations, write_gateway_config  # noqa: E402
+from run import REPO, seed_conversations, write_gateway_config  # noqa: E402
+from scenarios import CHAT, one_message  # noqa: E402
 
 _FRAME = re.compile(r"^(?P<func>.*?) \((?P<file>[^()]*?)(?::\d+)?\)$")
 

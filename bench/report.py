@@ -67,6 +67,33 @@ def _fmt(value: float | None, sign: bool = False) -> str:
     return f"{value:+.2f}" if sign else f"{value:.2f}"
 
 
+def _overheads(r: dict[str, Any], by_target: dict[str, dict[str, Any]]) -> dict[str, float | None]:
+    """p50/p99 overhead of `r` over direct, and its p50 overhead over each forwarder's."""
+    out: dict[str, float | None] = {
+        "overhead_p50_ms": None,
+        "overhead_p99_ms": None,
+        "x_forwarder_overhead": None,
+        "x_aiohttp_forwarder_overhead": None,
+    }
+    base = by_target.get("direct")
+    if base is None or r is base:
+        return out
+    over50 = r["stats"]["p50"] - base["stats"]["p50"]
+    out["overhead_p50_ms"] = round(over50, 3)
+    out["overhead_p99_ms"] = round(r["stats"]["p99"] - base["stats"]["p99"], 3)
+    for key, target in (
+        ("x_forwarder_overhead", "forwarder"),
+        ("x_aiohttp_forwarder_overhead", "forwarder_aiohttp"),
+    ):
+        floor = by_target.get(target)
+        if floor is None or r is floor or r["target"].startswith("forwarder"):
+            continue
+        floor_over = floor["stats"]["p50"] - base["stats"]["p50"]
+        if floor_over > 0:
+            out[key] = round(over50 / floor_over, 2)
+    return out
+
+
 def _latency_rows(result: dict[str, Any]) -> list[dict[str, Any]]:
     rows: list[dict[str, Any]] = []
     groups: dict[str, list[dict[str, Any]]] = {}
@@ -74,39 +101,23 @@ def _latency_rows(result: dict[str, Any]) -> list[dict[str, Any]]:
         groups.setdefault(raw["group"], []).append(raw)
     for group, members in groups.items():
         members.sort(key=lambda r: _ORDER.get(r["target"], 9))
-        by_target = {r["target"]: r for r in members}
         for r in members:
             r["stats"] = stats_ms(r.pop("samples"))
-        base = by_target.get("direct")
-        fwd = by_target.get("forwarder")
-        fwd_over = fwd["stats"]["p50"] - base["stats"]["p50"] if base and fwd else None
+        by_target = {r["target"]: r for r in members}
         for r in members:
-            s = r["stats"]
-            over50 = over99 = ratio = None
-            if base is not None and r is not base:
-                over50 = s["p50"] - base["stats"]["p50"]
-                over99 = s["p99"] - base["stats"]["p99"]
-                if fwd_over and r is not fwd:
-                    ratio = over50 / fwd_over
-            rows.append(
-                {
-                    "group": group,
-                    "scenario": _label(r, group != "1 message"),
-                    "target": r["target"],
-                    "sent_messages": r.get("sent_messages"),
-                    "n": s["n"],
-                    "p50_ms": s["p50"],
-                    "p99_ms": s["p99"],
-                    "overhead_p50_ms": None if over50 is None else round(over50, 3),
-                    "overhead_p99_ms": None if over99 is None else round(over99, 3),
-                    "x_forwarder_overhead": None if ratio is None else round(ratio, 2),
-                    **(
-                        {"cold_first_request_ms": round(r["cold_first_request_ms"], 2)}
-                        if "cold_first_request_ms" in r
-                        else {}
-                    ),
-                }
-            )
+            row = {
+                "group": group,
+                "scenario": _label(r, group != "1 message"),
+                "target": r["target"],
+                "sent_messages": r.get("sent_messages"),
+                "n": r["stats"]["n"],
+                "p50_ms": r["stats"]["p50"],
+                "p99_ms": r["stats"]["p99"],
+                **_overheads(r, by_target),
+            }
+            if "cold_first_request_ms" in r:
+                row["cold_first_request_ms"] = round(r["cold_first_request_ms"], 2)
+            rows.append(row)
     return rows
 
 
@@ -115,30 +126,17 @@ def _stream_rows(result: dict[str, Any]) -> list[dict[str, Any]]:
     for r in result["stream"]:
         r["stats"] = stats_ms(r.pop("samples"))
         r["total_stats"] = stats_ms(r.pop("total_samples"))
-    by = {r["target"]: r for r in result["stream"]}
-    base, fwd = by.get("direct"), by.get("forwarder")
-    fwd_over = fwd["stats"]["p50"] - base["stats"]["p50"] if base and fwd else None
+    by_target = {r["target"]: r for r in result["stream"]}
     for r in sorted(result["stream"], key=lambda r: _ORDER.get(r["target"], 9)):
-        s = r["stats"]
-        over50 = over99 = ratio = None
-        if base is not None and r is not base:
-            over50 = s["p50"] - base["stats"]["p50"]
-            over99 = s["p99"] - base["stats"]["p99"]
-            if fwd_over and r is not fwd:
-                ratio = over50 / fwd_over
-        label = LABELS.get(r["target"], r["target"]) + (
-            ", new conversation" if r["target"] == "gateway" else ""
-        )
+        suffix = ", new conversation" if r["target"] == "gateway" else ""
         rows.append(
             {
-                "scenario": label,
+                "scenario": LABELS.get(r["target"], r["target"]) + suffix,
                 "target": r["target"],
-                "n": s["n"],
-                "ttfc_p50_ms": s["p50"],
-                "ttfc_p99_ms": s["p99"],
-                "overhead_p50_ms": None if over50 is None else round(over50, 3),
-                "overhead_p99_ms": None if over99 is None else round(over99, 3),
-                "x_forwarder_overhead": None if ratio is None else round(ratio, 2),
+                "n": r["stats"]["n"],
+                "ttfc_p50_ms": r["stats"]["p50"],
+                "ttfc_p99_ms": r["stats"]["p99"],
+                **_overheads(r, by_target),
                 "full_stream_p50_ms": r["total_stats"]["p50"],
             }
         )
@@ -184,8 +182,8 @@ def print_report(result: dict[str, Any]) -> dict[str, Any]:
     throughput = _throughput_rows(result)
     gw = result["gateway"]
     width = max(len(r["scenario"]) for r in [*latency, *stream, *throughput]) + 2
-    rule = "-" * (width + 62)
-    heads = (("n", 6), ("p50", 8), ("p99", 8), ("ovh p50", 9), ("ovh p99", 9), ("x fwd", 7))
+    rule = "-" * (width + 69)
+    heads = (("n", 6), ("p50", 8), ("p99", 8), ("ovh p50", 9), ("ovh p99", 9), ("x fwd", 7), ("x aio", 7))
 
     print("\nLatency, sequential non-streaming requests (ms); overhead = target - direct, same messages")
     print(_row("scenario", width, ("sent", 7), *heads, tail="  cold"))
@@ -203,12 +201,13 @@ def print_report(result: dict[str, Any]) -> dict[str, Any]:
             (_fmt(r["overhead_p50_ms"], True), 9),
             (_fmt(r["overhead_p99_ms"], True), 9),
             (_ratio(r["x_forwarder_overhead"]), 7),
+            (_ratio(r["x_aiohttp_forwarder_overhead"]), 7),
         )
         print(_row(r["scenario"], width, *cells, tail=cold))
     print(
-        "sent = messages the mock received (median); ovh = target - direct; x fwd = that p50 overhead /"
-        " the bare (httpx) forwarder's;\ncold = median latency of the first request on a seeded"
-        " conversation (the gateway loads it from disk)"
+        "sent = messages the mock received (median); ovh = target - direct; x fwd / x aio = that p50"
+        " overhead / the bare httpx / aiohttp forwarder's;\ncold = median latency of the first request"
+        " on a seeded conversation (the gateway loads it from disk)"
     )
 
     print("\nStreaming, time to first chunk (ms), 1 message")
@@ -223,6 +222,7 @@ def print_report(result: dict[str, Any]) -> dict[str, Any]:
             (_fmt(r["overhead_p50_ms"], True), 9),
             (_fmt(r["overhead_p99_ms"], True), 9),
             (_ratio(r["x_forwarder_overhead"]), 7),
+            (_ratio(r["x_aiohttp_forwarder_overhead"]), 7),
         )
         print(_row(r["scenario"], width, *cells, tail=f"  {r['full_stream_p50_ms']:.2f}"))
 

@@ -1,0 +1,280 @@
+"""The benchmark's scenarios: what is sent to which target, and what is recorded.
+
+`Bench` holds the targets' ports and collects raw samples (seconds) into `results`, which
+bench/report.py turns into statistics and tables.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import orjson
+from client import Connection, Response
+from procs import HOST
+from seed import user_text
+
+MODEL = "bench-model"
+CHAT = "/v1/chat/completions"
+CONCURRENCY = 32
+
+
+@dataclass(frozen=True)
+class Plan:
+    """Iteration counts (warmup, measured). Sized so the full run stays under 3 minutes."""
+
+    single: tuple[int, int] = (300, 3000)
+    nosync: tuple[int, int] = (200, 1500)
+    # (stored messages, seeded conversations, warmup and measured turns per conversation):
+    # every turn adds 2 messages, so each copy only grows by a few percent while measured.
+    grown: tuple[tuple[int, int, int, int], ...] = (
+        (200, 30, 1, 10),
+        (1_000, 6, 2, 50),
+        (10_000, 1, 5, 300),
+    )
+    stream: tuple[int, int] = (100, 1000)
+    template_turns: int = 150  # real turns the gateway serves first; seeded turns copy them
+    throughput_warmup: int = 500
+    throughput_stateless: int = 3_000
+    conversations_total: int = 10_000  # served before the idle RSS reading
+
+    @classmethod
+    def quick(cls) -> Plan:
+        grown = ((200, 3, 1, 10), (1_000, 2, 1, 10), (10_000, 1, 1, 10))
+        return cls((20, 200), (20, 100), grown, (10, 100), 150, 50, 500, 1_000)
+
+
+def _body(payload: dict[str, Any]) -> bytes:
+    return orjson.dumps(payload)
+
+
+def one_message(i: int, **extra: Any) -> bytes:
+    return _body({"model": MODEL, "messages": [{"role": "user", "content": user_text(i)}], **extra})
+
+
+class Bench:
+    def __init__(
+        self, plan: Plan, ports: dict[str, int], data_dirs: dict[str, Path], litellm_key: str | None
+    ) -> None:
+        self.plan = plan
+        self.ports = ports
+        self.data_dirs = data_dirs
+        self.litellm_key = litellm_key
+        self.results: dict[str, Any] = {"latency": [], "stream": [], "throughput": []}
+        self.served_conversations = 0
+        self._seq = 0
+        self._control: Connection | None = None
+
+    # -- helpers ------------------------------------------------------------------------------
+    def conn(self, target: str) -> Connection:
+        return Connection(HOST, self.ports[target])
+
+    def headers(self, target: str) -> dict[str, str] | None:
+        if target == "litellm" and self.litellm_key:
+            return {"Authorization": f"Bearer {self.litellm_key}"}
+        return None
+
+    def stateless_targets(self) -> list[str]:
+        return [t for t in ("direct", "forwarder", "forwarder_aiohttp", "litellm") if t in self.ports]
+
+    def new_cid(self, prefix: str) -> str:
+        self._seq += 1
+        return f"{prefix}-{self._seq:06d}"
+
+    async def post(self, conn: Connection, target: str, body: bytes) -> Response:
+        r = await conn.request("POST", CHAT, body, self.headers(target))
+        if r.status != 200:
+            raise RuntimeError(f"{target}: HTTP {r.status}: {r.body[:300]!r}")
+        return r
+
+    async def last_upstream_body(self) -> bytes:
+        """The exact body of the last chat request the mock received (untimed)."""
+        if self._control is None:
+            self._control = self.conn("direct")
+        r = await self._control.request("GET", "/_bench/last")
+        return r.body
+
+    def record(self, kind: str, **row: Any) -> None:
+        self.results[kind].append(row)
+
+    # -- scenarios ------------------------------------------------------------------------------
+    async def sequential(self, target: str, make_body: Any, warmup: int, n: int) -> list[float]:
+        conn = self.conn(target)
+        out: list[float] = []
+        for i in range(warmup + n):
+            r = await self.post(conn, target, make_body(i))
+            if i >= warmup:
+                out.append(r.latency)
+        conn.close()
+        return out
+
+    async def single_message(self) -> None:
+        warmup, n = self.plan.single
+        for target in self.stateless_targets():
+            lat = await self.sequential(target, one_message, warmup, n)
+            self.record("latency", group="1 message", target=target, sent_messages=1, samples=lat)
+
+        def new_conversation(prefix: str) -> Any:
+            return lambda i: one_message(i, conversation_id=self.new_cid(prefix))
+
+        lat = await self.sequential("gateway", new_conversation("bench-new"), warmup, n)
+        self.served_conversations += warmup + n
+        self.record(
+            "latency",
+            group="1 message",
+            target="gateway",
+            label="gateway, new conversation",
+            sent_messages=1,
+            samples=lat,
+        )
+        if "gateway_nosync" in self.ports:
+            w, n2 = self.plan.nosync
+            lat = await self.sequential("gateway_nosync", new_conversation("bench-nosync"), w, n2)
+            self.record(
+                "latency",
+                group="1 message",
+                target="gateway_nosync",
+                label="gateway, new conversation, durability=none",
+                sent_messages=1,
+                samples=lat,
+            )
+
+    async def grown(self, size: int, cids: list[str], warmup: int, n: int) -> None:
+        """Conversations pre-grown to `size` messages. Each iteration sends one new message to
+        the gateway, then the exact body the gateway sent upstream to every stateless target.
+        Several seeded copies keep the drift small: each takes `warmup + n` turns only."""
+        gw = self.conn("gateway")
+        conns = {t: self.conn(t) for t in self.stateless_targets()}
+        samples: dict[str, list[float]] = {t: [] for t in ["gateway", *conns]}
+        sent: list[int] = []
+        cold: list[float] = []
+        for cid in cids:
+            i0 = size // 2
+            first = await self.post(gw, "gateway", one_message(i0, conversation_id=cid))
+            cold.append(first.latency)
+            stored = self._stored_messages(first)
+            if stored is not None and stored != size:
+                raise RuntimeError(
+                    f"seeded conversation {cid}: gateway saw {stored} stored messages, not {size}"
+                )
+            for k in range(1, warmup + n + 1):
+                r = await self.post(gw, "gateway", one_message(i0 + k, conversation_id=cid))
+                body = await self.last_upstream_body()
+                measured = k > warmup
+                if measured:
+                    samples["gateway"].append(r.latency)
+                    sent.append(len(orjson.loads(body)["messages"]))
+                for target, conn in conns.items():
+                    rr = await self.post(conn, target, body)
+                    if measured:
+                        samples[target].append(rr.latency)
+        for c in (gw, *conns.values()):
+            c.close()
+        if self._control is not None:
+            self._control.close()
+            self._control = None
+        group = f"{size:,} stored"
+        cold.sort()
+        for target, lat in samples.items():
+            extra: dict[str, Any] = {}
+            if target == "gateway":
+                extra = {
+                    "label": f"gateway, conversation of {size:,} msgs",
+                    "conversations": len(cids),
+                    "cold_first_request_ms": cold[len(cold) // 2] * 1000,
+                }
+            self.record(
+                "latency",
+                group=group,
+                target=target,
+                stored_messages=size,
+                sent_messages=sorted(sent)[len(sent) // 2],
+                sent_messages_range=[min(sent), max(sent)],
+                samples=lat,
+                **extra,
+            )
+
+    def _stored_messages(self, r: Response) -> int | None:
+        """What the gateway's own context snapshot says it loaded (checks the seeded files)."""
+        rid = r.headers.get(b"x-response-id", b"").decode()
+        path = self.data_dirs["gateway"] / "logs" / "responses" / f"{rid}.jsonl"
+        try:
+            for line in path.read_bytes().splitlines():
+                rec = orjson.loads(line)
+                if rec.get("type") == "context" and isinstance(rec.get("stored_messages"), int):
+                    return int(rec["stored_messages"])
+        except (OSError, orjson.JSONDecodeError):
+            pass
+        print(f"  note: could not read the context snapshot of {rid}; seeded size not verified")
+        return None
+
+    async def streaming(self) -> None:
+        warmup, n = self.plan.stream
+        opts = {"stream": True, "stream_options": {"include_usage": True}}
+        for target in [*self.stateless_targets(), "gateway"]:
+            conn = self.conn(target)
+            ttfc: list[float] = []
+            total: list[float] = []
+            for i in range(warmup + n):
+                extra = dict(opts)
+                if target == "gateway":
+                    extra["conversation_id"] = self.new_cid("bench-stream")
+                r = await self.post(conn, target, one_message(i, **extra))
+                if not r.body.rstrip().endswith(b"data: [DONE]"):
+                    raise RuntimeError(f"{target}: stream did not end with [DONE]: {r.body[-200:]!r}")
+                if i >= warmup:
+                    ttfc.append(r.ttfb)
+                    total.append(r.latency)
+            conn.close()
+            if target == "gateway":
+                self.served_conversations += warmup + n
+            self.record("stream", target=target, samples=ttfc, total_samples=total)
+
+    async def _burst(self, target: str, total: int, make_body: Any) -> tuple[float, list[float]]:
+        conns = [self.conn(target) for _ in range(CONCURRENCY)]
+        for c in conns:  # connect before the clock starts
+            await c.request("GET", "/readyz" if target != "litellm" else "/health/liveliness")
+        counter = 0
+        lat: list[float] = []
+
+        async def worker(conn: Connection) -> None:
+            nonlocal counter
+            while counter < total:
+                i = counter
+                counter += 1
+                r = await self.post(conn, target, make_body(i))
+                lat.append(r.latency)
+
+        start = time.perf_counter()
+        await asyncio.gather(*(worker(c) for c in conns))
+        elapsed = time.perf_counter() - start
+        for c in conns:
+            c.close()
+        return elapsed, lat
+
+    async def throughput(self) -> None:
+        plan = self.plan
+        for target in self.stateless_targets():
+            await self._burst(target, plan.throughput_warmup, one_message)
+            elapsed, lat = await self._burst(target, plan.throughput_stateless, one_message)
+            self.record("throughput", target=target, requests=len(lat), seconds=elapsed, samples=lat)
+
+        def fresh(i: int) -> bytes:
+            return one_message(i, conversation_id=self.new_cid("bench-tp"))
+
+        await self._burst("gateway", plan.throughput_warmup, fresh)
+        self.served_conversations += plan.throughput_warmup
+        remaining = max(plan.throughput_stateless, plan.conversations_total - self.served_conversations)
+        elapsed, lat = await self._burst("gateway", remaining, fresh)
+        self.served_conversations += remaining
+        self.record(
+            "throughput",
+            target="gateway",
+            label="gateway, new conversations",
+            requests=len(lat),
+            seconds=elapsed,
+            samples=lat,
+        )
