@@ -47,7 +47,7 @@ _OUTPUT_FIELDS = ("role", "content", "tool_calls", "function_call", "name", "ref
 # Counting more text than this runs in a worker thread, off the event loop.
 _COUNT_OFF_LOOP_CHARS = 20_000
 # A provider reporting fewer prompt tokens than this share of ours probably cut the prompt.
-_TRUNCATION_RATIO = 0.7
+_TRUNCATION_RATIO = 0.6
 _TRUNCATION_MIN_TOKENS = 256
 
 
@@ -292,6 +292,8 @@ class ChatService:
         self.store = store
         self.router = router
         self.summarizer = summarizer or Summarizer(settings, store, router)
+        self._warned_truncation: set[str | None] = set()
+        self.warm_up: asyncio.Future[Any] | None = None  # tokenizer loading, set at startup
 
     # -- preparing ----------------------------------------------------------------------------
     async def prepare(self, request: ChatRequest) -> PreparedTurn:
@@ -307,6 +309,8 @@ class ChatService:
                 await stack.enter_async_context(self.store.lock(cid, self.settings.storage.lock_timeout))
                 view = await self.store.load(cid)
             system_in, rest = split_system(request.messages)
+            if self.warm_up is not None and not self.warm_up.done():
+                await asyncio.shield(self.warm_up)  # never load a tokenizer on the event loop
             encoding, count = counter_for(request.model)
             plan: ContextPlan | None = None
             if cid is None:
@@ -413,11 +417,16 @@ class ChatService:
         hist_tokens = [int(n or 0) for n in view.history_tokens[lower:]]
         clean_new = [clean_message(m) for m in new]
         combined = [*hist, *clean_new]
-        known = {id(m): n for m, n in zip(combined, [*hist_tokens, *new_tokens], strict=True)}
-        conversation = repair_tool_calls(combined)
-        conversation_tokens = [known[id(m)] if id(m) in known else count(m) for m in conversation]
-        new_ids = {id(m) for m in clean_new}
-        first_new = next((i for i, m in enumerate(conversation) if id(m) in new_ids), len(conversation))
+        if any("tool_calls" in m or m.get("role") == "tool" for m in combined):
+            known = {id(m): n for m, n in zip(combined, [*hist_tokens, *new_tokens], strict=True)}
+            conversation = repair_tool_calls(combined)
+            conversation_tokens = [known[id(m)] if id(m) in known else count(m) for m in conversation]
+            new_ids = {id(m) for m in clean_new}
+            first_new = next((i for i, m in enumerate(conversation) if id(m) in new_ids), len(conversation))
+        else:  # no tool calls anywhere: nothing to repair
+            conversation = combined
+            conversation_tokens = [*hist_tokens, *new_tokens]
+            first_new = len(hist)
         window_size = context_window(self.settings, request.model, route.provider, route.model)
         requested = request.body.get("max_completion_tokens") or request.body.get("max_tokens") or 0
         requested = requested if isinstance(requested, int) and requested > 0 else 0
@@ -513,8 +522,18 @@ class ChatService:
             return
         theirs = usage.get("prompt_tokens")
         ours = plan.window.total_tokens
-        if isinstance(theirs, int) and ours >= _TRUNCATION_MIN_TOKENS and theirs < ours * _TRUNCATION_RATIO:
+        details = usage.get("prompt_tokens_details")
+        cached = details.get("cached_tokens") if isinstance(details, dict) else None
+        if not isinstance(theirs, int) or ours < _TRUNCATION_MIN_TOKENS:
+            return
+        # Some servers leave prompt-cache hits out of prompt_tokens: count them back in.
+        seen = theirs + (cached if isinstance(cached, int) and cached > 0 else 0)
+        if seen < ours * _TRUNCATION_RATIO:
             record["upstream_truncation_suspected"] = {"prompt_tokens": theirs, "our_count": ours}
+            if turn.conversation_id in self._warned_truncation:
+                return  # recorded on every response, logged once per conversation
+            if len(self._warned_truncation) < 100_000:
+                self._warned_truncation.add(turn.conversation_id)
             log.warning(
                 orjson.dumps(
                     {

@@ -310,3 +310,53 @@ async def test_context_endpoint_returns_latest_snapshot(tmp_path: Path) -> None:
     assert body["sent_messages"] == 3 and body["included_response_ids"] == [ids[0]]
     assert [m["content"] for m in body["messages"]][-1] == "what is my name?"
     assert body["tokens"]["total"] == sum(v for k, v in body["tokens"].items() if k != "total")
+
+
+async def test_truncation_warning_once_per_conversation_and_cache_hits_count(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    usage = {"prompt_tokens": 100, "completion_tokens": 1, "total_tokens": 101}
+
+    def reply(body: dict[str, Any]) -> Any:
+        return {
+            "id": "x",
+            "object": "chat.completion",
+            "created": 0,
+            "model": "m",
+            "choices": [
+                {"index": 0, "message": {"role": "assistant", "content": "ok"}, "finish_reason": "stop"}
+            ],
+            "usage": dict(usage),
+        }
+
+    store = MemoryStore()
+    app = create_app(make_settings(), store=store, router=Router({"mock": MockUpstream(reply)}, "mock"))
+    ids = []
+    async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://g") as client:
+        for _ in range(3):
+            r = await client.post(
+                "/v1/chat/completions",
+                json={
+                    "model": "mock/m",
+                    "messages": [{"role": "user", "content": "word " * 400}],
+                    "conversation_id": "w",
+                },
+            )
+            ids.append(r.json()["id"])
+        # A server that leaves prompt-cache hits out of prompt_tokens is not truncating.
+        usage["prompt_tokens_details"] = {"cached_tokens": 5000}
+        r = await client.post(
+            "/v1/chat/completions",
+            json={
+                "model": "mock/m",
+                "messages": [{"role": "user", "content": "word " * 400}],
+                "conversation_id": "w",
+            },
+        )
+        ids.append(r.json()["id"])
+    flagged = [
+        any(x.get("upstream_truncation_suspected") for x in store.responses[i] if x["type"] == "response")
+        for i in ids
+    ]
+    assert flagged == [True, True, True, False]
+    assert caplog.text.count("upstream_truncation_suspected") == 1

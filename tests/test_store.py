@@ -623,3 +623,28 @@ async def test_commit_after_an_unseen_append_does_not_corrupt_the_cache(
     view = await jstore.load("conv")
     assert view.response_ids == [r1, r2, r3]
     assert [m["content"] for m in view.history if m["role"] == "user"] == ["one", "two", "three"]
+
+
+async def test_lock_stripes_are_refcounted_within_a_process(jstore: JsonlStore, tmp_path: Path) -> None:
+    """Two conversations hashing to one lock stripe: both may proceed in this process, and
+    another process is kept out until the last of them is released."""
+    import zlib
+
+    from gateway.store.jsonl import LOCK_STRIPES
+
+    def stripe(cid: str) -> int:
+        return zlib.crc32(cid.encode()) % LOCK_STRIPES
+
+    first = "conv-0"
+    second = next(f"conv-{i}" for i in range(1, 100_000) if stripe(f"conv-{i}") == stripe(first))
+    other = JsonlStore(tmp_path / "var")
+    await other.open()
+    async with jstore.lock(first, timeout=1):
+        async with jstore.lock(second, timeout=1):
+            pass  # same stripe, same process: no self-deadlock
+        with pytest.raises(ConversationBusy):
+            async with other.lock(second, timeout=0.2):
+                pass  # the stripe is still held for `first`
+    async with other.lock(second, timeout=1):
+        pass
+    await other.close()

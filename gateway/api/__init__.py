@@ -25,7 +25,16 @@ from gateway.config import Settings, load_settings
 from gateway.exceptions import GatewayError, NotFound
 from gateway.service import ChatService
 from gateway.store import Store, create_store
+from gateway.models import _litellm_windows
 from gateway.tokens import get_encoding
+
+
+def warm_up() -> None:
+    """Load what the first request would otherwise load on the event loop."""
+    get_encoding("cl100k_base")
+    _litellm_windows()
+
+
 from gateway.upstream import Router
 
 log = logging.getLogger("gateway")
@@ -90,8 +99,9 @@ def create_app(
     async def lifespan(app: Starlette) -> AsyncIterator[None]:
         await store.open()
         # Load the default tokenizer in the background: the first request need not pay for it.
-        warm = asyncio.get_running_loop().run_in_executor(None, get_encoding, "cl100k_base")
+        warm = asyncio.get_running_loop().run_in_executor(None, warm_up)
         warm.add_done_callback(lambda f: None if f.cancelled() else f.exception())
+        service.warm_up = warm
         app.state.ready = True
         try:
             yield

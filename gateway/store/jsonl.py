@@ -3,7 +3,7 @@
     {data_dir}/logs/responses/{response_id}.jsonl      request, context, response, commit
     {data_dir}/logs/conversations/{conversation_id}.jsonl  one response id per line
     {data_dir}/logs/summaries/{conversation_id}.jsonl  rolling summary versions (append-only)
-    {data_dir}/locks/{conversation_id}.lock            flock() target shared by worker processes
+    {data_dir}/locks/NNN.lock                          flock() stripes shared by worker processes
 
 A response file is written and fsync'd before its id is appended to the index (then the index
 is fsync'd), so the index never names an incomplete response. Each process caches assembled
@@ -17,6 +17,7 @@ import fcntl
 import logging
 import os
 import weakref
+import zlib
 from collections import OrderedDict
 from collections.abc import AsyncIterator, Callable
 from contextlib import asynccontextmanager
@@ -36,6 +37,10 @@ log = logging.getLogger("gateway.store")
 
 # Conversations bigger than this (index bytes) are loaded in a worker thread.
 _THREAD_LOAD_BYTES = 4096
+# Cross-process lock files: conversation ids hash onto this many, kept open.
+LOCK_STRIPES = 256
+# Context snapshots are the bulk of a response log and are not needed to rebuild history.
+_CONTEXT_PREFIX = b'{"type":"context"'
 
 
 def parse_jsonl(data: bytes, *, path: str = "", start_line: int = 1) -> tuple[list[Any], int]:
@@ -103,23 +108,41 @@ class _JsonlLog(ResponseLog):
         self.path = store.response_path(response_id)
         self._pending: list[bytes] = []
         self._closed = False
+        self._fd = -1
+        self._dir_durable = False
+        first = orjson.dumps(request) + b"\n"
+        # The file is created, and its directory entry made durable, in a worker thread while
+        # the provider works: file creation is slow and erratic on some disks, and the commit
+        # then only waits for the file's data and the index line.
+        self._created: asyncio.Future[None] | None = None
         try:
-            self._fd: int = os.open(self.path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_APPEND, 0o644)
-            os.write(self._fd, orjson.dumps(request) + b"\n")
+            loop = asyncio.get_running_loop()
+        except RuntimeError:
+            self._create(first)
+            return
+        self._created = loop.run_in_executor(None, self._create, first)
+        # An abandoned log may never await it: retrieve its outcome so nothing is left unread.
+        self._created.add_done_callback(lambda f: None if f.cancelled() else f.exception())
+
+    def _create(self, first: bytes) -> None:
+        try:
+            self._fd = os.open(self.path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_APPEND, 0o644)
+            os.write(self._fd, first)
         except OSError as exc:
-            raise StorageError(f"cannot create response log: {exc.strerror}") from exc
-        # The new file's directory entry is made durable while the provider works, so the
-        # commit itself only waits for the file's data and the index line.
-        self._dir_synced: asyncio.Future[None] | None = None
-        if store.fsync:
+            raise StorageError(f"cannot create response log: {exc.strerror or exc}") from exc
+        if self.store.fsync:
+            _fsync_dir(self.store.responses_dir)
+            self._dir_durable = True
+
+    async def _wait_created(self) -> None:
+        if self._created is not None:
             try:
-                loop = asyncio.get_running_loop()
-            except RuntimeError:
-                loop = None
-            if loop is not None:
-                self._dir_synced = loop.run_in_executor(None, _fsync_dir, store.responses_dir)
-                # An abandoned log never awaits it: retrieve its outcome so nothing is left unread.
-                self._dir_synced.add_done_callback(lambda f: None if f.cancelled() else f.exception())
+                await asyncio.shield(self._created)
+            except OSError as exc:
+                # The file exists (or not); only the early directory fsync may have failed.
+                log.warning("early directory fsync failed: %s", exc)
+        if self._fd < 0:
+            raise StorageError("the response log could not be created")
 
     def append(self, record: Record) -> None:
         self._pending.append(orjson.dumps(record) + b"\n")
@@ -131,13 +154,8 @@ class _JsonlLog(ResponseLog):
         data = b"".join(self._pending)
         self._pending.clear()
         store = self.store
+        await self._wait_created()
         if store.fsync:
-            if self._dir_synced is not None:
-                try:
-                    await asyncio.shield(self._dir_synced)
-                except OSError as exc:
-                    self._dir_synced = None  # fsync it again in the commit
-                    log.warning("early directory fsync failed: %s", exc)
             before = await asyncio.shield(asyncio.to_thread(self._commit_sync, data, conversation_id))
         else:
             before = self._commit_sync(data, conversation_id)
@@ -155,7 +173,7 @@ class _JsonlLog(ResponseLog):
                     os.fdatasync(self._fd)
             finally:
                 os.close(self._fd)
-            if store.fsync and self._dir_synced is None:
+            if store.fsync and not self._dir_durable:
                 _fsync_dir(store.responses_dir)
             if store.before_index_append is not None:
                 store.before_index_append(self.response_id)
@@ -181,6 +199,11 @@ class _JsonlLog(ResponseLog):
         if self._closed:
             return
         self._closed = True
+        try:
+            await self._wait_created()
+        except StorageError as exc:
+            log.warning("could not mark %s incomplete: %s", self.response_id, exc.message)
+            return
         self._pending.append(orjson.dumps({"type": "incomplete", "reason": reason, "error": error}) + b"\n")
         try:
             os.write(self._fd, b"".join(self._pending))
@@ -204,6 +227,8 @@ class JsonlStore(Store):
         self.locks_dir = self.root / "locks"
         self.summaries_dir = self.root / "logs" / "summaries"
         self._summaries: dict[str, tuple[int, list[Record]]] = {}
+        self._stripe_fds: dict[int, int] = {}
+        self._stripe_holders: dict[int, int] = {}
         self.fsync = durability == "fsync"
         self.cache_size = cache_size
         self._cache: OrderedDict[str, _Cached] = OrderedDict()
@@ -225,8 +250,19 @@ class JsonlStore(Store):
         return self.responses_dir / f"{response_id}.jsonl"
 
     # -- locking ----------------------------------------------------------------------------
+    def _stripe_fd(self, stripe: int) -> int:
+        fd = self._stripe_fds.get(stripe)
+        if fd is None:
+            fd = os.open(self.locks_dir / f"{stripe:03d}.lock", os.O_RDWR | os.O_CREAT, 0o644)
+            self._stripe_fds[stripe] = fd
+        return fd
+
     @asynccontextmanager
     async def lock(self, conversation_id: str, timeout: float) -> AsyncIterator[None]:
+        """In this process, one asyncio.Lock per conversation (FIFO). Across processes, an
+        flock() on one of LOCK_STRIPES lock files chosen by hashing the id, kept open and held
+        by this process while any of its conversations on that stripe is busy."""
+        check_conversation_id(conversation_id)
         lock = self._locks.get(conversation_id)
         if lock is None:
             lock = asyncio.Lock()
@@ -239,32 +275,46 @@ class JsonlStore(Store):
                 await lock.acquire()
         except TimeoutError:
             raise busy from None
-        fd = -1
+        stripe = zlib.crc32(conversation_id.encode()) % LOCK_STRIPES
+        holding = False
         try:
-            path = self.locks_dir / f"{check_conversation_id(conversation_id)}.lock"
-            fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
-            delay = 0.001
-            while True:
-                try:
-                    fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-                    break
-                except BlockingIOError:
-                    if loop.time() >= deadline:
-                        raise busy from None
-                    await asyncio.sleep(delay)
-                    delay = min(delay * 2, 0.05)
+            if self._stripe_holders.get(stripe, 0) == 0:
+                fd = self._stripe_fd(stripe)
+                delay = 0.0005
+                while True:
+                    try:
+                        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                        break
+                    except BlockingIOError:
+                        if loop.time() >= deadline:
+                            raise busy from None
+                        await asyncio.sleep(delay)
+                        delay = min(delay * 2, 0.02)
+            self._stripe_holders[stripe] = self._stripe_holders.get(stripe, 0) + 1
+            holding = True
             yield
         finally:
-            if fd >= 0:
-                os.close(fd)  # closing releases the flock
+            if holding:
+                self._stripe_holders[stripe] -= 1
+                if self._stripe_holders[stripe] == 0:
+                    fcntl.flock(self._stripe_fds[stripe], fcntl.LOCK_UN)
             lock.release()
 
+    async def close(self) -> None:
+        for fd in self._stripe_fds.values():
+            os.close(fd)
+        self._stripe_fds.clear()
+        self._stripe_holders.clear()
+
     # -- reading ----------------------------------------------------------------------------
-    def _read_records(self, path: Path) -> list[Record]:
+    def _read_records(self, path: Path, *, skip_context: bool = False) -> list[Record]:
         try:
             data = path.read_bytes()
         except FileNotFoundError:
             return []
+        if skip_context and _CONTEXT_PREFIX in data:
+            lines = data.split(b"\n")
+            data = b"\n".join(line for line in lines if not line.startswith(_CONTEXT_PREFIX))
         records, _ = parse_jsonl(data, path=str(path))
         return [r for r in records if isinstance(r, dict)]
 
@@ -291,7 +341,7 @@ class JsonlStore(Store):
                 if entry.get("type") == "reset":
                     cached.view.reset(keep_system_message=bool(entry.get("keep_system_message")))
                 continue
-            turn = turn_from_records(self._read_records(self.response_path(entry)))
+            turn = turn_from_records(self._read_records(self.response_path(entry), skip_context=True))
             if turn is None:
                 log.warning("index %s names %s, which is not committed: skipped", path, entry)
                 continue
