@@ -23,21 +23,19 @@ from gateway.api.conversations import conversation_context
 from gateway.api.http import JSONBody, error_response
 from gateway.config import Settings, load_settings
 from gateway.exceptions import GatewayError, NotFound
+from gateway.models import _litellm_windows
 from gateway.service import ChatService
 from gateway.store import Store, create_store
-from gateway.models import _litellm_windows
 from gateway.tokens import get_encoding
+from gateway.upstream import Router
+
+log = logging.getLogger("gateway")
 
 
 def warm_up() -> None:
     """Load what the first request would otherwise load on the event loop."""
     get_encoding("cl100k_base")
     _litellm_windows()
-
-
-from gateway.upstream import Router
-
-log = logging.getLogger("gateway")
 
 
 async def models(request: Request) -> Response:
