@@ -417,7 +417,8 @@ class ChatService:
         hist_tokens = [int(n or 0) for n in view.history_tokens[lower:]]
         clean_new = [clean_message(m) for m in new]
         combined = [*hist, *clean_new]
-        if any("tool_calls" in m or m.get("role") == "tool" for m in combined):
+        repaired = view.has_tools or any("tool_calls" in m or m.get("role") == "tool" for m in clean_new)
+        if repaired:
             known = {id(m): n for m, n in zip(combined, [*hist_tokens, *new_tokens], strict=True)}
             conversation = repair_tool_calls(combined)
             conversation_tokens = [known[id(m)] if id(m) in known else count(m) for m in conversation]
@@ -445,11 +446,14 @@ class ChatService:
             summary_tokens=count(summary_message) if summary_message else 0,
             omitted_before=lower - covered,
         )
-        positions = {id(m): lower + i for i, m in enumerate(hist)}
-        kept_abs = next(
-            (positions[id(m)] for m in conversation[window.history_start :] if id(m) in positions),
-            len(history),
-        )
+        if repaired:
+            positions = {id(m): lower + i for i, m in enumerate(hist)}
+            kept_abs = next(
+                (positions[id(m)] for m in conversation[window.history_start :] if id(m) in positions),
+                len(history),
+            )
+        else:
+            kept_abs = lower + min(window.history_start, len(hist))
         target = None
         if ctx.strategy == "summarize" and window.omitted > 0 and history:
             # Cover what fell out plus half of what is kept, so the next turns fit too.

@@ -47,7 +47,12 @@ def get_encoding(name: str) -> Any:
     _ensure_cache_dir()
     import tiktoken
 
-    return tiktoken.get_encoding(name)
+    encoding = tiktoken.get_encoding(name)
+    # The Rust core keeps its own copy of the BPE ranks; the Python-side dict (~16 MB for
+    # cl100k_base) is only used by token_byte_values(), which the gateway never calls.
+    if isinstance(getattr(encoding, "_mergeable_ranks", None), dict):
+        encoding._mergeable_ranks = {}
+    return encoding
 
 
 def count_text(text: str, model: str = "") -> int:
@@ -85,3 +90,15 @@ def counter_for(model: str) -> tuple[str, Any]:
         return count_message(message, model)
 
     return name, count
+
+
+def release_free_memory() -> None:
+    """Give freed heap back to the OS after loading tokenizers (glibc only; else a no-op)."""
+    import ctypes
+    import gc
+
+    gc.collect()
+    try:
+        ctypes.CDLL("libc.so.6").malloc_trim(0)
+    except (OSError, AttributeError):
+        pass

@@ -26,7 +26,7 @@ from gateway.exceptions import GatewayError, NotFound
 from gateway.models import _litellm_windows
 from gateway.service import ChatService
 from gateway.store import Store, create_store
-from gateway.tokens import get_encoding
+from gateway.tokens import get_encoding, release_free_memory
 from gateway.upstream import Router
 
 log = logging.getLogger("gateway")
@@ -36,6 +36,7 @@ def warm_up() -> None:
     """Load what the first request would otherwise load on the event loop."""
     get_encoding("cl100k_base")
     _litellm_windows()
+    release_free_memory()
 
 
 async def models(request: Request) -> Response:

@@ -112,6 +112,7 @@ class ConversationView:
     system_tokens: list[int | None] | None = None
     encoding: str | None = None
     needs_count: bool = False
+    has_tools: bool = False  # any tool call or result in history: the window must repair
     history_end: dict[str, int] = field(default_factory=dict)  # response id -> end in history
     _keys: dict[str, list[bytes]] = field(default_factory=dict)
 
@@ -138,9 +139,13 @@ class ConversationView:
             if is_feedback(m):
                 continue
             self.history.append(clean_message(m))
+            if m.get("role") == "tool" or "tool_calls" in m:
+                self.has_tools = True
             self.history_owner.append(turn.response_id)
             self.history_tokens.append(counts_in[i] if counts_in is not None and i < len(counts_in) else None)
         self.history.append(turn.output)
+        if "tool_calls" in turn.output:
+            self.has_tools = True
         self.history_owner.append(turn.response_id)
         self.history_tokens.append(turn.output_tokens if same_encoding else None)
         self.history_end[turn.response_id] = len(self.history)
@@ -153,6 +158,7 @@ class ConversationView:
         self.history_owner = []
         self.history_tokens = []
         self.history_end = {}
+        self.has_tools = False
         self.transcript = []
         self.response_ids = []
         self.turns = 0

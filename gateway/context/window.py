@@ -77,14 +77,11 @@ def fit_window(
     ContextLengthExceeded when even the fixed part (system, summary, recap, current request)
     does not fit the budget.
     """
-    units = tool_units(conversation)
-    # The current request, plus any stored unit it continues (tool results answering it).
-    pinned_from = len(conversation)
-    for start, end in reversed(units):
-        if end > first_new:
-            pinned_from = start
-        else:
-            break
+    n = len(conversation)
+    # The current request, plus the stored tool-call message its tool results answer.
+    pinned_from = min(first_new, n)
+    while 0 < pinned_from < n and conversation[pinned_from].get("role") == "tool":
+        pinned_from -= 1
     pinned_tokens = sum(conversation_tokens[pinned_from:])
     fixed = REQUEST_OVERHEAD_TOKENS + sum(system_tokens) + summary_tokens + recap_tokens + pinned_tokens
     if fixed > budget:
@@ -93,32 +90,30 @@ def fit_window(
             "model's context window allows (context window minus reserve_tokens); shorten it",
             param="messages",
         )
-    history_units = [u for u in units if u[1] <= pinned_from]
+    # Walk back from the newest stored message, a whole unit at a time (tool results belong
+    # to the assistant message before them). Room is kept for the widest possible marker.
+    marker_bound = marker_tokens(omitted_before + pinned_from)
+    room = budget - fixed
     kept_from = pinned_from
     used = 0
     kept_messages = 0
-    for start, end in reversed(history_units):
-        cost = sum(conversation_tokens[start:end])
+    end = pinned_from
+    while end > 0:
+        start = end - 1
+        cost = conversation_tokens[start]
+        while start > 0 and conversation[start].get("role") == "tool":
+            start -= 1
+            cost += conversation_tokens[start]
         size = end - start
-        omitted_after = omitted_before + start  # still omitted if we keep this unit
-        marker = marker_tokens(omitted_after) if omitted_after else 0
-        if kept_messages + size > max_history_messages or fixed + used + cost + marker > budget:
+        marker = marker_bound if omitted_before + start else 0
+        if kept_messages + size > max_history_messages or used + cost + marker > room:
             break
         used += cost
         kept_messages += size
         kept_from = start
+        end = start
     omitted = omitted_before + kept_from
     marker_cost = marker_tokens(omitted) if omitted else 0
-    if omitted and fixed + used + marker_cost > budget:
-        # Dropping the oldest kept unit makes room for the marker (rare: the marker is tiny).
-        for start, end in history_units:
-            if start >= kept_from:
-                used -= sum(conversation_tokens[start:end])
-                kept_from = end
-                omitted = omitted_before + end
-                marker_cost = marker_tokens(omitted)
-                if fixed + used + marker_cost <= budget:
-                    break
     if omitted and fixed + marker_cost > budget:
         raise ContextLengthExceeded(
             f"This request needs {fixed + marker_cost} tokens before any history, more than the "
