@@ -155,7 +155,9 @@ class _JsonlLog(ResponseLog):
         self._pending.clear()
         store = self.store
         await self._wait_created()
-        if store.fsync:
+        cached = store._cache.get(conversation_id) if conversation_id is not None else None
+        if store.fsync or (conversation_id is not None and (cached is None or cached.size == 0)):
+            # Waiting on the disk (fsync, or creating a new index file) happens off the loop.
             before = await asyncio.shield(asyncio.to_thread(self._commit_sync, data, conversation_id))
         else:
             before = self._commit_sync(data, conversation_id)
