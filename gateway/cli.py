@@ -100,7 +100,8 @@ def _render_turn(turn: Turn, model: str = "") -> str:
             _render_message(m, tokens=count_message(m, model), note="new system prompt") for m in turn.system
         ]
     lines += [_render_message(m, tokens=count_message(m, model)) for m in turn.input]
-    lines.append(_render_message(turn.output, tokens=count_message(turn.output, model)))
+    if turn.output is not None:
+        lines.append(_render_message(turn.output, tokens=count_message(turn.output, model)))
     return "\n".join(lines)
 
 
@@ -264,7 +265,7 @@ def show(settings: Settings, *, config_path: str | None, conversation_id: str, a
             click.echo(click.style(f"── {turn.response_id} (feedback turn: not replayed)", dim=True))
             continue
         click.echo(click.style(f"── {turn.response_id}", dim=True))
-        for m in [*turn.input, turn.output]:
+        for m in [*turn.input, *([turn.output] if turn.output is not None else [])]:
             if m.get("is_feedback"):
                 click.echo(_render_message(m, note="not replayed"))
                 continue

@@ -60,6 +60,7 @@ class StorageSettings(_Section):
     durability: Literal["fsync", "none"] = "fsync"
     dsn: str = ""
     lock_timeout: Duration = 30.0
+    archive_deleted: bool = False
     cache_conversations: int = Field(1024, ge=0)
 
 

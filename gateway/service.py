@@ -186,6 +186,8 @@ class PreparedTurn:
     new_tokens: list[int] | None = None
     system_tokens: list[int] | None = None
     plan: ContextPlan | None = None
+    store: Store | None = None
+    created: float | None = None
 
     @property
     def conversation_id(self) -> str | None:
@@ -285,18 +287,15 @@ SSE_DONE = b"data: [DONE]\n\n"
 
 
 class ChatService:
-    def __init__(
-        self, settings: Settings, store: Store, router: Router, summarizer: Summarizer | None = None
-    ) -> None:
+    def __init__(self, settings: Settings, router: Router, summarizer: Summarizer | None = None) -> None:
         self.settings = settings
-        self.store = store
         self.router = router
-        self.summarizer = summarizer or Summarizer(settings, store, router)
+        self.summarizer = summarizer or Summarizer(settings, router)
         self._warned_truncation: set[str | None] = set()
         self.warm_up: asyncio.Future[Any] | None = None  # tokenizer loading, set at startup
 
     # -- preparing ----------------------------------------------------------------------------
-    async def prepare(self, request: ChatRequest) -> PreparedTurn:
+    async def prepare(self, request: ChatRequest, store: Store) -> PreparedTurn:
         """Lock and load the conversation, fit the window, and open the response log.
         The caller must `close` the returned turn."""
         route = self.router.resolve(request.model)
@@ -306,8 +305,8 @@ class ChatService:
             cid = request.conversation_id
             view = ConversationView()
             if cid is not None:
-                await stack.enter_async_context(self.store.lock(cid, self.settings.storage.lock_timeout))
-                view = await self.store.load(cid)
+                await stack.enter_async_context(store.lock(cid, self.settings.storage.lock_timeout))
+                view = await store.load(cid)
             system_in, rest = split_system(request.messages)
             if self.warm_up is not None and not self.warm_up.done():
                 await asyncio.shield(self.warm_up)  # never load a tokenizer on the event loop
@@ -325,7 +324,17 @@ class ChatService:
                 )
                 system_tokens = [count(m) for m in system_in] if system_in else None
                 plan = await self._plan(
-                    request, route, view, cid, system_in, system_tokens, new, new_tokens, encoding, count
+                    request,
+                    route,
+                    view,
+                    store,
+                    cid,
+                    system_in,
+                    system_tokens,
+                    new,
+                    new_tokens,
+                    encoding,
+                    count,
                 )
                 sent = plan.window.messages
             stored_system = system_in if system_in and system_in != view.system else None
@@ -353,7 +362,7 @@ class ChatService:
                 record["input_tokens"] = new_tokens
                 if stored_system is not None:
                     record["system_tokens"] = system_tokens
-            response_log = self.store.start(response_id, record)
+            response_log = store.start(response_id, record)
             if plan is not None:
                 response_log.append(plan.snapshot(view, len(new), sent))
             else:
@@ -373,6 +382,8 @@ class ChatService:
             turn.new_tokens = new_tokens
             turn.system_tokens = system_tokens if stored_system is not None else None
             turn.plan = plan
+            turn.store = store
+            turn.created = record["created"]
             return turn
         except BaseException:
             await stack.aclose()
@@ -383,6 +394,7 @@ class ChatService:
         request: ChatRequest,
         route: Route,
         view: ConversationView,
+        store: Store,
         cid: str,
         system_in: list[Message],
         system_in_tokens: list[int] | None,
@@ -406,7 +418,7 @@ class ChatService:
             system_tokens = [int(n or 0) for n in (view.system_tokens or [])]
         summary = None
         if ctx.strategy == "summarize":
-            summary = current_summary(await self.store.read_summaries(cid), view)
+            summary = current_summary(await store.read_summaries(cid), view)
         covered = summary.covered if summary else 0
         history = view.history
         # Only the newest max_history_messages can be sent: never touch more than that.
@@ -487,6 +499,7 @@ class ChatService:
             input_tokens=tuple(turn.new_tokens) if turn.new_tokens is not None else None,
             output_tokens=output_tokens,
             system_tokens=tuple(turn.system_tokens) if turn.system_tokens is not None else None,
+            created=turn.created,
         )
         # Shielded: a client disconnect must never interrupt the write of an answered turn.
         turn.commit_task = asyncio.ensure_future(
@@ -515,8 +528,10 @@ class ChatService:
         plan = turn.plan
         task = turn.commit_task
         committed = task is not None and task.done() and not task.cancelled() and task.exception() is None
-        if plan is not None and plan.summary_target and turn.conversation_id and committed:
-            self.summarizer.schedule(turn.conversation_id, plan.summary_target, turn.request.model)
+        if plan is not None and plan.summary_target and turn.conversation_id and committed and turn.store:
+            self.summarizer.schedule(
+                turn.store, turn.conversation_id, plan.summary_target, turn.request.model
+            )
 
     def _check_upstream_truncation(self, turn: PreparedTurn, record: dict[str, Any]) -> None:
         """Flag a provider that silently dropped part of the prompt (e.g. Ollama's num_ctx)."""

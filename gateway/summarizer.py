@@ -94,25 +94,25 @@ class Summarizer:
     def __init__(
         self,
         settings: Settings,
-        store: Store,
         router: Router,
         *,
         sleep: Callable[[float], Awaitable[None]] = asyncio.sleep,
     ) -> None:
         self.settings = settings
-        self.store = store
         self.router = router
         self.sleep = sleep
-        self._tasks: dict[str, asyncio.Task[None]] = {}
-        self._targets: dict[str, tuple[str, str]] = {}  # cid -> (covers_through, model)
-        self.failures: dict[str, int] = {}
+        # Keyed by (store, conversation): every tenant has its own store.
+        self._tasks: dict[tuple[int, str], asyncio.Task[None]] = {}
+        self._targets: dict[tuple[int, str], tuple[str, str]] = {}  # -> (covers_through, model)
+        self.failures: dict[tuple[int, str], int] = {}
 
-    def schedule(self, conversation_id: str, covers_through: str, model: str) -> None:
+    def schedule(self, store: Store, conversation_id: str, covers_through: str, model: str) -> None:
         """Ask for coverage through `covers_through`; one task per conversation folds it."""
-        self._targets[conversation_id] = (covers_through, self.settings.context.summary_model or model)
-        task = self._tasks.get(conversation_id)
+        key = (id(store), conversation_id)
+        self._targets[key] = (covers_through, self.settings.context.summary_model or model)
+        task = self._tasks.get(key)
         if task is None or task.done():
-            self._tasks[conversation_id] = asyncio.create_task(self._run(conversation_id))
+            self._tasks[key] = asyncio.create_task(self._run(store, conversation_id))
 
     async def wait_idle(self) -> None:
         while any(not t.done() for t in self._tasks.values()):
@@ -123,25 +123,26 @@ class Summarizer:
             task.cancel()
         await asyncio.gather(*self._tasks.values(), return_exceptions=True)
 
-    async def _run(self, cid: str) -> None:
+    async def _run(self, store: Store, cid: str) -> None:
+        key = (id(store), cid)
         attempt = 0
-        while cid in self._targets:
-            target, model = self._targets[cid]
+        while key in self._targets:
+            target, model = self._targets[key]
             try:
-                await self._fold(cid, target, model)
-                if self._targets.get(cid) == (target, model):
-                    del self._targets[cid]
-                self.failures.pop(cid, None)
+                await self._fold(store, cid, target, model)
+                if self._targets.get(key) == (target, model):
+                    del self._targets[key]
+                self.failures.pop(key, None)
                 attempt = 0
             except asyncio.CancelledError:
                 raise
             except Exception as exc:  # noqa: BLE001 - recorded, retried, never raised
                 attempt += 1
-                self.failures[cid] = self.failures.get(cid, 0) + 1
+                self.failures[key] = self.failures.get(key, 0) + 1
                 message = getattr(exc, "message", None) or repr(exc)
                 log.warning("summary of %s failed (attempt %d): %s", cid, attempt, message)
                 try:
-                    await self.store.append_summary(
+                    await store.append_summary(
                         cid,
                         {
                             "type": "summary_failed",
@@ -153,15 +154,15 @@ class Summarizer:
                 except Exception:  # noqa: BLE001
                     pass
                 if attempt >= MAX_ATTEMPTS:
-                    self._targets.pop(cid, None)
+                    self._targets.pop(key, None)
                     return
                 await self.sleep(min(2.0 ** (attempt - 1), 60.0))
 
-    async def _fold(self, cid: str, target: str, model: str) -> None:
+    async def _fold(self, store: Store, cid: str, target: str, model: str) -> None:
         encoding = encoding_name_for(model)
-        async with self.store.lock(cid, self.settings.storage.lock_timeout):
-            view = await self.store.load(cid)
-            records = await self.store.read_summaries(cid)
+        async with store.lock(cid, self.settings.storage.lock_timeout):
+            view = await store.load(cid)
+            records = await store.read_summaries(cid)
             summary = current_summary(records, view)
             end = view.history_end.get(target)
             if end is None:
@@ -208,7 +209,7 @@ class Summarizer:
             reply = ((completion.get("choices") or [{}])[0].get("message") or {}).get("content") or ""
             text = truncate_text(str(reply).strip(), cap, model)
             version += 1
-            await self.store.append_summary(
+            await store.append_summary(
                 cid,
                 {
                     "type": "summary",

@@ -14,18 +14,20 @@ from typing import Any
 
 from starlette.applications import Starlette
 from starlette.exceptions import HTTPException
+from starlette.middleware import Middleware
 from starlette.requests import Request
 from starlette.responses import Response
 from starlette.routing import Route
 
 from gateway.api.chat import chat_completions
-from gateway.api.conversations import conversation_context
+from gateway.api import conversations as conv
 from gateway.api.http import JSONBody, error_response
 from gateway.config import Settings, load_settings
 from gateway.exceptions import GatewayError, NotFound
 from gateway.models import _litellm_windows
 from gateway.service import ChatService
-from gateway.store import Store, create_store
+from gateway.store import Store, StoreRegistry
+from gateway.tenants import DEFAULT_TENANT, AuthMiddleware, Tenants
 from gateway.tokens import get_encoding, release_free_memory
 from gateway.upstream import Router
 
@@ -89,14 +91,14 @@ def create_app(
     router: Router | None = None,
 ) -> Starlette:
     settings = settings or load_settings()
-    store = store or create_store(settings)
+    stores = StoreRegistry(settings, default=store)
     router = router or Router.from_settings(settings)
-
-    service = ChatService(settings, store, router)
+    tenants = Tenants.from_settings(settings)
+    service = ChatService(settings, router)
 
     @asynccontextmanager
     async def lifespan(app: Starlette) -> AsyncIterator[None]:
-        await store.open()
+        await stores.get(DEFAULT_TENANT)
         # Load the default tokenizer in the background: the first request need not pay for it.
         warm = asyncio.get_running_loop().run_in_executor(None, warm_up)
         warm.add_done_callback(lambda f: None if f.cancelled() else f.exception())
@@ -108,19 +110,31 @@ def create_app(
             app.state.ready = False
             await service.summarizer.aclose()
             await router.aclose()
-            await store.close()
+            await stores.close()
 
     routes = [
         Route("/v1/chat/completions", chat_completions, methods=["POST"]),
         Route("/chat/completions", chat_completions, methods=["POST"]),
         Route("/v1/models", models, methods=["GET"]),
-        Route("/v1/conversations/{conversation_id}/context", conversation_context, methods=["GET"]),
+        Route("/v1/conversations", conv.create_conversation, methods=["POST"]),
+        Route("/v1/conversations", conv.list_conversations, methods=["GET"]),
+        Route("/v1/conversations/{conversation_id}", conv.get_conversation, methods=["GET"]),
+        Route("/v1/conversations/{conversation_id}", conv.update_conversation, methods=["POST"]),
+        Route("/v1/conversations/{conversation_id}", conv.delete_conversation, methods=["DELETE"]),
+        Route("/v1/conversations/{conversation_id}/reset", conv.reset_conversation, methods=["POST"]),
+        Route("/v1/conversations/{conversation_id}/context", conv.conversation_context, methods=["GET"]),
+        Route("/v1/conversations/{conversation_id}/items", conv.list_items, methods=["GET"]),
+        Route("/v1/conversations/{conversation_id}/items", conv.create_items, methods=["POST"]),
+        Route("/v1/conversations/{conversation_id}/items/{item_id}", conv.get_item, methods=["GET"]),
+        Route("/v1/conversations/{conversation_id}/items/{item_id}", conv.delete_item, methods=["DELETE"]),
+        Route("/v1/responses/{response_id}", conv.get_response, methods=["GET"]),
         Route("/healthz", healthz, methods=["GET"]),
         Route("/readyz", readyz, methods=["GET"]),
     ]
     app = Starlette(
         routes=routes,
         lifespan=lifespan,
+        middleware=[Middleware(AuthMiddleware, tenants=tenants)],
         exception_handlers={
             GatewayError: _gateway_error,
             HTTPException: _http_error,
@@ -128,7 +142,8 @@ def create_app(
         },
     )
     app.state.settings = settings
-    app.state.store = store
+    app.state.stores = stores
+    app.state.tenants = tenants
     app.state.router = router
     app.state.service = service
     app.state.started = time.time()

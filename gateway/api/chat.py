@@ -10,7 +10,14 @@ import orjson
 from starlette.requests import Request
 from starlette.responses import Response
 
-from gateway.api.http import ClientDisconnected, JSONBody, SSEResponse, read_json, until_disconnect
+from gateway.api.http import (
+    ClientDisconnected,
+    JSONBody,
+    SSEResponse,
+    read_json,
+    store_for,
+    until_disconnect,
+)
 from gateway.exceptions import GatewayError
 from gateway.service import ChatRequest, ChatService, PreparedTurn
 
@@ -53,7 +60,7 @@ async def chat_completions(request: Request) -> Response:
     service: ChatService = request.app.state.service
     body = await read_json(request, service.settings.server.max_body_bytes)
     chat = ChatRequest.parse(body, header_conversation_id=request.headers.get("x-conversation-id"))
-    turn = await service.prepare(chat)
+    turn = await service.prepare(chat, await store_for(request))
     if not chat.stream:
         try:
             result = await until_disconnect(service.complete(turn), request.receive)

@@ -13,6 +13,7 @@ from starlette.responses import Response
 from starlette.types import Receive, Scope, Send
 
 from gateway.exceptions import BodyTooLarge, GatewayError, InvalidRequest
+from gateway.store import Store, StoreRegistry
 
 T = TypeVar("T")
 
@@ -28,7 +29,13 @@ def error_response(exc: GatewayError) -> Response:
     return JSONBody(exc.to_dict(), status_code=exc.status_code, headers=exc.headers())
 
 
-async def read_json(request: Request, limit: int) -> Any:
+async def store_for(request: Request) -> Store:
+    """This request's tenant's store (the auth middleware has resolved the tenant)."""
+    stores: StoreRegistry = request.app.state.stores
+    return await stores.get(request.scope.get("gateway.tenant", ""))
+
+
+async def read_json(request: Request, limit: int, *, allow_empty: bool = False) -> Any:
     """The request body decoded, refusing bodies over `limit` bytes before reading them whole."""
     declared = request.headers.get("content-length")
     if declared is not None and declared.isdigit() and int(declared) > limit:
@@ -41,6 +48,8 @@ async def read_json(request: Request, limit: int) -> Any:
             raise BodyTooLarge(f"Request body exceeds the limit of {limit} bytes")
         parts.append(chunk)
     data = b"".join(parts)
+    if not data and allow_empty:
+        return {}
     if not data:
         raise InvalidRequest("The request body is empty; a JSON object is expected")
     try:

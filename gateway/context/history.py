@@ -65,19 +65,26 @@ def message_key(message: Message) -> bytes:
     return orjson.dumps(canon, option=orjson.OPT_SORT_KEYS)
 
 
+def item_key(response_id: str, position: int) -> str:
+    """Identity of a stored message: its response and its position in input + [output]
+    (system prompt messages have negative positions: -1, -2, ...)."""
+    return f"{response_id}#{position}"
+
+
 @dataclass(frozen=True, slots=True)
 class Turn:
     """One acknowledged exchange: the new input messages and the assistant's reply."""
 
     response_id: str
     input: tuple[Message, ...]
-    output: Message
+    output: Message | None  # None for items added through the Conversations API
     system: tuple[Message, ...] | None = None  # set when this turn replaced the system prompt
     # Token counts made once, when the turn was stored, with `encoding` (None: not counted).
     encoding: str | None = None
     input_tokens: tuple[int, ...] | None = None
     output_tokens: int | None = None
     system_tokens: tuple[int, ...] | None = None
+    created: float | None = None
 
     @property
     def is_feedback_only(self) -> bool:
@@ -114,20 +121,31 @@ class ConversationView:
     needs_count: bool = False
     has_tools: bool = False  # any tool call or result in history: the window must repair
     history_end: dict[str, int] = field(default_factory=dict)  # response id -> end in history
+    # Where each history message sits in its response (position in input + [output]), which
+    # is what a Conversations API item id names; and who set the system prompt.
+    history_pos: list[int] = field(default_factory=list)
+    system_owner: str | None = None
+    created_at: float | None = None
+    metadata: dict[str, Any] = field(default_factory=dict)
+    deleted_items: set[str] = field(default_factory=set)
     _keys: dict[str, list[bytes]] = field(default_factory=dict)
 
     def extend(self, turn: Turn) -> None:
+        if self.created_at is None and turn.created is not None:
+            self.created_at = turn.created
         same_encoding = turn.encoding is not None and turn.encoding == self.encoding
         if self.encoding is None and turn.encoding is not None and not self.history:
             self.encoding = turn.encoding
             same_encoding = True
         if turn.system is not None:
             self.system = list(turn.system)
+            self.system_owner = turn.response_id
             counts = turn.system_tokens if same_encoding else None
             self.system_tokens = list(counts) if counts is not None else [None] * len(turn.system)
             self.needs_count = self.needs_count or counts is None
         self.transcript.extend(clean_message(m) for m in turn.input)
-        self.transcript.append(turn.output)
+        if turn.output is not None:
+            self.transcript.append(turn.output)
         self.turns += 1
         self.response_ids.append(turn.response_id)
         if turn.is_feedback_only:
@@ -135,20 +153,58 @@ class ConversationView:
         counts_in = turn.input_tokens if same_encoding and turn.input_tokens is not None else None
         if counts_in is None or turn.output_tokens is None or not same_encoding:
             self.needs_count = True
+        deleted = self.deleted_items
         for i, m in enumerate(turn.input):
-            if is_feedback(m):
+            if is_feedback(m) or (deleted and item_key(turn.response_id, i) in deleted):
                 continue
             self.history.append(clean_message(m))
             if m.get("role") == "tool" or "tool_calls" in m:
                 self.has_tools = True
             self.history_owner.append(turn.response_id)
+            self.history_pos.append(i)
             self.history_tokens.append(counts_in[i] if counts_in is not None and i < len(counts_in) else None)
-        self.history.append(turn.output)
-        if "tool_calls" in turn.output:
-            self.has_tools = True
-        self.history_owner.append(turn.response_id)
-        self.history_tokens.append(turn.output_tokens if same_encoding else None)
+        out = turn.output
+        if out is not None and not (deleted and item_key(turn.response_id, len(turn.input)) in deleted):
+            self.history.append(out)
+            if "tool_calls" in out:
+                self.has_tools = True
+            self.history_owner.append(turn.response_id)
+            self.history_pos.append(len(turn.input))
+            self.history_tokens.append(turn.output_tokens if same_encoding else None)
         self.history_end[turn.response_id] = len(self.history)
+
+    def apply_marker(self, marker: dict[str, Any]) -> None:
+        """Index lines that are not response ids: creation, metadata, resets, item deletions."""
+        kind = marker.get("type")
+        if kind == "reset":
+            self.reset(keep_system_message=bool(marker.get("keep_system_message")))
+        elif kind in ("conversation", "metadata"):
+            if kind == "conversation" and self.created_at is None:
+                created = marker.get("created_at")
+                self.created_at = float(created) if isinstance(created, int | float) else None
+            if isinstance(marker.get("metadata"), dict):
+                self.metadata = dict(marker["metadata"])
+        elif kind == "delete_item":
+            rid, pos = marker.get("response_id"), marker.get("position")
+            if isinstance(rid, str) and isinstance(pos, int):
+                self.delete_item(rid, pos)
+
+    def delete_item(self, response_id: str, position: int) -> None:
+        self.deleted_items.add(item_key(response_id, position))
+        if position < 0 and self.system_owner == response_id:
+            self.system = None
+            self.system_tokens = None
+            self.system_owner = None
+            return
+        for i in range(len(self.history) - 1, -1, -1):
+            if self.history_owner[i] == response_id and self.history_pos[i] == position:
+                for column in (self.history, self.history_owner, self.history_pos, self.history_tokens):
+                    del column[i]
+                self._keys.pop("history", None)
+                self.history_end = {}
+                for j, owner in enumerate(self.history_owner):
+                    self.history_end[owner] = j + 1
+                return
 
     def reset(self, *, keep_system_message: bool) -> None:
         if not keep_system_message:
@@ -158,7 +214,10 @@ class ConversationView:
         self.history_owner = []
         self.history_tokens = []
         self.history_end = {}
+        self.history_pos = []
         self.has_tools = False
+        if not keep_system_message:
+            self.system_owner = None
         self.transcript = []
         self.response_ids = []
         self.turns = 0

@@ -15,6 +15,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from gateway.context.history import ConversationView, Turn
+from gateway.exceptions import NotFound
 
 Record = dict[str, Any]
 
@@ -78,6 +79,23 @@ class Store(ABC):
     @abstractmethod
     async def read_index(self, conversation_id: str) -> list[str | Record]:
         """The raw index entries (response ids and marker records); NotFound if none."""
+
+    @abstractmethod
+    async def append_marker(self, conversation_id: str, marker: Record) -> None:
+        """Append a marker (creation, metadata, reset, item deletion) to the index durably.
+        Call under `lock`; creates the conversation if it does not exist."""
+
+    @abstractmethod
+    async def delete_conversation(self, conversation_id: str, *, archive: bool = False) -> bool:
+        """Remove (or archive) the index, its responses and summaries. Call under `lock`.
+        False if there was no such conversation."""
+
+    async def exists(self, conversation_id: str) -> bool:
+        try:
+            await self.read_index(conversation_id)
+        except NotFound:
+            return False
+        return True
 
     @abstractmethod
     async def append_summary(self, conversation_id: str, record: Record) -> None:

@@ -228,6 +228,7 @@ class JsonlStore(Store):
         self.conversations_dir = self.root / "logs" / "conversations"
         self.locks_dir = self.root / "locks"
         self.summaries_dir = self.root / "logs" / "summaries"
+        self.archive_dir = self.root / "archive"
         self._summaries: dict[str, tuple[int, list[Record]]] = {}
         self._stripe_fds: dict[int, int] = {}
         self._stripe_holders: dict[int, int] = {}
@@ -340,8 +341,7 @@ class JsonlStore(Store):
             os.truncate(path, cached.size + consumed)
         for entry in entries:
             if isinstance(entry, dict):
-                if entry.get("type") == "reset":
-                    cached.view.reset(keep_system_message=bool(entry.get("keep_system_message")))
+                cached.view.apply_marker(entry)
                 continue
             turn = turn_from_records(self._read_records(self.response_path(entry), skip_context=True))
             if turn is None:
@@ -406,6 +406,76 @@ class JsonlStore(Store):
             raise NotFound(f"No conversation {conversation_id!r}", param="conversation_id") from None
         entries, _ = parse_index(data, path=str(path))
         return entries
+
+    async def append_marker(self, conversation_id: str, marker: Record) -> None:
+        path = self.index_path(conversation_id)
+        line = orjson.dumps(marker) + b"\n"
+
+        def write() -> int:
+            fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
+            try:
+                before = os.fstat(fd).st_size
+                os.write(fd, line)
+                if self.fsync:
+                    os.fdatasync(fd)
+            finally:
+                os.close(fd)
+            if before == 0 and self.fsync:
+                _fsync_dir(self.conversations_dir)
+            return before
+
+        try:
+            before = await asyncio.to_thread(write)
+        except OSError as exc:
+            self._forget(conversation_id)
+            raise StorageError(f"could not record the change durably: {exc.strerror or exc}") from exc
+        cached = self._cache.get(conversation_id)
+        if cached is not None and cached.size == before:
+            cached.size += len(line)
+            cached.view.apply_marker(marker)
+        else:
+            self._forget(conversation_id)
+
+    async def delete_conversation(self, conversation_id: str, *, archive: bool = False) -> bool:
+        index = self.index_path(conversation_id)
+        summaries = self.summary_path(conversation_id)
+        self._forget(conversation_id)
+        self._summaries.pop(conversation_id, None)
+
+        def remove() -> bool:
+            try:
+                data = index.read_bytes()
+            except FileNotFoundError:
+                return False
+            entries, _ = parse_index(data, path=str(index))
+            ids = [e for e in entries if isinstance(e, str)]
+            if archive:
+                folder = self.archive_dir / f"{conversation_id}-{int(now() * 1000)}"
+                (folder / "responses").mkdir(parents=True, exist_ok=True)
+                # The index goes first (one rename): from then on the conversation is gone.
+                os.replace(index, folder / "conversation.jsonl")
+                if summaries.exists():
+                    os.replace(summaries, folder / "summaries.jsonl")
+                for rid in ids:
+                    try:
+                        os.replace(self.response_path(rid), folder / "responses" / f"{rid}.jsonl")
+                    except FileNotFoundError:
+                        pass
+            else:
+                os.unlink(index)
+                for path in [summaries, *(self.response_path(rid) for rid in ids)]:
+                    try:
+                        os.unlink(path)
+                    except FileNotFoundError:
+                        pass
+            if self.fsync:
+                _fsync_dir(self.conversations_dir)
+            return True
+
+        try:
+            return await asyncio.to_thread(remove)
+        except OSError as exc:
+            raise StorageError(f"could not delete the conversation: {exc.strerror or exc}") from exc
 
     def summary_path(self, conversation_id: str) -> Path:
         return self.summaries_dir / f"{check_conversation_id(conversation_id)}.jsonl"

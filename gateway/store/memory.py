@@ -49,6 +49,7 @@ class MemoryStore(Store):
         self.indexes: dict[str, list[str | Record]] = {}
         self.activity: dict[str, float] = {}
         self.summaries: dict[str, list[Record]] = {}
+        self.archived: dict[str, list[list[Record]]] = {}
         self.fail_commit: Exception | None = None
         self._locks: dict[str, asyncio.Lock] = {}
 
@@ -71,8 +72,7 @@ class MemoryStore(Store):
         view = ConversationView()
         for entry in self.indexes.get(conversation_id, []):
             if isinstance(entry, dict):
-                if entry.get("type") == "reset":
-                    view.reset(keep_system_message=bool(entry.get("keep_system_message")))
+                view.apply_marker(entry)
                 continue
             turn = turn_from_records(self.responses.get(entry, []))
             if turn is not None:
@@ -91,6 +91,25 @@ class MemoryStore(Store):
         if conversation_id not in self.indexes:
             raise NotFound(f"No conversation {conversation_id!r}")
         return list(self.indexes[conversation_id])
+
+    async def append_marker(self, conversation_id: str, marker: Record) -> None:
+        if self.fail_commit is not None:
+            raise self.fail_commit
+        self.indexes.setdefault(conversation_id, []).append(copy.deepcopy(marker))
+        self.activity[conversation_id] = now()
+
+    async def delete_conversation(self, conversation_id: str, *, archive: bool = False) -> bool:
+        entries = self.indexes.pop(conversation_id, None)
+        if entries is None:
+            return False
+        for entry in entries:
+            if isinstance(entry, str):
+                records = self.responses.pop(entry, None)
+                if archive and records is not None:
+                    self.archived.setdefault(conversation_id, []).append(records)
+        self.summaries.pop(conversation_id, None)
+        self.activity.pop(conversation_id, None)
+        return True
 
     async def append_summary(self, conversation_id: str, record: Record) -> None:
         self.summaries.setdefault(conversation_id, []).append(copy.deepcopy(record))

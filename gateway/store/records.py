@@ -27,7 +27,11 @@ def turn_from_records(records: list[Record]) -> Turn | None:
         return None
     request = next((r for r in records if r.get("type") == "request"), None)
     response = next((r for r in reversed(records) if r.get("type") == "response"), None)
-    if request is None or response is None or not isinstance(response.get("message"), dict):
+    if request is None:
+        return None
+    if request.get("kind") == "items":
+        response = {"message": None}  # items added through the Conversations API: no reply
+    elif response is None or not isinstance(response.get("message"), dict):
         return None
     system = request.get("system")
     input_tokens = request.get("input_tokens")
@@ -42,6 +46,7 @@ def turn_from_records(records: list[Record]) -> Turn | None:
         input_tokens=tuple(input_tokens) if isinstance(input_tokens, list) else None,
         output_tokens=output_tokens if isinstance(output_tokens, int) else None,
         system_tokens=tuple(system_tokens) if isinstance(system_tokens, list) else None,
+        created=request.get("created") if isinstance(request.get("created"), int | float) else None,
     )
 
 

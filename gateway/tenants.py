@@ -1,0 +1,82 @@
+"""Gateway keys and tenants: each key is a tenant, and tenants never see each other's data.
+
+A tenant is named by a hash of its key (never the key itself), and its conversations live in
+their own folder, so the same conversation id under two keys names two conversations.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import hmac
+import os
+from collections.abc import Mapping
+
+from starlette.types import ASGIApp, Receive, Scope, Send
+
+from gateway.config import Settings
+from gateway.exceptions import AuthenticationError
+
+DEFAULT_TENANT = ""  # auth off: everything lives at the top of the data dir
+OPEN_PATHS = frozenset({"/healthz", "/readyz"})
+
+
+def tenant_id(key: str) -> str:
+    return "t" + hashlib.sha256(key.encode()).hexdigest()[:16]
+
+
+class Tenants:
+    def __init__(self, keys: list[str]) -> None:
+        self._by_key = {key: tenant_id(key) for key in keys if key}
+
+    @classmethod
+    def from_settings(cls, settings: Settings, environ: Mapping[str, str] | None = None) -> Tenants:
+        environ = os.environ if environ is None else environ
+        name = settings.auth.keys_env
+        raw = environ.get(name, "") if name else ""
+        return cls([k.strip() for k in raw.split(",") if k.strip()])
+
+    @property
+    def enabled(self) -> bool:
+        return bool(self._by_key)
+
+    def authenticate(self, authorization: str | None) -> str:
+        """The tenant for an `Authorization: Bearer KEY` header; 401 otherwise."""
+        if not self.enabled:
+            return DEFAULT_TENANT
+        if not authorization or not authorization.lower().startswith("bearer "):
+            raise AuthenticationError("Missing gateway key: send 'Authorization: Bearer <key>'")
+        presented = authorization[7:].strip()
+        for key, tenant in self._by_key.items():
+            if hmac.compare_digest(key.encode(), presented.encode()):
+                return tenant
+        raise AuthenticationError("Invalid gateway key")
+
+
+class AuthMiddleware:
+    """Pure ASGI: resolves the tenant before anything else runs, or answers 401."""
+
+    def __init__(self, app: ASGIApp, tenants: Tenants) -> None:
+        self.app = app
+        self.tenants = tenants
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        if not self.tenants.enabled or scope["path"] in OPEN_PATHS:
+            scope["gateway.tenant"] = DEFAULT_TENANT
+            await self.app(scope, receive, send)
+            return
+        header = None
+        for name, value in scope["headers"]:
+            if name == b"authorization":
+                header = value.decode("latin-1")
+                break
+        try:
+            scope["gateway.tenant"] = self.tenants.authenticate(header)
+        except AuthenticationError as exc:
+            from gateway.api.http import error_response
+
+            await error_response(exc)(scope, receive, send)
+            return
+        await self.app(scope, receive, send)
