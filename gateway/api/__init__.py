@@ -19,8 +19,8 @@ from starlette.requests import Request
 from starlette.responses import Response
 from starlette.routing import Route
 
-from gateway.api.chat import chat_completions
 from gateway.api import conversations as conv
+from gateway.api.chat import chat_completions
 from gateway.api.http import JSONBody, error_response
 from gateway.config import Settings, load_settings
 from gateway.exceptions import GatewayError, NotFound
