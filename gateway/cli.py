@@ -6,6 +6,7 @@ import asyncio
 import os
 import sys
 import textwrap
+import time
 from collections.abc import Callable
 from datetime import datetime
 from functools import wraps
@@ -55,8 +56,8 @@ def _common(func: F) -> F:
     return wrapper  # type: ignore[return-value]
 
 
-def _store(settings: Settings) -> JsonlStore:
-    return JsonlStore(settings.storage.data_dir, durability="none")
+def _store(settings: Settings, durability: str = "none") -> JsonlStore:
+    return JsonlStore(settings.storage.data_dir, durability=durability)
 
 
 def _when(ts: float) -> str:
@@ -339,3 +340,58 @@ def context(
             click.echo(click.style("committed    yes", fg="green"))
         elif kind == "incomplete":
             click.echo(click.style(f"incomplete   {record.get('reason')}: {record.get('error')}", fg="red"))
+
+
+@main.command()
+@_common
+@click.argument("conversation_id")
+@click.option("--yes", is_flag=True, help="Do not ask for confirmation.")
+def delete(settings: Settings, *, config_path: str | None, conversation_id: str, yes: bool) -> None:
+    """Delete a conversation: its index, responses and summaries (or archive them if
+    storage.archive_deleted is set). Safe while a gateway is running on the same data dir."""
+    from gateway.ids import check_conversation_id
+
+    check_conversation_id(conversation_id)
+    if not yes and not click.confirm(f"Delete conversation {conversation_id!r}?", default=False):
+        raise GatewayError("not deleted")
+
+    async def run() -> bool:
+        store = _store(settings, settings.storage.durability)
+        await store.open()
+        try:
+            async with store.lock(conversation_id, settings.storage.lock_timeout):
+                return await store.delete_conversation(
+                    conversation_id, archive=settings.storage.archive_deleted
+                )
+        finally:
+            await store.close()
+
+    if not asyncio.run(run()):
+        raise GatewayError(f"no conversation {conversation_id!r} in {settings.storage.data_dir}")
+    verb = "archived" if settings.storage.archive_deleted else "deleted"
+    click.echo(f"{verb} {conversation_id}")
+
+
+@main.command()
+@_common
+@click.argument("conversation_id")
+@click.option("--keep-system-message", is_flag=True, help="Keep the system prompt.")
+def reset(
+    settings: Settings, *, config_path: str | None, conversation_id: str, keep_system_message: bool
+) -> None:
+    """Start a conversation afresh: appends a reset marker to its index (nothing is rewritten)."""
+
+    async def run() -> None:
+        store = _store(settings, settings.storage.durability)
+        await store.open()
+        try:
+            async with store.lock(conversation_id, settings.storage.lock_timeout):
+                if not await store.exists(conversation_id):
+                    raise GatewayError(f"no conversation {conversation_id!r} in {settings.storage.data_dir}")
+                marker = {"type": "reset", "keep_system_message": keep_system_message, "at": time.time()}
+                await store.append_marker(conversation_id, marker)
+        finally:
+            await store.close()
+
+    asyncio.run(run())
+    click.echo(f"reset {conversation_id}" + (" (system prompt kept)" if keep_system_message else ""))

@@ -188,6 +188,9 @@ class PreparedTurn:
     plan: ContextPlan | None = None
     store: Store | None = None
     created: float | None = None
+    timings: dict[str, float] | None = None
+    usage: dict[str, Any] | None = None
+    upstream_truncated: bool = False
 
     @property
     def conversation_id(self) -> str | None:
@@ -549,6 +552,7 @@ class ChatService:
         seen = theirs + (cached if isinstance(cached, int) and cached > 0 else 0)
         if seen < ours * _TRUNCATION_RATIO:
             record["upstream_truncation_suspected"] = {"prompt_tokens": theirs, "our_count": ours}
+            turn.upstream_truncated = True
             if turn.conversation_id in self._warned_truncation:
                 return  # recorded on every response, logged once per conversation
             if len(self._warned_truncation) < 100_000:
@@ -582,6 +586,8 @@ class ChatService:
         }
         if raw is not None and raw != message:
             record["upstream_message"] = raw
+        turn.timings = record["timings"]
+        turn.usage = usage if isinstance(usage, dict) else None
         return record
 
     # -- non-streaming ------------------------------------------------------------------------

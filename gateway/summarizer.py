@@ -105,6 +105,7 @@ class Summarizer:
         self._tasks: dict[tuple[int, str], asyncio.Task[None]] = {}
         self._targets: dict[tuple[int, str], tuple[str, str]] = {}  # -> (covers_through, model)
         self.failures: dict[tuple[int, str], int] = {}
+        self.on_outcome: Callable[[str], None] = lambda outcome: None  # metrics hook
 
     def schedule(self, store: Store, conversation_id: str, covers_through: str, model: str) -> None:
         """Ask for coverage through `covers_through`; one task per conversation folds it."""
@@ -130,6 +131,7 @@ class Summarizer:
             target, model = self._targets[key]
             try:
                 await self._fold(store, cid, target, model)
+                self.on_outcome("ok")
                 if self._targets.get(key) == (target, model):
                     del self._targets[key]
                 self.failures.pop(key, None)
@@ -138,6 +140,7 @@ class Summarizer:
                 raise
             except Exception as exc:  # noqa: BLE001 - recorded, retried, never raised
                 attempt += 1
+                self.on_outcome("failed")
                 self.failures[key] = self.failures.get(key, 0) + 1
                 message = getattr(exc, "message", None) or repr(exc)
                 log.warning("summary of %s failed (attempt %d): %s", cid, attempt, message)

@@ -135,3 +135,25 @@ def test_serve_precedence_flag_over_env(tmp_path: Path, upstream: MockServer) ->
         assert not env_dir.exists()
     finally:
         proc.stop()
+
+
+def test_reset_and_delete_from_the_cli_while_serving(gateway: GatewayProcess, upstream: MockServer) -> None:
+    _seed(gateway)
+    data = ["--data-dir", str(gateway.data_dir)]
+    result = gw("reset", "cli-1", "--keep-system-message", *data)
+    assert result.returncode == 0, result.stderr
+    client = OpenAI(base_url=f"{gateway.url}/v1", api_key="x", max_retries=0)
+    r = client.chat.completions.create(
+        model="mock/t",
+        messages=[{"role": "user", "content": "what is my name?"}],
+        extra_body={"conversation_id": "cli-1"},
+    )
+    assert r.choices[0].message.content == "I don't know your name yet."  # the running server saw the reset
+    result = gw("delete", "cli-1", "--yes", *data)
+    assert result.returncode == 0 and "deleted cli-1" in result.stdout
+    assert not (gateway.data_dir / "logs" / "conversations" / "cli-1.jsonl").exists()
+    assert gw("delete", "cli-1", "--yes", *data).returncode != 0
+    client.chat.completions.create(
+        model="mock/t", messages=[{"role": "user", "content": "hi"}], extra_body={"conversation_id": "cli-1"}
+    )
+    assert [m["role"] for m in upstream.requests[-1]["messages"]] == ["user"]

@@ -315,3 +315,24 @@ async def test_storage_failure_is_503_and_not_acknowledged(
 async def test_unknown_route_is_openai_shaped_404(app_client: httpx.AsyncClient) -> None:
     r = await app_client.get("/v1/nothing")
     assert r.status_code == 404 and r.json()["error"]["message"]
+
+
+async def test_metrics(app_client: httpx.AsyncClient) -> None:
+    from prometheus_client.parser import text_string_to_metric_families
+
+    await chat(app_client, [user("hello")])
+    await chat(app_client, [user("again")], stream=True)
+    await chat(app_client, [{"role": "wizard"}])
+    r = await app_client.get("/metrics")
+    assert r.status_code == 200
+    samples = {
+        (s.name, tuple(sorted(s.labels.items()))): s.value
+        for family in text_string_to_metric_families(r.text)
+        for s in family.samples
+    }
+    assert samples[("gateway_requests_total", (("route", "chat_completions"), ("status", "200")))] == 2
+    assert samples[("gateway_requests_total", (("route", "chat_completions"), ("status", "400")))] == 1
+    assert samples[("gateway_overhead_seconds_count", ())] == 2
+    assert samples[("gateway_upstream_seconds_count", (("provider", "mock"),))] == 2
+    assert samples[("gateway_tokens_total", (("direction", "in"),))] > 0
+    assert samples[("gateway_conversations_active", ())] == 1

@@ -24,6 +24,7 @@ from gateway.api.chat import chat_completions
 from gateway.api.http import JSONBody, error_response
 from gateway.config import Settings, load_settings
 from gateway.exceptions import GatewayError, NotFound
+from gateway.metrics import Metrics, MetricsMiddleware, metrics_endpoint
 from gateway.models import _litellm_windows
 from gateway.service import ChatService
 from gateway.store import Store, StoreRegistry
@@ -95,6 +96,8 @@ def create_app(
     router = router or Router.from_settings(settings)
     tenants = Tenants.from_settings(settings)
     service = ChatService(settings, router)
+    metrics = Metrics(active_window=settings.sessions.idle_after or 900.0)
+    service.summarizer.on_outcome = lambda outcome: metrics.summaries.labels(outcome).inc()
 
     @asynccontextmanager
     async def lifespan(app: Starlette) -> AsyncIterator[None]:
@@ -128,13 +131,17 @@ def create_app(
         Route("/v1/conversations/{conversation_id}/items/{item_id}", conv.get_item, methods=["GET"]),
         Route("/v1/conversations/{conversation_id}/items/{item_id}", conv.delete_item, methods=["DELETE"]),
         Route("/v1/responses/{response_id}", conv.get_response, methods=["GET"]),
+        Route("/metrics", metrics_endpoint, methods=["GET"]),
         Route("/healthz", healthz, methods=["GET"]),
         Route("/readyz", readyz, methods=["GET"]),
     ]
     app = Starlette(
         routes=routes,
         lifespan=lifespan,
-        middleware=[Middleware(AuthMiddleware, tenants=tenants)],
+        middleware=[
+            Middleware(MetricsMiddleware, metrics=metrics),
+            Middleware(AuthMiddleware, tenants=tenants),
+        ],
         exception_handlers={
             GatewayError: _gateway_error,
             HTTPException: _http_error,
@@ -143,6 +150,7 @@ def create_app(
     )
     app.state.settings = settings
     app.state.stores = stores
+    app.state.metrics = metrics
     app.state.tenants = tenants
     app.state.router = router
     app.state.service = service

@@ -19,6 +19,7 @@ from gateway.api.http import (
     until_disconnect,
 )
 from gateway.exceptions import GatewayError
+from gateway.metrics import Metrics
 from gateway.service import ChatRequest, ChatService, PreparedTurn
 
 access_log = logging.getLogger("gateway.access")
@@ -31,7 +32,31 @@ def _headers(turn: PreparedTurn) -> dict[str, str]:
     return headers
 
 
-def _log_line(turn: PreparedTurn, status: int, outcome: str) -> None:
+def _observe(metrics: Metrics, turn: PreparedTurn) -> None:
+    timings, plan = turn.timings, turn.plan
+    if timings is not None:
+        metrics.upstream.labels(turn.route.provider).observe(timings["upstream_ms"] / 1000)
+        metrics.overhead.observe(max(0.0, timings["total_ms"] - timings["upstream_ms"]) / 1000)
+    usage = turn.usage or {}
+    prompt = usage.get("prompt_tokens")
+    if not isinstance(prompt, int):
+        prompt = plan.window.total_tokens if plan is not None else 0
+    metrics.tokens.labels("in").inc(prompt)
+    completion = usage.get("completion_tokens")
+    if isinstance(completion, int):
+        metrics.tokens.labels("out").inc(completion)
+    if plan is not None and plan.window.omitted:
+        metrics.truncations.inc()
+        metrics.truncated_messages.inc(plan.window.omitted)
+    if turn.upstream_truncated:
+        metrics.upstream_truncation.inc()
+    if turn.conversation_id is not None:
+        metrics.conversation_touched(turn.conversation_id)
+
+
+def _log_line(turn: PreparedTurn, status: int, outcome: str, metrics: Metrics | None = None) -> None:
+    if metrics is not None and outcome == "complete":
+        _observe(metrics, turn)
     if not access_log.isEnabledFor(logging.INFO):
         return
     line: dict[str, Any] = {
@@ -72,7 +97,7 @@ async def chat_completions(request: Request) -> Response:
                 return Response(status_code=499)
             raise
         await service.close(turn)
-        _log_line(turn, 200, "complete")
+        _log_line(turn, 200, "complete", request.app.state.metrics)
         return JSONBody(result, headers=_headers(turn))
 
     try:
@@ -87,6 +112,7 @@ async def chat_completions(request: Request) -> Response:
 
     async def on_close(exc: BaseException | None) -> None:
         await service.close(turn, exc)
-        _log_line(turn, 200, "complete" if turn.done and exc is None else "incomplete")
+        complete = turn.timings is not None and exc is None
+        _log_line(turn, 200, "complete" if complete else "incomplete", request.app.state.metrics)
 
     return SSEResponse(events, headers=_headers(turn), on_close=on_close)

@@ -1,0 +1,108 @@
+"""Prometheus metrics: requests, gateway overhead vs upstream latency, tokens, truncations,
+summaries and active conversations. One registry per app (per worker process)."""
+
+from __future__ import annotations
+
+import time
+from typing import Any
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+from prometheus_client.exposition import CONTENT_TYPE_LATEST
+from starlette.requests import Request
+from starlette.responses import Response
+from starlette.types import ASGIApp, Message, Receive, Scope, Send
+
+_FAST = (0.0005, 0.001, 0.002, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0)
+_SLOW = (0.01, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0)
+
+
+class Metrics:
+    def __init__(self, active_window: float = 900.0) -> None:
+        self.registry = CollectorRegistry(auto_describe=True)
+        r = self.registry
+        self.requests = Counter(
+            "gateway_requests", "HTTP requests by route and status", ["route", "status"], registry=r
+        )
+        self.overhead = Histogram(
+            "gateway_overhead_seconds",
+            "Time spent in the gateway itself (total minus upstream)",
+            buckets=_FAST,
+            registry=r,
+        )
+        self.upstream = Histogram(
+            "gateway_upstream_seconds", "Upstream provider latency", ["provider"], buckets=_SLOW, registry=r
+        )
+        self.tokens = Counter(
+            "gateway_tokens",
+            "Tokens sent to (in) and received from (out) providers",
+            ["direction"],
+            registry=r,
+        )
+        self.truncations = Counter(
+            "gateway_truncations", "Requests whose history was truncated to fit the window", registry=r
+        )
+        self.truncated_messages = Counter(
+            "gateway_truncated_messages", "History messages left out of windows", registry=r
+        )
+        self.summaries = Counter(
+            "gateway_summaries", "Rolling summary attempts by outcome", ["outcome"], registry=r
+        )
+        self.upstream_truncation = Counter(
+            "gateway_upstream_truncation_suspected",
+            "Responses whose provider seems to have cut the prompt",
+            registry=r,
+        )
+        self.active = Gauge(
+            "gateway_conversations_active",
+            "Conversations with a turn in the last sessions.idle_after",
+            registry=r,
+        )
+        self.active.set_function(self._count_active)
+        self._last_turn: dict[str, float] = {}
+        self.active_window = active_window
+
+    def conversation_touched(self, key: str) -> None:
+        self._last_turn[key] = time.monotonic()
+        if len(self._last_turn) > 200_000:
+            self._count_active()
+
+    def _count_active(self) -> float:
+        cutoff = time.monotonic() - self.active_window
+        stale = [k for k, t in self._last_turn.items() if t < cutoff]
+        for k in stale:
+            del self._last_turn[k]
+        return float(len(self._last_turn))
+
+    def render(self) -> bytes:
+        return generate_latest(self.registry)
+
+
+class MetricsMiddleware:
+    """Counts every HTTP request by route (the endpoint's name) and status."""
+
+    def __init__(self, app: ASGIApp, metrics: Metrics) -> None:
+        self.app = app
+        self.metrics = metrics
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        status = [500]
+
+        async def send_wrapper(message: Message) -> None:
+            if message["type"] == "http.response.start":
+                status[0] = message["status"]
+            await send(message)
+
+        try:
+            await self.app(scope, receive, send_wrapper)
+        finally:
+            endpoint: Any = scope.get("endpoint")
+            route = getattr(endpoint, "__name__", None) or "unmatched"
+            self.metrics.requests.labels(route, str(status[0])).inc()
+
+
+async def metrics_endpoint(request: Request) -> Response:
+    metrics: Metrics = request.app.state.metrics
+    return Response(metrics.render(), media_type=CONTENT_TYPE_LATEST)
