@@ -51,6 +51,8 @@ class ServerSettings(_Section):
     host: str = "127.0.0.1"
     port: int = Field(8080, ge=0, le=65535)
     max_body_bytes: int = Field(10_000_000, gt=0)
+    # Seconds a client may take to send its whole request body ("0" = no limit); then 408.
+    body_timeout: Duration = 30.0
     access_log: bool = False
 
 
@@ -76,6 +78,11 @@ class ContextSettings(_Section):
 class SessionsSettings(_Section):
     ttl: Duration = 0.0
     idle_after: Duration = 900.0
+    lease: Duration = Field(900.0, gt=0, le=1800)  # processing lease; never more than 30 min
+    max_attempts: int = Field(3, ge=1)
+    recap: bool = True
+    recap_max_tokens: int = Field(300, gt=0)
+    default_timezone: str = "UTC"
 
 
 class AuthSettings(_Section):
@@ -88,6 +95,9 @@ class ProviderSettings(_Section):
     api_key_env: str = ""
     timeout: Duration = 600.0
     connect_timeout: Duration = 10.0
+    # Extra attempts after a connection failure or a 502/503/504, only before any byte of the
+    # answer has reached the client (never after a stream started; 429 is passed through).
+    retries: int = Field(1, ge=0, le=10)
     context_window: int | None = Field(None, gt=0)
     # litellm only: the litellm provider prefix (defaults to the provider's own name).
     litellm_provider: str = ""

@@ -9,6 +9,7 @@ response log marked incomplete and never enters history.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import time
 from collections.abc import AsyncIterator, Callable
@@ -31,6 +32,7 @@ from gateway.context import (
 from gateway.context.window import Window, fit_window, omitted_marker
 from gateway.exceptions import GatewayError, InvalidRequest, UpstreamProtocolError
 from gateway.ids import check_conversation_id, mint_response_id
+from gateway.lifecycle import build_recap, user_key, zone
 from gateway.models import context_window
 from gateway.store.base import ResponseLog, Store, now
 from gateway.summarizer import Summarizer, Summary, current_summary, snap_to_turn_end
@@ -191,6 +193,8 @@ class PreparedTurn:
     timings: dict[str, float] | None = None
     usage: dict[str, Any] | None = None
     upstream_truncated: bool = False
+    recap: Message | None = None
+    first_of_user: str | None = None  # a new conversation of this end user: index it for recaps
 
     @property
     def conversation_id(self) -> str | None:
@@ -295,6 +299,7 @@ class ChatService:
         self.router = router
         self.summarizer = summarizer or Summarizer(settings, router)
         self._warned_truncation: set[str | None] = set()
+        self.clock: Callable[[], float] = time.time
         self.warm_up: asyncio.Future[Any] | None = None  # tokenizer loading, set at startup
 
     # -- preparing ----------------------------------------------------------------------------
@@ -311,6 +316,12 @@ class ChatService:
                 await stack.enter_async_context(store.lock(cid, self.settings.storage.lock_timeout))
                 view = await store.load(cid)
             system_in, rest = split_system(request.messages)
+            recap: Message | None = None
+            recap_from: list[str] = []
+            if request.body.get("user_timezone") is not None:
+                if not isinstance(request.body["user_timezone"], str):
+                    raise InvalidRequest("'user_timezone' must be an IANA zone name", param="user_timezone")
+                zone(request.body["user_timezone"], self.settings.sessions.default_timezone)
             if self.warm_up is not None and not self.warm_up.done():
                 await asyncio.shield(self.warm_up)  # never load a tokenizer on the event loop
             encoding, count = counter_for(request.model)
@@ -326,6 +337,8 @@ class ChatService:
                     [*system_in, *new], lambda: [count(clean_message(m)) for m in new]
                 )
                 system_tokens = [count(m) for m in system_in] if system_in else None
+                if view.turns == 0:
+                    recap, recap_from = await self._recap(request, store, cid, count)
                 plan = await self._plan(
                     request,
                     route,
@@ -338,6 +351,7 @@ class ChatService:
                     new_tokens,
                     encoding,
                     count,
+                    recap or view.recap,
                 )
                 sent = plan.window.messages
             stored_system = system_in if system_in and system_in != view.system else None
@@ -360,6 +374,11 @@ class ChatService:
                 "system": stored_system,
                 "input": new,
             }
+            if recap is not None:
+                record["recap"] = recap
+                record["recap_conversations"] = recap_from
+            if isinstance(request.body.get("user_timezone"), str):
+                record["user_timezone"] = request.body["user_timezone"]
             if new_tokens is not None:
                 record["encoding"] = encoding
                 record["input_tokens"] = new_tokens
@@ -367,7 +386,10 @@ class ChatService:
                     record["system_tokens"] = system_tokens
             response_log = store.start(response_id, record)
             if plan is not None:
-                response_log.append(plan.snapshot(view, len(new), sent))
+                snapshot = plan.snapshot(view, len(new), sent)
+                snapshot["recap_conversations"] = recap_from if recap is not None else None
+                snapshot["recap"] = bool(recap or view.recap)
+                response_log.append(snapshot)
             else:
                 response_log.append(
                     {
@@ -387,6 +409,12 @@ class ChatService:
             turn.plan = plan
             turn.store = store
             turn.created = record["created"]
+            turn.recap = recap
+            turn.first_of_user = (
+                request.body["user"]
+                if view.turns == 0 and isinstance(request.body.get("user"), str)
+                else None
+            )
             return turn
         except BaseException:
             await stack.aclose()
@@ -405,6 +433,7 @@ class ChatService:
         new_tokens: list[int],
         encoding: str,
         count: Callable[[Message], int],
+        recap: Message | None = None,
     ) -> ContextPlan:
         """Decide what of the stored conversation goes upstream (SPEC section 7)."""
         ctx = self.settings.context
@@ -459,6 +488,8 @@ class ChatService:
             marker_tokens=lambda n: marker_cost(encoding, n),
             summary=summary_message,
             summary_tokens=count(summary_message) if summary_message else 0,
+            recap=recap,
+            recap_tokens=count(recap) if recap else 0,
             omitted_before=lower - covered,
         )
         if repaired:
@@ -503,6 +534,12 @@ class ChatService:
             output_tokens=output_tokens,
             system_tokens=tuple(turn.system_tokens) if turn.system_tokens is not None else None,
             created=turn.created,
+            model=turn.request.model,
+            user=turn.request.body.get("user") if isinstance(turn.request.body.get("user"), str) else None,
+            recap=turn.recap,
+            timezone=turn.request.body.get("user_timezone")
+            if isinstance(turn.request.body.get("user_timezone"), str)
+            else None,
         )
         # Shielded: a client disconnect must never interrupt the write of an answered turn.
         turn.commit_task = asyncio.ensure_future(
@@ -531,10 +568,30 @@ class ChatService:
         plan = turn.plan
         task = turn.commit_task
         committed = task is not None and task.done() and not task.cancelled() and task.exception() is None
+        if committed and turn.first_of_user and turn.conversation_id and turn.store is not None:
+            with contextlib.suppress(GatewayError):  # the turn is safe; only recaps would miss it
+                await turn.store.append_side(
+                    "users",
+                    user_key(turn.first_of_user),
+                    {"conversation_id": turn.conversation_id, "at": turn.created},
+                )
         if plan is not None and plan.summary_target and turn.conversation_id and committed and turn.store:
             self.summarizer.schedule(
                 turn.store, turn.conversation_id, plan.summary_target, turn.request.model
             )
+
+    async def _recap(
+        self, request: ChatRequest, store: Store, cid: str, count: Callable[[Message], int]
+    ) -> tuple[Message | None, list[str]]:
+        """The "Earlier today" recap for a user's new conversation (SPEC section 8)."""
+        sessions = self.settings.sessions
+        user = request.body.get("user")
+        if not sessions.recap or not isinstance(user, str) or not user:
+            return None, []
+        tz = zone(request.body.get("user_timezone"), sessions.default_timezone)
+        return await build_recap(
+            store, user, tz, exclude=cid, now=self.clock(), max_tokens=sessions.recap_max_tokens, count=count
+        )
 
     def _check_upstream_truncation(self, turn: PreparedTurn, record: dict[str, Any]) -> None:
         """Flag a provider that silently dropped part of the prompt (e.g. Ollama's num_ctx)."""

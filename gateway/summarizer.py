@@ -115,6 +115,15 @@ class Summarizer:
         if task is None or task.done():
             self._tasks[key] = asyncio.create_task(self._run(store, conversation_id))
 
+    async def summarize_all(self, store: Store, cid: str, model: str) -> str:
+        """Fold the whole conversation into its summary now (post-processing); the text."""
+        view = await store.load(cid)
+        if not view.history_owner:
+            return ""
+        await self._fold(store, cid, view.history_owner[-1], self.settings.context.summary_model or model)
+        summary = current_summary(await store.read_summaries(cid), await store.load(cid))
+        return summary.text if summary else ""
+
     async def wait_idle(self) -> None:
         while any(not t.done() for t in self._tasks.values()):
             await asyncio.gather(*self._tasks.values(), return_exceptions=True)

@@ -43,12 +43,12 @@ def test_sdk_conversation_lifecycle(gateway: GatewayProcess, upstream: MockServe
     sent = upstream.requests[-1]["messages"]
     assert sent[0] == {"role": "system", "content": "You are a vet."}
     assert sent[1] == {"role": "user", "content": "my dog is called Rex"}
-    assert reply.choices[0].message.content == "Your dog is called Rex."
+    assert reply.choices[0].message.content == "Your dog is Rex."
 
     # items.list returns the completion's turn (newest first by default), paginated.
     items = client.conversations.items.list(conv.id)
     texts = [(i.role, i.content[0].text) for i in items.data if i.type == "message"]
-    assert texts[0] == ("assistant", "Your dog is called Rex.")
+    assert texts[0] == ("assistant", "Your dog is Rex.")
     assert texts[1] == ("user", "what is my dog?")
     assert texts[-1] == ("system", "You are a vet.")
     asc = client.conversations.items.list(conv.id, order="asc", limit=2)

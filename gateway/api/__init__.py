@@ -24,6 +24,7 @@ from gateway.api.chat import chat_completions
 from gateway.api.http import JSONBody, error_response
 from gateway.config import Settings, load_settings
 from gateway.exceptions import GatewayError, NotFound
+from gateway.lifecycle import Processor
 from gateway.metrics import Metrics, MetricsMiddleware, metrics_endpoint
 from gateway.models import _litellm_windows
 from gateway.service import ChatService
@@ -98,6 +99,7 @@ def create_app(
     service = ChatService(settings, router)
     metrics = Metrics(active_window=settings.sessions.idle_after or 900.0)
     service.summarizer.on_outcome = lambda outcome: metrics.summaries.labels(outcome).inc()
+    processor = Processor(settings, stores, service.summarizer)
 
     @asynccontextmanager
     async def lifespan(app: Starlette) -> AsyncIterator[None]:
@@ -106,11 +108,13 @@ def create_app(
         warm = asyncio.get_running_loop().run_in_executor(None, warm_up)
         warm.add_done_callback(lambda f: None if f.cancelled() else f.exception())
         service.warm_up = warm
+        processor.start()
         app.state.ready = True
         try:
             yield
         finally:
             app.state.ready = False
+            await processor.stop()
             await service.summarizer.aclose()
             await router.aclose()
             await stores.close()
@@ -151,6 +155,7 @@ def create_app(
     app.state.settings = settings
     app.state.stores = stores
     app.state.metrics = metrics
+    app.state.processor = processor
     app.state.tenants = tenants
     app.state.router = router
     app.state.service = service

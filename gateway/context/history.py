@@ -85,6 +85,10 @@ class Turn:
     output_tokens: int | None = None
     system_tokens: tuple[int, ...] | None = None
     created: float | None = None
+    model: str | None = None
+    user: str | None = None
+    recap: Message | None = None  # "Earlier today" system message injected when it started
+    timezone: str | None = None
 
     @property
     def is_feedback_only(self) -> bool:
@@ -128,11 +132,23 @@ class ConversationView:
     created_at: float | None = None
     metadata: dict[str, Any] = field(default_factory=dict)
     deleted_items: set[str] = field(default_factory=set)
+    last_activity: float | None = None
+    last_model: str | None = None
+    user: str | None = None
+    timezone: str | None = None
+    recap: Message | None = None
     _keys: dict[str, list[bytes]] = field(default_factory=dict)
 
     def extend(self, turn: Turn) -> None:
         if self.created_at is None and turn.created is not None:
             self.created_at = turn.created
+        if turn.created is not None:
+            self.last_activity = max(self.last_activity or 0.0, turn.created)
+        self.last_model = turn.model or self.last_model
+        self.user = turn.user or self.user
+        self.timezone = turn.timezone or self.timezone
+        if turn.recap is not None:
+            self.recap = turn.recap
         same_encoding = turn.encoding is not None and turn.encoding == self.encoding
         if self.encoding is None and turn.encoding is not None and not self.history:
             self.encoding = turn.encoding
@@ -176,6 +192,9 @@ class ConversationView:
     def apply_marker(self, marker: dict[str, Any]) -> None:
         """Index lines that are not response ids: creation, metadata, resets, item deletions."""
         kind = marker.get("type")
+        at = marker.get("at") or marker.get("created_at")
+        if isinstance(at, int | float):
+            self.last_activity = max(self.last_activity or 0.0, float(at))
         if kind == "reset":
             self.reset(keep_system_message=bool(marker.get("keep_system_message")))
         elif kind in ("conversation", "metadata"):
@@ -218,6 +237,7 @@ class ConversationView:
         self.has_tools = False
         if not keep_system_message:
             self.system_owner = None
+        self.recap = None
         self.transcript = []
         self.response_ids = []
         self.turns = 0

@@ -98,12 +98,21 @@ class Store(ABC):
         return True
 
     @abstractmethod
-    async def append_summary(self, conversation_id: str, record: Record) -> None:
-        """Append a summary (or summary failure) record to the conversation's summary log."""
+    async def append_side(self, kind: str, key: str, record: Record) -> None:
+        """Append to a side log: `summaries`/`lifecycle` (key: conversation id), `users` (key:
+        hashed user), `digests` (key: hashed user and day)."""
 
     @abstractmethod
+    async def read_side(self, kind: str, key: str) -> list[Record]:
+        """Every record of a side log, oldest first (empty if none)."""
+
+    async def append_summary(self, conversation_id: str, record: Record) -> None:
+        """Append a summary (or summary failure) record to the conversation's summary log."""
+        await self.append_side("summaries", conversation_id, record)
+
     async def read_summaries(self, conversation_id: str) -> list[Record]:
         """Every summary record of the conversation, oldest first (empty if none)."""
+        return await self.read_side("summaries", conversation_id)
 
     @abstractmethod
     async def list_conversations(self) -> list[ConversationSummary]:

@@ -41,6 +41,8 @@ _THREAD_LOAD_BYTES = 4096
 LOCK_STRIPES = 256
 # Context snapshots are the bulk of a response log and are not needed to rebuild history.
 _CONTEXT_PREFIX = b'{"type":"context"'
+# Append-only logs beside the conversations: logs/{kind}/{key}.jsonl
+SIDE_LOGS = frozenset({"summaries", "lifecycle", "users", "digests"})
 
 
 def parse_jsonl(data: bytes, *, path: str = "", start_line: int = 1) -> tuple[list[Any], int]:
@@ -229,7 +231,7 @@ class JsonlStore(Store):
         self.locks_dir = self.root / "locks"
         self.summaries_dir = self.root / "logs" / "summaries"
         self.archive_dir = self.root / "archive"
-        self._summaries: dict[str, tuple[int, list[Record]]] = {}
+        self._side: dict[tuple[str, str], tuple[int, list[Record]]] = {}
         self._stripe_fds: dict[int, int] = {}
         self._stripe_holders: dict[int, int] = {}
         self.fsync = durability == "fsync"
@@ -440,7 +442,9 @@ class JsonlStore(Store):
         index = self.index_path(conversation_id)
         summaries = self.summary_path(conversation_id)
         self._forget(conversation_id)
-        self._summaries.pop(conversation_id, None)
+        for kind in ("summaries", "lifecycle"):
+            self._side.pop((kind, conversation_id), None)
+        lifecycle = self.side_path("lifecycle", conversation_id)
 
         def remove() -> bool:
             try:
@@ -456,6 +460,8 @@ class JsonlStore(Store):
                 os.replace(index, folder / "conversation.jsonl")
                 if summaries.exists():
                     os.replace(summaries, folder / "summaries.jsonl")
+                if lifecycle.exists():
+                    os.replace(lifecycle, folder / "lifecycle.jsonl")
                 for rid in ids:
                     try:
                         os.replace(self.response_path(rid), folder / "responses" / f"{rid}.jsonl")
@@ -463,7 +469,7 @@ class JsonlStore(Store):
                         pass
             else:
                 os.unlink(index)
-                for path in [summaries, *(self.response_path(rid) for rid in ids)]:
+                for path in [summaries, lifecycle, *(self.response_path(rid) for rid in ids)]:
                     try:
                         os.unlink(path)
                     except FileNotFoundError:
@@ -478,38 +484,44 @@ class JsonlStore(Store):
             raise StorageError(f"could not delete the conversation: {exc.strerror or exc}") from exc
 
     def summary_path(self, conversation_id: str) -> Path:
-        return self.summaries_dir / f"{check_conversation_id(conversation_id)}.jsonl"
+        return self.side_path("summaries", conversation_id)
 
-    async def append_summary(self, conversation_id: str, record: Record) -> None:
-        path = self.summary_path(conversation_id)
+    def side_path(self, kind: str, key: str) -> Path:
+        if kind not in SIDE_LOGS:
+            raise ValueError(f"unknown side log {kind!r}")
+        return self.root / "logs" / kind / f"{check_conversation_id(key, param='key')}.jsonl"
+
+    async def append_side(self, kind: str, key: str, record: Record) -> None:
+        path = self.side_path(kind, key)
         line = orjson.dumps(record) + b"\n"
 
         def write() -> None:
+            path.parent.mkdir(parents=True, exist_ok=True)
             fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
             try:
                 os.write(fd, line)
                 if self.fsync:
-                    os.fsync(fd)
+                    os.fdatasync(fd)
             finally:
                 os.close(fd)
 
         try:
             await asyncio.to_thread(write)
         except OSError as exc:
-            raise StorageError(f"could not record the summary: {exc.strerror or exc}") from exc
-        self._summaries.pop(conversation_id, None)
+            raise StorageError(f"could not record {kind}: {exc.strerror or exc}") from exc
+        self._side.pop((kind, key), None)
 
-    async def read_summaries(self, conversation_id: str) -> list[Record]:
-        path = self.summary_path(conversation_id)
+    async def read_side(self, kind: str, key: str) -> list[Record]:
+        path = self.side_path(kind, key)
         try:
             size = path.stat().st_size
         except FileNotFoundError:
             return []
-        cached = self._summaries.get(conversation_id)
+        cached = self._side.get((kind, key))
         if cached is not None and cached[0] == size:
             return cached[1]
-        records = [r for r in self._read_records(path)]
-        self._summaries[conversation_id] = (size, records)
+        records = self._read_records(path)
+        self._side[(kind, key)] = (size, records)
         return records
 
     async def list_conversations(self) -> list[ConversationSummary]:

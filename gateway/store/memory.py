@@ -50,6 +50,7 @@ class MemoryStore(Store):
         self.activity: dict[str, float] = {}
         self.summaries: dict[str, list[Record]] = {}
         self.archived: dict[str, list[list[Record]]] = {}
+        self.side: dict[tuple[str, str], list[Record]] = {}
         self.fail_commit: Exception | None = None
         self._locks: dict[str, asyncio.Lock] = {}
 
@@ -108,14 +109,20 @@ class MemoryStore(Store):
                 if archive and records is not None:
                     self.archived.setdefault(conversation_id, []).append(records)
         self.summaries.pop(conversation_id, None)
+        self.side.pop(("lifecycle", conversation_id), None)
         self.activity.pop(conversation_id, None)
         return True
 
-    async def append_summary(self, conversation_id: str, record: Record) -> None:
-        self.summaries.setdefault(conversation_id, []).append(copy.deepcopy(record))
+    async def append_side(self, kind: str, key: str, record: Record) -> None:
+        if kind == "summaries":
+            self.summaries.setdefault(key, []).append(copy.deepcopy(record))
+        else:
+            self.side.setdefault((kind, key), []).append(copy.deepcopy(record))
 
-    async def read_summaries(self, conversation_id: str) -> list[Record]:
-        return list(self.summaries.get(conversation_id, []))
+    async def read_side(self, kind: str, key: str) -> list[Record]:
+        if kind == "summaries":
+            return list(self.summaries.get(key, []))
+        return list(self.side.get((kind, key), []))
 
     async def list_conversations(self) -> list[ConversationSummary]:
         out = []

@@ -47,6 +47,12 @@ def turn_from_records(records: list[Record]) -> Turn | None:
         output_tokens=output_tokens if isinstance(output_tokens, int) else None,
         system_tokens=tuple(system_tokens) if isinstance(system_tokens, list) else None,
         created=request.get("created") if isinstance(request.get("created"), int | float) else None,
+        model=request.get("model") if isinstance(request.get("model"), str) else None,
+        user=(request.get("params") or {}).get("user")
+        if isinstance((request.get("params") or {}).get("user"), str)
+        else None,
+        recap=request.get("recap") if isinstance(request.get("recap"), dict) else None,
+        timezone=request.get("user_timezone") if isinstance(request.get("user_timezone"), str) else None,
     )
 
 

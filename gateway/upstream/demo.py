@@ -20,7 +20,8 @@ from gateway.upstream.base import (
 )
 
 _FACT = re.compile(r"\bmy ([a-z][a-z ]{0,30}?) is ((?:(?! and | but )[^.,!?\n])+)", re.IGNORECASE)
-_QUESTION = re.compile(r"\bwhat(?:'s| is| was) my ([a-z][a-z ]{0,30}?)\s*\?", re.IGNORECASE)
+_QUESTION = re.compile(r"\bwhat(?:'s| is| was) my ([a-z][a-z ]{0,30}?)(?: called| named)?\s*\?", re.IGNORECASE)
+_NAMING = re.compile(r"^(?:called|named)\s+", re.IGNORECASE)
 _FIRST = re.compile(r"\bwhat did i (?:first )?(?:say|ask)\b", re.IGNORECASE)
 
 
@@ -44,7 +45,7 @@ def demo_reply(messages: list[dict[str, Any]]) -> str:
     earlier = [_text(m) for m in messages[:-1] if m.get("role") in ("user", "system")]
     for text in earlier:
         for key, value in _FACT.findall(text):
-            facts[key.strip().lower()] = value.strip()
+            facts[key.strip().lower()] = _NAMING.sub("", value.strip())
     question = _QUESTION.search(last)
     if question:
         key = question.group(1).strip().lower()
