@@ -20,7 +20,9 @@ from gateway.upstream.base import (
 )
 
 _FACT = re.compile(r"\bmy ([a-z][a-z ]{0,30}?) is ((?:(?! and | but )[^.,!?\n])+)", re.IGNORECASE)
-_QUESTION = re.compile(r"\bwhat(?:'s| is| was) my ([a-z][a-z ]{0,30}?)(?: called| named)?\s*\?", re.IGNORECASE)
+_QUESTION = re.compile(
+    r"\bwhat(?:'s| is| was) my ([a-z][a-z ]{0,30}?)(?: called| named)?\s*\?", re.IGNORECASE
+)
 _NAMING = re.compile(r"^(?:called|named)\s+", re.IGNORECASE)
 _FIRST = re.compile(r"\bwhat did i (?:first )?(?:say|ask)\b", re.IGNORECASE)
 
