@@ -213,14 +213,31 @@ def demo(settings: Settings, *, config_path: str | None) -> None:
 @click.option("--limit", type=int, default=50, show_default=True)
 def conversations(settings: Settings, *, config_path: str | None, limit: int) -> None:
     """Table of conversations, most recently active first."""
-    rows = asyncio.run(_store(settings).list_conversations())[:limit]
+    from gateway.lifecycle import derive_state
+
+    store = _store(settings)
+
+    async def collect() -> list[tuple[Any, str, float | None, int]]:
+        out = []
+        for row in (await store.list_conversations())[:limit]:
+            view = await store.load(row.conversation_id)
+            state = derive_state(await store.read_side("lifecycle", row.conversation_id), view.last_activity)
+            out.append((row, state.state, view.last_activity, state.attempts))
+        return out
+
+    rows = asyncio.run(collect())
     if not rows:
         click.echo(f"no conversations in {settings.storage.data_dir}")
         return
-    click.echo(f"{'conversation':<32} {'turns':>6} {'messages':>9}  {'last activity':<19}  state")
-    for row in rows:
-        when = _when(row.last_activity)
-        click.echo(f"{row.conversation_id:<32} {row.turns:>6} {row.messages:>9}  {when:<19}  {row.state}")
+    click.echo(
+        f"{'conversation':<32} {'turns':>6} {'messages':>9} {'tokens':>8}  {'last activity':<19}  state"
+    )
+    for row, state, last, attempts in rows:
+        when = _when(last or row.last_activity)
+        shown = state if not attempts else f"{state} (attempts {attempts})"
+        click.echo(
+            f"{row.conversation_id:<32} {row.turns:>6} {row.messages:>9} {row.tokens:>8}  {when:<19}  {shown}"
+        )
 
 
 async def _turns(store: JsonlStore, conversation_id: str) -> tuple[list[Turn], list[str | dict[str, Any]]]:

@@ -365,7 +365,7 @@ class ChatService:
                 "type": "request",
                 "response_id": response_id,
                 "conversation_id": cid,
-                "created": now(),
+                "created": self.clock(),
                 "model": request.model,
                 "provider": route.provider,
                 "upstream_model": route.model,

@@ -18,6 +18,7 @@ from gateway.context import ConversationView, Turn, split_system
 from gateway.context.items import Item, items_to_messages, message_to_items, parse_item_id
 from gateway.exceptions import InvalidRequest, NotFound
 from gateway.ids import check_conversation_id, mint_response_id
+from gateway.lifecycle import derive_state
 from gateway.store import Store
 from gateway.store.base import now
 
@@ -216,7 +217,9 @@ async def list_conversations(request: Request) -> Response:
                 turns=summary.turns,
                 messages=summary.messages,
                 last_activity_at=int(summary.last_activity),
-                state=summary.state,
+                state=derive_state(
+                    await store.read_side("lifecycle", summary.conversation_id), view.last_activity
+                ).state,
             )
         )
     result = _page(data)

@@ -31,6 +31,7 @@ class ConversationSummary:
     messages: int
     last_activity: float
     state: str = "active"
+    tokens: int = 0
 
 
 class ResponseLog(ABC):

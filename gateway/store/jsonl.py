@@ -95,6 +95,13 @@ class _Cached:
     view: ConversationView
 
 
+def _write_all(fd: int, data: bytes) -> None:
+    """os.write, failing instead of leaving a short write (disk full) unnoticed."""
+    written = os.write(fd, data)
+    if written != len(data):
+        raise OSError(28, f"short write ({written} of {len(data)} bytes)")
+
+
 def _fsync_dir(path: Path) -> None:
     fd = os.open(path, os.O_RDONLY)
     try:
@@ -150,35 +157,45 @@ class _JsonlLog(ResponseLog):
         self._pending.append(orjson.dumps(record) + b"\n")
 
     async def commit(self, conversation_id: str | None, turn: Turn | None) -> None:
-        self._pending.append(
-            orjson.dumps({"type": "commit", "status": "complete", "committed": now()}) + b"\n"
-        )
-        data = b"".join(self._pending)
+        records = b"".join(self._pending)
         self._pending.clear()
         store = self.store
         await self._wait_created()
         cached = store._cache.get(conversation_id) if conversation_id is not None else None
         if store.fsync or (conversation_id is not None and (cached is None or cached.size == 0)):
             # Waiting on the disk (fsync, or creating a new index file) happens off the loop.
-            before = await asyncio.shield(asyncio.to_thread(self._commit_sync, data, conversation_id))
+            before = await asyncio.shield(asyncio.to_thread(self._commit_sync, records, conversation_id))
         else:
-            before = self._commit_sync(data, conversation_id)
+            before = self._commit_sync(records, conversation_id)
         if conversation_id is not None and turn is not None:
             store._note_commit(conversation_id, self.response_id, turn, before)
 
-    def _commit_sync(self, data: bytes, conversation_id: str | None) -> int:
-        """Write and commit; return the index size before our line was appended."""
+    def _commit_sync(self, records: bytes, conversation_id: str | None) -> int:
+        """Write and commit; return the index size before our line was appended.
+
+        On any failure nothing is acknowledged: an index line already written is taken back
+        and the response log is marked incomplete (as far as the disk still allows), so that
+        neither the index nor the log claims a turn the client was told failed."""
         store = self.store
         self._closed = True
+        if store.sync_failed is not None:
+            self._mark_failed(records, store.sync_failed, conversation_id, -1)
+            raise StorageError(
+                f"storage refuses writes since an fsync failed ({store.sync_failed}); "
+                "check the disk and restart the gateway"
+            )
+        commit = orjson.dumps({"type": "commit", "status": "complete", "committed": now()}) + b"\n"
+        before = -1
         try:
             try:
-                os.write(self._fd, data)
+                _write_all(self._fd, records + commit)
                 if store.fsync:
-                    os.fdatasync(self._fd)
+                    store._sync(os.fdatasync, self._fd)
             finally:
                 os.close(self._fd)
+                self._fd = -1
             if store.fsync and not self._dir_durable:
-                _fsync_dir(store.responses_dir)
+                store._sync(_fsync_dir, store.responses_dir)
             if store.before_index_append is not None:
                 store.before_index_append(self.response_id)
             if conversation_id is None:
@@ -187,17 +204,46 @@ class _JsonlLog(ResponseLog):
             fd = os.open(index, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
             try:
                 before = os.fstat(fd).st_size
-                os.write(fd, self.response_id.encode() + b"\n")
+                _write_all(fd, self.response_id.encode() + b"\n")
                 if store.fsync:
-                    os.fdatasync(fd)
+                    store._sync(os.fdatasync, fd)
             finally:
                 os.close(fd)
             if before == 0 and store.fsync:
-                _fsync_dir(store.conversations_dir)
+                store._sync(_fsync_dir, store.conversations_dir)
             return before
         except OSError as exc:
-            store._forget(conversation_id)
-            raise StorageError(f"could not record the response durably: {exc.strerror or exc}") from exc
+            reason = exc.strerror or str(exc)
+            self._mark_failed(b"", reason, conversation_id, before)
+            raise StorageError(f"could not record the response durably: {reason}") from exc
+
+    def _mark_failed(self, records: bytes, reason: str, conversation_id: str | None, before: int) -> None:
+        """Best effort after a failed commit: take our index line back (we hold the
+        conversation's lock, so it is the last one) and end the log with `incomplete`."""
+        store = self.store
+        store._forget(conversation_id)
+        if conversation_id is not None and before >= 0:
+            index = store.index_path(conversation_id)
+            try:
+                if before == 0:
+                    os.unlink(index)
+                else:
+                    os.truncate(index, before)
+            except OSError as exc:
+                log.error("could not take %s back out of %s: %s", self.response_id, index, exc)
+        # A leading newline ends a line the failed write may have torn.
+        line = b"\n" + orjson.dumps(
+            {"type": "incomplete", "reason": "storage_error", "error": {"message": reason}}
+        ) + b"\n"
+        try:
+            fd = self._fd if self._fd >= 0 else os.open(self.path, os.O_WRONLY | os.O_APPEND)
+            try:
+                _write_all(fd, records + line)
+            finally:
+                os.close(fd)
+                self._fd = -1
+        except OSError as exc:
+            log.error("could not mark %s incomplete: %s", self.response_id, exc)
 
     async def abandon(self, reason: str, error: dict[str, Any] | None = None) -> None:
         if self._closed:
@@ -240,6 +286,18 @@ class JsonlStore(Store):
         self._locks: weakref.WeakValueDictionary[str, asyncio.Lock] = weakref.WeakValueDictionary()
         # Test hook: called after the response is durable and before the index append.
         self.before_index_append: Callable[[str], None] | None = None
+        # Set by the first failed fsync: the kernel may have dropped the dirty pages, and a
+        # later fsync could succeed without them, so no write is acknowledged after it.
+        self.sync_failed: str | None = None
+
+    def _sync(self, sync: Callable[[Any], None], target: Any) -> None:
+        try:
+            sync(target)
+        except OSError as exc:
+            if self.sync_failed is None:
+                self.sync_failed = f"{getattr(sync, '__name__', 'fsync')}: {exc.strerror or exc}"
+                log.error("fsync failed, refusing further writes: %s", self.sync_failed)
+            raise
 
     async def open(self) -> None:
         for d in (self.responses_dir, self.conversations_dir, self.locks_dir, self.summaries_dir):
@@ -540,5 +598,6 @@ class JsonlStore(Store):
                 log.warning("skipping %s: %s", path, exc)
                 continue
             view = cached.view
-            out.append(ConversationSummary(cid, view.turns, len(view.history), mtime))
+            tokens = sum(n or 0 for n in view.history_tokens) + sum(n or 0 for n in view.system_tokens or [])
+            out.append(ConversationSummary(cid, view.turns, len(view.history), mtime, tokens=tokens))
         return sorted(out, key=lambda s: s.last_activity, reverse=True)

@@ -1,0 +1,249 @@
+"""Lifecycle: the post-processing state machine on a controllable clock, recaps, expiry."""
+
+from __future__ import annotations
+
+import time
+from datetime import datetime, timedelta
+from pathlib import Path
+from typing import Any
+from zoneinfo import ZoneInfo
+
+import httpx
+import pytest
+from openai import OpenAI
+
+from gateway.api import create_app
+from gateway.exceptions import UpstreamUnreachable
+from gateway.lifecycle import FAILED, PROCESSED, PROCESSING, derive_state, user_key
+from gateway.store.jsonl import JsonlStore
+from gateway.upstream import Router
+from gateway.upstream.mock import MockUpstream
+from tests.conftest import GatewayProcess, make_settings
+from tests.mockserver import MockServer
+
+
+class Clock:
+    def __init__(self) -> None:
+        self.offset = 0.0
+
+    def __call__(self) -> float:
+        return time.time() + self.offset
+
+
+class Summaries:
+    """The mock model: summarization requests can be made to fail."""
+
+    def __init__(self) -> None:
+        self.fail = False
+
+    def __call__(self, body: dict[str, Any]) -> Any:
+        first = str(body["messages"][0].get("content"))
+        if first.startswith("You maintain the running summary"):
+            if self.fail:
+                raise UpstreamUnreachable("Provider 'mock' at mock://upstream is unreachable")
+            return "The user said: " + body["messages"][-1]["content"].split("New messages:\n", 1)[1].replace(
+                "\n", " "
+            )
+        from gateway.upstream.demo import demo_reply
+
+        return demo_reply(body["messages"])
+
+
+async def make(
+    tmp_path: Path, **sessions: Any
+) -> tuple[Any, JsonlStore, Clock, Summaries, httpx.AsyncClient]:
+    settings = make_settings(tmp_path, durability="none")
+    settings = settings.model_copy(
+        update={
+            "sessions": settings.sessions.model_copy(
+                update={"idle_after": 60.0, "lease": 120.0, "max_attempts": 3, **sessions}
+            )
+        }
+    )
+    store = JsonlStore(tmp_path / "var", durability="none")
+    await store.open()
+    model = Summaries()
+    app = create_app(settings, store=store, router=Router({"mock": MockUpstream(model)}, "mock"))
+    clock = Clock()
+    app.state.processor.clock = clock
+    app.state.service.clock = clock
+    client = httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://g")
+    return app, store, clock, model, client
+
+
+async def say(client: httpx.AsyncClient, cid: str, text: str, **extra: Any) -> str:
+    r = await client.post(
+        "/v1/chat/completions",
+        json={
+            "model": "mock/m",
+            "messages": [{"role": "user", "content": text}],
+            "conversation_id": cid,
+            **extra,
+        },
+    )
+    assert r.status_code == 200, r.text
+    return str(r.json()["choices"][0]["message"]["content"])
+
+
+async def test_idle_conversation_is_processed_and_reactivated(tmp_path: Path) -> None:
+    app, store, clock, _, client = await make(tmp_path)
+    processor = app.state.processor
+    await say(client, "c1", "my name is Ada", user="u1")
+    await processor.run_once()
+    assert (await processor.state_of(store, "c1")).state == "active"  # not idle yet
+    clock.offset = 61
+    await processor.run_once()
+    states = [r["state"] for r in await store.read_side("lifecycle", "c1")]
+    assert states == [PROCESSING, PROCESSED]
+    summary = (await store.read_summaries("c1"))[-1]
+    assert "my name is Ada" in summary["text"]
+    day = datetime.now(ZoneInfo("UTC")).strftime("%Y-%m-%d")
+    digest = await store.read_side("digests", f"{user_key('u1')}.{day}")
+    assert digest[-1]["conversation_id"] == "c1" and "Ada" in digest[-1]["summary"]
+    await processor.run_once()  # nothing more to do
+    assert len(await store.read_side("lifecycle", "c1")) == 2
+    # A new message reactivates it.
+    clock.offset = 62
+    await say(client, "c1", "hello again")
+    assert (await processor.state_of(store, "c1")).state == "active"
+    await client.aclose()
+
+
+async def test_failures_retry_then_fail(tmp_path: Path) -> None:
+    app, store, clock, model, client = await make(tmp_path)
+    processor = app.state.processor
+    await say(client, "c2", "my name is Bo")
+    model.fail = True
+    clock.offset = 61
+    for expected_attempts in (1, 2):
+        await processor.run_once()
+        state = await processor.state_of(store, "c2")
+        assert state.state == "active" and state.attempts == expected_attempts
+        assert "unreachable" in (state.error or "")
+    await processor.run_once()
+    state = await processor.state_of(store, "c2")
+    assert state.state == FAILED and state.attempts == 3
+    await processor.run_once()
+    assert (await processor.state_of(store, "c2")).state == FAILED  # failed stays failed...
+    model.fail = False
+    clock.offset = 62
+    await say(client, "c2", "still there?")  # ...until a new message
+    clock.offset = 124
+    await processor.run_once()
+    assert (await processor.state_of(store, "c2")).state == PROCESSED
+    await client.aclose()
+
+
+async def test_lease_expiry_after_a_crashed_processor(tmp_path: Path) -> None:
+    app, store, clock, _, client = await make(tmp_path)
+    processor = app.state.processor
+    await say(client, "c3", "my name is Cy")
+    # A processor crashed mid-processing: its record says processing, lease until now + 120 s.
+    await store.append_side(
+        "lifecycle", "c3", {"state": PROCESSING, "at": clock(), "attempts": 0, "lease_until": clock() + 120}
+    )
+    clock.offset = 61
+    await processor.run_once()
+    assert (await processor.state_of(store, "c3")).state == PROCESSING  # lease still valid
+    clock.offset = 125  # lease over: back to active, counted as an attempt
+    await processor.run_once()
+    records = await store.read_side("lifecycle", "c3")
+    assert records[1]["state"] == "active" and records[1]["attempts"] == 1 and "lease" in records[1]["error"]
+    await processor.run_once()
+    assert (await processor.state_of(store, "c3")).state == PROCESSED
+    # No conversation is ever left processing beyond its lease.
+    for record in records:
+        if record["state"] == PROCESSING:
+            assert record["lease_until"] - record["at"] <= 1800
+    await client.aclose()
+
+
+async def test_expiry_archives_and_next_request_starts_fresh(tmp_path: Path) -> None:
+    app, store, clock, _, client = await make(tmp_path, ttl=3600.0)
+    await say(client, "c4", "my name is Di")
+    clock.offset = 3601
+    await app.state.processor.run_once()
+    assert not await store.exists("c4")
+    assert list((tmp_path / "var" / "archive").iterdir())
+    assert await say(client, "c4", "what is my name?") == "I don't know your name yet."
+    await client.aclose()
+
+
+def test_derive_state() -> None:
+    assert derive_state([], 5.0).state == "active"
+    done = [{"state": "processed", "at": 10.0}]
+    assert derive_state(done, 9.0).state == "processed"
+    assert derive_state(done, 11.0).state == "active"
+
+
+def _zone_pair(now: float) -> tuple[str, str, float]:
+    """A zone where `now` and a later instant fall on different local days, one where they
+    fall on the same day, and that later instant."""
+    split = "Asia/Tokyo"
+    tokyo = datetime.fromtimestamp(now, ZoneInfo(split))
+    midnight = (tokyo + timedelta(days=1)).replace(hour=0, minute=0, second=0, microsecond=0)
+    later = midnight.timestamp() + 60  # just after the next local midnight in Tokyo
+
+    def day(ts: float, z: str) -> str:
+        return datetime.fromtimestamp(ts, ZoneInfo(z)).date().isoformat()
+
+    hourly = [f"Etc/GMT{'+' if h > 0 else '-'}{abs(h)}" if h else "UTC" for h in range(-14, 13)]
+    same = next(z for z in hourly if day(now, z) == day(later, z))
+    return split, same, later
+
+
+async def test_recap_respects_the_users_local_day(tmp_path: Path) -> None:
+    app, store, clock, _, client = await make(tmp_path)
+    await say(client, "text-1", "my dog is called Rex", user="u9")
+    split, same, later = _zone_pair(time.time())
+    clock.offset = later - time.time()
+    assert (
+        await say(client, "voice-a", "what is my dog called?", user="u9", user_timezone=split)
+        == "I don't know your dog yet."
+    )
+    assert (
+        await say(client, "voice-b", "what is my dog called?", user="u9", user_timezone=same)
+        == "Your dog is Rex."
+    )
+    r = await client.get("/v1/conversations/voice-b/context")
+    assert r.json()["recap_conversations"] == ["voice-a", "text-1"]  # newest first
+    bad = await client.post(
+        "/v1/chat/completions",
+        json={
+            "model": "mock/m",
+            "messages": [{"role": "user", "content": "x"}],
+            "conversation_id": "z",
+            "user_timezone": "Mars/Olympus",
+        },
+    )
+    assert bad.status_code == 400 and bad.json()["error"]["param"] == "user_timezone"
+    await client.aclose()
+
+
+@pytest.mark.e2e
+def test_recap_across_channels_end_to_end(gateway: GatewayProcess, upstream: MockServer) -> None:
+    client = OpenAI(base_url=f"{gateway.url}/v1", api_key="x", max_retries=0)
+
+    def ask(cid: str, text: str, user: str) -> str:
+        r = client.chat.completions.create(
+            model="mock/m",
+            messages=[{"role": "user", "content": text}],
+            user=user,
+            extra_body={"conversation_id": cid},
+        )
+        return str(r.choices[0].message.content)
+
+    ask("text-1", "my dog is called Rex", "u1")
+    assert ask("voice-1", "what is my dog called?", "u1") == "Your dog is Rex."
+    recap = upstream.requests[-1]["messages"][0]
+    assert (
+        recap["role"] == "system"
+        and recap["content"].startswith("Earlier today")
+        and "Rex" in recap["content"]
+    )
+    # The recap stays with the new conversation on its next turns.
+    assert ask("voice-1", "what is my dog called?", "u1") == "Your dog is Rex."
+    # Another user gets no recap.
+    assert ask("voice-2", "what is my dog called?", "u2") == "I don't know your dog yet."
+    assert upstream.requests[-1]["messages"][0]["role"] == "user"
+    assert (gateway.data_dir / "logs" / "users").is_dir()
