@@ -219,18 +219,46 @@ class Processor:
         tenants = ["", *self.stores.tenants_on_disk()]
         for tenant in tenants:
             store = await self.stores.get(tenant)
-            for summary in await store.list_conversations():
-                await self.visit(store, summary.conversation_id)
+            for cid, modified in await self._candidates(store):
+                await self.visit(store, cid, modified)
+
+    async def _candidates(self, store: Store) -> list[tuple[str, float]]:
+        """Conversations that may need work, found cheaply: an index untouched for idle_after
+        (its mtime), and no processed or failed state newer than that."""
+        sessions = self.settings.sessions
+        times = await asyncio.to_thread(store.index_times)
+        if self.clock is not time.time:
+            return [(cid, 0.0) for cid, _ in times]  # a test's clock: file times mean nothing there
+        now = self.clock()
+        quiet = (
+            min(x for x in (sessions.idle_after, sessions.ttl) if x > 0)
+            if (sessions.idle_after or sessions.ttl)
+            else 0
+        )
+        out = []
+        for cid, modified in times:
+            if now - modified < quiet:
+                continue
+            records = await store.read_side("lifecycle", cid)
+            if (
+                records
+                and records[-1].get("state") in (PROCESSED, FAILED)
+                and float(records[-1].get("at", 0)) >= modified
+            ):
+                if not (sessions.ttl > 0 and now - modified > sessions.ttl):
+                    continue
+            out.append((cid, modified))
+        return out
 
     async def state_of(self, store: Store, cid: str) -> State:
         view = await store.load(cid)
         return derive_state(await store.read_side("lifecycle", cid), view.last_activity)
 
-    async def visit(self, store: Store, cid: str) -> None:
+    async def visit(self, store: Store, cid: str, modified: float | None = None) -> None:
         now = self.clock()
         sessions = self.settings.sessions
         view = await store.load(cid)
-        last = view.last_activity or 0.0
+        last = max(view.last_activity or 0.0, modified or 0.0)
         if sessions.ttl > 0 and now - last > sessions.ttl:
             async with store.lock(cid, self.settings.storage.lock_timeout):
                 await store.delete_conversation(cid, archive=True)

@@ -247,3 +247,21 @@ def test_recap_across_channels_end_to_end(gateway: GatewayProcess, upstream: Moc
     assert ask("voice-2", "what is my dog called?", "u2") == "I don't know your dog yet."
     assert upstream.requests[-1]["messages"][0]["role"] == "user"
     assert (gateway.data_dir / "logs" / "users").is_dir()
+
+
+async def test_real_clock_pass_skips_settled_and_recent_conversations(tmp_path: Path) -> None:
+    import asyncio
+
+    app, store, _, _, client = await make(tmp_path, idle_after=0.5)
+    processor = app.state.processor
+    processor.clock = time.time
+    app.state.service.clock = time.time
+    await say(client, "r1", "my name is Eve")
+    await processor.run_once()
+    assert await store.read_side("lifecycle", "r1") == []  # active less than idle_after ago
+    await asyncio.sleep(0.6)
+    await processor.run_once()
+    assert [r["state"] for r in await store.read_side("lifecycle", "r1")] == [PROCESSING, PROCESSED]
+    await processor.run_once()  # settled and unchanged: not visited again
+    assert len(await store.read_side("lifecycle", "r1")) == 2
+    await client.aclose()

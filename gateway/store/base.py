@@ -91,6 +91,10 @@ class Store(ABC):
         """Remove (or archive) the index, its responses and summaries. Call under `lock`.
         False if there was no such conversation."""
 
+    def index_times(self) -> list[tuple[str, float]]:
+        """(conversation id, last change time) for every conversation; cheap (no parsing)."""
+        return []
+
     async def exists(self, conversation_id: str) -> bool:
         try:
             await self.read_index(conversation_id)

@@ -186,6 +186,7 @@ class _JsonlLog(ResponseLog):
             )
         commit = orjson.dumps({"type": "commit", "status": "complete", "committed": now()}) + b"\n"
         before = -1
+        durable = False
         try:
             try:
                 _write_all(self._fd, records + commit)
@@ -196,6 +197,7 @@ class _JsonlLog(ResponseLog):
                 self._fd = -1
             if store.fsync and not self._dir_durable:
                 store._sync(_fsync_dir, store.responses_dir)
+            durable = True
             if store.before_index_append is not None:
                 store.before_index_append(self.response_id)
             if conversation_id is None:
@@ -214,7 +216,11 @@ class _JsonlLog(ResponseLog):
             return before
         except OSError as exc:
             reason = exc.strerror or str(exc)
-            self._mark_failed(b"", reason, conversation_id, before)
+            if durable and before < 0:
+                # Complete on disk, not indexed: the state a crash at this point leaves too.
+                store._forget(conversation_id)
+            else:
+                self._mark_failed(b"", reason, conversation_id, before)
             raise StorageError(f"could not record the response durably: {reason}") from exc
 
     def _mark_failed(self, records: bytes, reason: str, conversation_id: str | None, before: int) -> None:
@@ -581,6 +587,19 @@ class JsonlStore(Store):
         records = self._read_records(path)
         self._side[(kind, key)] = (size, records)
         return records
+
+    def index_times(self) -> list[tuple[str, float]]:
+        out = []
+        if self.conversations_dir.is_dir():
+            with os.scandir(self.conversations_dir) as entries:
+                for entry in entries:
+                    name = entry.name
+                    if name.endswith(".jsonl") and is_valid_conversation_id(name[:-6]):
+                        try:
+                            out.append((name[:-6], entry.stat().st_mtime))
+                        except FileNotFoundError:
+                            continue
+        return out
 
     async def list_conversations(self) -> list[ConversationSummary]:
         out: list[ConversationSummary] = []

@@ -113,6 +113,9 @@ class MemoryStore(Store):
         self.activity.pop(conversation_id, None)
         return True
 
+    def index_times(self) -> list[tuple[str, float]]:
+        return [(cid, self.activity.get(cid, 0.0)) for cid in self.indexes]
+
     async def append_side(self, kind: str, key: str, record: Record) -> None:
         if kind == "summaries":
             self.summaries.setdefault(key, []).append(copy.deepcopy(record))
