@@ -240,13 +240,14 @@ class Processor:
             if now - modified < quiet:
                 continue
             records = await store.read_side("lifecycle", cid)
-            if (
-                records
+            settled = (
+                bool(records)
                 and records[-1].get("state") in (PROCESSED, FAILED)
                 and float(records[-1].get("at", 0)) >= modified
-            ):
-                if not (sessions.ttl > 0 and now - modified > sessions.ttl):
-                    continue
+            )
+            expired = sessions.ttl > 0 and now - modified > sessions.ttl
+            if settled and not expired:
+                continue
             out.append((cid, modified))
         return out
 
