@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import time
 from typing import Any
@@ -14,6 +15,7 @@ from gateway.api.http import (
     ClientDisconnected,
     JSONBody,
     SSEResponse,
+    error_response,
     read_json,
     store_for,
     until_disconnect,
@@ -81,6 +83,26 @@ def _log_line(turn: PreparedTurn, status: int, outcome: str, metrics: Metrics | 
     access_log.info(orjson.dumps(line).decode())
 
 
+def _outcome(exc: BaseException) -> BaseException:
+    """What the turn is closed with: a client that went away cancelled it (no server error)."""
+    return asyncio.CancelledError() if isinstance(exc, ClientDisconnected) else exc
+
+
+def _failed(turn: PreparedTurn, exc: BaseException) -> Response:
+    """The response for a turn that failed before any byte was sent: a 499 for a client that
+    went away, else the error, naming the response whose log records the attempt."""
+    if isinstance(exc, ClientDisconnected):
+        _log_line(turn, 499, "disconnected")
+        return Response(status_code=499)
+    if not isinstance(exc, GatewayError):
+        _log_line(turn, 500, "error")
+        raise exc
+    _log_line(turn, exc.status_code, "error")
+    response = error_response(exc)
+    response.headers.update(_headers(turn))
+    return response
+
+
 async def chat_completions(request: Request) -> Response:
     service: ChatService = request.app.state.service
     body = await read_json(request, service.settings.server.max_body_bytes)
@@ -90,12 +112,8 @@ async def chat_completions(request: Request) -> Response:
         try:
             result = await until_disconnect(service.complete(turn), request.receive)
         except BaseException as exc:
-            await service.close(turn, exc)
-            status = exc.status_code if isinstance(exc, GatewayError) else 499
-            _log_line(turn, status, "disconnected" if isinstance(exc, ClientDisconnected) else "error")
-            if isinstance(exc, ClientDisconnected):
-                return Response(status_code=499)
-            raise
+            await service.close(turn, _outcome(exc))
+            return _failed(turn, exc)
         await service.close(turn)
         _log_line(turn, 200, "complete", request.app.state.metrics)
         return JSONBody(result, headers=_headers(turn))
@@ -103,15 +121,11 @@ async def chat_completions(request: Request) -> Response:
     try:
         events = await until_disconnect(service.open_stream(turn), request.receive)
     except BaseException as exc:
-        await service.close(turn, exc)
-        status = exc.status_code if isinstance(exc, GatewayError) else 499
-        _log_line(turn, status, "error")
-        if isinstance(exc, ClientDisconnected):
-            return Response(status_code=499)
-        raise
+        await service.close(turn, _outcome(exc))
+        return _failed(turn, exc)
 
     async def on_close(exc: BaseException | None) -> None:
-        await service.close(turn, exc)
+        await service.close(turn, None if exc is None else _outcome(exc))
         complete = turn.timings is not None and exc is None
         _log_line(turn, 200, "complete" if complete else "incomplete", request.app.state.metrics)
 

@@ -1,5 +1,5 @@
-"""HTTP plumbing shared by the routes: bounded body reading, OpenAI-shaped errors, disconnect
-watching, and a server-sent-events response that reports how it ended."""
+"""HTTP plumbing shared by the routes: bounded body reading (size and time), OpenAI-shaped errors,
+disconnect watching, and a server-sent-events response that reports how it ended."""
 
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ from collections.abc import AsyncIterator, Awaitable, Callable, Coroutine
 from typing import Any, TypeVar
 
 import orjson
-from starlette.requests import Request
+from starlette.requests import ClientDisconnect, Request
 from starlette.responses import Response
 from starlette.types import Receive, Scope, Send
 
@@ -35,18 +35,46 @@ async def store_for(request: Request) -> Store:
     return await stores.get(request.scope.get("gateway.tenant", ""))
 
 
+class BodyTimeout(GatewayError):
+    """The client did not send its whole request body within server.body_timeout."""
+
+    status_code = 408
+    error_type = "invalid_request_error"
+    code = "request_timeout"
+
+
+class ClientGone(GatewayError):
+    """The client closed the connection while sending its request (nobody reads the answer)."""
+
+    status_code = 499
+    error_type = "invalid_request_error"
+    code = "client_closed_request"
+
+
 async def read_json(request: Request, limit: int, *, allow_empty: bool = False) -> Any:
-    """The request body decoded, refusing bodies over `limit` bytes before reading them whole."""
+    """The request body decoded, refusing bodies over `limit` bytes before reading them whole
+    and bodies that take longer than `server.body_timeout` to arrive (slow-body clients)."""
     declared = request.headers.get("content-length")
     if declared is not None and declared.isdigit() and int(declared) > limit:
         raise BodyTooLarge(f"Request body of {declared} bytes exceeds the limit of {limit} bytes")
+    settings = getattr(request.app.state, "settings", None)
+    timeout = settings.server.body_timeout if settings is not None else 0.0
     parts: list[bytes] = []
     size = 0
-    async for chunk in request.stream():
-        size += len(chunk)
-        if size > limit:
-            raise BodyTooLarge(f"Request body exceeds the limit of {limit} bytes")
-        parts.append(chunk)
+    try:
+        async with asyncio.timeout(timeout or None):
+            async for chunk in request.stream():
+                size += len(chunk)
+                if size > limit:
+                    raise BodyTooLarge(f"Request body exceeds the limit of {limit} bytes")
+                parts.append(chunk)
+    except TimeoutError:
+        raise BodyTimeout(
+            f"The request body did not arrive within {timeout:g} s (server.body_timeout); "
+            f"received {size} bytes"
+        ) from None
+    except ClientDisconnect:
+        raise ClientGone("The client closed the connection before sending the whole body") from None
     data = b"".join(parts)
     if not data and allow_empty:
         return {}

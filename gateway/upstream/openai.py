@@ -2,15 +2,18 @@
 
 One pooled aiohttp session per provider (measured faster than httpx here, notably under
 concurrency: see bench/); the body is serialized once with orjson; aiohttp exceptions are
-translated to gateway errors in exactly one place, `map_upstream_errors`.
+translated to gateway errors in exactly one place, `map_upstream_errors`. A failed attempt is
+retried (`retries`, default 1) only when nothing of its answer has been produced yet: after a
+connection failure or a 502/503/504, never after the first chunk of a stream, never on a 429.
 """
 
 from __future__ import annotations
 
 import asyncio
+import logging
 import os
-from collections.abc import AsyncIterator, Iterator, Mapping
-from contextlib import contextmanager
+from collections.abc import AsyncGenerator, AsyncIterator, Iterator, Mapping
+from contextlib import aclosing, contextmanager
 from typing import Any
 
 import aiohttp
@@ -26,10 +29,41 @@ from gateway.exceptions import (
 )
 from gateway.upstream.base import Body, Chunk, Upstream
 
+log = logging.getLogger("gateway.upstream")
+
 # Every aiohttp client exception class, mapped (tests/test_upstreams.py enumerates them).
 _TIMEOUTS: tuple[type[BaseException], ...] = (TimeoutError, asyncio.TimeoutError, aiohttp.ServerTimeoutError)
 _UNREACHABLE: tuple[type[BaseException], ...] = (aiohttp.ClientConnectionError,)
 _PROTOCOL: tuple[type[BaseException], ...] = (aiohttp.ClientError, ValueError)
+
+# Provider statuses worth another attempt (a 429 is the client's to handle: passed through).
+RETRY_STATUSES = frozenset({502, 503, 504})
+# Failures that mean "the provider never produced this answer": the connection could not be
+# made or broke. A read timeout is not among them: the provider already used its time.
+_RETRY_CAUSES: tuple[type[BaseException], ...] = (
+    aiohttp.ClientConnectorError,
+    aiohttp.ConnectionTimeoutError,
+    aiohttp.ServerDisconnectedError,
+    aiohttp.ClientOSError,
+    aiohttp.ClientPayloadError,
+)
+_BACKOFF = (0.2, 0.5, 1.0, 2.0)
+# Once every choice has its finish_reason, a provider that neither sends `[DONE]` nor ends the
+# body gets this long (5x while an asked-for usage chunk is due) before the answer is taken as done.
+TAIL_GRACE = 1.0
+
+
+def is_retryable(exc: BaseException) -> bool:
+    """May a request that failed with `exc`, before any answer byte, be sent again?"""
+    if isinstance(exc, UpstreamStatusError):
+        return exc.upstream_status in RETRY_STATUSES and not isinstance(exc, UpstreamErrorEvent)
+    if isinstance(exc, UpstreamError):
+        return isinstance(exc.__cause__, _RETRY_CAUSES)
+    return False
+
+
+def backoff(attempt: int) -> float:
+    return _BACKOFF[min(attempt, len(_BACKOFF) - 1)]
 
 
 @contextmanager
@@ -39,6 +73,8 @@ def map_upstream_errors(name: str, url: str) -> Iterator[None]:
         yield
     except UpstreamError:
         raise
+    except aiohttp.ConnectionTimeoutError as exc:
+        raise UpstreamTimeout(f"Provider {name!r} at {url} timed out while connecting") from exc
     except _TIMEOUTS as exc:
         raise UpstreamTimeout(f"Provider {name!r} at {url} timed out ({type(exc).__name__})") from exc
     except _UNREACHABLE as exc:
@@ -51,7 +87,17 @@ def map_upstream_errors(name: str, url: str) -> Iterator[None]:
         ) from exc
 
 
-def status_error(name: str, status: int, content: bytes, headers: Mapping[str, str]) -> UpstreamStatusError:
+class UpstreamErrorEvent(UpstreamStatusError):
+    """The provider reported an error inside a 200 answer (a stream's error event): never retried."""
+
+
+def status_error(
+    name: str,
+    status: int,
+    content: bytes,
+    headers: Mapping[str, str],
+    cls: type[UpstreamStatusError] = UpstreamStatusError,
+) -> UpstreamStatusError:
     """An UpstreamStatusError carrying the provider's own error message when it sent one."""
     message = content.decode("utf-8", "replace")[:500].strip() or f"HTTP {status}"
     err_type = code = param = None
@@ -68,8 +114,9 @@ def status_error(name: str, status: int, content: bytes, headers: Mapping[str, s
             param = err.get("param") if isinstance(err.get("param"), str) else None
         elif isinstance(err, str):
             message = err
-    return UpstreamStatusError(
-        f"Provider {name!r} returned HTTP {status}: {message}",
+    said = "reported an error" if issubclass(cls, UpstreamErrorEvent) else f"returned HTTP {status}"
+    return cls(
+        f"Provider {name!r} {said}: {message}",
         upstream_status=status,
         error_type=err_type,
         code=code,
@@ -112,6 +159,7 @@ class OpenAIUpstream(Upstream):
         )
         self._endpoint = f"{self.url}/chat/completions"
         self._session: aiohttp.ClientSession | None = None
+        self.retries = settings.retries
 
     def _client(self) -> aiohttp.ClientSession:
         # Created lazily: a session belongs to the event loop that first uses it.
@@ -128,9 +176,37 @@ class OpenAIUpstream(Upstream):
         if self._session is not None and not self._session.closed:
             await self._session.close()
 
+    async def _retry_or_raise(self, exc: UpstreamError, attempt: int) -> None:
+        """Return after the backoff if another attempt is allowed, else re-raise `exc`."""
+        if attempt >= self.retries or not is_retryable(exc):
+            raise exc
+        delay = backoff(attempt)
+        log.warning(
+            orjson.dumps(
+                {
+                    "event": "upstream_retry",
+                    "provider": self.name,
+                    "attempt": attempt + 1,
+                    "error": exc.message,
+                    "delay_s": delay,
+                }
+            ).decode()
+        )
+        await asyncio.sleep(delay)
+
     async def complete(self, body: Body) -> Body:
+        data = orjson.dumps(body)
+        attempt = 0
+        while True:
+            try:
+                return await self._complete_once(data)
+            except UpstreamError as exc:
+                await self._retry_or_raise(exc, attempt)
+            attempt += 1
+
+    async def _complete_once(self, data: bytes) -> Body:
         with map_upstream_errors(self.name, self.url):
-            async with self._client().post(self._endpoint, data=orjson.dumps(body)) as response:
+            async with self._client().post(self._endpoint, data=data) as response:
                 content = await response.read()
                 status = response.status
                 headers = response.headers
@@ -144,33 +220,83 @@ class OpenAIUpstream(Upstream):
             ) from exc
         if not isinstance(result, dict) or not isinstance(result.get("choices"), list):
             if isinstance(result, dict) and "error" in result:
-                raise status_error(self.name, 502, content, headers)
+                raise status_error(self.name, 502, content, headers, UpstreamErrorEvent)
             raise UpstreamProtocolError(f"Provider {self.name!r} at {self.url} returned no choices")
         return result
 
     async def stream(self, body: Body) -> AsyncIterator[Chunk]:
+        data = orjson.dumps(body)
+        wants_usage = bool((body.get("stream_options") or {}).get("include_usage"))
+        attempt = 0
+        while True:
+            started = False
+            try:
+                async with aclosing(self._stream_once(data, wants_usage)) as chunks:
+                    async for chunk in chunks:
+                        started = True
+                        yield chunk
+                return
+            except UpstreamError as exc:
+                if started:
+                    raise  # part of the answer is already on its way: never start it again
+                await self._retry_or_raise(exc, attempt)
+            attempt += 1
+
+    async def _stream_once(self, data: bytes, wants_usage: bool) -> AsyncGenerator[Chunk, None]:
         with map_upstream_errors(self.name, self.url):
-            async with self._client().post(self._endpoint, data=orjson.dumps(body)) as response:
+            async with self._client().post(self._endpoint, data=data) as response:
                 if response.status >= 400:
                     content = await response.read()
                     raise status_error(self.name, response.status, content, response.headers)
                 buffer = b""
-                async for data in response.content.iter_any():
-                    buffer += data
+                unfinished: set[int] = set()  # choice indexes still without a finish_reason
+                seen_usage = False
+                finished = False
+                while True:
+                    if finished and not unfinished:
+                        # Waiting for a usage chunk that was asked for gets longer.
+                        grace = TAIL_GRACE if seen_usage or not wants_usage else 5 * TAIL_GRACE
+                        try:
+                            async with asyncio.timeout(grace):
+                                received = await response.content.readany()
+                        except TimeoutError:
+                            return  # a complete answer without `[DONE]`
+                    else:
+                        received = await response.content.readany()
+                    if not received:
+                        break
+                    buffer += received
                     while True:
                         cut = buffer.find(b"\n")
                         if cut < 0:
                             break
                         line = buffer[:cut].rstrip(b"\r").decode("utf-8", "replace")
                         buffer = buffer[cut + 1 :]
-                        parsed = parse_sse_line(line)
+                        try:
+                            parsed = parse_sse_line(line)
+                        except UpstreamProtocolError as exc:
+                            raise UpstreamProtocolError(
+                                f"Provider {self.name!r} at {self.url} sent {exc.message}"
+                            ) from exc
                         if parsed is None:
                             continue
                         if parsed is True:
                             return
                         assert isinstance(parsed, dict)
                         if "error" in parsed and "choices" not in parsed:
-                            raise status_error(self.name, 502, orjson.dumps(parsed), response.headers)
+                            raise status_error(
+                                self.name, 502, orjson.dumps(parsed), response.headers, UpstreamErrorEvent
+                            )
+                        for choice in parsed.get("choices") or ():
+                            if isinstance(choice, dict):
+                                index = choice.get("index", 0)
+                                if choice.get("finish_reason"):
+                                    unfinished.discard(index)
+                                    finished = True
+                                else:
+                                    unfinished.add(index)
+                        if isinstance(parsed.get("usage"), dict):
+                            seen_usage = True
                         yield parsed
                 if buffer.strip():
                     parsed = parse_sse_line(buffer.decode("utf-8", "replace").strip())
