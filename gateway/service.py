@@ -194,6 +194,8 @@ class PreparedTurn:
     usage: dict[str, Any] | None = None
     upstream_truncated: bool = False
     recap: Message | None = None
+    final_message: Message | None = None
+    finish_reason: str | None = None
     first_of_user: str | None = None  # a new conversation of this end user: index it for recaps
 
     @property
@@ -660,6 +662,8 @@ class ChatService:
             turn, message, choices[0].get("finish_reason"), completion.get("usage"), raw
         )
         await self._commit(turn, message, record)
+        turn.final_message = message
+        turn.finish_reason = choices[0].get("finish_reason")
         completion["id"] = turn.response_id
         completion["model"] = turn.request.model
         if turn.conversation_id is not None:
@@ -667,24 +671,28 @@ class ChatService:
         return completion
 
     # -- streaming ----------------------------------------------------------------------------
-    async def open_stream(self, turn: PreparedTurn) -> AsyncIterator[bytes]:
+    async def open_chunks(self, turn: PreparedTurn) -> AsyncIterator[dict[str, Any]]:
         """Start the provider's stream and wait for its first chunk, so that errors before
-        the first byte still become proper HTTP statuses; then return the SSE byte stream."""
+        the first byte still become proper HTTP statuses; then return the chunk stream, which
+        commits the turn after the last chunk (and raises GatewayError on a broken stream)."""
         turn.upstream_started = time.perf_counter()
         chunks = turn.route.upstream.stream(turn.upstream_body).__aiter__()
         try:
             first: dict[str, Any] | None = await chunks.__anext__()
         except StopAsyncIteration:
             first = None
-        return self._sse(turn, chunks, first)
+        return self._chunks(turn, chunks, first)
 
-    async def _sse(
+    async def open_stream(self, turn: PreparedTurn) -> AsyncIterator[bytes]:
+        """open_chunks rendered as chat-completions server-sent events."""
+        return self._sse(turn, await self.open_chunks(turn))
+
+    async def _chunks(
         self, turn: PreparedTurn, chunks: AsyncIterator[dict[str, Any]], first: dict[str, Any] | None
-    ) -> AsyncIterator[bytes]:
+    ) -> AsyncIterator[dict[str, Any]]:
         acc = StreamAccumulator()
         cid = turn.conversation_id
         model = turn.request.model
-        include_usage = turn.request.include_usage
         try:
             chunk = first
             while chunk is not None:
@@ -693,20 +701,28 @@ class ChatService:
                 chunk["model"] = model
                 if cid is not None:
                     chunk["conversation_id"] = cid
-                if chunk.get("choices") or include_usage:
-                    yield sse(chunk)
+                yield chunk
                 try:
                     chunk = await chunks.__anext__()
                 except StopAsyncIteration:
                     chunk = None
             if acc.finish_reason is None:
-                raise UpstreamProtocolError(
-                    f"Provider {turn.route.provider!r} ended the stream before finishing"
-                )
+                raise UpstreamProtocolError(f"Provider {turn.route.provider!r} ended the stream before finishing")
             message = acc.message()
-            await self._commit(
-                turn, message, self._response_record(turn, message, acc.finish_reason, acc.usage)
-            )
+            await self._commit(turn, message, self._response_record(turn, message, acc.finish_reason, acc.usage))
+            turn.final_message = message
+            turn.finish_reason = acc.finish_reason
+        finally:
+            aclose = getattr(chunks, "aclose", None)
+            if aclose is not None:
+                await aclose()
+
+    async def _sse(self, turn: PreparedTurn, chunks: AsyncIterator[dict[str, Any]]) -> AsyncIterator[bytes]:
+        include_usage = turn.request.include_usage
+        try:
+            async for chunk in chunks:
+                if chunk.get("choices") or include_usage:
+                    yield sse(chunk)
         except GatewayError as exc:
             # Headers are already sent: report the error in-band, as OpenAI does.
             await self.close(turn, exc)

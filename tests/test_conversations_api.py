@@ -101,8 +101,9 @@ def test_list_reset_and_responses_lookup(gateway: GatewayProcess, upstream: Mock
     assert [c["id"] for c in rest["data"]] == ["a1"] and not rest["has_more"]
 
     looked_up = httpx.get(f"{gateway.url}/v1/responses/{r.id}").json()
-    assert looked_up["status"] == "completed" and looked_up["conversation_id"] == "a3"
-    assert looked_up["response"]["message"]["content"] == r.choices[0].message.content
+    assert looked_up["status"] == "completed" and looked_up["conversation"] == {"id": "a3"}
+    assert looked_up["output"][0]["content"][0]["text"] == r.choices[0].message.content
+    assert looked_up["gateway"]["response"]["message"]["content"] == r.choices[0].message.content
     assert httpx.get(f"{gateway.url}/v1/responses/nope-000000000000").status_code == 404
 
     reset = httpx.post(f"{gateway.url}/v1/conversations/a3/reset", json={"keep_system_message": True})

@@ -20,6 +20,7 @@ from starlette.responses import Response
 from starlette.routing import Route
 
 from gateway.api import conversations as conv
+from gateway.api import responses as resp
 from gateway.api.chat import chat_completions
 from gateway.api.http import JSONBody, error_response
 from gateway.config import Settings, load_settings
@@ -134,7 +135,10 @@ def create_app(
         Route("/v1/conversations/{conversation_id}/items", conv.create_items, methods=["POST"]),
         Route("/v1/conversations/{conversation_id}/items/{item_id}", conv.get_item, methods=["GET"]),
         Route("/v1/conversations/{conversation_id}/items/{item_id}", conv.delete_item, methods=["DELETE"]),
-        Route("/v1/responses/{response_id}", conv.get_response, methods=["GET"]),
+        Route("/v1/responses", resp.create_response, methods=["POST"]),
+        Route("/v1/responses/{response_id}", resp.get_response, methods=["GET"]),
+        Route("/v1/responses/{response_id}", resp.delete_response, methods=["DELETE"]),
+        Route("/v1/responses/{response_id}/input_items", resp.list_input_items, methods=["GET"]),
         Route("/metrics", metrics_endpoint, methods=["GET"]),
         Route("/healthz", healthz, methods=["GET"]),
         Route("/readyz", readyz, methods=["GET"]),

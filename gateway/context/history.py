@@ -203,6 +203,11 @@ class ConversationView:
                 self.created_at = float(created) if isinstance(created, int | float) else None
             if isinstance(marker.get("metadata"), dict):
                 self.metadata = dict(marker["metadata"])
+        elif kind == "delete_response":
+            owner = marker.get("response_id")
+            if isinstance(owner, str):
+                for position in [p for o, p in zip(self.history_owner, self.history_pos, strict=True) if o == owner]:
+                    self.delete_item(owner, position)
         elif kind == "delete_item":
             rid, pos = marker.get("response_id"), marker.get("position")
             if isinstance(rid, str) and isinstance(pos, int):

@@ -15,7 +15,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from gateway.context.history import ConversationView, Turn
-from gateway.exceptions import NotFound
+from gateway.exceptions import InvalidRequest, NotFound
 
 Record = dict[str, Any]
 
@@ -90,6 +90,15 @@ class Store(ABC):
     async def delete_conversation(self, conversation_id: str, *, archive: bool = False) -> bool:
         """Remove (or archive) the index, its responses and summaries. Call under `lock`.
         False if there was no such conversation."""
+
+    async def fork(self, source: str, target: str, through: str) -> None:
+        """Start conversation `target` with `source`'s index up to and including response
+        `through` (ids only: the response files are shared, not copied). Call under both locks."""
+        raise InvalidRequest("Branching from an earlier response is not supported by this storage backend")
+
+    async def tombstone(self, response_id: str) -> None:
+        """Mark a response deleted: a final `deleted` record; loaders then skip it."""
+        raise InvalidRequest("Deleting responses is not supported by this storage backend")
 
     def index_times(self) -> list[tuple[str, float]]:
         """(conversation id, last change time) for every conversation; cheap (no parsing)."""

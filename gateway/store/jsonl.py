@@ -28,7 +28,7 @@ from typing import Any
 import orjson
 
 from gateway.context.history import ConversationView, Turn
-from gateway.exceptions import ConversationBusy, CorruptRecord, NotFound, StorageError
+from gateway.exceptions import ConversationBusy, CorruptRecord, InvalidRequest, NotFound, StorageError
 from gateway.ids import check_conversation_id, is_valid_conversation_id, is_valid_response_id
 from gateway.store.base import ConversationSummary, Record, ResponseLog, Store, now
 from gateway.store.records import turn_from_records
@@ -587,6 +587,53 @@ class JsonlStore(Store):
         records = self._read_records(path)
         self._side[(kind, key)] = (size, records)
         return records
+
+    async def fork(self, source: str, target: str, through: str) -> None:
+        src, dst = self.index_path(source), self.index_path(target)
+
+        def copy_prefix() -> None:
+            data = src.read_bytes()
+            end = data.find(through.encode() + b"\n")
+            if end < 0 or (end > 0 and data[end - 1 : end] != b"\n"):
+                raise NotFound(f"No response {through!r} in conversation {source!r}", param="previous_response_id")
+            prefix = data[: end + len(through) + 1]
+            fd = os.open(dst, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
+            try:
+                os.write(fd, prefix)
+                if self.fsync:
+                    os.fdatasync(fd)
+            finally:
+                os.close(fd)
+            if self.fsync:
+                _fsync_dir(self.conversations_dir)
+
+        try:
+            await asyncio.to_thread(copy_prefix)
+        except FileNotFoundError:
+            raise NotFound(f"No conversation {source!r}", param="previous_response_id") from None
+        except FileExistsError:
+            raise InvalidRequest(f"Conversation {target!r} already exists") from None
+        except OSError as exc:
+            raise StorageError(f"could not branch the conversation: {exc.strerror or exc}") from exc
+        self._forget(target)
+
+    async def tombstone(self, response_id: str) -> None:
+        path = self.response_path(response_id)
+        line = orjson.dumps({"type": "deleted", "at": now()}) + b"\n"
+
+        def append() -> None:
+            fd = os.open(path, os.O_WRONLY | os.O_APPEND)
+            try:
+                os.write(fd, line)
+                if self.fsync:
+                    os.fdatasync(fd)
+            finally:
+                os.close(fd)
+
+        try:
+            await asyncio.to_thread(append)
+        except FileNotFoundError:
+            raise NotFound(f"No response {response_id!r}", param="response_id") from None
 
     def index_times(self) -> list[tuple[str, float]]:
         out = []

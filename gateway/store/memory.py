@@ -113,6 +113,18 @@ class MemoryStore(Store):
         self.activity.pop(conversation_id, None)
         return True
 
+    async def fork(self, source: str, target: str, through: str) -> None:
+        entries = self.indexes.get(source, [])
+        if through not in entries:
+            raise NotFound(f"No response {through!r} in conversation {source!r}")
+        self.indexes[target] = copy.deepcopy(entries[: entries.index(through) + 1])
+        self.activity[target] = now()
+
+    async def tombstone(self, response_id: str) -> None:
+        if response_id not in self.responses:
+            raise NotFound(f"No response {response_id!r}")
+        self.responses[response_id].append({"type": "deleted", "at": now()})
+
     def index_times(self) -> list[tuple[str, float]]:
         return [(cid, self.activity.get(cid, 0.0)) for cid in self.indexes]
 

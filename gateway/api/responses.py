@@ -1,0 +1,497 @@
+"""The Responses API bridge: `POST /v1/responses` (streaming and not), `GET`, `DELETE` and
+`GET .../input_items`, mapped onto the continuity core and upstream chat completions.
+
+Every response belongs to a conversation: `conversation` names it, `previous_response_id`
+continues the conversation of that response (branching into a new conversation that shares
+the prefix when it is not the latest response), and otherwise a new one is started. Response
+ids are the gateway's minted ids, so chat-completions and Responses turns see each other.
+"""
+
+from __future__ import annotations
+
+import secrets
+import time
+from collections.abc import AsyncIterator
+from typing import Any
+
+import orjson
+from starlette.requests import Request
+from starlette.responses import Response
+
+from gateway.api.conversations import paginate
+from gateway.api.http import ClientDisconnected, JSONBody, SSEResponse, read_json, store_for, until_disconnect
+from gateway.context import Message
+from gateway.context.items import items_to_messages, message_to_items
+from gateway.exceptions import GatewayError, InvalidRequest, NotFound
+from gateway.ids import check_conversation_id
+from gateway.service import ChatRequest, ChatService, PreparedTurn, StreamAccumulator
+from gateway.store import Store
+
+_PASSED = ("temperature", "top_p", "parallel_tool_calls", "user", "metadata", "service_tier", "seed")
+
+
+def _tools(tools: Any) -> list[dict[str, Any]] | None:
+    if tools is None:
+        return None
+    if not isinstance(tools, list):
+        raise InvalidRequest("'tools' must be an array", param="tools")
+    out = []
+    for i, tool in enumerate(tools):
+        if not isinstance(tool, dict) or tool.get("type") != "function" or not tool.get("name"):
+            raise InvalidRequest(f"tools[{i}]: only function tools are supported", param=f"tools[{i}]")
+        fn = {k: tool[k] for k in ("name", "description", "parameters", "strict") if k in tool}
+        out.append({"type": "function", "function": fn})
+    return out
+
+
+def _tool_choice(choice: Any) -> Any:
+    if isinstance(choice, dict) and choice.get("type") == "function" and choice.get("name"):
+        return {"type": "function", "function": {"name": choice["name"]}}
+    return choice
+
+
+def _response_tools(tools: list[dict[str, Any]] | None) -> list[dict[str, Any]]:
+    return [{"type": "function", "strict": None, **t["function"]} for t in tools or []]
+
+
+def output_items(message: Message | None, response_id: str, position: int) -> list[dict[str, Any]]:
+    if message is None:
+        return []
+    items = message_to_items(message, response_id, position)
+    for item in items:
+        if item["type"] == "message":
+            for part in item["content"]:
+                part.setdefault("annotations", [])
+    return items
+
+
+def response_object(
+    *,
+    response_id: str,
+    created: float,
+    model: str,
+    message: Message | None,
+    position: int,
+    finish_reason: str | None,
+    usage: dict[str, Any] | None,
+    params: dict[str, Any],
+    conversation_id: str | None,
+    previous_response_id: str | None,
+    status: str | None = None,
+    error: dict[str, Any] | None = None,
+) -> dict[str, Any]:
+    usage = usage or {}
+    prompt = int(usage.get("prompt_tokens") or 0)
+    completion = int(usage.get("completion_tokens") or 0)
+    if status is None:
+        status = "incomplete" if finish_reason == "length" else "completed"
+    return {
+        "id": response_id,
+        "object": "response",
+        "created_at": int(created),
+        "status": status,
+        "model": model,
+        "output": output_items(message, response_id, position),
+        "error": error,
+        "incomplete_details": {"reason": "max_output_tokens"}
+        if status == "incomplete" and not error
+        else None,
+        "instructions": params.get("instructions"),
+        "metadata": params.get("metadata") or {},
+        "parallel_tool_calls": params.get("parallel_tool_calls", True),
+        "temperature": params.get("temperature"),
+        "top_p": params.get("top_p"),
+        "tool_choice": params.get("tool_choice_raw", "auto"),
+        "tools": _response_tools(params.get("tools")),
+        "max_output_tokens": params.get("max_output_tokens"),
+        "previous_response_id": previous_response_id,
+        "conversation": {"id": conversation_id} if conversation_id else None,
+        "store": params.get("store", True),
+        "truncation": params.get("truncation", "auto"),
+        "text": {"format": {"type": "text"}},
+        "usage": {
+            "input_tokens": prompt,
+            "input_tokens_details": {"cached_tokens": 0, "cache_write_tokens": 0},
+            "output_tokens": completion,
+            "output_tokens_details": {"reasoning_tokens": 0},
+            "total_tokens": prompt + completion,
+        },
+        "user": params.get("user"),
+    }
+
+
+async def _conversation_for(
+    body: dict[str, Any], store: Store, lock_timeout: float
+) -> tuple[str | None, str | None]:
+    """(conversation id, previous response id) for a request."""
+    conversation = body.get("conversation")
+    previous = body.get("previous_response_id")
+    if conversation is not None and previous is not None:
+        raise InvalidRequest(
+            "Use 'conversation' or 'previous_response_id', not both", param="previous_response_id"
+        )
+    if conversation is not None:
+        cid = conversation.get("id") if isinstance(conversation, dict) else conversation
+        return check_conversation_id(cid, param="conversation"), None
+    if previous is not None:
+        if not isinstance(previous, str):
+            raise InvalidRequest("'previous_response_id' must be a string", param="previous_response_id")
+        records = await store.read_response(previous)
+        request = next((r for r in records if r.get("type") == "request"), {})
+        if not records or records[-1].get("type") != "commit":
+            raise NotFound(f"Response {previous!r} is not a completed response", param="previous_response_id")
+        cid = request.get("conversation_id")
+        if not isinstance(cid, str):
+            raise InvalidRequest(
+                f"Response {previous!r} was not stored (store=false)", param="previous_response_id"
+            )
+        async with store.lock(cid, lock_timeout):
+            ids = [e for e in await store.read_index(cid) if isinstance(e, str)]
+            if ids and ids[-1] == previous:
+                return cid, previous
+            if previous not in ids:
+                raise NotFound(
+                    f"Response {previous!r} is no longer part of a conversation", param="previous_response_id"
+                )
+            fork = f"{cid[:100]}.fork-{secrets.token_hex(6)}"
+            async with store.lock(fork, lock_timeout):
+                await store.fork(cid, fork, previous)
+        return fork, previous
+    if body.get("store") is False:
+        return None, None
+    return f"resp-{secrets.token_hex(12)}", None
+
+
+def _chat_body(body: dict[str, Any], cid: str | None) -> tuple[dict[str, Any], dict[str, Any]]:
+    """The chat-completions request for a Responses request, and the params to echo back."""
+    model = body.get("model")
+    if not isinstance(model, str) or not model:
+        raise InvalidRequest("'model' is required", param="model")
+    raw_input = body.get("input")
+    if isinstance(raw_input, str):
+        messages: list[Message] = [{"role": "user", "content": raw_input}]
+    elif isinstance(raw_input, list):
+        messages = items_to_messages(raw_input, param="input")
+    else:
+        raise InvalidRequest("'input' must be a string or an array of items", param="input")
+    instructions = body.get("instructions")
+    if instructions is not None:
+        if not isinstance(instructions, str):
+            raise InvalidRequest("'instructions' must be a string", param="instructions")
+        messages = [{"role": "system", "content": instructions}, *messages]
+    if not messages:
+        raise InvalidRequest("'input' is empty", param="input")
+    truncation = body.get("truncation", "auto")
+    if truncation not in ("auto", "disabled", None):
+        raise InvalidRequest("'truncation' must be 'auto' or 'disabled'", param="truncation")
+    tools = _tools(body.get("tools"))
+    chat: dict[str, Any] = {"model": model, "messages": messages, "stream": bool(body.get("stream"))}
+    for key in _PASSED:
+        if body.get(key) is not None and key != "metadata":
+            chat[key] = body[key]
+    if tools:
+        chat["tools"] = tools
+    if body.get("tool_choice") is not None:
+        chat["tool_choice"] = _tool_choice(body["tool_choice"])
+    if isinstance(body.get("max_output_tokens"), int):
+        chat["max_tokens"] = body["max_output_tokens"]
+    if chat["stream"]:
+        chat["stream_options"] = {"include_usage": True}
+    if cid is not None:
+        chat["conversation_id"] = cid
+    params = {
+        "instructions": instructions,
+        "metadata": body.get("metadata"),
+        "parallel_tool_calls": body.get("parallel_tool_calls", True),
+        "temperature": body.get("temperature"),
+        "top_p": body.get("top_p"),
+        "tool_choice_raw": body.get("tool_choice", "auto"),
+        "tools": tools,
+        "max_output_tokens": body.get("max_output_tokens"),
+        "store": body.get("store", True),
+        "truncation": truncation or "auto",
+        "user": body.get("user"),
+    }
+    return chat, params
+
+
+async def create_response(request: Request) -> Response:
+    service: ChatService = request.app.state.service
+    settings = service.settings
+    store = await store_for(request)
+    body = await read_json(request, settings.server.max_body_bytes)
+    if not isinstance(body, dict):
+        raise InvalidRequest("The request body must be a JSON object")
+    cid, previous = await _conversation_for(body, store, settings.storage.lock_timeout)
+    chat_body, params = _chat_body(body, cid)
+    chat = ChatRequest.parse(chat_body)
+    turn = await service.prepare(chat, store)
+    position = len(turn.new)
+    common: dict[str, Any] = {
+        "response_id": turn.response_id,
+        "model": chat.model,
+        "position": position,
+        "params": params,
+        "conversation_id": cid,
+        "previous_response_id": previous,
+    }
+    headers = {"x-response-id": turn.response_id}
+    if cid is not None:
+        headers["x-conversation-id"] = cid
+    if not chat.stream:
+        try:
+            completion = await until_disconnect(service.complete(turn), request.receive)
+        except BaseException as exc:
+            await service.close(turn, exc)
+            if isinstance(exc, ClientDisconnected):
+                return Response(status_code=499)
+            raise
+        await service.close(turn)
+        return JSONBody(
+            response_object(
+                created=turn.created or time.time(),
+                message=turn.final_message,
+                finish_reason=turn.finish_reason,
+                usage=completion.get("usage"),
+                **common,
+            ),
+            headers=headers,
+        )
+    try:
+        chunks = await until_disconnect(service.open_chunks(turn), request.receive)
+    except BaseException as exc:
+        await service.close(turn, exc)
+        if isinstance(exc, ClientDisconnected):
+            return Response(status_code=499)
+        raise
+
+    async def on_close(exc: BaseException | None) -> None:
+        await service.close(turn, exc)
+
+    return SSEResponse(_events(service, turn, chunks, common), headers=headers, on_close=on_close)
+
+
+def _event(kind: str, seq: int, **fields: Any) -> bytes:
+    payload = {"type": kind, "sequence_number": seq, **fields}
+    return b"event: " + kind.encode() + b"\ndata: " + orjson.dumps(payload) + b"\n\n"
+
+
+async def _events(
+    service: ChatService, turn: PreparedTurn, chunks: AsyncIterator[dict[str, Any]], common: dict[str, Any]
+) -> AsyncIterator[bytes]:
+    """Chat chunks as the Responses event stream."""
+    seq = 0
+    created = turn.created or time.time()
+    skeleton = response_object(
+        created=created, message=None, finish_reason=None, usage=None, status="in_progress", **common
+    )
+    yield _event("response.created", seq, response=skeleton)
+    seq += 1
+    yield _event("response.in_progress", seq, response=skeleton)
+    rid, position = turn.response_id, common["position"]
+    text_id = f"msg_{rid}_{position}"
+    acc = StreamAccumulator()
+    text_open = False
+    calls_seen: dict[int, int] = {}  # tool call index -> output index
+    output_index = 0
+    try:
+        async for chunk in chunks:
+            acc.add(chunk)
+            for choice in chunk.get("choices") or ():
+                delta = choice.get("delta") or {}
+                piece = delta.get("content")
+                if isinstance(piece, str) and piece:
+                    if not text_open:
+                        text_open = True
+                        item = {
+                            "type": "message",
+                            "id": text_id,
+                            "status": "in_progress",
+                            "role": "assistant",
+                            "content": [],
+                        }
+                        seq += 1
+                        yield _event("response.output_item.added", seq, output_index=output_index, item=item)
+                        seq += 1
+                        yield _event(
+                            "response.content_part.added",
+                            seq,
+                            item_id=text_id,
+                            output_index=output_index,
+                            content_index=0,
+                            part={"type": "output_text", "text": "", "annotations": [], "logprobs": []},
+                        )
+                    seq += 1
+                    yield _event(
+                        "response.output_text.delta",
+                        seq,
+                        item_id=text_id,
+                        output_index=output_index,
+                        content_index=0,
+                        delta=piece,
+                        logprobs=[],
+                    )
+                for call in delta.get("tool_calls") or ():
+                    k = int(call.get("index", 0))
+                    fn = call.get("function") or {}
+                    if k not in calls_seen:
+                        calls_seen[k] = len(calls_seen) + (1 if text_open else 0)
+                        item = {
+                            "type": "function_call",
+                            "id": f"fc_{rid}_{position}_{k}",
+                            "call_id": call.get("id") or "",
+                            "name": fn.get("name") or "",
+                            "arguments": "",
+                            "status": "in_progress",
+                        }
+                        seq += 1
+                        yield _event("response.output_item.added", seq, output_index=calls_seen[k], item=item)
+                    if fn.get("arguments"):
+                        seq += 1
+                        yield _event(
+                            "response.function_call_arguments.delta",
+                            seq,
+                            item_id=f"fc_{rid}_{position}_{k}",
+                            output_index=calls_seen[k],
+                            delta=fn["arguments"],
+                        )
+    except GatewayError as exc:
+        await service.close(turn, exc)
+        seq += 1
+        err = exc.to_dict()["error"]
+        yield _event("error", seq, code=err.get("code"), message=err["message"], param=err.get("param"))
+        failed = response_object(
+            created=created,
+            message=None,
+            finish_reason=None,
+            usage=None,
+            status="failed",
+            error={"code": str(err.get("code") or "server_error"), "message": err["message"]},
+            **common,
+        )
+        seq += 1
+        yield _event("response.failed", seq, response=failed)
+        return
+    final = response_object(
+        created=created,
+        message=turn.final_message,
+        finish_reason=turn.finish_reason,
+        usage=acc.usage,
+        **common,
+    )
+    for index, item in enumerate(final["output"]):
+        if item["type"] == "message":
+            text = item["content"][0]["text"] if item["content"] else ""
+            seq += 1
+            yield _event(
+                "response.output_text.done",
+                seq,
+                item_id=item["id"],
+                output_index=index,
+                content_index=0,
+                text=text,
+                logprobs=[],
+            )
+            seq += 1
+            yield _event(
+                "response.content_part.done",
+                seq,
+                item_id=item["id"],
+                output_index=index,
+                content_index=0,
+                part=item["content"][0]
+                if item["content"]
+                else {"type": "output_text", "text": "", "annotations": []},
+            )
+        elif item["type"] == "function_call":
+            seq += 1
+            yield _event(
+                "response.function_call_arguments.done",
+                seq,
+                item_id=item["id"],
+                output_index=index,
+                name=item["name"],
+                arguments=item["arguments"],
+            )
+        seq += 1
+        yield _event("response.output_item.done", seq, output_index=index, item=item)
+    seq += 1
+    yield _event("response.completed", seq, response=final)
+    del output_index
+
+
+async def _stored(store: Store, rid: str) -> tuple[list[dict[str, Any]], dict[str, Any]]:
+    records = await store.read_response(rid)
+    if not records or records[-1].get("type") == "deleted":
+        raise NotFound(f"No response found with id {rid!r}", param="response_id")
+    request_record = next((r for r in records if r.get("type") == "request"), {})
+    return records, request_record
+
+
+async def get_response(request: Request) -> Response:
+    """The response in the Responses API shape, plus the gateway's log (`gateway`)."""
+    store = await store_for(request)
+    rid = request.path_params["response_id"]
+    records, req = await _stored(store, rid)
+    response_record = next((r for r in records if r.get("type") == "response"), None)
+    context = next((r for r in records if r.get("type") == "context"), None)
+    outcome = records[-1]
+    status = {"commit": "completed", "incomplete": "failed"}.get(str(outcome.get("type")), "in_progress")
+    params = dict(req.get("params") or {})
+    obj = response_object(
+        response_id=rid,
+        created=float(req.get("created") or 0),
+        model=str(req.get("model") or ""),
+        message=response_record.get("message") if response_record else None,
+        position=len(req.get("input") or []),
+        finish_reason=response_record.get("finish_reason") if response_record else None,
+        usage=response_record.get("usage") if response_record else None,
+        params={
+            "tools": params.get("tools"),
+            "temperature": params.get("temperature"),
+            "top_p": params.get("top_p"),
+            "user": params.get("user"),
+            "max_output_tokens": params.get("max_tokens"),
+        },
+        conversation_id=req.get("conversation_id"),
+        previous_response_id=None,
+        status=status if status != "completed" else None,
+        error=outcome.get("error") if status == "failed" else None,
+    )
+    obj["gateway"] = {
+        "request": {k: v for k, v in req.items() if k != "type"},
+        "context": {k: v for k, v in context.items() if k != "type"} if context else None,
+        "response": {k: v for k, v in response_record.items() if k != "type"} if response_record else None,
+        "outcome": outcome,
+    }
+    return JSONBody(obj)
+
+
+async def delete_response(request: Request) -> Response:
+    settings = request.app.state.settings
+    store = await store_for(request)
+    rid = request.path_params["response_id"]
+    _, req = await _stored(store, rid)
+    cid = req.get("conversation_id")
+    if isinstance(cid, str):
+        async with store.lock(cid, settings.storage.lock_timeout):
+            await store.tombstone(rid)
+            if await store.exists(cid):
+                await store.append_marker(
+                    cid, {"type": "delete_response", "response_id": rid, "at": time.time()}
+                )
+    else:
+        await store.tombstone(rid)
+    return JSONBody({"id": rid, "object": "response.deleted", "deleted": True})
+
+
+async def list_input_items(request: Request) -> Response:
+    store = await store_for(request)
+    rid = request.path_params["response_id"]
+    _, req = await _stored(store, rid)
+    items = []
+    for k, message in enumerate(req.get("system") or []):
+        items.extend(message_to_items(message, rid, -(k + 1)))
+    for pos, message in enumerate(req.get("input") or []):
+        items.extend(message_to_items(message, rid, pos))
+    return JSONBody(paginate(items, request, default_order="desc"))

@@ -1,0 +1,191 @@
+"""The Responses API bridge, driven by the official SDK's `client.responses.*`."""
+
+from __future__ import annotations
+
+import json
+
+import openai
+import pytest
+from openai import OpenAI
+
+from tests.conftest import GatewayProcess
+from tests.mockserver import MockServer
+
+pytestmark = pytest.mark.e2e
+
+
+def sdk(gateway: GatewayProcess) -> OpenAI:
+    return OpenAI(base_url=f"{gateway.url}/v1", api_key="x", max_retries=0)
+
+
+def stream_text(client: OpenAI, **kwargs: object) -> tuple[str, str]:
+    """Run a streamed response; (text, response id) from the events."""
+    text, rid, kinds = "", "", []
+    with client.responses.stream(**kwargs) as stream:  # type: ignore[arg-type]
+        for event in stream:
+            kinds.append(event.type)
+            if event.type == "response.output_text.delta":
+                text += event.delta
+        final = stream.get_final_response()
+        rid = final.id
+    assert kinds[0] == "response.created" and kinds[-1] == "response.completed"
+    assert final.output_text == text
+    return text, rid
+
+
+@pytest.mark.parametrize("streaming", [False, True])
+def test_multi_turn_recall_with_previous_response_id(
+    gateway: GatewayProcess, upstream: MockServer, streaming: bool
+) -> None:
+    client = sdk(gateway)
+    previous = None
+    answers = []
+    for text in ["Hi, my name is Bob.", "I like trains.", "What is my name?"]:
+        kwargs = {
+            "model": "mock/m",
+            "input": text,
+            "instructions": "Be brief.",
+            "previous_response_id": previous,
+        }
+        if streaming:
+            answer, previous = stream_text(client, **kwargs)
+        else:
+            r = client.responses.create(**kwargs)  # type: ignore[arg-type]
+            assert r.status == "completed" and r.object == "response"
+            answer, previous = r.output_text, r.id
+        answers.append(answer)
+    assert answers[-1] == "Your name is Bob."
+    assert previous.startswith("mock-m-")
+    sent = upstream.requests[-1]["messages"]
+    assert [m["role"] for m in sent] == ["system", "user", "assistant", "user", "assistant", "user"]
+    assert [m["content"] for m in sent if m["role"] == "user"] == [
+        "Hi, my name is Bob.",
+        "I like trains.",
+        "What is my name?",
+    ]
+
+
+@pytest.mark.parametrize("streaming", [False, True])
+def test_recall_with_conversation_and_chat_completions_see_each_other(
+    gateway: GatewayProcess, upstream: MockServer, streaming: bool
+) -> None:
+    client = sdk(gateway)
+    conv = client.conversations.create()
+    if streaming:
+        stream_text(client, model="mock/m", input="my city is Oslo", conversation=conv.id)
+    else:
+        client.responses.create(model="mock/m", input="my city is Oslo", conversation=conv.id)
+    # A chat-completions turn on the same conversation sees the Responses turn...
+    chat = client.chat.completions.create(
+        model="mock/m",
+        messages=[{"role": "user", "content": "my name is Eve"}],
+        extra_body={"conversation_id": conv.id},
+    )
+    assert chat.choices[0].message.content.startswith("Nice to meet you, Eve")
+    # ...and the next Responses turn sees both.
+    r = client.responses.create(model="mock/m", input="what is my city?", conversation={"id": conv.id})
+    assert r.output_text == "Your city is Oslo."
+    assert r.conversation is not None and r.conversation.id == conv.id
+    r2 = client.responses.create(model="mock/m", input="what is my name?", previous_response_id=r.id)
+    assert r2.output_text == "Your name is Eve."
+
+
+@pytest.mark.parametrize("streaming", [False, True])
+def test_function_calling_across_turns(
+    gateway: GatewayProcess, upstream: MockServer, streaming: bool
+) -> None:
+    client = sdk(gateway)
+    tools = [
+        {
+            "type": "function",
+            "name": "get_weather",
+            "description": "Weather",
+            "parameters": {"type": "object", "properties": {"city": {"type": "string"}}},
+        }
+    ]
+    upstream.mode = "tool_call"
+    if streaming:
+        with client.responses.stream(model="mock/m", input="weather in Paris?", tools=tools) as stream:  # type: ignore[arg-type]
+            kinds = [e.type for e in stream]
+            first = stream.get_final_response()
+        assert "response.function_call_arguments.delta" in kinds
+    else:
+        first = client.responses.create(model="mock/m", input="weather in Paris?", tools=tools)  # type: ignore[arg-type]
+    call = next(item for item in first.output if item.type == "function_call")
+    assert call.name == "get_weather" and json.loads(call.arguments) == {"city": "Paris"}
+    assert upstream.requests[-1]["tools"][0]["function"]["name"] == "get_weather"
+    upstream.mode = "normal"
+    second = client.responses.create(
+        model="mock/m",
+        previous_response_id=first.id,
+        tools=tools,  # type: ignore[arg-type]
+        input=[{"type": "function_call_output", "call_id": call.call_id, "output": "sunny, 21C"}],
+    )
+    assert second.output_text == "The tool said: sunny, 21C"
+    sent = upstream.requests[-1]["messages"]
+    assert [m["role"] for m in sent] == ["user", "assistant", "tool"]
+    assert sent[1]["tool_calls"][0]["id"] == call.call_id and sent[2]["tool_call_id"] == call.call_id
+    third = client.responses.create(model="mock/m", previous_response_id=second.id, input="thanks")
+    assert [m["role"] for m in upstream.requests[-1]["messages"]] == [
+        "user",
+        "assistant",
+        "tool",
+        "assistant",
+        "user",
+    ]
+    assert third.status == "completed"
+
+
+def test_branching_from_an_earlier_response(gateway: GatewayProcess, upstream: MockServer) -> None:
+    client = sdk(gateway)
+    r1 = client.responses.create(model="mock/m", input="my name is Ann")
+    a = client.responses.create(model="mock/m", input="my pet is a cat", previous_response_id=r1.id)
+    b = client.responses.create(model="mock/m", input="my pet is a dog", previous_response_id=r1.id)
+    assert (
+        client.responses.create(
+            model="mock/m", input="what is my pet?", previous_response_id=a.id
+        ).output_text
+        == "Your pet is a cat."
+    )
+    assert (
+        client.responses.create(
+            model="mock/m", input="what is my pet?", previous_response_id=b.id
+        ).output_text
+        == "Your pet is a dog."
+    )
+    sent_b = upstream.requests[-1]["messages"]
+    assert "my pet is a cat" not in [m["content"] for m in sent_b]
+    assert (
+        client.responses.create(
+            model="mock/m", input="what is my name?", previous_response_id=b.id
+        ).output_text
+        == "Your name is Ann."
+    )
+    # The branch shares the prefix's response files instead of copying them.
+    files = list((gateway.data_dir / "logs" / "responses").glob(f"{r1.id}*"))
+    assert len(files) == 1
+
+
+def test_retrieve_input_items_delete_and_errors(gateway: GatewayProcess, upstream: MockServer) -> None:
+    client = sdk(gateway)
+    r = client.responses.create(
+        model="mock/m",
+        input=[{"type": "message", "role": "user", "content": "my name is Max"}],
+        instructions="Hi",
+    )
+    got = client.responses.retrieve(r.id)
+    assert got.id == r.id and got.output_text == r.output_text and got.status == "completed"
+    items = client.responses.input_items.list(r.id)
+    assert [i.type for i in items.data] == ["message", "message"]
+    follow = client.responses.create(model="mock/m", input="what is my name?", previous_response_id=r.id)
+    assert follow.output_text == "Your name is Max."
+    client.responses.delete(follow.id)
+    with pytest.raises(openai.NotFoundError):
+        client.responses.retrieve(follow.id)
+    with pytest.raises(openai.NotFoundError):
+        client.responses.create(model="mock/m", input="x", previous_response_id="mock-m-000000000000")
+    with pytest.raises(openai.BadRequestError):
+        client.responses.create(model="mock/m", input="x", tools=[{"type": "web_search"}])  # type: ignore[list-item]
+    stateless = client.responses.create(model="mock/m", input="hello", store=False)
+    with pytest.raises(openai.BadRequestError):
+        client.responses.create(model="mock/m", input="again", previous_response_id=stateless.id)
