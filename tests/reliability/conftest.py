@@ -104,7 +104,9 @@ def index_ids(data_dir: Path, cid: str) -> list[str]:
     path = data_dir / "logs" / "conversations" / f"{cid}.jsonl"
     if not path.exists():
         return []
-    return [line for line in path.read_text().splitlines() if line and not line.startswith("{")]
+    text = path.read_text()
+    lines = text.split("\n")[:-1]  # an unterminated last line is torn: not part of the index
+    return [line for line in lines if line and not line.startswith("{")]
 
 
 def response_records(data_dir: Path, rid: str) -> list[dict[str, Any]]:

@@ -1,0 +1,130 @@
+"""Storage faults, in process: an fsync error makes the gateway answer 503 `storage_unavailable`,
+never a false 200; nothing is acknowledged or left in an index; after one failed fsync the store
+refuses every write (the kernel may have dropped the dirty pages) until the gateway restarts."""
+
+from __future__ import annotations
+
+import errno
+import json
+import os
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import httpx
+import pytest
+
+from gateway.store.jsonl import JsonlStore
+from gateway.upstream.mock import MockUpstream
+from tests.conftest import build_client, make_settings
+from tests.reliability.conftest import index_ids, response_records
+
+CID = "durable"
+
+
+async def chat(client: httpx.AsyncClient, text: str, *, stream: bool = False) -> httpx.Response:
+    body = {
+        "model": "mock/m",
+        "messages": [{"role": "user", "content": text}],
+        "conversation_id": CID,
+        "stream": stream,
+    }
+    return await client.post("/v1/chat/completions", json=body)
+
+
+def failing_after(n: int, real: Callable[[int], None]) -> Callable[[int], None]:
+    """fdatasync that works `n` times, then fails with EIO."""
+    calls = [0]
+
+    def sync(fd: int) -> None:
+        calls[0] += 1
+        if calls[0] > n:
+            raise OSError(errno.EIO, "Input/output error")
+        real(fd)
+
+    return sync
+
+
+def assert_unavailable(r: httpx.Response) -> None:
+    assert r.status_code == 503, r.text
+    error = r.json()["error"]
+    assert error["code"] == "storage_unavailable" and error["type"] == "server_error"
+    assert set(error) == {"message", "type", "param", "code"}
+
+
+def last_record(tmp_path: Path, rid: str) -> dict[str, Any]:
+    return response_records(tmp_path / "var", rid)[-1]
+
+
+@pytest.mark.parametrize("failing", ["response", "index"])
+async def test_fsync_error_is_503_and_nothing_is_acknowledged(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, failing: str
+) -> None:
+    store = JsonlStore(tmp_path / "var")
+    upstream = MockUpstream()
+    async with build_client(make_settings(tmp_path), store, upstream) as client:
+        first = await chat(client, "Hello, my name is Ada.")
+        assert first.status_code == 200
+        acked = [first.json()["id"]]
+        # The response file's fdatasync comes first, the index's second.
+        monkeypatch.setattr(os, "fdatasync", failing_after(0 if failing == "response" else 1, os.fdatasync))
+        r = await chat(client, "I like trains.")
+        assert_unavailable(r)
+        rid = r.headers["x-response-id"]
+        assert index_ids(tmp_path / "var", CID) == acked  # an index line already written is taken back
+        final = last_record(tmp_path, rid)
+        assert final["type"] == "incomplete" and final["reason"] == "storage_error"
+        # Sticky: even with the disk "back", this process acknowledges nothing more.
+        monkeypatch.undo()
+        again = await chat(client, "I like trains.")
+        assert_unavailable(again)
+        assert "restart" in again.json()["error"]["message"]
+        assert index_ids(tmp_path / "var", CID) == acked
+        assert last_record(tmp_path, again.headers["x-response-id"])["type"] == "incomplete"
+
+    # A restarted gateway (a fresh store) works, and the history is only what was acknowledged.
+    upstream = MockUpstream()
+    async with build_client(make_settings(tmp_path), JsonlStore(tmp_path / "var"), upstream) as client:
+        r = await chat(client, "What is my name?")
+        assert r.status_code == 200
+        assert r.json()["choices"][0]["message"]["content"] == "Your name is Ada."
+        users = [m["content"] for m in upstream.requests[-1]["messages"] if m["role"] == "user"]
+        assert users == ["Hello, my name is Ada.", "What is my name?"]
+
+
+async def test_fsync_error_on_a_stream_is_an_in_band_error_without_done(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    async with build_client(make_settings(tmp_path), JsonlStore(tmp_path / "var"), MockUpstream()) as client:
+        monkeypatch.setattr(os, "fdatasync", failing_after(0, os.fdatasync))
+        r = await chat(client, "Hello, my name is Ada.", stream=True)
+    # The 200 and the text went out before the commit; the commit's failure ends the stream
+    # with an error event and no [DONE], which the SDK raises.
+    assert r.status_code == 200
+    events = [line[6:] for line in r.text.splitlines() if line.startswith("data: ")]
+    assert "[DONE]" not in events
+    assert json.loads(events[-1])["error"]["code"] == "storage_unavailable"
+    assert index_ids(tmp_path / "var", CID) == []
+    assert last_record(tmp_path, r.headers["x-response-id"])["type"] == "incomplete"
+
+
+async def test_write_error_is_503_and_not_sticky(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A failed write (disk full) is refused too, but unlike a failed fsync it leaves no doubt
+    about what is on disk: once space is back, writes are acknowledged again."""
+    store = JsonlStore(tmp_path / "var")
+    async with build_client(make_settings(tmp_path), store, MockUpstream()) as client:
+        first = await chat(client, "Hello, my name is Ada.")
+        real_write = os.write
+
+        def full(fd: int, data: bytes) -> int:
+            if data.endswith(b"\n") and len(data) < 40 and b"{" not in data:  # the index line
+                raise OSError(errno.ENOSPC, "No space left on device")
+            return real_write(fd, data)
+
+        monkeypatch.setattr(os, "write", full)
+        assert_unavailable(await chat(client, "I like trains."))
+        monkeypatch.undo()
+        assert index_ids(tmp_path / "var", CID) == [first.json()["id"]]
+        ok = await chat(client, "What is my name?")
+        assert ok.status_code == 200
+        assert index_ids(tmp_path / "var", CID) == [first.json()["id"], ok.json()["id"]]
