@@ -85,6 +85,10 @@ class SessionsSettings(_Section):
     default_timezone: str = "UTC"
 
 
+class UISettings(_Section):
+    enabled: bool = True
+
+
 class AuthSettings(_Section):
     keys_env: str = ""
 
@@ -119,6 +123,7 @@ class Settings(_Section):
     context: ContextSettings = ContextSettings()
     sessions: SessionsSettings = SessionsSettings()
     auth: AuthSettings = AuthSettings()
+    ui: UISettings = UISettings()
     providers: dict[str, ProviderSettings] = Field(default_factory=_default_providers)
     models: dict[str, ModelSettings] = Field(default_factory=dict)
 

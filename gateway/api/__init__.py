@@ -21,6 +21,7 @@ from starlette.routing import Route
 
 from gateway.api import conversations as conv
 from gateway.api import responses as resp
+from gateway.api import ui
 from gateway.api.chat import chat_completions
 from gateway.api.http import JSONBody, error_response
 from gateway.config import Settings, load_settings
@@ -140,6 +141,11 @@ def create_app(
         Route("/v1/responses/{response_id}", resp.delete_response, methods=["DELETE"]),
         Route("/v1/responses/{response_id}/input_items", resp.list_input_items, methods=["GET"]),
         Route("/metrics", metrics_endpoint, methods=["GET"]),
+        Route("/ui", ui.page, methods=["GET"]),
+        Route("/ui/", ui.page, methods=["GET"]),
+        Route("/ui/static/{name}", ui.static, methods=["GET"]),
+        Route("/ui/api/conversations", ui.conversations, methods=["GET"]),
+        Route("/ui/api/conversations/{conversation_id}", ui.conversation, methods=["GET"]),
         Route("/healthz", healthz, methods=["GET"]),
         Route("/readyz", readyz, methods=["GET"]),
     ]

@@ -1,0 +1,168 @@
+// Conversation inspector: plain JS, no build step. Reads /ui/api/* with the gateway key.
+"use strict";
+const $ = (sel, root = document) => root.querySelector(sel);
+let key = localStorage.getItem("gateway-key") || "";
+let pollTimer = null;
+
+function el(tag, attrs = {}, ...children) {
+  const node = document.createElement(tag);
+  for (const [k, v] of Object.entries(attrs)) {
+    if (k === "class") node.className = v;
+    else if (k === "text") node.textContent = v;
+    else if (k.startsWith("on")) node.addEventListener(k.slice(2), v);
+    else node.setAttribute(k, v);
+  }
+  for (const child of children) if (child != null) node.append(child);
+  return node;
+}
+
+async function api(path) {
+  const headers = key ? { Authorization: "Bearer " + key } : {};
+  const response = await fetch(path, { headers });
+  if (response.status === 401) {
+    $("#key-form").hidden = false;
+    throw new Error("a gateway key is needed");
+  }
+  if (!response.ok) throw new Error((await response.json()).error?.message || response.statusText);
+  return response.json();
+}
+
+function when(ts) { return ts ? new Date(ts * 1000).toLocaleString() : "–"; }
+function textOf(message) {
+  if (!message) return "";
+  let text = typeof message.content === "string" ? message.content
+    : Array.isArray(message.content) ? message.content.map(p => p.text || `[${p.type}]`).join(" ") : "";
+  for (const call of message.tool_calls || []) text += `\n→ ${call.function?.name}(${call.function?.arguments}) [${call.id}]`;
+  if (message.role === "tool") text = `[${message.tool_call_id}] ` + text;
+  return text;
+}
+function bubble(message, extra = "") {
+  const role = message.role || "unknown";
+  return el("div", { class: `msg ${role} ${message.is_feedback ? "feedback" : ""} ${extra}` },
+    el("span", { class: "role", text: role + (message.is_feedback ? " · feedback (not replayed)" : "") }), textOf(message));
+}
+
+// -- list -----------------------------------------------------------------------------------
+async function showList() {
+  stopPolling();
+  $("#conversation-view").hidden = true;
+  $("#list-view").hidden = false;
+  const q = $("#search").value.trim();
+  try {
+    const { data } = await api("/ui/api/conversations" + (q ? "?q=" + encodeURIComponent(q) : ""));
+    const body = $("#conversation-list tbody");
+    body.replaceChildren(...data.map(c => el("tr", { class: "conv-row", "data-id": c.id, onclick: () => { location.hash = "#/c/" + encodeURIComponent(c.id); } },
+      el("td", {}, el("a", { href: "#/c/" + encodeURIComponent(c.id), text: c.id })),
+      el("td", { text: c.user || "–" }), el("td", { text: c.turns }), el("td", { text: c.messages }),
+      el("td", { text: c.tokens }), el("td", { text: when(c.last_activity) }),
+      el("td", {}, el("span", { class: "state " + c.state, text: c.state })),
+      el("td", { class: "preview", text: c.preview }))));
+    $("#list-count").textContent = `${data.length} conversation${data.length === 1 ? "" : "s"}`;
+    status("");
+  } catch (e) { status(e.message); }
+}
+
+// -- one conversation -------------------------------------------------------------------------
+let current = { id: null, count: 0 };
+
+function bar(context) {
+  const windowSize = context.context_window || 1;
+  const tokens = context.tokens || {};
+  const layers = ["system", "summary", "recap", "history", "marker", "new"];
+  const used = layers.reduce((s, l) => s + (tokens[l] || 0), 0);
+  const node = el("div", { class: "bar", title: `${used} of ${windowSize} tokens; budget ${context.budget}` });
+  for (const layer of layers) {
+    const n = tokens[layer] || 0;
+    if (n) node.append(el("div", { class: "seg-" + layer, style: `width:${(100 * n / windowSize).toFixed(3)}%`, title: `${layer}: ${n} tokens` }));
+  }
+  node.append(el("div", { class: "seg-free", style: `flex:1`, title: `free: ${Math.max(0, windowSize - used)} tokens` }));
+  node.append(el("div", { class: "budget", style: `left:${(100 * (context.budget || 0) / windowSize).toFixed(3)}%`, title: `budget ${context.budget}` }));
+  return node;
+}
+
+function turnCard(turn, isNew) {
+  if (turn.marker === "reset") return el("div", { class: "marker-reset", text: `— conversation reset ${when(turn.at)} —` });
+  const card = el("div", { class: "turn" + (isNew ? " new-turn" : ""), "data-response-id": turn.response_id });
+  const ctx = turn.context || {};
+  card.append(el("div", { class: "turn-head" },
+    el("span", { text: `#${turn.index + 1} · ${turn.response_id} · ${turn.model || turn.kind}` }),
+    el("span", { text: when(turn.created) + (turn.outcome !== "commit" ? " · " + turn.outcome : "") })));
+  for (const m of turn.system || []) card.append(bubble(m, "new-system"));
+  for (const m of turn.input) card.append(bubble(m));
+  if (turn.output) card.append(bubble(turn.output));
+  if (ctx.tokens) {
+    card.append(bar(ctx));
+    const facts = el("div", { class: "facts" });
+    const t = ctx.tokens;
+    facts.append(el("span", { text: `window ${ctx.context_window} · budget ${ctx.budget} · sent ${t.total} tokens in ${ctx.sent_messages} messages` }));
+    facts.append(ctx.truncated ? el("span", { class: "omitted", text: `${ctx.truncated} earlier messages omitted` }) : el("span", { text: "nothing omitted" }));
+    if (ctx.summary_version != null) facts.append(el("span", { text: `summary v${ctx.summary_version} covers ${ctx.summary_covers_messages} messages` }));
+    if (ctx.recap) facts.append(el("span", { text: "recap: " + (ctx.recap_conversations || []).join(", ") }));
+    if (turn.timings) facts.append(el("span", { text: `upstream ${turn.timings.upstream_ms} ms · total ${turn.timings.total_ms} ms` }));
+    if (turn.usage) facts.append(el("span", { text: `usage ${turn.usage.prompt_tokens ?? "?"} in / ${turn.usage.completion_tokens ?? "?"} out` }));
+    if (turn.suspected_truncation) facts.append(el("span", { class: "warn", text: `⚠ upstream truncation suspected (${turn.suspected_truncation.prompt_tokens} vs ${turn.suspected_truncation.our_count})` }));
+    card.append(facts);
+  }
+  if (turn.sent && turn.sent.length) {
+    const list = el("div", { class: "sent-list", hidden: "" }, ...turn.sent.map(m => bubble(m)));
+    card.append(el("button", { class: "toggle-sent", onclick: (e) => {
+      list.hidden = !list.hidden; e.target.textContent = list.hidden ? "what was sent" : "hide what was sent"; } , text: "what was sent" }), list);
+  }
+  return card;
+}
+
+async function showConversation(id) {
+  stopPolling();
+  $("#list-view").hidden = true;
+  $("#conversation-view").hidden = false;
+  current = { id, count: 0 };
+  $("#turns").replaceChildren();
+  try {
+    const data = await api("/ui/api/conversations/" + encodeURIComponent(id));
+    renderHead(data);
+    for (const turn of data.turns) $("#turns").append(turnCard(turn, false));
+    current.count = data.count;
+    status("live");
+    pollTimer = setInterval(poll, 1000);
+  } catch (e) { status(e.message); }
+}
+
+function renderHead(data) {
+  const head = $("#conversation-head");
+  head.replaceChildren(el("h1", { text: data.id }),
+    el("div", { class: "muted" }, `state `, el("span", { class: "state " + data.state, text: data.state }),
+      data.user ? ` · user ${data.user}` : "", Object.keys(data.metadata || {}).length ? ` · metadata ${JSON.stringify(data.metadata)}` : ""));
+  for (const s of (data.summaries || []).slice(-1)) {
+    head.append(el("div", { class: "summary-box" }, el("b", { text: `Summary v${s.version} (covers ${s.covered_messages} messages, through ${s.covers_through}): ` }), s.text));
+  }
+}
+
+async function poll() {
+  if (!current.id) return;
+  try {
+    const data = await api(`/ui/api/conversations/${encodeURIComponent(current.id)}?since=${current.count}`);
+    renderHead(data);
+    for (const turn of data.turns) $("#turns").append(turnCard(turn, true));
+    current.count = data.count;
+  } catch (e) { status(e.message); }
+}
+
+function stopPolling() { if (pollTimer) clearInterval(pollTimer); pollTimer = null; }
+function status(text) { $("#status").textContent = text; }
+
+function route() {
+  const match = location.hash.match(/^#\/c\/(.+)$/);
+  if (match) showConversation(decodeURIComponent(match[1])); else showList();
+}
+
+$("#key-form").addEventListener("submit", (e) => {
+  e.preventDefault();
+  key = $("#key-input").value.trim();
+  localStorage.setItem("gateway-key", key);
+  $("#key-form").hidden = true;
+  route();
+});
+let searchTimer = null;
+$("#search").addEventListener("input", () => { clearTimeout(searchTimer); searchTimer = setTimeout(showList, 200); });
+window.addEventListener("hashchange", route);
+route();

@@ -1,0 +1,129 @@
+"""The conversation inspector in a real browser: headless Chromium driven by Playwright,
+against a real `gateway serve` with a few conversations. Screenshots: var/test-artifacts/."""
+
+from __future__ import annotations
+
+import shutil
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import httpx
+import pytest
+
+from tests.conftest import REPO, GatewayProcess, write_config
+from tests.mockserver import MockServer
+
+pytestmark = pytest.mark.e2e
+CHROMIUM = shutil.which("chromium") or shutil.which("chromium-browser")
+ARTIFACTS = REPO / "var" / "test-artifacts"
+FLAGS = [
+    "--headless=new",
+    "--no-sandbox",
+    "--disable-gpu",
+    "--disable-quic",
+    "--no-first-run",
+    "--disable-background-networking",
+    "--disable-component-update",
+    "--disable-sync",
+]
+
+if CHROMIUM is None:  # .ci/run installs Debian's chromium; without it these tests cannot run
+    pytest.skip("SKIPPED LOUDLY: no chromium binary (apt-get install chromium)", allow_module_level=True)
+playwright = pytest.importorskip("playwright.sync_api", reason="SKIPPED LOUDLY: playwright is not installed")
+
+
+@pytest.fixture
+def inspector(tmp_path: Path, upstream: MockServer) -> Iterator[GatewayProcess]:
+    config = write_config(
+        tmp_path / "g.toml", upstream.url, extra='\n[models."mock/small"]\ncontext_window = 300\n'
+    )
+    proc = GatewayProcess(config, tmp_path / "var").start()
+    yield proc
+    proc.stop()
+
+
+def chat(gw: GatewayProcess, cid: str, text: str, model: str = "mock/m", **extra: Any) -> dict[str, Any]:
+    r = httpx.post(
+        f"{gw.url}/v1/chat/completions",
+        json={
+            "model": model,
+            "messages": [{"role": "user", "content": text}],
+            "conversation_id": cid,
+            **extra,
+        },
+    )
+    assert r.status_code == 200, r.text
+    return r.json()
+
+
+@pytest.fixture
+def browser() -> Iterator[Any]:
+    with playwright.sync_playwright() as p:
+        b = p.chromium.launch(executable_path=CHROMIUM, args=FLAGS)
+        yield b
+        b.close()
+
+
+def test_inspector_list_conversation_bar_and_live_update(inspector: GatewayProcess, browser: Any) -> None:
+    ARTIFACTS.mkdir(parents=True, exist_ok=True)
+    chat(inspector, "alpha", "my name is Alice", user="u-alice")
+    chat(inspector, "alpha", "what is my name?", user="u-alice")
+    for i in range(10):
+        chat(
+            inspector,
+            "tiny",
+            f"turn {i}: a message that takes some room in a very small context window",
+            model="mock/small",
+        )
+    page = browser.new_page(viewport={"width": 1200, "height": 900})
+    page.goto(f"{inspector.url}/ui")
+    page.wait_for_selector("tr.conv-row[data-id='tiny']")
+    assert page.locator("tr.conv-row").count() == 2
+    page.screenshot(path=str(ARTIFACTS / "inspector-list.png"), full_page=True)
+
+    page.fill("#search", "alice")  # by user (and text): only alpha stays
+    page.wait_for_function("document.querySelectorAll('tr.conv-row').length === 1")
+    assert page.locator("tr.conv-row").first.get_attribute("data-id") == "alpha"
+    page.fill("#search", "")
+    page.wait_for_selector("tr.conv-row[data-id='tiny']")
+
+    page.click("tr.conv-row[data-id='tiny']")
+    page.wait_for_selector(".turn[data-response-id]")
+    assert page.locator(".turn").count() == 10
+    last = page.locator(".turn").last
+    assert "turn 9" in last.inner_text()
+    omitted = last.locator(".facts .omitted")
+    assert omitted.count() == 1 and "earlier messages omitted" in omitted.inner_text()
+    assert last.locator(".bar .seg-history").count() == 1 and last.locator(".bar .budget").count() == 1
+    first = page.locator(".turn").first
+    assert first.locator(".facts .omitted").count() == 0  # nothing omitted at the start
+    last.locator("button.toggle-sent").click()
+    sent = last.locator(".sent-list")
+    assert sent.is_visible() and "earlier messages omitted" in sent.inner_text()
+    page.screenshot(path=str(ARTIFACTS / "inspector-conversation.png"), full_page=True)
+
+    # A new turn appears without a reload.
+    chat(inspector, "tiny", "a live turn arrives", model="mock/small")
+    page.wait_for_function("document.querySelectorAll('.turn').length === 11", timeout=10_000)
+    assert "a live turn arrives" in page.locator(".turn").last.inner_text()
+    page.screenshot(path=str(ARTIFACTS / "inspector-live.png"), full_page=True)
+
+
+def test_inspector_disabled_and_behind_auth(tmp_path: Path, upstream: MockServer) -> None:
+    config = write_config(tmp_path / "g.toml", upstream.url, extra="\n[ui]\nenabled = false\n")
+    proc = GatewayProcess(config, tmp_path / "var").start()
+    try:
+        assert httpx.get(f"{proc.url}/ui").status_code == 404
+        assert httpx.get(f"{proc.url}/ui/api/conversations").status_code == 404
+    finally:
+        proc.stop()
+    config = write_config(tmp_path / "h.toml", upstream.url, extra='\n[auth]\nkeys_env = "UI_KEYS"\n')
+    proc = GatewayProcess(config, tmp_path / "var2", env={"UI_KEYS": "k-ui"}).start()
+    try:
+        assert httpx.get(f"{proc.url}/ui").status_code == 200  # the page holds no data
+        assert httpx.get(f"{proc.url}/ui/api/conversations").status_code == 401
+        ok = httpx.get(f"{proc.url}/ui/api/conversations", headers={"Authorization": "Bearer k-ui"})
+        assert ok.status_code == 200 and ok.json() == {"data": []}
+    finally:
+        proc.stop()
