@@ -1,0 +1,131 @@
+"""Input limits on the real server: a slow body gets 408 after `server.body_timeout`; a body over
+`server.max_body_bytes` gets 413 without being read whole; a client that gives up mid-body
+costs nothing. The gateway under test runs with body_timeout = 1 s and max_body_bytes = 1 MB."""
+
+from __future__ import annotations
+
+import json
+import select
+import socket
+import time
+
+import pytest
+
+from tests.conftest import GatewayProcess
+from tests.reliability.faultserver import FaultServer
+
+pytestmark = pytest.mark.e2e
+
+BODY = json.dumps(
+    {"model": "fault/m", "messages": [{"role": "user", "content": "hi"}], "conversation_id": "limits"}
+).encode()
+
+
+def connect(gw: GatewayProcess) -> socket.socket:
+    return socket.create_connection(("127.0.0.1", gw.port), timeout=5)
+
+
+def head(path: str, headers: dict[str, str]) -> bytes:
+    lines = [f"POST {path} HTTP/1.1", "Host: gateway", "Content-Type: application/json"]
+    lines += [f"{k}: {v}" for k, v in headers.items()]
+    return ("\r\n".join(lines) + "\r\n\r\n").encode()
+
+
+def read_response(sock: socket.socket, timeout: float = 5.0) -> tuple[int, dict[str, str], dict]:
+    sock.settimeout(timeout)
+    data = b""
+    while b"\r\n\r\n" not in data:
+        part = sock.recv(65536)
+        assert part, f"connection closed before a response: {data!r}"
+        data += part
+    raw_head, _, rest = data.partition(b"\r\n\r\n")
+    status_line, *lines = raw_head.decode("latin-1").split("\r\n")
+    headers = {k.strip().lower(): v.strip() for k, v in (line.split(":", 1) for line in lines)}
+    length = int(headers.get("content-length", "0"))
+    while len(rest) < length:
+        part = sock.recv(65536)
+        if not part:
+            break
+        rest += part
+    return int(status_line.split()[1]), headers, json.loads(rest[:length])
+
+
+def dribble_until_answered(sock: socket.socket, body: bytes, every: float, limit: float) -> float:
+    """Send one byte of `body` every `every` seconds until the server answers; return when."""
+    started = time.monotonic()
+    for byte in body:
+        if select.select([sock], [], [], every)[0]:
+            break
+        if time.monotonic() - started > limit:
+            break
+        sock.sendall(bytes([byte]))
+    select.select([sock], [], [], limit)
+    return time.monotonic() - started
+
+
+@pytest.mark.parametrize("path", ["/v1/chat/completions", "/v1/conversations"])
+def test_slow_body_gets_408_after_body_timeout(gw: GatewayProcess, fault: FaultServer, path: str) -> None:
+    with connect(gw) as sock:
+        sock.sendall(head(path, {"Content-Length": str(len(BODY))}))
+        started = time.monotonic()
+        elapsed = dribble_until_answered(sock, BODY, every=0.1, limit=5.0)
+        status, headers, payload = read_response(sock)
+    assert status == 408, payload
+    assert 0.9 <= elapsed < 2.5, elapsed  # body_timeout = 1 s
+    assert time.monotonic() - started < 3.0
+    assert payload["error"]["code"] == "request_timeout"
+    assert "body_timeout" in payload["error"]["message"]
+    assert set(payload["error"]) == {"message", "type", "param", "code"}
+    assert fault.requests == []  # nothing reached the provider
+
+
+def test_headers_without_a_body_get_408(gw: GatewayProcess, fault: FaultServer) -> None:
+    with connect(gw) as sock:
+        sock.sendall(head("/v1/chat/completions", {"Content-Length": "100"}))
+        started = time.monotonic()
+        status, _, payload = read_response(sock)
+    assert status == 408 and payload["error"]["code"] == "request_timeout"
+    assert time.monotonic() - started < 2.5
+
+
+def test_declared_50_mb_body_gets_413_without_being_read(gw: GatewayProcess, fault: FaultServer) -> None:
+    with connect(gw) as sock:
+        started = time.monotonic()
+        sock.sendall(head("/v1/chat/completions", {"Content-Length": str(50_000_000)}) + b'{"model"')
+        status, _, payload = read_response(sock)
+        elapsed = time.monotonic() - started
+    assert status == 413, payload
+    assert payload["error"]["code"] == "request_too_large"
+    assert elapsed < 0.5  # answered at once, not after waiting for (or timing out on) 50 MB
+
+
+def test_chunked_body_over_the_limit_gets_413(gw: GatewayProcess, fault: FaultServer) -> None:
+    piece = b"x" * 65536
+    chunk = f"{len(piece):x}\r\n".encode() + piece + b"\r\n"
+    sent = 0
+    with connect(gw) as sock:
+        sock.sendall(head("/v1/chat/completions", {"Transfer-Encoding": "chunked"}))
+        # 4 MB offered, 1 MB allowed: the answer comes once the limit is crossed.
+        while sent < 4_000_000 and not select.select([sock], [], [], 0)[0]:
+            try:
+                sock.sendall(chunk)
+            except (BrokenPipeError, ConnectionResetError):
+                break
+            sent += len(piece)
+        status, _, payload = read_response(sock)
+    assert status == 413 and payload["error"]["code"] == "request_too_large"
+
+
+def test_client_leaving_mid_body_is_not_a_server_error(gw: GatewayProcess, fault: FaultServer) -> None:
+    before = gw.log()
+    for _ in range(3):
+        with connect(gw) as sock:
+            sock.sendall(head("/v1/chat/completions", {"Content-Length": str(len(BODY))}) + BODY[:10])
+            time.sleep(0.05)
+    time.sleep(0.2)
+    new_log = gw.log()[len(before) :]
+    assert "unhandled error" not in new_log and "Traceback" not in new_log, new_log
+    with connect(gw) as sock:  # still serving
+        sock.sendall(head("/v1/chat/completions", {"Content-Length": str(len(BODY))}) + BODY)
+        status, _, _ = read_response(sock)
+    assert status == 200
