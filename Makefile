@@ -1,10 +1,10 @@
-# make install | run | test | demo | lint | bench
+# make install | run | test | demo | lint | bench | soak
 PYTHON ?= python3
 VENV ?= .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 
-.PHONY: install run test demo lint bench clean
+.PHONY: install run test demo lint bench soak clean
 
 install: $(STAMP)
 
@@ -25,6 +25,13 @@ demo: install
 
 bench: install
 	$(PY) bench/run.py
+
+# The long reliability runs (not in CI): 64 x 50 concurrent turns, CRASH_ROUNDS kill -9 rounds,
+# SOAK_SECONDS of mixed load with faults and cancels (figures in var/soak/latest.json).
+CRASH_ROUNDS ?= 1000
+SOAK_SECONDS ?= 1800
+soak: install
+	SOAK=1 CRASH_ROUNDS=$(CRASH_ROUNDS) SOAK_SECONDS=$(SOAK_SECONDS) $(PY) -m pytest -q -s tests/reliability
 
 lint: install
 	$(VENV)/bin/ruff check gateway tests

@@ -20,7 +20,9 @@ from tests.reliability.faultserver import FaultServer, blackhole, closed_port
 SOAK = os.environ.get("SOAK", "") not in ("", "0")
 
 
-def gateway_config(path: Path, fault_url: str, *, extra: str = "", blackhole_port: int = 0) -> Path:
+def gateway_config(
+    path: Path, fault_url: str, *, extra: str = "", storage: str = "", blackhole_port: int = 0
+) -> Path:
     """Providers: `fault` (the fault server, 1 retry), `noretry` (same, 0 retries), `refused`
     (nobody listens), `blackhole` (connects hang). Windows large enough to send everything."""
     path.write_text(
@@ -33,6 +35,7 @@ max_body_bytes = 1_000_000
 [storage]
 durability = "fsync"
 lock_timeout = 20
+{storage}
 
 [context]
 max_context_tokens = 10_000_000

@@ -139,7 +139,7 @@ def answer(
             if piece:
                 for i in range(0, len(event), piece):
                     await req.chunk(event[i : i + piece])
-                    await asyncio.sleep(0.0005)  # separate TCP segments, separate reads
+                    await asyncio.sleep(0.0002)  # separate TCP segments, separate reads
             else:
                 await req.chunk(event)
             if pause:
