@@ -65,6 +65,13 @@ class StorageSettings(_Section):
     archive_deleted: bool = False
     cache_conversations: int = Field(1024, ge=0)
 
+    def model_post_init(self, _context: Any) -> None:
+        if self.backend == "postgres" and not self.dsn.strip():
+            raise ConfigError(
+                'config error: storage.dsn: required when storage.backend = "postgres" '
+                '(e.g. dsn = "postgresql://gateway@127.0.0.1:5432/gateway", or GATEWAY_STORAGE__DSN)'
+            )
+
 
 class ContextSettings(_Section):
     max_context_tokens: int | Literal["auto"] = "auto"

@@ -26,6 +26,8 @@ from gateway.ids import mint_response_id
 from gateway.store.base import Store, now
 from gateway.store.jsonl import JsonlStore, parse_index, parse_jsonl
 from gateway.store.memory import MemoryStore
+from gateway.store.postgres import PostgresStore
+from tests.postgres.cluster import postgres_cluster  # noqa: F401 - the session's PostgreSQL, for "postgres"
 
 
 def user(text: str, **extra: Any) -> Message:
@@ -42,9 +44,15 @@ async def make_store(kind: str, data_dir: Path) -> Store:
     return store
 
 
-@pytest.fixture(params=["memory", "jsonl"])
+@pytest.fixture(params=["memory", "jsonl", "postgres"])
 async def store(request: pytest.FixtureRequest, tmp_path: Path) -> AsyncIterator[Store]:
-    s = await make_store(request.param, tmp_path / "var")
+    if request.param == "postgres":
+        # One database for the contract suite; each test gets its own namespace (tenant) in it.
+        dsn = request.getfixturevalue("postgres_cluster").contract_dsn()
+        s: Store = PostgresStore(dsn, namespace=f"t{os.urandom(8).hex()}")
+        await s.open()
+    else:
+        s = await make_store(request.param, tmp_path / "var")
     yield s
     await s.close()
 
@@ -62,7 +70,7 @@ def fail_next_commits(store: Store) -> None:
     if isinstance(store, MemoryStore):
         store.fail_commit = StorageError("injected storage failure")
     else:
-        assert isinstance(store, JsonlStore)
+        assert isinstance(store, JsonlStore | PostgresStore)
 
         def boom(response_id: str) -> None:
             raise OSError(28, "No space left on device")
@@ -74,7 +82,7 @@ def heal(store: Store) -> None:
     if isinstance(store, MemoryStore):
         store.fail_commit = None
     else:
-        assert isinstance(store, JsonlStore)
+        assert isinstance(store, JsonlStore | PostgresStore)
         store.before_index_append = None
 
 

@@ -1,5 +1,5 @@
 """Store backends, chosen by name; an optional backend's dependencies load only when chosen.
-One store per tenant (`StoreRegistry`), each rooted in its own folder."""
+One store per tenant (`StoreRegistry`): its own folder (jsonl) or its own namespace (postgres)."""
 
 from __future__ import annotations
 
@@ -31,6 +31,21 @@ def create_store(settings: Settings, tenant: str = "") -> Store:
         from gateway.store.memory import MemoryStore
 
         return MemoryStore()
+    if backend == "postgres":
+        if not settings.storage.dsn:
+            raise ConfigError('config error: storage.dsn: required when storage.backend = "postgres"')
+        try:
+            from gateway.store.postgres import PostgresStore
+        except ImportError as exc:
+            raise ConfigError(
+                f"config error: storage.backend: 'postgres' needs the asyncpg package ({exc.msg})"
+            ) from None
+        return PostgresStore(
+            settings.storage.dsn,
+            namespace=tenant,
+            durability=settings.storage.durability,
+            cache_size=settings.storage.cache_conversations,
+        )
     raise ConfigError(f"config error: storage.backend: {backend!r} is not available in this build")
 
 
@@ -54,8 +69,20 @@ class StoreRegistry:
         return store
 
     def tenants_on_disk(self) -> list[str]:
+        if self.settings.storage.backend == "postgres":
+            # In the database, not on disk: the tenants this process has served (see `tenants`).
+            return sorted(t for t in self._stores if t)
         folder = Path(self.settings.storage.data_dir) / "tenants"
         return sorted(p.name for p in folder.iterdir()) if folder.is_dir() else []
+
+    async def tenants(self) -> list[str]:
+        """Every tenant other than the default one that has data (also across replicas)."""
+        if self.settings.storage.backend == "postgres":
+            store = await self.get("")
+            namespaces = getattr(store, "namespaces", None)
+            if namespaces is not None:
+                return [t for t in await namespaces() if t]
+        return self.tenants_on_disk()
 
     async def close(self) -> None:
         for store in self._stores.values():
