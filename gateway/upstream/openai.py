@@ -143,6 +143,45 @@ def parse_sse_line(line: str) -> Chunk | None | bool:
     return chunk
 
 
+def check_chunk(chunk: Chunk) -> Chunk:
+    """Refuse a chunk whose shape the gateway would trip over (decoded here, at the edge)."""
+    choices = chunk.get("choices")
+    problem = None
+    if choices is not None and not isinstance(choices, list):
+        problem = "'choices' is not a list"
+    for choice in choices or ():
+        delta = choice.get("delta") if isinstance(choice, dict) else None
+        if not isinstance(choice, dict):
+            problem = "a choice is not an object"
+        elif delta is not None and not isinstance(delta, dict):
+            problem = "'delta' is not an object"
+        elif delta:
+            for key in ("content", "refusal"):
+                if delta.get(key) is not None and not isinstance(delta[key], str):
+                    problem = f"'delta.{key}' is not a string"
+            calls = delta.get("tool_calls")
+            if calls is not None and not (
+                isinstance(calls, list) and all(_is_tool_call_delta(c) for c in calls)
+            ):
+                problem = "'delta.tool_calls' is malformed"
+    if chunk.get("usage") is not None and not isinstance(chunk["usage"], dict):
+        problem = "'usage' is not an object"
+    if problem:
+        raise UpstreamProtocolError(f"a malformed stream chunk: {problem}")
+    return chunk
+
+
+def _is_tool_call_delta(call: Any) -> bool:
+    if not isinstance(call, dict) or not isinstance(call.get("index", 0), int):
+        return False
+    fn = call.get("function")
+    if fn is None:
+        return True
+    return isinstance(fn, dict) and all(
+        fn.get(k) is None or isinstance(fn[k], str) for k in ("name", "arguments")
+    )
+
+
 class OpenAIUpstream(Upstream):
     def __init__(self, name: str, settings: ProviderSettings) -> None:
         self.name = name
@@ -249,10 +288,11 @@ class OpenAIUpstream(Upstream):
                     content = await response.read()
                     raise status_error(self.name, response.status, content, response.headers)
                 buffer = b""
-                unfinished: set[int] = set()  # choice indexes still without a finish_reason
+                unfinished: set[Any] = set()  # choice indexes still without a finish_reason
                 seen_usage = False
                 finished = False
-                while True:
+                ended = False
+                while not ended:
                     if finished and not unfinished:
                         # Waiting for a usage chunk that was asked for gets longer.
                         grace = TAIL_GRACE if seen_usage or not wants_usage else 5 * TAIL_GRACE
@@ -264,41 +304,36 @@ class OpenAIUpstream(Upstream):
                     else:
                         received = await response.content.readany()
                     if not received:
-                        break
+                        ended = True
+                        received = b"\n"  # a last event without its line end still counts
                     buffer += received
-                    while True:
-                        cut = buffer.find(b"\n")
-                        if cut < 0:
-                            break
+                    while (cut := buffer.find(b"\n")) >= 0:
                         line = buffer[:cut].rstrip(b"\r").decode("utf-8", "replace")
                         buffer = buffer[cut + 1 :]
-                        try:
-                            parsed = parse_sse_line(line)
-                        except UpstreamProtocolError as exc:
-                            raise UpstreamProtocolError(
-                                f"Provider {self.name!r} at {self.url} sent {exc.message}"
-                            ) from exc
-                        if parsed is None:
-                            continue
-                        if parsed is True:
+                        chunk = self._decode(line, response.headers)
+                        if chunk is True:
                             return
-                        assert isinstance(parsed, dict)
-                        if "error" in parsed and "choices" not in parsed:
-                            raise status_error(
-                                self.name, 502, orjson.dumps(parsed), response.headers, UpstreamErrorEvent
-                            )
-                        for choice in parsed.get("choices") or ():
-                            if isinstance(choice, dict):
-                                index = choice.get("index", 0)
-                                if choice.get("finish_reason"):
-                                    unfinished.discard(index)
-                                    finished = True
-                                else:
-                                    unfinished.add(index)
-                        if isinstance(parsed.get("usage"), dict):
+                        if not isinstance(chunk, dict):
+                            continue
+                        for choice in chunk.get("choices") or ():
+                            index = choice.get("index", 0)
+                            if choice.get("finish_reason"):
+                                unfinished.discard(index)
+                                finished = True
+                            else:
+                                unfinished.add(index)
+                        if isinstance(chunk.get("usage"), dict):
                             seen_usage = True
-                        yield parsed
-                if buffer.strip():
-                    parsed = parse_sse_line(buffer.decode("utf-8", "replace").strip())
-                    if isinstance(parsed, dict):
-                        yield parsed
+                        yield chunk
+
+    def _decode(self, line: str, headers: Mapping[str, str]) -> Chunk | None | bool:
+        """One SSE line -> a checked chunk, None (nothing to yield) or True (`[DONE]`)."""
+        try:
+            parsed = parse_sse_line(line)
+            if isinstance(parsed, dict) and not ("error" in parsed and "choices" not in parsed):
+                check_chunk(parsed)
+        except UpstreamProtocolError as exc:
+            raise UpstreamProtocolError(f"Provider {self.name!r} at {self.url} sent {exc.message}") from exc
+        if isinstance(parsed, dict) and "error" in parsed and "choices" not in parsed:
+            raise status_error(self.name, 502, orjson.dumps(parsed), headers, UpstreamErrorEvent)
+        return parsed

@@ -196,7 +196,7 @@ def reset_before_answer() -> Behaviour:
 
 def stream_then(events: int, fault: str, *, text: str | None = None, pause: float = 0.0) -> Behaviour:
     """Stream the first `events` events of a normal answer, then: "reset" (TCP RST), "close"
-    (clean end of body, no finish), "invalid_json", "error_event", or "hang"."""
+    (clean end of body, no finish), "invalid_json", "malformed", "error_event", or "hang"."""
 
     async def run(req: FaultRequest) -> None:
         await req.head()
@@ -210,6 +210,10 @@ def stream_then(events: int, fault: str, *, text: str | None = None, pause: floa
             return
         if fault == "invalid_json":
             await req.chunk(b'data: {"choices": [{"index": 0, "delta": {"content": "x"\n\n')
+        elif fault == "malformed":  # valid JSON, wrong shape
+            await req.chunk(
+                b'data: {"object": "chat.completion.chunk", "choices": [{"index": 0, "delta": "x"}]}\n\n'
+            )
         elif fault == "error_event":
             await req.chunk(
                 b'event: error\ndata: {"error": {"message": "model overloaded", "type": "server_error"}}\n\n'

@@ -96,7 +96,7 @@ def test_declared_50_mb_body_gets_413_without_being_read(gw: GatewayProcess, fau
         elapsed = time.monotonic() - started
     assert status == 413, payload
     assert payload["error"]["code"] == "request_too_large"
-    assert elapsed < 0.5  # answered at once, not after waiting for (or timing out on) 50 MB
+    assert elapsed < 1.0  # answered at once, not after waiting for (or timing out on) 50 MB
 
 
 def test_chunked_body_over_the_limit_gets_413(gw: GatewayProcess, fault: FaultServer) -> None:
