@@ -10,6 +10,7 @@ import time
 from collections.abc import Callable
 from datetime import datetime
 from functools import wraps
+from pathlib import Path
 from typing import Any, TypeVar
 
 import click
@@ -412,3 +413,97 @@ def reset(
 
     asyncio.run(run())
     click.echo(f"reset {conversation_id}" + (" (system prompt kept)" if keep_system_message else ""))
+
+
+# -- moving conversations between backends: the JSONL layout is the interchange format ----------
+
+
+def _data_files(root: Path) -> list[Path]:
+    """Every data file of a JSONL data dir, relative to it (tenants included, lock files not)."""
+    tenants = root / "tenants"
+    bases = [root, *sorted(p for p in tenants.iterdir() if p.is_dir())] if tenants.is_dir() else [root]
+    found: list[Path] = []
+    for base in bases:
+        for folder in (base / "logs", base / "archive"):
+            if folder.is_dir():
+                found += [p.relative_to(root) for p in sorted(folder.rglob("*")) if p.is_file()]
+    return found
+
+
+def _copy_data(source: Path, target: Path) -> int:
+    """Copy a JSONL data dir's files, refusing to overwrite any; response logs first and indexes
+    last (the ordering rule), each through a temporary name so a running gateway never sees a
+    half-copied file."""
+    import shutil
+
+    files = _data_files(source)
+    clashes = [f for f in files if (target / f).exists()]
+    if clashes:
+        raise GatewayError(
+            f"{len(clashes)} files already exist in {target} (e.g. {clashes[0]}); nothing was copied"
+        )
+
+    def order(rel: Path) -> int:
+        return 0 if "responses" in rel.parts else 2 if "conversations" in rel.parts else 1
+
+    for rel in sorted(files, key=order):
+        dest = target / rel
+        dest.parent.mkdir(parents=True, exist_ok=True)
+        temp = dest.with_name(f".{dest.name}.importing")
+        shutil.copy2(source / rel, temp)
+        os.replace(temp, dest)
+    return len(files)
+
+
+@main.command(name="export")
+@_common
+@click.option(
+    "--to", "to_dir", required=True, type=click.Path(file_okay=False), help="Folder to write (empty or new)."
+)
+def export_command(settings: Settings, *, config_path: str | None, to_dir: str) -> None:
+    """Write every conversation of the configured backend (all tenants) to DIR in the JSONL
+    layout: logs/, archive/ and tenants/ exactly as the jsonl backend keeps them."""
+    target = Path(to_dir)
+    if target.exists() and _data_files(target):
+        raise GatewayError(f"{target} already holds gateway data; export into an empty or new folder")
+    backend = settings.storage.backend
+    if backend == "postgres":
+        from gateway.store.postgres import export_jsonl
+
+        if not settings.storage.dsn:
+            raise GatewayError('storage.dsn: required when storage.backend = "postgres"')
+        stats = asyncio.run(export_jsonl(settings.storage.dsn, target))
+        click.echo(f"exported {stats.describe()} to {target}")
+    elif backend == "jsonl":
+        count = _copy_data(Path(settings.storage.data_dir), target)
+        click.echo(f"exported {count} files from {settings.storage.data_dir} to {target}")
+    else:
+        raise GatewayError(f"cannot export from storage.backend = {backend!r}")
+
+
+@main.command(name="import")
+@_common
+@click.option(
+    "--from",
+    "from_dir",
+    required=True,
+    type=click.Path(file_okay=False),
+    help="A JSONL data dir or an export (logs/, archive/, tenants/).",
+)
+def import_command(settings: Settings, *, config_path: str | None, from_dir: str) -> None:
+    """Load conversations from DIR (the JSONL layout) into the configured backend. Refuses
+    conversations (or files) that already exist there; imports all of a tenant or none of it."""
+    source = Path(from_dir)
+    if not source.is_dir() or not _data_files(source):
+        raise GatewayError(f"{source} holds no gateway data (no logs/ or archive/ folder)")
+    backend = settings.storage.backend
+    if backend == "postgres":
+        from gateway.store.postgres import import_jsonl
+
+        stats = asyncio.run(import_jsonl(settings.storage.dsn, source))
+        click.echo(f"imported {stats.describe()} from {source}")
+    elif backend == "jsonl":
+        count = _copy_data(source, Path(settings.storage.data_dir))
+        click.echo(f"imported {count} files from {source} into {settings.storage.data_dir}")
+    else:
+        raise GatewayError(f"cannot import into storage.backend = {backend!r}")

@@ -145,6 +145,7 @@ class _Shared:
     cluster: PostgresCluster | None = None
     failure: str = ""
     users = 0
+    stopped = False
 
 
 def skip_reason() -> str:
@@ -153,6 +154,8 @@ def skip_reason() -> str:
 
 def acquire() -> PostgresCluster:
     """The session's cluster (started on first use), or a loud skip saying why there is none."""
+    if _Shared.stopped:
+        pytest.skip("the session's PostgreSQL cluster was already stopped")
     if _Shared.cluster is None and not _Shared.failure:
         started = time.monotonic()
         bin_dir = find_bin_dir()
@@ -181,7 +184,7 @@ def release() -> None:
     if _Shared.users == 0 and _Shared.cluster is not None:
         _Shared.cluster.stop()
         _Shared.cluster = None
-        _Shared.failure = "the cluster was already stopped"
+        _Shared.stopped = True
 
 
 @pytest.fixture(scope="session")

@@ -1,0 +1,275 @@
+"""What only the PostgreSQL store has to prove: migrations, exact records, several replicas (two
+stores with their own pools and lock sessions stand in for two processes), cancellation."""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import AsyncIterator
+
+import asyncpg
+import pytest
+
+from gateway.exceptions import ConversationBusy, InvalidRequest, NotFound
+from gateway.store.postgres import SCHEMA_VERSION, PostgresStore, migrate
+from tests.test_store import commit_turn, reply, request_record, user
+
+
+def replica_dsn(dsn: str, name: str) -> str:
+    """The same database under another DSN string: a separate pool and lock session."""
+    return f"{dsn}?application_name={name}"
+
+
+@pytest.fixture
+async def replicas(pg_dsn: str) -> AsyncIterator[tuple[PostgresStore, PostgresStore]]:
+    a, b = PostgresStore(replica_dsn(pg_dsn, "a")), PostgresStore(replica_dsn(pg_dsn, "b"))
+    await asyncio.gather(a.open(), b.open())  # two replicas migrating at once
+    yield a, b
+    await a.close()
+    await b.close()
+
+
+async def server_state(dsn: str) -> tuple[int, int]:
+    """(sessions idle in a transaction, advisory locks held) across the database."""
+    conn = await asyncpg.connect(dsn)
+    try:
+        idle = await conn.fetchval(
+            "SELECT count(*) FROM pg_stat_activity "
+            "WHERE datname = current_database() AND state LIKE 'idle in transaction%'"
+        )
+        locks = await conn.fetchval(
+            "SELECT count(*) FROM pg_locks WHERE locktype = 'advisory' AND granted "
+            "AND database = (SELECT oid FROM pg_database WHERE datname = current_database())"
+        )
+        return int(idle), int(locks)
+    finally:
+        await conn.close()
+
+
+async def test_migrations_are_versioned_and_idempotent(pg_dsn: str) -> None:
+    conn = await asyncpg.connect(pg_dsn)
+    try:
+        assert await migrate(conn) == SCHEMA_VERSION
+        assert await migrate(conn) == SCHEMA_VERSION  # again: nothing to do, no error
+        versions = await conn.fetch("SELECT version FROM gateway_schema ORDER BY version")
+        assert [r["version"] for r in versions] == list(range(1, SCHEMA_VERSION + 1))
+        await conn.execute("INSERT INTO gateway_schema (version) VALUES ($1)", SCHEMA_VERSION + 1)
+    finally:
+        await conn.close()
+    newer = PostgresStore(pg_dsn)
+    with pytest.raises(Exception, match="newer than this gateway"):
+        await newer.open()
+
+
+async def test_records_round_trip_exactly(pg_store: PostgresStore) -> None:
+    """Key order, NUL characters and odd numbers come back as they went in (json, not jsonb)."""
+    rid = await commit_turn(pg_store, "c", "nul \u0000 and ✓", "ok")
+    log_rid = "m-0123456789ab"
+    log = pg_store.start(log_rid, {"type": "request", "zeta": 1, "alpha": {"b": 2, "a": 1.5e300}, "n": 2**63})
+    log.append({"type": "response", "message": reply("x"), "finish_reason": "stop"})
+    await log.abandon("cancelled")
+    records = await pg_store.read_response(log_rid)
+    assert [list(r) for r in records][0] == ["type", "zeta", "alpha", "n"]
+    assert records[0]["alpha"] == {"b": 2, "a": 1.5e300} and records[0]["n"] == 2**63
+    assert (await pg_store.read_response(rid))[0]["input"] == [user("nul \u0000 and ✓")]
+
+
+async def test_a_turn_written_by_one_replica_is_read_by_the_other(
+    replicas: tuple[PostgresStore, PostgresStore],
+) -> None:
+    a, b = replicas
+    r1 = await commit_turn(a, "conv", "one")
+    assert (await b.load("conv")).response_ids == [r1]  # now cached in b
+    r2 = await commit_turn(a, "conv", "two")
+    await a.append_marker("conv", {"type": "metadata", "metadata": {"k": "v"}, "at": 1.0})
+    view = await b.load("conv")  # revalidated by last seq: sees the turn and the marker
+    assert view.response_ids == [r1, r2] and view.metadata == {"k": "v"}
+    r3 = await commit_turn(b, "conv", "three")
+    assert (await a.load("conv")).response_ids == [r1, r2, r3]
+    # Deleted and started anew on one replica: the other's cache must not survive it, even
+    # when the new conversation reaches the same length.
+    async with a.lock("conv", timeout=5):
+        assert await a.delete_conversation("conv")
+    n1 = await commit_turn(a, "conv", "new one")
+    n2 = await commit_turn(a, "conv", "new two")
+    n3 = await commit_turn(a, "conv", "new three")
+    view = await b.load("conv")
+    assert view.response_ids == [n1, n2, n3]
+    assert [m["content"] for m in view.history if m["role"] == "user"] == ["new one", "new two", "new three"]
+
+
+async def test_side_logs_seen_across_replicas_and_their_deletion_too(
+    replicas: tuple[PostgresStore, PostgresStore],
+) -> None:
+    a, b = replicas
+    await commit_turn(a, "conv", "one")
+    await a.append_side("summaries", "conv", {"type": "summary", "version": 1})
+    assert [r["version"] for r in await b.read_summaries("conv")] == [1]
+    await a.append_side("summaries", "conv", {"type": "summary", "version": 2})
+    assert [r["version"] for r in await b.read_summaries("conv")] == [1, 2]
+    async with a.lock("conv", timeout=5):
+        await a.delete_conversation("conv")
+    assert await b.read_summaries("conv") == []
+    await a.append_side("summaries", "conv", {"type": "summary", "version": 9})
+    assert [r["version"] for r in await b.read_summaries("conv")] == [9]
+
+
+async def test_the_lock_is_shared_across_replicas(replicas: tuple[PostgresStore, PostgresStore]) -> None:
+    a, b = replicas
+    async with a.lock("conv", timeout=5):
+        with pytest.raises(ConversationBusy):
+            async with b.lock("conv", timeout=0.2):
+                pytest.fail("two replicas held one conversation")
+        async with b.lock("another", timeout=1):
+            pass
+    async with b.lock("conv", timeout=1):
+        pass
+
+
+async def test_a_turn_built_on_a_stale_history_is_refused_not_forked(
+    replicas: tuple[PostgresStore, PostgresStore],
+) -> None:
+    """If the lock was lost (its session dropped), another replica may append meanwhile: the
+    commit checks the tail it was built on and refuses (409) instead of forking the history."""
+    a, b = replicas
+    r1 = await commit_turn(a, "conv", "one")
+    async with a.lock("conv", timeout=5):
+        assert (await a.load("conv")).response_ids == [r1]
+        sneaky = await commit_turn(b, "conv", "sneaked in")  # no lock: as if a's lock was lost
+        with pytest.raises(ConversationBusy, match="changed"):
+            await commit_turn(a, "conv", "stale")
+        with pytest.raises(ConversationBusy):
+            await a.append_marker("conv", {"type": "reset", "at": 1.0})
+    assert await a.read_index("conv") == [r1, sneaky]
+    index = await a.read_index("conv")
+    refused = [r for r in await _all_responses(a) if r not in index]
+    assert len(refused) == 1
+    assert (await a.read_response(refused[0]))[-1]["reason"] == "conflict"
+    # Under the lock again, with a fresh load, the next turn goes through.
+    async with a.lock("conv", timeout=5):
+        await a.load("conv")
+        r3 = await commit_turn(a, "conv", "three")
+    assert (await b.load("conv")).response_ids == [r1, sneaky, r3]
+
+
+async def _all_responses(store: PostgresStore) -> list[str]:
+    rows = await store._fetch(
+        "list", "SELECT DISTINCT response_id FROM gateway_responses WHERE namespace = $1", store.namespace
+    )
+    return [r["response_id"] for r in rows]
+
+
+async def test_cancellation_leaves_no_transaction_and_no_lock_behind(
+    pg_dsn: str, pg_store: PostgresStore
+) -> None:
+    """Requests cancelled while waiting for the lock, while holding it, and in the middle of a
+    commit: afterwards no pooled session is mid-transaction and no advisory lock is held."""
+    await commit_turn(pg_store, "conv", "one")
+
+    async def hold_forever() -> None:
+        async with pg_store.lock("conv", timeout=5):
+            await pg_store.load("conv")
+            await asyncio.sleep(60)
+
+    holder = asyncio.create_task(hold_forever())
+    await asyncio.sleep(0.1)
+    waiters = [asyncio.create_task(commit_under_lock(pg_store, f"w{i}")) for i in range(5)]
+    await asyncio.sleep(0.1)
+    for task in [holder, *waiters]:
+        task.cancel()
+    await asyncio.gather(holder, *waiters, return_exceptions=True)
+    committing = []
+    for i in range(20):  # cancel commits at various points of their transaction
+        task = asyncio.create_task(commit_under_lock(pg_store, f"c{i}"))
+        committing.append(task)
+        await asyncio.sleep(0.001 * (i % 5))
+        task.cancel()
+    await asyncio.gather(*committing, return_exceptions=True)
+    await asyncio.sleep(0.2)  # shielded writes finish on their own
+    assert await server_state(pg_dsn) == (0, 0)
+    async with pg_store.lock("conv", timeout=1):
+        view = await pg_store.load("conv")
+    # Whatever was committed is whole: every indexed turn has its reply.
+    assert len(view.history) == 2 * view.turns
+
+
+async def commit_under_lock(store: PostgresStore, text: str) -> None:
+    async with store.lock("conv", timeout=5):
+        await store.load("conv")
+        await commit_turn(store, "conv", text)
+
+
+async def test_fork_tombstone_and_archive(pg_store: PostgresStore) -> None:
+    r1 = await commit_turn(pg_store, "src", "one")
+    r2 = await commit_turn(pg_store, "src", "two")
+    await commit_turn(pg_store, "src", "three")
+    await pg_store.fork("src", "branch", r2)
+    assert await pg_store.read_index("branch") == [r1, r2]
+    r4 = await commit_turn(pg_store, "branch", "four")
+    assert (await pg_store.load("branch")).response_ids == [r1, r2, r4]
+    with pytest.raises(InvalidRequest):
+        await pg_store.fork("src", "branch", r1)
+    with pytest.raises(NotFound):
+        await pg_store.fork("src", "other", r4)
+    with pytest.raises(NotFound):
+        await pg_store.fork("nothing", "other", r1)
+    await pg_store.tombstone(r4)
+    assert (await pg_store.read_response(r4))[-1]["type"] == "deleted"
+    fresh = PostgresStore(pg_store.dsn)  # (a warm cache learns of it from the service's marker)
+    assert (await fresh.load("branch")).response_ids == [r1, r2]  # as JSONL: index kept, turn skipped
+    await fresh.close()
+    with pytest.raises(NotFound):
+        await pg_store.tombstone("m-0123456789ab")
+    assert await pg_store.delete_conversation("branch", archive=True)
+    assert not await pg_store.exists("branch")
+    rows = await pg_store._fetch("archive", "SELECT archive_id, path, content FROM gateway_archive")
+    paths = sorted(r["path"] for r in rows)
+    assert paths == sorted(["conversation.jsonl", *(f"responses/{r}.jsonl" for r in (r1, r2, r4))])
+    assert all(r["archive_id"].startswith("branch-") for r in rows)
+    index = next(r["content"] for r in rows if r["path"] == "conversation.jsonl")
+    assert index == f"{r1}\n{r2}\n{r4}\n"
+
+
+async def test_tenants_are_namespaces(pg_dsn: str) -> None:
+    one, two = PostgresStore(pg_dsn, namespace="tone"), PostgresStore(pg_dsn, namespace="ttwo")
+    try:
+        rid = await commit_turn(one, "same-id", "secret of one")
+        assert await two.exists("same-id") is False
+        with pytest.raises(NotFound):
+            await two.read_response(rid)
+        await commit_turn(two, "same-id", "two's own")
+        assert [m["content"] for m in (await two.load("same-id")).history][0] == "two's own"
+        assert await one.namespaces() == ["tone", "ttwo"]
+    finally:
+        await one.close()
+        await two.close()
+
+
+async def test_index_times_from_a_worker_thread(pg_store: PostgresStore) -> None:
+    await commit_turn(pg_store, "a", "x")
+    await commit_turn(pg_store, "b", "y")
+    times = dict(await asyncio.to_thread(pg_store.index_times))
+    assert sorted(times) == ["a", "b"] and times["b"] >= times["a"] > 0
+    assert dict(pg_store.index_times()) == times  # on the loop: the last answer
+
+
+async def test_start_writes_the_request_at_once(pg_store: PostgresStore) -> None:
+    """An attempt is visible while the provider works (and after a crash), like a JSONL file."""
+    rid = "m-0123456789ab"
+    log = pg_store.start(rid, request_record(rid, "c", [user("q")]))
+    for _ in range(100):
+        try:
+            records = await pg_store.read_response(rid)
+            break
+        except NotFound:
+            await asyncio.sleep(0.01)
+    assert [r["type"] for r in records] == ["request"]
+    await log.abandon("cancelled")
+    assert [r["type"] for r in await pg_store.read_response(rid)] == ["request", "incomplete"]
+
+
+async def test_unreachable_database_is_a_storage_error_without_the_password() -> None:
+    store = PostgresStore("postgresql://gateway:s3cret@127.0.0.1:1/nothing")
+    with pytest.raises(Exception) as info:
+        await store.open()
+    assert type(info.value).__name__ == "StorageError"
+    assert "s3cret" not in str(info.value) and "127.0.0.1:1/nothing" in str(info.value)
