@@ -222,7 +222,10 @@ class _Backend:
                 await self._lock_conn.close()
             self._lock_conn = None
         if self.pool is not None:
-            await self.pool.close()
+            try:
+                await asyncio.wait_for(self.pool.close(), 10)
+            except TimeoutError:  # a connection still busy: do not hang the shutdown on it
+                self.pool.terminate()
             self.pool = None
         _BACKENDS.get(self.loop, {}).pop((self.dsn, self.durability), None)
 
@@ -404,7 +407,6 @@ class _PostgresLog(ResponseLog):
         self.store = store
         self.response_id = response_id
         self._rows: list[tuple[str, str]] = [_encode(request)]
-        self._written = 0  # rows already in the table (the request, once `start` wrote it)
         self._closed = False
         self._created: asyncio.Future[None] | None = None
         try:
@@ -946,7 +948,7 @@ class PostgresStore(Store):
         for cid, updated in sorted(await self._index_times(), key=lambda t: t[1], reverse=True):
             if not is_valid_conversation_id(cid):
                 continue
-            cached = await self._assemble(cid, None)
+            cached = await self._assemble(cid, self._cache.get(cid))
             if cached is None:
                 continue  # deleted meanwhile
             view = cached.view
