@@ -7,7 +7,7 @@ import os
 import sys
 import textwrap
 import time
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from datetime import datetime
 from functools import wraps
 from pathlib import Path
@@ -19,10 +19,11 @@ import orjson
 from gateway.config import Settings, load_settings
 from gateway.context import Message, Turn
 from gateway.exceptions import GatewayError
-from gateway.store.jsonl import JsonlStore
+from gateway.store.base import Store
 from gateway.store.records import turn_from_records
 
 F = TypeVar("F", bound=Callable[..., Any])
+T = TypeVar("T")
 
 
 def _common(func: F) -> F:
@@ -57,8 +58,25 @@ def _common(func: F) -> F:
     return wrapper  # type: ignore[return-value]
 
 
-def _store(settings: Settings, durability: str = "none") -> JsonlStore:
-    return JsonlStore(settings.storage.data_dir, durability=durability)
+def _run(settings: Settings, work: Callable[[Store], Awaitable[T]], *, writes: bool = False) -> T:
+    """Open the configured store (jsonl or postgres), run `work` with it, close it."""
+    from gateway.store import create_store
+
+    if not writes and settings.storage.backend == "jsonl":
+        settings = settings.model_copy(
+            update={"storage": settings.storage.model_copy(update={"durability": "none"})}
+        )
+
+    async def main() -> T:
+        store = create_store(settings)
+        if settings.storage.backend != "jsonl" or writes:
+            await store.open()
+        try:
+            return await work(store)
+        finally:
+            await store.close()
+
+    return asyncio.run(main())
 
 
 def _when(ts: float) -> str:
@@ -216,9 +234,7 @@ def conversations(settings: Settings, *, config_path: str | None, limit: int) ->
     """Table of conversations, most recently active first."""
     from gateway.lifecycle import derive_state
 
-    store = _store(settings)
-
-    async def collect() -> list[tuple[Any, str, float | None, int]]:
+    async def collect(store: Store) -> list[tuple[Any, str, float | None, int]]:
         out = []
         for row in (await store.list_conversations())[:limit]:
             view = await store.load(row.conversation_id)
@@ -226,7 +242,7 @@ def conversations(settings: Settings, *, config_path: str | None, limit: int) ->
             out.append((row, state.state, view.last_activity, state.attempts))
         return out
 
-    rows = asyncio.run(collect())
+    rows = _run(settings, collect)
     if not rows:
         click.echo(f"no conversations in {settings.storage.data_dir}")
         return
@@ -241,7 +257,7 @@ def conversations(settings: Settings, *, config_path: str | None, limit: int) ->
         )
 
 
-async def _turns(store: JsonlStore, conversation_id: str) -> tuple[list[Turn], list[str | dict[str, Any]]]:
+async def _turns(store: Store, conversation_id: str) -> tuple[list[Turn], list[str | dict[str, Any]]]:
     entries = await store.read_index(conversation_id)
     turns = []
     for entry in entries:
@@ -260,11 +276,13 @@ def show(settings: Settings, *, config_path: str | None, conversation_id: str, a
     """The conversation's history as the model will see it."""
     from gateway.tokens import count_message
 
-    store = _store(settings)
-    view = asyncio.run(store.load(conversation_id))
+    async def read(store: Store) -> tuple[Any, list[Turn]]:
+        view = await store.load(conversation_id)
+        return view, (await _turns(store, conversation_id))[0] if view.turns else []
+
+    view, turns = _run(settings, read)
     if not view.turns:
         raise GatewayError(f"no conversation {conversation_id!r} in {settings.storage.data_dir}")
-    turns, _ = asyncio.run(_turns(store, conversation_id))
     if as_json:
         out = {
             "conversation_id": conversation_id,
@@ -307,15 +325,17 @@ def tail(settings: Settings, *, config_path: str | None, conversation_id: str, p
     from gateway.ids import check_conversation_id
 
     check_conversation_id(conversation_id)
-    store = _store(settings)
 
-    async def follow() -> None:
+    async def follow(store: Store) -> None:
         async for turn in store.follow(conversation_id, poll=poll):
             click.echo(_render_turn(turn))
 
-    click.echo(click.style(f"following {store.index_path(conversation_id)} (Ctrl-C to stop)", dim=True))
+    where = f"{settings.storage.data_dir}/logs/conversations/{conversation_id}.jsonl"
+    if settings.storage.backend != "jsonl":
+        where = f"conversation {conversation_id} ({settings.storage.backend})"
+    click.echo(click.style(f"following {where} (Ctrl-C to stop)", dim=True))
     try:
-        asyncio.run(follow())
+        _run(settings, follow)
     except KeyboardInterrupt:
         pass
 
@@ -329,7 +349,7 @@ def context(
     settings: Settings, *, config_path: str | None, response_id: str, as_json: bool, brief: bool
 ) -> None:
     """What was recorded for one response: request, context snapshot, reply, outcome."""
-    records = asyncio.run(_store(settings).read_response(response_id))
+    records = _run(settings, lambda store: store.read_response(response_id))
     if as_json:
         for record in records:
             click.echo(orjson.dumps(record).decode())
@@ -373,18 +393,11 @@ def delete(settings: Settings, *, config_path: str | None, conversation_id: str,
     if not yes and not click.confirm(f"Delete conversation {conversation_id!r}?", default=False):
         raise GatewayError("not deleted")
 
-    async def run() -> bool:
-        store = _store(settings, settings.storage.durability)
-        await store.open()
-        try:
-            async with store.lock(conversation_id, settings.storage.lock_timeout):
-                return await store.delete_conversation(
-                    conversation_id, archive=settings.storage.archive_deleted
-                )
-        finally:
-            await store.close()
+    async def run(store: Store) -> bool:
+        async with store.lock(conversation_id, settings.storage.lock_timeout):
+            return await store.delete_conversation(conversation_id, archive=settings.storage.archive_deleted)
 
-    if not asyncio.run(run()):
+    if not _run(settings, run, writes=True):
         raise GatewayError(f"no conversation {conversation_id!r} in {settings.storage.data_dir}")
     verb = "archived" if settings.storage.archive_deleted else "deleted"
     click.echo(f"{verb} {conversation_id}")
@@ -399,19 +412,14 @@ def reset(
 ) -> None:
     """Start a conversation afresh: appends a reset marker to its index (nothing is rewritten)."""
 
-    async def run() -> None:
-        store = _store(settings, settings.storage.durability)
-        await store.open()
-        try:
-            async with store.lock(conversation_id, settings.storage.lock_timeout):
-                if not await store.exists(conversation_id):
-                    raise GatewayError(f"no conversation {conversation_id!r} in {settings.storage.data_dir}")
-                marker = {"type": "reset", "keep_system_message": keep_system_message, "at": time.time()}
-                await store.append_marker(conversation_id, marker)
-        finally:
-            await store.close()
+    async def run(store: Store) -> None:
+        async with store.lock(conversation_id, settings.storage.lock_timeout):
+            if not await store.exists(conversation_id):
+                raise GatewayError(f"no conversation {conversation_id!r} in {settings.storage.data_dir}")
+            marker = {"type": "reset", "keep_system_message": keep_system_message, "at": time.time()}
+            await store.append_marker(conversation_id, marker)
 
-    asyncio.run(run())
+    _run(settings, run, writes=True)
     click.echo(f"reset {conversation_id}" + (" (system prompt kept)" if keep_system_message else ""))
 
 

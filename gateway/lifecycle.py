@@ -174,6 +174,11 @@ class Processor:
         self._task: asyncio.Task[None] | None = None
 
     # one processor per data dir
+    async def acquire_lease(self) -> bool:
+        """The processor's lease: the backend's own (one per database) or the data dir's."""
+        granted = await (await self.stores.get("")).try_processor_lease()
+        return self.try_lease() if granted is None else granted
+
     def try_lease(self) -> bool:
         if self._lock_fd is not None:
             return True
@@ -208,7 +213,7 @@ class Processor:
         while True:
             await asyncio.sleep(interval)
             try:
-                if self.try_lease():
+                if await self.acquire_lease():
                     await self.run_once()
             except asyncio.CancelledError:
                 raise
@@ -216,7 +221,7 @@ class Processor:
                 log.exception("lifecycle processor pass failed")
 
     async def run_once(self) -> None:
-        tenants = ["", *self.stores.tenants_on_disk()]
+        tenants = ["", *await self.stores.tenants()]
         for tenant in tenants:
             store = await self.stores.get(tenant)
             for cid, modified in await self._candidates(store):

@@ -34,7 +34,7 @@ from gateway.exceptions import GatewayError, InvalidRequest, UpstreamProtocolErr
 from gateway.ids import check_conversation_id, mint_response_id
 from gateway.lifecycle import build_recap, user_key, zone
 from gateway.models import context_window
-from gateway.store.base import ResponseLog, Store, now
+from gateway.store.base import ResponseLog, Store
 from gateway.summarizer import Summarizer, Summary, current_summary, snap_to_turn_end
 from gateway.tokens import count_message, counter_for
 from gateway.upstream import Route, Router
@@ -707,9 +707,11 @@ class ChatService:
                 except StopAsyncIteration:
                     chunk = None
             if acc.finish_reason is None:
-                raise UpstreamProtocolError(f"Provider {turn.route.provider!r} ended the stream before finishing")
+                provider = turn.route.provider
+                raise UpstreamProtocolError(f"Provider {provider!r} ended the stream before finishing")
             message = acc.message()
-            await self._commit(turn, message, self._response_record(turn, message, acc.finish_reason, acc.usage))
+            record = self._response_record(turn, message, acc.finish_reason, acc.usage)
+            await self._commit(turn, message, record)
             turn.final_message = message
             turn.finish_reason = acc.finish_reason
         finally:

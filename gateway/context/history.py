@@ -206,7 +206,8 @@ class ConversationView:
         elif kind == "delete_response":
             owner = marker.get("response_id")
             if isinstance(owner, str):
-                for position in [p for o, p in zip(self.history_owner, self.history_pos, strict=True) if o == owner]:
+                pairs = zip(self.history_owner, self.history_pos, strict=True)
+                for position in [p for o, p in pairs if o == owner]:
                     self.delete_item(owner, position)
         elif kind == "delete_item":
             rid, pos = marker.get("response_id"), marker.get("position")

@@ -104,6 +104,11 @@ class Store(ABC):
         """(conversation id, last change time) for every conversation; cheap (no parsing)."""
         return []
 
+    async def try_processor_lease(self) -> bool | None:
+        """Take the lifecycle processor's lease for everything this backend holds, if the
+        backend provides one (shared databases do); None means: use the data dir's lock file."""
+        return None
+
     async def exists(self, conversation_id: str) -> bool:
         try:
             await self.read_index(conversation_id)

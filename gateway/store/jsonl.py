@@ -238,9 +238,11 @@ class _JsonlLog(ResponseLog):
             except OSError as exc:
                 log.error("could not take %s back out of %s: %s", self.response_id, index, exc)
         # A leading newline ends a line the failed write may have torn.
-        line = b"\n" + orjson.dumps(
-            {"type": "incomplete", "reason": "storage_error", "error": {"message": reason}}
-        ) + b"\n"
+        line = (
+            b"\n"
+            + orjson.dumps({"type": "incomplete", "reason": "storage_error", "error": {"message": reason}})
+            + b"\n"
+        )
         try:
             fd = self._fd if self._fd >= 0 else os.open(self.path, os.O_WRONLY | os.O_APPEND)
             try:
@@ -595,7 +597,9 @@ class JsonlStore(Store):
             data = src.read_bytes()
             end = data.find(through.encode() + b"\n")
             if end < 0 or (end > 0 and data[end - 1 : end] != b"\n"):
-                raise NotFound(f"No response {through!r} in conversation {source!r}", param="previous_response_id")
+                raise NotFound(
+                    f"No response {through!r} in conversation {source!r}", param="previous_response_id"
+                )
             prefix = data[: end + len(through) + 1]
             fd = os.open(dst, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
             try:

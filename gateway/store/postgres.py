@@ -133,6 +133,11 @@ def map_errors(action: str) -> Iterator[None]:
         raise StorageError(f"{action}: {detail}") from exc
 
 
+_PROCESSOR_LOCK = int.from_bytes(
+    hashlib.blake2b(b"gateway\0lifecycle-processor", digest_size=8).digest(), "big", signed=True
+)
+
+
 def advisory_key(namespace: str, conversation_id: str) -> int:
     digest = hashlib.blake2b(f"gateway\0{namespace}\0{conversation_id}".encode(), digest_size=8).digest()
     return int.from_bytes(digest, "big", signed=True)
@@ -526,6 +531,16 @@ class PostgresStore(Store):
 
     async def open(self) -> None:
         await self._open_backend()
+
+    async def try_processor_lease(self) -> bool | None:
+        """One lifecycle processor per database: a session advisory lock on the lock
+        connection, held until this process exits (PostgreSQL frees it if the process dies)."""
+        backend = await self._open_backend()
+        if getattr(backend, "processor_lease", False):
+            return True
+        granted = await backend.try_lock(_PROCESSOR_LOCK)
+        backend.processor_lease = granted  # type: ignore[attr-defined]
+        return granted
 
     async def close(self) -> None:
         backend, self._backend = self._backend, None
