@@ -95,6 +95,24 @@ def test_three_turn_recall_on_postgres(tmp_path: Path, upstream: MockServer, pg_
                 ("assistant", replies[1]),
                 ("user", TURNS[2]),
             ]
+        # The CLI reads the configured backend (here: the database), not a data dir.
+        import subprocess
+        import sys
+
+        def cli(*args: str) -> str:
+            out = subprocess.run(
+                [sys.executable, "-m", "gateway", *args, "--config", str(gateway.config)],
+                capture_output=True,
+                text=True,
+                timeout=60,
+                env=gateway.env,
+            )
+            assert out.returncode == 0, out.stderr
+            return out.stdout
+
+        assert any(line.split()[:3] == ["c-plain", "3", "6"] for line in cli("conversations").splitlines())
+        assert "Your name is Bob." in cli("show", "c-plain")
+        assert "committed" in cli("context", ids["c-plain"][-1])
     finally:
         gateway.stop()
 
