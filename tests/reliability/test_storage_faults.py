@@ -32,13 +32,11 @@ async def chat(client: httpx.AsyncClient, text: str, *, stream: bool = False) ->
     return await client.post("/v1/chat/completions", json=body)
 
 
-def failing_after(n: int, real: Callable[[int], None]) -> Callable[[int], None]:
-    """fdatasync that works `n` times, then fails with EIO."""
-    calls = [0]
+def failing_on(folder: str, real: Callable[[int], None]) -> Callable[[int], None]:
+    """fdatasync that fails with EIO for files under logs/{folder}/ (responses, conversations)."""
 
     def sync(fd: int) -> None:
-        calls[0] += 1
-        if calls[0] > n:
+        if f"/logs/{folder}/" in os.readlink(f"/proc/self/fd/{fd}"):
             raise OSError(errno.EIO, "Input/output error")
         real(fd)
 
@@ -66,8 +64,8 @@ async def test_fsync_error_is_503_and_nothing_is_acknowledged(
         first = await chat(client, "Hello, my name is Ada.")
         assert first.status_code == 200
         acked = [first.json()["id"]]
-        # The response file's fdatasync comes first, the index's second.
-        monkeypatch.setattr(os, "fdatasync", failing_after(0 if failing == "response" else 1, os.fdatasync))
+        folder = "responses" if failing == "response" else "conversations"
+        monkeypatch.setattr(os, "fdatasync", failing_on(folder, os.fdatasync))
         r = await chat(client, "I like trains.")
         assert_unavailable(r)
         rid = r.headers["x-response-id"]
@@ -96,7 +94,7 @@ async def test_fsync_error_on_a_stream_is_an_in_band_error_without_done(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     async with build_client(make_settings(tmp_path), JsonlStore(tmp_path / "var"), MockUpstream()) as client:
-        monkeypatch.setattr(os, "fdatasync", failing_after(0, os.fdatasync))
+        monkeypatch.setattr(os, "fdatasync", failing_on("responses", os.fdatasync))
         r = await chat(client, "Hello, my name is Ada.", stream=True)
     # The 200 and the text went out before the commit; the commit's failure ends the stream
     # with an error event and no [DONE], which the SDK raises.
