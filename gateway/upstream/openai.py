@@ -274,6 +274,10 @@ class OpenAIUpstream(Upstream):
                     async for chunk in chunks:
                         started = True
                         yield chunk
+                if not started:  # still before the first byte: a proper HTTP error, not a 200
+                    raise UpstreamProtocolError(
+                        f"Provider {self.name!r} at {self.url} ended the stream without an answer"
+                    )
                 return
             except UpstreamError as exc:
                 if started:

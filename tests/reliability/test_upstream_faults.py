@@ -293,3 +293,16 @@ def test_missing_done_after_finish_reason_is_a_complete_answer(
     assert reply.text == "Your name is Ada." and reply.done
     assert time.monotonic() - started < 3.0  # a short grace (a read timeout would be an error)
     convo.check()
+
+
+def test_stream_with_nothing_but_done_is_an_http_error(convo: Conversation, fault: FaultServer) -> None:
+    async def empty(req: FaultRequest) -> None:
+        await req.head()
+        await req.chunk(b": ping\n\ndata: [DONE]\n\n")
+        await req.end()
+
+    fault.script(empty)
+    reply = convo.send("What is my name?", stream=True)
+    error = assert_error(reply, 502, "upstream_bad_response")  # nothing was sent: not a 200
+    assert "without an answer" in error["message"]
+    convo.check()
