@@ -95,7 +95,8 @@ def _failed(turn: PreparedTurn, exc: BaseException) -> Response:
         _log_line(turn, 499, "disconnected")
         return Response(status_code=499)
     if not isinstance(exc, GatewayError):
-        _log_line(turn, 500, "error")
+        cancelled = isinstance(exc, asyncio.CancelledError)
+        _log_line(turn, 499 if cancelled else 500, "cancelled" if cancelled else "error")
         raise exc
     _log_line(turn, exc.status_code, "error")
     response = error_response(exc)
