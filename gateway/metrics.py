@@ -59,18 +59,23 @@ class Metrics:
         )
         self.active.set_function(self._count_active)
         self._last_turn: dict[str, float] = {}
+        self._touches = 0
         self.active_window = active_window
 
     def conversation_touched(self, key: str) -> None:
+        self._last_turn.pop(key, None)  # re-inserted last: the dict stays ordered by recency
         self._last_turn[key] = time.monotonic()
-        if len(self._last_turn) > 200_000:
+        self._touches += 1
+        if self._touches % 1024 == 0:
             self._count_active()
 
     def _count_active(self) -> float:
+        # Oldest first (insertion order is recency order): stop at the first recent one.
         cutoff = time.monotonic() - self.active_window
-        stale = [k for k, t in self._last_turn.items() if t < cutoff]
-        for k in stale:
-            del self._last_turn[k]
+        for key in list(self._last_turn):
+            if self._last_turn[key] >= cutoff:
+                break
+            del self._last_turn[key]
         return float(len(self._last_turn))
 
     def render(self) -> bytes:

@@ -113,7 +113,14 @@ class Summarizer:
         self._targets[key] = (covers_through, self.settings.context.summary_model or model)
         task = self._tasks.get(key)
         if task is None or task.done():
-            self._tasks[key] = asyncio.create_task(self._run(store, conversation_id))
+            task = self._tasks[key] = asyncio.create_task(self._run(store, conversation_id))
+            task.add_done_callback(self._forget_task)
+
+    def _forget_task(self, task: asyncio.Task[None]) -> None:
+        """Finished tasks are dropped: the map holds only conversations being folded."""
+        for key, value in list(self._tasks.items()):
+            if value is task:
+                del self._tasks[key]
 
     async def summarize_all(self, store: Store, cid: str, model: str) -> str:
         """Fold the whole conversation into its summary now (post-processing); the text."""

@@ -336,3 +336,17 @@ async def test_metrics(app_client: httpx.AsyncClient) -> None:
     assert samples[("gateway_upstream_seconds_count", (("provider", "mock"),))] == 2
     assert samples[("gateway_tokens_total", (("direction", "in"),))] > 0
     assert samples[("gateway_conversations_active", ())] == 1
+
+
+def test_active_conversation_tracking_is_bounded(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The gauge's bookkeeping forgets idle conversations as it goes (a soak showed it grew)."""
+    from gateway import metrics as metrics_module
+
+    now = [1000.0]
+    monkeypatch.setattr(metrics_module.time, "monotonic", lambda: now[0])
+    m = metrics_module.Metrics(active_window=60.0)
+    for i in range(5000):
+        now[0] += 1.0
+        m.conversation_touched(f"c{i}")
+    assert len(m._last_turn) <= 60 + 1024  # only the last minute, plus one pruning interval
+    assert m._count_active() == 61  # touched within the last 60 s, both ends included
