@@ -91,18 +91,21 @@ def test_kill_9_under_load_loses_nothing(tmp_path: Path, fault_server: FaultServ
     try:
         for rnd in range(ROUNDS):
             proc = GatewayProcess(config, data_dir).start()
-            if rng.random() < 0.8:
-                # Mostly let the first request load the tokenizer (~0.3 s), so kills land among
-                # turns; sometimes kill during that warm-up too.
-                send(proc.url, "warm-up", f"r{rnd}")
             stop = threading.Event()
+            acked_before = len(acks)
             threads = [
                 threading.Thread(target=client_loop, args=(proc.url, w, rnd, stop, acks, seed), daemon=True)
                 for w in range(CLIENTS)
             ]
             for t in threads:
                 t.start()
-            time.sleep(rng.uniform(0.02, 0.3))
+            if rng.random() < 0.8:
+                # Mostly wait for this round's first acknowledged turn (the first request loads
+                # the tokenizer, ~0.3 s), so kills land among turns; sometimes kill before it.
+                deadline = time.monotonic() + 5
+                while len(acks) == acked_before and time.monotonic() < deadline:
+                    time.sleep(0.005)
+            time.sleep(rng.uniform(0.0, 0.25))
             in_flight = sum(1 for r in fault_server.requests if r.closed_at is None)
             kills_mid_request += in_flight > 0
             assert proc.proc is not None
@@ -113,7 +116,7 @@ def test_kill_9_under_load_loses_nothing(tmp_path: Path, fault_server: FaultServ
                 t.join(timeout=15)
             proc.stop()
         context = f"(seed {seed}, {ROUNDS} rounds, {len(acks)} acknowledged turns)"
-        assert len(acks) >= ROUNDS, f"too little load to mean anything {context}"
+        assert len(acks) >= ROUNDS // 2, f"too little load to mean anything {context}"
 
         # 1. Indexes: well-formed, no duplicates, only committed responses, every ack present.
         for cid in CONVERSATIONS:
