@@ -725,10 +725,19 @@ class ChatService:
             async for chunk in chunks:
                 if chunk.get("choices") or include_usage:
                     yield sse(chunk)
-        except GatewayError as exc:
-            # Headers are already sent: report the error in-band, as OpenAI does.
-            await self.close(turn, exc)
-            yield sse(exc.to_dict())
+        except Exception as exc:  # noqa: BLE001 - headers are sent: every failure is reported in-band
+            error = (
+                exc
+                if isinstance(exc, GatewayError)
+                else UpstreamProtocolError(
+                    f"Provider {turn.route.provider!r} sent a malformed stream ({type(exc).__name__})"
+                )
+            )
+            if not isinstance(exc, GatewayError):
+                log.warning("malformed stream from %s: %r", turn.route.provider, exc)
+            # As OpenAI does: an error event, no [DONE].
+            await self.close(turn, error)
+            yield sse(error.to_dict())
             return
         finally:
             aclose = getattr(chunks, "aclose", None)

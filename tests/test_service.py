@@ -350,3 +350,17 @@ def test_active_conversation_tracking_is_bounded(monkeypatch: pytest.MonkeyPatch
         m.conversation_touched(f"c{i}")
     assert len(m._last_turn) <= 60 + 1024  # only the last minute, plus one pruning interval
     assert m._count_active() == 61  # touched within the last 60 s, both ends included
+
+
+async def test_malformed_chunk_mid_stream_is_an_in_band_error(memory_store: MemoryStore) -> None:
+    class Bad(MockUpstream):
+        async def stream(self, body: dict[str, Any]) -> Any:
+            yield {"choices": [{"index": 0, "delta": {"content": "Hel"}, "finish_reason": None}]}
+            yield {"choices": [{"index": 0, "delta": "lo"}]}  # not an object: breaks the accumulator
+
+    async with build_client(make_settings(), memory_store, Bad()) as client:
+        r = await chat(client, [user("hi")], stream=True)
+    events = [line for line in r.text.split("\n\n") if line]
+    assert json.loads(events[-1][6:])["error"]["code"] == "upstream_bad_response"
+    assert "[DONE]" not in r.text
+    assert memory_store.indexes.get("c", []) == []
