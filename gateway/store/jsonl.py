@@ -110,6 +110,20 @@ def _fsync_dir(path: Path) -> None:
         os.close(fd)
 
 
+def _append(path: Path, data: bytes, *, sync: bool, create: bool = True) -> int:
+    """Append `data` to a file (fdatasync'd when `sync`); the file's size before it."""
+    flags = os.O_WRONLY | os.O_APPEND | (os.O_CREAT if create else 0)
+    fd = os.open(path, flags, 0o644)
+    try:
+        before = os.fstat(fd).st_size
+        os.write(fd, data)
+        if sync:
+            os.fdatasync(fd)
+    finally:
+        os.close(fd)
+    return before
+
+
 class _JsonlLog(ResponseLog):
     def __init__(self, store: JsonlStore, response_id: str, request: Record) -> None:
         self.store = store
@@ -480,14 +494,7 @@ class JsonlStore(Store):
         line = orjson.dumps(marker) + b"\n"
 
         def write() -> int:
-            fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
-            try:
-                before = os.fstat(fd).st_size
-                os.write(fd, line)
-                if self.fsync:
-                    os.fdatasync(fd)
-            finally:
-                os.close(fd)
+            before = _append(path, line, sync=self.fsync)
             if before == 0 and self.fsync:
                 _fsync_dir(self.conversations_dir)
             return before
@@ -563,13 +570,7 @@ class JsonlStore(Store):
 
         def write() -> None:
             path.parent.mkdir(parents=True, exist_ok=True)
-            fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
-            try:
-                os.write(fd, line)
-                if self.fsync:
-                    os.fdatasync(fd)
-            finally:
-                os.close(fd)
+            _append(path, line, sync=self.fsync)
 
         try:
             await asyncio.to_thread(write)
@@ -625,17 +626,8 @@ class JsonlStore(Store):
         path = self.response_path(response_id)
         line = orjson.dumps({"type": "deleted", "at": now()}) + b"\n"
 
-        def append() -> None:
-            fd = os.open(path, os.O_WRONLY | os.O_APPEND)
-            try:
-                os.write(fd, line)
-                if self.fsync:
-                    os.fdatasync(fd)
-            finally:
-                os.close(fd)
-
         try:
-            await asyncio.to_thread(append)
+            await asyncio.to_thread(_append, path, line, sync=self.fsync, create=False)
         except FileNotFoundError:
             raise NotFound(f"No response {response_id!r}", param="response_id") from None
 
