@@ -5,6 +5,8 @@ GatewayError
 ├── InvalidRequest          400    malformed body, bad field, bad conversation id
 │   └── ContextLengthExceeded 400  the request alone does not fit the model's window
 ├── AuthenticationError     401    missing or unknown gateway key
+├── BodyTimeout             408    the request body arrived slower than server.body_timeout
+├── ClientGone              499    the client left while sending its request
 ├── NotFound                404    unknown conversation, response or model
 ├── ConversationBusy        409    another request holds the conversation too long
 ├── BodyTooLarge            413    request body over server.max_body_bytes
@@ -81,6 +83,22 @@ class NotFound(GatewayError):
     status_code = 404
     error_type = "invalid_request_error"
     code = "not_found"
+
+
+class BodyTimeout(GatewayError):
+    """The client did not send its whole request body within server.body_timeout."""
+
+    status_code = 408
+    error_type = "invalid_request_error"
+    code = "request_timeout"
+
+
+class ClientGone(GatewayError):
+    """The client closed the connection while sending its request (nobody reads the answer)."""
+
+    status_code = 499
+    error_type = "invalid_request_error"
+    code = "client_closed_request"
 
 
 class ConversationBusy(GatewayError):

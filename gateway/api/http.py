@@ -12,7 +12,7 @@ from starlette.requests import ClientDisconnect, Request
 from starlette.responses import Response
 from starlette.types import Receive, Scope, Send
 
-from gateway.exceptions import BodyTooLarge, GatewayError, InvalidRequest
+from gateway.exceptions import BodyTimeout, BodyTooLarge, ClientGone, GatewayError, InvalidRequest
 from gateway.store import Store, StoreRegistry
 
 T = TypeVar("T")
@@ -33,22 +33,6 @@ async def store_for(request: Request) -> Store:
     """This request's tenant's store (the auth middleware has resolved the tenant)."""
     stores: StoreRegistry = request.app.state.stores
     return await stores.get(request.scope.get("gateway.tenant", ""))
-
-
-class BodyTimeout(GatewayError):
-    """The client did not send its whole request body within server.body_timeout."""
-
-    status_code = 408
-    error_type = "invalid_request_error"
-    code = "request_timeout"
-
-
-class ClientGone(GatewayError):
-    """The client closed the connection while sending its request (nobody reads the answer)."""
-
-    status_code = 499
-    error_type = "invalid_request_error"
-    code = "client_closed_request"
 
 
 async def read_json(request: Request, limit: int, *, allow_empty: bool = False) -> Any:
