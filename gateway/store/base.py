@@ -9,15 +9,40 @@ from __future__ import annotations
 
 import time
 from abc import ABC, abstractmethod
+from collections import OrderedDict
 from collections.abc import AsyncIterator
 from contextlib import AbstractAsyncContextManager
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, TypeVar
 
 from gateway.context.history import ConversationView, Turn
 from gateway.exceptions import InvalidRequest, NotFound
 
 Record = dict[str, Any]
+
+K = TypeVar("K")
+V = TypeVar("V")
+
+
+class LRU(OrderedDict[K, V]):
+    """A per-process cache that keeps at most `limit` entries, dropping the least recently used:
+    caches keyed by conversation must not grow with the number of conversations ever seen."""
+
+    def __init__(self, limit: int) -> None:
+        super().__init__()
+        self.limit = max(1, limit)
+
+    def get(self, key: K, default: Any = None) -> Any:
+        if key in self:
+            self.move_to_end(key)
+            return self[key]
+        return default
+
+    def __setitem__(self, key: K, value: V) -> None:
+        super().__setitem__(key, value)
+        self.move_to_end(key)
+        while len(self) > self.limit:
+            self.popitem(last=False)
 
 
 def now() -> float:

@@ -30,7 +30,7 @@ import orjson
 from gateway.context.history import ConversationView, Turn
 from gateway.exceptions import ConversationBusy, CorruptRecord, InvalidRequest, NotFound, StorageError
 from gateway.ids import check_conversation_id, is_valid_conversation_id, is_valid_response_id
-from gateway.store.base import ConversationSummary, Record, ResponseLog, Store, now
+from gateway.store.base import LRU, ConversationSummary, Record, ResponseLog, Store, now
 from gateway.store.records import turn_from_records
 
 log = logging.getLogger("gateway.store")
@@ -299,7 +299,7 @@ class JsonlStore(Store):
         self.locks_dir = self.root / "locks"
         self.summaries_dir = self.root / "logs" / "summaries"
         self.archive_dir = self.root / "archive"
-        self._side: dict[tuple[str, str], tuple[int, list[Record]]] = {}
+        self._side: LRU[tuple[str, str], tuple[int, list[Record]]] = LRU(4 * cache_size)
         self._stripe_fds: dict[int, int] = {}
         self._stripe_holders: dict[int, int] = {}
         self.fsync = durability == "fsync"

@@ -38,7 +38,7 @@ import orjson
 from gateway.context.history import ConversationView, Turn
 from gateway.exceptions import ConversationBusy, GatewayError, InvalidRequest, NotFound, StorageError
 from gateway.ids import check_conversation_id, is_valid_conversation_id, is_valid_response_id
-from gateway.store.base import ConversationSummary, Record, ResponseLog, Store, now
+from gateway.store.base import LRU, ConversationSummary, Record, ResponseLog, Store, now
 from gateway.store.jsonl import parse_index, parse_jsonl
 from gateway.store.records import turn_from_records
 
@@ -512,7 +512,7 @@ class PostgresStore(Store):
         self.cache_size = cache_size
         self._backend: _Backend | None = None
         self._cache: OrderedDict[str, _Cached] = OrderedDict()
-        self._side: dict[tuple[str, str], _SideCache] = {}
+        self._side: LRU[tuple[str, str], _SideCache] = LRU(4 * cache_size)
         self._holds: dict[str, _Hold] = {}
         self._times: list[tuple[str, float]] = []
         # Test hook: called inside the commit transaction, after the records, before the index.
