@@ -32,7 +32,7 @@ class LRU(OrderedDict[K, V]):
         super().__init__()
         self.limit = max(1, limit)
 
-    def get(self, key: K, default: Any = None) -> Any:
+    def get(self, key: K, default: None = None) -> V | None:  # type: ignore[override]
         if key in self:
             self.move_to_end(key)
             return self[key]
