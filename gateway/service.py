@@ -116,6 +116,45 @@ class ContextPlan:
         }
 
 
+def _check_message_fields(m: dict[str, Any], i: int) -> None:
+    """The shapes OpenAI itself enforces, so nothing malformed is stored and replayed later."""
+    content = m.get("content")
+    if content is not None and not isinstance(content, str):  # noqa: SIM102 - one rule, one error
+        if not isinstance(content, list) or not all(isinstance(part, dict) for part in content):
+            raise InvalidRequest(
+                f"messages[{i}].content must be a string, an array of content parts, or null",
+                param=f"messages[{i}].content",
+            )
+    for key in ("name", "tool_call_id"):
+        if key in m and m[key] is not None and not isinstance(m[key], str):
+            raise InvalidRequest(f"messages[{i}].{key} must be a string", param=f"messages[{i}].{key}")
+    if m["role"] == "tool" and not isinstance(m.get("tool_call_id"), str):
+        raise InvalidRequest(
+            f"messages[{i}].tool_call_id is required for a tool message", param=f"messages[{i}].tool_call_id"
+        )
+    calls = m.get("tool_calls")
+    if calls is not None:
+        if m["role"] != "assistant" or not isinstance(calls, list):
+            raise InvalidRequest(
+                f"messages[{i}].tool_calls must be an array on an assistant message",
+                param=f"messages[{i}].tool_calls",
+            )
+        for j, call in enumerate(calls):
+            function = call.get("function") if isinstance(call, dict) else None
+            if (
+                not isinstance(call, dict)
+                or not isinstance(call.get("id"), str)
+                or not isinstance(function, dict)
+                or not isinstance(function.get("name"), str)
+                or not isinstance(function.get("arguments", ""), str)
+            ):
+                raise InvalidRequest(
+                    f"messages[{i}].tool_calls[{j}] must be "
+                    "{id, type: 'function', function: {name, arguments}}",
+                    param=f"messages[{i}].tool_calls[{j}]",
+                )
+
+
 @dataclass(slots=True)
 class ChatRequest:
     """A validated chat-completions request."""
@@ -140,11 +179,13 @@ class ChatRequest:
         for i, m in enumerate(messages):
             if not isinstance(m, dict):
                 raise InvalidRequest(f"messages[{i}] must be an object", param=f"messages[{i}]")
-            if m.get("role") not in MESSAGE_ROLES:
+            role = m.get("role")
+            if not isinstance(role, str) or role not in MESSAGE_ROLES:
                 raise InvalidRequest(
                     f"messages[{i}].role must be one of {', '.join(sorted(MESSAGE_ROLES))}",
                     param=f"messages[{i}].role",
                 )
+            _check_message_fields(m, i)
             if "is_feedback" in m and not isinstance(m["is_feedback"], bool):
                 raise InvalidRequest(
                     f"messages[{i}].is_feedback must be a boolean", param=f"messages[{i}].is_feedback"

@@ -17,7 +17,7 @@ from gateway.config import Settings
 from gateway.exceptions import AuthenticationError
 
 DEFAULT_TENANT = ""  # auth off: everything lives at the top of the data dir
-OPEN_PATHS = frozenset({"/healthz", "/readyz"})
+OPEN_PATHS = frozenset({"/healthz", "/readyz", "/openapi.json"})
 
 
 def tenant_id(key: str) -> str:

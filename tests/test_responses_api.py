@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 
+import httpx
 import openai
 import pytest
 from openai import OpenAI
@@ -189,3 +190,30 @@ def test_retrieve_input_items_delete_and_errors(gateway: GatewayProcess, upstrea
     stateless = client.responses.create(model="mock/m", input="hello", store=False)
     with pytest.raises(openai.BadRequestError):
         client.responses.create(model="mock/m", input="again", previous_response_id=stateless.id)
+
+
+def test_invalid_body_with_an_older_previous_response_makes_no_fork(
+    gateway: GatewayProcess, upstream: MockServer
+) -> None:
+    """Validation runs before branching: a 400 leaves no fork conversation behind."""
+    client = sdk(gateway)
+    first = client.responses.create(model="mock/m", input="one")
+    client.responses.create(model="mock/m", input="two", previous_response_id=first.id)
+    indexes = gateway.data_dir / "logs" / "conversations"
+    before = sorted(p.name for p in indexes.iterdir())
+    bad = httpx.post(
+        f"{gateway.url}/v1/responses",
+        json={"model": "mock/m", "input": "three", "previous_response_id": first.id, "stream": [None]},
+    )
+    assert bad.status_code == 400
+    assert bad.json()["error"]["param"] == "stream"
+    bad_item = httpx.post(
+        f"{gateway.url}/v1/responses",
+        json={
+            "model": "mock/m",
+            "input": [{"role": "user", "content": [{"type": {}}]}],
+            "previous_response_id": first.id,
+        },
+    )
+    assert bad_item.status_code == 400
+    assert sorted(p.name for p in indexes.iterdir()) == before

@@ -364,3 +364,38 @@ async def test_malformed_chunk_mid_stream_is_an_in_band_error(memory_store: Memo
     assert json.loads(events[-1][6:])["error"]["code"] == "upstream_bad_response"
     assert "[DONE]" not in r.text
     assert memory_store.indexes.get("c", []) == []
+
+
+@pytest.mark.parametrize(
+    ("message", "param"),
+    [
+        ({"role": {}, "content": "x"}, "messages[0].role"),  # unhashable: was a 500
+        ({"role": ["user"], "content": "x"}, "messages[0].role"),
+        ({"role": "user", "content": 5}, "messages[0].content"),
+        ({"role": "user", "content": ["a"]}, "messages[0].content"),
+        ({"role": "user", "content": "x", "name": 3}, "messages[0].name"),
+        ({"role": "tool", "content": "x"}, "messages[0].tool_call_id"),
+        ({"role": "user", "content": "x", "tool_calls": []}, "messages[0].tool_calls"),
+        ({"role": "assistant", "content": None, "tool_calls": {}}, "messages[0].tool_calls"),
+        ({"role": "assistant", "content": None, "tool_calls": [{"id": "c"}]}, "messages[0].tool_calls[0]"),
+    ],
+)
+def test_malformed_messages_are_a_400_naming_the_field(message: dict[str, Any], param: str) -> None:
+    from gateway.exceptions import InvalidRequest
+    from gateway.service import ChatRequest
+
+    with pytest.raises(InvalidRequest) as info:
+        ChatRequest.parse({"model": "m", "messages": [message]})
+    assert info.value.param == param
+    assert info.value.status_code == 400
+
+
+def test_content_part_with_a_non_string_type_is_a_400() -> None:
+    from gateway.context.items import items_to_messages
+    from gateway.exceptions import InvalidRequest
+
+    with pytest.raises(InvalidRequest):
+        items_to_messages([{"role": "user", "content": [{"type": {}, "text": ""}]}])
+    assert items_to_messages([{"role": "user", "content": [{"type": "input_text", "text": "hi"}]}]) == [
+        {"role": "user", "content": "hi"}
+    ]

@@ -12,6 +12,7 @@ from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 from typing import Any
 
+import orjson
 from starlette.applications import Starlette
 from starlette.exceptions import HTTPException
 from starlette.middleware import Middleware
@@ -24,6 +25,7 @@ from gateway.api import responses as resp
 from gateway.api import ui
 from gateway.api.chat import chat_completions
 from gateway.api.http import JSONBody, error_response
+from gateway.api.openapi import build_schema
 from gateway.config import Settings, load_settings
 from gateway.exceptions import GatewayError, NotFound
 from gateway.lifecycle import Processor
@@ -56,6 +58,13 @@ async def models(request: Request) -> Response:
         if provider_settings.kind == "demo":
             data.append({"id": name, "object": "model", "created": created, "owned_by": "gateway"})
     return JSONBody({"object": "list", "data": data})
+
+
+async def openapi(request: Request) -> Response:
+    schema = getattr(request.app.state, "openapi", None)
+    if schema is None:
+        schema = request.app.state.openapi = orjson.dumps(build_schema())
+    return Response(schema, media_type="application/json")
 
 
 async def healthz(request: Request) -> Response:
@@ -146,6 +155,7 @@ def create_app(
         Route("/ui/static/{name}", ui.static, methods=["GET"]),
         Route("/ui/api/conversations", ui.conversations, methods=["GET"]),
         Route("/ui/api/conversations/{conversation_id}", ui.conversation, methods=["GET"]),
+        Route("/openapi.json", openapi, methods=["GET"]),
         Route("/healthz", healthz, methods=["GET"]),
         Route("/readyz", readyz, methods=["GET"]),
     ]

@@ -162,7 +162,7 @@ async def _conversation_for(
     return f"resp-{secrets.token_hex(12)}", None
 
 
-def _chat_body(body: dict[str, Any], cid: str | None) -> tuple[dict[str, Any], dict[str, Any]]:
+def _chat_body(body: dict[str, Any]) -> tuple[dict[str, Any], dict[str, Any]]:
     """The chat-completions request for a Responses request, and the params to echo back."""
     model = body.get("model")
     if not isinstance(model, str) or not model:
@@ -185,7 +185,10 @@ def _chat_body(body: dict[str, Any], cid: str | None) -> tuple[dict[str, Any], d
     if truncation not in ("auto", "disabled", None):
         raise InvalidRequest("'truncation' must be 'auto' or 'disabled'", param="truncation")
     tools = _tools(body.get("tools"))
-    chat: dict[str, Any] = {"model": model, "messages": messages, "stream": bool(body.get("stream"))}
+    stream = body.get("stream")
+    if stream is not None and not isinstance(stream, bool):
+        raise InvalidRequest("'stream' must be a boolean", param="stream")
+    chat: dict[str, Any] = {"model": model, "messages": messages, "stream": bool(stream)}
     for key in _PASSED:
         if body.get(key) is not None and key != "metadata":
             chat[key] = body[key]
@@ -197,8 +200,6 @@ def _chat_body(body: dict[str, Any], cid: str | None) -> tuple[dict[str, Any], d
         chat["max_tokens"] = body["max_output_tokens"]
     if chat["stream"]:
         chat["stream_options"] = {"include_usage": True}
-    if cid is not None:
-        chat["conversation_id"] = cid
     params = {
         "instructions": instructions,
         "metadata": body.get("metadata"),
@@ -222,8 +223,11 @@ async def create_response(request: Request) -> Response:
     body = await read_json(request, settings.server.max_body_bytes)
     if not isinstance(body, dict):
         raise InvalidRequest("The request body must be a JSON object")
+    chat_body, params = _chat_body(body)
+    ChatRequest.parse(chat_body)  # every validation error before a fork is made
     cid, previous = await _conversation_for(body, store, settings.storage.lock_timeout)
-    chat_body, params = _chat_body(body, cid)
+    if cid is not None:
+        chat_body["conversation_id"] = cid
     chat = ChatRequest.parse(chat_body)
     turn = await service.prepare(chat, store)
     position = len(turn.new)

@@ -16,6 +16,11 @@ Item = dict[str, Any]
 _TEXT_PARTS = frozenset({"input_text", "output_text", "text"})
 
 
+def _is_text_part(kind: Any) -> bool:
+    """A part's type is client JSON: it may be any value, hashable or not."""
+    return isinstance(kind, str) and kind in _TEXT_PARTS
+
+
 def _text_of(content: Any) -> str:
     if isinstance(content, str):
         return content
@@ -23,7 +28,7 @@ def _text_of(content: Any) -> str:
         return "".join(
             str(p.get("text", ""))
             for p in content
-            if isinstance(p, dict) and p.get("type") in _TEXT_PARTS | {None}
+            if isinstance(p, dict) and (p.get("type") is None or _is_text_part(p.get("type")))
         )
     return ""
 
@@ -39,7 +44,7 @@ def _chat_content(content: Any, where: str) -> Any:
     parts: list[dict[str, Any]] = []
     for k, part in enumerate(content):
         kind = part.get("type") if isinstance(part, dict) else None
-        if kind in _TEXT_PARTS:
+        if _is_text_part(kind):
             parts.append({"type": "text", "text": str(part.get("text", ""))})
         elif kind == "input_image" and (part.get("image_url") or part.get("file_id")):
             parts.append(
