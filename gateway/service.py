@@ -116,6 +116,19 @@ class ContextPlan:
         }
 
 
+def check_size(cap: int, cid: str, view: ConversationView, adding: int) -> None:
+    """A conversation past the cap gets a clear 400 instead of an ever slower load."""
+    stored = len(view.transcript)
+    if cap and stored + adding > cap:
+        raise InvalidRequest(
+            f"Conversation {cid!r} holds {stored} messages; this turn would take it past the cap of "
+            f"{cap} (storage.max_conversation_messages). Reset it (POST /v1/conversations/{cid}/reset) "
+            "or start a new conversation.",
+            param="conversation_id",
+            code="conversation_too_large",
+        )
+
+
 def _check_message_fields(m: dict[str, Any], i: int) -> None:
     """The shapes OpenAI itself enforces, so nothing malformed is stored and replayed later."""
     content = m.get("content")
@@ -346,9 +359,14 @@ class ChatService:
         self.warm_up: asyncio.Future[Any] | None = None  # tokenizer loading, set at startup
 
     # -- preparing ----------------------------------------------------------------------------
+    def _check_size(self, cid: str, view: ConversationView, adding: int) -> None:
+        # + 1: the reply this turn would store
+        check_size(self.settings.storage.max_conversation_messages, cid, view, adding + 1)
+
     async def prepare(self, request: ChatRequest, store: Store) -> PreparedTurn:
         """Lock and load the conversation, fit the window, and open the response log.
         The caller must `close` the returned turn."""
+        store.refuse_if_failed()  # before the provider is asked for an answer nobody could keep
         route = self.router.resolve(request.model)
         response_id = mint_response_id(request.model)
         stack = AsyncExitStack()
@@ -376,6 +394,7 @@ class ChatService:
                 system_tokens: list[int] | None = None
             else:
                 new = new_messages(rest, view)
+                self._check_size(cid, view, len(new))
                 new_tokens = await _off_loop_if_large(
                     [*system_in, *new], lambda: [count(clean_message(m)) for m in new]
                 )

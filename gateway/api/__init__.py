@@ -74,6 +74,10 @@ async def healthz(request: Request) -> Response:
 async def readyz(request: Request) -> Response:
     if not getattr(request.app.state, "ready", False):
         return JSONBody({"status": "starting"}, status_code=503)
+    reason = request.app.state.stores.refusing_writes()
+    if reason is not None:
+        # Out of the load balancer: this process acknowledges no writes until restarted.
+        return JSONBody({"status": "storage_unavailable", "reason": reason}, status_code=503)
     return JSONBody({"status": "ready"})
 
 

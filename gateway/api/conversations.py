@@ -19,6 +19,7 @@ from gateway.context.items import Item, items_to_messages, message_to_items, par
 from gateway.exceptions import InvalidRequest, NotFound
 from gateway.ids import check_conversation_id, mint_response_id
 from gateway.lifecycle import derive_state
+from gateway.service import check_size
 from gateway.store import Store
 from gateway.store.base import now
 
@@ -68,7 +69,9 @@ def view_items(view: ConversationView) -> list[Item]:
     return items
 
 
-async def _add_items(store: Store, cid: str, raw_items: Any, lock_timeout: float) -> list[Item]:
+async def _add_items(
+    store: Store, cid: str, raw_items: Any, lock_timeout: float, max_messages: int
+) -> list[Item]:
     messages = items_to_messages(raw_items)
     if len(messages) > 100:
         raise InvalidRequest("At most 100 items can be added at a time", param="items")
@@ -85,6 +88,7 @@ async def _add_items(store: Store, cid: str, raw_items: Any, lock_timeout: float
         "input": rest,
     }
     async with store.lock(cid, lock_timeout):
+        check_size(max_messages, cid, await store.load(cid), len(messages))
         log = store.start(rid, record)
         turn = Turn(rid, tuple(rest), None, tuple(system) if system else None, created=created_at)
         try:
@@ -157,7 +161,13 @@ async def create_conversation(request: Request) -> Response:
             cid, {"type": "conversation", "created_at": int(time.time()), "metadata": metadata}
         )
     if body.get("items"):
-        await _add_items(store, cid, body["items"], settings.storage.lock_timeout)
+        await _add_items(
+            store,
+            cid,
+            body["items"],
+            settings.storage.lock_timeout,
+            settings.storage.max_conversation_messages,
+        )
     view = await store.load(cid)
     return JSONBody(conversation_object(cid, view))
 
@@ -255,7 +265,9 @@ async def create_items(request: Request) -> Response:
     if not isinstance(body, dict) or "items" not in body:
         raise InvalidRequest("'items' is required", param="items")
     await _existing(store, cid)
-    created = await _add_items(store, cid, body["items"], settings.storage.lock_timeout)
+    created = await _add_items(
+        store, cid, body["items"], settings.storage.lock_timeout, settings.storage.max_conversation_messages
+    )
     return JSONBody(_page(created))
 
 

@@ -27,12 +27,12 @@ def _json(schema: dict[str, Any], description: str) -> dict[str, Any]:
 
 
 ERRORS = {
-    400: "Invalid request",
+    400: "Invalid request (also: context_length_exceeded, conversation_too_large)",
     401: "Missing or unknown gateway key",
     404: "Unknown conversation, response or item (also: another tenant's)",
     408: "The request body did not arrive within body_timeout",
     409: "The conversation is busy past lock_timeout, or changed under the request",
-    413: "Request body larger than max_body_bytes, or the conversation is over its size cap",
+    413: "Request body larger than max_body_bytes",
     429: "The provider's rate limit, passed through with Retry-After",
     502: "The provider is unreachable or answered with an error",
     503: "The store cannot accept writes; nothing was acknowledged",

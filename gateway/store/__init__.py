@@ -68,6 +68,10 @@ class StoreRegistry:
             self._opened.add(tenant)
         return store
 
+    def refusing_writes(self) -> str | None:
+        """Why some opened store acknowledges no more writes (they share one disk), or None."""
+        return next((r for s in self._stores.values() if (r := s.refusing_writes) is not None), None)
+
     def tenants_on_disk(self) -> list[str]:
         if self.settings.storage.backend == "postgres":
             # In the database, not on disk: the tenants this process has served (see `tenants`).

@@ -16,7 +16,7 @@ from dataclasses import dataclass
 from typing import Any, TypeVar
 
 from gateway.context.history import ConversationView, Turn
-from gateway.exceptions import InvalidRequest, NotFound
+from gateway.exceptions import InvalidRequest, NotFound, StorageError
 
 Record = dict[str, Any]
 
@@ -79,6 +79,19 @@ class ResponseLog(ABC):
 
 class Store(ABC):
     """Where conversations live. Every method is safe to call from the event loop."""
+
+    @property
+    def refusing_writes(self) -> str | None:
+        """Why this store acknowledges no more writes (a failed fsync), or None."""
+        return None
+
+    def refuse_if_failed(self) -> None:
+        reason = self.refusing_writes
+        if reason is not None:
+            raise StorageError(
+                f"storage refuses writes since an fsync failed ({reason}); "
+                "check the disk and restart the gateway"
+            )
 
     async def open(self) -> None:  # noqa: B027 - optional hook
         """Prepare the backend (create folders, connect)."""

@@ -110,15 +110,15 @@ def _fsync_dir(path: Path) -> None:
         os.close(fd)
 
 
-def _append(path: Path, data: bytes, *, sync: bool, create: bool = True) -> int:
-    """Append `data` to a file (fdatasync'd when `sync`); the file's size before it."""
+def _append(path: Path, data: bytes, *, sync: Callable[[int], None] | None, create: bool = True) -> int:
+    """Append `data` to a file (then `sync(fd)`, if given); the file's size before it."""
     flags = os.O_WRONLY | os.O_APPEND | (os.O_CREAT if create else 0)
     fd = os.open(path, flags, 0o644)
     try:
         before = os.fstat(fd).st_size
-        os.write(fd, data)
-        if sync:
-            os.fdatasync(fd)
+        _write_all(fd, data)
+        if sync is not None:
+            sync(fd)
     finally:
         os.close(fd)
     return before
@@ -194,10 +194,7 @@ class _JsonlLog(ResponseLog):
         self._closed = True
         if store.sync_failed is not None:
             self._mark_failed(records, store.sync_failed, conversation_id, -1)
-            raise StorageError(
-                f"storage refuses writes since an fsync failed ({store.sync_failed}); "
-                "check the disk and restart the gateway"
-            )
+            store.refuse_if_failed()
         commit = orjson.dumps({"type": "commit", "status": "complete", "committed": now()}) + b"\n"
         before = -1
         durable = False
@@ -311,6 +308,18 @@ class JsonlStore(Store):
         # Set by the first failed fsync: the kernel may have dropped the dirty pages, and a
         # later fsync could succeed without them, so no write is acknowledged after it.
         self.sync_failed: str | None = None
+
+    @property
+    def refusing_writes(self) -> str | None:
+        return self.sync_failed
+
+    def _datasync(self, fd: int) -> None:
+        self._sync(os.fdatasync, fd)
+
+    def _appender(self) -> Callable[[int], None] | None:
+        """The sync step for `_append`; raises first if this store already refuses writes."""
+        self.refuse_if_failed()
+        return self._datasync if self.fsync else None
 
     def _sync(self, sync: Callable[[Any], None], target: Any) -> None:
         try:
@@ -494,9 +503,9 @@ class JsonlStore(Store):
         line = orjson.dumps(marker) + b"\n"
 
         def write() -> int:
-            before = _append(path, line, sync=self.fsync)
+            before = _append(path, line, sync=self._appender())
             if before == 0 and self.fsync:
-                _fsync_dir(self.conversations_dir)
+                self._sync(_fsync_dir, self.conversations_dir)
             return before
 
         try:
@@ -570,7 +579,7 @@ class JsonlStore(Store):
 
         def write() -> None:
             path.parent.mkdir(parents=True, exist_ok=True)
-            _append(path, line, sync=self.fsync)
+            _append(path, line, sync=self._appender())
 
         try:
             await asyncio.to_thread(write)
@@ -627,9 +636,11 @@ class JsonlStore(Store):
         line = orjson.dumps({"type": "deleted", "at": now()}) + b"\n"
 
         try:
-            await asyncio.to_thread(_append, path, line, sync=self.fsync, create=False)
+            await asyncio.to_thread(lambda: _append(path, line, sync=self._appender(), create=False))
         except FileNotFoundError:
             raise NotFound(f"No response {response_id!r}", param="response_id") from None
+        except OSError as exc:
+            raise StorageError(f"could not delete the response: {exc.strerror or exc}") from exc
 
     def index_times(self) -> list[tuple[str, float]]:
         out = []

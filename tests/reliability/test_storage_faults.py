@@ -72,13 +72,24 @@ async def test_fsync_error_is_503_and_nothing_is_acknowledged(
         assert index_ids(tmp_path / "var", CID) == acked  # an index line already written is taken back
         final = last_record(tmp_path, rid)
         assert final["type"] == "incomplete" and final["reason"] == "storage_error"
-        # Sticky: even with the disk "back", this process acknowledges nothing more.
+        # Sticky: even with the disk "back", this process acknowledges nothing more, and asks
+        # the provider nothing (an answer nobody could keep), writes nothing, and is not ready.
         monkeypatch.undo()
+        calls = len(upstream.requests)
+        logs = sorted((tmp_path / "var" / "logs" / "responses").iterdir())
         again = await chat(client, "I like trains.")
         assert_unavailable(again)
         assert "restart" in again.json()["error"]["message"]
+        assert len(upstream.requests) == calls
+        assert sorted((tmp_path / "var" / "logs" / "responses").iterdir()) == logs
         assert index_ids(tmp_path / "var", CID) == acked
-        assert last_record(tmp_path, again.headers["x-response-id"])["type"] == "incomplete"
+        meta = await client.post(f"/v1/conversations/{CID}", json={"metadata": {"k": "v"}})
+        assert_unavailable(meta)
+        assert index_ids(tmp_path / "var", CID) == acked
+        client._transport.app.state.ready = True  # type: ignore[attr-defined] # lifespan ran
+        ready = await client.get("/readyz")
+        assert ready.status_code == 503
+        assert ready.json()["status"] == "storage_unavailable"
 
     # A restarted gateway (a fresh store) works, and the history is only what was acknowledged.
     upstream = MockUpstream()
@@ -126,3 +137,27 @@ async def test_write_error_is_503_and_not_sticky(tmp_path: Path, monkeypatch: py
         ok = await chat(client, "What is my name?")
         assert ok.status_code == 200
         assert index_ids(tmp_path / "var", CID) == [first.json()["id"], ok.json()["id"]]
+
+
+async def test_conversation_over_the_size_cap_is_a_clear_400(tmp_path: Path) -> None:
+    """`storage.max_conversation_messages`: the turn that would pass the cap gets a 400
+    `conversation_too_large` before the provider is called; a reset makes room again."""
+    upstream = MockUpstream()
+    settings = make_settings(tmp_path, max_conversation_messages=6)
+    async with build_client(settings, JsonlStore(tmp_path / "var"), upstream) as client:
+        for n in range(3):  # 3 turns x (user + assistant) = 6 messages
+            assert (await chat(client, f"turn {n}")).status_code == 200
+        calls = len(upstream.requests)
+        over = await chat(client, "one more")
+        assert over.status_code == 400
+        error = over.json()["error"]
+        assert error["code"] == "conversation_too_large" and error["param"] == "conversation_id"
+        assert "6" in error["message"] and "reset" in error["message"]
+        assert len(upstream.requests) == calls
+        items = await client.post(
+            f"/v1/conversations/{CID}/items", json={"items": [{"role": "user", "content": "x"}]}
+        )
+        assert items.status_code == 400 and items.json()["error"]["code"] == "conversation_too_large"
+        assert len(index_ids(tmp_path / "var", CID)) == 3
+        assert (await client.post(f"/v1/conversations/{CID}/reset", json={})).status_code == 200
+        assert (await chat(client, "fresh start")).status_code == 200
