@@ -25,6 +25,15 @@ def configure_logging(level: str = "info") -> None:
     root.propagate = False
 
 
+def set_head_timeout(settings: Settings) -> None:
+    """The request head shares `server.body_timeout` (called in every worker process)."""
+    try:
+        from gateway.protocol import HeadDeadlineProtocol
+    except ImportError:  # no httptools: uvicorn's h11 protocol, without the deadline
+        return
+    HeadDeadlineProtocol.head_timeout = float(settings.server.body_timeout)
+
+
 def _loop_and_http() -> dict[str, Any]:
     opts: dict[str, Any] = {}
     try:
@@ -36,7 +45,9 @@ def _loop_and_http() -> dict[str, Any]:
     try:
         import httptools  # noqa: F401
 
-        opts["http"] = "httptools"
+        from gateway.protocol import HeadDeadlineProtocol
+
+        opts["http"] = HeadDeadlineProtocol
     except ImportError:
         opts["http"] = "h11"
     return opts
@@ -45,6 +56,7 @@ def _loop_and_http() -> dict[str, Any]:
 def serve(settings: Settings, *, workers: int = 1, log_level: str = "info") -> None:
     """Run the gateway in the foreground. Workers re-read settings from the environment."""
     configure_logging(log_level)
+    set_head_timeout(settings)
     logging.getLogger("gateway").info(
         "gateway listening on http://%s:%s (data dir %s, %d worker%s)",
         settings.server.host,

@@ -190,4 +190,8 @@ def create_app(
 
 def app_from_env() -> Starlette:
     """Factory for `uvicorn --factory` (and worker processes): settings from the environment."""
-    return create_app(load_settings())
+    from gateway.server import set_head_timeout
+
+    settings = load_settings()
+    set_head_timeout(settings)
+    return create_app(settings)

@@ -129,3 +129,57 @@ def test_client_leaving_mid_body_is_not_a_server_error(gw: GatewayProcess, fault
         sock.sendall(head("/v1/chat/completions", {"Content-Length": str(len(BODY))}) + BODY)
         status, _, _ = read_response(sock)
     assert status == 200
+
+
+def wait_closed(sock: socket.socket, limit: float) -> tuple[float, bytes]:
+    """Read until the server closes; return (seconds, bytes received)."""
+    started = time.monotonic()
+    sock.settimeout(limit)
+    data = b""
+    while True:
+        part = sock.recv(65536)
+        if not part:
+            return time.monotonic() - started, data
+        data += part
+
+
+@pytest.mark.parametrize(
+    "sent",
+    [b"", b"POST /v1/chat/completions HTTP/1.1\r\nHost: gateway\r\nContent-Le"],
+    ids=["silent", "partial"],
+)
+def test_a_stalled_request_head_gets_408_and_is_closed(
+    gw: GatewayProcess, fault: FaultServer, sent: bytes
+) -> None:
+    """Slowloris: a client that connects and sends nothing, or part of a header block, does not
+    keep its connection: 408 and close after body_timeout (1 s here)."""
+    with connect(gw) as sock:
+        sock.sendall(sent)
+        elapsed, data = wait_closed(sock, limit=5.0)
+    assert 0.9 <= elapsed < 2.5, elapsed
+    assert data.startswith(b"HTTP/1.1 408 "), data
+    assert json.loads(data.partition(b"\r\n\r\n")[2])["error"]["code"] == "request_timeout"
+    assert fault.requests == []
+
+
+def test_a_kept_alive_connection_that_stalls_mid_head_is_closed(
+    gw: GatewayProcess, fault: FaultServer
+) -> None:
+    with connect(gw) as sock:
+        sock.sendall(b"GET /healthz HTTP/1.1\r\nHost: gateway\r\n\r\n")
+        status, _, _ = read_response(sock)
+        assert status == 200
+        sock.sendall(b"GET /healthz HTTP/1.1\r\nHo")
+        elapsed, data = wait_closed(sock, limit=5.0)
+    assert elapsed < 2.5 and data.startswith(b"HTTP/1.1 408 ")
+
+
+def test_a_slow_but_steady_client_within_the_deadline_is_served(
+    gw: GatewayProcess, fault: FaultServer
+) -> None:
+    with connect(gw) as sock:
+        for piece in (b"GET /healthz HTTP/1.1\r\n", b"Host: gateway\r\n", b"\r\n"):
+            sock.sendall(piece)
+            time.sleep(0.25)
+        status, _, payload = read_response(sock)
+    assert status == 200 and payload == {"status": "ok"}
