@@ -1,7 +1,7 @@
 """A real HTTP, OpenAI-compatible mock upstream for end-to-end tests.
 
 It records every request body, answers with the demo model's logic (so recall is visible),
-and can be told to misbehave: `server.mode = "error500" | "error429" | "hang" | "tool_call"`.
+and can be told to misbehave: `server.mode = "error500" | "error503_once" | "error429" | "hang" | "tool_call"`.
 """
 
 from __future__ import annotations
@@ -64,6 +64,9 @@ class MockServer:
         body = orjson.loads(await request.body())
         with self._lock:
             self.requests.append(copy.deepcopy(body))
+        if self.mode == "error503_once":
+            self.mode = "normal"
+            return Response(b'{"error": {"message": "warming up", "type": "server_error"}}', status_code=503)
         if self.mode == "error500":
             return Response(b'{"error": {"message": "boom", "type": "server_error"}}', status_code=500)
         if self.mode == "error429":

@@ -165,3 +165,46 @@ def test_routing() -> None:
     assert router.resolve("unknown/x").model == "unknown/x"
     with pytest.raises(NotFound):
         Router({}, "none").resolve("x")
+
+
+async def test_litellm_path_retries_like_the_fast_path(
+    upstream: MockServer, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A 503 before any answer byte is retried (`retries`), a 429 never is, and with
+    retries = 0 the first failure is final: litellm's own retries do not add attempts."""
+    from gateway.upstream.litellm import LitellmUpstream
+
+    monkeypatch.setenv("LITE_TEST_KEY", "sk-test")
+
+    def lite(retries: int) -> LitellmUpstream:
+        settings = ProviderSettings(
+            kind="litellm",
+            litellm_provider="openai",
+            base_url=f"{upstream.url}/v1",
+            api_key_env="LITE_TEST_KEY",
+            timeout=10,
+            retries=retries,
+        )
+        return LitellmUpstream("lite", settings)
+
+    for streaming in (False, True):
+        upstream.reset()
+        upstream.mode = "error503_once"
+        if streaming:
+            chunks = [c async for c in lite(1).stream(dict(BODY))]
+            assert any(c.get("choices") for c in chunks)
+        else:
+            assert (await lite(1).complete(dict(BODY)))["choices"]
+        assert len(upstream.requests) == 2
+    upstream.reset()
+    upstream.mode = "error503_once"
+    with pytest.raises(UpstreamError) as info:
+        await lite(0).complete(dict(BODY))
+    assert info.value.status_code == 502
+    assert len(upstream.requests) == 1
+    upstream.reset()
+    upstream.mode = "error429"
+    with pytest.raises(UpstreamError) as info:
+        await lite(2).complete(dict(BODY))
+    assert info.value.status_code == 429
+    assert len(upstream.requests) == 1

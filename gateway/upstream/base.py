@@ -6,13 +6,51 @@ Implementations: `openai.py` (direct HTTP fast path), `litellm.py` (every other 
 
 from __future__ import annotations
 
+import asyncio
+import logging
 import time
 from abc import ABC, abstractmethod
 from collections.abc import AsyncIterator
 from typing import Any
 
+import orjson
+
+from gateway.exceptions import UpstreamError
+
 Body = dict[str, Any]
 Chunk = dict[str, Any]
+
+log = logging.getLogger("gateway.upstream")
+
+# Provider statuses worth another attempt (never 429: that is passed through with Retry-After).
+RETRY_STATUSES = frozenset({502, 503, 504})
+_BACKOFF = (0.2, 0.5, 1.0, 2.0)
+
+
+def backoff(attempt: int) -> float:
+    return _BACKOFF[min(attempt, len(_BACKOFF) - 1)]
+
+
+async def retry_or_raise(
+    provider: str, exc: UpstreamError, attempt: int, retries: int, retryable: bool
+) -> None:
+    """Return after the backoff if another attempt is allowed, else re-raise `exc`. Callers
+    only ask while nothing of the answer has been produced."""
+    if attempt >= retries or not retryable:
+        raise exc
+    delay = backoff(attempt)
+    log.warning(
+        orjson.dumps(
+            {
+                "event": "upstream_retry",
+                "provider": provider,
+                "attempt": attempt + 1,
+                "error": exc.message,
+                "delay_s": delay,
+            }
+        ).decode()
+    )
+    await asyncio.sleep(delay)
 
 
 class Upstream(ABC):

@@ -18,7 +18,7 @@ from gateway.exceptions import (
     UpstreamTimeout,
     UpstreamUnreachable,
 )
-from gateway.upstream.base import Body, Chunk, Upstream
+from gateway.upstream.base import RETRY_STATUSES, Body, Chunk, Upstream, retry_or_raise
 
 _litellm: Any = None
 
@@ -58,6 +58,14 @@ def map_litellm_errors(name: str, url: str) -> Iterator[None]:
         raise UpstreamProtocolError(f"{where} failed: {type(exc).__name__}: {exc}") from exc
 
 
+def is_retryable(exc: UpstreamError) -> bool:
+    """Connection failures and 502/503/504, before any answer byte; never a timeout (the
+    provider already used its time) nor a 429 (passed through with Retry-After)."""
+    if isinstance(exc, UpstreamStatusError):
+        return exc.upstream_status in RETRY_STATUSES
+    return isinstance(exc, UpstreamUnreachable)
+
+
 def _dump(obj: Any) -> dict[str, Any]:
     if isinstance(obj, dict):
         return obj
@@ -81,19 +89,40 @@ class LitellmUpstream(Upstream):
         if key:
             kwargs["api_key"] = key
         kwargs["timeout"] = self.settings.timeout
+        # Only the gateway's retry policy applies (before the first byte, never a 429).
+        kwargs["max_retries"] = 0
+        kwargs["num_retries"] = 0
         if self.settings.headers:
             kwargs["extra_headers"] = dict(self.settings.headers)
         return kwargs
 
     async def complete(self, body: Body) -> Body:
         litellm = import_litellm()
-        with map_litellm_errors(self.name, self.url):
-            response = await litellm.acompletion(**self._kwargs({**body, "stream": False}))
-        return _dump(response)
+        kwargs = self._kwargs({**body, "stream": False})
+        attempt = 0
+        while True:
+            try:
+                with map_litellm_errors(self.name, self.url):
+                    return _dump(await litellm.acompletion(**kwargs))
+            except UpstreamError as exc:
+                await retry_or_raise(self.name, exc, attempt, self.settings.retries, is_retryable(exc))
+            attempt += 1
 
     async def stream(self, body: Body) -> AsyncIterator[Chunk]:
         litellm = import_litellm()
-        with map_litellm_errors(self.name, self.url):
-            response = await litellm.acompletion(**self._kwargs({**body, "stream": True}))
-            async for chunk in response:
-                yield _dump(chunk)
+        kwargs = self._kwargs({**body, "stream": True})
+        attempt = 0
+        while True:
+            started = False
+            try:
+                with map_litellm_errors(self.name, self.url):
+                    response = await litellm.acompletion(**kwargs)
+                    async for chunk in response:
+                        started = True
+                        yield _dump(chunk)
+                return
+            except UpstreamError as exc:
+                if started:
+                    raise  # part of the answer is already on its way: never start it again
+                await retry_or_raise(self.name, exc, attempt, self.settings.retries, is_retryable(exc))
+            attempt += 1

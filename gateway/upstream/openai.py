@@ -27,7 +27,7 @@ from gateway.exceptions import (
     UpstreamTimeout,
     UpstreamUnreachable,
 )
-from gateway.upstream.base import Body, Chunk, Upstream
+from gateway.upstream.base import RETRY_STATUSES, Body, Chunk, Upstream, retry_or_raise
 
 log = logging.getLogger("gateway.upstream")
 
@@ -37,7 +37,6 @@ _UNREACHABLE: tuple[type[BaseException], ...] = (aiohttp.ClientConnectionError,)
 _PROTOCOL: tuple[type[BaseException], ...] = (aiohttp.ClientError, ValueError)
 
 # Provider statuses worth another attempt (a 429 is the client's to handle: passed through).
-RETRY_STATUSES = frozenset({502, 503, 504})
 # Failures that mean "the provider never produced this answer": the connection could not be
 # made or broke. A read timeout is not among them: the provider already used its time.
 _RETRY_CAUSES: tuple[type[BaseException], ...] = (
@@ -47,7 +46,6 @@ _RETRY_CAUSES: tuple[type[BaseException], ...] = (
     aiohttp.ClientOSError,
     aiohttp.ClientPayloadError,
 )
-_BACKOFF = (0.2, 0.5, 1.0, 2.0)
 # Once every choice has its finish_reason, a provider that neither sends `[DONE]` nor ends the
 # body gets this long (5x while an asked-for usage chunk is due) before the answer is taken as done.
 TAIL_GRACE = 1.0
@@ -60,10 +58,6 @@ def is_retryable(exc: BaseException) -> bool:
     if isinstance(exc, UpstreamError):
         return isinstance(exc.__cause__, _RETRY_CAUSES)
     return False
-
-
-def backoff(attempt: int) -> float:
-    return _BACKOFF[min(attempt, len(_BACKOFF) - 1)]
 
 
 @contextmanager
@@ -216,22 +210,7 @@ class OpenAIUpstream(Upstream):
             await self._session.close()
 
     async def _retry_or_raise(self, exc: UpstreamError, attempt: int) -> None:
-        """Return after the backoff if another attempt is allowed, else re-raise `exc`."""
-        if attempt >= self.retries or not is_retryable(exc):
-            raise exc
-        delay = backoff(attempt)
-        log.warning(
-            orjson.dumps(
-                {
-                    "event": "upstream_retry",
-                    "provider": self.name,
-                    "attempt": attempt + 1,
-                    "error": exc.message,
-                    "delay_s": delay,
-                }
-            ).decode()
-        )
-        await asyncio.sleep(delay)
+        await retry_or_raise(self.name, exc, attempt, self.retries, is_retryable(exc))
 
     async def complete(self, body: Body) -> Body:
         data = orjson.dumps(body)
