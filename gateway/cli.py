@@ -215,7 +215,25 @@ def serve(
         os.environ["GATEWAY_SERVER__PORT"] = str(port)
     os.environ["GATEWAY_STORAGE__DATA_DIR"] = settings.storage.data_dir
     settings = load_settings(config_path)
+    asyncio.run(_check_store(settings))
     run(settings, workers=workers, log_level=log_level)
+
+
+async def _check_store(settings: Settings) -> None:
+    """Open (and migrate) the store once before the workers start, so an unreachable database
+    or an unwritable data dir is one clear line and exit status 1, not a worker traceback."""
+    from gateway.store import create_store
+
+    backend = settings.storage.backend
+    where = settings.storage.data_dir if backend == "jsonl" else backend
+    try:
+        store = create_store(settings)
+        await store.open()
+        await store.close()
+    except GatewayError:
+        raise
+    except Exception as exc:
+        raise GatewayError(f"cannot open the {backend} store ({where}): {exc}") from None
 
 
 @main.command()

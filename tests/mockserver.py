@@ -1,7 +1,8 @@
 """A real HTTP, OpenAI-compatible mock upstream for end-to-end tests.
 
 It records every request body, answers with the demo model's logic (so recall is visible),
-and can be told to misbehave: `server.mode = "error500" | "error503_once" | "error429" | "hang" | "tool_call"`.
+and can be told to misbehave: `server.mode = "error500" | "error503_once" | "error429" | "hang"
+| "tool_call"`.
 """
 
 from __future__ import annotations

@@ -8,6 +8,7 @@ import sys
 import time
 from pathlib import Path
 
+import pytest
 from openai import OpenAI
 
 from tests.conftest import REPO, GatewayProcess
@@ -157,3 +158,24 @@ def test_reset_and_delete_from_the_cli_while_serving(gateway: GatewayProcess, up
         model="mock/t", messages=[{"role": "user", "content": "hi"}], extra_body={"conversation_id": "cli-1"}
     )
     assert [m["role"] for m in upstream.requests[-1]["messages"]] == ["user"]
+
+
+@pytest.mark.parametrize("backend", ["postgres", "jsonl"])
+def test_serve_with_a_store_it_cannot_open_is_one_line_and_exit_1(tmp_path: Path, backend: str) -> None:
+    """An unreachable database (or a data dir that is a file) stops `serve` before any worker
+    starts: one line naming the store, status 1, no traceback, no password."""
+    config = tmp_path / "gateway.toml"
+    if backend == "postgres":
+        config.write_text(
+            '[storage]\nbackend = "postgres"\ndsn = "postgresql://gw:s3cret@127.0.0.1:1/nothing"\n'
+        )
+        data_dir = tmp_path / "var"
+    else:
+        data_dir = tmp_path / "afile"
+        data_dir.write_text("not a folder")
+        config.write_text("")
+    result = gw("serve", "--config", str(config), "--data-dir", str(data_dir), "--port", "1", timeout=30)
+    assert result.returncode == 1, result.stderr
+    lines = result.stderr.strip().splitlines()
+    assert len(lines) == 1 and "Traceback" not in result.stderr, result.stderr
+    assert ("storage" in lines[0] or "store" in lines[0]) and "s3cret" not in lines[0]
