@@ -671,3 +671,34 @@ async def test_side_log_cache_is_bounded(store: Store) -> None:
     assert len(cache) == limit
     # An evicted entry is read again, correctly, from storage.
     assert await store.read_side("lifecycle", "conv-0") == [{"state": "active", "at": 0.0}]
+
+
+@pytest.mark.parametrize("archive", [False, True])
+async def test_deleting_a_conversation_keeps_what_its_forks_share(store: Store, archive: bool) -> None:
+    """A fork shares its prefix's responses with its source. Deleting either one must not take
+    the other's history with it."""
+    if isinstance(store, MemoryStore):
+        pytest.skip("the memory store copies nothing to share")
+    source = "family"
+    r1 = await commit_turn(store, source, "one")
+    r2 = await commit_turn(store, source, "two")
+    fork = f"{source}.fork-{os.urandom(6).hex()}"
+    await store.fork(source, fork, r1)
+    r3 = await commit_turn(store, fork, "three")
+    await commit_turn(store, source, "four")
+
+    assert await store.delete_conversation(source, archive=archive)
+    view = await store.load(fork)
+    assert view.response_ids == [r1, r3]
+    assert [m["content"] for m in view.history if m["role"] == "user"] == ["one", "three"]
+    assert await store.read_response(r1)
+    with pytest.raises(NotFound):
+        await store.read_response(r2)  # the source's own turns went with it
+
+    again = f"{fork[:100]}.fork-{os.urandom(6).hex()}"
+    await store.fork(fork, again, r1)
+    assert await store.delete_conversation(fork, archive=archive)
+    assert (await store.load(again)).response_ids == [r1]
+    assert await store.read_response(r1)
+    with pytest.raises(NotFound):
+        await store.read_response(r3)

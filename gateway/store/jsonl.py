@@ -16,6 +16,7 @@ import asyncio
 import fcntl
 import logging
 import os
+import shutil
 import weakref
 import zlib
 from collections import OrderedDict
@@ -534,7 +535,9 @@ class JsonlStore(Store):
             except FileNotFoundError:
                 return False
             entries, _ = parse_index(data, path=str(index))
+            shared = self._named_by_relatives(conversation_id)
             ids = [e for e in entries if isinstance(e, str)]
+            owned = [rid for rid in ids if rid not in shared]
             if archive:
                 folder = self.archive_dir / f"{conversation_id}-{int(now() * 1000)}"
                 (folder / "responses").mkdir(parents=True, exist_ok=True)
@@ -546,12 +549,15 @@ class JsonlStore(Store):
                     os.replace(lifecycle, folder / "lifecycle.jsonl")
                 for rid in ids:
                     try:
-                        os.replace(self.response_path(rid), folder / "responses" / f"{rid}.jsonl")
+                        if rid in shared:  # still a fork's: the archive gets a copy
+                            shutil.copyfile(self.response_path(rid), folder / "responses" / f"{rid}.jsonl")
+                        else:
+                            os.replace(self.response_path(rid), folder / "responses" / f"{rid}.jsonl")
                     except FileNotFoundError:
                         pass
             else:
                 os.unlink(index)
-                for path in [summaries, lifecycle, *(self.response_path(rid) for rid in ids)]:
+                for path in [summaries, lifecycle, *(self.response_path(rid) for rid in owned)]:
                     try:
                         os.unlink(path)
                     except FileNotFoundError:
@@ -564,6 +570,30 @@ class JsonlStore(Store):
             return await asyncio.to_thread(remove)
         except OSError as exc:
             raise StorageError(f"could not delete the conversation: {exc.strerror or exc}") from exc
+
+    def _named_by_relatives(self, conversation_id: str) -> set[str]:
+        """Response ids that other conversations of the same fork family name. A fork
+        (`{source[:100]}.fork-{hex}`, made by the Responses API) shares its prefix's response
+        files with its source and its siblings instead of copying them."""
+        root = conversation_id.split(".fork-", 1)[0][:100]
+        candidates = {root} if root != conversation_id else set()
+        try:
+            with os.scandir(self.conversations_dir) as entries:
+                for entry in entries:
+                    name = entry.name[:-6] if entry.name.endswith(".jsonl") else ""
+                    related = ".fork-" in name or len(name) > 100  # a source cut to 100 in its forks' ids
+                    if name.startswith(root) and related and name != conversation_id:
+                        candidates.add(name)
+        except FileNotFoundError:
+            return set()
+        named: set[str] = set()
+        for other in candidates:
+            try:
+                listed, _ = parse_index(self.index_path(other).read_bytes())
+            except (FileNotFoundError, CorruptRecord):
+                continue
+            named.update(e for e in listed if isinstance(e, str))
+        return named
 
     def summary_path(self, conversation_id: str) -> Path:
         return self.side_path("summaries", conversation_id)

@@ -103,6 +103,14 @@ MIGRATIONS: list[tuple[int, str]] = [
         );
         """,
     ),
+    (
+        2,
+        # Deleting a conversation keeps the responses a fork still names: find them by id.
+        """
+        CREATE INDEX gateway_index_response ON gateway_index (namespace, response_id)
+            WHERE response_id IS NOT NULL;
+        """,
+    ),
 ]
 SCHEMA_VERSION = MIGRATIONS[-1][0]
 
@@ -793,9 +801,12 @@ class PostgresStore(Store):
                 return False
             if archive:
                 await conn.execute(_ARCHIVE, ns, conversation_id, f"{conversation_id}-{int(now() * 1000)}")
+            # Responses a fork shares (its prefix) stay while another index names them.
             await conn.execute(
-                "DELETE FROM gateway_responses WHERE namespace = $1 AND response_id IN "
-                "(SELECT response_id FROM gateway_index WHERE namespace = $1 AND conversation_id = $2)",
+                "DELETE FROM gateway_responses r WHERE namespace = $1 AND response_id IN "
+                "(SELECT response_id FROM gateway_index WHERE namespace = $1 AND conversation_id = $2) "
+                "AND NOT EXISTS (SELECT 1 FROM gateway_index o WHERE o.namespace = $1 "
+                "AND o.response_id = r.response_id AND o.conversation_id <> $2)",
                 ns,
                 conversation_id,
             )
