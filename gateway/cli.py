@@ -494,7 +494,7 @@ def export_command(settings: Settings, *, config_path: str | None, to_dir: str) 
         raise GatewayError(f"{target} already holds gateway data; export into an empty or new folder")
     backend = settings.storage.backend
     if backend == "postgres":
-        from gateway.store.postgres import export_jsonl
+        from gateway.store.transfer import export_jsonl
 
         if not settings.storage.dsn:
             raise GatewayError('storage.dsn: required when storage.backend = "postgres"')
@@ -524,7 +524,7 @@ def import_command(settings: Settings, *, config_path: str | None, from_dir: str
         raise GatewayError(f"{source} holds no gateway data (no logs/ or archive/ folder)")
     backend = settings.storage.backend
     if backend == "postgres":
-        from gateway.store.postgres import import_jsonl
+        from gateway.store.transfer import import_jsonl
 
         stats = asyncio.run(import_jsonl(settings.storage.dsn, source))
         click.echo(f"imported {stats.describe()} from {source}")
