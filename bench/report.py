@@ -15,6 +15,7 @@ LABELS = {
     "litellm": "LiteLLM proxy",
     "gateway": "gateway",
     "gateway_nosync": "gateway, durability=none",
+    "gateway_pg": "gateway, postgres",
 }
 _ORDER = {
     "direct": 0,
@@ -23,6 +24,7 @@ _ORDER = {
     "litellm": 3,
     "gateway": 4,
     "gateway_nosync": 5,
+    "gateway_pg": 6,
 }
 
 
@@ -257,6 +259,8 @@ def print_report(result: dict[str, Any]) -> dict[str, Any]:
         facts.append(("data dir filesystem: fsync file+dir p50", f"{fs['fsync_file_and_dir_p50_ms']:.3f} ms"))
     if result.get("litellm") != "measured":
         facts.append(("LiteLLM proxy column", str(result.get("litellm"))))
+    if result.get("postgres"):
+        facts.append(("postgres row", str(result.get("postgres"))))
     print("\nGateway process (durability=fsync, jsonl store)")
     print(rule)
     for label, value in facts:

@@ -44,8 +44,10 @@ def write_gateway_config(
     data_dir: Path,
     durability: str,
     context: dict[str, int] | None = None,
+    dsn: str = "",
 ) -> None:
     extra = "".join(f"{k} = {v}\n" for k, v in (context or {}).items())
+    backend = f'backend = "postgres"\ndsn = "{dsn}"' if dsn else 'backend = "jsonl"'
     path.write_text(
         f"""# written by bench/run.py
 default_provider = "mock"
@@ -55,7 +57,7 @@ host = "{HOST}"
 port = {port}
 
 [storage]
-backend = "jsonl"
+{backend}
 data_dir = "{data_dir}"
 durability = "{durability}"
 {"[context]" + chr(10) + extra if extra else ""}
@@ -64,6 +66,21 @@ kind = "openai"
 base_url = "http://{HOST}:{upstream_port}/v1"
 """
     )
+
+
+def start_postgres() -> tuple[Any, str]:
+    """A throwaway PostgreSQL cluster with fsync on (the tests' helper), or why there is none."""
+    sys.path.insert(0, str(REPO))
+    from tests.postgres.cluster import PostgresCluster, find_bin_dir
+
+    bin_dir = find_bin_dir()
+    if bin_dir is None:
+        return None, "skipped (no initdb/pg_ctl; apt-get install postgresql)"
+    try:
+        cluster = PostgresCluster(bin_dir, durable=True).start()
+    except (RuntimeError, OSError, subprocess.SubprocessError) as exc:
+        return None, f"skipped (could not start PostgreSQL: {exc})"
+    return cluster, f"PostgreSQL on 127.0.0.1:{cluster.port}, fsync on"
 
 
 def start_litellm(procs: Processes, tmp: Path, upstream_port: int) -> tuple[Server | None, str | None, str]:
@@ -180,6 +197,11 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--keep", action="store_true", help="keep the temporary data dirs and logs")
     parser.add_argument("--no-nosync", action="store_true", help="skip the durability=none gateway row")
     parser.add_argument(
+        "--no-postgres",
+        action="store_true",
+        help="skip the postgres gateway row (it runs when initdb/pg_ctl are installed)",
+    )
+    parser.add_argument(
         "--tmp-dir",
         default=None,
         help="where the gateways' data dirs go (default: $TMPDIR or /tmp); its file-creation and "
@@ -217,6 +239,7 @@ def main(argv: list[str] | None = None) -> int:
     gateway_cmd = [str(gateway_bin)] if gateway_bin.exists() else [python, "-m", "gateway"]
     tmp = Path(tempfile.mkdtemp(prefix="gateway-bench-", dir=args.tmp_dir))
     procs = Processes()
+    cleanup: list[Any] = []
     wall = time.perf_counter()
     try:
         env = clean_env()
@@ -262,6 +285,15 @@ def main(argv: list[str] | None = None) -> int:
         data_dirs = {"gateway": tmp / "data-fsync", "gateway_nosync": tmp / "data-nosync"}
         fs_probe = {"data_dir_parent": str(tmp), **probe_filesystem(tmp / "probe")}
         gateways = {"gateway": "fsync"} if args.no_nosync else {"gateway": "fsync", "gateway_nosync": "none"}
+        dsns: dict[str, str] = {}
+        postgres_status = "skipped (--no-postgres)"
+        if not args.no_postgres:
+            cluster, postgres_status = start_postgres()
+            if cluster is not None:
+                cleanup.append(cluster.stop)
+                dsns["gateway_pg"] = cluster.create_database("bench")
+                gateways["gateway_pg"] = "fsync"
+                data_dirs["gateway_pg"] = tmp / "data-pg"
         servers: dict[str, Server] = {}
         for name, durability in gateways.items():
             ports[name] = free_port()
@@ -273,6 +305,7 @@ def main(argv: list[str] | None = None) -> int:
                 data_dir=data_dirs[name],
                 durability=durability,
                 context=context,
+                dsn=dsns.get(name, ""),
             )
             argv_gw = [
                 *gateway_cmd,
@@ -350,6 +383,7 @@ def main(argv: list[str] | None = None) -> int:
                 "log": scan_gateway_log(gw.log_path),
             },
             "litellm": litellm_status,
+            "postgres": postgres_status,
             "plan": plan.__dict__,
             "concurrency": CONCURRENCY,
             "filesystem": fs_probe,
@@ -374,6 +408,8 @@ def main(argv: list[str] | None = None) -> int:
         raise
     finally:
         procs.stop_all()
+        for stop in cleanup:
+            stop()
         if args.keep:
             print(f"kept {tmp}")
         else:

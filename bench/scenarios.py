@@ -141,6 +141,17 @@ class Bench:
                 sent_messages=1,
                 samples=lat,
             )
+        if "gateway_pg" in self.ports:
+            w, n2 = self.plan.nosync
+            lat = await self.sequential("gateway_pg", new_conversation("bench-pg"), w, n2)
+            self.record(
+                "latency",
+                group="1 message",
+                target="gateway_pg",
+                label="gateway, new conversation, postgres (fsync on)",
+                sent_messages=1,
+                samples=lat,
+            )
 
     async def grown(self, size: int, cids: list[str], warmup: int, n: int) -> None:
         """Conversations pre-grown to `size` messages. Each iteration sends one new message to

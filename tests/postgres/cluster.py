@@ -66,8 +66,9 @@ def _install_with_apt() -> str:
 class PostgresCluster:
     """initdb + pg_ctl in a temp dir; `dsn(db)` names a database on it."""
 
-    def __init__(self, bin_dir: Path) -> None:
+    def __init__(self, bin_dir: Path, *, durable: bool = False) -> None:
         self.bin_dir = bin_dir
+        self.durable = durable  # fsync on (the benchmark); off for the tests' speed
         self.root = Path(tempfile.mkdtemp(prefix="gateway-pg-"))
         self.data = self.root / "data"
         self.port = 0
@@ -95,7 +96,8 @@ class PostgresCluster:
             self.port = _free_port()
             options = (
                 f"-c listen_addresses=127.0.0.1 -c port={self.port} -c unix_socket_directories='' "
-                "-c fsync=off -c full_page_writes=off -c max_connections=200 -c shared_buffers=32MB"
+                "-c max_connections=200 -c shared_buffers=32MB"
+                + ("" if self.durable else " -c fsync=off -c full_page_writes=off")
             )
             started = self._run(
                 "pg_ctl", "-D", str(self.data), "-l", str(self.root / "server.log"), "-o", options,
