@@ -90,6 +90,11 @@ def _text(message: Message) -> str:
     return content if isinstance(content, str) else ""
 
 
+# The recap looks at most at this many of the user's most recently started conversations: its
+# budget holds a few of them, and a user with thousands must not make every new one slower.
+RECAP_SCAN = 50
+
+
 async def build_recap(
     store: Store,
     user: str,
@@ -111,6 +116,8 @@ async def build_recap(
         cid = entry.get("conversation_id")
         if not isinstance(cid, str) or cid == exclude or cid in seen:
             continue
+        if len(seen) >= RECAP_SCAN:
+            break  # a long-lived user: only the newest conversations, not all they ever had
         seen.add(cid)
         view = await store.load(cid)
         if not view.turns or view.last_activity is None or local_day(view.last_activity, tz) != today:

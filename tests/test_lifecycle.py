@@ -265,3 +265,30 @@ async def test_real_clock_pass_skips_settled_and_recent_conversations(tmp_path: 
     await processor.run_once()  # settled and unchanged: not visited again
     assert len(await store.read_side("lifecycle", "r1")) == 2
     await client.aclose()
+
+
+async def test_recap_looks_at_a_bounded_number_of_the_users_conversations(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A user with many earlier conversations: a new one loads at most RECAP_SCAN of them (the
+    newest), not every conversation the user ever had."""
+    from gateway import lifecycle
+
+    monkeypatch.setattr(lifecycle, "RECAP_SCAN", 5)
+    app, store, clock, _, client = await make(tmp_path)
+    for n in range(12):
+        await say(client, f"old-{n}", f"my number is {n}", user="u7")
+    loaded: list[str] = []
+    real_load = store.load
+
+    async def counting_load(cid: str) -> Any:
+        loaded.append(cid)
+        return await real_load(cid)
+
+    monkeypatch.setattr(store, "load", counting_load)
+    await say(client, "fresh", "hello", user="u7")
+    others = [cid for cid in loaded if cid != "fresh"]
+    assert others == [f"old-{n}" for n in range(11, 6, -1)]  # the 5 newest, newest first
+    r = await client.get("/v1/conversations/fresh/context")
+    assert r.json()["recap_conversations"][0] == "old-11"
+    await client.aclose()
