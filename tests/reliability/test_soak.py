@@ -183,6 +183,17 @@ def test_soak_mixed_load_with_faults_and_cancels(tmp_path: Path, fault_server: F
             ),
             "threads": round(slope_per_minute(warm, "threads"), 3),
         },
+        # The second half alone: does memory level off once every code path (the processor's
+        # post-processing starts after idle_after) and every bounded cache has warmed up?
+        "second_half_slope_per_minute": {
+            "rss_kib": round(
+                slope_per_minute([s for s in samples if s["t"] - started >= SECONDS / 2], "rss_kib"), 1
+            )
+        },
+        "rss_mib_per_minute": [
+            round(next(s for s in samples if s["t"] - started >= m * 60)["rss_kib"] / 1024, 1)
+            for m in range(int(SECONDS // 60))
+        ],
     }
     out = REPO / "var" / "soak" / "latest.json"
     out.parent.mkdir(parents=True, exist_ok=True)
