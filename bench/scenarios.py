@@ -130,28 +130,17 @@ class Bench:
             sent_messages=1,
             samples=lat,
         )
-        if "gateway_nosync" in self.ports:
-            w, n2 = self.plan.nosync
-            lat = await self.sequential("gateway_nosync", new_conversation("bench-nosync"), w, n2)
-            self.record(
-                "latency",
-                group="1 message",
-                target="gateway_nosync",
-                label="gateway, new conversation, durability=none",
-                sent_messages=1,
-                samples=lat,
-            )
-        if "gateway_pg" in self.ports:
-            w, n2 = self.plan.nosync
-            lat = await self.sequential("gateway_pg", new_conversation("bench-pg"), w, n2)
-            self.record(
-                "latency",
-                group="1 message",
-                target="gateway_pg",
-                label="gateway, new conversation, postgres (fsync on)",
-                sent_messages=1,
-                samples=lat,
-            )
+        # The other gateways (when started): the same scenario, fewer iterations.
+        for target, label in (
+            ("gateway_nosync", "gateway, new conversation, durability=none"),
+            ("gateway_pg", "gateway, new conversation, postgres (fsync on)"),
+        ):
+            if target in self.ports:
+                w, n2 = self.plan.nosync
+                lat = await self.sequential(target, new_conversation(f"bench-{target}"), w, n2)
+                self.record(
+                    "latency", group="1 message", target=target, label=label, sent_messages=1, samples=lat
+                )
 
     async def grown(self, size: int, cids: list[str], warmup: int, n: int) -> None:
         """Conversations pre-grown to `size` messages. Each iteration sends one new message to
