@@ -18,6 +18,7 @@ from gateway.api.http import (
     error_response,
     read_json,
     store_for,
+    turn_outcome,
     until_disconnect,
 )
 from gateway.exceptions import GatewayError
@@ -83,11 +84,6 @@ def _log_line(turn: PreparedTurn, status: int, outcome: str, metrics: Metrics | 
     access_log.info(orjson.dumps(line).decode())
 
 
-def _outcome(exc: BaseException) -> BaseException:
-    """What the turn is closed with: a client that went away cancelled it (no server error)."""
-    return asyncio.CancelledError() if isinstance(exc, ClientDisconnected) else exc
-
-
 def _failed(turn: PreparedTurn, exc: BaseException) -> Response:
     """The response for a turn that failed before any byte was sent: a 499 for a client that
     went away, else the error, naming the response whose log records the attempt."""
@@ -113,7 +109,7 @@ async def chat_completions(request: Request) -> Response:
         try:
             result = await until_disconnect(service.complete(turn), request.receive)
         except BaseException as exc:
-            await service.close(turn, _outcome(exc))
+            await service.close(turn, turn_outcome(exc))
             return _failed(turn, exc)
         await service.close(turn)
         _log_line(turn, 200, "complete", request.app.state.metrics)
@@ -122,11 +118,11 @@ async def chat_completions(request: Request) -> Response:
     try:
         events = await until_disconnect(service.open_stream(turn), request.receive)
     except BaseException as exc:
-        await service.close(turn, _outcome(exc))
+        await service.close(turn, turn_outcome(exc))
         return _failed(turn, exc)
 
     async def on_close(exc: BaseException | None) -> None:
-        await service.close(turn, None if exc is None else _outcome(exc))
+        await service.close(turn, None if exc is None else turn_outcome(exc))
         complete = turn.timings is not None and exc is None
         _log_line(turn, 200, "complete" if complete else "incomplete", request.app.state.metrics)
 

@@ -81,6 +81,11 @@ class ClientDisconnected(Exception):
     """The client went away before the answer was ready."""
 
 
+def turn_outcome(exc: BaseException) -> BaseException:
+    """What a turn is closed with: a client that went away cancelled it (no server error)."""
+    return asyncio.CancelledError() if isinstance(exc, ClientDisconnected) else exc
+
+
 async def until_disconnect(work: Coroutine[Any, Any, T], receive: Receive) -> T:
     """Run `work`, cancelling it if the client disconnects first (then ClientDisconnected)."""
     task = asyncio.ensure_future(work)

@@ -19,7 +19,15 @@ from starlette.requests import Request
 from starlette.responses import Response
 
 from gateway.api.conversations import paginate
-from gateway.api.http import ClientDisconnected, JSONBody, SSEResponse, read_json, store_for, until_disconnect
+from gateway.api.http import (
+    ClientDisconnected,
+    JSONBody,
+    SSEResponse,
+    read_json,
+    store_for,
+    turn_outcome,
+    until_disconnect,
+)
 from gateway.context import Message
 from gateway.context.items import items_to_messages, message_to_items
 from gateway.exceptions import GatewayError, InvalidRequest, NotFound
@@ -246,7 +254,7 @@ async def create_response(request: Request) -> Response:
         try:
             completion = await until_disconnect(service.complete(turn), request.receive)
         except BaseException as exc:
-            await service.close(turn, exc)
+            await service.close(turn, turn_outcome(exc))
             if isinstance(exc, ClientDisconnected):
                 return Response(status_code=499)
             raise
@@ -264,13 +272,13 @@ async def create_response(request: Request) -> Response:
     try:
         chunks = await until_disconnect(service.open_chunks(turn), request.receive)
     except BaseException as exc:
-        await service.close(turn, exc)
+        await service.close(turn, turn_outcome(exc))
         if isinstance(exc, ClientDisconnected):
             return Response(status_code=499)
         raise
 
     async def on_close(exc: BaseException | None) -> None:
-        await service.close(turn, exc)
+        await service.close(turn, None if exc is None else turn_outcome(exc))
 
     return SSEResponse(_events(service, turn, chunks, common), headers=headers, on_close=on_close)
 
