@@ -26,7 +26,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from client import Connection  # noqa: E402
 from procs import HOST, Processes, Server, clean_env, free_port  # noqa: E402
-from run import REPO, seed_conversations, write_gateway_config  # noqa: E402
+from run import REPO, context_overrides, seed_conversations, write_gateway_config  # noqa: E402
 from scenarios import CHAT, one_message  # noqa: E402
 
 _FRAME = re.compile(r"^(?P<func>.*?) \((?P<file>[^()]*?)(?::\d+)?\)$")
@@ -145,14 +145,7 @@ def main(argv: list[str] | None = None) -> int:
         data = tmp / "data"
         port = free_port()
         cfg = tmp / "gateway.toml"
-        context = {
-            k: v
-            for k, v in (
-                ("max_history_messages", args.max_history_messages),
-                ("max_context_tokens", args.max_context_tokens),
-            )
-            if v is not None
-        }
+        context = context_overrides(args)
         write_gateway_config(
             cfg, port=port, upstream_port=up, data_dir=data, durability=args.durability, context=context
         )

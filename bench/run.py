@@ -36,6 +36,18 @@ from seed import clone_conversation, probe_filesystem, read_conversation  # noqa
 REPO = Path(__file__).resolve().parent.parent
 
 
+def context_overrides(args: argparse.Namespace) -> dict[str, int]:
+    """The gateway [context] keys given on the command line (--max-history-messages, ...)."""
+    return {
+        k: v
+        for k, v in (
+            ("max_history_messages", args.max_history_messages),
+            ("max_context_tokens", args.max_context_tokens),
+        )
+        if v is not None
+    }
+
+
 def write_gateway_config(
     path: Path,
     *,
@@ -221,14 +233,7 @@ def main(argv: list[str] | None = None) -> int:
     )
     args = parser.parse_args(argv)
     plan = Plan.quick() if args.quick else Plan()
-    context = {
-        k: v
-        for k, v in (
-            ("max_history_messages", args.max_history_messages),
-            ("max_context_tokens", args.max_context_tokens),
-        )
-        if v is not None
-    }
+    context = context_overrides(args)
 
     # SIGTERM/SIGHUP become SystemExit so the finally below still stops every server.
     for sig in (signal.SIGTERM, signal.SIGHUP):
