@@ -3,9 +3,10 @@
 GatewayError
 ├── ConfigError                    bad configuration (raised at start, never over HTTP)
 ├── InvalidRequest          400    malformed body, bad field, bad conversation id
-│   └── ContextLengthExceeded 400  the request alone does not fit the model's window
+│   ├── ContextLengthExceeded 400  the request alone does not fit the model's window
+│   └── ConversationTooLarge  400  the conversation is at storage.max_conversation_messages
 ├── AuthenticationError     401    missing or unknown gateway key
-├── BodyTimeout             408    the request body arrived slower than server.body_timeout
+├── BodyTimeout             408    the request head or body arrived slower than server.body_timeout
 ├── ClientGone              499    the client left while sending its request
 ├── NotFound                404    unknown conversation, response or model
 ├── ConversationBusy        409    another request holds the conversation too long
@@ -69,6 +70,12 @@ class ContextLengthExceeded(InvalidRequest):
     code = "context_length_exceeded"
 
 
+class ConversationTooLarge(InvalidRequest):
+    """The turn would take the conversation past storage.max_conversation_messages."""
+
+    code = "conversation_too_large"
+
+
 class AuthenticationError(GatewayError):
     """Missing or unknown gateway key."""
 
@@ -86,7 +93,7 @@ class NotFound(GatewayError):
 
 
 class BodyTimeout(GatewayError):
-    """The client did not send its whole request body within server.body_timeout."""
+    """The client did not send its request head or whole body within server.body_timeout."""
 
     status_code = 408
     error_type = "invalid_request_error"

@@ -15,16 +15,9 @@ from typing import Any
 import orjson
 from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
 
-_BODY = orjson.dumps(
-    {
-        "error": {
-            "message": "The request head did not arrive within server.body_timeout",
-            "type": "invalid_request_error",
-            "param": None,
-            "code": "request_timeout",
-        }
-    }
-)
+from gateway.exceptions import BodyTimeout
+
+_BODY = orjson.dumps(BodyTimeout("The request head did not arrive within server.body_timeout").to_dict())
 TIMEOUT_RESPONSE = (
     b"HTTP/1.1 408 Request Timeout\r\ncontent-type: application/json\r\nconnection: close\r\n"
     b"content-length: " + str(len(_BODY)).encode() + b"\r\n\r\n" + _BODY

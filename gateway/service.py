@@ -30,7 +30,7 @@ from gateway.context import (
     split_system,
 )
 from gateway.context.window import Window, fit_window, omitted_marker
-from gateway.exceptions import GatewayError, InvalidRequest, UpstreamProtocolError
+from gateway.exceptions import ConversationTooLarge, GatewayError, InvalidRequest, UpstreamProtocolError
 from gateway.ids import check_conversation_id, mint_response_id
 from gateway.lifecycle import build_recap, user_key, zone
 from gateway.models import context_window
@@ -120,12 +120,11 @@ def check_size(cap: int, cid: str, view: ConversationView, adding: int) -> None:
     """A conversation past the cap gets a clear 400 instead of an ever slower load."""
     stored = len(view.transcript)
     if cap and stored + adding > cap:
-        raise InvalidRequest(
+        raise ConversationTooLarge(
             f"Conversation {cid!r} holds {stored} messages; this turn would take it past the cap of "
             f"{cap} (storage.max_conversation_messages). Reset it (POST /v1/conversations/{cid}/reset) "
             "or start a new conversation.",
             param="conversation_id",
-            code="conversation_too_large",
         )
 
 
