@@ -26,7 +26,8 @@ def configure_logging(level: str = "info") -> None:
 
 
 def set_head_timeout(settings: Settings) -> None:
-    """The request head shares `server.body_timeout` (called in every worker process)."""
+    """The request head shares `server.body_timeout`. Called by `app_from_env`, which every
+    serving process (worker) runs."""
     try:
         from gateway.protocol import HeadDeadlineProtocol
     except ImportError:  # no httptools: uvicorn's h11 protocol, without the deadline
@@ -56,7 +57,6 @@ def _loop_and_http() -> dict[str, Any]:
 def serve(settings: Settings, *, workers: int = 1, log_level: str = "info") -> None:
     """Run the gateway in the foreground. Workers re-read settings from the environment."""
     configure_logging(log_level)
-    set_head_timeout(settings)
     logging.getLogger("gateway").info(
         "gateway listening on http://%s:%s (data dir %s, %d worker%s)",
         settings.server.host,

@@ -530,6 +530,7 @@ class JsonlStore(Store):
         lifecycle = self.side_path("lifecycle", conversation_id)
 
         def remove() -> bool:
+            self.refuse_if_failed()
             try:
                 data = index.read_bytes()
             except FileNotFoundError:
@@ -563,7 +564,7 @@ class JsonlStore(Store):
                     except FileNotFoundError:
                         pass
             if self.fsync:
-                _fsync_dir(self.conversations_dir)
+                self._sync(_fsync_dir, self.conversations_dir)
             return True
 
         try:
@@ -641,15 +642,16 @@ class JsonlStore(Store):
                     f"No response {through!r} in conversation {source!r}", param="previous_response_id"
                 )
             prefix = data[: end + len(through) + 1]
+            sync = self._appender()
             fd = os.open(dst, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
             try:
-                os.write(fd, prefix)
-                if self.fsync:
-                    os.fdatasync(fd)
+                _write_all(fd, prefix)
+                if sync is not None:
+                    sync(fd)
             finally:
                 os.close(fd)
             if self.fsync:
-                _fsync_dir(self.conversations_dir)
+                self._sync(_fsync_dir, self.conversations_dir)
 
         try:
             await asyncio.to_thread(copy_prefix)

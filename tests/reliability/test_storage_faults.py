@@ -14,6 +14,7 @@ from typing import Any
 import httpx
 import pytest
 
+from gateway.exceptions import StorageError
 from gateway.store.jsonl import JsonlStore
 from gateway.upstream.mock import MockUpstream
 from tests.conftest import build_client, make_settings
@@ -85,6 +86,10 @@ async def test_fsync_error_is_503_and_nothing_is_acknowledged(
         assert index_ids(tmp_path / "var", CID) == acked
         meta = await client.post(f"/v1/conversations/{CID}", json={"metadata": {"k": "v"}})
         assert_unavailable(meta)
+        assert_unavailable(await client.delete(f"/v1/conversations/{CID}"))
+        with pytest.raises(StorageError):
+            await store.fork(CID, "branch", acked[0])
+        assert not (tmp_path / "var" / "logs" / "conversations" / "branch.jsonl").exists()
         assert index_ids(tmp_path / "var", CID) == acked
         client._transport.app.state.ready = True  # type: ignore[attr-defined] # lifespan ran
         ready = await client.get("/readyz")
