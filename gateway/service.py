@@ -358,10 +358,6 @@ class ChatService:
         self.warm_up: asyncio.Future[Any] | None = None  # tokenizer loading, set at startup
 
     # -- preparing ----------------------------------------------------------------------------
-    def _check_size(self, cid: str, view: ConversationView, adding: int) -> None:
-        # + 1: the reply this turn would store
-        check_size(self.settings.storage.max_conversation_messages, cid, view, adding + 1)
-
     async def prepare(self, request: ChatRequest, store: Store) -> PreparedTurn:
         """Lock and load the conversation, fit the window, and open the response log.
         The caller must `close` the returned turn."""
@@ -393,7 +389,8 @@ class ChatService:
                 system_tokens: list[int] | None = None
             else:
                 new = new_messages(rest, view)
-                self._check_size(cid, view, len(new))
+                # + 1: the reply this turn would store
+                check_size(self.settings.storage.max_conversation_messages, cid, view, len(new) + 1)
                 new_tokens = await _off_loop_if_large(
                     [*system_in, *new], lambda: [count(clean_message(m)) for m in new]
                 )

@@ -232,11 +232,10 @@ async def create_response(request: Request) -> Response:
     if not isinstance(body, dict):
         raise InvalidRequest("The request body must be a JSON object")
     chat_body, params = _chat_body(body)
-    ChatRequest.parse(chat_body)  # every validation error before a fork is made
+    chat = ChatRequest.parse(chat_body)  # every validation error before a fork is made
     cid, previous = await _conversation_for(body, store, settings.storage.lock_timeout)
     if cid is not None:
-        chat_body["conversation_id"] = cid
-    chat = ChatRequest.parse(chat_body)
+        chat_body["conversation_id"] = chat.conversation_id = cid
     turn = await service.prepare(chat, store)
     position = len(turn.new)
     common: dict[str, Any] = {
