@@ -10,7 +10,8 @@ import asyncio
 import logging
 import time
 from abc import ABC, abstractmethod
-from collections.abc import AsyncIterator
+from collections.abc import AsyncGenerator, AsyncIterator, Awaitable, Callable
+from contextlib import aclosing
 from typing import Any
 
 import orjson
@@ -51,6 +52,50 @@ async def retry_or_raise(
         ).decode()
     )
     await asyncio.sleep(delay)
+
+
+async def complete_with_retries(
+    provider: str,
+    retries: int,
+    retryable: Callable[[UpstreamError], bool],
+    once: Callable[[], Awaitable[Body]],
+) -> Body:
+    """`once()`, attempted again (up to `retries` times) while its failure is retryable."""
+    attempt = 0
+    while True:
+        try:
+            return await once()
+        except UpstreamError as exc:
+            await retry_or_raise(provider, exc, attempt, retries, retryable(exc))
+        attempt += 1
+
+
+async def stream_with_retries(
+    provider: str,
+    retries: int,
+    retryable: Callable[[UpstreamError], bool],
+    once: Callable[[], AsyncGenerator[Chunk, None]],
+    empty: Callable[[], UpstreamError] | None = None,
+) -> AsyncGenerator[Chunk, None]:
+    """The chunks of `once()`, started again while a retryable failure comes before the first
+    chunk; never after it (part of the answer is already on its way). `empty()`, if given, is
+    the error for a stream that ended without any chunk."""
+    attempt = 0
+    while True:
+        started = False
+        try:
+            async with aclosing(once()) as chunks:
+                async for chunk in chunks:
+                    started = True
+                    yield chunk
+            if not started and empty is not None:
+                raise empty()
+            return
+        except UpstreamError as exc:
+            if started:
+                raise
+            await retry_or_raise(provider, exc, attempt, retries, retryable(exc))
+        attempt += 1
 
 
 class Upstream(ABC):

@@ -6,7 +6,7 @@ with its bundled model cost map (it would otherwise try the network at import).
 from __future__ import annotations
 
 import os
-from collections.abc import AsyncIterator, Iterator
+from collections.abc import AsyncGenerator, AsyncIterator, Iterator
 from contextlib import contextmanager
 from typing import Any
 
@@ -18,7 +18,14 @@ from gateway.exceptions import (
     UpstreamTimeout,
     UpstreamUnreachable,
 )
-from gateway.upstream.base import RETRY_STATUSES, Body, Chunk, Upstream, retry_or_raise
+from gateway.upstream.base import (
+    RETRY_STATUSES,
+    Body,
+    Chunk,
+    Upstream,
+    complete_with_retries,
+    stream_with_retries,
+)
 
 _litellm: Any = None
 
@@ -99,30 +106,21 @@ class LitellmUpstream(Upstream):
     async def complete(self, body: Body) -> Body:
         litellm = import_litellm()
         kwargs = self._kwargs({**body, "stream": False})
-        attempt = 0
-        while True:
-            try:
-                with map_litellm_errors(self.name, self.url):
-                    return _dump(await litellm.acompletion(**kwargs))
-            except UpstreamError as exc:
-                await retry_or_raise(self.name, exc, attempt, self.settings.retries, is_retryable(exc))
-            attempt += 1
 
-    async def stream(self, body: Body) -> AsyncIterator[Chunk]:
-        litellm = import_litellm()
+        async def once() -> Body:
+            with map_litellm_errors(self.name, self.url):
+                return _dump(await litellm.acompletion(**kwargs))
+
+        return await complete_with_retries(self.name, self.settings.retries, is_retryable, once)
+
+    def stream(self, body: Body) -> AsyncIterator[Chunk]:
         kwargs = self._kwargs({**body, "stream": True})
-        attempt = 0
-        while True:
-            started = False
-            try:
-                with map_litellm_errors(self.name, self.url):
-                    response = await litellm.acompletion(**kwargs)
-                    async for chunk in response:
-                        started = True
-                        yield _dump(chunk)
-                return
-            except UpstreamError as exc:
-                if started:
-                    raise  # part of the answer is already on its way: never start it again
-                await retry_or_raise(self.name, exc, attempt, self.settings.retries, is_retryable(exc))
-            attempt += 1
+
+        async def once() -> AsyncGenerator[Chunk, None]:
+            litellm = import_litellm()
+            with map_litellm_errors(self.name, self.url):
+                response = await litellm.acompletion(**kwargs)
+                async for chunk in response:
+                    yield _dump(chunk)
+
+        return stream_with_retries(self.name, self.settings.retries, is_retryable, once)

@@ -13,7 +13,7 @@ import asyncio
 import logging
 import os
 from collections.abc import AsyncGenerator, AsyncIterator, Iterator, Mapping
-from contextlib import aclosing, contextmanager
+from contextlib import contextmanager
 from typing import Any
 
 import aiohttp
@@ -27,7 +27,14 @@ from gateway.exceptions import (
     UpstreamTimeout,
     UpstreamUnreachable,
 )
-from gateway.upstream.base import RETRY_STATUSES, Body, Chunk, Upstream, retry_or_raise
+from gateway.upstream.base import (
+    RETRY_STATUSES,
+    Body,
+    Chunk,
+    Upstream,
+    complete_with_retries,
+    stream_with_retries,
+)
 
 log = logging.getLogger("gateway.upstream")
 
@@ -209,18 +216,11 @@ class OpenAIUpstream(Upstream):
         if self._session is not None and not self._session.closed:
             await self._session.close()
 
-    async def _retry_or_raise(self, exc: UpstreamError, attempt: int) -> None:
-        await retry_or_raise(self.name, exc, attempt, self.retries, is_retryable(exc))
-
     async def complete(self, body: Body) -> Body:
         data = orjson.dumps(body)
-        attempt = 0
-        while True:
-            try:
-                return await self._complete_once(data)
-            except UpstreamError as exc:
-                await self._retry_or_raise(exc, attempt)
-            attempt += 1
+        return await complete_with_retries(
+            self.name, self.retries, is_retryable, lambda: self._complete_once(data)
+        )
 
     async def _complete_once(self, data: bytes) -> Body:
         with map_upstream_errors(self.name, self.url):
@@ -242,27 +242,19 @@ class OpenAIUpstream(Upstream):
             raise UpstreamProtocolError(f"Provider {self.name!r} at {self.url} returned no choices")
         return result
 
-    async def stream(self, body: Body) -> AsyncIterator[Chunk]:
+    def stream(self, body: Body) -> AsyncIterator[Chunk]:
         data = orjson.dumps(body)
         wants_usage = bool((body.get("stream_options") or {}).get("include_usage"))
-        attempt = 0
-        while True:
-            started = False
-            try:
-                async with aclosing(self._stream_once(data, wants_usage)) as chunks:
-                    async for chunk in chunks:
-                        started = True
-                        yield chunk
-                if not started:  # still before the first byte: a proper HTTP error, not a 200
-                    raise UpstreamProtocolError(
-                        f"Provider {self.name!r} at {self.url} ended the stream without an answer"
-                    )
-                return
-            except UpstreamError as exc:
-                if started:
-                    raise  # part of the answer is already on its way: never start it again
-                await self._retry_or_raise(exc, attempt)
-            attempt += 1
+        return stream_with_retries(
+            self.name,
+            self.retries,
+            is_retryable,
+            lambda: self._stream_once(data, wants_usage),
+            # Still before the first byte: a proper HTTP error, not a 200.
+            empty=lambda: UpstreamProtocolError(
+                f"Provider {self.name!r} at {self.url} ended the stream without an answer"
+            ),
+        )
 
     async def _stream_once(self, data: bytes, wants_usage: bool) -> AsyncGenerator[Chunk, None]:
         with map_upstream_errors(self.name, self.url):
