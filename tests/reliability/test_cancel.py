@@ -26,6 +26,10 @@ def convo(request: pytest.FixtureRequest, gw: GatewayProcess, fault: FaultServer
     yield c
 
 
+def responses_body(cid: str, stream: bool) -> dict[str, object]:
+    return {"model": "fault/m", "input": "What is my name?", "conversation": cid, "stream": stream}
+
+
 def body(cid: str, stream: bool) -> dict[str, object]:
     return {
         "model": "fault/m",
@@ -59,14 +63,18 @@ def assert_cancelled(convo: Conversation, attempt: FaultRequest, gone_at: float,
 
 
 @pytest.mark.parametrize("stream", [False, True])
-def test_cancel_before_headers(convo: Conversation, fault: FaultServer, stream: bool) -> None:
+@pytest.mark.parametrize("api", ["chat", "responses"])
+def test_cancel_before_headers(convo: Conversation, fault: FaultServer, stream: bool, api: str) -> None:
+    """Both APIs record a client that went away as `cancelled` (the Responses bridge once
+    recorded it as a server error)."""
     baseline = open_fds(convo.gw.proc.pid)  # type: ignore[union-attr]
     fault.script(hang())
     n = len(fault.requests)
+    path, make = ("/v1/chat/completions", body) if api == "chat" else ("/v1/responses", responses_body)
     with pytest.raises(httpx.ReadTimeout):
         httpx.post(
-            f"{convo.gw.url}/v1/chat/completions",
-            json=body(convo.cid, stream),
+            f"{convo.gw.url}{path}",
+            json=make(convo.cid, stream),
             timeout=httpx.Timeout(5.0, read=0.4),
         )
     gone_at = time.monotonic()  # the client has closed its connection
@@ -131,28 +139,3 @@ def test_many_cancels_leave_no_descriptors_behind(convo: Conversation, fault: Fa
     assert wait_for(lambda: all(req.closed_at is not None for req in fault.requests), 2.0)
     assert wait_for(lambda: open_fds(pid) <= baseline, 3.0), (open_fds(pid), baseline)
     convo.check()
-
-
-@pytest.mark.parametrize("stream", [False, True])
-def test_responses_api_cancel_is_recorded_as_cancelled(
-    convo: Conversation, fault: FaultServer, stream: bool
-) -> None:
-    """The Responses bridge records a client that went away the way chat completions do:
-    `incomplete` with reason `cancelled`, not as a server error."""
-    baseline = open_fds(convo.gw.proc.pid)  # type: ignore[union-attr]
-    fault.script(hang())
-    n = len(fault.requests)
-    with pytest.raises(httpx.ReadTimeout):
-        httpx.post(
-            f"{convo.gw.url}/v1/responses",
-            json={
-                "model": "fault/m",
-                "input": "What is my name?",
-                "conversation": convo.cid,
-                "stream": stream,
-            },
-            timeout=httpx.Timeout(5.0, read=0.4),
-        )
-    gone_at = time.monotonic()
-    (attempt,) = fault.requests[n:]
-    assert_cancelled(convo, attempt, gone_at, baseline)
