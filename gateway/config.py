@@ -78,6 +78,12 @@ class ContextSettings(_Section):
     max_context_tokens: int | Literal["auto"] = "auto"
     reserve_tokens: int = Field(4500, ge=0)
     max_history_messages: int = Field(200, ge=0)
+    # The newest history messages kept even past max_history_messages (whole tool-call units),
+    # before any summary or recap: the answer the newest question replies to survives.
+    keep_recent_messages: int = Field(2, ge=0)
+    # Keep the conversation's first message (and its tool results) when cutting: for clients
+    # that send no system prompt and put their instructions in the first user message.
+    keep_first: bool = False
     strategy: Literal["truncate", "summarize"] = "truncate"
     summary_model: str = ""
     summary_max_tokens: int = Field(500, gt=0)

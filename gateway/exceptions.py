@@ -22,7 +22,10 @@ GatewayError
 
 from __future__ import annotations
 
-from typing import Any
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from gateway.upstream.refusal import Refusal
 
 
 class GatewayError(Exception):
@@ -180,9 +183,11 @@ class UpstreamStatusError(UpstreamError):
         param: str | None = None,
         code: str | None = None,
         retry_after: str | None = None,
+        refusal: Refusal | None = None,
     ) -> None:
         super().__init__(message, param=param, code=code)
         self.upstream_status = upstream_status
+        self.refusal = refusal  # set when the provider refused the prompt as too long
         self.status_code = upstream_status if 400 <= upstream_status < 500 else 502
         if error_type:
             self.error_type = error_type

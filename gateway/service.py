@@ -10,9 +10,10 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import logging
 import time
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable
 from contextlib import AsyncExitStack
 from dataclasses import dataclass, field
 from typing import Any
@@ -29,14 +30,21 @@ from gateway.context import (
     repair_tool_calls,
     split_system,
 )
-from gateway.context.window import Window, fit_window, omitted_marker
-from gateway.exceptions import ConversationTooLarge, GatewayError, InvalidRequest, UpstreamProtocolError
+from gateway.context.window import REQUEST_OVERHEAD_TOKENS, Window, fit_window, omitted_marker
+from gateway.exceptions import (
+    ContextLengthExceeded,
+    ConversationTooLarge,
+    GatewayError,
+    InvalidRequest,
+    UpstreamProtocolError,
+    UpstreamStatusError,
+)
 from gateway.ids import check_conversation_id, mint_response_id
 from gateway.lifecycle import build_recap, user_key, zone
-from gateway.models import context_window
+from gateway.models import ModelFacts, WindowFacts
 from gateway.store.base import ResponseLog, Store
 from gateway.summarizer import Summarizer, Summary, current_summary, snap_to_turn_end
-from gateway.tokens import count_message, counter_for
+from gateway.tokens import count_message, counter_for, truncate_text
 from gateway.upstream import Route, Router
 
 log = logging.getLogger("gateway.service")
@@ -49,8 +57,10 @@ _OUTPUT_FIELDS = ("role", "content", "tool_calls", "function_call", "name", "ref
 # Counting more text than this runs in a worker thread, off the event loop.
 _COUNT_OFF_LOOP_CHARS = 20_000
 # A provider reporting fewer prompt tokens than this share of ours probably cut the prompt.
-_TRUNCATION_RATIO = 0.6
+_TRUNCATION_RATIO = 0.7
 _TRUNCATION_MIN_TOKENS = 256
+# A summary or recap squeezed below this many tokens is left out instead.
+_MIN_SIZED_TOKENS = 24
 
 
 _MARKER_COSTS: dict[tuple[str, int], int] = {}
@@ -93,6 +103,7 @@ class ContextPlan:
     summary: Summary | None
     kept_from: int  # index in stored history of the first message sent
     summary_target: str | None  # response id a new summary should cover through
+    facts: WindowFacts | None = None
 
     def snapshot(self, view: ConversationView, new_messages: int, sent: list[Message]) -> dict[str, Any]:
         included = list(dict.fromkeys(view.history_owner[self.kept_from :]))
@@ -100,6 +111,8 @@ class ContextPlan:
             "type": "context",
             "encoding": self.encoding,
             "context_window": self.context_window,
+            "context_window_source": self.facts.source if self.facts else None,
+            "calibration": self.facts.calibration.to_dict() if self.facts else None,
             "reserve_tokens": self.reserve,
             "budget": self.window.budget,
             "stored_messages": len(view.history) + len(view.system or []),
@@ -250,6 +263,9 @@ class PreparedTurn:
     final_message: Message | None = None
     finish_reason: str | None = None
     first_of_user: str | None = None  # a new conversation of this end user: index it for recaps
+    replan: Callable[[], Awaitable[ContextPlan]] | None = None  # after a provider's refusal
+    refits: int = 0
+    view: ConversationView | None = None
 
     @property
     def conversation_id(self) -> str | None:
@@ -352,7 +368,8 @@ class ChatService:
     def __init__(self, settings: Settings, router: Router, summarizer: Summarizer | None = None) -> None:
         self.settings = settings
         self.router = router
-        self.summarizer = summarizer or Summarizer(settings, router)
+        self.facts = summarizer.facts if summarizer is not None else ModelFacts(settings)
+        self.summarizer = summarizer or Summarizer(settings, router, facts=self.facts)
         self._warned_truncation: set[str | None] = set()
         self.clock: Callable[[], float] = time.time
         self.warm_up: asyncio.Future[Any] | None = None  # tokenizer loading, set at startup
@@ -397,7 +414,8 @@ class ChatService:
                 system_tokens = [count(m) for m in system_in] if system_in else None
                 if view.turns == 0:
                     recap, recap_from = await self._recap(request, store, cid, count)
-                plan = await self._plan(
+                replan = functools.partial(
+                    self._plan,
                     request,
                     route,
                     view,
@@ -411,6 +429,7 @@ class ChatService:
                     count,
                     recap or view.recap,
                 )
+                plan = await replan()
                 sent = plan.window.messages
             stored_system = system_in if system_in and system_in != view.system else None
             params = {
@@ -419,6 +438,11 @@ class ChatService:
                 if k not in GATEWAY_FIELDS and k not in FORBIDDEN_FIELDS and k != "messages"
             }
             upstream_body = {**params, "model": route.model, "messages": sent}
+            if plan is not None and plan.facts is not None and plan.facts.num_ctx_option:
+                # Ollama cuts prompts to its runtime num_ctx silently: say the window planned for.
+                options = upstream_body.get("options")
+                if options is None or (isinstance(options, dict) and "num_ctx" not in options):
+                    upstream_body["options"] = {**(options or {}), "num_ctx": plan.facts.tokens}
             record: dict[str, Any] = {
                 "type": "request",
                 "response_id": response_id,
@@ -466,6 +490,9 @@ class ChatService:
             turn.system_tokens = system_tokens if stored_system is not None else None
             turn.plan = plan
             turn.store = store
+            turn.view = view
+            if plan is not None:
+                turn.replan = replan
             turn.created = record["created"]
             turn.recap = recap
             turn.first_of_user = (
@@ -511,9 +538,16 @@ class ChatService:
             summary = current_summary(await store.read_summaries(cid), view)
         covered = summary.covered if summary else 0
         history = view.history
-        # Only the newest max_history_messages can be sent: never touch more than that.
-        lower = max(covered, len(history) - ctx.max_history_messages - 1)
-        while lower > covered and history[lower].get("role") == "tool":
+        # The first unit, kept ahead of the cut when configured and no summary covers it.
+        first_end = 0
+        if ctx.keep_first and covered == 0 and history:
+            first_end = 1
+            while first_end < len(history) and history[first_end].get("role") == "tool":
+                first_end += 1
+        # Only the newest max_history_messages (or keep_recent_messages) can be sent.
+        newest = max(ctx.max_history_messages, ctx.keep_recent_messages)
+        lower = max(covered, first_end, len(history) - newest - 1)
+        while lower > max(covered, first_end) and history[lower].get("role") == "tool":
             lower -= 1
         hist = history[lower:]
         hist_tokens = [int(n or 0) for n in view.history_tokens[lower:]]
@@ -530,25 +564,39 @@ class ChatService:
             conversation = combined
             conversation_tokens = [*hist_tokens, *new_tokens]
             first_new = len(hist)
-        window_size = context_window(self.settings, request.model, route.provider, route.model)
+        facts = await self.facts.window(route, request.model, store)
+        window_size = facts.tokens
         requested = request.body.get("max_completion_tokens") or request.body.get("max_tokens") or 0
         requested = requested if isinstance(requested, int) and requested > 0 else 0
-        reserve = max(min(ctx.reserve_tokens, window_size // 2), requested)
-        summary_message = summary.message() if summary else None
+        # The client's own max_tokens when sent; else reserve_tokens, at most a quarter of the window.
+        reserve = requested or min(ctx.reserve_tokens, window_size // 4)
+        budget = facts.calibration.our_budget(window_size - reserve)
+        system_msgs = [clean_message(m) for m in system]
+        # Summary and recap are sized from the window: together at most half of what the
+        # system prompt and the current request leave (the rest is for the newest turns).
+        free = budget - REQUEST_OVERHEAD_TOKENS - sum(system_tokens) - sum(conversation_tokens[first_new:])
+        summary_message, summary_tokens = self._sized(
+            summary.message() if summary else None, free // 3, request.model, count
+        )
+        recap, recap_tokens = self._sized(recap, free // 6, request.model, count)
+        first = [clean_message(m) for m in history[:first_end]] if first_end and lower > 0 else []
         window = fit_window(
-            system=[clean_message(m) for m in system],
+            system=system_msgs,
             system_tokens=system_tokens,
             conversation=conversation,
             conversation_tokens=conversation_tokens,
             first_new=first_new,
-            budget=window_size - reserve,
+            budget=budget,
             max_history_messages=ctx.max_history_messages,
             marker_tokens=lambda n: marker_cost(encoding, n),
             summary=summary_message,
-            summary_tokens=count(summary_message) if summary_message else 0,
+            summary_tokens=summary_tokens,
             recap=recap,
-            recap_tokens=count(recap) if recap else 0,
-            omitted_before=lower - covered,
+            recap_tokens=recap_tokens,
+            omitted_before=lower - covered - (first_end if first else 0),
+            first=first,
+            first_tokens=[count(m) for m in first],
+            keep_recent=ctx.keep_recent_messages,
         )
         if repaired:
             positions = {id(m): lower + i for i, m in enumerate(hist)}
@@ -572,7 +620,25 @@ class ChatService:
             summary=summary,
             kept_from=kept_abs,
             summary_target=target,
+            facts=facts,
         )
+
+    @staticmethod
+    def _sized(
+        message: Message | None, limit: int, model: str, count: Callable[[Message], int]
+    ) -> tuple[Message | None, int]:
+        """`message` (a summary or recap) cut to at most `limit` tokens; None when too little
+        room is left for it to say anything."""
+        if message is None:
+            return None, 0
+        tokens = count(message)
+        if tokens <= limit:
+            return message, tokens
+        if limit < _MIN_SIZED_TOKENS:
+            return None, 0
+        text = message.get("content")
+        cut = {**message, "content": truncate_text(text, limit - 8, model) if isinstance(text, str) else ""}
+        return cut, count(cut)
 
     async def _commit(self, turn: PreparedTurn, message: Message, record: dict[str, Any]) -> None:
         output_tokens = None
@@ -580,7 +646,7 @@ class ChatService:
             _, count = counter_for(turn.request.model)
             output_tokens = await _off_loop_if_large([message], lambda: count(message))
             record["message_tokens"] = output_tokens
-        self._check_upstream_truncation(turn, record)
+        self._learn_from_usage(turn, record)
         turn.log.append(record)
         stored = Turn(
             turn.response_id,
@@ -626,6 +692,8 @@ class ChatService:
         plan = turn.plan
         task = turn.commit_task
         committed = task is not None and task.done() and not task.cancelled() and task.exception() is None
+        if turn.store is not None:
+            await self.facts.save(turn.route, turn.store)
         if committed and turn.first_of_user and turn.conversation_id and turn.store is not None:
             with contextlib.suppress(GatewayError):  # the turn is safe; only recaps would miss it
                 await turn.store.append_side(
@@ -651,39 +719,43 @@ class ChatService:
             store, user, tz, exclude=cid, now=self.clock(), max_tokens=sessions.recap_max_tokens, count=count
         )
 
-    def _check_upstream_truncation(self, turn: PreparedTurn, record: dict[str, Any]) -> None:
-        """Flag a provider that silently dropped part of the prompt (e.g. Ollama's num_ctx)."""
+    def _learn_from_usage(self, turn: PreparedTurn, record: dict[str, Any]) -> None:
+        """Calibrate counting from the provider's `prompt_tokens` (which already includes cached
+        tokens, for OpenAI and llama.cpp alike), and flag a provider that silently dropped part
+        of the prompt (Ollama's num_ctx): it saw under 70% of what it should have."""
         plan = turn.plan
         usage = record.get("usage")
         if plan is None or not isinstance(usage, dict):
             return
         theirs = usage.get("prompt_tokens")
         ours = plan.window.total_tokens
-        details = usage.get("prompt_tokens_details")
-        cached = details.get("cached_tokens") if isinstance(details, dict) else None
-        if not isinstance(theirs, int) or ours < _TRUNCATION_MIN_TOKENS:
+        if not isinstance(theirs, int) or isinstance(theirs, bool) or theirs <= 0:
             return
-        # Some servers leave prompt-cache hits out of prompt_tokens: count them back in.
-        seen = theirs + (cached if isinstance(cached, int) and cached > 0 else 0)
-        if seen < ours * _TRUNCATION_RATIO:
-            record["upstream_truncation_suspected"] = {"prompt_tokens": theirs, "our_count": ours}
-            turn.upstream_truncated = True
-            if turn.conversation_id in self._warned_truncation:
-                return  # recorded on every response, logged once per conversation
-            if len(self._warned_truncation) < 100_000:
-                self._warned_truncation.add(turn.conversation_id)
-            log.warning(
-                orjson.dumps(
-                    {
-                        "event": "upstream_truncation_suspected",
-                        "response_id": turn.response_id,
-                        "conversation_id": turn.conversation_id,
-                        "provider": turn.route.provider,
-                        "prompt_tokens": theirs,
-                        "our_count": ours,
-                    }
-                ).decode()
-            )
+        calibration = plan.facts.calibration if plan.facts is not None else None
+        expected = calibration.ratio * ours + calibration.overhead if calibration else float(ours)
+        if ours < _TRUNCATION_MIN_TOKENS or theirs >= expected * _TRUNCATION_RATIO:
+            self.facts.observe(turn.route, ours, theirs)
+            return
+        record["upstream_truncation_suspected"] = {"prompt_tokens": theirs, "our_count": ours}
+        turn.upstream_truncated = True
+        if turn.route.upstream.reports_real_usage:
+            self.facts.truncated(turn.route, theirs)
+        if turn.conversation_id in self._warned_truncation:
+            return  # recorded on every response, logged once per conversation
+        if len(self._warned_truncation) < 100_000:
+            self._warned_truncation.add(turn.conversation_id)
+        log.warning(
+            orjson.dumps(
+                {
+                    "event": "upstream_truncation_suspected",
+                    "response_id": turn.response_id,
+                    "conversation_id": turn.conversation_id,
+                    "provider": turn.route.provider,
+                    "prompt_tokens": theirs,
+                    "our_count": ours,
+                }
+            ).decode()
+        )
 
     def _response_record(
         self, turn: PreparedTurn, message: Message, finish_reason: Any, usage: Any, raw: Any = None
@@ -706,9 +778,56 @@ class ChatService:
         return record
 
     # -- non-streaming ------------------------------------------------------------------------
+    async def _refit(self, turn: PreparedTurn, exc: UpstreamStatusError) -> None:
+        """The provider refused the prompt as too long: learn what it said, plan the window
+        again and let the caller retry once; else a 400 context_length_exceeded."""
+        refusal = exc.refusal
+        assert refusal is not None
+        plan = turn.plan
+        window = plan.context_window if plan is not None else (refusal.window or 0)
+        ours = plan.window.total_tokens if plan is not None else 0
+        self.facts.refused(turn.route, ours, refusal, window)
+        log.warning(
+            orjson.dumps(
+                {
+                    "event": "context_refused",
+                    "response_id": turn.response_id,
+                    "conversation_id": turn.conversation_id,
+                    "provider": turn.route.provider,
+                    "planned_window": window,
+                    "our_count": ours,
+                    "provider_window": refusal.window,
+                    "provider_count": refusal.prompt_tokens,
+                    "retry": turn.replan is not None and turn.refits == 0,
+                }
+            ).decode()
+        )
+        if turn.replan is None or turn.refits > 0 or turn.view is None:
+            raise ContextLengthExceeded(
+                f"The provider refused the prompt as too long for the model's context window: {exc.message}",
+                param="messages",
+            ) from exc
+        turn.refits += 1
+        plan = await turn.replan()  # ContextLengthExceeded if the request alone cannot fit
+        turn.plan = plan
+        turn.upstream_body["messages"] = plan.window.messages
+        options = turn.upstream_body.get("options")
+        if plan.facts is not None and plan.facts.num_ctx_option and isinstance(options, dict):
+            options["num_ctx"] = plan.facts.tokens
+        snapshot = plan.snapshot(turn.view, len(turn.new), plan.window.messages)
+        snapshot["after_refusal"] = {"message": refusal.message[:500], "window": refusal.window}
+        turn.log.append(snapshot)
+
     async def complete(self, turn: PreparedTurn) -> dict[str, Any]:
         turn.upstream_started = time.perf_counter()
-        completion = await turn.route.upstream.complete(turn.upstream_body)
+        while True:
+            try:
+                completion = await turn.route.upstream.complete(turn.upstream_body)
+                break
+            except UpstreamStatusError as exc:
+                if exc.refusal is None:
+                    raise
+                await self._refit(turn, exc)
         choices = completion.get("choices")
         if not choices or not isinstance(choices[0], dict):
             raise UpstreamProtocolError(f"Provider {turn.route.provider!r} returned no choices")
@@ -732,11 +851,18 @@ class ChatService:
         the first byte still become proper HTTP statuses; then return the chunk stream, which
         commits the turn after the last chunk (and raises GatewayError on a broken stream)."""
         turn.upstream_started = time.perf_counter()
-        chunks = turn.route.upstream.stream(turn.upstream_body).__aiter__()
-        try:
-            first: dict[str, Any] | None = await chunks.__anext__()
-        except StopAsyncIteration:
-            first = None
+        while True:
+            chunks = turn.route.upstream.stream(turn.upstream_body).__aiter__()
+            try:
+                first: dict[str, Any] | None = await chunks.__anext__()
+                break
+            except StopAsyncIteration:
+                first = None
+                break
+            except UpstreamStatusError as exc:
+                if exc.refusal is None:
+                    raise
+                await self._refit(turn, exc)
         return self._chunks(turn, chunks, first)
 
     async def open_stream(self, turn: PreparedTurn) -> AsyncIterator[bytes]:

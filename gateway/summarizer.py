@@ -20,6 +20,8 @@ from typing import Any
 
 from gateway.config import Settings
 from gateway.context import ConversationView, Message
+from gateway.exceptions import UpstreamStatusError
+from gateway.models import ModelFacts
 from gateway.store.base import Record, Store, now
 from gateway.tokens import count_message, count_text, encoding_name_for, truncate_text
 from gateway.upstream import Router
@@ -34,6 +36,22 @@ SUMMARY_INSTRUCTIONS = (
 )
 CHUNK_TOKENS = 3000
 MAX_ATTEMPTS = 5
+# A summary takes at most this share of the window of the model it is sent to.
+SUMMARY_WINDOW_SHARE = 5
+_INSTRUCTION_TOKENS = 96  # the instructions and the framing of the summarizer's prompt
+
+
+def summary_cap(configured: int, window: int) -> int:
+    """Tokens a summary may have: `summary_max_tokens`, at most a fifth of the window."""
+    return max(16, min(configured, window // SUMMARY_WINDOW_SHARE))
+
+
+def chunk_budget(window: int, cap: int, ratio: float, overhead: float, margin: int) -> int:
+    """Tokens (ours) of new messages one summarizer call can take: its window less the answer
+    (`cap`), the current summary (up to `cap`) and the instructions, in the provider's units."""
+    room = window - cap - margin - overhead
+    ours = int(room / ratio) - cap - _INSTRUCTION_TOKENS
+    return max(32, min(CHUNK_TOKENS, ours))
 
 
 @dataclass(frozen=True, slots=True)
@@ -97,10 +115,12 @@ class Summarizer:
         router: Router,
         *,
         sleep: Callable[[float], Awaitable[None]] = asyncio.sleep,
+        facts: ModelFacts | None = None,
     ) -> None:
         self.settings = settings
         self.router = router
         self.sleep = sleep
+        self.facts = facts or ModelFacts(settings)
         # Keyed by (store, conversation): every tenant has its own store.
         self._tasks: dict[tuple[int, str], asyncio.Task[None]] = {}
         self._targets: dict[tuple[int, str], tuple[str, str]] = {}  # -> (covers_through, model)
@@ -194,7 +214,11 @@ class Summarizer:
         text = summary.text if summary else ""
         version = summary.version if summary else 0
         route = self.router.resolve(model)
-        cap = self.settings.context.summary_max_tokens
+        facts = await self.facts.window(route, model, store)
+        cap = summary_cap(self.settings.context.summary_max_tokens, facts.tokens)
+        calib = facts.calibration
+        limit = chunk_budget(facts.tokens, cap, calib.ratio, calib.overhead, calib.margin)
+        text = truncate_text(text, cap, model)  # written for a larger window, maybe
         i = 0
         while i < len(messages):
             # Whole turns, about CHUNK_TOKENS at a time.
@@ -205,11 +229,12 @@ class Summarizer:
                 while k < len(messages) and owners[k] == owners[j]:
                     k += 1
                 cost = sum(count_message(m, model) for m in messages[j:k])
-                if j > i and used + cost > CHUNK_TOKENS:
+                if j > i and used + cost > limit:
                     break
                 used += cost
                 j = k
             chunk = messages[i:j]
+            rendered = truncate_text(render_for_summary(chunk), limit, model)
             body: dict[str, Any] = {
                 "model": route.model,
                 "messages": [
@@ -217,14 +242,19 @@ class Summarizer:
                     {
                         "role": "user",
                         "content": f"Current summary:\n{text or '(none yet)'}\n\nNew messages:\n"
-                        + render_for_summary(chunk),
+                        + rendered,
                     },
                 ],
                 "max_tokens": cap,
                 "stream": False,
             }
             started = time.perf_counter()
-            completion = await route.upstream.complete(body)
+            try:
+                completion = await route.upstream.complete(body)
+            except UpstreamStatusError as exc:
+                if exc.refusal is not None:  # learned from; the retry plans smaller chunks
+                    self.facts.refused(route, 0, exc.refusal, facts.tokens)
+                raise
             reply = ((completion.get("choices") or [{}])[0].get("message") or {}).get("content") or ""
             text = truncate_text(str(reply).strip(), cap, model)
             version += 1

@@ -27,7 +27,7 @@ from tests.conftest import REPO, make_settings
 os.environ.setdefault("TIKTOKEN_CACHE_DIR", bundled_tiktoken_dir() or "")
 ENC = tiktoken.get_encoding("cl100k_base")
 WINDOW = 4096
-BUDGET = WINDOW // 2  # reserve_tokens (4500) is capped at half of a small window
+BUDGET = WINDOW - WINDOW // 4  # reserve_tokens (4500) is capped at a quarter of a small window
 
 
 def independent_count(messages: list[dict[str, Any]]) -> int:
@@ -315,7 +315,7 @@ async def test_context_endpoint_returns_latest_snapshot(tmp_path: Path) -> None:
 async def test_truncation_warning_once_per_conversation_and_cache_hits_count(
     caplog: pytest.LogCaptureFixture,
 ) -> None:
-    usage = {"prompt_tokens": 100, "completion_tokens": 1, "total_tokens": 101}
+    usage: dict[str, Any] = {"prompt_tokens": 100, "completion_tokens": 1, "total_tokens": 101}
 
     def reply(body: dict[str, Any]) -> Any:
         return {
@@ -333,30 +333,33 @@ async def test_truncation_warning_once_per_conversation_and_cache_hits_count(
     app = create_app(make_settings(), store=store, router=Router({"mock": MockUpstream(reply)}, "mock"))
     ids = []
     async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://g") as client:
-        for _ in range(3):
+
+        async def say(cid: str) -> None:
             r = await client.post(
                 "/v1/chat/completions",
                 json={
                     "model": "mock/m",
                     "messages": [{"role": "user", "content": "word " * 400}],
-                    "conversation_id": "w",
+                    "conversation_id": cid,
                 },
             )
             ids.append(r.json()["id"])
-        # A server that leaves prompt-cache hits out of prompt_tokens is not truncating.
-        usage["prompt_tokens_details"] = {"cached_tokens": 5000}
-        r = await client.post(
-            "/v1/chat/completions",
-            json={
-                "model": "mock/m",
-                "messages": [{"role": "user", "content": "word " * 400}],
-                "conversation_id": "w",
-            },
-        )
-        ids.append(r.json()["id"])
+
+        for _ in range(3):
+            await say("w")
+        # prompt_tokens already includes cached tokens (OpenAI, llama.cpp): 100 is still a cut prompt.
+        usage["prompt_tokens_details"] = {"cached_tokens": 90}
+        await say("w")
+        # The threshold is 70% of our count (408 here): 290 is not a cut, 270 is.
+        usage["prompt_tokens"] = 290
+        await say("a")
+        usage["prompt_tokens"] = 270
+        await say("b")
     flagged = [
         any(x.get("upstream_truncation_suspected") for x in store.responses[i] if x["type"] == "response")
         for i in ids
     ]
-    assert flagged == [True, True, True, False]
-    assert caplog.text.count("upstream_truncation_suspected") == 1
+    ours = [next(x for x in store.responses[i] if x["type"] == "context")["tokens"]["total"] for i in ids[4:]]
+    assert ours == [408, 408]
+    assert flagged == [True, True, True, True, False, True]
+    assert caplog.text.count("upstream_truncation_suspected") == 2  # once per conversation

@@ -1,9 +1,11 @@
 """Fitting a conversation into the model's context window (pure, deterministic).
 
 Always kept: the system prompt, the summary, the recap, the current request (and the stored
-tool-call unit it answers). Then history is kept newest first, whole units at a time — an
-assistant `tool_calls` message travels with its `tool` results — until the token budget or
-`max_history_messages` is reached. Where history was cut, a marker system message says so.
+tool-call unit it answers); then the conversation's first unit when asked (`first`). Then
+history is kept newest first, whole units at a time — an assistant `tool_calls` message travels
+with its `tool` results — until the token budget or `max_history_messages` is reached (the
+newest `keep_recent` messages ignore the latter). So the answer before the newest question is
+dropped only with everything older. Where history was cut, a marker system message says so.
 """
 
 from __future__ import annotations
@@ -38,6 +40,19 @@ def tool_units(messages: Sequence[Message]) -> list[tuple[int, int]]:
     return units
 
 
+def _recent_cost(messages: Sequence[Message], tokens: Sequence[int], end: int, keep: int) -> int:
+    """Tokens of the newest whole units before `end` that hold at least `keep` messages."""
+    cost = 0
+    start = end
+    while start > 0 and end - start < keep:
+        start -= 1
+        cost += tokens[start]
+        while start > 0 and messages[start].get("role") == "tool":
+            start -= 1
+            cost += tokens[start]
+    return cost
+
+
 @dataclass(frozen=True, slots=True)
 class Window:
     """What goes upstream, and the numbers that explain it."""
@@ -68,12 +83,16 @@ def fit_window(
     recap: Message | None = None,
     recap_tokens: int = 0,
     omitted_before: int = 0,
+    first: Sequence[Message] = (),
+    first_tokens: Sequence[int] = (),
+    keep_recent: int = 0,
 ) -> Window:
     """Choose the messages to send.
 
     `conversation` is the stored history (after any summary's coverage) followed by the new
     messages, starting at `first_new`; `conversation_tokens` are their counts;
-    `omitted_before` history messages were already left out before `conversation`. Raises
+    `omitted_before` history messages were already left out before `conversation`; `first` is
+    the conversation's first unit, sent ahead of the marker when it fits (`keep_first`). Raises
     ContextLengthExceeded when even the fixed part (system, summary, recap, current request)
     does not fit the budget.
     """
@@ -92,7 +111,14 @@ def fit_window(
         )
     # Walk back from the newest stored message, a whole unit at a time (tool results belong
     # to the assistant message before them). Room is kept for the widest possible marker.
-    marker_bound = marker_tokens(omitted_before + pinned_from)
+    marker_bound = marker_tokens(omitted_before + pinned_from + len(first))
+    first_cost = sum(first_tokens)
+    dropped_first = 0
+    recent_cost = _recent_cost(conversation, conversation_tokens, pinned_from, keep_recent)
+    if first and fixed + first_cost + recent_cost + marker_bound > budget:
+        # Kept only when it fits beside the current request and the newest keep_recent messages.
+        dropped_first, first, first_cost = len(first), (), 0
+    fixed += first_cost
     room = budget - fixed
     kept_from = pinned_from
     used = 0
@@ -106,13 +132,14 @@ def fit_window(
             cost += conversation_tokens[start]
         size = end - start
         marker = marker_bound if omitted_before + start else 0
-        if kept_messages + size > max_history_messages or used + cost + marker > room:
+        over_count = kept_messages + size > max_history_messages and kept_messages >= keep_recent
+        if over_count or used + cost + marker > room:
             break
         used += cost
         kept_messages += size
         kept_from = start
         end = start
-    omitted = omitted_before + kept_from
+    omitted = omitted_before + kept_from + dropped_first
     marker_cost = marker_tokens(omitted) if omitted else 0
     if omitted and fixed + marker_cost > budget:
         raise ContextLengthExceeded(
@@ -125,6 +152,7 @@ def fit_window(
         messages.append(summary)
     if recap is not None:
         messages.append(recap)
+    messages.extend(first)
     if omitted:
         messages.append(omitted_marker(omitted))
     messages.extend(conversation[kept_from:])
@@ -134,7 +162,7 @@ def fit_window(
         "system": sum(system_tokens),
         "summary": summary_tokens,
         "recap": recap_tokens,
-        "history": history_tokens,
+        "history": history_tokens + first_cost,
         "new": new_tokens,
         "marker": marker_cost,
         "overhead": REQUEST_OVERHEAD_TOKENS,

@@ -43,7 +43,7 @@ LOCK_STRIPES = 256
 # Context snapshots are the bulk of a response log and are not needed to rebuild history.
 _CONTEXT_PREFIX = b'{"type":"context"'
 # Append-only logs beside the conversations: logs/{kind}/{key}.jsonl
-SIDE_LOGS = frozenset({"summaries", "lifecycle", "users", "digests"})
+SIDE_LOGS = frozenset({"summaries", "lifecycle", "users", "digests", "models"})
 
 
 def parse_jsonl(data: bytes, *, path: str = "", start_line: int = 1) -> tuple[list[Any], int]:

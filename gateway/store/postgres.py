@@ -5,7 +5,8 @@ Same contract as the JSONL store, in tables instead of files, one namespace per 
     gateway_responses      (namespace, response_id, seq)      kind, record   one row per record
     gateway_conversations  (namespace, conversation_id)       incarnation, last_seq, updated_at
     gateway_index          (namespace, conversation_id, seq)  response_id | marker
-    gateway_side           (namespace, kind, key, id)         record   summaries, lifecycle, users, digests
+    gateway_side           (namespace, kind, key, id)         record   summaries, lifecycle, users,
+                                                                       digests, models
     gateway_archive        (namespace, archive_id, path)      content  deleted conversations, as files
 
 Records are `json`, not `jsonb`: json keeps the exact text (key order, `\\u0000`), so an export
@@ -42,7 +43,7 @@ from gateway.store.records import turn_from_records
 log = logging.getLogger("gateway.store")
 T = TypeVar("T")
 
-SIDE_LOGS = frozenset({"summaries", "lifecycle", "users", "digests"})
+SIDE_LOGS = frozenset({"summaries", "lifecycle", "users", "digests", "models"})
 POOL_SIZE = 10
 COMMAND_TIMEOUT = 60.0
 _MIGRATION_LOCK = 0x6761746577617901  # "gateway\x01": one migrating replica at a time

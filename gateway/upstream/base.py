@@ -12,6 +12,7 @@ import time
 from abc import ABC, abstractmethod
 from collections.abc import AsyncGenerator, AsyncIterator, Awaitable, Callable
 from contextlib import aclosing
+from dataclasses import dataclass
 from typing import Any
 
 import orjson
@@ -98,11 +99,23 @@ async def stream_with_retries(
         attempt += 1
 
 
+@dataclass(frozen=True, slots=True)
+class ServerWindow:
+    """The context window a running server says it gives a model, and where it said so."""
+
+    tokens: int
+    source: str  # e.g. "llama.cpp GET /props"
+    num_ctx_option: bool = False  # Ollama: send the decided window as `options.num_ctx`
+
+
 class Upstream(ABC):
     """One configured provider. `body["model"]` is already the provider's own model name."""
 
     name: str = "upstream"
     url: str = ""
+    # Does the provider's `usage.prompt_tokens` come from the model's real tokenizer? (The demo
+    # model and the test twin only estimate it: nothing to calibrate against.)
+    reports_real_usage: bool = True
 
     @abstractmethod
     async def complete(self, body: Body) -> Body:
@@ -111,6 +124,10 @@ class Upstream(ABC):
     @abstractmethod
     def stream(self, body: Body) -> AsyncIterator[Chunk]:
         """`chat.completion.chunk` objects, in order; ends when the provider is done."""
+
+    async def describe(self, model: str) -> ServerWindow | None:
+        """The runtime context window the server reports for `model`, if it reports one."""
+        return None
 
     async def aclose(self) -> None:  # noqa: B027 - optional hook
         """Release connections."""

@@ -71,6 +71,7 @@ class DemoUpstream(Upstream):
     def __init__(self, name: str = "demo") -> None:
         self.name = name
         self.url = "builtin:demo"
+        self.reports_real_usage = False
 
     async def complete(self, body: Body) -> Body:
         messages = body.get("messages") or []

@@ -26,6 +26,7 @@ from gateway.upstream.base import (
     complete_with_retries,
     stream_with_retries,
 )
+from gateway.upstream.refusal import Refusal, parse_refusal
 
 _litellm: Any = None
 
@@ -58,9 +59,15 @@ def map_litellm_errors(name: str, url: str) -> Iterator[None]:
             raise UpstreamUnreachable(f"{where} is unreachable: {exc}") from exc
         status = getattr(exc, "status_code", None)
         if isinstance(status, int) and status >= 400:
+            text = str(getattr(exc, "message", exc))
+            refusal = parse_refusal(status, None, text)
+            if refusal is None and isinstance(exc, litellm.exceptions.ContextWindowExceededError):
+                refusal = Refusal(message=text)
             raise UpstreamStatusError(
-                f"{where} returned HTTP {status}: {getattr(exc, 'message', exc)}",
+                f"{where} returned HTTP {status}: {text}",
                 upstream_status=status,
+                code="context_length_exceeded" if refusal is not None else None,
+                refusal=refusal,
             ) from exc
         raise UpstreamProtocolError(f"{where} failed: {type(exc).__name__}: {exc}") from exc
 

@@ -33,6 +33,7 @@ class MockUpstream(Upstream):
         self.handler = handler or _demo_handler
         self.name = name
         self.url = "mock://upstream"
+        self.reports_real_usage = False  # tests of calibration set it
         self.delay = delay
         self.requests: list[Body] = []
         self.record = True
