@@ -16,6 +16,7 @@ LABELS = {
     "gateway": "gateway",
     "gateway_nosync": "gateway, durability=none",
     "gateway_pg": "gateway, postgres",
+    "gateway_base": "gateway (baseline checkout)",
 }
 _ORDER = {
     "direct": 0,
@@ -25,6 +26,7 @@ _ORDER = {
     "gateway": 4,
     "gateway_nosync": 5,
     "gateway_pg": 6,
+    "gateway_base": 7,
 }
 
 

@@ -231,6 +231,13 @@ def main(argv: list[str] | None = None) -> int:
         default=None,
         help="gateway [context] max_context_tokens (default: the gateway's own default)",
     )
+    parser.add_argument(
+        "--baseline",
+        default=None,
+        help="a checkout of another version of the gateway (e.g. a `git worktree` of the previous "
+        "commit): its `gateway serve` gets a row of its own (new conversation, 1 message), measured "
+        "in the same run with the same iterations, so before/after is compared on equal terms",
+    )
     args = parser.parse_args(argv)
     plan = Plan.quick() if args.quick else Plan()
     context = context_overrides(args)
@@ -299,6 +306,9 @@ def main(argv: list[str] | None = None) -> int:
                 dsns["gateway_pg"] = cluster.create_database("bench")
                 gateways["gateway_pg"] = "fsync"
                 data_dirs["gateway_pg"] = tmp / "data-pg"
+        if args.baseline:
+            gateways["gateway_base"] = "fsync"
+            data_dirs["gateway_base"] = tmp / "data-base"
         servers: dict[str, Server] = {}
         for name, durability in gateways.items():
             ports[name] = free_port()
@@ -312,8 +322,9 @@ def main(argv: list[str] | None = None) -> int:
                 context=context,
                 dsn=dsns.get(name, ""),
             )
+            base = Path(args.baseline).resolve() if name == "gateway_base" else None
             argv_gw = [
-                *gateway_cmd,
+                *([python, "-m", "gateway"] if base else gateway_cmd),
                 "serve",
                 "--config",
                 str(cfg),
@@ -322,7 +333,10 @@ def main(argv: list[str] | None = None) -> int:
                 "--port",
                 str(ports[name]),
             ]
-            servers[name] = procs.start(Server(name, argv_gw, ports[name], tmp / f"{name}.log", env), REPO)
+            gw_env = {**env, "PYTHONPATH": str(base)} if base else env
+            servers[name] = procs.start(
+                Server(name, argv_gw, ports[name], tmp / f"{name}.log", gw_env), base or REPO
+            )
             # One at a time, so the startup time is not inflated by a sibling starting on 2 cores.
             servers[name].wait_ready("/readyz", 60)
         gw = servers["gateway"]

@@ -130,6 +130,16 @@ class Bench:
             sent_messages=1,
             samples=lat,
         )
+        if "gateway_base" in self.ports:  # another version, same iterations: before/after
+            lat = await self.sequential("gateway_base", new_conversation("bench-base"), warmup, n)
+            self.record(
+                "latency",
+                group="1 message",
+                target="gateway_base",
+                label="gateway (baseline checkout), new conversation",
+                sent_messages=1,
+                samples=lat,
+            )
         # The other gateways (when started): the same scenario, fewer iterations.
         for target, label in (
             ("gateway_nosync", "gateway, new conversation, durability=none"),

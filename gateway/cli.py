@@ -148,6 +148,17 @@ def _render_context(record: dict[str, Any], *, show_messages: bool) -> None:
             f"window       {record.get('context_window')} tokens, reserve {record.get('reserve_tokens')}, "
             f"budget {budget} ({record.get('encoding')})"
         )
+        if record.get("context_window_source"):
+            click.echo(f"window from  {record['context_window_source']}")
+        calibration = record.get("calibration")
+        if isinstance(calibration, dict):
+            click.echo(
+                f"counting     provider ≈ {calibration.get('ratio')} x ours + {calibration.get('overhead')}"
+                f" + margin {calibration.get('margin')} ({calibration.get('samples')} prompts observed)"
+            )
+        refusal = record.get("after_refusal")
+        if isinstance(refusal, dict):
+            click.echo(f"refitted     after the provider refused: {refusal.get('message')}")
         click.echo(
             "tokens       "
             + " | ".join(f"{name} {tokens.get(name, 0)}" for name, _, _ in _LAYERS)

@@ -47,6 +47,18 @@ class Metrics:
         self.summaries = Counter(
             "gateway_summaries", "Rolling summary attempts by outcome", ["outcome"], registry=r
         )
+        self.refusals = Counter(
+            "gateway_refusals",
+            "Chat requests the gateway refused before asking a provider, by error code",
+            ["code"],
+            registry=r,
+        )
+        self.context_refusals = Counter(
+            "gateway_context_refusals",
+            "Prompts a provider refused as too long, by outcome (retried: refitted and sent again)",
+            ["outcome"],
+            registry=r,
+        )
         self.upstream_truncation = Counter(
             "gateway_upstream_truncation_suspected",
             "Responses whose provider seems to have cut the prompt",

@@ -255,7 +255,7 @@ class ModelFacts:
             "type": "calibration",
             "provider": route.provider,
             "model": route.model,
-            "observations": entry.observations,
+            "observations": [[ours, theirs] for ours, theirs in entry.observations],
             "calibration": (entry.calibration or entry.prior).to_dict(),
             "at": time.time(),
         }

@@ -373,6 +373,7 @@ class ChatService:
         self._warned_truncation: set[str | None] = set()
         self.clock: Callable[[], float] = time.time
         self.warm_up: asyncio.Future[Any] | None = None  # tokenizer loading, set at startup
+        self.on_context_refusal: Callable[[str], None] = lambda outcome: None  # metrics hook
 
     # -- preparing ----------------------------------------------------------------------------
     async def prepare(self, request: ChatRequest, store: Store) -> PreparedTurn:
@@ -803,11 +804,13 @@ class ChatService:
             ).decode()
         )
         if turn.replan is None or turn.refits > 0 or turn.view is None:
+            self.on_context_refusal("refused")
             raise ContextLengthExceeded(
                 f"The provider refused the prompt as too long for the model's context window: {exc.message}",
                 param="messages",
             ) from exc
         turn.refits += 1
+        self.on_context_refusal("retried")
         plan = await turn.replan()  # ContextLengthExceeded if the request alone cannot fit
         turn.plan = plan
         turn.upstream_body["messages"] = plan.window.messages

@@ -114,6 +114,7 @@ def create_app(
     service = ChatService(settings, router)
     metrics = Metrics(active_window=settings.sessions.idle_after or 900.0)
     service.summarizer.on_outcome = lambda outcome: metrics.summaries.labels(outcome).inc()
+    service.on_context_refusal = lambda outcome: metrics.context_refusals.labels(outcome).inc()
     processor = Processor(settings, stores, service.summarizer)
 
     @asynccontextmanager

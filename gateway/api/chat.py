@@ -100,11 +100,38 @@ def _failed(turn: PreparedTurn, exc: BaseException) -> Response:
     return response
 
 
+def _refused_line(request: Request, body: Any, exc: GatewayError, started: float) -> None:
+    """The log line of a request the gateway refused before asking any provider."""
+    if not access_log.isEnabledFor(logging.INFO):
+        return
+    body = body if isinstance(body, dict) else {}
+    cid = body.get("conversation_id") or request.headers.get("x-conversation-id")
+    line: dict[str, Any] = {
+        "event": "chat.completion",
+        "response_id": None,
+        "conversation_id": cid if isinstance(cid, str) else None,
+        "model": body.get("model") if isinstance(body.get("model"), str) else None,
+        "stream": body.get("stream") is True,
+        "status": exc.status_code,
+        "outcome": "refused",
+        "error": {"type": exc.error_type, "code": exc.code, "message": exc.message[:300]},
+        "ms": round((time.perf_counter() - started) * 1000, 3),
+    }
+    access_log.info(orjson.dumps(line).decode())
+
+
 async def chat_completions(request: Request) -> Response:
     service: ChatService = request.app.state.service
-    body = await read_json(request, service.settings.server.max_body_bytes)
-    chat = ChatRequest.parse(body, header_conversation_id=request.headers.get("x-conversation-id"))
-    turn = await service.prepare(chat, await store_for(request))
+    started = time.perf_counter()
+    body: Any = None
+    try:
+        body = await read_json(request, service.settings.server.max_body_bytes)
+        chat = ChatRequest.parse(body, header_conversation_id=request.headers.get("x-conversation-id"))
+        turn = await service.prepare(chat, await store_for(request))
+    except GatewayError as exc:
+        _refused_line(request, body, exc, started)
+        request.app.state.metrics.refusals.labels(exc.code or exc.error_type).inc()
+        raise
     if not chat.stream:
         try:
             result = await until_disconnect(service.complete(turn), request.receive)

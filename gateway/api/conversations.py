@@ -310,7 +310,7 @@ async def conversation_context(request: Request) -> Response:
     ids = [e for e in entries if isinstance(e, str)]
     for rid in reversed(ids):
         records = await store.read_response(rid)
-        context = next((r for r in records if r.get("type") == "context"), None)
+        context = next((r for r in reversed(records) if r.get("type") == "context"), None)
         if context is not None:
             body = {k: v for k, v in context.items() if k != "type"}
             return JSONBody(
@@ -326,7 +326,7 @@ async def get_response(request: Request) -> Response:
     records = await store.read_response(rid)
     request_record = next((r for r in records if r.get("type") == "request"), {})
     response_record = next((r for r in records if r.get("type") == "response"), None)
-    context = next((r for r in records if r.get("type") == "context"), None)
+    context = next((r for r in reversed(records) if r.get("type") == "context"), None)
     outcome = records[-1] if records else {}
     status = (
         "completed"

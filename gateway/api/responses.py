@@ -445,7 +445,7 @@ async def get_response(request: Request) -> Response:
     rid = request.path_params["response_id"]
     records, req = await _stored(store, rid)
     response_record = next((r for r in records if r.get("type") == "response"), None)
-    context = next((r for r in records if r.get("type") == "context"), None)
+    context = next((r for r in reversed(records) if r.get("type") == "context"), None)
     outcome = records[-1]
     status = {"commit": "completed", "incomplete": "failed"}.get(str(outcome.get("type")), "in_progress")
     params = dict(req.get("params") or {})

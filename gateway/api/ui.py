@@ -84,7 +84,7 @@ async def _turn(store: Store, rid: str, index: int) -> dict[str, Any] | None:
     request = next((r for r in records if r.get("type") == "request"), None)
     if request is None:
         return None
-    context = next((r for r in records if r.get("type") == "context"), None) or {}
+    context = next((r for r in reversed(records) if r.get("type") == "context"), None) or {}
     response = next((r for r in records if r.get("type") == "response"), None) or {}
     return {
         "index": index,

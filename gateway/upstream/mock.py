@@ -14,6 +14,7 @@ from typing import Any
 from gateway.upstream.base import (
     Body,
     Chunk,
+    ServerWindow,
     Upstream,
     approx_tokens,
     chunks_from_completion,
@@ -29,8 +30,16 @@ def _demo_handler(body: Body) -> Any:
 
 
 class MockUpstream(Upstream):
-    def __init__(self, handler: Handler | None = None, *, name: str = "mock", delay: float = 0.0) -> None:
+    def __init__(
+        self,
+        handler: Handler | None = None,
+        *,
+        name: str = "mock",
+        delay: float = 0.0,
+        window: ServerWindow | None = None,
+    ) -> None:
         self.handler = handler or _demo_handler
+        self.window = window  # what describe() reports
         self.name = name
         self.url = "mock://upstream"
         self.reports_real_usage = False  # tests of calibration set it
@@ -54,6 +63,9 @@ class MockUpstream(Upstream):
                 completion["choices"][0]["finish_reason"] = "tool_calls"
             return completion
         raise TypeError(f"mock handler returned {type(reply).__name__}")
+
+    async def describe(self, model: str) -> ServerWindow | None:
+        return self.window
 
     async def complete(self, body: Body) -> Body:
         if self.delay:

@@ -12,7 +12,6 @@ import time
 from pathlib import Path
 from typing import Any
 
-import httpx
 from openai import BadRequestError, OpenAI
 
 from tests.realmodel.helpers import gateway_for
@@ -20,11 +19,13 @@ from tests.realmodel.llama import LlamaServer
 
 N_CTX = 512
 WORDS = (
-    "river garden lantern copper violin meadow harbor pepper falcon marble orchard candle "
-    "thunder willow saddle compass pebble velvet glacier walnut ember cobalt prairie ribbon "
-    "quarry summit tunnel beacon anchor basket canyon dune feather hollow island jungle "
-    "kettle ladder mirror needle oyster parrot quiver rocket shadow timber umbrella vessel"
-).split()
+    "river", "garden", "lantern", "copper", "violin", "meadow", "harbor", "pepper", "falcon",
+    "marble", "orchard", "candle", "thunder", "willow", "saddle", "compass", "pebble", "velvet",
+    "glacier", "walnut", "ember", "cobalt", "prairie", "ribbon", "quarry", "summit", "tunnel",
+    "beacon", "anchor", "basket", "canyon", "dune", "feather", "hollow", "island", "jungle",
+    "kettle", "ladder", "mirror", "needle", "oyster", "parrot", "quiver", "rocket", "shadow",
+    "timber", "umbrella", "vessel",
+)
 
 
 def message(rng: random.Random, turn: int) -> str:
@@ -53,12 +54,6 @@ def converse(base_url: str, cid: str, turns: int, seed: int) -> list[dict[str, A
         assert reply.usage is not None
         results.append({"turn": turn, "id": reply.id, "prompt_tokens": reply.usage.prompt_tokens})
     return results
-
-
-def contexts(base_url: str, response_id: str) -> list[dict[str, Any]]:
-    records = httpx.get(f"{base_url}/v1/responses/{response_id}", timeout=10).json()
-    found = [r for r in records.get("records", records if isinstance(records, list) else [])]
-    return [r for r in found if isinstance(r, dict) and r.get("type") == "context"]
 
 
 def context_records(data_dir: Path, response_id: str) -> list[dict[str, Any]]:
@@ -97,9 +92,7 @@ def test_a_declared_window_four_times_too_large_is_learned_from_the_first_refusa
     finally:
         gateway.stop()
     assert [r for r in results if "error" in r] == []
-    refits = [
-        c for r in results for c in context_records(gateway.data_dir, r["id"]) if "after_refusal" in c
-    ]
+    refits = [c for r in results for c in context_records(gateway.data_dir, r["id"]) if "after_refusal" in c]
     assert refits, "no turn was refused and retried: the declared window was never too large"
     assert all(c["context_window"] == N_CTX for c in refits)
     assert "exceed" in gateway.log() or "context_refused" in gateway.log()

@@ -1,0 +1,511 @@
+"""Model facts: window discovery against each server's answer shape, counting calibration, the
+provider's "prompt too long" refusal (learned from, retried once), and sizing for small windows."""
+
+from __future__ import annotations
+
+import logging
+import random
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
+from typing import Any
+
+import httpx
+import orjson
+import pytest
+from aiohttp import web
+
+from gateway.config import ModelSettings
+from gateway.context.calibration import UNCALIBRATED, Calibration, fit
+from gateway.context.window import fit_window
+from gateway.models import ModelFacts
+from gateway.store.memory import MemoryStore
+from gateway.summarizer import chunk_budget, summary_cap
+from gateway.tokens import count_message
+from gateway.upstream import Route
+from gateway.upstream.base import ServerWindow
+from gateway.upstream.mock import MockUpstream
+from gateway.upstream.openai import (
+    OpenAIUpstream,
+    status_error,
+    window_from_llamacpp_props,
+    window_from_models,
+    window_from_ollama_ps,
+    window_from_ollama_show,
+)
+from gateway.upstream.refusal import parse_refusal
+from tests.conftest import build_client, make_settings
+
+# -- the shapes each server answers with (trimmed copies of real answers) ---------------------------
+
+LLAMACPP_PROPS = {
+    "default_generation_settings": {"n_ctx": 512, "params": {"n_predict": -1}},
+    "total_slots": 1,
+    "model_path": "SmolLM2-135M-Instruct.Q4_1.gguf",
+}
+LLAMACPP_MODELS = {
+    "object": "list",
+    "data": [{"id": "smol.gguf", "object": "model", "owned_by": "llamacpp", "meta": {"n_ctx_train": 8192}}],
+}
+VLLM_MODELS = {
+    "object": "list",
+    "data": [
+        {"id": "Qwen/Qwen2.5-1.5B-Instruct", "object": "model", "owned_by": "vllm", "max_model_len": 32768},
+        {"id": "other", "object": "model", "owned_by": "vllm", "max_model_len": 4096},
+    ],
+}
+OLLAMA_PS = {"models": [{"name": "qwen2.5:7b", "model": "qwen2.5:7b", "context_length": 8192}]}
+OLLAMA_SHOW = {
+    "parameters": 'num_ctx                        6144\nstop                           "<|im_end|>"',
+    "model_info": {"general.architecture": "qwen2", "qwen2.context_length": 32768},
+}
+OLLAMA_SHOW_DEFAULT = {"parameters": "", "model_info": {"llama.context_length": 131072}}
+OPENAI_MODELS = {"object": "list", "data": [{"id": "gpt-4o", "object": "model", "owned_by": "system"}]}
+
+
+def test_each_servers_answer_gives_its_runtime_window() -> None:
+    assert window_from_llamacpp_props(LLAMACPP_PROPS) == 512
+    # llama.cpp's /v1/models names the training window only: not the runtime one.
+    assert window_from_models(LLAMACPP_MODELS, "smol.gguf") is None
+    assert window_from_models(VLLM_MODELS, "Qwen/Qwen2.5-1.5B-Instruct") == 32768
+    assert window_from_models(VLLM_MODELS, "unknown") is None  # two models, none of that name
+    assert window_from_ollama_ps(OLLAMA_PS, "qwen2.5:7b") == 8192
+    assert window_from_ollama_ps(OLLAMA_PS, "llama3") is None  # not loaded
+    assert window_from_ollama_show(OLLAMA_SHOW) == 6144  # the Modelfile's num_ctx
+    assert window_from_ollama_show(OLLAMA_SHOW_DEFAULT) == 4096  # Ollama's default runtime window
+    assert window_from_models(OPENAI_MODELS, "gpt-4o") is None
+    for junk in (None, [], "x", {"default_generation_settings": {"n_ctx": "512"}}, {"data": "x"}):
+        assert window_from_llamacpp_props(junk) is None
+        assert window_from_models(junk, "m") is None
+        assert window_from_ollama_show(junk) is None
+
+
+def _server_app(kind: str) -> web.Application:
+    app = web.Application()
+
+    def reply(data: Any) -> Any:
+        async def handler(request: web.Request) -> web.Response:
+            return web.json_response(data)
+
+        return handler
+
+    if kind == "llama.cpp":
+        app.router.add_get("/props", reply(LLAMACPP_PROPS))
+        app.router.add_get("/v1/models", reply(LLAMACPP_MODELS))
+    elif kind == "vllm":
+        app.router.add_get("/v1/models", reply(VLLM_MODELS))
+    elif kind == "ollama":
+        app.router.add_get("/v1/models", reply({"object": "list", "data": [{"id": "qwen2.5:7b"}]}))
+        app.router.add_get("/api/ps", reply({"models": []}))
+        app.router.add_post("/api/show", reply(OLLAMA_SHOW))
+    else:  # OpenAI itself: only a model list, without windows
+        app.router.add_get("/v1/models", reply(OPENAI_MODELS))
+    return app
+
+
+@asynccontextmanager
+async def serving(kind: str) -> AsyncIterator[str]:
+    runner = web.AppRunner(_server_app(kind))
+    await runner.setup()
+    site = web.TCPSite(runner, "127.0.0.1", 0)
+    await site.start()
+    port = runner.addresses[0][1]
+    try:
+        yield f"http://127.0.0.1:{port}/v1"
+    finally:
+        await runner.cleanup()
+
+
+@pytest.mark.parametrize(
+    ("kind", "model", "expected"),
+    [
+        ("llama.cpp", "smol.gguf", ServerWindow(512, "llama.cpp GET /props")),
+        ("vllm", "Qwen/Qwen2.5-1.5B-Instruct", ServerWindow(32768, "vLLM GET /v1/models max_model_len")),
+        ("ollama", "qwen2.5:7b", ServerWindow(6144, "Ollama POST /api/show", num_ctx_option=True)),
+        ("openai", "gpt-4o", None),
+    ],
+)
+async def test_discovery_over_http(kind: str, model: str, expected: ServerWindow | None) -> None:
+    async with serving(kind) as base_url:
+        upstream = OpenAIUpstream(
+            "p", make_settings().providers["mock"].model_copy(update={"base_url": base_url})
+        )
+        try:
+            assert await upstream.describe(model) == expected
+        finally:
+            await upstream.aclose()
+
+
+async def test_window_precedence_and_the_server_is_asked_once() -> None:
+    asked = []
+
+    class Counting(MockUpstream):
+        async def describe(self, model: str) -> ServerWindow | None:
+            asked.append(model)
+            return ServerWindow(512, "llama.cpp GET /props")
+
+    route = Route("mock", Counting(), "smol")
+    facts = ModelFacts(make_settings())
+    for _ in range(3):
+        found = await facts.window(route, "mock/smol")
+        assert (found.tokens, found.source) == (512, "llama.cpp GET /props")
+    assert asked == ["smol"]
+    # A configured window wins, without asking.
+    settings = make_settings().model_copy(
+        update={"models": {"mock/smol": ModelSettings(context_window=2048)}}
+    )
+    configured = await ModelFacts(settings).window(route, "mock/smol")
+    assert (configured.tokens, configured.source) == (2048, "config")
+    assert asked == ["smol"]
+    # No server answer: litellm's model map, else the default.
+    silent = Route("mock", MockUpstream(), "gpt-4o")
+    assert (await ModelFacts(make_settings()).window(silent, "mock/gpt-4o")).source == "litellm model map"
+    unknown = Route("mock", MockUpstream(), "no-such-model")
+    assert (await ModelFacts(make_settings()).window(unknown, "mock/no-such-model")).tokens == 8192
+
+
+# -- calibration ---------------------------------------------------------------------------------------
+
+
+def test_calibration_learns_ratio_and_template_overhead_and_never_undercounts() -> None:
+    rng = random.Random(7)
+    observations = []
+    for _ in range(50):
+        ours = rng.randint(40, 480)
+        theirs = round(1.12 * ours + 21 + rng.uniform(-6, 6))
+        observations.append((ours, theirs))
+    calibration = fit(observations)
+    assert 1.08 < calibration.ratio < 1.16 and 10 < calibration.overhead < 32
+    assert all(calibration.provider_tokens(o) >= t for o, t in observations)
+    assert calibration.margin <= 16  # the worst miss plus rounding: the window is not wasted
+    budget = calibration.our_budget(496)
+    assert calibration.provider_tokens(budget) <= 496 < calibration.provider_tokens(budget + 2)
+
+
+def test_calibration_with_too_little_spread_uses_the_largest_ratio() -> None:
+    calibration = fit([(100, 130), (101, 125)])
+    assert calibration.overhead == 0 and calibration.ratio == pytest.approx(1.3)
+    assert fit([]) == UNCALIBRATED
+    assert fit([(0, 10), (10, 0)]) == UNCALIBRATED  # nothing usable
+
+
+async def test_calibration_is_persisted_and_loaded_by_the_next_process() -> None:
+    store = MemoryStore()
+    upstream = MockUpstream()
+    upstream.reports_real_usage = True
+    route = Route("mock", upstream, "smol")
+    facts = ModelFacts(make_settings())
+    assert (await facts.window(route, "mock/smol", store)).calibration == UNCALIBRATED
+    for ours in range(100, 420, 40):
+        facts.observe(route, ours, int(1.2 * ours) + 20)
+    await facts.save(route, store)
+    later = await ModelFacts(make_settings()).window(route, "mock/smol", store)
+    assert later.calibration == facts.calibration(route) and later.calibration.samples == 8
+
+
+# -- refusals --------------------------------------------------------------------------------------------
+
+
+def llamacpp_refusal(n: int, n_ctx: int = 512) -> bytes:
+    message = f"request ({n} tokens) exceeds the available context size ({n_ctx} tokens), try increasing it"
+    error = {"code": 400, "message": message, "type": "exceed_context_size_error"}
+    return orjson.dumps({"error": {**error, "n_prompt_tokens": n, "n_ctx": n_ctx}})
+
+
+def test_refusals_of_each_provider_are_recognised_with_their_numbers() -> None:
+    err = status_error("llama", 400, llamacpp_refusal(631), {})
+    assert err.code == "context_length_exceeded" and err.refusal is not None
+    assert (err.refusal.window, err.refusal.prompt_tokens) == (512, 631)
+    openai = {
+        "error": {
+            "message": "This model's maximum context length is 8192 tokens. However, your messages "
+            "resulted in 9000 tokens. Please reduce the length of the messages.",
+            "type": "invalid_request_error",
+            "param": "messages",
+            "code": "context_length_exceeded",
+        }
+    }
+    err = status_error("openai", 400, orjson.dumps(openai), {})
+    assert err.refusal is not None and (err.refusal.window, err.refusal.prompt_tokens) == (8192, 9000)
+    vllm = (
+        "This model's maximum context length is 4096 tokens. However, you requested 5000 tokens "
+        "(4900 in the messages, 100 in the completion). Please reduce the length of the messages "
+        "or completion."
+    )
+    err = status_error("vllm", 400, orjson.dumps({"object": "error", "message": vllm, "code": 400}), {})
+    assert err.refusal is not None and (err.refusal.window, err.refusal.prompt_tokens) == (4096, 4900)
+    newer_vllm = (
+        "This model's maximum context length is 2048 tokens. However, your request has 3000 input tokens."
+    )
+    refusal = parse_refusal(400, None, newer_vllm)
+    assert refusal is not None and (refusal.window, refusal.prompt_tokens) == (2048, 3000)
+    ollama = parse_refusal(
+        400, {"error": "the input length exceeds the context length"}, "input length exceeds"
+    )
+    assert ollama is not None and ollama.window is None
+    assert status_error("x", 400, b'{"error": {"message": "temperature must be <= 2"}}', {}).refusal is None
+    assert status_error("x", 429, b'{"error": {"message": "too many tokens per minute"}}', {}).refusal is None
+
+
+class FakeLlama:
+    """Counts like a model with another tokenizer (1.25x ours + a 21-token template) and
+    refuses a prompt over its window exactly as llama.cpp does."""
+
+    def __init__(self, n_ctx: int = 512) -> None:
+        self.n_ctx = n_ctx
+        self.prompts: list[int] = []
+        self.refused = 0
+
+    def __call__(self, body: dict[str, Any]) -> Any:
+        n = int(1.25 * (3 + sum(count_message(m) for m in body["messages"]))) + 21
+        self.prompts.append(n)
+        if n > self.n_ctx:
+            self.refused += 1
+            raise status_error("mock", 400, llamacpp_refusal(n, self.n_ctx), {})
+        return {
+            "id": "x",
+            "object": "chat.completion",
+            "created": 0,
+            "model": "smol",
+            "choices": [
+                {"index": 0, "message": {"role": "assistant", "content": "ok"}, "finish_reason": "stop"}
+            ],
+            "usage": {"prompt_tokens": n, "completion_tokens": 1, "total_tokens": n + 1},
+        }
+
+
+def real_counting(handler: Any, window: ServerWindow | None = None) -> MockUpstream:
+    upstream = MockUpstream(handler, window=window)
+    upstream.reports_real_usage = True
+    return upstream
+
+
+SENTENCE = "the quick brown fox jumps over the lazy dog while the river runs past the old mill "
+
+
+@pytest.mark.parametrize("stream", [False, True])
+async def test_a_refusal_is_learned_from_and_retried_once_inside_the_request(stream: bool) -> None:
+    llama = FakeLlama()
+    settings = make_settings().model_copy(
+        update={"models": {"mock/smol": ModelSettings(context_window=2048)}}
+    )
+    store = MemoryStore()
+    async with build_client(settings, store, real_counting(llama)) as client:
+        statuses = []
+        for i in range(12):
+            r = await client.post(
+                "/v1/chat/completions",
+                json={
+                    "model": "mock/smol",
+                    "messages": [{"role": "user", "content": f"{i}: " + SENTENCE * 4}],
+                    "max_tokens": 16,
+                    "stream": stream,
+                    "conversation_id": "c",
+                },
+            )
+            statuses.append(r.status_code)
+        metrics = (await client.get("/metrics")).text
+    assert statuses == [200] * 12
+    assert llama.refused == 1  # once: the window it said (512) is planned with from then on
+    assert 'gateway_context_refusals_total{outcome="retried"} 1.0' in metrics
+    refitted = [c for records in store.responses.values() for c in records if c.get("after_refusal")]
+    assert len(refitted) == 1 and refitted[0]["context_window"] == 512
+    assert refitted[0]["context_window_source"].startswith("provider refusal")
+    assert max(llama.prompts[llama.prompts.index(max(llama.prompts)) + 1 :]) <= 512 - 16
+
+
+async def test_a_request_too_long_for_the_real_window_is_a_400_and_the_conversation_goes_on(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    llama = FakeLlama()
+    settings = make_settings().model_copy(
+        update={"models": {"mock/smol": ModelSettings(context_window=4096)}}
+    )
+    async with build_client(settings, MemoryStore(), real_counting(llama)) as client:
+
+        async def say(text: str) -> httpx.Response:
+            return await client.post(
+                "/v1/chat/completions",
+                json={
+                    "model": "mock/smol",
+                    "messages": [{"role": "user", "content": text}],
+                    "conversation_id": "c",
+                },
+            )
+
+        assert (await say("hello")).status_code == 200
+        with caplog.at_level(logging.INFO, logger="gateway.access"):
+            r = await say(SENTENCE * 40)  # ~700 tokens alone: no window of 512 holds it
+        assert r.status_code == 400
+        assert r.json()["error"]["code"] == "context_length_exceeded"
+        assert (await say("and now something short")).status_code == 200
+        # the gateway now knows the window: the same request is refused before the provider
+        calls = len(llama.prompts)
+        with caplog.at_level(logging.INFO, logger="gateway.access"):
+            r = await say(SENTENCE * 40)
+        assert r.status_code == 400 and r.json()["error"]["code"] == "context_length_exceeded"
+        assert len(llama.prompts) == calls
+        metrics = (await client.get("/metrics")).text
+    lines = [orjson.loads(rec.getMessage()) for rec in caplog.records if rec.name == "gateway.access"]
+    assert [(line["status"], line["outcome"]) for line in lines] == [(400, "error"), (400, "refused")]
+    assert lines[1]["error"]["code"] == "context_length_exceeded" and lines[1]["conversation_id"] == "c"
+    assert 'gateway_refusals_total{code="context_length_exceeded"} 1.0' in metrics
+
+
+async def test_discovered_window_with_no_configuration_every_turn_fits() -> None:
+    llama = FakeLlama()
+    upstream = real_counting(llama, window=ServerWindow(512, "llama.cpp GET /props"))
+    store = MemoryStore()
+    async with build_client(make_settings(), store, upstream) as client:
+        for i in range(20):
+            r = await client.post(
+                "/v1/chat/completions",
+                json={
+                    "model": "mock/smol",
+                    "messages": [{"role": "user", "content": f"{i}: " + SENTENCE * 4}],
+                    "max_tokens": 16,
+                    "conversation_id": "c",
+                },
+            )
+            assert r.status_code == 200, r.text
+    assert llama.refused == 0
+    # Calibrated after the first answers: the later prompts fill most of the window.
+    assert min(llama.prompts[6:]) >= 0.7 * 512 and max(llama.prompts) <= 512 - 16
+
+
+async def test_the_answer_reserve_is_max_tokens_when_sent_else_a_quarter_of_a_small_window() -> None:
+    upstream = MockUpstream()
+    settings = make_settings().model_copy(update={"models": {"mock/smol": ModelSettings(context_window=512)}})
+    store = MemoryStore()
+    async with build_client(settings, store, upstream) as client:
+        text = "word " * 400  # ~408 tokens: fits 512 with max_tokens 16, not with half the window kept free
+        r = await client.post(
+            "/v1/chat/completions",
+            json={
+                "model": "mock/smol",
+                "messages": [{"role": "user", "content": text}],
+                "max_tokens": 16,
+                "conversation_id": "a",
+            },
+        )
+        assert r.status_code == 200, r.text
+        r = await client.post(
+            "/v1/chat/completions",
+            json={
+                "model": "mock/smol",
+                "messages": [{"role": "user", "content": "hi"}],
+                "conversation_id": "b",
+            },
+        )
+    reserves = [
+        next(c for c in recs if c["type"] == "context")["reserve_tokens"] for recs in store.responses.values()
+    ]
+    assert reserves == [16, 128]
+
+
+# -- sizing for small windows ------------------------------------------------------------------------------
+
+
+def test_summary_cap_and_summarizer_chunk_follow_the_window() -> None:
+    assert summary_cap(500, 512) == 102
+    assert summary_cap(500, 128_000) == 500
+    chunk = chunk_budget(512, 102, 1.12, 21, 8)
+    # (instructions + current summary + chunk) in the provider's units, plus the answer, fit.
+    assert chunk >= 32 and (96 + 102 + chunk) * 1.12 + 21 + 8 + 102 <= 512
+    assert chunk_budget(128_000, 500, 1.0, 0, 0) == 3000
+
+
+async def test_a_stored_summary_larger_than_a_small_window_allows_is_cut_not_refused() -> None:
+    store = MemoryStore()
+    upstream = MockUpstream()
+    settings = make_settings()
+    settings = settings.model_copy(
+        update={
+            "models": {"mock/smol": ModelSettings(context_window=512)},
+            "context": settings.context.model_copy(
+                update={"strategy": "summarize", "summary_model": "mock/s"}
+            ),
+        }
+    )
+    async with build_client(settings, store, upstream) as client:
+
+        async def say(text: str) -> httpx.Response:
+            return await client.post(
+                "/v1/chat/completions",
+                json={
+                    "model": "mock/smol",
+                    "messages": [{"role": "user", "content": text}],
+                    "max_tokens": 16,
+                    "conversation_id": "c",
+                },
+            )
+
+        first = (await say("my name is Ada")).json()["id"]
+        # A summary written when the window was thought larger: 450 tokens.
+        await store.append_summary(
+            "c",
+            {"type": "summary", "version": 1, "covers_through": first, "text": "Ada likes tea. " * 90},
+        )
+        r = await say("word " * 150)
+        assert r.status_code == 200, r.text
+    context = [c for c in store.responses[r.json()["id"]] if c["type"] == "context"][-1]
+    assert context["summary_version"] == 1 and 24 <= context["tokens"]["summary"] <= 512 // 3
+    assert context["tokens"]["total"] <= 512 - 16
+
+
+# -- pinning rules -------------------------------------------------------------------------------------------
+
+
+def _fit(history: list[dict[str, Any]], budget: int, **kw: Any) -> Any:
+    new = [{"role": "user", "content": "newest question"}]
+    conversation = [*history, *new]
+    return fit_window(
+        system=[],
+        system_tokens=[],
+        conversation=conversation,
+        conversation_tokens=[10] * len(conversation),
+        first_new=len(history),
+        budget=budget,
+        max_history_messages=kw.pop("max_history_messages", 100),
+        marker_tokens=lambda n: 5,
+        **kw,
+    )
+
+
+def _turns(n: int) -> list[dict[str, Any]]:
+    return [{"role": r, "content": f"{r} {i}"} for i in range(n) for r in ("user", "assistant")]
+
+
+def test_the_answer_before_the_newest_question_goes_only_with_everything_older() -> None:
+    for budget in range(18, 120):
+        w = _fit(_turns(5), budget)
+        sent = [m["content"] for m in w.messages]
+        assert sent[-1] == "newest question"
+        if "user 4" in sent or "user 3" in sent:
+            assert "assistant 4" in sent
+
+
+def test_keep_recent_messages_passes_max_history_messages() -> None:
+    w = _fit(_turns(5), 1000, max_history_messages=0, keep_recent=2)
+    assert [m["content"] for m in w.messages][-3:] == ["user 4", "assistant 4", "newest question"]
+    assert _fit(_turns(5), 1000, max_history_messages=0).messages[-2]["content"].startswith("[10 earlier")
+
+
+def test_keep_first_keeps_the_first_message_ahead_of_the_marker_when_it_fits() -> None:
+    history = _turns(5)
+    first, rest = history[:1], history[1:]
+    w = _fit(rest, 60, first=first, first_tokens=[10], keep_recent=2)
+    sent = [m["content"] for m in w.messages]
+    assert (
+        sent[0] == "user 0"
+        and sent[1].startswith("[")
+        and sent[-3:] == ["user 4", "assistant 4", "newest question"]
+    )
+    assert w.omitted == 6
+    # No room for it beside the newest question and the answer before it: it goes first.
+    w = _fit(rest, 40, first=first, first_tokens=[10], keep_recent=2)
+    assert "user 0" not in [m["content"] for m in w.messages] and w.omitted == 8
+
+
+def test_calibration_defaults() -> None:
+    assert Calibration().provider_tokens(100) == 100
+    assert UNCALIBRATED.provider_tokens(100) > 140  # unknown tokenizer: room for 1.25x and a template
