@@ -65,6 +65,7 @@ def main() -> int:
                             "theirs": theirs,
                             "calibrated_estimate": round(estimate, 1),
                             "calibration_samples": calibration["samples"],
+                            "margin": calibration["margin"],
                             "truncated": context["truncated"],
                             "window": context["context_window"],
                             "window_source": context["context_window_source"],
@@ -74,6 +75,11 @@ def main() -> int:
             gateway.stop()
     raw = [row["theirs"] / row["ours"] for row in rows]
     calibrated = [row["theirs"] / row["calibrated_estimate"] for row in rows if row["calibration_samples"]]
+    with_margin = [
+        row["theirs"] / (row["calibrated_estimate"] + row["margin"])
+        for row in rows
+        if row["calibration_samples"]
+    ]
     used = [row["theirs"] / N_CTX for row in rows if row["truncated"]]
     summary = {
         "turns": len(rows) + failed,
@@ -82,6 +88,8 @@ def main() -> int:
         "window_sources": sorted({row["window_source"] for row in rows}),
         "before_calibration": {"median": statistics.median(raw), "worst": max(raw)},
         "after_calibration": {"median": statistics.median(calibrated), "worst": max(calibrated)},
+        "after_calibration_with_margin_worst": max(with_margin),
+        "largest_prompt": max(row["theirs"] for row in rows),
         "window_used_once_truncating": {
             "turns": len(used),
             "median": statistics.median(used) if used else None,
