@@ -274,9 +274,14 @@ class Processor:
         last = max(view.last_activity or 0.0, modified or 0.0)
         if sessions.ttl > 0 and now - last > sessions.ttl:
             async with store.lock(cid, self.settings.storage.lock_timeout):
-                await store.delete_conversation(cid, archive=True)
-            log.info('{"event": "conversation_expired", "conversation_id": "%s"}', cid)
-            return
+                # Decided without the lock: a turn may have landed since. Decide again.
+                fresh = await store.load(cid)
+                if fresh.last_activity is None or self.clock() - fresh.last_activity > sessions.ttl:
+                    await store.delete_conversation(cid, archive=True)
+                    log.info('{"event": "conversation_expired", "conversation_id": "%s"}', cid)
+                    return
+            view = fresh
+            last = view.last_activity or last
         state = derive_state(await store.read_side("lifecycle", cid), view.last_activity)
         if state.state == PROCESSING:
             if state.lease_until is not None and now > state.lease_until:

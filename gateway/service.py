@@ -12,6 +12,7 @@ import asyncio
 import contextlib
 import functools
 import logging
+import secrets
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable
 from contextlib import AsyncExitStack
@@ -36,6 +37,7 @@ from gateway.exceptions import (
     ConversationTooLarge,
     GatewayError,
     InvalidRequest,
+    NotFound,
     UpstreamProtocolError,
     UpstreamStatusError,
 )
@@ -190,6 +192,9 @@ class ChatRequest:
     stream: bool
     include_usage: bool
     conversation_id: str | None
+    # Continue from this response (Responses API): from the conversation's newest response, or
+    # from a fork made at an older one. Decided under the conversation's lock.
+    previous_response_id: str | None = None
 
     @classmethod
     def parse(cls, body: Any, *, header_conversation_id: str | None = None) -> ChatRequest:
@@ -387,7 +392,7 @@ class ChatService:
             cid = request.conversation_id
             view = ConversationView()
             if cid is not None:
-                await stack.enter_async_context(store.lock(cid, self.settings.storage.lock_timeout))
+                cid = await self._lock_conversation(request, store, stack)
                 view = await store.load(cid)
             system_in, rest = split_system(request.messages)
             recap: Message | None = None
@@ -505,6 +510,33 @@ class ChatService:
         except BaseException:
             await stack.aclose()
             raise
+
+    async def _lock_conversation(self, request: ChatRequest, store: Store, stack: AsyncExitStack) -> str:
+        """Lock the request's conversation (held until the turn closes) and return its id. With
+        `previous_response_id`: when that response is no longer the newest, the turn moves to a
+        fork made at it; decided under the lock, so a turn landing meanwhile cannot slip in."""
+        cid = request.conversation_id
+        assert cid is not None
+        timeout = self.settings.storage.lock_timeout
+        previous = request.previous_response_id
+        if previous is None:
+            await stack.enter_async_context(store.lock(cid, timeout))
+            return cid
+        async with AsyncExitStack() as source:
+            await source.enter_async_context(store.lock(cid, timeout))
+            ids = [e for e in await store.read_index(cid) if isinstance(e, str)]
+            if ids and ids[-1] == previous:
+                stack.push_async_exit(source.pop_all())
+                return cid
+            if previous not in ids:
+                raise NotFound(
+                    f"Response {previous!r} is no longer part of a conversation", param="previous_response_id"
+                )
+            fork = f"{cid[:100]}.fork-{secrets.token_hex(6)}"
+            await stack.enter_async_context(store.lock(fork, timeout))
+            await store.fork(cid, fork, previous)
+        request.conversation_id = fork
+        return fork
 
     async def _plan(
         self,

@@ -128,9 +128,7 @@ def response_object(
     }
 
 
-async def _conversation_for(
-    body: dict[str, Any], store: Store, lock_timeout: float
-) -> tuple[str | None, str | None]:
+async def _conversation_for(body: dict[str, Any], store: Store) -> tuple[str | None, str | None]:
     """(conversation id, previous response id) for a request."""
     conversation = body.get("conversation")
     previous = body.get("previous_response_id")
@@ -153,18 +151,9 @@ async def _conversation_for(
             raise InvalidRequest(
                 f"Response {previous!r} was not stored (store=false)", param="previous_response_id"
             )
-        async with store.lock(cid, lock_timeout):
-            ids = [e for e in await store.read_index(cid) if isinstance(e, str)]
-            if ids and ids[-1] == previous:
-                return cid, previous
-            if previous not in ids:
-                raise NotFound(
-                    f"Response {previous!r} is no longer part of a conversation", param="previous_response_id"
-                )
-            fork = f"{cid[:100]}.fork-{secrets.token_hex(6)}"
-            async with store.lock(fork, lock_timeout):
-                await store.fork(cid, fork, previous)
-        return fork, previous
+        # Whether the turn continues on `cid` or on a fork made at `previous` is decided by the
+        # service, under the conversation's lock.
+        return cid, previous
     if body.get("store") is False:
         return None, None
     return f"resp-{secrets.token_hex(12)}", None
@@ -233,10 +222,12 @@ async def create_response(request: Request) -> Response:
         raise InvalidRequest("The request body must be a JSON object")
     chat_body, params = _chat_body(body)
     chat = ChatRequest.parse(chat_body)  # every validation error before a fork is made
-    cid, previous = await _conversation_for(body, store, settings.storage.lock_timeout)
+    cid, previous = await _conversation_for(body, store)
     if cid is not None:
         chat_body["conversation_id"] = chat.conversation_id = cid
+    chat.previous_response_id = previous
     turn = await service.prepare(chat, store)
+    cid = turn.conversation_id
     position = len(turn.new)
     common: dict[str, Any] = {
         "response_id": turn.response_id,

@@ -3,6 +3,7 @@ One store per tenant (`StoreRegistry`): its own folder (jsonl) or its own namesp
 
 from __future__ import annotations
 
+import asyncio
 from pathlib import Path
 
 from gateway.config import Settings
@@ -56,16 +57,27 @@ class StoreRegistry:
         self.settings = settings
         self._stores: dict[str, Store] = {}
         self._opened: set[str] = set()
+        self._opening: dict[str, asyncio.Future[Store]] = {}
         if default is not None:
             self._stores[""] = default
 
     async def get(self, tenant: str) -> Store:
+        if tenant in self._opened:
+            return self._stores[tenant]
+        # Concurrent first requests of a tenant share one opening (a backend opened twice
+        # would count its users twice and release them once).
+        opening = self._opening.get(tenant)
+        if opening is None:
+            opening = self._opening[tenant] = asyncio.ensure_future(self._open(tenant))
+            opening.add_done_callback(lambda _: self._opening.pop(tenant, None))
+        return await asyncio.shield(opening)
+
+    async def _open(self, tenant: str) -> Store:
         store = self._stores.get(tenant)
         if store is None:
             store = self._stores[tenant] = create_store(self.settings, tenant)
-        if tenant not in self._opened:
-            await store.open()
-            self._opened.add(tenant)
+        await store.open()
+        self._opened.add(tenant)
         return store
 
     def refusing_writes(self) -> str | None:

@@ -3,7 +3,7 @@
     {data_dir}/logs/responses/{response_id}.jsonl      request, context, response, commit
     {data_dir}/logs/conversations/{conversation_id}.jsonl  one response id per line
     {data_dir}/logs/summaries/{conversation_id}.jsonl  rolling summary versions (append-only)
-    {data_dir}/locks/NNN.lock                          flock() stripes shared by worker processes
+    {data_dir}/locks/{conversation_id}.lock           flock() per conversation, across worker processes
 
 A response file is written and fsync'd before its id is appended to the index (then the index
 is fsync'd), so the index never names an incomplete response. Each process caches assembled
@@ -13,12 +13,12 @@ conversations and revalidates them by index size, so writes by another process a
 from __future__ import annotations
 
 import asyncio
+import contextvars
 import fcntl
 import logging
 import os
 import shutil
 import weakref
-import zlib
 from collections import OrderedDict
 from collections.abc import AsyncIterator, Callable
 from contextlib import asynccontextmanager
@@ -38,8 +38,10 @@ log = logging.getLogger("gateway.store")
 
 # Conversations bigger than this (index bytes) are loaded in a worker thread.
 _THREAD_LOAD_BYTES = 4096
-# Cross-process lock files: conversation ids hash onto this many, kept open.
-LOCK_STRIPES = 256
+# The conversations whose lock the running task holds (readers without it never repair).
+_HELD: contextvars.ContextVar[frozenset[str]] = contextvars.ContextVar(
+    "gateway_held_locks", default=frozenset()
+)
 # Context snapshots are the bulk of a response log and are not needed to rebuild history.
 _CONTEXT_PREFIX = b'{"type":"context"'
 # Append-only logs beside the conversations: logs/{kind}/{key}.jsonl
@@ -298,8 +300,6 @@ class JsonlStore(Store):
         self.summaries_dir = self.root / "logs" / "summaries"
         self.archive_dir = self.root / "archive"
         self._side: LRU[tuple[str, str], tuple[int, list[Record]]] = LRU(4 * cache_size)
-        self._stripe_fds: dict[int, int] = {}
-        self._stripe_holders: dict[int, int] = {}
         self.fsync = durability == "fsync"
         self.cache_size = cache_size
         self._cache: OrderedDict[str, _Cached] = OrderedDict()
@@ -345,18 +345,12 @@ class JsonlStore(Store):
         return self.responses_dir / f"{response_id}.jsonl"
 
     # -- locking ----------------------------------------------------------------------------
-    def _stripe_fd(self, stripe: int) -> int:
-        fd = self._stripe_fds.get(stripe)
-        if fd is None:
-            fd = os.open(self.locks_dir / f"{stripe:03d}.lock", os.O_RDWR | os.O_CREAT, 0o644)
-            self._stripe_fds[stripe] = fd
-        return fd
-
     @asynccontextmanager
     async def lock(self, conversation_id: str, timeout: float) -> AsyncIterator[None]:
         """In this process, one asyncio.Lock per conversation (FIFO). Across processes, an
-        flock() on one of LOCK_STRIPES lock files chosen by hashing the id, kept open and held
-        by this process while any of its conversations on that stripe is busy."""
+        flock() on the conversation's own lock file, `locks/{id}.lock`, held for the turn: an
+        unrelated conversation never waits for it. Lock files are never removed while the
+        gateway runs (removing one could give two processes two different "same" locks)."""
         check_conversation_id(conversation_id)
         lock = self._locks.get(conversation_id)
         if lock is None:
@@ -370,36 +364,41 @@ class JsonlStore(Store):
                 await lock.acquire()
         except TimeoutError:
             raise busy from None
-        stripe = zlib.crc32(conversation_id.encode()) % LOCK_STRIPES
-        holding = False
+        fd = -1
+        held = False
         try:
-            if self._stripe_holders.get(stripe, 0) == 0:
-                fd = self._stripe_fd(stripe)
-                delay = 0.0005
-                while True:
-                    try:
-                        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-                        break
-                    except BlockingIOError:
-                        if loop.time() >= deadline:
-                            raise busy from None
-                        await asyncio.sleep(delay)
-                        delay = min(delay * 2, 0.02)
-            self._stripe_holders[stripe] = self._stripe_holders.get(stripe, 0) + 1
-            holding = True
+            try:
+                fd = os.open(self.locks_dir / f"{conversation_id}.lock", os.O_RDWR | os.O_CREAT, 0o644)
+            except OSError as exc:
+                raise StorageError(
+                    f"Cannot open the lock of conversation {conversation_id!r}: {exc.strerror}"
+                ) from exc
+            delay = 0.0005
+            while True:
+                try:
+                    fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                    break
+                except BlockingIOError:
+                    if loop.time() >= deadline:
+                        raise busy from None
+                    await asyncio.sleep(delay)
+                    delay = min(delay * 2, 0.02)
+            _HELD.set(_HELD.get() | {conversation_id})
+            held = True
             yield
         finally:
-            if holding:
-                self._stripe_holders[stripe] -= 1
-                if self._stripe_holders[stripe] == 0:
-                    fcntl.flock(self._stripe_fds[stripe], fcntl.LOCK_UN)
+            if held:  # not a token reset: locks may be released in any order
+                _HELD.set(_HELD.get() - {conversation_id})
+            if fd >= 0:
+                os.close(fd)  # releases the flock
             lock.release()
 
+    def holds_lock(self, conversation_id: str) -> bool:
+        """Does the running task hold this conversation's lock? Only then may a read repair."""
+        return conversation_id in _HELD.get()
+
     async def close(self) -> None:
-        for fd in self._stripe_fds.values():
-            os.close(fd)
-        self._stripe_fds.clear()
-        self._stripe_holders.clear()
+        """Nothing is held between requests."""
 
     # -- reading ----------------------------------------------------------------------------
     def _read_records(self, path: Path, *, skip_context: bool = False) -> list[Record]:
@@ -444,6 +443,9 @@ class JsonlStore(Store):
         return cached
 
     async def load(self, conversation_id: str) -> ConversationView:
+        # A torn last line is cut only by a holder of the lock: without it, the "torn" line may
+        # be another writer's append in progress (another task, thread or worker process).
+        repair = self.holds_lock(conversation_id)
         cached = self._cache.get(conversation_id)
         if cached is None:
             try:
@@ -452,11 +454,11 @@ class JsonlStore(Store):
                 size = 0
             # Reading many response files is slow: off the event loop unless it is tiny.
             if size > _THREAD_LOAD_BYTES:
-                result = await asyncio.to_thread(self._load_sync, conversation_id, None, True)
+                result = await asyncio.to_thread(self._load_sync, conversation_id, None, repair)
             else:
-                result = self._load_sync(conversation_id, None, True)
+                result = self._load_sync(conversation_id, None, repair)
         else:
-            result = self._load_sync(conversation_id, cached, True)
+            result = self._load_sync(conversation_id, cached, repair)
         if result.size:
             self._cache[conversation_id] = result
             self._cache.move_to_end(conversation_id)
