@@ -94,7 +94,7 @@ class SessionsSettings(_Section):
     idle_after: Duration = 900.0
     lease: Duration = Field(900.0, gt=0, le=1800)  # processing lease; never more than 30 min
     max_attempts: int = Field(3, ge=1)
-    recap: bool = True
+    recap: bool = False  # opt-in: `user` is often one shared value (abuse monitoring)
     recap_max_tokens: int = Field(300, gt=0)
     default_timezone: str = "UTC"
 

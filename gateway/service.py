@@ -51,7 +51,8 @@ from gateway.upstream import Route, Router
 
 log = logging.getLogger("gateway.service")
 
-GATEWAY_FIELDS = frozenset({"conversation_id", "agent_id", "user_timezone"})
+# Consumed by the gateway, never forwarded (providers that validate arguments reject them).
+GATEWAY_FIELDS = frozenset({"conversation_id", "session_id", "agent_id", "response_id", "user_timezone"})
 # Never forwarded: a client must not redirect the gateway or choose its credentials.
 FORBIDDEN_FIELDS = frozenset({"api_base", "base_url", "api_key", "api_version", "extra_headers"})
 MESSAGE_ROLES = frozenset({"system", "developer", "user", "assistant", "tool", "function"})
@@ -234,6 +235,8 @@ class ChatRequest:
             cid = check_conversation_id(body["conversation_id"], param="conversation_id")
         elif header_conversation_id is not None:
             cid = check_conversation_id(header_conversation_id, param="X-Conversation-Id")
+        elif body.get("session_id") is not None:
+            cid = check_conversation_id(body["session_id"], param="session_id")
         elif body.get("agent_id") is not None:
             cid = check_conversation_id(body["agent_id"], param="agent_id")
         return cls(body, model, messages, stream, include_usage, cid)

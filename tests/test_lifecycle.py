@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import time
+from collections.abc import Iterator
 from datetime import datetime, timedelta
 from pathlib import Path
 from typing import Any
@@ -18,7 +19,7 @@ from gateway.lifecycle import FAILED, PROCESSED, PROCESSING, derive_state, user_
 from gateway.store.jsonl import JsonlStore
 from gateway.upstream import Router
 from gateway.upstream.mock import MockUpstream
-from tests.conftest import GatewayProcess, make_settings
+from tests.conftest import GatewayProcess, make_settings, write_config
 from tests.mockserver import MockServer
 
 
@@ -56,7 +57,7 @@ async def make(
     settings = settings.model_copy(
         update={
             "sessions": settings.sessions.model_copy(
-                update={"idle_after": 60.0, "lease": 120.0, "max_attempts": 3, **sessions}
+                update={"idle_after": 60.0, "lease": 120.0, "max_attempts": 3, "recap": True, **sessions}
             )
         }
     )
@@ -178,18 +179,20 @@ def test_derive_state() -> None:
 
 def _zone_pair(now: float) -> tuple[str, str, float]:
     """A zone where `now` and a later instant fall on different local days, one where they
-    fall on the same day, and that later instant."""
-    split = "Asia/Tokyo"
-    tokyo = datetime.fromtimestamp(now, ZoneInfo(split))
-    midnight = (tokyo + timedelta(days=1)).replace(hour=0, minute=0, second=0, microsecond=0)
-    later = midnight.timestamp() + 60  # just after the next local midnight in Tokyo
+    fall on the same day, and that later instant (at most 12 hours later, whatever the hour)."""
 
     def day(ts: float, z: str) -> str:
         return datetime.fromtimestamp(ts, ZoneInfo(z)).date().isoformat()
 
     hourly = [f"Etc/GMT{'+' if h > 0 else '-'}{abs(h)}" if h else "UTC" for h in range(-14, 13)]
-    same = next(z for z in hourly if day(now, z) == day(later, z))
-    return split, same, later
+    for split in hourly:
+        local = datetime.fromtimestamp(now, ZoneInfo(split))
+        midnight = (local + timedelta(days=1)).replace(hour=0, minute=0, second=0, microsecond=0)
+        later = midnight.timestamp() + 60  # just after the next local midnight there
+        if later - now <= 12 * 3600:
+            same = next(z for z in hourly if day(now, z) == day(later, z))
+            return split, same, later
+    raise AssertionError("every hour has a zone whose midnight is less than 12 hours away")
 
 
 async def test_recap_respects_the_users_local_day(tmp_path: Path) -> None:
@@ -220,8 +223,17 @@ async def test_recap_respects_the_users_local_day(tmp_path: Path) -> None:
     await client.aclose()
 
 
+@pytest.fixture
+def recap_gateway(tmp_path: Path, upstream: MockServer) -> Iterator[GatewayProcess]:
+    config = write_config(tmp_path / "gateway.toml", upstream.url, extra="[sessions]\nrecap = true\n")
+    gateway = GatewayProcess(config, tmp_path / "var").start()
+    yield gateway
+    gateway.stop()
+
+
 @pytest.mark.e2e
-def test_recap_across_channels_end_to_end(gateway: GatewayProcess, upstream: MockServer) -> None:
+def test_recap_across_channels_end_to_end(recap_gateway: GatewayProcess, upstream: MockServer) -> None:
+    gateway = recap_gateway
     client = OpenAI(base_url=f"{gateway.url}/v1", api_key="x", max_retries=0)
 
     def ask(cid: str, text: str, user: str) -> str:

@@ -168,6 +168,40 @@ async def test_agent_id_and_header_are_conversation_ids(
     assert set(memory_store.indexes) == {"agent-7"}
 
 
+async def test_session_id_is_a_conversation_id_and_gateway_fields_never_reach_the_provider(
+    app_client: httpx.AsyncClient, memory_store: MemoryStore, mock_upstream: MockUpstream
+) -> None:
+    r = await app_client.post(
+        "/v1/chat/completions",
+        json={
+            "model": "mock/m",
+            "messages": [user("x")],
+            "session_id": "sess-1",
+            "agent_id": "ignored-when-session-id-is-sent",
+            "response_id": "client-chosen-id",
+            "user_timezone": "Europe/Berlin",
+            "temperature": 0.2,
+        },
+    )
+    assert r.status_code == 200, r.text
+    assert r.json()["conversation_id"] == "sess-1" and r.json()["id"] != "client-chosen-id"
+    sent = mock_upstream.requests[-1]
+    assert set(sent) == {"model", "messages", "temperature"}
+    assert set(memory_store.indexes) == {"sess-1"}
+
+
+async def test_the_recap_is_off_unless_configured(
+    app_client: httpx.AsyncClient, mock_upstream: MockUpstream
+) -> None:
+    for cid, text in (("a", "my secret project is Falcon"), ("b", "hello")):
+        r = await app_client.post(
+            "/v1/chat/completions",
+            json={"model": "mock/m", "messages": [user(text)], "conversation_id": cid, "user": "shared"},
+        )
+        assert r.status_code == 200
+    assert "Falcon" not in json.dumps(mock_upstream.requests[-1]["messages"])
+
+
 @pytest.mark.parametrize(
     "body, param",
     [
