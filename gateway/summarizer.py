@@ -21,7 +21,7 @@ from typing import Any
 from gateway.config import Settings
 from gateway.context import ConversationView, Message
 from gateway.exceptions import UpstreamStatusError
-from gateway.models import ModelFacts
+from gateway.services.models import ModelFacts
 from gateway.store.base import Record, Store, now
 from gateway.tokens import count_message, count_text, encoding_name_for, truncate_text
 from gateway.upstream import Router

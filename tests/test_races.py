@@ -21,7 +21,8 @@ import pytest
 
 from gateway.api import create_app
 from gateway.exceptions import ConversationBusy
-from gateway.service import ChatRequest, ChatService
+from gateway.services.requests import ChatRequest
+from gateway.services.turns import ChatService
 from gateway.store import StoreRegistry
 from gateway.store.jsonl import JsonlStore
 from gateway.store.memory import MemoryStore

@@ -416,7 +416,7 @@ async def test_malformed_chunk_mid_stream_is_an_in_band_error(memory_store: Memo
 )
 def test_malformed_messages_are_a_400_naming_the_field(message: dict[str, Any], param: str) -> None:
     from gateway.exceptions import InvalidRequest
-    from gateway.service import ChatRequest
+    from gateway.services.requests import ChatRequest
 
     with pytest.raises(InvalidRequest) as info:
         ChatRequest.parse({"model": "m", "messages": [message]})

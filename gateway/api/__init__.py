@@ -30,8 +30,8 @@ from gateway.config import Settings, load_settings
 from gateway.exceptions import GatewayError, NotFound
 from gateway.lifecycle import Processor
 from gateway.metrics import Metrics, MetricsMiddleware, metrics_endpoint
-from gateway.models import _litellm_windows
-from gateway.service import ChatService
+from gateway.services.models import _litellm_windows
+from gateway.services.turns import ChatService
 from gateway.store import Store, StoreRegistry
 from gateway.tenants import DEFAULT_TENANT, AuthMiddleware, Tenants
 from gateway.tokens import get_encoding, release_free_memory

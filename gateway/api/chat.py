@@ -21,9 +21,11 @@ from gateway.api.http import (
     turn_outcome,
     until_disconnect,
 )
+from gateway.api.sse import chat_events
 from gateway.exceptions import GatewayError
 from gateway.metrics import Metrics
-from gateway.service import ChatRequest, ChatService, PreparedTurn
+from gateway.services.requests import ChatRequest
+from gateway.services.turns import ChatService, PreparedTurn
 
 access_log = logging.getLogger("gateway.access")
 
@@ -143,7 +145,7 @@ async def chat_completions(request: Request) -> Response:
         return JSONBody(result, headers=_headers(turn))
 
     try:
-        events = await until_disconnect(service.open_stream(turn), request.receive)
+        chunks = await until_disconnect(service.open_chunks(turn), request.receive)
     except BaseException as exc:
         await service.close(turn, turn_outcome(exc))
         return _failed(turn, exc)
@@ -153,4 +155,4 @@ async def chat_completions(request: Request) -> Response:
         complete = turn.timings is not None and exc is None
         _log_line(turn, 200, "complete" if complete else "incomplete", request.app.state.metrics)
 
-    return SSEResponse(events, headers=_headers(turn), on_close=on_close)
+    return SSEResponse(chat_events(service, turn, chunks), headers=_headers(turn), on_close=on_close)

@@ -19,7 +19,7 @@ from gateway.context.items import Item, items_to_messages, message_to_items, par
 from gateway.exceptions import InvalidRequest, NotFound
 from gateway.ids import check_conversation_id, mint_response_id
 from gateway.lifecycle import derive_state
-from gateway.service import check_size
+from gateway.services.requests import check_size
 from gateway.store import Store
 from gateway.store.base import now
 

@@ -32,7 +32,9 @@ from gateway.context import Message
 from gateway.context.items import items_to_messages, message_to_items
 from gateway.exceptions import GatewayError, InvalidRequest, NotFound
 from gateway.ids import check_conversation_id
-from gateway.service import ChatRequest, ChatService, PreparedTurn, StreamAccumulator
+from gateway.services.requests import ChatRequest
+from gateway.services.stream import StreamAccumulator
+from gateway.services.turns import ChatService, PreparedTurn
 from gateway.store import Store
 
 _PASSED = ("temperature", "top_p", "parallel_tool_calls", "user", "metadata", "service_tier", "seed")

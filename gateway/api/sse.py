@@ -1,0 +1,50 @@
+"""Server-sent events for chat completions: the service's chunk stream, rendered."""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import AsyncIterator
+from typing import Any
+
+import orjson
+
+from gateway.exceptions import GatewayError, UpstreamProtocolError
+from gateway.services.turns import ChatService, PreparedTurn
+
+log = logging.getLogger("gateway.api")
+
+SSE_DONE = b"data: [DONE]\n\n"
+
+
+def sse(payload: dict[str, Any]) -> bytes:
+    return b"data: " + orjson.dumps(payload) + b"\n\n"
+
+
+async def chat_events(
+    service: ChatService, turn: PreparedTurn, chunks: AsyncIterator[dict[str, Any]]
+) -> AsyncIterator[bytes]:
+    """The chunks as `chat.completion.chunk` events, then `[DONE]`. Headers are sent by then:
+    any failure becomes an in-band error event (as OpenAI does: no `[DONE]` after it)."""
+    include_usage = turn.request.include_usage
+    try:
+        async for chunk in chunks:
+            if chunk.get("choices") or include_usage:
+                yield sse(chunk)
+    except Exception as exc:  # noqa: BLE001 - headers are sent: every failure is reported in-band
+        error = (
+            exc
+            if isinstance(exc, GatewayError)
+            else UpstreamProtocolError(
+                f"Provider {turn.route.provider!r} sent a malformed stream ({type(exc).__name__})"
+            )
+        )
+        if not isinstance(exc, GatewayError):
+            log.warning("malformed stream from %s: %r", turn.route.provider, exc)
+        await service.close(turn, error)
+        yield sse(error.to_dict())
+        return
+    finally:
+        aclose = getattr(chunks, "aclose", None)
+        if aclose is not None:
+            await aclose()
+    yield SSE_DONE

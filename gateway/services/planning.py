@@ -1,0 +1,301 @@
+"""Planning a turn's window: what of the stored conversation goes upstream (SPEC section 7),
+sized from the model's window and calibration; and learning from what the provider reported."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import orjson
+
+from gateway.config import Settings
+from gateway.context import (
+    ConversationView,
+    Message,
+    clean_message,
+    repair_tool_calls,
+)
+from gateway.context.window import REQUEST_OVERHEAD_TOKENS, Window, fit_window, omitted_marker
+from gateway.lifecycle import build_recap, zone
+from gateway.services.models import ModelFacts, WindowFacts
+from gateway.services.requests import ChatRequest
+from gateway.store.base import Store
+from gateway.summarizer import Summary, current_summary, snap_to_turn_end
+from gateway.tokens import count_message, truncate_text
+from gateway.upstream import Route
+
+log = logging.getLogger("gateway.services")
+
+# Counting more text than this runs in a worker thread, off the event loop.
+_COUNT_OFF_LOOP_CHARS = 20_000
+# A provider reporting fewer prompt tokens than this share of ours probably cut the prompt.
+_TRUNCATION_RATIO = 0.7
+_TRUNCATION_MIN_TOKENS = 256
+# A summary or recap squeezed below this many tokens is left out instead.
+_MIN_SIZED_TOKENS = 24
+
+
+_MARKER_COSTS: dict[tuple[str, int], int] = {}
+
+
+def marker_cost(encoding: str, omitted: int) -> int:
+    """Tokens of the `[N earlier messages omitted]` marker; depends only on N's digit count
+    (counted once per encoding and width, with the widest number of that width)."""
+    digits = len(str(omitted))
+    key = (encoding, digits)
+    cost = _MARKER_COSTS.get(key)
+    if cost is None:
+        model = "gpt-4o" if encoding == "o200k_base" else ""
+        cost = _MARKER_COSTS[key] = count_message(omitted_marker(int("9" * digits)), model)
+    return cost
+
+
+def _size(messages: list[Message]) -> int:
+    total = 0
+    for m in messages:
+        content = m.get("content")
+        total += len(content) if isinstance(content, str) else len(orjson.dumps(content))
+    return total
+
+
+async def off_loop_if_large(messages: list[Message], work: Callable[[], Any]) -> Any:
+    if _size(messages) > _COUNT_OFF_LOOP_CHARS:
+        return await asyncio.to_thread(work)
+    return work()
+
+
+@dataclass(frozen=True, slots=True)
+class ContextPlan:
+    """The window chosen for a turn and the facts behind it (the manifest)."""
+
+    window: Window
+    encoding: str
+    context_window: int
+    reserve: int
+    summary: Summary | None
+    kept_from: int  # index in stored history of the first message sent
+    summary_target: str | None  # response id a new summary should cover through
+    facts: WindowFacts | None = None
+
+    def snapshot(self, view: ConversationView, new_messages: int, sent: list[Message]) -> dict[str, Any]:
+        included = list(dict.fromkeys(view.history_owner[self.kept_from :]))
+        return {
+            "type": "context",
+            "encoding": self.encoding,
+            "context_window": self.context_window,
+            "context_window_source": self.facts.source if self.facts else None,
+            "calibration": self.facts.calibration.to_dict() if self.facts else None,
+            "reserve_tokens": self.reserve,
+            "budget": self.window.budget,
+            "stored_messages": len(view.history) + len(view.system or []),
+            "stored_turns": view.turns,
+            "new_messages": new_messages,
+            "sent_messages": len(sent),
+            "truncated": self.window.omitted,
+            "tokens": self.window.tokens,
+            "summary_version": self.summary.version if self.summary else None,
+            "summary_covers_messages": self.summary.covered if self.summary else 0,
+            "summary_covers_through": self.summary.covers_through if self.summary else None,
+            "included_response_ids": included,
+            "messages": sent,
+        }
+
+
+
+class Planner:
+    """Plans windows for one gateway: the model facts and summarizer it asks are shared."""
+
+    def __init__(self, settings: Settings, facts: ModelFacts) -> None:
+        self.settings = settings
+        self.facts = facts
+        self._warned_truncation: set[str | None] = set()
+
+    async def plan(
+        self,
+        request: ChatRequest,
+        route: Route,
+        view: ConversationView,
+        store: Store,
+        cid: str,
+        system_in: list[Message],
+        system_in_tokens: list[int] | None,
+        new: list[Message],
+        new_tokens: list[int],
+        encoding: str,
+        count: Callable[[Message], int],
+        recap: Message | None = None,
+    ) -> ContextPlan:
+        """Decide what of the stored conversation goes upstream (SPEC section 7)."""
+        ctx = self.settings.context
+        if view.encoding != encoding or view.needs_count:
+            # Counted once per stored message; only a model-family switch recounts.
+            if len(view.history) > 64:
+                await asyncio.to_thread(view.count_tokens, encoding, count)
+            else:
+                view.count_tokens(encoding, count)
+        if system_in:
+            system, system_tokens = system_in, list(system_in_tokens or [])
+        else:
+            system = view.system or []
+            system_tokens = [int(n or 0) for n in (view.system_tokens or [])]
+        summary = None
+        if ctx.strategy == "summarize":
+            summary = current_summary(await store.read_summaries(cid), view)
+        covered = summary.covered if summary else 0
+        history = view.history
+        # The first unit, kept ahead of the cut when configured and no summary covers it.
+        first_end = 0
+        if ctx.keep_first and covered == 0 and history:
+            first_end = 1
+            while first_end < len(history) and history[first_end].get("role") == "tool":
+                first_end += 1
+        # Only the newest max_history_messages (or keep_recent_messages) can be sent.
+        newest = max(ctx.max_history_messages, ctx.keep_recent_messages)
+        lower = max(covered, first_end, len(history) - newest - 1)
+        while lower > max(covered, first_end) and history[lower].get("role") == "tool":
+            lower -= 1
+        hist = history[lower:]
+        hist_tokens = [int(n or 0) for n in view.history_tokens[lower:]]
+        clean_new = [clean_message(m) for m in new]
+        combined = [*hist, *clean_new]
+        repaired = view.has_tools or any("tool_calls" in m or m.get("role") == "tool" for m in clean_new)
+        if repaired:
+            known = {id(m): n for m, n in zip(combined, [*hist_tokens, *new_tokens], strict=True)}
+            conversation = repair_tool_calls(combined)
+            conversation_tokens = [known[id(m)] if id(m) in known else count(m) for m in conversation]
+            new_ids = {id(m) for m in clean_new}
+            first_new = next((i for i, m in enumerate(conversation) if id(m) in new_ids), len(conversation))
+        else:  # no tool calls anywhere: nothing to repair
+            conversation = combined
+            conversation_tokens = [*hist_tokens, *new_tokens]
+            first_new = len(hist)
+        facts = await self.facts.window(route, request.model, store)
+        window_size = facts.tokens
+        requested = request.body.get("max_completion_tokens") or request.body.get("max_tokens") or 0
+        requested = requested if isinstance(requested, int) and requested > 0 else 0
+        # The client's own max_tokens when sent; else reserve_tokens, at most a quarter of the window.
+        reserve = requested or min(ctx.reserve_tokens, window_size // 4)
+        budget = facts.calibration.our_budget(window_size - reserve)
+        system_msgs = [clean_message(m) for m in system]
+        # Summary and recap are sized from the window: together at most half of what the
+        # system prompt and the current request leave (the rest is for the newest turns).
+        free = budget - REQUEST_OVERHEAD_TOKENS - sum(system_tokens) - sum(conversation_tokens[first_new:])
+        summary_message, summary_tokens = self.sized(
+            summary.message() if summary else None, free // 3, request.model, count
+        )
+        recap, recap_tokens = self.sized(recap, free // 6, request.model, count)
+        first = [clean_message(m) for m in history[:first_end]] if first_end and lower > 0 else []
+        window = fit_window(
+            system=system_msgs,
+            system_tokens=system_tokens,
+            conversation=conversation,
+            conversation_tokens=conversation_tokens,
+            first_new=first_new,
+            budget=budget,
+            max_history_messages=ctx.max_history_messages,
+            marker_tokens=lambda n: marker_cost(encoding, n),
+            summary=summary_message,
+            summary_tokens=summary_tokens,
+            recap=recap,
+            recap_tokens=recap_tokens,
+            omitted_before=lower - covered - (first_end if first else 0),
+            first=first,
+            first_tokens=[count(m) for m in first],
+            keep_recent=ctx.keep_recent_messages,
+        )
+        if repaired:
+            positions = {id(m): lower + i for i, m in enumerate(hist)}
+            kept_abs = next(
+                (positions[id(m)] for m in conversation[window.history_start :] if id(m) in positions),
+                len(history),
+            )
+        else:
+            kept_abs = lower + min(window.history_start, len(hist))
+        target = None
+        if ctx.strategy == "summarize" and window.omitted > 0 and history:
+            # Cover what fell out plus half of what is kept, so the next turns fit too.
+            end = snap_to_turn_end(view, kept_abs + (len(history) - kept_abs) // 2)
+            if end > covered:
+                target = view.history_owner[end - 1]
+        return ContextPlan(
+            window=window,
+            encoding=encoding,
+            context_window=window_size,
+            reserve=reserve,
+            summary=summary,
+            kept_from=kept_abs,
+            summary_target=target,
+            facts=facts,
+        )
+
+    @staticmethod
+    def sized(
+        message: Message | None, limit: int, model: str, count: Callable[[Message], int]
+    ) -> tuple[Message | None, int]:
+        """`message` (a summary or recap) cut to at most `limit` tokens; None when too little
+        room is left for it to say anything."""
+        if message is None:
+            return None, 0
+        tokens = count(message)
+        if tokens <= limit:
+            return message, tokens
+        if limit < _MIN_SIZED_TOKENS:
+            return None, 0
+        text = message.get("content")
+        cut = {**message, "content": truncate_text(text, limit - 8, model) if isinstance(text, str) else ""}
+        return cut, count(cut)
+
+    async def recap(
+        self, request: ChatRequest, store: Store, cid: str, count: Callable[[Message], int], now: float
+    ) -> tuple[Message | None, list[str]]:
+        """The "Earlier today" recap for a user's new conversation (SPEC section 8)."""
+        sessions = self.settings.sessions
+        user = request.body.get("user")
+        if not sessions.recap or not isinstance(user, str) or not user:
+            return None, []
+        tz = zone(request.body.get("user_timezone"), sessions.default_timezone)
+        return await build_recap(
+            store, user, tz, exclude=cid, now=now, max_tokens=sessions.recap_max_tokens, count=count
+        )
+
+    def learn_from_usage(
+        self, plan: ContextPlan | None, route: Route, record: dict[str, Any], cid: str | None, rid: str
+    ) -> bool:
+        """Calibrate counting from the provider's `prompt_tokens` (which already includes cached
+        tokens, for OpenAI and llama.cpp alike), and flag a provider that silently dropped part
+        of the prompt (Ollama's num_ctx): it saw under 70% of what it should have."""
+        usage = record.get("usage")
+        if plan is None or not isinstance(usage, dict):
+            return False
+        theirs = usage.get("prompt_tokens")
+        ours = plan.window.total_tokens
+        if not isinstance(theirs, int) or isinstance(theirs, bool) or theirs <= 0:
+            return False
+        calibration = plan.facts.calibration if plan.facts is not None else None
+        expected = calibration.ratio * ours + calibration.overhead if calibration else float(ours)
+        if ours < _TRUNCATION_MIN_TOKENS or theirs >= expected * _TRUNCATION_RATIO:
+            self.facts.observe(route, ours, theirs)
+            return False
+        record["upstream_truncation_suspected"] = {"prompt_tokens": theirs, "our_count": ours}
+        if route.upstream.reports_real_usage:
+            self.facts.truncated(route, theirs)
+        if cid in self._warned_truncation:
+            return True  # recorded on every response, logged once per conversation
+        if len(self._warned_truncation) < 100_000:
+            self._warned_truncation.add(cid)
+        log.warning(
+            orjson.dumps(
+                {
+                    "event": "upstream_truncation_suspected",
+                    "response_id": rid,
+                    "conversation_id": cid,
+                    "provider": route.provider,
+                    "prompt_tokens": theirs,
+                    "our_count": ours,
+                }
+            ).decode()
+        )
+        return True

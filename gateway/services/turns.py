@@ -1,0 +1,489 @@
+"""The one place that wires store + context + upstream for a chat-completions turn.
+
+A turn: validate → lock the conversation → load its view → work out what is new → build the
+upstream message list → call the provider → record the reply → commit (response log durable,
+then index) → release. Anything that fails or is cancelled is abandoned: it stays in its
+response log marked incomplete and never enters history.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import functools
+import logging
+import secrets
+import time
+from collections.abc import AsyncIterator, Awaitable, Callable
+from contextlib import AsyncExitStack
+from dataclasses import dataclass, field
+from typing import Any
+
+import orjson
+
+from gateway.config import Settings
+from gateway.context import (
+    ConversationView,
+    Message,
+    Turn,
+    clean_message,
+    new_messages,
+    split_system,
+)
+from gateway.exceptions import (
+    ContextLengthExceeded,
+    GatewayError,
+    InvalidRequest,
+    NotFound,
+    UpstreamProtocolError,
+    UpstreamStatusError,
+)
+from gateway.ids import mint_response_id
+from gateway.lifecycle import user_key, zone
+from gateway.services.models import ModelFacts
+from gateway.services.planning import ContextPlan, Planner, off_loop_if_large
+from gateway.services.requests import FORBIDDEN_FIELDS, GATEWAY_FIELDS, ChatRequest, check_size
+from gateway.services.stream import StreamAccumulator, output_message
+from gateway.store.base import ResponseLog, Store
+from gateway.summarizer import Summarizer
+from gateway.tokens import counter_for
+from gateway.upstream import Route, Router
+
+log = logging.getLogger("gateway.services")
+
+
+@dataclass(slots=True)
+class PreparedTurn:
+    """Everything decided before the provider is called; closing it releases the lock."""
+
+    request: ChatRequest
+    response_id: str
+    route: Route
+    upstream_body: dict[str, Any]
+    log: ResponseLog
+    new: list[Message]
+    system_in: list[Message] | None
+    stack: AsyncExitStack
+    started: float = field(default_factory=time.perf_counter)
+    upstream_started: float = 0.0
+    done: bool = False
+    commit_task: asyncio.Future[None] | None = None
+    encoding: str | None = None
+    new_tokens: list[int] | None = None
+    system_tokens: list[int] | None = None
+    plan: ContextPlan | None = None
+    store: Store | None = None
+    created: float | None = None
+    timings: dict[str, float] | None = None
+    usage: dict[str, Any] | None = None
+    upstream_truncated: bool = False
+    recap: Message | None = None
+    final_message: Message | None = None
+    finish_reason: str | None = None
+    first_of_user: str | None = None  # a new conversation of this end user: index it for recaps
+    replan: Callable[[], Awaitable[ContextPlan]] | None = None  # after a provider's refusal
+    refits: int = 0
+    view: ConversationView | None = None
+
+    @property
+    def conversation_id(self) -> str | None:
+        return self.request.conversation_id
+
+
+
+async def _settle(task: asyncio.Future[None]) -> None:
+    """Wait for a commit to finish even while being cancelled: the conversation lock must not
+    be released before the turn is on disk, or the next request would miss it."""
+    cancelled = False
+    while not task.done():
+        try:
+            await asyncio.shield(task)
+        except asyncio.CancelledError:
+            cancelled = True
+        except Exception:  # noqa: BLE001 - the commit's own caller reports it
+            break
+    if cancelled:
+        raise asyncio.CancelledError()
+
+
+class ChatService:
+    """The chat turn: prepare (lock, load, plan), complete or stream, commit, close."""
+
+    def __init__(self, settings: Settings, router: Router, summarizer: Summarizer | None = None) -> None:
+        self.settings = settings
+        self.router = router
+        self.facts = summarizer.facts if summarizer is not None else ModelFacts(settings)
+        self.summarizer = summarizer or Summarizer(settings, router, facts=self.facts)
+        self.planner = Planner(settings, self.facts)
+        self.clock: Callable[[], float] = time.time
+        self.warm_up: asyncio.Future[Any] | None = None  # tokenizer loading, set at startup
+        self.on_context_refusal: Callable[[str], None] = lambda outcome: None  # metrics hook
+
+    # -- preparing ----------------------------------------------------------------------------
+    async def prepare(self, request: ChatRequest, store: Store) -> PreparedTurn:
+        """Lock and load the conversation, fit the window, and open the response log.
+        The caller must `close` the returned turn."""
+        store.refuse_if_failed()  # before the provider is asked for an answer nobody could keep
+        route = self.router.resolve(request.model)
+        response_id = mint_response_id(request.model)
+        stack = AsyncExitStack()
+        try:
+            cid = request.conversation_id
+            view = ConversationView()
+            if cid is not None:
+                cid = await self._lock_conversation(request, store, stack)
+                view = await store.load(cid)
+            system_in, rest = split_system(request.messages)
+            recap: Message | None = None
+            recap_from: list[str] = []
+            if request.body.get("user_timezone") is not None:
+                if not isinstance(request.body["user_timezone"], str):
+                    raise InvalidRequest("'user_timezone' must be an IANA zone name", param="user_timezone")
+                zone(request.body["user_timezone"], self.settings.sessions.default_timezone)
+            if self.warm_up is not None and not self.warm_up.done():
+                await asyncio.shield(self.warm_up)  # never load a tokenizer on the event loop
+            encoding, count = counter_for(request.model)
+            plan: ContextPlan | None = None
+            if cid is None:
+                new = list(rest)
+                sent = [clean_message(m) for m in request.messages]
+                new_tokens: list[int] | None = None
+                system_tokens: list[int] | None = None
+            else:
+                new = new_messages(rest, view)
+                # + 1: the reply this turn would store
+                check_size(self.settings.storage.max_conversation_messages, cid, view, len(new) + 1)
+                new_tokens = await off_loop_if_large(
+                    [*system_in, *new], lambda: [count(clean_message(m)) for m in new]
+                )
+                system_tokens = [count(m) for m in system_in] if system_in else None
+                if view.turns == 0:
+                    recap, recap_from = await self.planner.recap(request, store, cid, count, self.clock())
+                replan = functools.partial(
+                    self.planner.plan,
+                    request,
+                    route,
+                    view,
+                    store,
+                    cid,
+                    system_in,
+                    system_tokens,
+                    new,
+                    new_tokens,
+                    encoding,
+                    count,
+                    recap or view.recap,
+                )
+                plan = await replan()
+                sent = plan.window.messages
+            stored_system = system_in if system_in and system_in != view.system else None
+            params = {
+                k: v
+                for k, v in request.body.items()
+                if k not in GATEWAY_FIELDS and k not in FORBIDDEN_FIELDS and k != "messages"
+            }
+            upstream_body = {**params, "model": route.model, "messages": sent}
+            if plan is not None and plan.facts is not None and plan.facts.num_ctx_option:
+                # Ollama cuts prompts to its runtime num_ctx silently: say the window planned for.
+                options = upstream_body.get("options")
+                if options is None or (isinstance(options, dict) and "num_ctx" not in options):
+                    upstream_body["options"] = {**(options or {}), "num_ctx": plan.facts.tokens}
+            record: dict[str, Any] = {
+                "type": "request",
+                "response_id": response_id,
+                "conversation_id": cid,
+                "created": self.clock(),
+                "model": request.model,
+                "provider": route.provider,
+                "upstream_model": route.model,
+                "stream": request.stream,
+                "params": {k: v for k, v in params.items() if k != "model"},
+                "system": stored_system,
+                "input": new,
+            }
+            if recap is not None:
+                record["recap"] = recap
+                record["recap_conversations"] = recap_from
+            if isinstance(request.body.get("user_timezone"), str):
+                record["user_timezone"] = request.body["user_timezone"]
+            if new_tokens is not None:
+                record["encoding"] = encoding
+                record["input_tokens"] = new_tokens
+                if stored_system is not None:
+                    record["system_tokens"] = system_tokens
+            response_log = store.start(response_id, record)
+            if plan is not None:
+                snapshot = plan.snapshot(view, len(new), sent)
+                snapshot["recap_conversations"] = recap_from if recap is not None else None
+                snapshot["recap"] = bool(recap or view.recap)
+                response_log.append(snapshot)
+            else:
+                response_log.append(
+                    {
+                        "type": "context",
+                        "stateless": True,
+                        "new_messages": len(new),
+                        "sent_messages": len(sent),
+                        "messages": sent,
+                    }
+                )
+            turn = PreparedTurn(
+                request, response_id, route, upstream_body, response_log, new, stored_system, stack
+            )
+            turn.encoding = encoding
+            turn.new_tokens = new_tokens
+            turn.system_tokens = system_tokens if stored_system is not None else None
+            turn.plan = plan
+            turn.store = store
+            turn.view = view
+            if plan is not None:
+                turn.replan = replan
+            turn.created = record["created"]
+            turn.recap = recap
+            turn.first_of_user = (
+                request.body["user"]
+                if view.turns == 0 and isinstance(request.body.get("user"), str)
+                else None
+            )
+            return turn
+        except BaseException:
+            await stack.aclose()
+            raise
+
+    async def _lock_conversation(self, request: ChatRequest, store: Store, stack: AsyncExitStack) -> str:
+        """Lock the request's conversation (held until the turn closes) and return its id. With
+        `previous_response_id`: when that response is no longer the newest, the turn moves to a
+        fork made at it; decided under the lock, so a turn landing meanwhile cannot slip in."""
+        cid = request.conversation_id
+        assert cid is not None
+        timeout = self.settings.storage.lock_timeout
+        previous = request.previous_response_id
+        if previous is None:
+            await stack.enter_async_context(store.lock(cid, timeout))
+            return cid
+        async with AsyncExitStack() as source:
+            await source.enter_async_context(store.lock(cid, timeout))
+            ids = [e for e in await store.read_index(cid) if isinstance(e, str)]
+            if ids and ids[-1] == previous:
+                stack.push_async_exit(source.pop_all())
+                return cid
+            if previous not in ids:
+                raise NotFound(
+                    f"Response {previous!r} is no longer part of a conversation", param="previous_response_id"
+                )
+            fork = f"{cid[:100]}.fork-{secrets.token_hex(6)}"
+            await stack.enter_async_context(store.lock(fork, timeout))
+            await store.fork(cid, fork, previous)
+        request.conversation_id = fork
+        return fork
+
+    async def _commit(self, turn: PreparedTurn, message: Message, record: dict[str, Any]) -> None:
+        output_tokens = None
+        if turn.encoding is not None and turn.new_tokens is not None:
+            _, count = counter_for(turn.request.model)
+            output_tokens = await off_loop_if_large([message], lambda: count(message))
+            record["message_tokens"] = output_tokens
+        turn.upstream_truncated = self.planner.learn_from_usage(
+            turn.plan, turn.route, record, turn.conversation_id, turn.response_id
+        )
+        turn.log.append(record)
+        stored = Turn(
+            turn.response_id,
+            tuple(turn.new),
+            message,
+            tuple(turn.system_in) if turn.system_in is not None else None,
+            encoding=turn.encoding if turn.new_tokens is not None else None,
+            input_tokens=tuple(turn.new_tokens) if turn.new_tokens is not None else None,
+            output_tokens=output_tokens,
+            system_tokens=tuple(turn.system_tokens) if turn.system_tokens is not None else None,
+            created=turn.created,
+            model=turn.request.model,
+            user=turn.request.body.get("user") if isinstance(turn.request.body.get("user"), str) else None,
+            recap=turn.recap,
+            timezone=turn.request.body.get("user_timezone")
+            if isinstance(turn.request.body.get("user_timezone"), str)
+            else None,
+        )
+        # Shielded: a client disconnect must never interrupt the write of an answered turn.
+        turn.commit_task = asyncio.ensure_future(
+            turn.log.commit(turn.conversation_id, stored if turn.conversation_id else None)
+        )
+        await asyncio.shield(turn.commit_task)
+        turn.done = True
+
+    async def close(self, turn: PreparedTurn, exc: BaseException | None = None) -> None:
+        """Abandon the turn unless it was committed, then release the conversation."""
+        try:
+            if turn.commit_task is not None:
+                await _settle(turn.commit_task)
+                turn.done = True
+            if not turn.done:
+                turn.done = True
+                if isinstance(exc, asyncio.CancelledError) or exc is None:
+                    reason, error = "cancelled", None
+                elif isinstance(exc, GatewayError):
+                    reason, error = "error", exc.to_dict()["error"]
+                else:
+                    reason, error = "error", {"message": repr(exc)[:500], "type": "server_error"}
+                await asyncio.shield(turn.log.abandon(reason, error))
+        finally:
+            await turn.stack.aclose()
+        plan = turn.plan
+        task = turn.commit_task
+        committed = task is not None and task.done() and not task.cancelled() and task.exception() is None
+        if turn.store is not None:
+            await self.facts.save(turn.route, turn.store)
+        if committed and turn.first_of_user and turn.conversation_id and turn.store is not None:
+            with contextlib.suppress(GatewayError):  # the turn is safe; only recaps would miss it
+                await turn.store.append_side(
+                    "users",
+                    user_key(turn.first_of_user),
+                    {"conversation_id": turn.conversation_id, "at": turn.created},
+                )
+        if plan is not None and plan.summary_target and turn.conversation_id and committed and turn.store:
+            self.summarizer.schedule(
+                turn.store, turn.conversation_id, plan.summary_target, turn.request.model
+            )
+
+    def _response_record(
+        self, turn: PreparedTurn, message: Message, finish_reason: Any, usage: Any, raw: Any = None
+    ) -> dict[str, Any]:
+        end = time.perf_counter()
+        record: dict[str, Any] = {
+            "type": "response",
+            "message": message,
+            "finish_reason": finish_reason,
+            "usage": usage,
+            "timings": {
+                "upstream_ms": round((end - turn.upstream_started) * 1000, 3),
+                "total_ms": round((end - turn.started) * 1000, 3),
+            },
+        }
+        if raw is not None and raw != message:
+            record["upstream_message"] = raw
+        turn.timings = record["timings"]
+        turn.usage = usage if isinstance(usage, dict) else None
+        return record
+
+    # -- non-streaming ------------------------------------------------------------------------
+    async def _refit(self, turn: PreparedTurn, exc: UpstreamStatusError) -> None:
+        """The provider refused the prompt as too long: learn what it said, plan the window
+        again and let the caller retry once; else a 400 context_length_exceeded."""
+        refusal = exc.refusal
+        assert refusal is not None
+        plan = turn.plan
+        window = plan.context_window if plan is not None else (refusal.window or 0)
+        ours = plan.window.total_tokens if plan is not None else 0
+        self.facts.refused(turn.route, ours, refusal, window)
+        log.warning(
+            orjson.dumps(
+                {
+                    "event": "context_refused",
+                    "response_id": turn.response_id,
+                    "conversation_id": turn.conversation_id,
+                    "provider": turn.route.provider,
+                    "planned_window": window,
+                    "our_count": ours,
+                    "provider_window": refusal.window,
+                    "provider_count": refusal.prompt_tokens,
+                    "retry": turn.replan is not None and turn.refits == 0,
+                }
+            ).decode()
+        )
+        if turn.replan is None or turn.refits > 0 or turn.view is None:
+            self.on_context_refusal("refused")
+            raise ContextLengthExceeded(
+                f"The provider refused the prompt as too long for the model's context window: {exc.message}",
+                param="messages",
+            ) from exc
+        turn.refits += 1
+        self.on_context_refusal("retried")
+        plan = await turn.replan()  # ContextLengthExceeded if the request alone cannot fit
+        turn.plan = plan
+        turn.upstream_body["messages"] = plan.window.messages
+        options = turn.upstream_body.get("options")
+        if plan.facts is not None and plan.facts.num_ctx_option and isinstance(options, dict):
+            options["num_ctx"] = plan.facts.tokens
+        snapshot = plan.snapshot(turn.view, len(turn.new), plan.window.messages)
+        snapshot["after_refusal"] = {"message": refusal.message[:500], "window": refusal.window}
+        turn.log.append(snapshot)
+
+    async def complete(self, turn: PreparedTurn) -> dict[str, Any]:
+        turn.upstream_started = time.perf_counter()
+        while True:
+            try:
+                completion = await turn.route.upstream.complete(turn.upstream_body)
+                break
+            except UpstreamStatusError as exc:
+                if exc.refusal is None:
+                    raise
+                await self._refit(turn, exc)
+        choices = completion.get("choices")
+        if not choices or not isinstance(choices[0], dict):
+            raise UpstreamProtocolError(f"Provider {turn.route.provider!r} returned no choices")
+        raw = choices[0].get("message")
+        message = output_message(raw)
+        record = self._response_record(
+            turn, message, choices[0].get("finish_reason"), completion.get("usage"), raw
+        )
+        await self._commit(turn, message, record)
+        turn.final_message = message
+        turn.finish_reason = choices[0].get("finish_reason")
+        completion["id"] = turn.response_id
+        completion["model"] = turn.request.model
+        if turn.conversation_id is not None:
+            completion["conversation_id"] = turn.conversation_id
+        return completion
+
+    # -- streaming ----------------------------------------------------------------------------
+    async def open_chunks(self, turn: PreparedTurn) -> AsyncIterator[dict[str, Any]]:
+        """Start the provider's stream and wait for its first chunk, so that errors before
+        the first byte still become proper HTTP statuses; then return the chunk stream, which
+        commits the turn after the last chunk (and raises GatewayError on a broken stream)."""
+        turn.upstream_started = time.perf_counter()
+        while True:
+            chunks = turn.route.upstream.stream(turn.upstream_body).__aiter__()
+            try:
+                first: dict[str, Any] | None = await chunks.__anext__()
+                break
+            except StopAsyncIteration:
+                first = None
+                break
+            except UpstreamStatusError as exc:
+                if exc.refusal is None:
+                    raise
+                await self._refit(turn, exc)
+        return self._chunks(turn, chunks, first)
+
+    async def _chunks(
+        self, turn: PreparedTurn, chunks: AsyncIterator[dict[str, Any]], first: dict[str, Any] | None
+    ) -> AsyncIterator[dict[str, Any]]:
+        acc = StreamAccumulator()
+        cid = turn.conversation_id
+        model = turn.request.model
+        try:
+            chunk = first
+            while chunk is not None:
+                acc.add(chunk)
+                chunk["id"] = turn.response_id
+                chunk["model"] = model
+                if cid is not None:
+                    chunk["conversation_id"] = cid
+                yield chunk
+                try:
+                    chunk = await chunks.__anext__()
+                except StopAsyncIteration:
+                    chunk = None
+            if acc.finish_reason is None:
+                provider = turn.route.provider
+                raise UpstreamProtocolError(f"Provider {provider!r} ended the stream before finishing")
+            message = acc.message()
+            record = self._response_record(turn, message, acc.finish_reason, acc.usage)
+            await self._commit(turn, message, record)
+            turn.final_message = message
+            turn.finish_reason = acc.finish_reason
+        finally:
+            aclose = getattr(chunks, "aclose", None)
+            if aclose is not None:
+                await aclose()
+
