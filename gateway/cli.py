@@ -261,7 +261,7 @@ def demo(settings: Settings, *, config_path: str | None) -> None:
 @click.option("--limit", type=int, default=50, show_default=True)
 def conversations(settings: Settings, *, config_path: str | None, limit: int) -> None:
     """Table of conversations, most recently active first."""
-    from gateway.lifecycle import derive_state
+    from gateway.context.lifecycle import derive_state
 
     async def collect(store: Store) -> list[tuple[Any, str, float | None, int]]:
         out = []

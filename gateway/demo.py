@@ -21,7 +21,7 @@ SCRIPT = [
 def run_demo(settings: Settings) -> None:
     from openai import OpenAI
 
-    from gateway.api import create_app
+    from gateway.app import create_app
     from gateway.server import running_in_thread
 
     providers = dict(settings.providers)

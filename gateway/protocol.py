@@ -25,7 +25,7 @@ TIMEOUT_RESPONSE = (
 
 
 class HeadDeadlineProtocol(HttpToolsProtocol):
-    # Set from settings in each worker (gateway.api.app_from_env); 0 disables the deadline.
+    # Set from settings in each worker (gateway.app.app_from_env); 0 disables the deadline.
     head_timeout: float = 30.0
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:

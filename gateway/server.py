@@ -66,7 +66,7 @@ def serve(settings: Settings, *, workers: int = 1, log_level: str = "info") -> N
         "" if workers == 1 else "s",
     )
     uvicorn.run(
-        "gateway.api:app_from_env",
+        "gateway.app:app_from_env",
         factory=True,
         host=settings.server.host,
         port=settings.server.port,

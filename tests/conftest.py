@@ -16,7 +16,7 @@ from typing import Any
 import httpx
 import pytest
 
-from gateway.api import create_app
+from gateway.app import create_app
 from gateway.config import Settings, load_settings
 from gateway.store.base import Store
 from gateway.store.memory import MemoryStore

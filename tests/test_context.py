@@ -14,7 +14,7 @@ import httpx
 import pytest
 import tiktoken
 
-from gateway.api import create_app
+from gateway.app import create_app
 from gateway.config import ModelSettings
 from gateway.store.jsonl import JsonlStore
 from gateway.store.memory import MemoryStore
@@ -113,7 +113,6 @@ async def run_long_conversation(
     await store.open()
     model = Model()
     app = create_app(settings, store=store, router=Router({"mock": MockUpstream(model)}, "mock"))
-    service = app.state.service
     answers = []
     async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://g") as client:
 
@@ -123,7 +122,7 @@ async def run_long_conversation(
                 json={"model": "mock/m", "messages": messages, "conversation_id": "long"},
             )
             assert r.status_code == 200, r.text
-            await service.summarizer.wait_idle()
+            await app.state.summarizer.wait_idle()
             return r
 
         await say(

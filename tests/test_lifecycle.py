@@ -13,9 +13,9 @@ import httpx
 import pytest
 from openai import OpenAI
 
-from gateway.api import create_app
+from gateway.app import create_app
+from gateway.context.lifecycle import FAILED, PROCESSED, PROCESSING, derive_state, user_key
 from gateway.exceptions import UpstreamUnreachable
-from gateway.lifecycle import FAILED, PROCESSED, PROCESSING, derive_state, user_key
 from gateway.store.jsonl import JsonlStore
 from gateway.upstream import Router
 from gateway.upstream.mock import MockUpstream
@@ -91,7 +91,7 @@ async def test_idle_conversation_is_processed_and_reactivated(tmp_path: Path) ->
     processor = app.state.processor
     await say(client, "c1", "my name is Ada", user="u1")
     await processor.run_once()
-    assert (await processor.state_of(store, "c1")).state == "active"  # not idle yet
+    assert (await processor.state_of("", "c1")).state == "active"  # not idle yet
     clock.offset = 61
     await processor.run_once()
     states = [r["state"] for r in await store.read_side("lifecycle", "c1")]
@@ -106,7 +106,7 @@ async def test_idle_conversation_is_processed_and_reactivated(tmp_path: Path) ->
     # A new message reactivates it.
     clock.offset = 62
     await say(client, "c1", "hello again")
-    assert (await processor.state_of(store, "c1")).state == "active"
+    assert (await processor.state_of("", "c1")).state == "active"
     await client.aclose()
 
 
@@ -118,20 +118,20 @@ async def test_failures_retry_then_fail(tmp_path: Path) -> None:
     clock.offset = 61
     for expected_attempts in (1, 2):
         await processor.run_once()
-        state = await processor.state_of(store, "c2")
+        state = await processor.state_of("", "c2")
         assert state.state == "active" and state.attempts == expected_attempts
         assert "unreachable" in (state.error or "")
     await processor.run_once()
-    state = await processor.state_of(store, "c2")
+    state = await processor.state_of("", "c2")
     assert state.state == FAILED and state.attempts == 3
     await processor.run_once()
-    assert (await processor.state_of(store, "c2")).state == FAILED  # failed stays failed...
+    assert (await processor.state_of("", "c2")).state == FAILED  # failed stays failed...
     model.fail = False
     clock.offset = 62
     await say(client, "c2", "still there?")  # ...until a new message
     clock.offset = 124
     await processor.run_once()
-    assert (await processor.state_of(store, "c2")).state == PROCESSED
+    assert (await processor.state_of("", "c2")).state == PROCESSED
     await client.aclose()
 
 
@@ -145,13 +145,13 @@ async def test_lease_expiry_after_a_crashed_processor(tmp_path: Path) -> None:
     )
     clock.offset = 61
     await processor.run_once()
-    assert (await processor.state_of(store, "c3")).state == PROCESSING  # lease still valid
+    assert (await processor.state_of("", "c3")).state == PROCESSING  # lease still valid
     clock.offset = 125  # lease over: back to active, counted as an attempt
     await processor.run_once()
     records = await store.read_side("lifecycle", "c3")
     assert records[1]["state"] == "active" and records[1]["attempts"] == 1 and "lease" in records[1]["error"]
     await processor.run_once()
-    assert (await processor.state_of(store, "c3")).state == PROCESSED
+    assert (await processor.state_of("", "c3")).state == PROCESSED
     # No conversation is ever left processing beyond its lease.
     for record in records:
         if record["state"] == PROCESSING:
@@ -284,9 +284,9 @@ async def test_recap_looks_at_a_bounded_number_of_the_users_conversations(
 ) -> None:
     """A user with many earlier conversations: a new one loads at most RECAP_SCAN of them (the
     newest), not every conversation the user ever had."""
-    from gateway import lifecycle
+    from gateway.services import recap
 
-    monkeypatch.setattr(lifecycle, "RECAP_SCAN", 5)
+    monkeypatch.setattr(recap, "RECAP_SCAN", 5)
     app, store, clock, _, client = await make(tmp_path)
     for n in range(12):
         await say(client, f"old-{n}", f"my number is {n}", user="u7")

@@ -16,10 +16,10 @@ from aiohttp import web
 
 from gateway.config import ModelSettings
 from gateway.context.calibration import UNCALIBRATED, Calibration, fit
+from gateway.context.summary import chunk_budget, summary_cap
 from gateway.context.window import fit_window
 from gateway.services.models import ModelFacts
 from gateway.store.memory import MemoryStore
-from gateway.summarizer import chunk_budget, summary_cap
 from gateway.tokens import count_message
 from gateway.upstream import Route
 from gateway.upstream.base import ServerWindow

@@ -19,7 +19,7 @@ from typing import Any
 import httpx
 import pytest
 
-from gateway.api import create_app
+from gateway.app import create_app
 from gateway.exceptions import ConversationBusy
 from gateway.services.requests import ChatRequest
 from gateway.services.turns import ChatService
@@ -62,7 +62,7 @@ async def test_2_previous_response_id_is_decided_under_the_turns_own_lock() -> N
         cid = first.headers["x-conversation-id"]
         real_prepare = service.prepare
 
-        async def prepare_after_an_intruder(request: ChatRequest, store_: Any) -> Any:
+        async def prepare_after_an_intruder(request: ChatRequest, tenant: str = "") -> Any:
             # Another turn lands on the conversation after the request was read, before its turn.
             service.prepare = real_prepare  # type: ignore[method-assign]
             intruder = await real_prepare(
@@ -73,11 +73,11 @@ async def test_2_previous_response_id_is_decided_under_the_turns_own_lock() -> N
                         "conversation_id": cid,
                     }
                 ),
-                store_,
+                tenant,
             )
             await service.complete(intruder)
             await service.close(intruder)
-            return await real_prepare(request, store_)
+            return await real_prepare(request, tenant)
 
         service.prepare = prepare_after_an_intruder  # type: ignore[method-assign]
         second = await client.post(
@@ -117,7 +117,7 @@ async def test_3_expiry_decides_again_under_the_lock(tmp_path: Path) -> None:
         return Late()
 
     store.lock = lock_after_a_turn  # type: ignore[method-assign]
-    await app.state.processor.visit(store, "c")
+    await app.state.processor.visit("", "c")
     assert await store.exists("c")
     assert [m["content"] for m in (await store.load("c")).history if m["role"] == "user"] == [
         "my name is Di",

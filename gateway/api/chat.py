@@ -17,7 +17,8 @@ from gateway.api.http import (
     SSEResponse,
     error_response,
     read_json,
-    store_for,
+    services_of,
+    tenant_of,
     turn_outcome,
     until_disconnect,
 )
@@ -25,7 +26,7 @@ from gateway.api.sse import chat_events
 from gateway.exceptions import GatewayError
 from gateway.metrics import Metrics
 from gateway.services.requests import ChatRequest
-from gateway.services.turns import ChatService, PreparedTurn
+from gateway.services.turns import PreparedTurn
 
 access_log = logging.getLogger("gateway.access")
 
@@ -123,13 +124,13 @@ def _refused_line(request: Request, body: Any, exc: GatewayError, started: float
 
 
 async def chat_completions(request: Request) -> Response:
-    service: ChatService = request.app.state.service
+    service = services_of(request).turns
     started = time.perf_counter()
     body: Any = None
     try:
         body = await read_json(request, service.settings.server.max_body_bytes)
         chat = ChatRequest.parse(body, header_conversation_id=request.headers.get("x-conversation-id"))
-        turn = await service.prepare(chat, await store_for(request))
+        turn = await service.prepare(chat, tenant_of(request))
     except GatewayError as exc:
         _refused_line(request, body, exc, started)
         request.app.state.metrics.refusals.labels(exc.code or exc.error_type).inc()

@@ -13,7 +13,7 @@ from starlette.responses import Response
 from starlette.types import Receive, Scope, Send
 
 from gateway.exceptions import BodyTimeout, BodyTooLarge, ClientGone, GatewayError, InvalidRequest
-from gateway.store import Store, StoreRegistry
+from gateway.services import Services
 
 T = TypeVar("T")
 
@@ -29,10 +29,14 @@ def error_response(exc: GatewayError) -> Response:
     return JSONBody(exc.to_dict(), status_code=exc.status_code, headers=exc.headers())
 
 
-async def store_for(request: Request) -> Store:
-    """This request's tenant's store (the auth middleware has resolved the tenant)."""
-    stores: StoreRegistry = request.app.state.stores
-    return await stores.get(request.scope.get("gateway.tenant", ""))
+def tenant_of(request: Request) -> str:
+    """This request's tenant (the auth middleware has resolved it from the key)."""
+    return str(request.scope.get("gateway.tenant", ""))
+
+
+def services_of(request: Request) -> Services:
+    services: Services = request.app.state.services
+    return services
 
 
 async def read_json(request: Request, limit: int, *, allow_empty: bool = False) -> Any:

@@ -24,18 +24,20 @@ from gateway.api.http import (
     JSONBody,
     SSEResponse,
     read_json,
-    store_for,
+    services_of,
+    tenant_of,
     turn_outcome,
     until_disconnect,
 )
 from gateway.context import Message
 from gateway.context.items import items_to_messages, message_to_items
-from gateway.exceptions import GatewayError, InvalidRequest, NotFound
+from gateway.exceptions import GatewayError, InvalidRequest
 from gateway.ids import check_conversation_id
+from gateway.services import Services
+from gateway.services.queries import first, latest
 from gateway.services.requests import ChatRequest
 from gateway.services.stream import StreamAccumulator
 from gateway.services.turns import ChatService, PreparedTurn
-from gateway.store import Store
 
 _PASSED = ("temperature", "top_p", "parallel_tool_calls", "user", "metadata", "service_tier", "seed")
 
@@ -130,7 +132,9 @@ def response_object(
     }
 
 
-async def _conversation_for(body: dict[str, Any], store: Store) -> tuple[str | None, str | None]:
+async def _conversation_for(
+    services: Services, tenant: str, body: dict[str, Any]
+) -> tuple[str | None, str | None]:
     """(conversation id, previous response id) for a request."""
     conversation = body.get("conversation")
     previous = body.get("previous_response_id")
@@ -142,20 +146,7 @@ async def _conversation_for(body: dict[str, Any], store: Store) -> tuple[str | N
         cid = conversation.get("id") if isinstance(conversation, dict) else conversation
         return check_conversation_id(cid, param="conversation"), None
     if previous is not None:
-        if not isinstance(previous, str):
-            raise InvalidRequest("'previous_response_id' must be a string", param="previous_response_id")
-        records = await store.read_response(previous)
-        request = next((r for r in records if r.get("type") == "request"), {})
-        if not records or records[-1].get("type") != "commit":
-            raise NotFound(f"Response {previous!r} is not a completed response", param="previous_response_id")
-        cid = request.get("conversation_id")
-        if not isinstance(cid, str):
-            raise InvalidRequest(
-                f"Response {previous!r} was not stored (store=false)", param="previous_response_id"
-            )
-        # Whether the turn continues on `cid` or on a fork made at `previous` is decided by the
-        # service, under the conversation's lock.
-        return cid, previous
+        return await services.responses.continued_conversation(tenant, previous), previous
     if body.get("store") is False:
         return None, None
     return f"resp-{secrets.token_hex(12)}", None
@@ -216,19 +207,19 @@ def _chat_body(body: dict[str, Any]) -> tuple[dict[str, Any], dict[str, Any]]:
 
 
 async def create_response(request: Request) -> Response:
-    service: ChatService = request.app.state.service
-    settings = service.settings
-    store = await store_for(request)
-    body = await read_json(request, settings.server.max_body_bytes)
+    services = services_of(request)
+    service = services.turns
+    tenant = tenant_of(request)
+    body = await read_json(request, services.settings.server.max_body_bytes)
     if not isinstance(body, dict):
         raise InvalidRequest("The request body must be a JSON object")
     chat_body, params = _chat_body(body)
     chat = ChatRequest.parse(chat_body)  # every validation error before a fork is made
-    cid, previous = await _conversation_for(body, store)
+    cid, previous = await _conversation_for(services, tenant, body)
     if cid is not None:
         chat_body["conversation_id"] = chat.conversation_id = cid
     chat.previous_response_id = previous
-    turn = await service.prepare(chat, store)
+    turn = await service.prepare(chat, tenant)
     cid = turn.conversation_id
     position = len(turn.new)
     common: dict[str, Any] = {
@@ -424,21 +415,12 @@ async def _events(
     del output_index
 
 
-async def _stored(store: Store, rid: str) -> tuple[list[dict[str, Any]], dict[str, Any]]:
-    records = await store.read_response(rid)
-    if not records or records[-1].get("type") == "deleted":
-        raise NotFound(f"No response found with id {rid!r}", param="response_id")
-    request_record = next((r for r in records if r.get("type") == "request"), {})
-    return records, request_record
-
-
 async def get_response(request: Request) -> Response:
     """The response in the Responses API shape, plus the gateway's log (`gateway`)."""
-    store = await store_for(request)
     rid = request.path_params["response_id"]
-    records, req = await _stored(store, rid)
-    response_record = next((r for r in records if r.get("type") == "response"), None)
-    context = next((r for r in reversed(records) if r.get("type") == "context"), None)
+    records, req = await services_of(request).responses.get(tenant_of(request), rid)
+    response_record = first(records, "response")
+    context = latest(records, "context")
     outcome = records[-1]
     status = {"commit": "completed", "incomplete": "failed"}.get(str(outcome.get("type")), "in_progress")
     params = dict(req.get("params") or {})
@@ -472,27 +454,14 @@ async def get_response(request: Request) -> Response:
 
 
 async def delete_response(request: Request) -> Response:
-    settings = request.app.state.settings
-    store = await store_for(request)
     rid = request.path_params["response_id"]
-    _, req = await _stored(store, rid)
-    cid = req.get("conversation_id")
-    if isinstance(cid, str):
-        async with store.lock(cid, settings.storage.lock_timeout):
-            await store.tombstone(rid)
-            if await store.exists(cid):
-                await store.append_marker(
-                    cid, {"type": "delete_response", "response_id": rid, "at": time.time()}
-                )
-    else:
-        await store.tombstone(rid)
+    await services_of(request).responses.delete(tenant_of(request), rid)
     return JSONBody({"id": rid, "object": "response.deleted", "deleted": True})
 
 
 async def list_input_items(request: Request) -> Response:
-    store = await store_for(request)
     rid = request.path_params["response_id"]
-    _, req = await _stored(store, rid)
+    _, req = await services_of(request).responses.get(tenant_of(request), rid)
     items = []
     for k, message in enumerate(req.get("system") or []):
         items.extend(message_to_items(message, rid, -(k + 1)))

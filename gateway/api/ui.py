@@ -12,11 +12,10 @@ from typing import Any
 from starlette.requests import Request
 from starlette.responses import FileResponse, Response
 
-from gateway.api.http import JSONBody, store_for
-from gateway.exceptions import NotFound
+from gateway.api.http import JSONBody, services_of, tenant_of
+from gateway.exceptions import InvalidRequest, NotFound
 from gateway.ids import check_conversation_id
-from gateway.lifecycle import derive_state
-from gateway.store import Store
+from gateway.services.queries import first, latest, text_of
 
 STATIC = Path(__file__).resolve().parent.parent / "ui" / "static"
 _FILES = {"index.html": "text/html", "app.js": "text/javascript", "style.css": "text/css"}
@@ -40,52 +39,33 @@ async def static(request: Request) -> Response:
     return FileResponse(STATIC / name, media_type=_FILES[name], headers={"cache-control": "no-cache"})
 
 
-def _text(message: dict[str, Any]) -> str:
-    content = message.get("content")
-    if isinstance(content, list):
-        return " ".join(str(p.get("text", "")) for p in content if isinstance(p, dict))
-    return content if isinstance(content, str) else ""
-
-
 async def conversations(request: Request) -> Response:
     _enabled(request)
-    store = await store_for(request)
-    query = request.query_params.get("q", "").strip().lower()
-    out = []
-    for summary in await store.list_conversations():
-        view = await store.load(summary.conversation_id)
-        if query:
-            haystack = [summary.conversation_id.lower(), (view.user or "").lower()]
-            haystack += [_text(m).lower() for m in view.transcript]
-            if not any(query in h for h in haystack):
-                continue
-        state = derive_state(await store.read_side("lifecycle", summary.conversation_id), view.last_activity)
-        out.append(
-            {
-                "id": summary.conversation_id,
-                "turns": summary.turns,
-                "messages": summary.messages,
-                "tokens": summary.tokens,
-                "last_activity": view.last_activity or summary.last_activity,
-                "user": view.user,
-                "state": state.state,
-                "preview": next(
-                    (_text(m)[:120] for m in reversed(view.history) if m.get("role") == "user"), ""
-                ),
-            }
-        )
-        if len(out) >= 200:
-            break
+    rows = await services_of(request).queries.search(tenant_of(request), request.query_params.get("q", ""))
+    out = [
+        {
+            "id": row.conversation_id,
+            "turns": row.summary.turns,
+            "messages": row.summary.messages,
+            "tokens": row.summary.tokens,
+            "last_activity": row.view.last_activity or row.summary.last_activity,
+            "user": row.view.user,
+            "state": row.state.state,
+            "preview": next(
+                (text_of(m)[:120] for m in reversed(row.view.history) if m.get("role") == "user"), ""
+            ),
+        }
+        for row in rows
+    ]
     return JSONBody({"data": out})
 
 
-async def _turn(store: Store, rid: str, index: int) -> dict[str, Any] | None:
-    records = await store.read_response(rid)
-    request = next((r for r in records if r.get("type") == "request"), None)
+def _turn(records: list[dict[str, Any]], rid: str, index: int) -> dict[str, Any] | None:
+    request = first(records, "request")
     if request is None:
         return None
-    context = next((r for r in reversed(records) if r.get("type") == "context"), None) or {}
-    response = next((r for r in records if r.get("type") == "response"), None) or {}
+    context = latest(records, "context") or {}
+    response = first(records, "response") or {}
     return {
         "index": index,
         "response_id": rid,
@@ -108,11 +88,15 @@ async def _turn(store: Store, rid: str, index: int) -> dict[str, Any] | None:
 
 async def conversation(request: Request) -> Response:
     _enabled(request)
-    store = await store_for(request)
+    queries = services_of(request).queries
+    tenant = tenant_of(request)
     cid = check_conversation_id(request.path_params["conversation_id"], param="conversation_id")
-    since = int(request.query_params.get("since", "0") or 0)
-    entries = await store.read_index(cid)
-    view = await store.load(cid)
+    raw_since = request.query_params.get("since", "0") or "0"
+    if not raw_since.isdigit():
+        raise InvalidRequest("'since' must be a non-negative integer (a turn index)", param="since")
+    since = int(raw_since)
+    entries = await queries.index(tenant, cid)
+    view = await queries.view(tenant, cid)
     turns = []
     index = 0
     for entry in entries:
@@ -121,12 +105,12 @@ async def conversation(request: Request) -> Response:
                 turns.append({"index": index, "marker": "reset", "at": entry.get("at")})
             continue
         if index >= since:
-            turn = await _turn(store, entry, index)
+            turn = _turn(await queries.records(tenant, entry), entry, index)
             if turn is not None:
                 turns.append(turn)
         index += 1
-    summaries = [r for r in await store.read_summaries(cid) if r.get("type") == "summary"]
-    state = derive_state(await store.read_side("lifecycle", cid), view.last_activity)
+    summaries = await queries.summaries(tenant, cid)
+    state = await queries.state(tenant, cid, view)
     return JSONBody(
         {
             "id": cid,

@@ -1,3 +1,56 @@
 """Use cases: the only users of the store. HTTP handlers, commands and background jobs call
 these; the pure core (`gateway.context`) and the providers (`gateway.upstream`) are called
-from here."""
+from here. One `Services` per app (or per command), created from the settings."""
+
+from __future__ import annotations
+
+from gateway.config import Settings
+from gateway.services.conversations import Conversations
+from gateway.services.models import ModelFacts
+from gateway.services.queries import Queries
+from gateway.services.responses import StoredResponses
+from gateway.services.sessions import Sessions
+from gateway.services.summaries import Summaries
+from gateway.services.turns import ChatService
+from gateway.store import Store, StoreRegistry
+from gateway.upstream import Router
+
+__all__ = ["Services"]
+
+
+class Services:
+    def __init__(self, settings: Settings, router: Router, stores: StoreRegistry) -> None:
+        self.settings = settings
+        self.router = router
+        self.stores = stores
+        self.facts = ModelFacts(settings)
+        self.turns = ChatService(settings, router, stores=stores, facts=self.facts)
+        self.summaries = Summaries(settings, router, stores, self.facts)
+        self.sessions = Sessions(settings, stores, self.summaries)
+        self.conversations = Conversations(settings, stores)
+        self.responses = StoredResponses(settings, stores)
+        self.queries = Queries(stores)
+
+    @classmethod
+    def from_settings(
+        cls,
+        settings: Settings,
+        *,
+        store: Store | None = None,
+        router: Router | None = None,
+        opened: bool = False,
+    ) -> Services:
+        """`store`: the default tenant's store (a test twin, or one the caller opened itself)."""
+        stores = StoreRegistry(settings, default=store, opened=opened)
+        return cls(settings, router or Router.from_settings(settings), stores)
+
+    def refusing_writes(self) -> str | None:
+        """Why some store acknowledges no more writes, or None."""
+        return self.stores.refusing_writes()
+
+    async def open(self) -> None:
+        await self.stores.get("")
+
+    async def aclose(self) -> None:
+        await self.router.aclose()
+        await self.stores.close()

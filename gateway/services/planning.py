@@ -18,12 +18,13 @@ from gateway.context import (
     clean_message,
     repair_tool_calls,
 )
+from gateway.context.lifecycle import zone
+from gateway.context.summary import Summary, current_summary, snap_to_turn_end
 from gateway.context.window import REQUEST_OVERHEAD_TOKENS, Window, fit_window, omitted_marker
-from gateway.lifecycle import build_recap, zone
 from gateway.services.models import ModelFacts, WindowFacts
+from gateway.services.recap import build_recap
 from gateway.services.requests import ChatRequest
 from gateway.store.base import Store
-from gateway.summarizer import Summary, current_summary, snap_to_turn_end
 from gateway.tokens import count_message, truncate_text
 from gateway.upstream import Route
 

@@ -30,6 +30,7 @@ from gateway.context import (
     new_messages,
     split_system,
 )
+from gateway.context.lifecycle import user_key, zone
 from gateway.exceptions import (
     ContextLengthExceeded,
     GatewayError,
@@ -39,13 +40,12 @@ from gateway.exceptions import (
     UpstreamStatusError,
 )
 from gateway.ids import mint_response_id
-from gateway.lifecycle import user_key, zone
 from gateway.services.models import ModelFacts
 from gateway.services.planning import ContextPlan, Planner, off_loop_if_large
 from gateway.services.requests import FORBIDDEN_FIELDS, GATEWAY_FIELDS, ChatRequest, check_size
 from gateway.services.stream import StreamAccumulator, output_message
+from gateway.store import StoreRegistry
 from gateway.store.base import ResponseLog, Store
-from gateway.summarizer import Summarizer
 from gateway.tokens import counter_for
 from gateway.upstream import Route, Router
 
@@ -83,12 +83,12 @@ class PreparedTurn:
     first_of_user: str | None = None  # a new conversation of this end user: index it for recaps
     replan: Callable[[], Awaitable[ContextPlan]] | None = None  # after a provider's refusal
     refits: int = 0
+    tenant: str = ""
     view: ConversationView | None = None
 
     @property
     def conversation_id(self) -> str | None:
         return self.request.conversation_id
-
 
 
 async def _settle(task: asyncio.Future[None]) -> None:
@@ -109,20 +109,30 @@ async def _settle(task: asyncio.Future[None]) -> None:
 class ChatService:
     """The chat turn: prepare (lock, load, plan), complete or stream, commit, close."""
 
-    def __init__(self, settings: Settings, router: Router, summarizer: Summarizer | None = None) -> None:
+    def __init__(
+        self,
+        settings: Settings,
+        router: Router,
+        *,
+        stores: StoreRegistry | None = None,
+        facts: ModelFacts | None = None,
+    ) -> None:
         self.settings = settings
         self.router = router
-        self.facts = summarizer.facts if summarizer is not None else ModelFacts(settings)
-        self.summarizer = summarizer or Summarizer(settings, router, facts=self.facts)
+        self.stores = stores or StoreRegistry(settings)
+        self.facts = facts or ModelFacts(settings)
+        # Asks the background summarizer for coverage (tenant, conversation, through, model).
+        self.schedule_summary: Callable[[str, str, str, str], None] = lambda *args: None
         self.planner = Planner(settings, self.facts)
         self.clock: Callable[[], float] = time.time
         self.warm_up: asyncio.Future[Any] | None = None  # tokenizer loading, set at startup
         self.on_context_refusal: Callable[[str], None] = lambda outcome: None  # metrics hook
 
     # -- preparing ----------------------------------------------------------------------------
-    async def prepare(self, request: ChatRequest, store: Store) -> PreparedTurn:
+    async def prepare(self, request: ChatRequest, tenant: str = "") -> PreparedTurn:
         """Lock and load the conversation, fit the window, and open the response log.
         The caller must `close` the returned turn."""
+        store = await self.stores.get(tenant)
         store.refuse_if_failed()  # before the provider is asked for an answer nobody could keep
         route = self.router.resolve(request.model)
         response_id = mint_response_id(request.model)
@@ -236,6 +246,7 @@ class ChatService:
             turn.plan = plan
             turn.store = store
             turn.view = view
+            turn.tenant = tenant
             if plan is not None:
                 turn.replan = replan
             turn.created = record["created"]
@@ -341,9 +352,7 @@ class ChatService:
                     {"conversation_id": turn.conversation_id, "at": turn.created},
                 )
         if plan is not None and plan.summary_target and turn.conversation_id and committed and turn.store:
-            self.summarizer.schedule(
-                turn.store, turn.conversation_id, plan.summary_target, turn.request.model
-            )
+            self.schedule_summary(turn.tenant, turn.conversation_id, plan.summary_target, turn.request.model)
 
     def _response_record(
         self, turn: PreparedTurn, message: Message, finish_reason: Any, usage: Any, raw: Any = None
@@ -486,4 +495,3 @@ class ChatService:
             aclose = getattr(chunks, "aclose", None)
             if aclose is not None:
                 await aclose()
-

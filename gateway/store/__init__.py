@@ -53,13 +53,16 @@ def create_store(settings: Settings, tenant: str = "") -> Store:
 class StoreRegistry:
     """The store of each tenant, created and opened on first use."""
 
-    def __init__(self, settings: Settings, default: Store | None = None) -> None:
+    def __init__(self, settings: Settings, default: Store | None = None, *, opened: bool = False) -> None:
+        """`default`: the default tenant's store, already opened by the caller when `opened`."""
         self.settings = settings
         self._stores: dict[str, Store] = {}
         self._opened: set[str] = set()
         self._opening: dict[str, asyncio.Future[Store]] = {}
         if default is not None:
             self._stores[""] = default
+            if opened:
+                self._opened.add("")
 
     async def get(self, tenant: str) -> Store:
         if tenant in self._opened:

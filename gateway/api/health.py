@@ -1,0 +1,73 @@
+"""Service endpoints: models, the OpenAPI document, liveness and readiness; and the error
+handlers that render every failure in OpenAI's error shape."""
+
+from __future__ import annotations
+
+import logging
+from typing import Any
+
+import orjson
+from starlette.exceptions import HTTPException
+from starlette.requests import Request
+from starlette.responses import Response
+
+from gateway.api.http import JSONBody, error_response, services_of
+from gateway.api.openapi import build_schema
+from gateway.config import Settings
+from gateway.exceptions import GatewayError, NotFound
+
+log = logging.getLogger("gateway")
+
+
+async def models(request: Request) -> Response:
+    settings: Settings = request.app.state.settings
+    created = int(request.app.state.started)
+    data: list[dict[str, Any]] = []
+    for name in settings.models:
+        provider = name.partition("/")[0] if "/" in name else settings.default_provider
+        data.append({"id": name, "object": "model", "created": created, "owned_by": provider})
+    for name, provider_settings in settings.providers.items():
+        if provider_settings.kind == "demo":
+            data.append({"id": name, "object": "model", "created": created, "owned_by": "gateway"})
+    return JSONBody({"object": "list", "data": data})
+
+
+async def openapi(request: Request) -> Response:
+    schema = getattr(request.app.state, "openapi", None)
+    if schema is None:
+        schema = request.app.state.openapi = orjson.dumps(build_schema())
+    return Response(schema, media_type="application/json")
+
+
+async def healthz(request: Request) -> Response:
+    return JSONBody({"status": "ok"})
+
+
+async def readyz(request: Request) -> Response:
+    if not getattr(request.app.state, "ready", False):
+        return JSONBody({"status": "starting"}, status_code=503)
+    reason = services_of(request).refusing_writes()
+    if reason is not None:
+        # Out of the load balancer: this process acknowledges no writes until restarted.
+        return JSONBody({"status": "storage_unavailable", "reason": reason}, status_code=503)
+    return JSONBody({"status": "ready"})
+
+
+async def gateway_error(request: Request, exc: Exception) -> Response:
+    assert isinstance(exc, GatewayError)
+    return error_response(exc)
+
+
+async def http_error(request: Request, exc: Exception) -> Response:
+    assert isinstance(exc, HTTPException)
+    if exc.status_code == 404:
+        return error_response(NotFound(f"Unknown path {request.url.path}", code="unknown_url"))
+    err = GatewayError(str(exc.detail))
+    err.status_code = exc.status_code
+    err.error_type = "invalid_request_error"
+    return error_response(err)
+
+
+async def unexpected(request: Request, exc: Exception) -> Response:
+    log.exception("unhandled error on %s", request.url.path)
+    return error_response(GatewayError("Internal gateway error; see the gateway log"))

@@ -1,0 +1,142 @@
+"""The composition root: `create_app(settings, *, store=None, router=None)` wires the services,
+the background jobs and the HTTP routes into one ASGI application.
+
+Tests pass twins (MemoryStore, a Router over MockUpstream); production builds both from settings.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
+
+from starlette.applications import Starlette
+from starlette.exceptions import HTTPException
+from starlette.middleware import Middleware
+from starlette.routing import Route
+
+from gateway.api import conversations as conv
+from gateway.api import health, ui
+from gateway.api import responses as resp
+from gateway.api.chat import chat_completions
+from gateway.config import Settings, load_settings
+from gateway.exceptions import GatewayError
+from gateway.jobs.processor import Processor
+from gateway.jobs.summarizer import Summarizer
+from gateway.metrics import Metrics, MetricsMiddleware, metrics_endpoint
+from gateway.services import Services
+from gateway.services.models import _litellm_windows
+from gateway.store import Store
+from gateway.tenants import AuthMiddleware, Tenants
+from gateway.tokens import get_encoding, release_free_memory
+from gateway.upstream import Router
+
+log = logging.getLogger("gateway")
+
+
+def warm_up() -> None:
+    """Load what the first request would otherwise load on the event loop."""
+    get_encoding("cl100k_base")
+    _litellm_windows()
+    release_free_memory()
+
+
+def create_app(
+    settings: Settings | None = None,
+    *,
+    store: Store | None = None,
+    router: Router | None = None,
+) -> Starlette:
+    settings = settings or load_settings()
+    services = Services.from_settings(settings, store=store, router=router)
+    stores, router, service = services.stores, services.router, services.turns
+    tenants = Tenants.from_settings(settings)
+    metrics = Metrics(active_window=settings.sessions.idle_after or 900.0)
+    summarizer = Summarizer(services.summaries)
+    service.schedule_summary = summarizer.schedule
+    summarizer.on_outcome = lambda outcome: metrics.summaries.labels(outcome).inc()
+    service.on_context_refusal = lambda outcome: metrics.context_refusals.labels(outcome).inc()
+    processor = Processor(settings, services.sessions)
+
+    @asynccontextmanager
+    async def lifespan(app: Starlette) -> AsyncIterator[None]:
+        await services.open()
+        # Load the default tokenizer in the background: the first request need not pay for it.
+        warm = asyncio.get_running_loop().run_in_executor(None, warm_up)
+        warm.add_done_callback(lambda f: None if f.cancelled() else f.exception())
+        service.warm_up = warm
+        processor.start()
+        app.state.ready = True
+        try:
+            yield
+        finally:
+            app.state.ready = False
+            await processor.stop()
+            await summarizer.aclose()
+            await services.aclose()
+
+    routes = [
+        Route("/v1/chat/completions", chat_completions, methods=["POST"]),
+        Route("/chat/completions", chat_completions, methods=["POST"]),
+        Route("/v1/models", health.models, methods=["GET"]),
+        Route("/v1/conversations", conv.create_conversation, methods=["POST"]),
+        Route("/v1/conversations", conv.list_conversations, methods=["GET"]),
+        Route("/v1/conversations/{conversation_id}", conv.get_conversation, methods=["GET"]),
+        Route("/v1/conversations/{conversation_id}", conv.update_conversation, methods=["POST"]),
+        Route("/v1/conversations/{conversation_id}", conv.delete_conversation, methods=["DELETE"]),
+        Route("/v1/conversations/{conversation_id}/reset", conv.reset_conversation, methods=["POST"]),
+        Route("/v1/conversations/{conversation_id}/context", conv.conversation_context, methods=["GET"]),
+        Route("/v1/conversations/{conversation_id}/items", conv.list_items, methods=["GET"]),
+        Route("/v1/conversations/{conversation_id}/items", conv.create_items, methods=["POST"]),
+        Route("/v1/conversations/{conversation_id}/items/{item_id}", conv.get_item, methods=["GET"]),
+        Route("/v1/conversations/{conversation_id}/items/{item_id}", conv.delete_item, methods=["DELETE"]),
+        Route("/v1/responses", resp.create_response, methods=["POST"]),
+        Route("/v1/responses/{response_id}", resp.get_response, methods=["GET"]),
+        Route("/v1/responses/{response_id}", resp.delete_response, methods=["DELETE"]),
+        Route("/v1/responses/{response_id}/input_items", resp.list_input_items, methods=["GET"]),
+        Route("/metrics", metrics_endpoint, methods=["GET"]),
+        Route("/ui", ui.page, methods=["GET"]),
+        Route("/ui/", ui.page, methods=["GET"]),
+        Route("/ui/static/{name}", ui.static, methods=["GET"]),
+        Route("/ui/api/conversations", ui.conversations, methods=["GET"]),
+        Route("/ui/api/conversations/{conversation_id}", ui.conversation, methods=["GET"]),
+        Route("/openapi.json", health.openapi, methods=["GET"]),
+        Route("/healthz", health.healthz, methods=["GET"]),
+        Route("/readyz", health.readyz, methods=["GET"]),
+    ]
+    app = Starlette(
+        routes=routes,
+        lifespan=lifespan,
+        middleware=[
+            Middleware(MetricsMiddleware, metrics=metrics),
+            Middleware(AuthMiddleware, tenants=tenants),
+        ],
+        exception_handlers={
+            GatewayError: health.gateway_error,
+            HTTPException: health.http_error,
+            Exception: health.unexpected,
+        },
+    )
+    app.state.settings = settings
+    app.state.stores = stores
+    app.state.metrics = metrics
+    app.state.processor = processor
+    app.state.summarizer = summarizer
+    app.state.tenants = tenants
+    app.state.router = router
+    app.state.services = services
+    app.state.service = service
+    app.state.started = time.time()
+    app.state.ready = False
+    return app
+
+
+def app_from_env() -> Starlette:
+    """Factory for `uvicorn --factory` (and worker processes): settings from the environment."""
+    from gateway.server import set_head_timeout
+
+    settings = load_settings()
+    set_head_timeout(settings)
+    return create_app(settings)

@@ -1,0 +1,108 @@
+"""Conversation lifecycle, the pure part (SPEC section 8): the states and how the current one is
+derived from the lifecycle log, end users' file-safe keys and local days, and the text of the
+"earlier today" recap.
+
+    active ──idle_after──> processing ──ok──> processed
+      ^                       │  └──error──> active (attempts + 1) ... failed (max_attempts)
+      └── lease expired ──────┘   a new message makes processed/failed conversations active
+"""
+
+from __future__ import annotations
+
+import hashlib
+from collections.abc import Callable
+from dataclasses import dataclass
+from datetime import datetime
+from typing import Any
+from zoneinfo import ZoneInfo, ZoneInfoNotFoundError
+
+from gateway.context.history import ConversationView, Message
+from gateway.exceptions import InvalidRequest
+
+ACTIVE, PROCESSING, PROCESSED, FAILED = "active", "processing", "processed", "failed"
+RECAP_PREFIX = "Earlier today"
+
+
+def user_key(user: str) -> str:
+    """A file-safe name for an end user (the raw `user` value is never a file name)."""
+    return "u" + hashlib.sha256(user.encode()).hexdigest()[:24]
+
+
+def zone(name: str | None, default: str) -> ZoneInfo:
+    try:
+        return ZoneInfo(name or default)
+    except (ZoneInfoNotFoundError, ValueError):
+        raise InvalidRequest(
+            f"Unknown time zone {name!r}: use an IANA name such as 'Europe/Berlin'", param="user_timezone"
+        ) from None
+
+
+def local_day(ts: float, tz: ZoneInfo) -> str:
+    return datetime.fromtimestamp(ts, tz).strftime("%Y-%m-%d")
+
+
+@dataclass(frozen=True, slots=True)
+class State:
+    state: str
+    attempts: int
+    since: float
+    lease_until: float | None = None
+    error: str | None = None
+
+
+def derive_state(records: list[dict[str, Any]], last_activity: float | None) -> State:
+    """The current state from the lifecycle log and the conversation's last activity."""
+    if not records:
+        return State(ACTIVE, 0, 0.0)
+    last = records[-1]
+    state = str(last.get("state", ACTIVE))
+    at = float(last.get("at", 0.0))
+    attempts = int(last.get("attempts", 0))
+    if state in (PROCESSED, FAILED) and last_activity is not None and last_activity > at:
+        return State(ACTIVE, 0, last_activity)  # a new message reactivates it
+    return State(state, attempts, at, last.get("lease_until"), last.get("error"))
+
+
+def _text(message: Message) -> str:
+    content = message.get("content")
+    if isinstance(content, list):
+        return " ".join(str(p.get("text", "")) for p in content if isinstance(p, dict))
+    return content if isinstance(content, str) else ""
+
+
+def todays_user_lines(view: ConversationView) -> list[str]:
+    """The user's own lines of a conversation active today (its turns are all recent)."""
+    lines = []
+    for message in view.history:
+        if message.get("role") == "user":
+            text = _text(message).strip()
+            if text:
+                lines.append(f"user: {text}")
+    return lines[-20:]
+
+
+def recap_message(
+    candidates: list[tuple[float, str, list[str]]],
+    tz: ZoneInfo,
+    *,
+    max_tokens: int,
+    count: Callable[[Message], int],
+) -> tuple[Message | None, list[str]]:
+    """The "Earlier today" system message from (last activity, conversation, lines) candidates,
+    newest first, within `max_tokens`; and the conversations it drew on."""
+    header = f"{RECAP_PREFIX} ({tz.key}), this user talked with you in other conversations:"
+    body: list[str] = []
+    used: list[str] = []
+    budget = max_tokens - count({"role": "system", "content": header})
+    for last, cid, lines in sorted(candidates, reverse=True):
+        when = datetime.fromtimestamp(last, tz).strftime("%H:%M")
+        block = f"- [{when}, {cid}] " + " / ".join(lines)
+        cost = count({"role": "system", "content": block}) - 3
+        if cost > budget:
+            continue
+        budget -= cost
+        body.append(block)
+        used.append(cid)
+    if not body:
+        return None, []
+    return {"role": "system", "content": "\n".join([header, *body])}, used

@@ -1,0 +1,152 @@
+"""Conversation use cases (the Conversations API, `gateway reset` / `delete`): create, read,
+change metadata, add and delete items, reset, delete. Every write holds the conversation's lock
+and is an append (a marker, or a response log for added items); only deletion removes files."""
+
+from __future__ import annotations
+
+import secrets
+import time
+from typing import Any
+
+from gateway.config import Settings
+from gateway.context import ConversationView, Turn, split_system
+from gateway.context.items import Item, items_to_messages, message_to_items, parse_item_id
+from gateway.exceptions import InvalidRequest, NotFound
+from gateway.ids import check_conversation_id, mint_response_id
+from gateway.services.requests import check_size
+from gateway.store import Store, StoreRegistry
+from gateway.store.base import now
+
+MAX_ADDED_ITEMS = 100
+
+
+def view_items(view: ConversationView) -> list[Item]:
+    """The conversation as items, oldest first: system prompt, then what the model sees."""
+    items: list[Item] = []
+    if view.system and view.system_owner:
+        for k, message in enumerate(view.system):
+            items.extend(message_to_items(message, view.system_owner, -(k + 1)))
+    for message, owner, pos in zip(view.history, view.history_owner, view.history_pos, strict=True):
+        items.extend(message_to_items(message, owner, pos))
+    return items
+
+
+def find_item(view: ConversationView, item_id: str) -> Item:
+    for item in view_items(view):
+        if item["id"] == item_id:
+            return item
+    raise NotFound(f"No item {item_id!r} in this conversation", param="item_id")
+
+
+class Conversations:
+    def __init__(self, settings: Settings, stores: StoreRegistry) -> None:
+        self.settings = settings
+        self.stores = stores
+        self.lock_timeout = settings.storage.lock_timeout
+
+    async def _existing(self, store: Store, cid: str) -> ConversationView:
+        if not await store.exists(cid):
+            raise NotFound(f"No conversation found with id {cid!r}", param="conversation_id")
+        return await store.load(cid)
+
+    async def create(
+        self, tenant: str, *, requested_id: Any, metadata: dict[str, str], items: Any
+    ) -> tuple[str, ConversationView]:
+        store = await self.stores.get(tenant)
+        # Extension: a client may choose the id (as it does with chat completions).
+        cid = (
+            check_conversation_id(requested_id, param="id")
+            if requested_id
+            else f"conv_{secrets.token_hex(16)}"
+        )
+        async with store.lock(cid, self.lock_timeout):
+            if await store.exists(cid):
+                raise InvalidRequest(
+                    f"Conversation {cid!r} already exists", param="id", code="conversation_exists"
+                )
+            await store.append_marker(
+                cid, {"type": "conversation", "created_at": int(time.time()), "metadata": metadata}
+            )
+        if items:
+            await self._add_items(store, cid, items)
+        return cid, await store.load(cid)
+
+    async def get(self, tenant: str, cid: str) -> ConversationView:
+        return await self._existing(await self.stores.get(tenant), cid)
+
+    async def _marker(self, tenant: str, cid: str, marker: dict[str, Any]) -> ConversationView:
+        store = await self.stores.get(tenant)
+        async with store.lock(cid, self.lock_timeout):
+            await self._existing(store, cid)
+            await store.append_marker(cid, marker)
+            return await store.load(cid)
+
+    async def update_metadata(self, tenant: str, cid: str, metadata: dict[str, str]) -> ConversationView:
+        return await self._marker(tenant, cid, {"type": "metadata", "metadata": metadata, "at": now()})
+
+    async def reset(self, tenant: str, cid: str, *, keep_system_message: bool) -> ConversationView:
+        return await self._marker(
+            tenant, cid, {"type": "reset", "keep_system_message": keep_system_message, "at": now()}
+        )
+
+    async def delete(self, tenant: str, cid: str) -> None:
+        store = await self.stores.get(tenant)
+        async with store.lock(cid, self.lock_timeout):
+            deleted = await store.delete_conversation(cid, archive=self.settings.storage.archive_deleted)
+        if not deleted:
+            raise NotFound(f"No conversation found with id {cid!r}", param="conversation_id")
+
+    async def add_items(self, tenant: str, cid: str, raw_items: Any) -> list[Item]:
+        store = await self.stores.get(tenant)
+        await self._existing(store, cid)
+        return await self._add_items(store, cid, raw_items)
+
+    async def _add_items(self, store: Store, cid: str, raw_items: Any) -> list[Item]:
+        messages = items_to_messages(raw_items)
+        if len(messages) > MAX_ADDED_ITEMS:
+            raise InvalidRequest(f"At most {MAX_ADDED_ITEMS} items can be added at a time", param="items")
+        system, rest = split_system(messages)
+        rid = mint_response_id("items")
+        created_at = now()
+        record: dict[str, Any] = {
+            "type": "request",
+            "kind": "items",
+            "response_id": rid,
+            "conversation_id": cid,
+            "created": created_at,
+            "system": system or None,
+            "input": rest,
+        }
+        async with store.lock(cid, self.lock_timeout):
+            check_size(
+                self.settings.storage.max_conversation_messages, cid, await store.load(cid), len(messages)
+            )
+            log = store.start(rid, record)
+            turn = Turn(rid, tuple(rest), None, tuple(system) if system else None, created=created_at)
+            try:
+                await log.commit(cid, turn)
+            except BaseException:
+                await log.abandon("error")
+                raise
+        created: list[Item] = []
+        for k, message in enumerate(system):
+            created.extend(message_to_items(message, rid, -(k + 1)))
+        for pos, message in enumerate(rest):
+            created.extend(message_to_items(message, rid, pos))
+        return created
+
+    async def delete_item(self, tenant: str, cid: str, item_id: str) -> ConversationView:
+        store = await self.stores.get(tenant)
+        async with store.lock(cid, self.lock_timeout):
+            find_item(await self._existing(store, cid), item_id)
+            named = parse_item_id(item_id)
+            assert named is not None  # find_item only finds ids we made
+            rid, position = named
+            await store.append_marker(
+                cid, {"type": "delete_item", "response_id": rid, "position": position, "at": now()}
+            )
+            return await store.load(cid)
+
+    async def reset_marker(self, tenant: str, cid: str, marker: dict[str, Any]) -> None:
+        """`gateway reset`: append a marker to an existing conversation."""
+        await self._marker(tenant, cid, marker)

@@ -1,0 +1,52 @@
+"""The "earlier today" recap of a user's new conversation (SPEC section 8): which of the user's
+other conversations were active today (in the user's time zone), and what to say of each."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from zoneinfo import ZoneInfo
+
+from gateway.context import Message
+from gateway.context.lifecycle import local_day, recap_message, todays_user_lines, user_key
+from gateway.store import Store
+
+# The recap looks at most at this many of the user's most recently started conversations: its
+# budget holds a few of them, and a user with thousands must not make every new one slower.
+RECAP_SCAN = 50
+
+
+async def build_recap(
+    store: Store,
+    user: str,
+    tz: ZoneInfo,
+    *,
+    exclude: str,
+    now: float,
+    max_tokens: int,
+    count: Callable[[Message], int],
+) -> tuple[Message | None, list[str]]:
+    """An "Earlier today" system message from the user's other conversations of the same
+    local day, newest first, within `max_tokens`; and the conversations it drew on."""
+    today = local_day(now, tz)
+    ukey = user_key(user)
+    digests = {r.get("conversation_id"): r for r in await store.read_side("digests", f"{ukey}.{today}")}
+    seen: set[str] = set()
+    candidates: list[tuple[float, str, list[str]]] = []
+    for entry in reversed(await store.read_side("users", ukey)):
+        cid = entry.get("conversation_id")
+        if not isinstance(cid, str) or cid == exclude or cid in seen:
+            continue
+        if len(seen) >= RECAP_SCAN:
+            break  # a long-lived user: only the newest conversations, not all they ever had
+        seen.add(cid)
+        view = await store.load(cid)
+        if not view.turns or view.last_activity is None or local_day(view.last_activity, tz) != today:
+            continue
+        digest = digests.get(cid)
+        if digest and float(digest.get("at", 0)) >= view.last_activity:
+            lines = [str(digest.get("summary", ""))]
+        else:
+            lines = todays_user_lines(view)
+        if lines:
+            candidates.append((view.last_activity, cid, lines))
+    return recap_message(candidates, tz, max_tokens=max_tokens, count=count)

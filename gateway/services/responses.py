@@ -1,0 +1,57 @@
+"""Stored responses (the Responses API's reads and deletes): a response's log, and deleting one
+(a tombstone in its log and, under the conversation's lock, a marker in the conversation)."""
+
+from __future__ import annotations
+
+import time
+from typing import Any
+
+from gateway.config import Settings
+from gateway.exceptions import InvalidRequest, NotFound
+from gateway.store import StoreRegistry
+
+Record = dict[str, Any]
+
+
+class StoredResponses:
+    def __init__(self, settings: Settings, stores: StoreRegistry) -> None:
+        self.settings = settings
+        self.stores = stores
+
+    async def get(self, tenant: str, rid: str) -> tuple[list[Record], Record]:
+        """(the response's records, its request record); NotFound when absent or deleted."""
+        records = await (await self.stores.get(tenant)).read_response(rid)
+        if not records or records[-1].get("type") == "deleted":
+            raise NotFound(f"No response found with id {rid!r}", param="response_id")
+        request_record = next((r for r in records if r.get("type") == "request"), {})
+        return records, request_record
+
+    async def delete(self, tenant: str, rid: str) -> None:
+        store = await self.stores.get(tenant)
+        _, req = await self.get(tenant, rid)
+        cid = req.get("conversation_id")
+        if not isinstance(cid, str):
+            await store.tombstone(rid)
+            return
+        async with store.lock(cid, self.settings.storage.lock_timeout):
+            await store.tombstone(rid)
+            if await store.exists(cid):
+                await store.append_marker(
+                    cid, {"type": "delete_response", "response_id": rid, "at": time.time()}
+                )
+
+    async def continued_conversation(self, tenant: str, previous: Any) -> str:
+        """The conversation a `previous_response_id` belongs to. Whether the turn continues on
+        it or on a fork made at that response is decided by the turn, under the lock."""
+        if not isinstance(previous, str):
+            raise InvalidRequest("'previous_response_id' must be a string", param="previous_response_id")
+        records = await (await self.stores.get(tenant)).read_response(previous)
+        request = next((r for r in records if r.get("type") == "request"), {})
+        if not records or records[-1].get("type") != "commit":
+            raise NotFound(f"Response {previous!r} is not a completed response", param="previous_response_id")
+        cid = request.get("conversation_id")
+        if not isinstance(cid, str):
+            raise InvalidRequest(
+                f"Response {previous!r} was not stored (store=false)", param="previous_response_id"
+            )
+        return cid

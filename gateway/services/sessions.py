@@ -1,0 +1,154 @@
+"""Conversation lifecycle, the use cases (SPEC section 8): which conversations need work, and the
+work: expire (archive) after `ttl`, post-process after `idle_after` (fold the whole conversation
+into its summary, add it to the user's daily digest), recover a crashed processor's lease.
+States are appended to `logs/lifecycle/{conversation_id}.jsonl`."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections.abc import Callable
+from typing import Any
+
+from gateway.config import Settings
+from gateway.context import ConversationView
+from gateway.context.lifecycle import (
+    ACTIVE,
+    FAILED,
+    PROCESSED,
+    PROCESSING,
+    State,
+    derive_state,
+    local_day,
+    user_key,
+    zone,
+)
+from gateway.services.summaries import Summaries
+from gateway.store import Store, StoreRegistry
+
+log = logging.getLogger("gateway.lifecycle")
+
+Clock = Callable[[], float]
+
+
+class Sessions:
+    def __init__(self, settings: Settings, stores: StoreRegistry, summaries: Summaries) -> None:
+        self.settings = settings
+        self.stores = stores
+        self.summaries = summaries
+
+    async def tenants(self) -> list[str]:
+        """The default tenant and every other one that has data."""
+        return ["", *await self.stores.tenants()]
+
+    async def lease(self) -> bool | None:
+        """The backend's own processor lease (one per database), or None: none of its own."""
+        return await (await self.stores.get("")).try_processor_lease()
+
+    async def candidates(self, tenant: str, clock: Clock) -> list[tuple[str, float]]:
+        """Conversations that may need work, found cheaply: an index untouched for idle_after
+        (its mtime), and no processed or failed state newer than that."""
+        store = await self.stores.get(tenant)
+        sessions = self.settings.sessions
+        times = await asyncio.to_thread(store.index_times)
+        if clock is not time.time:
+            return [(cid, 0.0) for cid, _ in times]  # a test's clock: file times mean nothing there
+        now = clock()
+        quiet = (
+            min(x for x in (sessions.idle_after, sessions.ttl) if x > 0)
+            if (sessions.idle_after or sessions.ttl)
+            else 0
+        )
+        out = []
+        for cid, modified in times:
+            if now - modified < quiet:
+                continue
+            records = await store.read_side("lifecycle", cid)
+            settled = (
+                bool(records)
+                and records[-1].get("state") in (PROCESSED, FAILED)
+                and float(records[-1].get("at", 0)) >= modified
+            )
+            expired = sessions.ttl > 0 and now - modified > sessions.ttl
+            if settled and not expired:
+                continue
+            out.append((cid, modified))
+        return out
+
+    async def state_of(self, tenant: str, cid: str) -> State:
+        store = await self.stores.get(tenant)
+        view = await store.load(cid)
+        return derive_state(await store.read_side("lifecycle", cid), view.last_activity)
+
+    async def visit(self, tenant: str, cid: str, clock: Clock, modified: float | None = None) -> None:
+        """Whatever the conversation needs now: expiry, lease recovery or post-processing."""
+        store = await self.stores.get(tenant)
+        now = clock()
+        sessions = self.settings.sessions
+        view = await store.load(cid)
+        last = max(view.last_activity or 0.0, modified or 0.0)
+        if sessions.ttl > 0 and now - last > sessions.ttl:
+            async with store.lock(cid, self.settings.storage.lock_timeout):
+                # Decided without the lock: a turn may have landed since. Decide again.
+                fresh = await store.load(cid)
+                if fresh.last_activity is None or clock() - fresh.last_activity > sessions.ttl:
+                    await store.delete_conversation(cid, archive=True)
+                    log.info('{"event": "conversation_expired", "conversation_id": "%s"}', cid)
+                    return
+            view = fresh
+            last = view.last_activity or last
+        state = derive_state(await store.read_side("lifecycle", cid), view.last_activity)
+        if state.state == PROCESSING:
+            if state.lease_until is not None and now > state.lease_until:
+                await self._record(
+                    store,
+                    cid,
+                    clock,
+                    ACTIVE if state.attempts + 1 < sessions.max_attempts else FAILED,
+                    attempts=state.attempts + 1,
+                    error="lease expired (processor crashed?)",
+                )
+            return
+        if (
+            state.state == ACTIVE
+            and sessions.idle_after > 0
+            and now - last >= sessions.idle_after
+            and view.turns
+        ):
+            await self.process(tenant, store, cid, view, state.attempts, clock)
+
+    async def _record(self, store: Store, cid: str, clock: Clock, state: str, **fields: Any) -> None:
+        await store.append_side("lifecycle", cid, {"state": state, "at": clock(), **fields})
+
+    async def process(
+        self, tenant: str, store: Store, cid: str, view: ConversationView, attempts: int, clock: Clock
+    ) -> None:
+        sessions = self.settings.sessions
+        now = clock()
+        await self._record(store, cid, clock, PROCESSING, attempts=attempts, lease_until=now + sessions.lease)
+        try:
+            summary = await self.summaries.summarize_all(tenant, cid, view.last_model or "")
+            if view.user and summary:
+                tz = zone(view.timezone, sessions.default_timezone)
+                day = local_day(view.last_activity or now, tz)
+                await store.append_side(
+                    "digests",
+                    f"{user_key(view.user)}.{day}",
+                    {"conversation_id": cid, "summary": summary, "at": clock()},
+                )
+        except asyncio.CancelledError:
+            raise
+        except Exception as exc:  # noqa: BLE001 - recorded as the state's error
+            message = getattr(exc, "message", None) or repr(exc)
+            attempts += 1
+            await self._record(
+                store,
+                cid,
+                clock,
+                FAILED if attempts >= sessions.max_attempts else ACTIVE,
+                attempts=attempts,
+                error=message[:500],
+            )
+            return
+        await self._record(store, cid, clock, PROCESSED, attempts=attempts)

@@ -1,0 +1,137 @@
+"""Rolling summaries, the use case (`context.strategy = "summarize"` and post-processing): fold
+the turns that fell out of the window into the conversation's summary log with `summary_model`.
+
+Coverage is always a contiguous prefix of whole turns, so a dropped turn is either in the window
+or covered by a committed summary version. Each version records its provenance. Scheduling and
+retries are the background job's (`gateway.jobs.summarizer`); this never runs on a request path.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Any
+
+from gateway.config import Settings
+from gateway.context.summary import (
+    SUMMARY_INSTRUCTIONS,
+    chunk_budget,
+    current_summary,
+    render_for_summary,
+    summary_cap,
+)
+from gateway.exceptions import UpstreamStatusError
+from gateway.services.models import ModelFacts
+from gateway.store import StoreRegistry
+from gateway.store.base import now
+from gateway.tokens import count_message, count_text, encoding_name_for, truncate_text
+from gateway.upstream import Router
+
+
+class Summaries:
+    def __init__(self, settings: Settings, router: Router, stores: StoreRegistry, facts: ModelFacts) -> None:
+        self.settings = settings
+        self.router = router
+        self.stores = stores
+        self.facts = facts
+
+    def model_for(self, model: str) -> str:
+        """The model that summarizes a conversation held with `model`."""
+        return self.settings.context.summary_model or model
+
+    async def summarize_all(self, tenant: str, cid: str, model: str) -> str:
+        """Fold the whole conversation into its summary now (post-processing); the text."""
+        store = await self.stores.get(tenant)
+        view = await store.load(cid)
+        if not view.history_owner:
+            return ""
+        await self.fold(tenant, cid, view.history_owner[-1], self.model_for(model))
+        summary = current_summary(await store.read_summaries(cid), await store.load(cid))
+        return summary.text if summary else ""
+
+    async def record_failure(self, tenant: str, cid: str, attempt: int, message: str) -> None:
+        store = await self.stores.get(tenant)
+        await store.append_summary(
+            cid, {"type": "summary_failed", "attempt": attempt, "error": message[:500], "created": now()}
+        )
+
+    async def fold(self, tenant: str, cid: str, target: str, model: str) -> None:
+        """Fold the turns not yet covered, through response `target`, into new summary versions
+        (whole turns, in chunks that fit `model`'s window). The lock is held only to read."""
+        store = await self.stores.get(tenant)
+        encoding = encoding_name_for(model)
+        async with store.lock(cid, self.settings.storage.lock_timeout):
+            view = await store.load(cid)
+            records = await store.read_summaries(cid)
+            summary = current_summary(records, view)
+            end = view.history_end.get(target)
+            if end is None:
+                return  # the conversation was reset or deleted meanwhile
+            start = summary.covered if summary else 0
+            if end <= start:
+                return
+            messages = list(view.history[start:end])
+            owners = list(view.history_owner[start:end])
+        text = summary.text if summary else ""
+        version = summary.version if summary else 0
+        route = self.router.resolve(model)
+        facts = await self.facts.window(route, model, store)
+        cap = summary_cap(self.settings.context.summary_max_tokens, facts.tokens)
+        calib = facts.calibration
+        limit = chunk_budget(facts.tokens, cap, calib.ratio, calib.overhead, calib.margin)
+        text = truncate_text(text, cap, model)  # written for a larger window, maybe
+        i = 0
+        while i < len(messages):
+            # Whole turns, about CHUNK_TOKENS at a time.
+            j = i
+            used = 0
+            while j < len(messages):
+                k = j + 1
+                while k < len(messages) and owners[k] == owners[j]:
+                    k += 1
+                cost = sum(count_message(m, model) for m in messages[j:k])
+                if j > i and used + cost > limit:
+                    break
+                used += cost
+                j = k
+            chunk = messages[i:j]
+            rendered = truncate_text(render_for_summary(chunk), limit, model)
+            body: dict[str, Any] = {
+                "model": route.model,
+                "messages": [
+                    {"role": "system", "content": SUMMARY_INSTRUCTIONS.format(max_tokens=cap)},
+                    {
+                        "role": "user",
+                        "content": f"Current summary:\n{text or '(none yet)'}\n\nNew messages:\n"
+                        + rendered,
+                    },
+                ],
+                "max_tokens": cap,
+                "stream": False,
+            }
+            started = time.perf_counter()
+            try:
+                completion = await route.upstream.complete(body)
+            except UpstreamStatusError as exc:
+                if exc.refusal is not None:  # learned from; the retry plans smaller chunks
+                    self.facts.refused(route, 0, exc.refusal, facts.tokens)
+                raise
+            reply = ((completion.get("choices") or [{}])[0].get("message") or {}).get("content") or ""
+            text = truncate_text(str(reply).strip(), cap, model)
+            version += 1
+            await store.append_summary(
+                cid,
+                {
+                    "type": "summary",
+                    "version": version,
+                    "covers_through": owners[j - 1],
+                    "covered_response_ids": sorted(set(owners[i:j]), key=owners.index),
+                    "covered_messages": start + j,
+                    "text": text,
+                    "tokens": count_text(text, model),
+                    "encoding": encoding,
+                    "model": model,
+                    "created": now(),
+                    "ms": round((time.perf_counter() - started) * 1000, 1),
+                },
+            )
+            i = j
