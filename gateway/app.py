@@ -26,9 +26,8 @@ from gateway.exceptions import GatewayError
 from gateway.jobs.processor import Processor
 from gateway.jobs.summarizer import Summarizer
 from gateway.metrics import Metrics, MetricsMiddleware, metrics_endpoint
-from gateway.services import Services
+from gateway.services import Services, StoreBackend
 from gateway.services.models import _litellm_windows
-from gateway.store import Store
 from gateway.tenants import AuthMiddleware, Tenants
 from gateway.tokens import get_encoding, release_free_memory
 from gateway.upstream import Router
@@ -46,7 +45,7 @@ def warm_up() -> None:
 def create_app(
     settings: Settings | None = None,
     *,
-    store: Store | None = None,
+    store: StoreBackend | None = None,
     router: Router | None = None,
 ) -> Starlette:
     settings = settings or load_settings()

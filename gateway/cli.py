@@ -6,7 +6,6 @@ import asyncio
 import os
 import sys
 import textwrap
-import time
 from collections.abc import Awaitable, Callable
 from datetime import datetime
 from functools import wraps
@@ -18,9 +17,8 @@ import orjson
 
 from gateway.config import Settings, load_settings
 from gateway.context import Message, Turn
-from gateway.exceptions import GatewayError
-from gateway.store.base import Store
-from gateway.store.records import turn_from_records
+from gateway.exceptions import GatewayError, NotFound
+from gateway.services import Services
 
 F = TypeVar("F", bound=Callable[..., Any])
 T = TypeVar("T")
@@ -58,23 +56,16 @@ def _common(func: F) -> F:
     return wrapper  # type: ignore[return-value]
 
 
-def _run(settings: Settings, work: Callable[[Store], Awaitable[T]], *, writes: bool = False) -> T:
-    """Open the configured store (jsonl or postgres), run `work` with it, close it."""
-    from gateway.store import create_store
+def _no_conversation(settings: Settings, conversation_id: str) -> GatewayError:
+    return GatewayError(f"no conversation {conversation_id!r} in {settings.storage.data_dir}")
 
-    if not writes and settings.storage.backend == "jsonl":
-        settings = settings.model_copy(
-            update={"storage": settings.storage.model_copy(update={"durability": "none"})}
-        )
+
+def _run(settings: Settings, work: Callable[[Services], Awaitable[T]], *, writes: bool = False) -> T:
+    """Run `work` with the services of the configured store (jsonl or postgres), then close it."""
 
     async def main() -> T:
-        store = create_store(settings)
-        if settings.storage.backend != "jsonl" or writes:
-            await store.open()
-        try:
-            return await work(store)
-        finally:
-            await store.close()
+        async with Services.for_command(settings, writes=writes) as services:
+            return await work(services)
 
     return asyncio.run(main())
 
@@ -226,25 +217,9 @@ def serve(
         os.environ["GATEWAY_SERVER__PORT"] = str(port)
     os.environ["GATEWAY_STORAGE__DATA_DIR"] = settings.storage.data_dir
     settings = load_settings(config_path)
-    asyncio.run(_check_store(settings))
+    asyncio.run(Services.check_store(settings))
     run(settings, workers=workers, log_level=log_level)
 
-
-async def _check_store(settings: Settings) -> None:
-    """Open (and migrate) the store once before the workers start, so an unreachable database
-    or an unwritable data dir is one clear line and exit status 1, not a worker traceback."""
-    from gateway.store import create_store
-
-    backend = settings.storage.backend
-    where = settings.storage.data_dir if backend == "jsonl" else backend
-    try:
-        store = create_store(settings)
-        await store.open()
-        await store.close()
-    except GatewayError:
-        raise
-    except Exception as exc:
-        raise GatewayError(f"cannot open the {backend} store ({where}): {exc}") from None
 
 
 @main.command()
@@ -261,15 +236,10 @@ def demo(settings: Settings, *, config_path: str | None) -> None:
 @click.option("--limit", type=int, default=50, show_default=True)
 def conversations(settings: Settings, *, config_path: str | None, limit: int) -> None:
     """Table of conversations, most recently active first."""
-    from gateway.context.lifecycle import derive_state
 
-    async def collect(store: Store) -> list[tuple[Any, str, float | None, int]]:
-        out = []
-        for row in (await store.list_conversations())[:limit]:
-            view = await store.load(row.conversation_id)
-            state = derive_state(await store.read_side("lifecycle", row.conversation_id), view.last_activity)
-            out.append((row, state.state, view.last_activity, state.attempts))
-        return out
+    async def collect(services: Services) -> list[tuple[Any, str, float | None, int]]:
+        rows, _ = await services.queries.conversations("", limit=limit)
+        return [(row.summary, row.state.state, row.view.last_activity, row.state.attempts) for row in rows]
 
     rows = _run(settings, collect)
     if not rows:
@@ -286,17 +256,6 @@ def conversations(settings: Settings, *, config_path: str | None, limit: int) ->
         )
 
 
-async def _turns(store: Store, conversation_id: str) -> tuple[list[Turn], list[str | dict[str, Any]]]:
-    entries = await store.read_index(conversation_id)
-    turns = []
-    for entry in entries:
-        if isinstance(entry, str):
-            turn = turn_from_records(await store.read_response(entry))
-            if turn is not None:
-                turns.append(turn)
-    return turns, entries
-
-
 @main.command()
 @_common
 @click.argument("conversation_id")
@@ -305,9 +264,9 @@ def show(settings: Settings, *, config_path: str | None, conversation_id: str, a
     """The conversation's history as the model will see it."""
     from gateway.tokens import count_message
 
-    async def read(store: Store) -> tuple[Any, list[Turn]]:
-        view = await store.load(conversation_id)
-        return view, (await _turns(store, conversation_id))[0] if view.turns else []
+    async def read(services: Services) -> tuple[Any, list[Turn]]:
+        view = await services.queries.view("", conversation_id)
+        return view, await services.queries.turns("", conversation_id) if view.turns else []
 
     view, turns = _run(settings, read)
     if not view.turns:
@@ -355,8 +314,8 @@ def tail(settings: Settings, *, config_path: str | None, conversation_id: str, p
 
     check_conversation_id(conversation_id)
 
-    async def follow(store: Store) -> None:
-        async for turn in store.follow(conversation_id, poll=poll):
+    async def follow(services: Services) -> None:
+        async for turn in services.queries.follow("", conversation_id, poll):
             click.echo(_render_turn(turn))
 
     where = f"{settings.storage.data_dir}/logs/conversations/{conversation_id}.jsonl"
@@ -378,7 +337,7 @@ def context(
     settings: Settings, *, config_path: str | None, response_id: str, as_json: bool, brief: bool
 ) -> None:
     """What was recorded for one response: request, context snapshot, reply, outcome."""
-    records = _run(settings, lambda store: store.read_response(response_id))
+    records = _run(settings, lambda services: services.queries.records("", response_id))
     if as_json:
         for record in records:
             click.echo(orjson.dumps(record).decode())
@@ -422,12 +381,13 @@ def delete(settings: Settings, *, config_path: str | None, conversation_id: str,
     if not yes and not click.confirm(f"Delete conversation {conversation_id!r}?", default=False):
         raise GatewayError("not deleted")
 
-    async def run(store: Store) -> bool:
-        async with store.lock(conversation_id, settings.storage.lock_timeout):
-            return await store.delete_conversation(conversation_id, archive=settings.storage.archive_deleted)
+    async def run(services: Services) -> None:
+        try:
+            await services.conversations.delete("", conversation_id)
+        except NotFound:
+            raise _no_conversation(settings, conversation_id) from None
 
-    if not _run(settings, run, writes=True):
-        raise GatewayError(f"no conversation {conversation_id!r} in {settings.storage.data_dir}")
+    _run(settings, run, writes=True)
     verb = "archived" if settings.storage.archive_deleted else "deleted"
     click.echo(f"{verb} {conversation_id}")
 
@@ -441,55 +401,17 @@ def reset(
 ) -> None:
     """Start a conversation afresh: appends a reset marker to its index (nothing is rewritten)."""
 
-    async def run(store: Store) -> None:
-        async with store.lock(conversation_id, settings.storage.lock_timeout):
-            if not await store.exists(conversation_id):
-                raise GatewayError(f"no conversation {conversation_id!r} in {settings.storage.data_dir}")
-            marker = {"type": "reset", "keep_system_message": keep_system_message, "at": time.time()}
-            await store.append_marker(conversation_id, marker)
+    async def run(services: Services) -> None:
+        try:
+            await services.conversations.reset("", conversation_id, keep_system_message=keep_system_message)
+        except NotFound:
+            raise _no_conversation(settings, conversation_id) from None
 
     _run(settings, run, writes=True)
     click.echo(f"reset {conversation_id}" + (" (system prompt kept)" if keep_system_message else ""))
 
 
 # -- moving conversations between backends: the JSONL layout is the interchange format ----------
-
-
-def _data_files(root: Path) -> list[Path]:
-    """Every data file of a JSONL data dir, relative to it (tenants included, lock files not)."""
-    tenants = root / "tenants"
-    bases = [root, *sorted(p for p in tenants.iterdir() if p.is_dir())] if tenants.is_dir() else [root]
-    found: list[Path] = []
-    for base in bases:
-        for folder in (base / "logs", base / "archive"):
-            if folder.is_dir():
-                found += [p.relative_to(root) for p in sorted(folder.rglob("*")) if p.is_file()]
-    return found
-
-
-def _copy_data(source: Path, target: Path) -> int:
-    """Copy a JSONL data dir's files, refusing to overwrite any; response logs first and indexes
-    last (the ordering rule), each through a temporary name so a running gateway never sees a
-    half-copied file."""
-    import shutil
-
-    files = _data_files(source)
-    clashes = [f for f in files if (target / f).exists()]
-    if clashes:
-        raise GatewayError(
-            f"{len(clashes)} files already exist in {target} (e.g. {clashes[0]}); nothing was copied"
-        )
-
-    def order(rel: Path) -> int:
-        return 0 if "responses" in rel.parts else 2 if "conversations" in rel.parts else 1
-
-    for rel in sorted(files, key=order):
-        dest = target / rel
-        dest.parent.mkdir(parents=True, exist_ok=True)
-        temp = dest.with_name(f".{dest.name}.importing")
-        shutil.copy2(source / rel, temp)
-        os.replace(temp, dest)
-    return len(files)
 
 
 @main.command(name="export")
@@ -500,22 +422,9 @@ def _copy_data(source: Path, target: Path) -> int:
 def export_command(settings: Settings, *, config_path: str | None, to_dir: str) -> None:
     """Write every conversation of the configured backend (all tenants) to DIR in the JSONL
     layout: logs/, archive/ and tenants/ exactly as the jsonl backend keeps them."""
-    target = Path(to_dir)
-    if target.exists() and _data_files(target):
-        raise GatewayError(f"{target} already holds gateway data; export into an empty or new folder")
-    backend = settings.storage.backend
-    if backend == "postgres":
-        from gateway.store.transfer import export_jsonl
+    from gateway.services.transfer import export_data
 
-        if not settings.storage.dsn:
-            raise GatewayError('storage.dsn: required when storage.backend = "postgres"')
-        stats = asyncio.run(export_jsonl(settings.storage.dsn, target))
-        click.echo(f"exported {stats.describe()} to {target}")
-    elif backend == "jsonl":
-        count = _copy_data(Path(settings.storage.data_dir), target)
-        click.echo(f"exported {count} files from {settings.storage.data_dir} to {target}")
-    else:
-        raise GatewayError(f"cannot export from storage.backend = {backend!r}")
+    click.echo(export_data(settings, Path(to_dir)))
 
 
 @main.command(name="import")
@@ -530,17 +439,6 @@ def export_command(settings: Settings, *, config_path: str | None, to_dir: str) 
 def import_command(settings: Settings, *, config_path: str | None, from_dir: str) -> None:
     """Load conversations from DIR (the JSONL layout) into the configured backend. Refuses
     conversations (or files) that already exist there; imports all of a tenant or none of it."""
-    source = Path(from_dir)
-    if not source.is_dir() or not _data_files(source):
-        raise GatewayError(f"{source} holds no gateway data (no logs/ or archive/ folder)")
-    backend = settings.storage.backend
-    if backend == "postgres":
-        from gateway.store.transfer import import_jsonl
+    from gateway.services.transfer import import_data
 
-        stats = asyncio.run(import_jsonl(settings.storage.dsn, source))
-        click.echo(f"imported {stats.describe()} from {source}")
-    elif backend == "jsonl":
-        count = _copy_data(source, Path(settings.storage.data_dir))
-        click.echo(f"imported {count} files from {source} into {settings.storage.data_dir}")
-    else:
-        raise GatewayError(f"cannot import into storage.backend = {backend!r}")
+    click.echo(import_data(settings, Path(from_dir)))

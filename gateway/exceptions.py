@@ -22,10 +22,18 @@ GatewayError
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any
+from dataclasses import dataclass
+from typing import Any
 
-if TYPE_CHECKING:
-    from gateway.upstream.refusal import Refusal
+
+@dataclass(frozen=True, slots=True)
+class Refusal:
+    """A provider refused a prompt as too long; what it said of the window and the prompt
+    (read from its answer by `gateway.upstream.refusal.parse_refusal`)."""
+
+    message: str
+    window: int | None = None  # the provider's real window, when it said
+    prompt_tokens: int | None = None  # what it counted for the refused prompt, when it said
 
 
 class GatewayError(Exception):

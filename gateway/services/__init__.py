@@ -4,7 +4,11 @@ from here. One `Services` per app (or per command), created from the settings.""
 
 from __future__ import annotations
 
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
+
 from gateway.config import Settings
+from gateway.exceptions import GatewayError
 from gateway.services.conversations import Conversations
 from gateway.services.models import ModelFacts
 from gateway.services.queries import Queries
@@ -12,10 +16,13 @@ from gateway.services.responses import StoredResponses
 from gateway.services.sessions import Sessions
 from gateway.services.summaries import Summaries
 from gateway.services.turns import ChatService
-from gateway.store import Store, StoreRegistry
+from gateway.store import Store, StoreRegistry, create_store
 from gateway.upstream import Router
 
-__all__ = ["Services"]
+__all__ = ["Services", "StoreBackend"]
+
+# The store seam's type, for the composition root and tests that hand in a twin.
+StoreBackend = Store
 
 
 class Services:
@@ -30,6 +37,38 @@ class Services:
         self.conversations = Conversations(settings, stores)
         self.responses = StoredResponses(settings, stores)
         self.queries = Queries(stores)
+
+    @classmethod
+    @asynccontextmanager
+    async def for_command(cls, settings: Settings, *, writes: bool = False) -> AsyncIterator[Services]:
+        """The services of one command. A JSONL store is opened (which creates the data dir)
+        only by commands that write; reads need no durability."""
+        if not writes and settings.storage.backend == "jsonl":
+            settings = settings.model_copy(
+                update={"storage": settings.storage.model_copy(update={"durability": "none"})}
+            )
+        store = create_store(settings)
+        if settings.storage.backend != "jsonl" or writes:
+            await store.open()
+        try:
+            yield cls.from_settings(settings, store=store, opened=True)
+        finally:
+            await store.close()
+
+    @staticmethod
+    async def check_store(settings: Settings) -> None:
+        """Open (and migrate) the store once, so that an unreachable database or an unwritable
+        data dir is one clear error before any worker starts."""
+        backend = settings.storage.backend
+        where = settings.storage.data_dir if backend == "jsonl" else backend
+        try:
+            store = create_store(settings)
+            await store.open()
+            await store.close()
+        except GatewayError:
+            raise
+        except Exception as exc:
+            raise GatewayError(f"cannot open the {backend} store ({where}): {exc}") from None
 
     @classmethod
     def from_settings(

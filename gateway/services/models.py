@@ -27,11 +27,10 @@ import orjson
 
 from gateway.config import Settings
 from gateway.context.calibration import EXACT, MAX_OBSERVATIONS, UNCALIBRATED, Calibration, fit
-from gateway.exceptions import GatewayError
+from gateway.exceptions import GatewayError, Refusal
 from gateway.store.base import Store
 from gateway.upstream import Route
 from gateway.upstream.base import ServerWindow
-from gateway.upstream.refusal import Refusal
 
 DEFAULT_CONTEXT_WINDOW = 8192
 # A server that could not be asked is asked again after this long.

@@ -12,6 +12,7 @@ from typing import Any
 
 from gateway.config import ProviderSettings
 from gateway.exceptions import (
+    Refusal,
     UpstreamError,
     UpstreamProtocolError,
     UpstreamStatusError,
@@ -26,7 +27,7 @@ from gateway.upstream.base import (
     complete_with_retries,
     stream_with_retries,
 )
-from gateway.upstream.refusal import Refusal, parse_refusal
+from gateway.upstream.refusal import parse_refusal
 
 _litellm: Any = None
 

@@ -13,8 +13,9 @@ Shapes seen:
 from __future__ import annotations
 
 import re
-from dataclasses import dataclass
 from typing import Any
+
+from gateway.exceptions import Refusal
 
 _CODES = frozenset({"context_length_exceeded", "exceed_context_size_error", "context_window_exceeded"})
 _PHRASES = re.compile(
@@ -34,15 +35,6 @@ _PROMPT = (
     re.compile(r"request has (\d+) input tokens", re.IGNORECASE),
     re.compile(r"prompt (?:is too long|too long)[^0-9]*(\d+) tokens", re.IGNORECASE),
 )
-
-
-@dataclass(frozen=True, slots=True)
-class Refusal:
-    """A provider refused a prompt as too long; what it said of the window and the prompt."""
-
-    message: str
-    window: int | None = None  # the provider's real window, when it said
-    prompt_tokens: int | None = None  # what it counted for the refused prompt, when it said
 
 
 def _first(patterns: tuple[re.Pattern[str], ...], text: str) -> int | None:

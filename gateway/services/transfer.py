@@ -1,0 +1,84 @@
+"""Moving conversations between backends (`gateway export` / `gateway import`): the JSONL layout
+is the interchange format. PostgreSQL goes through `gateway.store.transfer`; a JSONL data dir is
+copied file by file, response logs first and indexes last (the ordering rule)."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import shutil
+from pathlib import Path
+
+from gateway.config import Settings
+from gateway.exceptions import GatewayError
+
+
+def _data_files(root: Path) -> list[Path]:
+    """Every data file of a JSONL data dir, relative to it (tenants included, lock files not)."""
+    tenants = root / "tenants"
+    bases = [root, *sorted(p for p in tenants.iterdir() if p.is_dir())] if tenants.is_dir() else [root]
+    found: list[Path] = []
+    for base in bases:
+        for folder in (base / "logs", base / "archive"):
+            if folder.is_dir():
+                found += [p.relative_to(root) for p in sorted(folder.rglob("*")) if p.is_file()]
+    return found
+
+
+def _copy_data(source: Path, target: Path) -> int:
+    """Copy a JSONL data dir's files, refusing to overwrite any; response logs first and indexes
+    last (the ordering rule), each through a temporary name so a running gateway never sees a
+    half-copied file."""
+    files = _data_files(source)
+    clashes = [f for f in files if (target / f).exists()]
+    if clashes:
+        raise GatewayError(
+            f"{len(clashes)} files already exist in {target} (e.g. {clashes[0]}); nothing was copied"
+        )
+
+    def order(rel: Path) -> int:
+        return 0 if "responses" in rel.parts else 2 if "conversations" in rel.parts else 1
+
+    for rel in sorted(files, key=order):
+        dest = target / rel
+        dest.parent.mkdir(parents=True, exist_ok=True)
+        temp = dest.with_name(f".{dest.name}.importing")
+        shutil.copy2(source / rel, temp)
+        os.replace(temp, dest)
+    return len(files)
+
+
+
+def export_data(settings: Settings, target: Path) -> str:
+    """Every conversation of the configured backend (all tenants) written to `target` in the
+    JSONL layout; what was written, in words."""
+    if target.exists() and _data_files(target):
+        raise GatewayError(f"{target} already holds gateway data; export into an empty or new folder")
+    backend = settings.storage.backend
+    if backend == "postgres":
+        from gateway.store.transfer import export_jsonl
+
+        if not settings.storage.dsn:
+            raise GatewayError('storage.dsn: required when storage.backend = "postgres"')
+        stats = asyncio.run(export_jsonl(settings.storage.dsn, target))
+        return f"exported {stats.describe()} to {target}"
+    if backend == "jsonl":
+        count = _copy_data(Path(settings.storage.data_dir), target)
+        return f"exported {count} files from {settings.storage.data_dir} to {target}"
+    raise GatewayError(f"cannot export from storage.backend = {backend!r}")
+
+
+def import_data(settings: Settings, source: Path) -> str:
+    """Conversations from `source` (the JSONL layout) loaded into the configured backend."""
+    if not source.is_dir() or not _data_files(source):
+        raise GatewayError(f"{source} holds no gateway data (no logs/ or archive/ folder)")
+    backend = settings.storage.backend
+    if backend == "postgres":
+        from gateway.store.transfer import import_jsonl
+
+        stats = asyncio.run(import_jsonl(settings.storage.dsn, source))
+        return f"imported {stats.describe()} from {source}"
+    if backend == "jsonl":
+        count = _copy_data(source, Path(settings.storage.data_dir))
+        return f"imported {count} files from {source} into {settings.storage.data_dir}"
+    raise GatewayError(f"cannot import into storage.backend = {backend!r}")
