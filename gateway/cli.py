@@ -5,9 +5,7 @@ from __future__ import annotations
 import asyncio
 import os
 import sys
-import textwrap
 from collections.abc import Awaitable, Callable
-from datetime import datetime
 from functools import wraps
 from pathlib import Path
 from typing import Any, TypeVar
@@ -15,8 +13,9 @@ from typing import Any, TypeVar
 import click
 import orjson
 
+from gateway.cli_render import render_context, render_message, render_turn, when
 from gateway.config import Settings, load_settings
-from gateway.context import Message, Turn
+from gateway.context import Turn
 from gateway.exceptions import GatewayError, NotFound
 from gateway.services import Services
 
@@ -68,120 +67,6 @@ def _run(settings: Settings, work: Callable[[Services], Awaitable[T]], *, writes
             return await work(services)
 
     return asyncio.run(main())
-
-
-def _when(ts: float) -> str:
-    return datetime.fromtimestamp(ts).strftime("%Y-%m-%d %H:%M:%S") if ts else "-"
-
-
-def _text(message: Message) -> str:
-    content = message.get("content")
-    if isinstance(content, list):
-        content = " ".join(str(p.get("text", f"[{p.get('type')}]")) for p in content if isinstance(p, dict))
-    text = content if isinstance(content, str) else ""
-    for call in message.get("tool_calls") or []:
-        fn = call.get("function") or {}
-        text += f"\n→ call {fn.get('name')}({fn.get('arguments')}) [{call.get('id')}]"
-    if message.get("role") == "tool":
-        text = f"[{message.get('tool_call_id')}] {text}"
-    return text
-
-
-def _render_message(message: Message, *, tokens: int | None = None, note: str = "") -> str:
-    role = str(message.get("role", "?"))
-    head = click.style(f"{role:>9}", bold=True, fg={"user": "cyan", "assistant": "green"}.get(role, "yellow"))
-    extra = []
-    if tokens is not None:
-        extra.append(f"{tokens} tok")
-    if message.get("is_feedback"):
-        extra.append("feedback")
-    if note:
-        extra.append(note)
-    suffix = click.style(f"  ({', '.join(extra)})", dim=True) if extra else ""
-    body = textwrap.indent(_text(message), " " * 11).lstrip()
-    return f"{head}  {body}{suffix}"
-
-
-def _render_turn(turn: Turn, model: str = "") -> str:
-    from gateway.tokens import count_message
-
-    lines = [click.style(f"── {turn.response_id}", dim=True)]
-    if turn.system is not None:
-        lines += [
-            _render_message(m, tokens=count_message(m, model), note="new system prompt") for m in turn.system
-        ]
-    lines += [_render_message(m, tokens=count_message(m, model)) for m in turn.input]
-    if turn.output is not None:
-        lines.append(_render_message(turn.output, tokens=count_message(turn.output, model)))
-    return "\n".join(lines)
-
-
-_LAYERS = [
-    ("system", "S", "yellow"),
-    ("summary", "Σ", "magenta"),
-    ("recap", "R", "blue"),
-    ("history", "h", "cyan"),
-    ("marker", "m", "white"),
-    ("new", "N", "green"),
-]
-
-
-def _render_context(record: dict[str, Any], *, show_messages: bool) -> None:
-    """The manifest: how the window was filled, what was left out, and what was sent."""
-    if record.get("stateless"):
-        click.echo(
-            f"context      stateless pass-through: {record.get('sent_messages')} messages sent as given"
-        )
-    else:
-        budget = int(record.get("budget") or 0)
-        tokens = record.get("tokens") or {}
-        click.echo(
-            f"window       {record.get('context_window')} tokens, reserve {record.get('reserve_tokens')}, "
-            f"budget {budget} ({record.get('encoding')})"
-        )
-        if record.get("context_window_source"):
-            click.echo(f"window from  {record['context_window_source']}")
-        calibration = record.get("calibration")
-        if isinstance(calibration, dict):
-            click.echo(
-                f"counting     provider ≈ {calibration.get('ratio')} x ours + {calibration.get('overhead')}"
-                f" + margin {calibration.get('margin')} ({calibration.get('samples')} prompts observed)"
-            )
-        refusal = record.get("after_refusal")
-        if isinstance(refusal, dict):
-            click.echo(f"refitted     after the provider refused: {refusal.get('message')}")
-        click.echo(
-            "tokens       "
-            + " | ".join(f"{name} {tokens.get(name, 0)}" for name, _, _ in _LAYERS)
-            + f" | total {tokens.get('total', 0)}"
-        )
-        width = 60
-        bar = ""
-        for name, char, color in _LAYERS:
-            cells = round(width * int(tokens.get(name, 0)) / budget) if budget else 0
-            bar += click.style(char * cells, fg=color)
-        free = max(0, width - len(click.unstyle(bar)))
-        click.echo(f"             [{bar}{'·' * free}] budget")
-        click.echo(
-            f"stored       {record.get('stored_messages')} messages in {record.get('stored_turns')} turns; "
-            f"sent {record.get('sent_messages')} messages; {record.get('new_messages')} new"
-        )
-        truncated = record.get("truncated") or 0
-        click.echo(
-            f"truncated    {truncated} earlier messages omitted" if truncated else "truncated    nothing"
-        )
-        if record.get("summary_version") is not None:
-            covers = record.get("summary_covers_messages")
-            through = record.get("summary_covers_through")
-            version = record.get("summary_version")
-            click.echo(f"summary      v{version} covers {covers} messages, through {through}")
-        included = record.get("included_response_ids") or []
-        if included:
-            click.echo(f"included     {len(included)} responses: {included[0]} … {included[-1]}")
-    if show_messages:
-        click.echo("sent (exact):")
-        for m in record.get("messages") or []:
-            click.echo("  " + _render_message(m))
 
 
 @click.group(context_settings={"help_option_names": ["-h", "--help"]})
@@ -249,10 +134,10 @@ def conversations(settings: Settings, *, config_path: str | None, limit: int) ->
         f"{'conversation':<32} {'turns':>6} {'messages':>9} {'tokens':>8}  {'last activity':<19}  state"
     )
     for row, state, last, attempts in rows:
-        when = _when(last or row.last_activity)
+        at = when(last or row.last_activity)
         shown = state if not attempts else f"{state} (attempts {attempts})"
         click.echo(
-            f"{row.conversation_id:<32} {row.turns:>6} {row.messages:>9} {row.tokens:>8}  {when:<19}  {shown}"
+            f"{row.conversation_id:<32} {row.turns:>6} {row.messages:>9} {row.tokens:>8}  {at:<19}  {shown}"
         )
 
 
@@ -284,7 +169,7 @@ def show(settings: Settings, *, config_path: str | None, conversation_id: str, a
     for m in view.system or []:
         n = count_message(m)
         total += n
-        click.echo(_render_message(m, tokens=n, note="system prompt"))
+        click.echo(render_message(m, tokens=n, note="system prompt"))
     for turn in turns:
         if turn.is_feedback_only:
             click.echo(click.style(f"── {turn.response_id} (feedback turn: not replayed)", dim=True))
@@ -292,11 +177,11 @@ def show(settings: Settings, *, config_path: str | None, conversation_id: str, a
         click.echo(click.style(f"── {turn.response_id}", dim=True))
         for m in [*turn.input, *([turn.output] if turn.output is not None else [])]:
             if m.get("is_feedback"):
-                click.echo(_render_message(m, note="not replayed"))
+                click.echo(render_message(m, note="not replayed"))
                 continue
             n = count_message(m)
             total += n
-            click.echo(_render_message(m, tokens=n))
+            click.echo(render_message(m, tokens=n))
     click.echo(
         click.style(
             f"{view.turns} turns, {len(view.history)} messages, {total} tokens (cl100k_base)", dim=True
@@ -316,7 +201,7 @@ def tail(settings: Settings, *, config_path: str | None, conversation_id: str, p
 
     async def follow(services: Services) -> None:
         async for turn in services.queries.follow("", conversation_id, poll):
-            click.echo(_render_turn(turn))
+            click.echo(render_turn(turn))
 
     where = f"{settings.storage.data_dir}/logs/conversations/{conversation_id}.jsonl"
     if settings.storage.backend != "jsonl":
@@ -349,16 +234,16 @@ def context(
             click.echo(f"conversation {record.get('conversation_id')}")
             target = f"{record.get('provider')}:{record.get('upstream_model')}"
             click.echo(f"model        {record.get('model')} → {target}")
-            click.echo(f"created      {_when(record.get('created') or 0)}")
+            click.echo(f"created      {when(record.get('created') or 0)}")
             for m in record.get("system") or []:
-                click.echo(_render_message(m, note="new system prompt"))
+                click.echo(render_message(m, note="new system prompt"))
             for m in record.get("input") or []:
-                click.echo(_render_message(m, note="new"))
+                click.echo(render_message(m, note="new"))
         elif kind == "context":
-            _render_context(record, show_messages=not brief)
+            render_context(record, show_messages=not brief)
         elif kind == "response":
             click.echo(
-                _render_message(record.get("message") or {}, note=f"finish={record.get('finish_reason')}")
+                render_message(record.get("message") or {}, note=f"finish={record.get('finish_reason')}")
             )
             click.echo(f"usage        {record.get('usage')}")
             click.echo(f"timings      {record.get('timings')}")

@@ -23,15 +23,14 @@ from gateway.store.memory import MemoryStore
 from gateway.tokens import count_message
 from gateway.upstream import Route
 from gateway.upstream.base import ServerWindow
-from gateway.upstream.mock import MockUpstream
-from gateway.upstream.openai import (
-    OpenAIUpstream,
-    status_error,
+from gateway.upstream.discovery import (
     window_from_llamacpp_props,
     window_from_models,
     window_from_ollama_ps,
     window_from_ollama_show,
 )
+from gateway.upstream.mock import MockUpstream
+from gateway.upstream.openai import OpenAIUpstream, status_error
 from gateway.upstream.refusal import parse_refusal
 from tests.conftest import build_client, make_settings
 

@@ -26,7 +26,7 @@ from gateway.api.sse import chat_events
 from gateway.exceptions import GatewayError
 from gateway.metrics import Metrics
 from gateway.services.requests import ChatRequest
-from gateway.services.turns import PreparedTurn
+from gateway.services.turn import PreparedTurn
 
 access_log = logging.getLogger("gateway.access")
 

@@ -9,7 +9,8 @@ from typing import Any
 import orjson
 
 from gateway.exceptions import GatewayError, UpstreamProtocolError
-from gateway.services.turns import ChatService, PreparedTurn
+from gateway.services.turn import PreparedTurn
+from gateway.services.turns import ChatService
 
 log = logging.getLogger("gateway.api")
 

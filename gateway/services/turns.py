@@ -12,11 +12,9 @@ import asyncio
 import contextlib
 import functools
 import logging
-import secrets
 import time
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncIterator, Callable
 from contextlib import AsyncExitStack
-from dataclasses import dataclass, field
 from typing import Any
 
 import orjson
@@ -35,7 +33,6 @@ from gateway.exceptions import (
     ContextLengthExceeded,
     GatewayError,
     InvalidRequest,
-    NotFound,
     UpstreamProtocolError,
     UpstreamStatusError,
 )
@@ -44,66 +41,12 @@ from gateway.services.models import ModelFacts
 from gateway.services.planning import ContextPlan, Planner, off_loop_if_large
 from gateway.services.requests import FORBIDDEN_FIELDS, GATEWAY_FIELDS, ChatRequest, check_size
 from gateway.services.stream import StreamAccumulator, output_message
+from gateway.services.turn import PreparedTurn, lock_conversation, response_record, settle
 from gateway.store import StoreRegistry
-from gateway.store.base import ResponseLog, Store
 from gateway.tokens import counter_for
-from gateway.upstream import Route, Router
+from gateway.upstream import Router
 
 log = logging.getLogger("gateway.services")
-
-
-@dataclass(slots=True)
-class PreparedTurn:
-    """Everything decided before the provider is called; closing it releases the lock."""
-
-    request: ChatRequest
-    response_id: str
-    route: Route
-    upstream_body: dict[str, Any]
-    log: ResponseLog
-    new: list[Message]
-    system_in: list[Message] | None
-    stack: AsyncExitStack
-    started: float = field(default_factory=time.perf_counter)
-    upstream_started: float = 0.0
-    done: bool = False
-    commit_task: asyncio.Future[None] | None = None
-    encoding: str | None = None
-    new_tokens: list[int] | None = None
-    system_tokens: list[int] | None = None
-    plan: ContextPlan | None = None
-    store: Store | None = None
-    created: float | None = None
-    timings: dict[str, float] | None = None
-    usage: dict[str, Any] | None = None
-    upstream_truncated: bool = False
-    recap: Message | None = None
-    final_message: Message | None = None
-    finish_reason: str | None = None
-    first_of_user: str | None = None  # a new conversation of this end user: index it for recaps
-    replan: Callable[[], Awaitable[ContextPlan]] | None = None  # after a provider's refusal
-    refits: int = 0
-    tenant: str = ""
-    view: ConversationView | None = None
-
-    @property
-    def conversation_id(self) -> str | None:
-        return self.request.conversation_id
-
-
-async def _settle(task: asyncio.Future[None]) -> None:
-    """Wait for a commit to finish even while being cancelled: the conversation lock must not
-    be released before the turn is on disk, or the next request would miss it."""
-    cancelled = False
-    while not task.done():
-        try:
-            await asyncio.shield(task)
-        except asyncio.CancelledError:
-            cancelled = True
-        except Exception:  # noqa: BLE001 - the commit's own caller reports it
-            break
-    if cancelled:
-        raise asyncio.CancelledError()
 
 
 class ChatService:
@@ -141,7 +84,7 @@ class ChatService:
             cid = request.conversation_id
             view = ConversationView()
             if cid is not None:
-                cid = await self._lock_conversation(request, store, stack)
+                cid = await lock_conversation(request, store, stack, self.settings.storage.lock_timeout)
                 view = await store.load(cid)
             system_in, rest = split_system(request.messages)
             recap: Message | None = None
@@ -261,33 +204,6 @@ class ChatService:
             await stack.aclose()
             raise
 
-    async def _lock_conversation(self, request: ChatRequest, store: Store, stack: AsyncExitStack) -> str:
-        """Lock the request's conversation (held until the turn closes) and return its id. With
-        `previous_response_id`: when that response is no longer the newest, the turn moves to a
-        fork made at it; decided under the lock, so a turn landing meanwhile cannot slip in."""
-        cid = request.conversation_id
-        assert cid is not None
-        timeout = self.settings.storage.lock_timeout
-        previous = request.previous_response_id
-        if previous is None:
-            await stack.enter_async_context(store.lock(cid, timeout))
-            return cid
-        async with AsyncExitStack() as source:
-            await source.enter_async_context(store.lock(cid, timeout))
-            ids = [e for e in await store.read_index(cid) if isinstance(e, str)]
-            if ids and ids[-1] == previous:
-                stack.push_async_exit(source.pop_all())
-                return cid
-            if previous not in ids:
-                raise NotFound(
-                    f"Response {previous!r} is no longer part of a conversation", param="previous_response_id"
-                )
-            fork = f"{cid[:100]}.fork-{secrets.token_hex(6)}"
-            await stack.enter_async_context(store.lock(fork, timeout))
-            await store.fork(cid, fork, previous)
-        request.conversation_id = fork
-        return fork
-
     async def _commit(self, turn: PreparedTurn, message: Message, record: dict[str, Any]) -> None:
         output_tokens = None
         if turn.encoding is not None and turn.new_tokens is not None:
@@ -326,7 +242,7 @@ class ChatService:
         """Abandon the turn unless it was committed, then release the conversation."""
         try:
             if turn.commit_task is not None:
-                await _settle(turn.commit_task)
+                await settle(turn.commit_task)
                 turn.done = True
             if not turn.done:
                 turn.done = True
@@ -353,26 +269,6 @@ class ChatService:
                 )
         if plan is not None and plan.summary_target and turn.conversation_id and committed and turn.store:
             self.schedule_summary(turn.tenant, turn.conversation_id, plan.summary_target, turn.request.model)
-
-    def _response_record(
-        self, turn: PreparedTurn, message: Message, finish_reason: Any, usage: Any, raw: Any = None
-    ) -> dict[str, Any]:
-        end = time.perf_counter()
-        record: dict[str, Any] = {
-            "type": "response",
-            "message": message,
-            "finish_reason": finish_reason,
-            "usage": usage,
-            "timings": {
-                "upstream_ms": round((end - turn.upstream_started) * 1000, 3),
-                "total_ms": round((end - turn.started) * 1000, 3),
-            },
-        }
-        if raw is not None and raw != message:
-            record["upstream_message"] = raw
-        turn.timings = record["timings"]
-        turn.usage = usage if isinstance(usage, dict) else None
-        return record
 
     # -- non-streaming ------------------------------------------------------------------------
     async def _refit(self, turn: PreparedTurn, exc: UpstreamStatusError) -> None:
@@ -432,7 +328,7 @@ class ChatService:
             raise UpstreamProtocolError(f"Provider {turn.route.provider!r} returned no choices")
         raw = choices[0].get("message")
         message = output_message(raw)
-        record = self._response_record(
+        record = response_record(
             turn, message, choices[0].get("finish_reason"), completion.get("usage"), raw
         )
         await self._commit(turn, message, record)
@@ -487,7 +383,7 @@ class ChatService:
                 provider = turn.route.provider
                 raise UpstreamProtocolError(f"Provider {provider!r} ended the stream before finishing")
             message = acc.message()
-            record = self._response_record(turn, message, acc.finish_reason, acc.usage)
+            record = response_record(turn, message, acc.finish_reason, acc.usage)
             await self._commit(turn, message, record)
             turn.final_message = message
             turn.finish_reason = acc.finish_reason

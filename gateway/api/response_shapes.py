@@ -1,0 +1,236 @@
+"""The Responses API's output shapes: the `response` object, its output items, and the event
+stream a streaming `POST /v1/responses` sends (built from the turn's chat chunks)."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import AsyncIterator
+from typing import Any
+
+import orjson
+
+from gateway.context import Message
+from gateway.context.items import message_to_items
+from gateway.exceptions import GatewayError
+from gateway.services.stream import StreamAccumulator
+from gateway.services.turn import PreparedTurn
+from gateway.services.turns import ChatService
+
+
+def _response_tools(tools: list[dict[str, Any]] | None) -> list[dict[str, Any]]:
+    return [{"type": "function", "strict": None, **t["function"]} for t in tools or []]
+
+
+def output_items(message: Message | None, response_id: str, position: int) -> list[dict[str, Any]]:
+    if message is None:
+        return []
+    items = message_to_items(message, response_id, position)
+    for item in items:
+        if item["type"] == "message":
+            for part in item["content"]:
+                part.setdefault("annotations", [])
+    return items
+
+
+def response_object(
+    *,
+    response_id: str,
+    created: float,
+    model: str,
+    message: Message | None,
+    position: int,
+    finish_reason: str | None,
+    usage: dict[str, Any] | None,
+    params: dict[str, Any],
+    conversation_id: str | None,
+    previous_response_id: str | None,
+    status: str | None = None,
+    error: dict[str, Any] | None = None,
+) -> dict[str, Any]:
+    usage = usage or {}
+    prompt = int(usage.get("prompt_tokens") or 0)
+    completion = int(usage.get("completion_tokens") or 0)
+    if status is None:
+        status = "incomplete" if finish_reason == "length" else "completed"
+    return {
+        "id": response_id,
+        "object": "response",
+        "created_at": int(created),
+        "status": status,
+        "model": model,
+        "output": output_items(message, response_id, position),
+        "error": error,
+        "incomplete_details": {"reason": "max_output_tokens"}
+        if status == "incomplete" and not error
+        else None,
+        "instructions": params.get("instructions"),
+        "metadata": params.get("metadata") or {},
+        "parallel_tool_calls": params.get("parallel_tool_calls", True),
+        "temperature": params.get("temperature"),
+        "top_p": params.get("top_p"),
+        "tool_choice": params.get("tool_choice_raw", "auto"),
+        "tools": _response_tools(params.get("tools")),
+        "max_output_tokens": params.get("max_output_tokens"),
+        "previous_response_id": previous_response_id,
+        "conversation": {"id": conversation_id} if conversation_id else None,
+        "store": params.get("store", True),
+        "truncation": params.get("truncation", "auto"),
+        "text": {"format": {"type": "text"}},
+        "usage": {
+            "input_tokens": prompt,
+            "input_tokens_details": {"cached_tokens": 0, "cache_write_tokens": 0},
+            "output_tokens": completion,
+            "output_tokens_details": {"reasoning_tokens": 0},
+            "total_tokens": prompt + completion,
+        },
+        "user": params.get("user"),
+    }
+
+
+def event(kind: str, seq: int, **fields: Any) -> bytes:
+    payload = {"type": kind, "sequence_number": seq, **fields}
+    return b"event: " + kind.encode() + b"\ndata: " + orjson.dumps(payload) + b"\n\n"
+
+
+async def response_events(
+    service: ChatService, turn: PreparedTurn, chunks: AsyncIterator[dict[str, Any]], common: dict[str, Any]
+) -> AsyncIterator[bytes]:
+    """Chat chunks as the Responses event stream."""
+    seq = 0
+    created = turn.created or time.time()
+    skeleton = response_object(
+        created=created, message=None, finish_reason=None, usage=None, status="in_progress", **common
+    )
+    yield event("response.created", seq, response=skeleton)
+    seq += 1
+    yield event("response.in_progress", seq, response=skeleton)
+    rid, position = turn.response_id, common["position"]
+    text_id = f"msg_{rid}_{position}"
+    acc = StreamAccumulator()
+    text_open = False
+    calls_seen: dict[int, int] = {}  # tool call index -> output index
+    output_index = 0
+    try:
+        async for chunk in chunks:
+            acc.add(chunk)
+            for choice in chunk.get("choices") or ():
+                delta = choice.get("delta") or {}
+                piece = delta.get("content")
+                if isinstance(piece, str) and piece:
+                    if not text_open:
+                        text_open = True
+                        item = {
+                            "type": "message",
+                            "id": text_id,
+                            "status": "in_progress",
+                            "role": "assistant",
+                            "content": [],
+                        }
+                        seq += 1
+                        yield event("response.output_item.added", seq, output_index=output_index, item=item)
+                        seq += 1
+                        yield event(
+                            "response.content_part.added",
+                            seq,
+                            item_id=text_id,
+                            output_index=output_index,
+                            content_index=0,
+                            part={"type": "output_text", "text": "", "annotations": [], "logprobs": []},
+                        )
+                    seq += 1
+                    yield event(
+                        "response.output_text.delta",
+                        seq,
+                        item_id=text_id,
+                        output_index=output_index,
+                        content_index=0,
+                        delta=piece,
+                        logprobs=[],
+                    )
+                for call in delta.get("tool_calls") or ():
+                    k = int(call.get("index", 0))
+                    fn = call.get("function") or {}
+                    if k not in calls_seen:
+                        calls_seen[k] = len(calls_seen) + (1 if text_open else 0)
+                        item = {
+                            "type": "function_call",
+                            "id": f"fc_{rid}_{position}_{k}",
+                            "call_id": call.get("id") or "",
+                            "name": fn.get("name") or "",
+                            "arguments": "",
+                            "status": "in_progress",
+                        }
+                        seq += 1
+                        yield event("response.output_item.added", seq, output_index=calls_seen[k], item=item)
+                    if fn.get("arguments"):
+                        seq += 1
+                        yield event(
+                            "response.function_call_arguments.delta",
+                            seq,
+                            item_id=f"fc_{rid}_{position}_{k}",
+                            output_index=calls_seen[k],
+                            delta=fn["arguments"],
+                        )
+    except GatewayError as exc:
+        await service.close(turn, exc)
+        seq += 1
+        err = exc.to_dict()["error"]
+        yield event("error", seq, code=err.get("code"), message=err["message"], param=err.get("param"))
+        failed = response_object(
+            created=created,
+            message=None,
+            finish_reason=None,
+            usage=None,
+            status="failed",
+            error={"code": str(err.get("code") or "server_error"), "message": err["message"]},
+            **common,
+        )
+        seq += 1
+        yield event("response.failed", seq, response=failed)
+        return
+    final = response_object(
+        created=created,
+        message=turn.final_message,
+        finish_reason=turn.finish_reason,
+        usage=acc.usage,
+        **common,
+    )
+    for index, item in enumerate(final["output"]):
+        if item["type"] == "message":
+            text = item["content"][0]["text"] if item["content"] else ""
+            seq += 1
+            yield event(
+                "response.output_text.done",
+                seq,
+                item_id=item["id"],
+                output_index=index,
+                content_index=0,
+                text=text,
+                logprobs=[],
+            )
+            seq += 1
+            yield event(
+                "response.content_part.done",
+                seq,
+                item_id=item["id"],
+                output_index=index,
+                content_index=0,
+                part=item["content"][0]
+                if item["content"]
+                else {"type": "output_text", "text": "", "annotations": []},
+            )
+        elif item["type"] == "function_call":
+            seq += 1
+            yield event(
+                "response.function_call_arguments.done",
+                seq,
+                item_id=item["id"],
+                output_index=index,
+                name=item["name"],
+                arguments=item["arguments"],
+            )
+        seq += 1
+        yield event("response.output_item.done", seq, output_index=index, item=item)
+    seq += 1
+    yield event("response.completed", seq, response=final)
+    del output_index

@@ -1,0 +1,126 @@
+"""How the `gateway` command shows conversations in a terminal: messages, turns, and a
+response's context manifest drawn as a bar of the model's window."""
+
+from __future__ import annotations
+
+import textwrap
+from datetime import datetime
+from typing import Any
+
+import click
+
+from gateway.context import Message, Turn
+from gateway.tokens import count_message
+
+
+def when(ts: float) -> str:
+    return datetime.fromtimestamp(ts).strftime("%Y-%m-%d %H:%M:%S") if ts else "-"
+
+
+def text(message: Message) -> str:
+    content = message.get("content")
+    if isinstance(content, list):
+        content = " ".join(str(p.get("text", f"[{p.get('type')}]")) for p in content if isinstance(p, dict))
+    text = content if isinstance(content, str) else ""
+    for call in message.get("tool_calls") or []:
+        fn = call.get("function") or {}
+        text += f"\n→ call {fn.get('name')}({fn.get('arguments')}) [{call.get('id')}]"
+    if message.get("role") == "tool":
+        text = f"[{message.get('tool_call_id')}] {text}"
+    return text
+
+
+def render_message(message: Message, *, tokens: int | None = None, note: str = "") -> str:
+    role = str(message.get("role", "?"))
+    head = click.style(f"{role:>9}", bold=True, fg={"user": "cyan", "assistant": "green"}.get(role, "yellow"))
+    extra = []
+    if tokens is not None:
+        extra.append(f"{tokens} tok")
+    if message.get("is_feedback"):
+        extra.append("feedback")
+    if note:
+        extra.append(note)
+    suffix = click.style(f"  ({', '.join(extra)})", dim=True) if extra else ""
+    body = textwrap.indent(text(message), " " * 11).lstrip()
+    return f"{head}  {body}{suffix}"
+
+
+def render_turn(turn: Turn, model: str = "") -> str:
+
+    lines = [click.style(f"── {turn.response_id}", dim=True)]
+    if turn.system is not None:
+        lines += [
+            render_message(m, tokens=count_message(m, model), note="new system prompt") for m in turn.system
+        ]
+    lines += [render_message(m, tokens=count_message(m, model)) for m in turn.input]
+    if turn.output is not None:
+        lines.append(render_message(turn.output, tokens=count_message(turn.output, model)))
+    return "\n".join(lines)
+
+
+LAYERS = [
+    ("system", "S", "yellow"),
+    ("summary", "Σ", "magenta"),
+    ("recap", "R", "blue"),
+    ("history", "h", "cyan"),
+    ("marker", "m", "white"),
+    ("new", "N", "green"),
+]
+
+
+def render_context(record: dict[str, Any], *, show_messages: bool) -> None:
+    """The manifest: how the window was filled, what was left out, and what was sent."""
+    if record.get("stateless"):
+        click.echo(
+            f"context      stateless pass-through: {record.get('sent_messages')} messages sent as given"
+        )
+    else:
+        budget = int(record.get("budget") or 0)
+        tokens = record.get("tokens") or {}
+        click.echo(
+            f"window       {record.get('context_window')} tokens, reserve {record.get('reserve_tokens')}, "
+            f"budget {budget} ({record.get('encoding')})"
+        )
+        if record.get("context_window_source"):
+            click.echo(f"window from  {record['context_window_source']}")
+        calibration = record.get("calibration")
+        if isinstance(calibration, dict):
+            click.echo(
+                f"counting     provider ≈ {calibration.get('ratio')} x ours + {calibration.get('overhead')}"
+                f" + margin {calibration.get('margin')} ({calibration.get('samples')} prompts observed)"
+            )
+        refusal = record.get("after_refusal")
+        if isinstance(refusal, dict):
+            click.echo(f"refitted     after the provider refused: {refusal.get('message')}")
+        click.echo(
+            "tokens       "
+            + " | ".join(f"{name} {tokens.get(name, 0)}" for name, _, _ in LAYERS)
+            + f" | total {tokens.get('total', 0)}"
+        )
+        width = 60
+        bar = ""
+        for name, char, color in LAYERS:
+            cells = round(width * int(tokens.get(name, 0)) / budget) if budget else 0
+            bar += click.style(char * cells, fg=color)
+        free = max(0, width - len(click.unstyle(bar)))
+        click.echo(f"             [{bar}{'·' * free}] budget")
+        click.echo(
+            f"stored       {record.get('stored_messages')} messages in {record.get('stored_turns')} turns; "
+            f"sent {record.get('sent_messages')} messages; {record.get('new_messages')} new"
+        )
+        truncated = record.get("truncated") or 0
+        click.echo(
+            f"truncated    {truncated} earlier messages omitted" if truncated else "truncated    nothing"
+        )
+        if record.get("summary_version") is not None:
+            covers = record.get("summary_covers_messages")
+            through = record.get("summary_covers_through")
+            version = record.get("summary_version")
+            click.echo(f"summary      v{version} covers {covers} messages, through {through}")
+        included = record.get("included_response_ids") or []
+        if included:
+            click.echo(f"included     {len(included)} responses: {included[0]} … {included[-1]}")
+    if show_messages:
+        click.echo("sent (exact):")
+        for m in record.get("messages") or []:
+            click.echo("  " + render_message(m))

@@ -1,0 +1,103 @@
+"""Asking an OpenAI-compatible server for the context window it runs a model with: llama.cpp's
+`/props`, vLLM's `max_model_len`, Ollama's `/api/ps` and `/api/show`. Each reader takes one
+answer and returns the window, or None when that answer does not say."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import aiohttp
+import orjson
+
+from gateway.upstream.base import ServerWindow
+
+
+def _positive(value: Any) -> int | None:
+    return value if isinstance(value, int) and not isinstance(value, bool) and value > 0 else None
+
+
+def window_from_llamacpp_props(props: Any) -> int | None:
+    """llama.cpp `GET /props`: the runtime (per-slot) window, not the training one."""
+    settings = props.get("default_generation_settings") if isinstance(props, dict) else None
+    return _positive(settings.get("n_ctx")) if isinstance(settings, dict) else None
+
+
+def window_from_models(listing: Any, model: str) -> int | None:
+    """vLLM `GET /v1/models`: `max_model_len` of the model (the only one, if the name differs)."""
+    data = listing.get("data") if isinstance(listing, dict) else None
+    if not isinstance(data, list):
+        return None
+    entries = [m for m in data if isinstance(m, dict)]
+    named = [m for m in entries if m.get("id") == model or model in (m.get("aliases") or ())]
+    for entry in named or (entries if len(entries) == 1 else []):
+        found = _positive(entry.get("max_model_len"))
+        if found:
+            return found
+    return None
+
+
+def window_from_ollama_ps(ps: Any, model: str) -> int | None:
+    """Ollama `GET /api/ps`: `context_length` of the loaded model (its runtime num_ctx)."""
+    models = ps.get("models") if isinstance(ps, dict) else None
+    for entry in models if isinstance(models, list) else ():
+        if isinstance(entry, dict) and model in (entry.get("name"), entry.get("model")):
+            return _positive(entry.get("context_length"))
+    return None
+
+
+# Ollama's runtime window when neither the Modelfile nor a loaded model says (its documented default).
+OLLAMA_DEFAULT_NUM_CTX = 4096
+
+
+def window_from_ollama_show(show: Any) -> int | None:
+    """Ollama `POST /api/show`: the Modelfile's `num_ctx`, else the model's trained length
+    capped at Ollama's default runtime window (what a request gets unless told otherwise)."""
+    if not isinstance(show, dict):
+        return None
+    parameters = show.get("parameters")
+    if isinstance(parameters, str):
+        for line in parameters.splitlines():
+            parts = line.split()
+            if len(parts) == 2 and parts[0] == "num_ctx" and parts[1].isdigit():
+                return int(parts[1])
+    info = show.get("model_info")
+    trained = None
+    if isinstance(info, dict):
+        trained = next(
+            (_positive(v) for k, v in info.items() if k.endswith(".context_length") and _positive(v)), None
+        )
+    return min(trained, OLLAMA_DEFAULT_NUM_CTX) if trained else None
+
+
+DESCRIBE_TIMEOUT = 3.0
+
+
+async def describe_openai_compatible(
+    session: aiohttp.ClientSession, base_url: str, model: str
+) -> ServerWindow | None:
+    """Ask an OpenAI-compatible server for its runtime window: llama.cpp, vLLM, then Ollama."""
+    root = base_url[: -len("/v1")] if base_url.endswith("/v1") else base_url
+    timeout = aiohttp.ClientTimeout(total=DESCRIBE_TIMEOUT)
+
+    async def get_json(method: str, url: str, payload: Any = None) -> Any:
+        try:
+            async with session.request(method, url, json=payload, timeout=timeout) as response:
+                if response.status != 200:
+                    return None
+                return orjson.loads(await response.read())
+        except (aiohttp.ClientError, TimeoutError, orjson.JSONDecodeError, ValueError):
+            return None
+
+    found = window_from_llamacpp_props(await get_json("GET", f"{root}/props"))
+    if found:
+        return ServerWindow(found, "llama.cpp GET /props")
+    found = window_from_models(await get_json("GET", f"{base_url}/models"), model)
+    if found:
+        return ServerWindow(found, "vLLM GET /v1/models max_model_len")
+    found = window_from_ollama_ps(await get_json("GET", f"{root}/api/ps"), model)
+    if found:
+        return ServerWindow(found, "Ollama GET /api/ps", num_ctx_option=True)
+    found = window_from_ollama_show(await get_json("POST", f"{root}/api/show", {"model": model}))
+    if found:
+        return ServerWindow(found, "Ollama POST /api/show", num_ctx_option=True)
+    return None
