@@ -433,3 +433,15 @@ def test_content_part_with_a_non_string_type_is_a_400() -> None:
     assert items_to_messages([{"role": "user", "content": [{"type": "input_text", "text": "hi"}]}]) == [
         {"role": "user", "content": "hi"}
     ]
+
+
+@pytest.mark.parametrize("since", ["abc", "-1", "1.5"])
+async def test_the_inspectors_since_must_be_a_turn_index(app_client: httpx.AsyncClient, since: str) -> None:
+    r = await app_client.post(
+        "/v1/chat/completions", json={"model": "mock/m", "messages": [user("x")], "conversation_id": "c"}
+    )
+    assert r.status_code == 200
+    r = await app_client.get(f"/ui/api/conversations/c?since={since}")
+    assert r.status_code == 400 and r.json()["error"]["param"] == "since"
+    r = await app_client.get("/ui/api/conversations/c?since=0")
+    assert r.status_code == 200 and len(r.json()["turns"]) == 1
