@@ -291,13 +291,13 @@ async def test_recap_looks_at_a_bounded_number_of_the_users_conversations(
     for n in range(12):
         await say(client, f"old-{n}", f"my number is {n}", user="u7")
     loaded: list[str] = []
-    real_load = store.load
+    real_read = store.read_conversation
 
-    async def counting_load(cid: str) -> Any:
+    async def counting_read(cid: str, after: Any = None) -> Any:
         loaded.append(cid)
-        return await real_load(cid)
+        return await real_read(cid, after)
 
-    monkeypatch.setattr(store, "load", counting_load)
+    monkeypatch.setattr(store, "read_conversation", counting_read)
     await say(client, "fresh", "hello", user="u7")
     others = [cid for cid in loaded if cid != "fresh"]
     assert others == [f"old-{n}" for n in range(11, 6, -1)]  # the 5 newest, newest first

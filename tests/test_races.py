@@ -31,6 +31,7 @@ from gateway.upstream.mock import MockUpstream
 from tests.conftest import make_settings
 from tests.test_lifecycle import make, say
 from tests.test_store import commit_turn
+from tests.views import load
 
 
 async def test_1_a_reader_without_the_lock_never_cuts_an_append_in_progress(tmp_path: Path) -> None:
@@ -42,12 +43,12 @@ async def test_1_a_reader_without_the_lock_never_cuts_an_append_in_progress(tmp_
     half = b"test-model-0123"  # the first half of another writer's append, not yet finished
     with open(path, "ab") as f:
         f.write(half)
-    view = await store.load("c")  # a reader: no lock held
+    view = await load(store, "c")  # a reader: no lock held
     assert path.read_bytes() == before + half
     assert len(view.response_ids) == 1
     # The holder of the lock may repair: a torn line it finds is a crash's, never acknowledged.
     async with store.lock("c", timeout=1):
-        await store.load("c")
+        await load(store, "c")
     assert path.read_bytes() == before
 
 
@@ -119,7 +120,7 @@ async def test_3_expiry_decides_again_under_the_lock(tmp_path: Path) -> None:
     store.lock = lock_after_a_turn  # type: ignore[method-assign]
     await app.state.processor.visit("", "c")
     assert await store.exists("c")
-    assert [m["content"] for m in (await store.load("c")).history if m["role"] == "user"] == [
+    assert [m["content"] for m in (await load(store, "c")).history if m["role"] == "user"] == [
         "my name is Di",
         "still here",
     ]

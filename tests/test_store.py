@@ -13,7 +13,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from gateway.context import Message, Turn
+from gateway.context import Message
 from gateway.exceptions import (
     ConversationBusy,
     CorruptRecord,
@@ -28,6 +28,7 @@ from gateway.store.jsonl import JsonlStore, parse_index, parse_jsonl
 from gateway.store.memory import MemoryStore
 from gateway.store.postgres import PostgresStore
 from tests.postgres.cluster import postgres_cluster  # noqa: F401 - the session's PostgreSQL, for "postgres"
+from tests.views import list_conversations, load
 
 
 def user(text: str, **extra: Any) -> Message:
@@ -119,8 +120,7 @@ async def commit_turn(
     log = store.start(rid, request_record(rid, cid, inputs, system))
     log.append({"type": "context", "stored_messages": 0, "sent_messages": len(inputs)})
     log.append({"type": "response", "message": output, "finish_reason": "stop", "usage": None})
-    turn = Turn(rid, tuple(inputs), output, tuple(system) if system is not None else None)
-    await log.commit(cid, turn if cid is not None else None)
+    await log.commit(cid)
     return rid
 
 
@@ -128,12 +128,12 @@ async def commit_turn(
 
 
 async def test_roundtrip_start_append_commit_load(store: Store) -> None:
-    assert (await store.load("conv-1")).history == []
+    assert (await load(store, "conv-1")).history == []
     r1 = await commit_turn(
         store, "conv-1", "héllo ✓", "hi there", system=[{"role": "system", "content": "S"}]
     )
     r2 = await commit_turn(store, "conv-1", "second", "ok")
-    view = await store.load("conv-1")
+    view = await load(store, "conv-1")
     assert view.system == [{"role": "system", "content": "S"}]
     assert view.history == [user("héllo ✓"), reply("hi there"), user("second"), reply("ok")]
     assert view.response_ids == [r1, r2]
@@ -144,7 +144,7 @@ async def test_roundtrip_start_append_commit_load(store: Store) -> None:
     assert records[0]["input"] == [user("second")]
     assert records[2]["message"] == reply("ok")
     # Conversations are independent.
-    assert (await store.load("conv-2")).history == []
+    assert (await load(store, "conv-2")).history == []
 
 
 async def test_tool_calls_and_results_are_replayed_exactly(store: Store) -> None:
@@ -158,7 +158,7 @@ async def test_tool_calls_and_results_are_replayed_exactly(store: Store) -> None
     result = {"role": "tool", "tool_call_id": "call_1", "content": "42"}
     await commit_turn(store, "tools", "", output=calls, inputs=[user("compute")])
     await commit_turn(store, "tools", "", output=reply("It is 42."), inputs=[result])
-    view = await store.load("tools")
+    view = await load(store, "tools")
     assert view.history == [user("compute"), calls, result, reply("It is 42.")]
 
 
@@ -167,7 +167,7 @@ async def test_feedback_is_stored_but_not_replayed(store: Store) -> None:
     fid = await commit_turn(
         store, "fb", "", output=reply("thanks!"), inputs=[user("great", is_feedback=True)]
     )
-    view = await store.load("fb")
+    view = await load(store, "fb")
     assert view.history == [user("hi"), reply("hello")]
     assert fid in view.response_ids
     assert (await store.read_response(fid))[0]["input"] == [user("great", is_feedback=True)]
@@ -176,7 +176,7 @@ async def test_feedback_is_stored_but_not_replayed(store: Store) -> None:
 async def test_commit_without_conversation_is_logged_but_indexed_nowhere(store: Store) -> None:
     rid = await commit_turn(store, None, "stateless")
     assert (await store.read_response(rid))[-1]["type"] == "commit"
-    assert await store.list_conversations() == []
+    assert await list_conversations(store) == []
 
 
 async def test_abandoned_response_never_enters_index_or_view(store: Store) -> None:
@@ -193,7 +193,7 @@ async def test_abandoned_response_never_enters_index_or_view(store: Store) -> No
         "error": {"message": "upstream timed out", "type": "upstream_error"},
     }
     assert await store.read_index("conv") == [kept]
-    view = await store.load("conv")
+    view = await load(store, "conv")
     assert view.response_ids == [kept]
     assert view.history == [user("first"), reply("one")]
 
@@ -204,31 +204,31 @@ async def test_abandoned_first_turn_creates_no_conversation(store: Store) -> Non
     await log.abandon("cancelled")
     with pytest.raises(NotFound):
         await store.read_index("never")
-    assert (await store.load("never")).turns == 0
-    assert await store.list_conversations() == []
+    assert (await load(store, "never")).turns == 0
+    assert await list_conversations(store) == []
 
 
 async def test_abandon_after_commit_does_not_uncommit(store: Store, request: pytest.FixtureRequest) -> None:
     rid = mint_response_id("test/model")
     log = store.start(rid, request_record(rid, "conv", [user("q")]))
     log.append({"type": "response", "message": reply("a"), "finish_reason": "stop", "usage": None})
-    await log.commit("conv", Turn(rid, (user("q"),), reply("a")))
+    await log.commit("conv")
     await log.abandon("cancelled")
     assert (await store.read_response(rid))[-1]["type"] == "commit"
-    assert (await store.load("conv")).response_ids == [rid]
+    assert (await load(store, "conv")).response_ids == [rid]
 
 
 async def test_failed_commit_adds_nothing(store: Store) -> None:
     kept = await commit_turn(store, "conv", "first", "one")
-    await store.load("conv")  # warm any cache
+    await load(store, "conv")  # warm any cache
     fail_next_commits(store)
     with pytest.raises(StorageError):
         await commit_turn(store, "conv", "lost")
     heal(store)
     assert await store.read_index("conv") == [kept]
-    assert (await store.load("conv")).response_ids == [kept]
+    assert (await load(store, "conv")).response_ids == [kept]
     later = await commit_turn(store, "conv", "after", "two")
-    view = await store.load("conv")
+    view = await load(store, "conv")
     assert view.response_ids == [kept, later]
     assert view.history == [user("first"), reply("one"), user("after"), reply("two")]
 
@@ -241,7 +241,7 @@ async def test_unknown_ids_are_not_found(store: Store) -> None:
 
 
 async def test_list_conversations_most_recent_first(store: Store) -> None:
-    assert await store.list_conversations() == []
+    assert await list_conversations(store) == []
     await commit_turn(store, "alpha", "a1")
     await asyncio.sleep(0.03)  # file mtimes have jiffy resolution
     await commit_turn(store, "beta", "b1")
@@ -249,7 +249,7 @@ async def test_list_conversations_most_recent_first(store: Store) -> None:
     await commit_turn(store, "gamma", "g1")
     await asyncio.sleep(0.03)
     await commit_turn(store, "alpha", "a2")
-    listed = await store.list_conversations()
+    listed = await list_conversations(store)
     assert [s.conversation_id for s in listed] == ["alpha", "gamma", "beta"]
     alpha = listed[0]
     assert (alpha.turns, alpha.messages) == (2, 4)
@@ -331,7 +331,7 @@ async def test_jsonl_list_survives_a_stray_file(jstore: JsonlStore, tmp_path: Pa
     await commit_turn(jstore, "real", "hi")
     stray = tmp_path / "var" / "logs" / "conversations" / "real.jsonl~"
     stray.write_bytes(b"junk\n")
-    assert [s.conversation_id for s in await jstore.list_conversations()] == ["real"]
+    assert [s.conversation_id for s in await list_conversations(jstore)] == ["real"]
 
 
 async def test_jsonl_list_skips_files_that_are_not_conversation_ids(
@@ -341,7 +341,7 @@ async def test_jsonl_list_skips_files_that_are_not_conversation_ids(
     conversations = tmp_path / "var" / "logs" / "conversations"
     (conversations / "copy of real.jsonl").write_bytes(b"")
     (conversations / ".hidden.jsonl").write_bytes(b"")
-    assert [s.conversation_id for s in await jstore.list_conversations()] == ["real"]
+    assert [s.conversation_id for s in await list_conversations(jstore)] == ["real"]
 
 
 # -- JSONL: torn writes -------------------------------------------------------------------------
@@ -354,23 +354,23 @@ async def test_torn_index_line_is_ignored_and_repaired(
 ) -> None:
     r1 = await commit_turn(jstore, "conv", "one")
     if warm_cache:
-        await jstore.load("conv")
+        await load(jstore, "conv")
     index = tmp_path / "var" / "logs" / "conversations" / "conv.jsonl"
     with open(index, "ab") as f:
         f.write(torn)  # a crash in the middle of an index append
     assert await jstore.read_index("conv") == [r1]
     assert index.read_bytes().endswith(torn)  # reading alone does not write
     store = jstore if warm_cache else JsonlStore(tmp_path / "var")
-    view = await store.load("conv")
+    view = await load(store, "conv")
     assert view.response_ids == [r1]
     assert index.read_bytes().endswith(torn)  # a reader without the lock never repairs
     async with store.lock("conv", timeout=1):
-        view = await store.load("conv")  # the lock's holder does (as every turn does first)
+        view = await load(store, "conv")  # the lock's holder does (as every turn does first)
     assert view.response_ids == [r1]
     assert index.read_bytes() == f"{r1}\n".encode()  # repaired
     r2 = await commit_turn(store, "conv", "two")
     assert index.read_bytes() == f"{r1}\n{r2}\n".encode()
-    assert (await JsonlStore(tmp_path / "var").load("conv")).response_ids == [r1, r2]
+    assert (await load(JsonlStore(tmp_path / "var"), "conv")).response_ids == [r1, r2]
 
 
 @pytest.mark.parametrize("cut", [1, 10])
@@ -381,7 +381,7 @@ async def test_torn_response_file_is_not_committed(jstore: JsonlStore, tmp_path:
     data = path.read_bytes()
     path.write_bytes(data[:-cut])  # the commit record was torn by a crash
     fresh = JsonlStore(tmp_path / "var")
-    view = await fresh.load("conv")
+    view = await load(fresh, "conv")
     assert view.response_ids == [r1]
     assert view.history == [user("one"), reply("re: one")]
     assert [r["type"] for r in await fresh.read_response(r2)] == ["request", "context", "response"]
@@ -413,7 +413,7 @@ async def test_failure_before_index_append_leaves_complete_but_unindexed_respons
     jstore: JsonlStore, tmp_path: Path
 ) -> None:
     r1 = await commit_turn(jstore, "conv", "one")
-    await jstore.load("conv")
+    await load(jstore, "conv")
     failed: list[str] = []
 
     def boom(response_id: str) -> None:
@@ -429,8 +429,8 @@ async def test_failure_before_index_append_leaves_complete_but_unindexed_respons
     assert records[-1]["type"] == "commit"  # complete on disk ...
     index = tmp_path / "var" / "logs" / "conversations" / "conv.jsonl"
     assert index.read_text() == f"{r1}\n"  # ... but never named by the index
-    assert (await jstore.load("conv")).response_ids == [r1]
-    assert (await JsonlStore(tmp_path / "var").load("conv")).response_ids == [r1]
+    assert (await load(jstore, "conv")).response_ids == [r1]
+    assert (await load(JsonlStore(tmp_path / "var"), "conv")).response_ids == [r1]
 
 
 # -- JSONL: several processes on one data dir ---------------------------------------------------------
@@ -440,24 +440,24 @@ async def test_second_instance_sees_commits_via_load(jstore: JsonlStore, tmp_pat
     other = JsonlStore(tmp_path / "var")
     await other.open()
     r1 = await commit_turn(jstore, "conv", "one")
-    assert (await other.load("conv")).response_ids == [r1]  # now cached in `other`
+    assert (await load(other, "conv")).response_ids == [r1]  # now cached in `other`
     r2 = await commit_turn(jstore, "conv", "two")
-    view = await other.load("conv")
+    view = await load(other, "conv")
     assert view.response_ids == [r1, r2]
     assert view.history == [user("one"), reply("re: one"), user("two"), reply("re: two")]
-    await jstore.load("conv")
+    await load(jstore, "conv")
     r3 = await commit_turn(other, "conv", "three")
-    assert (await jstore.load("conv")).response_ids == [r1, r2, r3]
-    assert (await other.load("conv")).response_ids == [r1, r2, r3]
+    assert (await load(jstore, "conv")).response_ids == [r1, r2, r3]
+    assert (await load(other, "conv")).response_ids == [r1, r2, r3]
 
 
 async def test_second_instance_notices_a_shrunk_index(jstore: JsonlStore, tmp_path: Path) -> None:
     r1 = await commit_turn(jstore, "conv", "one")
     await commit_turn(jstore, "conv", "two")
-    assert len((await jstore.load("conv")).response_ids) == 2
+    assert len((await load(jstore, "conv")).response_ids) == 2
     index = tmp_path / "var" / "logs" / "conversations" / "conv.jsonl"
     index.write_text(f"{r1}\n")  # e.g. an operator restored a backup
-    assert (await jstore.load("conv")).response_ids == [r1]
+    assert (await load(jstore, "conv")).response_ids == [r1]
 
 
 async def test_lock_is_shared_across_instances(jstore: JsonlStore, tmp_path: Path) -> None:
@@ -502,7 +502,7 @@ async def test_bad_conversation_ids_are_rejected(jstore: JsonlStore, bad: str) -
     with pytest.raises(InvalidRequest):
         await jstore.read_index(bad)
     with pytest.raises(InvalidRequest):
-        await jstore.load(bad)
+        await load(jstore, bad)
 
 
 @pytest.mark.parametrize("bad", [*BAD_IDS, "..-0123456789ab", "../m-0123456789ab", "m-0123456789ab/"])
@@ -629,10 +629,10 @@ async def test_commit_after_an_unseen_append_does_not_corrupt_the_cache(
     other = JsonlStore(tmp_path / "var")
     await other.open()
     r1 = await commit_turn(jstore, "conv", "one")
-    await jstore.load("conv")
+    await load(jstore, "conv")
     r2 = await commit_turn(other, "conv", "two")  # jstore has not seen this
     r3 = await commit_turn(jstore, "conv", "three")
-    view = await jstore.load("conv")
+    view = await load(jstore, "conv")
     assert view.response_ids == [r1, r2, r3]
     assert [m["content"] for m in view.history if m["role"] == "user"] == ["one", "two", "three"]
 
@@ -667,7 +667,7 @@ async def test_deleting_a_conversation_keeps_what_its_forks_share(store: Store, 
     await commit_turn(store, source, "four")
 
     assert await store.delete_conversation(source, archive=archive)
-    view = await store.load(fork)
+    view = await load(store, fork)
     assert view.response_ids == [r1, r3]
     assert [m["content"] for m in view.history if m["role"] == "user"] == ["one", "three"]
     assert await store.read_response(r1)
@@ -677,7 +677,7 @@ async def test_deleting_a_conversation_keeps_what_its_forks_share(store: Store, 
     again = f"{fork[:100]}.fork-{os.urandom(6).hex()}"
     await store.fork(fork, again, r1)
     assert await store.delete_conversation(fork, archive=archive)
-    assert (await store.load(again)).response_ids == [r1]
+    assert (await load(store, again)).response_ids == [r1]
     assert await store.read_response(r1)
     with pytest.raises(NotFound):
         await store.read_response(r3)

@@ -9,6 +9,7 @@ from contextlib import asynccontextmanager
 
 from gateway.config import Settings
 from gateway.exceptions import GatewayError
+from gateway.services.cache import ConversationCache
 from gateway.services.conversations import Conversations
 from gateway.services.models import ModelFacts
 from gateway.services.queries import Queries
@@ -31,12 +32,13 @@ class Services:
         self.router = router
         self.stores = stores
         self.facts = ModelFacts(settings)
-        self.turns = ChatService(settings, router, stores=stores, facts=self.facts)
-        self.summaries = Summaries(settings, router, stores, self.facts)
-        self.sessions = Sessions(settings, stores, self.summaries)
-        self.conversations = Conversations(settings, stores)
+        self.cache = ConversationCache(settings.storage.cache_conversations)
+        self.turns = ChatService(settings, router, stores=stores, facts=self.facts, cache=self.cache)
+        self.summaries = Summaries(settings, router, stores, self.facts, self.cache)
+        self.sessions = Sessions(settings, stores, self.summaries, self.cache)
+        self.conversations = Conversations(settings, stores, self.cache)
         self.responses = StoredResponses(settings, stores)
-        self.queries = Queries(stores)
+        self.queries = Queries(stores, self.cache)
 
     @classmethod
     @asynccontextmanager

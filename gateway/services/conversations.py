@@ -13,6 +13,7 @@ from gateway.context import ConversationView, Turn, split_system
 from gateway.context.items import Item, items_to_messages, message_to_items, parse_item_id
 from gateway.exceptions import InvalidRequest, NotFound
 from gateway.ids import check_conversation_id, mint_response_id
+from gateway.services.cache import ConversationCache
 from gateway.services.requests import check_size
 from gateway.store import Store, StoreRegistry
 from gateway.store.base import now
@@ -39,15 +40,16 @@ def find_item(view: ConversationView, item_id: str) -> Item:
 
 
 class Conversations:
-    def __init__(self, settings: Settings, stores: StoreRegistry) -> None:
+    def __init__(self, settings: Settings, stores: StoreRegistry, cache: ConversationCache) -> None:
         self.settings = settings
         self.stores = stores
+        self.cache = cache
         self.lock_timeout = settings.storage.lock_timeout
 
     async def _existing(self, store: Store, cid: str) -> ConversationView:
         if not await store.exists(cid):
             raise NotFound(f"No conversation found with id {cid!r}", param="conversation_id")
-        return await store.load(cid)
+        return await self.cache.load(store, cid)
 
     async def create(
         self, tenant: str, *, requested_id: Any, metadata: dict[str, str], items: Any
@@ -69,7 +71,7 @@ class Conversations:
             )
         if items:
             await self._add_items(store, cid, items)
-        return cid, await store.load(cid)
+        return cid, await self.cache.load(store, cid)
 
     async def get(self, tenant: str, cid: str) -> ConversationView:
         return await self._existing(await self.stores.get(tenant), cid)
@@ -79,7 +81,7 @@ class Conversations:
         async with store.lock(cid, self.lock_timeout):
             await self._existing(store, cid)
             await store.append_marker(cid, marker)
-            return await store.load(cid)
+            return await self.cache.load(store, cid)
 
     async def update_metadata(self, tenant: str, cid: str, metadata: dict[str, str]) -> ConversationView:
         return await self._marker(tenant, cid, {"type": "metadata", "metadata": metadata, "at": now()})
@@ -118,16 +120,16 @@ class Conversations:
             "input": rest,
         }
         async with store.lock(cid, self.lock_timeout):
-            check_size(
-                self.settings.storage.max_conversation_messages, cid, await store.load(cid), len(messages)
-            )
+            view = await self.cache.load(store, cid)
+            check_size(self.settings.storage.max_conversation_messages, cid, view, len(messages))
             log = store.start(rid, record)
             turn = Turn(rid, tuple(rest), None, tuple(system) if system else None, created=created_at)
             try:
-                await log.commit(cid, turn)
+                appended = await log.commit(cid)
             except BaseException:
                 await log.abandon("error")
                 raise
+            self.cache.appended(store, cid, appended, lambda view: view.extend(turn))
         created: list[Item] = []
         for k, message in enumerate(system):
             created.extend(message_to_items(message, rid, -(k + 1)))
@@ -145,7 +147,7 @@ class Conversations:
             await store.append_marker(
                 cid, {"type": "delete_item", "response_id": rid, "position": position, "at": now()}
             )
-            return await store.load(cid)
+            return await self.cache.load(store, cid)
 
     async def reset_marker(self, tenant: str, cid: str, marker: dict[str, Any]) -> None:
         """`gateway reset`: append a marker to an existing conversation."""

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -103,7 +103,6 @@ class ContextPlan:
             "included_response_ids": included,
             "messages": sent,
         }
-
 
 
 class Planner:
@@ -250,7 +249,13 @@ class Planner:
         return cut, count(cut)
 
     async def recap(
-        self, request: ChatRequest, store: Store, cid: str, count: Callable[[Message], int], now: float
+        self,
+        request: ChatRequest,
+        store: Store,
+        load: Callable[[str], Awaitable[ConversationView]],
+        cid: str,
+        count: Callable[[Message], int],
+        now: float,
     ) -> tuple[Message | None, list[str]]:
         """The "Earlier today" recap for a user's new conversation (SPEC section 8)."""
         sessions = self.settings.sessions
@@ -259,7 +264,7 @@ class Planner:
             return None, []
         tz = zone(request.body.get("user_timezone"), sessions.default_timezone)
         return await build_recap(
-            store, user, tz, exclude=cid, now=now, max_tokens=sessions.recap_max_tokens, count=count
+            store, load, user, tz, exclude=cid, now=now, max_tokens=sessions.recap_max_tokens, count=count
         )
 
     def learn_from_usage(

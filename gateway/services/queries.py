@@ -4,18 +4,35 @@ context snapshot. No lock: reads never write (a torn last line is left to the lo
 
 from __future__ import annotations
 
+import asyncio
+import logging
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
 from typing import Any
 
 from gateway.context import ConversationView, Turn
 from gateway.context.lifecycle import State, derive_state
-from gateway.exceptions import NotFound
+from gateway.context.records import turn_from_records
+from gateway.exceptions import CorruptRecord, NotFound
+from gateway.services.cache import ConversationCache
 from gateway.store import Store, StoreRegistry
-from gateway.store.base import ConversationSummary
-from gateway.store.records import turn_from_records
 
 Record = dict[str, Any]
+log = logging.getLogger("gateway.services")
+
+
+@dataclass(frozen=True, slots=True)
+class ConversationSummary:
+    conversation_id: str
+    turns: int
+    messages: int
+    last_activity: float
+    tokens: int = 0
+
+    @classmethod
+    def of(cls, cid: str, view: ConversationView, changed: float) -> ConversationSummary:
+        tokens = sum(n or 0 for n in view.history_tokens) + sum(n or 0 for n in view.system_tokens or [])
+        return cls(cid, view.turns, len(view.history), changed, tokens=tokens)
 
 
 @dataclass(frozen=True, slots=True)
@@ -48,50 +65,64 @@ def first(records: list[Record], kind: str) -> Record | None:
 
 
 class Queries:
-    def __init__(self, stores: StoreRegistry) -> None:
+    def __init__(self, stores: StoreRegistry, cache: ConversationCache) -> None:
         self.stores = stores
+        self.cache = cache
 
-    async def _row(self, store: Store, summary: ConversationSummary) -> ConversationRow:
-        view = await store.load(summary.conversation_id)
-        state = derive_state(await store.read_side("lifecycle", summary.conversation_id), view.last_activity)
-        return ConversationRow(summary, view, state)
+    async def _row(self, store: Store, cid: str, changed: float) -> ConversationRow | None:
+        """The row of one conversation; None when it cannot be read (a damaged record: skipped
+        with a warning, the list still answers)."""
+        try:
+            view = await self.cache.load(store, cid)
+        except CorruptRecord as exc:
+            log.warning("skipping conversation %s: %s", cid, exc.message)
+            return None
+        state = derive_state(await store.read_side("lifecycle", cid), view.last_activity)
+        return ConversationRow(ConversationSummary.of(cid, view, changed), view, state)
 
     async def conversations(
         self, tenant: str, *, limit: int, after: str | None = None
     ) -> tuple[list[ConversationRow], bool]:
         """Most recently active first; (a page of rows, whether more follow)."""
         store = await self.stores.get(tenant)
-        summaries = await store.list_conversations()
+        ids = await store.conversation_ids()
         if after:
-            ids = [s.conversation_id for s in summaries]
-            if after not in ids:
+            names = [cid for cid, _ in ids]
+            if after not in names:
                 raise NotFound(f"No conversation {after!r} in this list", param="after")
-            summaries = summaries[ids.index(after) + 1 :]
-        rows = [await self._row(store, summary) for summary in summaries[:limit]]
-        return rows, len(summaries) > limit
+            ids = ids[names.index(after) + 1 :]
+        rows: list[ConversationRow] = []
+        consumed = 0
+        for cid, changed in ids:
+            if len(rows) == limit:
+                break
+            consumed += 1
+            row = await self._row(store, cid, changed)
+            if row is not None:
+                rows.append(row)
+        return rows, consumed < len(ids)
 
     async def search(self, tenant: str, query: str, *, limit: int = 200) -> list[ConversationRow]:
         """Conversations whose id, user or text contains `query` (case-insensitive)."""
         store = await self.stores.get(tenant)
         query = query.strip().lower()
         out = []
-        for summary in await store.list_conversations():
-            view = await store.load(summary.conversation_id)
+        for cid, changed in await store.conversation_ids():
+            row = await self._row(store, cid, changed)
+            if row is None:
+                continue
             if query:
-                haystack = [summary.conversation_id.lower(), (view.user or "").lower()]
-                haystack += [text_of(m).lower() for m in view.transcript]
+                haystack = [cid.lower(), (row.view.user or "").lower()]
+                haystack += [text_of(m).lower() for m in row.view.transcript]
                 if not any(query in h for h in haystack):
                     continue
-            state = derive_state(
-                await store.read_side("lifecycle", summary.conversation_id), view.last_activity
-            )
-            out.append(ConversationRow(summary, view, state))
+            out.append(row)
             if len(out) >= limit:
                 break
         return out
 
     async def view(self, tenant: str, cid: str) -> ConversationView:
-        return await (await self.stores.get(tenant)).load(cid)
+        return await self.cache.load(await self.stores.get(tenant), cid)
 
     async def state(self, tenant: str, cid: str, view: ConversationView) -> State:
         store = await self.stores.get(tenant)
@@ -131,6 +162,19 @@ class Queries:
         raise NotFound(f"Conversation {cid!r} has no recorded context yet", param="conversation_id")
 
     async def follow(self, tenant: str, cid: str, poll: float) -> AsyncIterator[Turn]:
+        """Turns as they are committed (`gateway tail`), from the first."""
         store = await self.stores.get(tenant)
-        async for turn in store.follow(cid, poll=poll):
-            yield turn
+        seen = 0
+        while True:
+            try:
+                ids = [e for e in await store.read_index(cid) if isinstance(e, str)]
+            except NotFound:
+                ids = []  # not created yet
+            if len(ids) < seen:
+                seen = 0
+            for rid in ids[seen:]:
+                turn = turn_from_records(await store.read_response(rid))
+                if turn is not None:
+                    yield turn
+            seen = len(ids)
+            await asyncio.sleep(poll)

@@ -3,10 +3,10 @@ other conversations were active today (in the user's time zone), and what to say
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from zoneinfo import ZoneInfo
 
-from gateway.context import Message
+from gateway.context import ConversationView, Message
 from gateway.context.lifecycle import local_day, recap_message, todays_user_lines, user_key
 from gateway.store import Store
 
@@ -17,6 +17,7 @@ RECAP_SCAN = 50
 
 async def build_recap(
     store: Store,
+    load: Callable[[str], Awaitable[ConversationView]],
     user: str,
     tz: ZoneInfo,
     *,
@@ -39,7 +40,7 @@ async def build_recap(
         if len(seen) >= RECAP_SCAN:
             break  # a long-lived user: only the newest conversations, not all they ever had
         seen.add(cid)
-        view = await store.load(cid)
+        view = await load(cid)
         if not view.turns or view.last_activity is None or local_day(view.last_activity, tz) != today:
             continue
         digest = digests.get(cid)

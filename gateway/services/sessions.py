@@ -24,6 +24,7 @@ from gateway.context.lifecycle import (
     user_key,
     zone,
 )
+from gateway.services.cache import ConversationCache
 from gateway.services.summaries import Summaries
 from gateway.store import Store, StoreRegistry
 
@@ -33,10 +34,13 @@ Clock = Callable[[], float]
 
 
 class Sessions:
-    def __init__(self, settings: Settings, stores: StoreRegistry, summaries: Summaries) -> None:
+    def __init__(
+        self, settings: Settings, stores: StoreRegistry, summaries: Summaries, cache: ConversationCache
+    ) -> None:
         self.settings = settings
         self.stores = stores
         self.summaries = summaries
+        self.cache = cache
 
     async def tenants(self) -> list[str]:
         """The default tenant and every other one that has data."""
@@ -78,7 +82,7 @@ class Sessions:
 
     async def state_of(self, tenant: str, cid: str) -> State:
         store = await self.stores.get(tenant)
-        view = await store.load(cid)
+        view = await self.cache.load(store, cid)
         return derive_state(await store.read_side("lifecycle", cid), view.last_activity)
 
     async def visit(self, tenant: str, cid: str, clock: Clock, modified: float | None = None) -> None:
@@ -86,12 +90,12 @@ class Sessions:
         store = await self.stores.get(tenant)
         now = clock()
         sessions = self.settings.sessions
-        view = await store.load(cid)
+        view = await self.cache.load(store, cid)
         last = max(view.last_activity or 0.0, modified or 0.0)
         if sessions.ttl > 0 and now - last > sessions.ttl:
             async with store.lock(cid, self.settings.storage.lock_timeout):
                 # Decided without the lock: a turn may have landed since. Decide again.
-                fresh = await store.load(cid)
+                fresh = await self.cache.load(store, cid)
                 if fresh.last_activity is None or clock() - fresh.last_activity > sessions.ttl:
                     await store.delete_conversation(cid, archive=True)
                     log.info('{"event": "conversation_expired", "conversation_id": "%s"}', cid)

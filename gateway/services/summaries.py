@@ -20,6 +20,7 @@ from gateway.context.summary import (
     summary_cap,
 )
 from gateway.exceptions import UpstreamStatusError
+from gateway.services.cache import ConversationCache
 from gateway.services.models import ModelFacts
 from gateway.store import StoreRegistry
 from gateway.store.base import now
@@ -28,11 +29,19 @@ from gateway.upstream import Router
 
 
 class Summaries:
-    def __init__(self, settings: Settings, router: Router, stores: StoreRegistry, facts: ModelFacts) -> None:
+    def __init__(
+        self,
+        settings: Settings,
+        router: Router,
+        stores: StoreRegistry,
+        facts: ModelFacts,
+        cache: ConversationCache,
+    ) -> None:
         self.settings = settings
         self.router = router
         self.stores = stores
         self.facts = facts
+        self.cache = cache
 
     def model_for(self, model: str) -> str:
         """The model that summarizes a conversation held with `model`."""
@@ -41,11 +50,11 @@ class Summaries:
     async def summarize_all(self, tenant: str, cid: str, model: str) -> str:
         """Fold the whole conversation into its summary now (post-processing); the text."""
         store = await self.stores.get(tenant)
-        view = await store.load(cid)
+        view = await self.cache.load(store, cid)
         if not view.history_owner:
             return ""
         await self.fold(tenant, cid, view.history_owner[-1], self.model_for(model))
-        summary = current_summary(await store.read_summaries(cid), await store.load(cid))
+        summary = current_summary(await store.read_summaries(cid), await self.cache.load(store, cid))
         return summary.text if summary else ""
 
     async def record_failure(self, tenant: str, cid: str, attempt: int, message: str) -> None:
@@ -60,7 +69,7 @@ class Summaries:
         store = await self.stores.get(tenant)
         encoding = encoding_name_for(model)
         async with store.lock(cid, self.settings.storage.lock_timeout):
-            view = await store.load(cid)
+            view = await self.cache.load(store, cid)
             records = await store.read_summaries(cid)
             summary = current_summary(records, view)
             end = view.history_end.get(target)
@@ -101,8 +110,7 @@ class Summaries:
                     {"role": "system", "content": SUMMARY_INSTRUCTIONS.format(max_tokens=cap)},
                     {
                         "role": "user",
-                        "content": f"Current summary:\n{text or '(none yet)'}\n\nNew messages:\n"
-                        + rendered,
+                        "content": f"Current summary:\n{text or '(none yet)'}\n\nNew messages:\n" + rendered,
                     },
                 ],
                 "max_tokens": cap,

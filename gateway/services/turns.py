@@ -37,6 +37,7 @@ from gateway.exceptions import (
     UpstreamStatusError,
 )
 from gateway.ids import mint_response_id
+from gateway.services.cache import ConversationCache
 from gateway.services.models import ModelFacts
 from gateway.services.planning import ContextPlan, Planner, off_loop_if_large
 from gateway.services.requests import FORBIDDEN_FIELDS, GATEWAY_FIELDS, ChatRequest, check_size
@@ -59,10 +60,12 @@ class ChatService:
         *,
         stores: StoreRegistry | None = None,
         facts: ModelFacts | None = None,
+        cache: ConversationCache | None = None,
     ) -> None:
         self.settings = settings
         self.router = router
         self.stores = stores or StoreRegistry(settings)
+        self.cache = cache or ConversationCache(settings.storage.cache_conversations)
         self.facts = facts or ModelFacts(settings)
         # Asks the background summarizer for coverage (tenant, conversation, through, model).
         self.schedule_summary: Callable[[str, str, str, str], None] = lambda *args: None
@@ -85,7 +88,7 @@ class ChatService:
             view = ConversationView()
             if cid is not None:
                 cid = await lock_conversation(request, store, stack, self.settings.storage.lock_timeout)
-                view = await store.load(cid)
+                view = await self.cache.load(store, cid)
             system_in, rest = split_system(request.messages)
             recap: Message | None = None
             recap_from: list[str] = []
@@ -111,7 +114,9 @@ class ChatService:
                 )
                 system_tokens = [count(m) for m in system_in] if system_in else None
                 if view.turns == 0:
-                    recap, recap_from = await self.planner.recap(request, store, cid, count, self.clock())
+                    recap, recap_from = await self.planner.recap(
+                        request, store, lambda c: self.cache.load(store, c), cid, count, self.clock()
+                    )
                 replan = functools.partial(
                     self.planner.plan,
                     request,
@@ -232,11 +237,15 @@ class ChatService:
             else None,
         )
         # Shielded: a client disconnect must never interrupt the write of an answered turn.
-        turn.commit_task = asyncio.ensure_future(
-            turn.log.commit(turn.conversation_id, stored if turn.conversation_id else None)
-        )
+        turn.commit_task = asyncio.ensure_future(self._commit_and_note(turn, stored))
         await asyncio.shield(turn.commit_task)
         turn.done = True
+
+    async def _commit_and_note(self, turn: PreparedTurn, stored: Turn) -> None:
+        cid = turn.conversation_id
+        appended = await turn.log.commit(cid)
+        if cid is not None and turn.store is not None:
+            self.cache.appended(turn.store, cid, appended, lambda view: view.extend(stored))
 
     async def close(self, turn: PreparedTurn, exc: BaseException | None = None) -> None:
         """Abandon the turn unless it was committed, then release the conversation."""
@@ -328,9 +337,7 @@ class ChatService:
             raise UpstreamProtocolError(f"Provider {turn.route.provider!r} returned no choices")
         raw = choices[0].get("message")
         message = output_message(raw)
-        record = response_record(
-            turn, message, choices[0].get("finish_reason"), completion.get("usage"), raw
-        )
+        record = response_record(turn, message, choices[0].get("finish_reason"), completion.get("usage"), raw)
         await self._commit(turn, message, record)
         turn.final_message = message
         turn.finish_reason = choices[0].get("finish_reason")

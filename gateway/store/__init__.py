@@ -8,9 +8,9 @@ from pathlib import Path
 
 from gateway.config import Settings
 from gateway.exceptions import ConfigError
-from gateway.store.base import ConversationSummary, ResponseLog, Store
+from gateway.store.base import ResponseLog, Store
 
-__all__ = ["ConversationSummary", "ResponseLog", "Store", "StoreRegistry", "create_store"]
+__all__ = ["ResponseLog", "Store", "StoreRegistry", "create_store"]
 
 
 def tenant_root(settings: Settings, tenant: str) -> Path:

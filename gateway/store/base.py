@@ -1,8 +1,10 @@
-"""The store seam: append-only response logs and per-conversation indexes.
+"""The store seam: append-only response logs and per-conversation indexes, as raw records.
 
 A response log is a list of JSON records (request, context, response, and a final commit or
 incomplete marker). A conversation index names the committed response ids in order. The
 one ordering rule: a response is complete and durable before its id enters an index.
+A store hands out records and a per-conversation `Version`; the services build and cache the
+conversation views from them (`gateway.services.cache`).
 """
 
 from __future__ import annotations
@@ -10,12 +12,10 @@ from __future__ import annotations
 import time
 from abc import ABC, abstractmethod
 from collections import OrderedDict
-from collections.abc import AsyncIterator
 from contextlib import AbstractAsyncContextManager
 from dataclasses import dataclass
 from typing import Any, TypeVar
 
-from gateway.context.history import ConversationView, Turn
 from gateway.exceptions import InvalidRequest, NotFound, StorageError
 
 Record = dict[str, Any]
@@ -50,13 +50,40 @@ def now() -> float:
 
 
 @dataclass(frozen=True, slots=True)
-class ConversationSummary:
-    conversation_id: str
-    turns: int
-    messages: int
-    last_activity: float
-    state: str = "active"
-    tokens: int = 0
+class Version:
+    """Where a reader of a conversation's index got to: `generation` changes when the index is
+    replaced (deleted and begun anew), `position` grows with every append."""
+
+    generation: int | str
+    position: int
+
+
+@dataclass(frozen=True, slots=True)
+class IndexEntry:
+    """One index entry: a committed response's id and its records (context snapshots left
+    out: they are not needed to rebuild history), or a marker record."""
+
+    response_id: str | None
+    marker: Record | None
+    records: list[Record]
+
+
+@dataclass(frozen=True, slots=True)
+class IndexRead:
+    """What changed in a conversation's index since a `Version`."""
+
+    entries: list[IndexEntry]
+    version: Version | None  # None: there is no such conversation
+    restarted: bool  # the entries start from the beginning (new, or replaced since)
+
+
+@dataclass(frozen=True, slots=True)
+class Appended:
+    """An append to an index: the version just before it and just after it. A reader that was
+    at `before` may apply the appended entry itself and be at `after`."""
+
+    before: Version
+    after: Version
 
 
 class ResponseLog(ABC):
@@ -69,8 +96,9 @@ class ResponseLog(ABC):
         """Add a record (not yet durable: only `commit` makes the response count)."""
 
     @abstractmethod
-    async def commit(self, conversation_id: str | None, turn: Turn | None) -> None:
-        """Write the commit record, make it durable, then append the id to the index."""
+    async def commit(self, conversation_id: str | None) -> Appended | None:
+        """Write the commit record, make it durable, then append the id to the index (the
+        append, when there is a conversation)."""
 
     @abstractmethod
     async def abandon(self, reason: str, error: dict[str, Any] | None = None) -> None:
@@ -104,8 +132,9 @@ class Store(ABC):
         """Serialize turns on one conversation; raise ConversationBusy after `timeout` s."""
 
     @abstractmethod
-    async def load(self, conversation_id: str) -> ConversationView:
-        """The conversation as stored (empty if new). Call under `lock`; do not mutate."""
+    async def read_conversation(self, conversation_id: str, after: Version | None = None) -> IndexRead:
+        """The index entries after `after` (all of them when None, or when the index was
+        replaced since). A torn last line is repaired only by a holder of the lock."""
 
     @abstractmethod
     def start(self, response_id: str, request: Record) -> ResponseLog:
@@ -120,7 +149,7 @@ class Store(ABC):
         """The raw index entries (response ids and marker records); NotFound if none."""
 
     @abstractmethod
-    async def append_marker(self, conversation_id: str, marker: Record) -> None:
+    async def append_marker(self, conversation_id: str, marker: Record) -> Appended:
         """Append a marker (creation, metadata, reset, item deletion) to the index durably.
         Call under `lock`; creates the conversation if it does not exist."""
 
@@ -172,31 +201,5 @@ class Store(ABC):
         return await self.read_side("summaries", conversation_id)
 
     @abstractmethod
-    async def list_conversations(self) -> list[ConversationSummary]:
-        """Every conversation, most recently active first."""
-
-    def follow(self, conversation_id: str, poll: float = 0.5) -> AsyncIterator[Turn]:
-        """Yield turns as they are committed (used by `gateway tail`)."""
-        return _follow(self, conversation_id, poll)
-
-
-async def _follow(store: Store, conversation_id: str, poll: float) -> AsyncIterator[Turn]:
-    import asyncio
-
-    from gateway.store.records import turn_from_records
-
-    seen = 0
-    while True:
-        try:
-            entries = await store.read_index(conversation_id)
-        except Exception:  # noqa: BLE001 - not created yet
-            entries = []
-        ids = [e for e in entries if isinstance(e, str)]
-        if len(ids) < seen:
-            seen = 0
-        for rid in ids[seen:]:
-            turn = turn_from_records(await store.read_response(rid))
-            if turn is not None:
-                yield turn
-        seen = len(ids)
-        await asyncio.sleep(poll)
+    async def conversation_ids(self) -> list[tuple[str, float]]:
+        """(conversation id, last change time) of every conversation, most recent first."""

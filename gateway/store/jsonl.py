@@ -19,20 +19,16 @@ import logging
 import os
 import shutil
 import weakref
-from collections import OrderedDict
 from collections.abc import AsyncIterator, Callable
 from contextlib import asynccontextmanager
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import orjson
 
-from gateway.context.history import ConversationView, Turn
 from gateway.exceptions import ConversationBusy, CorruptRecord, InvalidRequest, NotFound, StorageError
 from gateway.ids import check_conversation_id, is_valid_conversation_id, is_valid_response_id
-from gateway.store.base import LRU, ConversationSummary, Record, ResponseLog, Store, now
-from gateway.store.records import turn_from_records
+from gateway.store.base import LRU, Appended, IndexEntry, IndexRead, Record, ResponseLog, Store, Version, now
 
 log = logging.getLogger("gateway.store")
 
@@ -90,12 +86,6 @@ def parse_index(data: bytes, *, path: str = "") -> tuple[list[str | Record], int
             raise CorruptRecord("index line is not a response id", path=path, lineno=lineno)
         entries.append(text)
     return entries, end
-
-
-@dataclass(slots=True)
-class _Cached:
-    size: int
-    view: ConversationView
 
 
 def _write_all(fd: int, data: bytes) -> None:
@@ -173,22 +163,19 @@ class _JsonlLog(ResponseLog):
     def append(self, record: Record) -> None:
         self._pending.append(orjson.dumps(record) + b"\n")
 
-    async def commit(self, conversation_id: str | None, turn: Turn | None) -> None:
+    async def commit(self, conversation_id: str | None) -> Appended | None:
         records = b"".join(self._pending)
         self._pending.clear()
         store = self.store
         await self._wait_created()
-        cached = store._cache.get(conversation_id) if conversation_id is not None else None
-        if store.fsync or (conversation_id is not None and (cached is None or cached.size == 0)):
+        known = store._sizes.get(conversation_id) if conversation_id is not None else None
+        if store.fsync or (conversation_id is not None and not known):
             # Waiting on the disk (fsync, or creating a new index file) happens off the loop.
-            before = await asyncio.shield(asyncio.to_thread(self._commit_sync, records, conversation_id))
-        else:
-            before = self._commit_sync(records, conversation_id)
-        if conversation_id is not None and turn is not None:
-            store._note_commit(conversation_id, self.response_id, turn, before)
+            return await asyncio.shield(asyncio.to_thread(self._commit_sync, records, conversation_id))
+        return self._commit_sync(records, conversation_id)
 
-    def _commit_sync(self, records: bytes, conversation_id: str | None) -> int:
-        """Write and commit; return the index size before our line was appended.
+    def _commit_sync(self, records: bytes, conversation_id: str | None) -> Appended | None:
+        """Write and commit; return the index append (None without a conversation).
 
         On any failure nothing is acknowledged: an index line already written is taken back
         and the response log is marked incomplete (as far as the disk still allows), so that
@@ -215,19 +202,22 @@ class _JsonlLog(ResponseLog):
             if store.before_index_append is not None:
                 store.before_index_append(self.response_id)
             if conversation_id is None:
-                return 0
+                return None
             index = store.index_path(conversation_id)
+            line = self.response_id.encode() + b"\n"
             fd = os.open(index, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
             try:
-                before = os.fstat(fd).st_size
-                _write_all(fd, self.response_id.encode() + b"\n")
+                stat = os.fstat(fd)
+                before = stat.st_size
+                _write_all(fd, line)
                 if store.fsync:
                     store._sync(os.fdatasync, fd)
             finally:
                 os.close(fd)
             if before == 0 and store.fsync:
                 store._sync(_fsync_dir, store.conversations_dir)
-            return before
+            store._sizes[conversation_id] = before + len(line)
+            return Appended(Version(stat.st_ino, before), Version(stat.st_ino, before + len(line)))
         except OSError as exc:
             reason = exc.strerror or str(exc)
             if durable and before < 0:
@@ -302,7 +292,8 @@ class JsonlStore(Store):
         self._side: LRU[tuple[str, str], tuple[int, list[Record]]] = LRU(4 * cache_size)
         self.fsync = durability == "fsync"
         self.cache_size = cache_size
-        self._cache: OrderedDict[str, _Cached] = OrderedDict()
+        # Index sizes last seen: only to know whether an index file exists yet (no views here).
+        self._sizes: LRU[str, int] = LRU(cache_size)
         self._locks: weakref.WeakValueDictionary[str, asyncio.Lock] = weakref.WeakValueDictionary()
         # Test hook: called after the response is durable and before the index append.
         self.before_index_append: Callable[[str], None] | None = None
@@ -412,76 +403,50 @@ class JsonlStore(Store):
         records, _ = parse_jsonl(data, path=str(path))
         return [r for r in records if isinstance(r, dict)]
 
-    def _load_sync(self, conversation_id: str, cached: _Cached | None, repair: bool) -> _Cached:
+    def _read_sync(self, conversation_id: str, after: Version | None, repair: bool) -> IndexRead:
         path = self.index_path(conversation_id)
         try:
             with open(path, "rb") as f:
-                size = os.fstat(f.fileno()).st_size
-                if cached is not None and cached.size == size:
-                    return cached
-                if cached is None or size < cached.size:
-                    cached = _Cached(0, ConversationView())
-                f.seek(cached.size)
+                stat = os.fstat(f.fileno())
+                restarted = after is None or after.generation != stat.st_ino or stat.st_size < after.position
+                start = 0 if restarted or after is None else after.position
+                if not restarted and after is not None and stat.st_size == start:
+                    return IndexRead([], after, False)
+                f.seek(start)
                 data = f.read()
         except FileNotFoundError:
-            return _Cached(0, ConversationView())
-        entries, consumed = parse_index(data, path=str(path))
+            self._sizes.pop(conversation_id, None)
+            return IndexRead([], None, True)
+        raw, consumed = parse_index(data, path=str(path))
         if consumed < len(data) and repair:
             # A torn last line: the crash happened before its fsync, so it was never acknowledged.
             log.warning("repairing torn last line of %s", path)
-            os.truncate(path, cached.size + consumed)
-        for entry in entries:
-            if isinstance(entry, dict):
-                cached.view.apply_marker(entry)
-                continue
-            turn = turn_from_records(self._read_records(self.response_path(entry), skip_context=True))
-            if turn is None:
-                log.warning("index %s names %s, which is not committed: skipped", path, entry)
-                continue
-            cached.view.extend(turn)
-        cached.size += consumed
-        return cached
+            os.truncate(path, start + consumed)
+        entries = [
+            IndexEntry(None, entry, [])
+            if isinstance(entry, dict)
+            else IndexEntry(entry, None, self._read_records(self.response_path(entry), skip_context=True))
+            for entry in raw
+        ]
+        self._sizes[conversation_id] = start + consumed
+        return IndexRead(entries, Version(stat.st_ino, start + consumed), restarted)
 
-    async def load(self, conversation_id: str) -> ConversationView:
+    async def read_conversation(self, conversation_id: str, after: Version | None = None) -> IndexRead:
         # A torn last line is cut only by a holder of the lock: without it, the "torn" line may
         # be another writer's append in progress (another task, thread or worker process).
         repair = self.holds_lock(conversation_id)
-        cached = self._cache.get(conversation_id)
-        if cached is None:
-            try:
-                size = os.stat(self.index_path(conversation_id)).st_size
-            except FileNotFoundError:
-                size = 0
-            # Reading many response files is slow: off the event loop unless it is tiny.
-            if size > _THREAD_LOAD_BYTES:
-                result = await asyncio.to_thread(self._load_sync, conversation_id, None, repair)
-            else:
-                result = self._load_sync(conversation_id, None, repair)
-        else:
-            result = self._load_sync(conversation_id, cached, repair)
-        if result.size:
-            self._cache[conversation_id] = result
-            self._cache.move_to_end(conversation_id)
-            while len(self._cache) > self.cache_size:
-                self._cache.popitem(last=False)
-        else:
-            self._cache.pop(conversation_id, None)
-        return result.view
-
-    def _note_commit(self, conversation_id: str, response_id: str, turn: Turn, index_before: int) -> None:
-        cached = self._cache.get(conversation_id)
-        if cached is None:
-            return
-        if cached.size != index_before:
-            # Someone else appended since our load: rebuild from disk next time.
-            self._cache.pop(conversation_id, None)
-            return
-        cached.size += len(response_id) + 1
-        cached.view.extend(turn)
+        try:
+            size = os.stat(self.index_path(conversation_id)).st_size
+        except FileNotFoundError:
+            size = 0
+        # Reading many response files is slow: off the event loop unless it is little.
+        if size - (after.position if after is not None else 0) > _THREAD_LOAD_BYTES:
+            return await asyncio.to_thread(self._read_sync, conversation_id, after, repair)
+        return self._read_sync(conversation_id, after, repair)
 
     def _forget(self, conversation_id: str | None) -> None:
         if conversation_id is not None:
-            self._cache.pop(conversation_id, None)
+            self._sizes.pop(conversation_id, None)
 
     def start(self, response_id: str, request: Record) -> ResponseLog:
         return _JsonlLog(self, response_id, request)
@@ -501,27 +466,31 @@ class JsonlStore(Store):
         entries, _ = parse_index(data, path=str(path))
         return entries
 
-    async def append_marker(self, conversation_id: str, marker: Record) -> None:
+    async def append_marker(self, conversation_id: str, marker: Record) -> Appended:
         path = self.index_path(conversation_id)
         line = orjson.dumps(marker) + b"\n"
 
-        def write() -> int:
-            before = _append(path, line, sync=self._appender())
-            if before == 0 and self.fsync:
+        def write() -> Appended:
+            sync = self._appender()
+            fd = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
+            try:
+                stat = os.fstat(fd)
+                _write_all(fd, line)
+                if sync is not None:
+                    sync(fd)
+            finally:
+                os.close(fd)
+            if stat.st_size == 0 and self.fsync:
                 self._sync(_fsync_dir, self.conversations_dir)
-            return before
+            after = stat.st_size + len(line)
+            self._sizes[conversation_id] = after
+            return Appended(Version(stat.st_ino, stat.st_size), Version(stat.st_ino, after))
 
         try:
-            before = await asyncio.to_thread(write)
+            return await asyncio.to_thread(write)
         except OSError as exc:
             self._forget(conversation_id)
             raise StorageError(f"could not record the change durably: {exc.strerror or exc}") from exc
-        cached = self._cache.get(conversation_id)
-        if cached is not None and cached.size == before:
-            cached.size += len(line)
-            cached.view.apply_marker(marker)
-        else:
-            self._forget(conversation_id)
 
     async def delete_conversation(self, conversation_id: str, *, archive: bool = False) -> bool:
         index = self.index_path(conversation_id)
@@ -689,22 +658,6 @@ class JsonlStore(Store):
                             continue
         return out
 
-    async def list_conversations(self) -> list[ConversationSummary]:
-        out: list[ConversationSummary] = []
-        if not self.conversations_dir.is_dir():
-            return out
-        for path in self.conversations_dir.glob("*.jsonl"):
-            cid = path.stem
-            if not is_valid_conversation_id(cid):
-                log.warning("skipping %s: not a conversation index", path)
-                continue
-            try:
-                cached = await asyncio.to_thread(self._load_sync, cid, None, False)
-                mtime = path.stat().st_mtime
-            except (OSError, CorruptRecord) as exc:
-                log.warning("skipping %s: %s", path, exc)
-                continue
-            view = cached.view
-            tokens = sum(n or 0 for n in view.history_tokens) + sum(n or 0 for n in view.system_tokens or [])
-            out.append(ConversationSummary(cid, view.turns, len(view.history), mtime, tokens=tokens))
-        return sorted(out, key=lambda s: s.last_activity, reverse=True)
+    async def conversation_ids(self) -> list[tuple[str, float]]:
+        times = await asyncio.to_thread(self.index_times)
+        return sorted(times, key=lambda pair: pair[1], reverse=True)

@@ -8,10 +8,8 @@ from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 from typing import Any
 
-from gateway.context.history import ConversationView, Turn
 from gateway.exceptions import ConversationBusy, NotFound
-from gateway.store.base import ConversationSummary, Record, ResponseLog, Store, now
-from gateway.store.records import turn_from_records
+from gateway.store.base import Appended, IndexEntry, IndexRead, Record, ResponseLog, Store, Version, now
 
 
 class _MemoryLog(ResponseLog):
@@ -25,14 +23,14 @@ class _MemoryLog(ResponseLog):
     def append(self, record: Record) -> None:
         self.records.append(copy.deepcopy(record))
 
-    async def commit(self, conversation_id: str | None, turn: Turn | None) -> None:
+    async def commit(self, conversation_id: str | None) -> Appended | None:
         self.closed = True
         if self.store.fail_commit is not None:
             raise self.store.fail_commit
         self.records.append({"type": "commit", "status": "complete", "committed": now()})
-        if conversation_id is not None:
-            self.store.indexes.setdefault(conversation_id, []).append(self.response_id)
-            self.store.activity[conversation_id] = now()
+        if conversation_id is None:
+            return None
+        return self.store._append(conversation_id, self.response_id)
 
     async def abandon(self, reason: str, error: dict[str, Any] | None = None) -> None:
         if self.closed:
@@ -53,6 +51,20 @@ class MemoryStore(Store):
         self.side: dict[tuple[str, str], list[Record]] = {}
         self.fail_commit: Exception | None = None
         self._locks: dict[str, asyncio.Lock] = {}
+        self._generations: dict[str, int] = {}  # a new one each time an index is (re)created
+        self._next_generation = 0
+
+    def _version(self, cid: str) -> Version:
+        return Version(self._generations.get(cid, -1), len(self.indexes.get(cid, [])))
+
+    def _append(self, cid: str, entry: str | Record) -> Appended:
+        if cid not in self.indexes:
+            self._next_generation += 1
+            self._generations[cid] = self._next_generation
+        before = self._version(cid)
+        self.indexes.setdefault(cid, []).append(entry)
+        self.activity[cid] = now()
+        return Appended(before, self._version(cid))
 
     @asynccontextmanager
     async def lock(self, conversation_id: str, timeout: float) -> AsyncIterator[None]:
@@ -69,16 +81,21 @@ class MemoryStore(Store):
         finally:
             lock.release()
 
-    async def load(self, conversation_id: str) -> ConversationView:
-        view = ConversationView()
-        for entry in self.indexes.get(conversation_id, []):
+    async def read_conversation(self, conversation_id: str, after: Version | None = None) -> IndexRead:
+        if conversation_id not in self.indexes:
+            return IndexRead([], None, True)
+        version = self._version(conversation_id)
+        restarted = after is None or after.generation != version.generation
+        restarted = restarted or (after is not None and after.position > version.position)
+        start = 0 if restarted or after is None else after.position
+        entries = []
+        for entry in self.indexes[conversation_id][start:]:
             if isinstance(entry, dict):
-                view.apply_marker(entry)
-                continue
-            turn = turn_from_records(self.responses.get(entry, []))
-            if turn is not None:
-                view.extend(turn)
-        return view
+                entries.append(IndexEntry(None, copy.deepcopy(entry), []))
+            else:
+                records = [r for r in self.responses.get(entry, []) if r.get("type") != "context"]
+                entries.append(IndexEntry(entry, None, records))
+        return IndexRead(entries, version, restarted)
 
     def start(self, response_id: str, request: Record) -> ResponseLog:
         return _MemoryLog(self, response_id, copy.deepcopy(request))
@@ -93,11 +110,10 @@ class MemoryStore(Store):
             raise NotFound(f"No conversation {conversation_id!r}")
         return list(self.indexes[conversation_id])
 
-    async def append_marker(self, conversation_id: str, marker: Record) -> None:
+    async def append_marker(self, conversation_id: str, marker: Record) -> Appended:
         if self.fail_commit is not None:
             raise self.fail_commit
-        self.indexes.setdefault(conversation_id, []).append(copy.deepcopy(marker))
-        self.activity[conversation_id] = now()
+        return self._append(conversation_id, copy.deepcopy(marker))
 
     async def delete_conversation(self, conversation_id: str, *, archive: bool = False) -> bool:
         entries = self.indexes.pop(conversation_id, None)
@@ -117,6 +133,8 @@ class MemoryStore(Store):
         entries = self.indexes.get(source, [])
         if through not in entries:
             raise NotFound(f"No response {through!r} in conversation {source!r}")
+        self._next_generation += 1
+        self._generations[target] = self._next_generation
         self.indexes[target] = copy.deepcopy(entries[: entries.index(through) + 1])
         self.activity[target] = now()
 
@@ -139,9 +157,5 @@ class MemoryStore(Store):
             return list(self.summaries.get(key, []))
         return list(self.side.get((kind, key), []))
 
-    async def list_conversations(self) -> list[ConversationSummary]:
-        out = []
-        for cid in self.indexes:
-            view = await self.load(cid)
-            out.append(ConversationSummary(cid, view.turns, len(view.history), self.activity.get(cid, 0.0)))
-        return sorted(out, key=lambda s: s.last_activity, reverse=True)
+    async def conversation_ids(self) -> list[tuple[str, float]]:
+        return sorted(self.index_times(), key=lambda pair: pair[1], reverse=True)

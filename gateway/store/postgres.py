@@ -24,7 +24,6 @@ import asyncio
 import hashlib
 import logging
 import weakref
-from collections import OrderedDict
 from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
 from contextlib import asynccontextmanager, contextmanager
 from dataclasses import dataclass, field
@@ -34,11 +33,9 @@ from urllib.parse import urlsplit
 import asyncpg
 import orjson
 
-from gateway.context.history import ConversationView, Turn
 from gateway.exceptions import ConversationBusy, GatewayError, InvalidRequest, NotFound, StorageError
 from gateway.ids import check_conversation_id, is_valid_conversation_id, is_valid_response_id
-from gateway.store.base import LRU, ConversationSummary, Record, ResponseLog, Store, now
-from gateway.store.records import turn_from_records
+from gateway.store.base import LRU, Appended, IndexEntry, IndexRead, Record, ResponseLog, Store, Version, now
 
 log = logging.getLogger("gateway.store")
 T = TypeVar("T")
@@ -393,13 +390,6 @@ def _decode(text: str) -> Any:
 
 
 @dataclass(slots=True)
-class _Cached:
-    incarnation: int
-    seq: int
-    view: ConversationView
-
-
-@dataclass(slots=True)
 class _Hold:
     """This process holds a conversation: the tail its holder loaded, which writes must extend."""
 
@@ -432,7 +422,7 @@ class _PostgresLog(ResponseLog):
     def append(self, record: Record) -> None:
         self._rows.append(_encode(record))
 
-    async def commit(self, conversation_id: str | None, turn: Turn | None) -> None:
+    async def commit(self, conversation_id: str | None) -> Appended | None:
         self._closed = True
         store = self.store
         rows = [*self._rows, _encode({"type": "commit", "status": "complete", "committed": now()})]
@@ -441,12 +431,11 @@ class _PostgresLog(ResponseLog):
         backend = await store._open_backend()
         task = backend.spawn(self._commit(backend, rows, conversation_id, expected))
         incarnation, seq = await asyncio.shield(task)
-        if conversation_id is not None:
-            if hold is not None:
-                hold.expected = (incarnation, seq)
-            store._note_append(
-                conversation_id, incarnation, seq, lambda view: view.extend(turn) if turn else None
-            )
+        if conversation_id is None:
+            return None
+        if hold is not None:
+            hold.expected = (incarnation, seq)
+        return Appended(Version(incarnation, seq - 1), Version(incarnation, seq))
 
     async def _commit(
         self,
@@ -517,7 +506,6 @@ class PostgresStore(Store):
         self.durability = durability
         self.cache_size = cache_size
         self._backend: _Backend | None = None
-        self._cache: OrderedDict[str, _Cached] = OrderedDict()
         self._side: LRU[tuple[str, str], _SideCache] = LRU(4 * cache_size)
         self._holds: dict[str, _Hold] = {}
         self._times: list[tuple[str, float]] = []
@@ -654,69 +642,40 @@ class PostgresStore(Store):
         return hold.expected if hold is not None else None
 
     # -- reading ------------------------------------------------------------------------------------
-    async def _assemble(self, cid: str, cached: _Cached | None) -> _Cached | None:
-        """The conversation, brought up to date from `cached` (one query when nothing changed)."""
-        after = cached.seq if cached is not None else 0
-        rows = await self._fetch("could not load the conversation", _LOAD, self.namespace, cid, after)
+    async def read_conversation(self, conversation_id: str, after: Version | None = None) -> IndexRead:
+        """The entries after `after`, with their records, in one query (one round trip when
+        nothing changed)."""
+        check_conversation_id(conversation_id)
+        since = after.position if after is not None else 0
+        rows = await self._fetch(
+            "could not load the conversation", _LOAD, self.namespace, conversation_id, since
+        )
         if not rows:
-            return None
+            self._note_load(conversation_id, None, 0)
+            return IndexRead([], None, True)
         incarnation, last_seq = int(rows[0]["incarnation"]), int(rows[0]["last_seq"])
-        if cached is not None and (cached.incarnation != incarnation or last_seq < cached.seq):
-            return await self._assemble(cid, None)  # deleted and started anew since
-        result = cached if cached is not None else _Cached(incarnation, 0, ConversationView())
-        entries: list[tuple[str | None, str | None, list[Record]]] = []  # (response id, marker, records)
+        if after is not None and (after.generation != incarnation or last_seq < after.position):
+            return await self.read_conversation(conversation_id, None)  # deleted and started anew since
+        entries: list[IndexEntry] = []
         current = None
         for row in rows:
             if row["seq"] is None:
                 continue  # nothing new
             if row["seq"] != current:
                 current = row["seq"]
-                entries.append((row["response_id"], row["marker"], []))
+                marker = _decode(row["marker"]) if row["marker"] is not None else None
+                marker = marker if isinstance(marker, dict) else None
+                entries.append(IndexEntry(row["response_id"], marker, []))
             if row["record"] is not None:
                 value = _decode(row["record"])
-                if isinstance(value, dict):
-                    entries[-1][2].append(value)
-        for rid, marker, records in entries:
-            if marker is not None:
-                result.view.apply_marker(_decode(marker))
-                continue
-            turn = turn_from_records(records)
-            if turn is None:
-                log.warning("index of %s names %s, which is not committed: skipped", cid, rid)
-                continue
-            result.view.extend(turn)
-        result.seq = last_seq
-        return result
-
-    async def load(self, conversation_id: str) -> ConversationView:
-        check_conversation_id(conversation_id)
-        result = await self._assemble(conversation_id, self._cache.get(conversation_id))
-        if result is None:
-            self._cache.pop(conversation_id, None)
-            self._note_load(conversation_id, None, 0)
-            return ConversationView()
-        self._cache[conversation_id] = result
-        self._cache.move_to_end(conversation_id)
-        while len(self._cache) > self.cache_size:
-            self._cache.popitem(last=False)
-        self._note_load(conversation_id, result.incarnation, result.seq)
-        return result.view
-
-    def _note_append(
-        self, cid: str, incarnation: int, seq: int, apply: Callable[[ConversationView], None]
-    ) -> None:
-        cached = self._cache.get(cid)
-        if cached is None:
-            return
-        if cached.incarnation != incarnation or cached.seq != seq - 1:
-            self._cache.pop(cid, None)  # someone else appended since our load: rebuild next time
-            return
-        apply(cached.view)
-        cached.seq = seq
+                if isinstance(value, dict) and value.get("type") != "context":
+                    entries[-1].records.append(value)
+        self._note_load(conversation_id, incarnation, last_seq)
+        return IndexRead(entries, Version(incarnation, last_seq), after is None)
 
     def _forget(self, conversation_id: str | None) -> None:
-        if conversation_id is not None:
-            self._cache.pop(conversation_id, None)
+        """Nothing is cached here (the services cache views); kept as the one place to drop
+        per-conversation state after a failed or foreign write."""
 
     def start(self, response_id: str, request: Record) -> ResponseLog:
         if not is_valid_response_id(response_id):
@@ -760,7 +719,7 @@ class PostgresStore(Store):
         return bool(rows)
 
     # -- writing ------------------------------------------------------------------------------------
-    async def append_marker(self, conversation_id: str, marker: Record) -> None:
+    async def append_marker(self, conversation_id: str, marker: Record) -> Appended:
         check_conversation_id(conversation_id)
         text = orjson.dumps(marker).decode()
         expected = self._expected(conversation_id)
@@ -779,7 +738,7 @@ class PostgresStore(Store):
         hold = self._holds.get(conversation_id)
         if hold is not None:
             hold.expected = (incarnation, seq)
-        self._note_append(conversation_id, incarnation, seq, lambda view: view.apply_marker(marker))
+        return Appended(Version(incarnation, seq - 1), Version(incarnation, seq))
 
     async def delete_conversation(self, conversation_id: str, *, archive: bool = False) -> bool:
         check_conversation_id(conversation_id)
@@ -967,18 +926,9 @@ class PostgresStore(Store):
             return list(future.result(timeout=COMMAND_TIMEOUT))
         return list(self._times)
 
-    async def list_conversations(self) -> list[ConversationSummary]:
-        out: list[ConversationSummary] = []
-        for cid, updated in sorted(await self._index_times(), key=lambda t: t[1], reverse=True):
-            if not is_valid_conversation_id(cid):
-                continue
-            cached = await self._assemble(cid, self._cache.get(cid))
-            if cached is None:
-                continue  # deleted meanwhile
-            view = cached.view
-            tokens = sum(n or 0 for n in view.history_tokens) + sum(n or 0 for n in view.system_tokens or [])
-            out.append(ConversationSummary(cid, view.turns, len(view.history), updated, tokens=tokens))
-        return out
+    async def conversation_ids(self) -> list[tuple[str, float]]:
+        times = [(c, t) for c, t in await self._index_times() if is_valid_conversation_id(c)]
+        return sorted(times, key=lambda t: t[1], reverse=True)
 
     async def namespaces(self) -> list[str]:
         """Every tenant with conversations or side logs in this database ("" included)."""

@@ -21,6 +21,7 @@ from openai import OpenAI
 from gateway.store.postgres import PostgresStore
 from tests.conftest import GatewayProcess, write_config
 from tests.mockserver import MockServer
+from tests.views import load
 
 pytestmark = pytest.mark.e2e
 
@@ -122,7 +123,7 @@ def test_three_turn_recall_on_postgres(tmp_path: Path, upstream: MockServer, pg_
             for rid in rids:
                 records = await store.read_response(rid)
                 assert [r["type"] for r in records] == ["request", "context", "response", "commit"]
-            assert (await store.load(cid)).turns == 3
+            assert (await load(store, cid)).turns == 3
 
     read_store(pg_dsn, check)
     # Nothing of the conversations went to the replica's data dir.

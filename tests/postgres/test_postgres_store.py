@@ -12,6 +12,7 @@ import pytest
 from gateway.exceptions import ConversationBusy, InvalidRequest, NotFound
 from gateway.store.postgres import SCHEMA_VERSION, PostgresStore, migrate
 from tests.test_store import commit_turn, reply, request_record, user
+from tests.views import load
 
 
 def replica_dsn(dsn: str, name: str) -> str:
@@ -78,13 +79,13 @@ async def test_a_turn_written_by_one_replica_is_read_by_the_other(
 ) -> None:
     a, b = replicas
     r1 = await commit_turn(a, "conv", "one")
-    assert (await b.load("conv")).response_ids == [r1]  # now cached in b
+    assert (await load(b, "conv")).response_ids == [r1]  # now cached in b
     r2 = await commit_turn(a, "conv", "two")
     await a.append_marker("conv", {"type": "metadata", "metadata": {"k": "v"}, "at": 1.0})
-    view = await b.load("conv")  # revalidated by last seq: sees the turn and the marker
+    view = await load(b, "conv")  # revalidated by last seq: sees the turn and the marker
     assert view.response_ids == [r1, r2] and view.metadata == {"k": "v"}
     r3 = await commit_turn(b, "conv", "three")
-    assert (await a.load("conv")).response_ids == [r1, r2, r3]
+    assert (await load(a, "conv")).response_ids == [r1, r2, r3]
     # Deleted and started anew on one replica: the other's cache must not survive it, even
     # when the new conversation reaches the same length.
     async with a.lock("conv", timeout=5):
@@ -92,7 +93,7 @@ async def test_a_turn_written_by_one_replica_is_read_by_the_other(
     n1 = await commit_turn(a, "conv", "new one")
     n2 = await commit_turn(a, "conv", "new two")
     n3 = await commit_turn(a, "conv", "new three")
-    view = await b.load("conv")
+    view = await load(b, "conv")
     assert view.response_ids == [n1, n2, n3]
     assert [m["content"] for m in view.history if m["role"] == "user"] == ["new one", "new two", "new three"]
 
@@ -133,7 +134,7 @@ async def test_a_turn_built_on_a_stale_history_is_refused_not_forked(
     a, b = replicas
     r1 = await commit_turn(a, "conv", "one")
     async with a.lock("conv", timeout=5):
-        assert (await a.load("conv")).response_ids == [r1]
+        assert (await load(a, "conv")).response_ids == [r1]
         sneaky = await commit_turn(b, "conv", "sneaked in")  # no lock: as if a's lock was lost
         with pytest.raises(ConversationBusy, match="changed"):
             await commit_turn(a, "conv", "stale")
@@ -146,9 +147,9 @@ async def test_a_turn_built_on_a_stale_history_is_refused_not_forked(
     assert (await a.read_response(refused[0]))[-1]["reason"] == "conflict"
     # Under the lock again, with a fresh load, the next turn goes through.
     async with a.lock("conv", timeout=5):
-        await a.load("conv")
+        await load(a, "conv")
         r3 = await commit_turn(a, "conv", "three")
-    assert (await b.load("conv")).response_ids == [r1, sneaky, r3]
+    assert (await load(b, "conv")).response_ids == [r1, sneaky, r3]
 
 
 async def _all_responses(store: PostgresStore) -> list[str]:
@@ -167,7 +168,7 @@ async def test_cancellation_leaves_no_transaction_and_no_lock_behind(
 
     async def hold_forever() -> None:
         async with pg_store.lock("conv", timeout=5):
-            await pg_store.load("conv")
+            await load(pg_store, "conv")
             await asyncio.sleep(60)
 
     holder = asyncio.create_task(hold_forever())
@@ -187,14 +188,14 @@ async def test_cancellation_leaves_no_transaction_and_no_lock_behind(
     await asyncio.sleep(0.2)  # shielded writes finish on their own
     assert await server_state(pg_dsn) == (0, 0)
     async with pg_store.lock("conv", timeout=1):
-        view = await pg_store.load("conv")
+        view = await load(pg_store, "conv")
     # Whatever was committed is whole: every indexed turn has its reply.
     assert len(view.history) == 2 * view.turns
 
 
 async def commit_under_lock(store: PostgresStore, text: str) -> None:
     async with store.lock("conv", timeout=5):
-        await store.load("conv")
+        await load(store, "conv")
         await commit_turn(store, "conv", text)
 
 
@@ -205,7 +206,7 @@ async def test_fork_tombstone_and_archive(pg_store: PostgresStore) -> None:
     await pg_store.fork("src", "branch", r2)
     assert await pg_store.read_index("branch") == [r1, r2]
     r4 = await commit_turn(pg_store, "branch", "four")
-    assert (await pg_store.load("branch")).response_ids == [r1, r2, r4]
+    assert (await load(pg_store, "branch")).response_ids == [r1, r2, r4]
     with pytest.raises(InvalidRequest):
         await pg_store.fork("src", "branch", r1)
     with pytest.raises(NotFound):
@@ -215,7 +216,7 @@ async def test_fork_tombstone_and_archive(pg_store: PostgresStore) -> None:
     await pg_store.tombstone(r4)
     assert (await pg_store.read_response(r4))[-1]["type"] == "deleted"
     fresh = PostgresStore(pg_store.dsn)  # (a warm cache learns of it from the service's marker)
-    assert (await fresh.load("branch")).response_ids == [r1, r2]  # as JSONL: index kept, turn skipped
+    assert (await load(fresh, "branch")).response_ids == [r1, r2]  # as JSONL: index kept, turn skipped
     await fresh.close()
     with pytest.raises(NotFound):
         await pg_store.tombstone("m-0123456789ab")
@@ -237,7 +238,7 @@ async def test_tenants_are_namespaces(pg_dsn: str) -> None:
         with pytest.raises(NotFound):
             await two.read_response(rid)
         await commit_turn(two, "same-id", "two's own")
-        assert [m["content"] for m in (await two.load("same-id")).history][0] == "two's own"
+        assert [m["content"] for m in (await load(two, "same-id")).history][0] == "two's own"
         assert await one.namespaces() == ["tone", "ttwo"]
     finally:
         await one.close()

@@ -11,11 +11,11 @@ import pytest
 from click.testing import CliRunner
 
 from gateway.cli import main
-from gateway.context import Turn
 from gateway.ids import mint_response_id
 from gateway.store.jsonl import JsonlStore
 from gateway.store.postgres import PostgresStore
 from tests.test_store import commit_turn, reply, request_record, user
+from tests.views import list_conversations, load
 
 TENANT = "t0123456789abcdef"
 
@@ -68,7 +68,7 @@ async def build_jsonl_data(root: Path) -> dict[str, Any]:
     rid = mint_response_id("test/model")
     log = tenant.start(rid, request_record(rid, "c1", [user("tenant secret")]))
     log.append({"type": "response", "message": reply("ok"), "finish_reason": "stop"})
-    await log.commit("c1", Turn(rid, (user("tenant secret"),), reply("ok")))
+    await log.commit("c1")
     await tenant.close()
     return {"tomb": tomb, "flying": flying}
 
@@ -113,7 +113,7 @@ def test_jsonl_to_postgres_to_jsonl_gives_back_every_file(tmp_path: Path, pg_dsn
         pg = PostgresStore(pg_dsn)
         try:
             for cid in ("c1", "c1-branch", "c2"):
-                a, b = await jsonl.load(cid), await pg.load(cid)
+                a, b = await load(jsonl, cid), await load(pg, cid)
                 assert (a.system, a.history, a.response_ids, a.metadata) == (
                     b.system,
                     b.history,
@@ -131,7 +131,7 @@ def test_jsonl_to_postgres_to_jsonl_gives_back_every_file(tmp_path: Path, pg_dsn
                     (s.conversation_id, s.turns, s.messages, round(s.last_activity, 3)) for s in rows
                 )
 
-            assert listing(await pg.list_conversations()) == listing(await jsonl.list_conversations())
+            assert listing(await list_conversations(pg)) == listing(await list_conversations(jsonl))
         finally:
             await pg.close()
 
