@@ -1,0 +1,127 @@
+"""Deleting (or archiving) a conversation and branching one at an earlier response. A fork
+(`{source[:100]}.fork-{hex}`) shares its prefix's response files with its source instead of
+copying them, so deletion keeps the files another conversation of the family still names."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import shutil
+from typing import TYPE_CHECKING
+
+from gateway.exceptions import CorruptRecord, InvalidRequest, NotFound, StorageError
+from gateway.store.base import now
+from gateway.store.jsonl.files import fsync_dir, parse_index, write_all
+
+if TYPE_CHECKING:
+    from gateway.store.jsonl.store import JsonlStore
+
+
+async def delete_conversation(store: JsonlStore, conversation_id: str, *, archive: bool = False) -> bool:
+    index = store.index_path(conversation_id)
+    summaries = store.summary_path(conversation_id)
+    store._forget(conversation_id)
+    for kind in ("summaries", "lifecycle"):
+        store._side.pop((kind, conversation_id), None)
+    lifecycle = store.side_path("lifecycle", conversation_id)
+
+    def remove() -> bool:
+        store.refuse_if_failed()
+        try:
+            data = index.read_bytes()
+        except FileNotFoundError:
+            return False
+        entries, _ = parse_index(data, path=str(index))
+        shared = named_by_relatives(store, conversation_id)
+        ids = [e for e in entries if isinstance(e, str)]
+        owned = [rid for rid in ids if rid not in shared]
+        if archive:
+            folder = store.archive_dir / f"{conversation_id}-{int(now() * 1000)}"
+            (folder / "responses").mkdir(parents=True, exist_ok=True)
+            # The index goes first (one rename): from then on the conversation is gone.
+            os.replace(index, folder / "conversation.jsonl")
+            if summaries.exists():
+                os.replace(summaries, folder / "summaries.jsonl")
+            if lifecycle.exists():
+                os.replace(lifecycle, folder / "lifecycle.jsonl")
+            for rid in ids:
+                try:
+                    if rid in shared:  # still a fork's: the archive gets a copy
+                        shutil.copyfile(store.response_path(rid), folder / "responses" / f"{rid}.jsonl")
+                    else:
+                        os.replace(store.response_path(rid), folder / "responses" / f"{rid}.jsonl")
+                except FileNotFoundError:
+                    pass
+        else:
+            os.unlink(index)
+            for path in [summaries, lifecycle, *(store.response_path(rid) for rid in owned)]:
+                try:
+                    os.unlink(path)
+                except FileNotFoundError:
+                    pass
+        if store.fsync:
+            store._sync(fsync_dir, store.conversations_dir)
+        return True
+
+    try:
+        return await asyncio.to_thread(remove)
+    except OSError as exc:
+        raise StorageError(f"could not delete the conversation: {exc.strerror or exc}") from exc
+
+
+def named_by_relatives(store: JsonlStore, conversation_id: str) -> set[str]:
+    """Response ids that other conversations of the same fork family name. A fork
+    (`{source[:100]}.fork-{hex}`, made by the Responses API) shares its prefix's response
+    files with its source and its siblings instead of copying them."""
+    root = conversation_id.split(".fork-", 1)[0][:100]
+    candidates = {root} if root != conversation_id else set()
+    try:
+        with os.scandir(store.conversations_dir) as entries:
+            for entry in entries:
+                name = entry.name[:-6] if entry.name.endswith(".jsonl") else ""
+                related = ".fork-" in name or len(name) > 100  # a source cut to 100 in its forks' ids
+                if name.startswith(root) and related and name != conversation_id:
+                    candidates.add(name)
+    except FileNotFoundError:
+        return set()
+    named: set[str] = set()
+    for other in candidates:
+        try:
+            listed, _ = parse_index(store.index_path(other).read_bytes())
+        except (FileNotFoundError, CorruptRecord):
+            continue
+        named.update(e for e in listed if isinstance(e, str))
+    return named
+
+
+async def fork(store: JsonlStore, source: str, target: str, through: str) -> None:
+    src, dst = store.index_path(source), store.index_path(target)
+
+    def copy_prefix() -> None:
+        data = src.read_bytes()
+        end = data.find(through.encode() + b"\n")
+        if end < 0 or (end > 0 and data[end - 1 : end] != b"\n"):
+            raise NotFound(
+                f"No response {through!r} in conversation {source!r}", param="previous_response_id"
+            )
+        prefix = data[: end + len(through) + 1]
+        sync = store._appender()
+        fd = os.open(dst, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
+        try:
+            write_all(fd, prefix)
+            if sync is not None:
+                sync(fd)
+        finally:
+            os.close(fd)
+        if store.fsync:
+            store._sync(fsync_dir, store.conversations_dir)
+
+    try:
+        await asyncio.to_thread(copy_prefix)
+    except FileNotFoundError:
+        raise NotFound(f"No conversation {source!r}", param="previous_response_id") from None
+    except FileExistsError:
+        raise InvalidRequest(f"Conversation {target!r} already exists") from None
+    except OSError as exc:
+        raise StorageError(f"could not branch the conversation: {exc.strerror or exc}") from exc
+    store._forget(target)

@@ -1,0 +1,338 @@
+"""The embedded store: one JSONL file per response, one append-only JSONL index per conversation.
+
+    {data_dir}/logs/responses/{response_id}.jsonl      request, context, response, commit
+    {data_dir}/logs/conversations/{conversation_id}.jsonl  one response id per line
+    {data_dir}/logs/summaries/{conversation_id}.jsonl  rolling summary versions (append-only)
+    {data_dir}/locks/{conversation_id}.lock           flock() per conversation, across worker processes
+
+A response file is written and fsync'd before its id is appended to the index (then the index
+is fsync'd), so the index never names an incomplete response. A reader gets the entries after a
+`Version` (the index file's inode and byte offset), so writes by another process are noticed.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextvars
+import fcntl
+import logging
+import os
+import weakref
+from collections.abc import AsyncIterator, Callable
+from contextlib import asynccontextmanager
+from pathlib import Path
+from typing import Any
+
+import orjson
+
+from gateway.exceptions import ConversationBusy, NotFound, StorageError
+from gateway.ids import check_conversation_id, is_valid_conversation_id, is_valid_response_id
+from gateway.store.base import LRU, Appended, IndexEntry, IndexRead, Record, ResponseLog, Store, Version, now
+from gateway.store.jsonl import branches
+from gateway.store.jsonl.files import (
+    CONTEXT_PREFIX,
+    SIDE_LOGS,
+    append_file,
+    fsync_dir,
+    parse_index,
+    parse_jsonl,
+    write_all,
+)
+from gateway.store.jsonl.log import JsonlLog
+
+log = logging.getLogger("gateway.store")
+
+# Conversations bigger than this (index bytes) are loaded in a worker thread.
+_THREAD_LOAD_BYTES = 4096
+# The conversations whose lock the running task holds (readers without it never repair).
+_HELD: contextvars.ContextVar[frozenset[str]] = contextvars.ContextVar(
+    "gateway_held_locks", default=frozenset()
+)
+# Context snapshots are the bulk of a response log and are not needed to rebuild history.
+
+
+class JsonlStore(Store):
+    def __init__(
+        self,
+        data_dir: str | os.PathLike[str],
+        *,
+        durability: str = "fsync",
+        cache_size: int = 1024,
+    ) -> None:
+        self.root = Path(data_dir)
+        self.responses_dir = self.root / "logs" / "responses"
+        self.conversations_dir = self.root / "logs" / "conversations"
+        self.locks_dir = self.root / "locks"
+        self.summaries_dir = self.root / "logs" / "summaries"
+        self.archive_dir = self.root / "archive"
+        self._side: LRU[tuple[str, str], tuple[int, list[Record]]] = LRU(4 * cache_size)
+        self.fsync = durability == "fsync"
+        self.cache_size = cache_size
+        # Index sizes last seen: only to know whether an index file exists yet (no views here).
+        self._sizes: LRU[str, int] = LRU(cache_size)
+        self._locks: weakref.WeakValueDictionary[str, asyncio.Lock] = weakref.WeakValueDictionary()
+        # Test hook: called after the response is durable and before the index append.
+        self.before_index_append: Callable[[str], None] | None = None
+        # Set by the first failed fsync: the kernel may have dropped the dirty pages, and a
+        # later fsync could succeed without them, so no write is acknowledged after it.
+        self.sync_failed: str | None = None
+
+    @property
+    def refusing_writes(self) -> str | None:
+        return self.sync_failed
+
+    def _datasync(self, fd: int) -> None:
+        self._sync(os.fdatasync, fd)
+
+    def _appender(self) -> Callable[[int], None] | None:
+        """The sync step for `_append`; raises first if this store already refuses writes."""
+        self.refuse_if_failed()
+        return self._datasync if self.fsync else None
+
+    def _sync(self, sync: Callable[[Any], None], target: Any) -> None:
+        try:
+            sync(target)
+        except OSError as exc:
+            if self.sync_failed is None:
+                self.sync_failed = f"{getattr(sync, '__name__', 'fsync')}: {exc.strerror or exc}"
+                log.error("fsync failed, refusing further writes: %s", self.sync_failed)
+            raise
+
+    async def open(self) -> None:
+        for d in (self.responses_dir, self.conversations_dir, self.locks_dir, self.summaries_dir):
+            d.mkdir(parents=True, exist_ok=True)
+
+    # -- paths: the only place ids become file names ---------------------------------------
+    def index_path(self, conversation_id: str) -> Path:
+        return self.conversations_dir / f"{check_conversation_id(conversation_id)}.jsonl"
+
+    def response_path(self, response_id: str) -> Path:
+        if not is_valid_response_id(response_id):
+            raise NotFound(f"No response {response_id!r}", param="response_id")
+        return self.responses_dir / f"{response_id}.jsonl"
+
+    # -- locking ----------------------------------------------------------------------------
+    @asynccontextmanager
+    async def lock(self, conversation_id: str, timeout: float) -> AsyncIterator[None]:
+        """In this process, one asyncio.Lock per conversation (FIFO). Across processes, an
+        flock() on the conversation's own lock file, `locks/{id}.lock`, held for the turn: an
+        unrelated conversation never waits for it. Lock files are never removed while the
+        gateway runs (removing one could give two processes two different "same" locks)."""
+        check_conversation_id(conversation_id)
+        lock = self._locks.get(conversation_id)
+        if lock is None:
+            lock = asyncio.Lock()
+            self._locks[conversation_id] = lock
+        busy = ConversationBusy(f"Conversation {conversation_id!r} is busy with another request; retry later")
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + timeout
+        try:
+            async with asyncio.timeout(timeout):
+                await lock.acquire()
+        except TimeoutError:
+            raise busy from None
+        fd = -1
+        held = False
+        try:
+            try:
+                fd = os.open(self.locks_dir / f"{conversation_id}.lock", os.O_RDWR | os.O_CREAT, 0o644)
+            except OSError as exc:
+                raise StorageError(
+                    f"Cannot open the lock of conversation {conversation_id!r}: {exc.strerror}"
+                ) from exc
+            delay = 0.0005
+            while True:
+                try:
+                    fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                    break
+                except BlockingIOError:
+                    if loop.time() >= deadline:
+                        raise busy from None
+                    await asyncio.sleep(delay)
+                    delay = min(delay * 2, 0.02)
+            _HELD.set(_HELD.get() | {conversation_id})
+            held = True
+            yield
+        finally:
+            if held:  # not a token reset: locks may be released in any order
+                _HELD.set(_HELD.get() - {conversation_id})
+            if fd >= 0:
+                os.close(fd)  # releases the flock
+            lock.release()
+
+    def holds_lock(self, conversation_id: str) -> bool:
+        """Does the running task hold this conversation's lock? Only then may a read repair."""
+        return conversation_id in _HELD.get()
+
+    async def close(self) -> None:
+        """Nothing is held between requests."""
+
+    # -- reading ----------------------------------------------------------------------------
+    def _read_records(self, path: Path, *, skip_context: bool = False) -> list[Record]:
+        try:
+            data = path.read_bytes()
+        except FileNotFoundError:
+            return []
+        if skip_context and CONTEXT_PREFIX in data:
+            lines = data.split(b"\n")
+            data = b"\n".join(line for line in lines if not line.startswith(CONTEXT_PREFIX))
+        records, _ = parse_jsonl(data, path=str(path))
+        return [r for r in records if isinstance(r, dict)]
+
+    def _read_sync(self, conversation_id: str, after: Version | None, repair: bool) -> IndexRead:
+        path = self.index_path(conversation_id)
+        try:
+            with open(path, "rb") as f:
+                stat = os.fstat(f.fileno())
+                restarted = after is None or after.generation != stat.st_ino or stat.st_size < after.position
+                start = 0 if restarted or after is None else after.position
+                if not restarted and after is not None and stat.st_size == start:
+                    return IndexRead([], after, False)
+                f.seek(start)
+                data = f.read()
+        except FileNotFoundError:
+            self._sizes.pop(conversation_id, None)
+            return IndexRead([], None, True)
+        raw, consumed = parse_index(data, path=str(path))
+        if consumed < len(data) and repair:
+            # A torn last line: the crash happened before its fsync, so it was never acknowledged.
+            log.warning("repairing torn last line of %s", path)
+            os.truncate(path, start + consumed)
+        entries = [
+            IndexEntry(None, entry, [])
+            if isinstance(entry, dict)
+            else IndexEntry(entry, None, self._read_records(self.response_path(entry), skip_context=True))
+            for entry in raw
+        ]
+        self._sizes[conversation_id] = start + consumed
+        return IndexRead(entries, Version(stat.st_ino, start + consumed), restarted)
+
+    async def read_conversation(self, conversation_id: str, after: Version | None = None) -> IndexRead:
+        # A torn last line is cut only by a holder of the lock: without it, the "torn" line may
+        # be another writer's append in progress (another task, thread or worker process).
+        repair = self.holds_lock(conversation_id)
+        try:
+            size = os.stat(self.index_path(conversation_id)).st_size
+        except FileNotFoundError:
+            size = 0
+        # Reading many response files is slow: off the event loop unless it is little.
+        if size - (after.position if after is not None else 0) > _THREAD_LOAD_BYTES:
+            return await asyncio.to_thread(self._read_sync, conversation_id, after, repair)
+        return self._read_sync(conversation_id, after, repair)
+
+    def _forget(self, conversation_id: str | None) -> None:
+        if conversation_id is not None:
+            self._sizes.pop(conversation_id, None)
+
+    def start(self, response_id: str, request: Record) -> ResponseLog:
+        return JsonlLog(self, response_id, request)
+
+    async def read_response(self, response_id: str) -> list[Record]:
+        path = self.response_path(response_id)
+        if not path.exists():
+            raise NotFound(f"No response {response_id!r}", param="response_id")
+        return self._read_records(path)
+
+    async def read_index(self, conversation_id: str) -> list[str | Record]:
+        path = self.index_path(conversation_id)
+        try:
+            data = path.read_bytes()
+        except FileNotFoundError:
+            raise NotFound(f"No conversation {conversation_id!r}", param="conversation_id") from None
+        entries, _ = parse_index(data, path=str(path))
+        return entries
+
+    async def append_marker(self, conversation_id: str, marker: Record) -> Appended:
+        path = self.index_path(conversation_id)
+        line = orjson.dumps(marker) + b"\n"
+
+        def write() -> Appended:
+            sync = self._appender()
+            fd = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
+            try:
+                stat = os.fstat(fd)
+                write_all(fd, line)
+                if sync is not None:
+                    sync(fd)
+            finally:
+                os.close(fd)
+            if stat.st_size == 0 and self.fsync:
+                self._sync(fsync_dir, self.conversations_dir)
+            after = stat.st_size + len(line)
+            self._sizes[conversation_id] = after
+            return Appended(Version(stat.st_ino, stat.st_size), Version(stat.st_ino, after))
+
+        try:
+            return await asyncio.to_thread(write)
+        except OSError as exc:
+            self._forget(conversation_id)
+            raise StorageError(f"could not record the change durably: {exc.strerror or exc}") from exc
+
+    async def delete_conversation(self, conversation_id: str, *, archive: bool = False) -> bool:
+        return await branches.delete_conversation(self, conversation_id, archive=archive)
+
+    async def fork(self, source: str, target: str, through: str) -> None:
+        await branches.fork(self, source, target, through)
+
+    def summary_path(self, conversation_id: str) -> Path:
+        return self.side_path("summaries", conversation_id)
+
+    def side_path(self, kind: str, key: str) -> Path:
+        if kind not in SIDE_LOGS:
+            raise ValueError(f"unknown side log {kind!r}")
+        return self.root / "logs" / kind / f"{check_conversation_id(key, param='key')}.jsonl"
+
+    async def append_side(self, kind: str, key: str, record: Record) -> None:
+        path = self.side_path(kind, key)
+        line = orjson.dumps(record) + b"\n"
+
+        def write() -> None:
+            path.parent.mkdir(parents=True, exist_ok=True)
+            append_file(path, line, sync=self._appender())
+
+        try:
+            await asyncio.to_thread(write)
+        except OSError as exc:
+            raise StorageError(f"could not record {kind}: {exc.strerror or exc}") from exc
+        self._side.pop((kind, key), None)
+
+    async def read_side(self, kind: str, key: str) -> list[Record]:
+        path = self.side_path(kind, key)
+        try:
+            size = path.stat().st_size
+        except FileNotFoundError:
+            return []
+        cached = self._side.get((kind, key))
+        if cached is not None and cached[0] == size:
+            return cached[1]
+        records = self._read_records(path)
+        self._side[(kind, key)] = (size, records)
+        return records
+
+    async def tombstone(self, response_id: str) -> None:
+        path = self.response_path(response_id)
+        line = orjson.dumps({"type": "deleted", "at": now()}) + b"\n"
+
+        try:
+            await asyncio.to_thread(lambda: append_file(path, line, sync=self._appender(), create=False))
+        except FileNotFoundError:
+            raise NotFound(f"No response {response_id!r}", param="response_id") from None
+        except OSError as exc:
+            raise StorageError(f"could not delete the response: {exc.strerror or exc}") from exc
+
+    def index_times(self) -> list[tuple[str, float]]:
+        out = []
+        if self.conversations_dir.is_dir():
+            with os.scandir(self.conversations_dir) as entries:
+                for entry in entries:
+                    name = entry.name
+                    if name.endswith(".jsonl") and is_valid_conversation_id(name[:-6]):
+                        try:
+                            out.append((name[:-6], entry.stat().st_mtime))
+                        except FileNotFoundError:
+                            continue
+        return out
+
+    async def conversation_ids(self) -> list[tuple[str, float]]:
+        times = await asyncio.to_thread(self.index_times)
+        return sorted(times, key=lambda pair: pair[1], reverse=True)
