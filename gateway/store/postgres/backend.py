@@ -1,0 +1,150 @@
+"""One asyncpg pool and one advisory-lock connection per (dsn, durability, event loop), shared
+by every tenant's store in a process."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import weakref
+from collections.abc import Awaitable
+from typing import Any, TypeVar
+
+import asyncpg
+
+from gateway.exceptions import StorageError
+from gateway.store.postgres.schema import (
+    COMMAND_TIMEOUT,
+    POOL_SIZE,
+    map_errors,
+    migrate,
+    redact,
+)
+
+log = logging.getLogger("gateway.store")
+T = TypeVar("T")
+
+# -- one pool and one lock connection per (dsn, durability, event loop) -----------------------
+
+
+class _Backend:
+    """Shared by the stores of every tenant: a pool for queries and one session that holds the
+    advisory locks of this process's busy conversations."""
+
+    def __init__(self, dsn: str, durability: str, loop: asyncio.AbstractEventLoop) -> None:
+        self.dsn = dsn
+        self.durability = durability
+        self.loop = loop
+        self.pool: Any = None
+        self.users = 0
+        self._opening = asyncio.Lock()
+        self._lock_conn: Any = None
+        self._lock_mutex = asyncio.Lock()
+        self._tasks: set[asyncio.Future[Any]] = set()
+        self._local: weakref.WeakValueDictionary[int, asyncio.Lock] = weakref.WeakValueDictionary()
+
+    def local_lock(self, key: int) -> asyncio.Lock:
+        lock = self._local.get(key)
+        if lock is None:
+            lock = self._local[key] = asyncio.Lock()
+        return lock
+
+    def _settings(self) -> dict[str, str]:
+        settings = {"application_name": "gateway"}
+        if self.durability == "none":
+            settings["synchronous_commit"] = "off"
+        return settings
+
+    async def acquire(self) -> None:
+        async with self._opening:
+            if self.pool is None:
+                with map_errors(f"cannot open PostgreSQL storage at {redact(self.dsn)}"):
+                    pool = await asyncpg.create_pool(
+                        self.dsn,
+                        min_size=1,
+                        max_size=POOL_SIZE,
+                        command_timeout=COMMAND_TIMEOUT,
+                        server_settings=self._settings(),
+                    )
+                    try:
+                        async with pool.acquire() as conn:
+                            await migrate(conn)
+                    except BaseException:
+                        await pool.close()
+                        raise
+                self.pool = pool
+            self.users += 1
+
+    async def release(self) -> None:
+        self.users -= 1
+        if self.users > 0:
+            return
+        for task in list(self._tasks):
+            await asyncio.wait([task], timeout=5)
+        if self._lock_conn is not None:
+            with map_errors("closing the lock connection"):
+                await self._lock_conn.close()
+            self._lock_conn = None
+        if self.pool is not None:
+            try:
+                await asyncio.wait_for(self.pool.close(), 10)
+            except TimeoutError:  # a connection still busy: do not hang the shutdown on it
+                self.pool.terminate()
+            self.pool = None
+        _BACKENDS.get(self.loop, {}).pop((self.dsn, self.durability), None)
+
+    def spawn(self, coro: Awaitable[T]) -> asyncio.Future[T]:
+        """Run to completion even if the awaiting request is cancelled."""
+        task = asyncio.ensure_future(coro)
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
+        task.add_done_callback(lambda t: None if t.cancelled() else t.exception())
+        return task
+
+    async def _lock_call(self, sql: str, key: int) -> bool:
+        async with self._lock_mutex:
+            conn = self._lock_conn
+            if conn is None or conn.is_closed():
+                if conn is not None:
+                    log.warning("the PostgreSQL lock connection was lost; reconnecting")
+                with map_errors("cannot connect for conversation locks"):
+                    conn = self._lock_conn = await asyncpg.connect(
+                        self.dsn,
+                        command_timeout=COMMAND_TIMEOUT,
+                        server_settings={"application_name": "gateway-locks"},
+                    )
+            with map_errors("conversation lock"):
+                return bool(await conn.fetchval(sql, key))
+
+    async def try_lock(self, key: int) -> bool:
+        task = self.spawn(self._lock_call("SELECT pg_try_advisory_lock($1)", key))
+        try:
+            return await asyncio.shield(task)
+        except asyncio.CancelledError:
+            # Cancelled while asking: if the lock was granted after all, give it back.
+            def undo(t: asyncio.Future[bool]) -> None:
+                if not t.cancelled() and t.exception() is None and t.result():
+                    self.spawn(self.unlock(key))
+
+            task.add_done_callback(undo)
+            raise
+
+    async def unlock(self, key: int) -> None:
+        try:
+            await self._lock_call("SELECT pg_advisory_unlock($1)", key)
+        except StorageError as exc:  # the session is gone, and with it the lock
+            log.warning("could not release a conversation lock: %s", exc.message)
+
+
+_BACKENDS: weakref.WeakKeyDictionary[asyncio.AbstractEventLoop, dict[tuple[str, str], _Backend]] = (
+    weakref.WeakKeyDictionary()
+)
+
+
+async def _backend_for(dsn: str, durability: str) -> _Backend:
+    loop = asyncio.get_running_loop()
+    backends = _BACKENDS.setdefault(loop, {})
+    backend = backends.get((dsn, durability))
+    if backend is None:
+        backend = backends[(dsn, durability)] = _Backend(dsn, durability, loop)
+    await backend.acquire()
+    return backend

@@ -1,0 +1,112 @@
+"""Deleting (or archiving) a conversation and branching one at an earlier response, in
+PostgreSQL: index rows are copied, response rows are shared."""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any
+
+from gateway.exceptions import InvalidRequest, NotFound
+from gateway.ids import check_conversation_id
+from gateway.store.base import now
+from gateway.store.postgres.schema import (
+    _ARCHIVE,
+    _NOW,
+)
+
+if TYPE_CHECKING:
+    from gateway.store.postgres.store import PostgresStore
+
+
+async def delete_conversation(store: PostgresStore, conversation_id: str, *, archive: bool = False) -> bool:
+    check_conversation_id(conversation_id)
+    ns = store.namespace
+    store._forget(conversation_id)
+    for kind in ("summaries", "lifecycle"):
+        store._side.pop((kind, conversation_id), None)
+
+    async def work(conn: Any) -> bool:
+        found = await conn.fetchval(
+            "DELETE FROM gateway_conversations WHERE namespace = $1 AND conversation_id = $2 "
+            "RETURNING incarnation",
+            ns,
+            conversation_id,
+        )
+        if found is None:
+            return False
+        if archive:
+            await conn.execute(_ARCHIVE, ns, conversation_id, f"{conversation_id}-{int(now() * 1000)}")
+        # Responses a fork shares (its prefix) stay while another index names them.
+        await conn.execute(
+            "DELETE FROM gateway_responses r WHERE namespace = $1 AND response_id IN "
+            "(SELECT response_id FROM gateway_index WHERE namespace = $1 AND conversation_id = $2) "
+            "AND NOT EXISTS (SELECT 1 FROM gateway_index o WHERE o.namespace = $1 "
+            "AND o.response_id = r.response_id AND o.conversation_id <> $2)",
+            ns,
+            conversation_id,
+        )
+        await conn.execute(
+            "DELETE FROM gateway_index WHERE namespace = $1 AND conversation_id = $2", ns, conversation_id
+        )
+        await conn.execute(
+            "DELETE FROM gateway_side WHERE namespace = $1 AND kind IN ('summaries', 'lifecycle') "
+            "AND key = $2",
+            ns,
+            conversation_id,
+        )
+        return True
+
+    deleted = await store._write("could not delete the conversation", work)
+    hold = store._holds.get(conversation_id)
+    if hold is not None:
+        hold.expected = (None, 0)
+    return deleted
+
+
+async def fork(store: PostgresStore, source: str, target: str, through: str) -> None:
+    check_conversation_id(source)
+    check_conversation_id(target)
+    ns = store.namespace
+
+    async def work(conn: Any) -> None:
+        if await conn.fetchval(
+            "SELECT 1 FROM gateway_conversations WHERE namespace = $1 AND conversation_id = $2",
+            ns,
+            target,
+        ):
+            raise InvalidRequest(f"Conversation {target!r} already exists")
+        if not await conn.fetchval(
+            "SELECT 1 FROM gateway_conversations WHERE namespace = $1 AND conversation_id = $2",
+            ns,
+            source,
+        ):
+            raise NotFound(f"No conversation {source!r}", param="previous_response_id")
+        upto = await conn.fetchval(
+            "SELECT min(seq) FROM gateway_index "
+            "WHERE namespace = $1 AND conversation_id = $2 AND response_id = $3",
+            ns,
+            source,
+            through,
+        )
+        if upto is None:
+            raise NotFound(
+                f"No response {through!r} in conversation {source!r}", param="previous_response_id"
+            )
+        await conn.execute(
+            f"INSERT INTO gateway_conversations (namespace, conversation_id, last_seq, updated_at) "
+            f"VALUES ($1, $2, $3, {_NOW})",
+            ns,
+            target,
+            upto,
+        )
+        await conn.execute(
+            f"INSERT INTO gateway_index (namespace, conversation_id, seq, response_id, marker, at) "
+            f"SELECT namespace, $3, seq, response_id, marker, {_NOW} FROM gateway_index "
+            f"WHERE namespace = $1 AND conversation_id = $2 AND seq <= $4",
+            ns,
+            source,
+            target,
+            upto,
+        )
+
+    await store._write("could not branch the conversation", work)
+    store._forget(target)

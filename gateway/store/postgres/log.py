@@ -1,0 +1,129 @@
+"""An open response log in PostgreSQL: its request row is written at once; the commit writes
+the other records, the commit record and the index row in one transaction."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+from gateway.exceptions import StorageError
+from gateway.store.base import Appended, Record, ResponseLog, Version, now
+from gateway.store.postgres.backend import _Backend
+from gateway.store.postgres.schema import (
+    _INSERT_RECORDS,
+    _busy,
+    _Conflict,
+    _encode,
+    map_errors,
+)
+
+log = logging.getLogger("gateway.store")
+
+if TYPE_CHECKING:
+    from gateway.store.postgres.store import PostgresStore
+
+
+# -- the store ---------------------------------------------------------------------------------------
+
+
+@dataclass(slots=True)
+class _Hold:
+    """This process holds a conversation: the tail its holder loaded, which writes must extend."""
+
+    task: asyncio.Task[Any] | None
+    expected: tuple[int | None, int] | None = None
+
+
+@dataclass(slots=True)
+class _SideCache:
+    last_id: int
+    records: list[Record] = field(default_factory=list)
+
+
+class _PostgresLog(ResponseLog):
+    def __init__(self, store: PostgresStore, response_id: str, request: Record) -> None:
+        self.store = store
+        self.response_id = response_id
+        self._rows: list[tuple[str, str]] = [_encode(request)]
+        self._closed = False
+        self._created: asyncio.Future[None] | None = None
+        try:
+            asyncio.get_running_loop()
+        except RuntimeError:
+            return
+        # The request record is written while the provider works, so an attempt (even one
+        # whose process dies) is visible at once; the commit does not wait on it.
+        self._created = asyncio.ensure_future(store._insert(response_id, self._rows[:1], 0))
+        self._created.add_done_callback(lambda f: None if f.cancelled() else f.exception())
+
+    def append(self, record: Record) -> None:
+        self._rows.append(_encode(record))
+
+    async def commit(self, conversation_id: str | None) -> Appended | None:
+        self._closed = True
+        store = self.store
+        rows = [*self._rows, _encode({"type": "commit", "status": "complete", "committed": now()})]
+        hold = store._holds.get(conversation_id) if conversation_id is not None else None
+        expected = hold.expected if hold is not None else None
+        backend = await store._open_backend()
+        task = backend.spawn(self._commit(backend, rows, conversation_id, expected))
+        incarnation, seq = await asyncio.shield(task)
+        if conversation_id is None:
+            return None
+        if hold is not None:
+            hold.expected = (incarnation, seq)
+        return Appended(Version(incarnation, seq - 1), Version(incarnation, seq))
+
+    async def _commit(
+        self,
+        backend: _Backend,
+        rows: list[tuple[str, str]],
+        cid: str | None,
+        expected: tuple[int | None, int] | None,
+    ) -> tuple[int, int]:
+        store = self.store
+        if self._created is not None:
+            await asyncio.wait([self._created])
+        try:
+            with map_errors("could not record the response durably"):
+                async with backend.pool.acquire() as conn:
+                    async with conn.transaction():
+                        await store._insert_rows(conn, _INSERT_RECORDS, self.response_id, rows, 0)
+                        if store.before_index_append is not None:
+                            store.before_index_append(self.response_id)
+                        if cid is None:
+                            return 0, 0
+                        return await store._append_entry(conn, cid, self.response_id, None, expected)
+        except _Conflict:
+            await self._mark_failed(rows[:-1], "conflict", "the conversation changed on another replica")
+            raise _busy(cid or "") from None
+        except StorageError as exc:
+            store._forget(cid)
+            await self._mark_failed(rows[:-1], "storage_error", exc.message)
+            raise
+
+    async def _mark_failed(self, rows: list[tuple[str, str]], reason: str, message: str) -> None:
+        """Best effort after a failed commit: end the log with `incomplete` (never after a commit
+        record, in case the failure hid a commit that did happen)."""
+        rows = [*rows, _encode({"type": "incomplete", "reason": reason, "error": {"message": message}})]
+        try:
+            await self.store._insert(self.response_id, rows, 0, unless_committed=True)
+        except StorageError as exc:
+            log.error("could not mark %s incomplete: %s", self.response_id, exc.message)
+
+    async def abandon(self, reason: str, error: dict[str, Any] | None = None) -> None:
+        if self._closed:
+            return
+        self._closed = True
+        rows = [*self._rows, _encode({"type": "incomplete", "reason": reason, "error": error})]
+        try:
+            backend = await self.store._open_backend()
+            if self._created is not None:
+                await asyncio.wait([self._created])
+            await asyncio.shield(
+                backend.spawn(self.store._insert(self.response_id, rows, 0, unless_committed=True))
+            )
+        except StorageError as exc:
+            log.warning("could not mark %s incomplete: %s", self.response_id, exc.message)

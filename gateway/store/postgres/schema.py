@@ -1,0 +1,238 @@
+"""PostgreSQL: the schema and its migrations, the SQL the store runs, and error mapping."""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+from collections.abc import Iterator
+from contextlib import contextmanager
+from typing import Any, TypeVar
+from urllib.parse import urlsplit
+
+import asyncpg
+import orjson
+
+from gateway.exceptions import ConversationBusy, GatewayError, StorageError
+from gateway.store.base import Record
+
+log = logging.getLogger("gateway.store")
+
+T = TypeVar("T")
+
+SIDE_LOGS = frozenset({"summaries", "lifecycle", "users", "digests", "models"})
+POOL_SIZE = 10
+COMMAND_TIMEOUT = 60.0
+_MIGRATION_LOCK = 0x6761746577617901  # "gateway\x01": one migrating replica at a time
+_NOW = "extract(epoch FROM clock_timestamp())::float8"
+
+# Versioned migrations, applied in order at open() under an advisory lock; never edit one
+# that has shipped: add the next version.
+MIGRATIONS: list[tuple[int, str]] = [
+    (
+        1,
+        """
+        CREATE TABLE gateway_responses (
+            namespace   text    NOT NULL,
+            response_id text    NOT NULL,
+            seq         integer NOT NULL,
+            kind        text    NOT NULL,
+            record      json    NOT NULL,
+            PRIMARY KEY (namespace, response_id, seq)
+        );
+        CREATE SEQUENCE gateway_incarnations;
+        CREATE TABLE gateway_conversations (
+            namespace       text   NOT NULL,
+            conversation_id text   NOT NULL,
+            incarnation     bigint NOT NULL DEFAULT nextval('gateway_incarnations'),
+            last_seq        bigint NOT NULL,
+            updated_at      float8 NOT NULL,
+            PRIMARY KEY (namespace, conversation_id)
+        );
+        CREATE INDEX gateway_conversations_recent ON gateway_conversations (namespace, updated_at);
+        CREATE TABLE gateway_index (
+            namespace       text   NOT NULL,
+            conversation_id text   NOT NULL,
+            seq             bigint NOT NULL,
+            response_id     text,
+            marker          json,
+            at              float8 NOT NULL,
+            PRIMARY KEY (namespace, conversation_id, seq),
+            CHECK ((response_id IS NULL) <> (marker IS NULL))
+        );
+        CREATE TABLE gateway_side (
+            namespace text   NOT NULL,
+            kind      text   NOT NULL,
+            key       text   NOT NULL,
+            id        bigint GENERATED ALWAYS AS IDENTITY,
+            record    json   NOT NULL,
+            PRIMARY KEY (namespace, kind, key, id)
+        );
+        CREATE TABLE gateway_archive (
+            namespace   text   NOT NULL,
+            archive_id  text   NOT NULL,
+            path        text   NOT NULL,
+            content     text   NOT NULL,
+            archived_at float8 NOT NULL,
+            PRIMARY KEY (namespace, archive_id, path)
+        );
+        """,
+    ),
+    (
+        2,
+        # Deleting a conversation keeps the responses a fork still names: find them by id.
+        """
+        CREATE INDEX gateway_index_response ON gateway_index (namespace, response_id)
+            WHERE response_id IS NOT NULL;
+        """,
+    ),
+]
+SCHEMA_VERSION = MIGRATIONS[-1][0]
+
+_DB_ERRORS = (asyncpg.PostgresError, asyncpg.InterfaceError, OSError)
+
+
+def redact(dsn: str) -> str:
+    """The DSN without its password, for messages."""
+    try:
+        parts = urlsplit(dsn)
+        host = parts.hostname or "localhost"
+        port = f":{parts.port}" if parts.port else ""
+        user = f"{parts.username}@" if parts.username else ""
+        return f"{parts.scheme}://{user}{host}{port}{parts.path}"
+    except ValueError:
+        return "(unparsable dsn)"
+
+
+@contextmanager
+def map_errors(action: str) -> Iterator[None]:
+    """asyncpg and socket errors become StorageError (503): the one place they are translated."""
+    try:
+        yield
+    except GatewayError:
+        raise
+    except _DB_ERRORS as exc:
+        detail = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+        raise StorageError(f"{action}: {detail}") from exc
+
+
+_PROCESSOR_LOCK = int.from_bytes(
+    hashlib.blake2b(b"gateway\0lifecycle-processor", digest_size=8).digest(), "big", signed=True
+)
+
+
+def advisory_key(namespace: str, conversation_id: str) -> int:
+    digest = hashlib.blake2b(f"gateway\0{namespace}\0{conversation_id}".encode(), digest_size=8).digest()
+    return int.from_bytes(digest, "big", signed=True)
+
+
+async def migrate(conn: Any) -> int:
+    """Bring the schema up to SCHEMA_VERSION (idempotent, safe with replicas starting together)."""
+    async with conn.transaction():
+        await conn.execute("SELECT pg_advisory_xact_lock($1)", _MIGRATION_LOCK)
+        await conn.execute(
+            "CREATE TABLE IF NOT EXISTS gateway_schema (version integer PRIMARY KEY, "
+            "applied_at timestamptz NOT NULL DEFAULT now())"
+        )
+        current = int(await conn.fetchval("SELECT coalesce(max(version), 0) FROM gateway_schema"))
+        if current > SCHEMA_VERSION:
+            raise StorageError(
+                f"the database schema is at version {current}, newer than this gateway "
+                f"understands ({SCHEMA_VERSION}); upgrade the gateway"
+            )
+        for version, sql in MIGRATIONS:
+            if version > current:
+                await conn.execute(sql)
+                await conn.execute("INSERT INTO gateway_schema (version) VALUES ($1)", version)
+                log.info("applied storage migration %d", version)
+    return SCHEMA_VERSION
+
+
+# -- SQL -------------------------------------------------------------------------------------------
+
+_INSERT_RECORDS = """
+INSERT INTO gateway_responses (namespace, response_id, seq, kind, record)
+SELECT $1::text, $2::text, s, k, r::json FROM unnest($3::int[], $4::text[], $5::text[]) AS t(s, k, r)
+ON CONFLICT DO NOTHING
+"""
+# Only a response that has no commit record may be marked incomplete.
+_INSERT_UNLESS_COMMITTED = """
+INSERT INTO gateway_responses (namespace, response_id, seq, kind, record)
+SELECT $1::text, $2::text, s, k, r::json FROM unnest($3::int[], $4::text[], $5::text[]) AS t(s, k, r)
+WHERE NOT EXISTS (SELECT 1 FROM gateway_responses
+                  WHERE namespace = $1 AND response_id = $2 AND kind = 'commit')
+ON CONFLICT DO NOTHING
+"""
+# Appending an index entry: the conversation row hands out the next seq (and is where the tail
+# the turn was built on is checked); the entry takes it.
+_NEXT_SEQ = {
+    "any": f"""
+        INSERT INTO gateway_conversations AS c (namespace, conversation_id, last_seq, updated_at)
+        VALUES ($1, $2, 1, {_NOW})
+        ON CONFLICT (namespace, conversation_id)
+        DO UPDATE SET last_seq = c.last_seq + 1, updated_at = {_NOW}
+        RETURNING c.incarnation, c.last_seq, c.updated_at""",
+    "new": f"""
+        INSERT INTO gateway_conversations AS c (namespace, conversation_id, last_seq, updated_at)
+        VALUES ($1, $2, 1, {_NOW})
+        ON CONFLICT (namespace, conversation_id) DO NOTHING
+        RETURNING c.incarnation, c.last_seq, c.updated_at""",
+    "tail": f"""
+        UPDATE gateway_conversations AS c SET last_seq = c.last_seq + 1, updated_at = {_NOW}
+        WHERE c.namespace = $1 AND c.conversation_id = $2 AND c.incarnation = $5 AND c.last_seq = $6
+        RETURNING c.incarnation, c.last_seq, c.updated_at""",
+}
+_APPEND_ENTRY = """
+WITH c AS ({next_seq}),
+entry AS (
+    INSERT INTO gateway_index (namespace, conversation_id, seq, response_id, marker, at)
+    SELECT $1::text, $2::text, c.last_seq, $3::text, $4::json, c.updated_at FROM c
+)
+SELECT incarnation, last_seq FROM c
+"""
+_APPEND = {name: _APPEND_ENTRY.format(next_seq=sql) for name, sql in _NEXT_SEQ.items()}
+_LOAD = """
+SELECT c.incarnation, c.last_seq, i.seq, i.response_id, i.marker, r.record
+FROM gateway_conversations c
+LEFT JOIN gateway_index i
+       ON i.namespace = c.namespace AND i.conversation_id = c.conversation_id AND i.seq > $3
+LEFT JOIN gateway_responses r
+       ON r.namespace = i.namespace AND r.response_id = i.response_id AND r.kind <> 'context'
+WHERE c.namespace = $1 AND c.conversation_id = $2
+ORDER BY i.seq, r.seq
+"""
+_ARCHIVE = f"""
+INSERT INTO gateway_archive (namespace, archive_id, path, content, archived_at)
+SELECT $1::text, $3::text, 'conversation.jsonl',
+       string_agg(coalesce(response_id, marker::text), E'\\n' ORDER BY seq) || E'\\n', {_NOW}
+  FROM gateway_index WHERE namespace = $1 AND conversation_id = $2
+UNION ALL
+SELECT $1::text, $3::text, kind || '.jsonl', string_agg(record::text, E'\\n' ORDER BY id) || E'\\n', {_NOW}
+  FROM gateway_side WHERE namespace = $1 AND kind IN ('summaries', 'lifecycle') AND key = $2
+ GROUP BY kind
+UNION ALL
+SELECT $1::text, $3::text, 'responses/' || response_id || '.jsonl',
+       string_agg(record::text, E'\\n' ORDER BY seq) || E'\\n', {_NOW}
+  FROM gateway_responses
+ WHERE namespace = $1 AND response_id IN (SELECT response_id FROM gateway_index
+                                          WHERE namespace = $1 AND conversation_id = $2)
+ GROUP BY response_id
+"""
+
+
+class _Conflict(Exception):
+    """The conversation moved on since the turn loaded it (a lost lock, another writer)."""
+
+
+def _busy(conversation_id: str) -> ConversationBusy:
+    return ConversationBusy(
+        f"Conversation {conversation_id!r} changed while this request was being answered "
+        "(another replica wrote to it); retry"
+    )
+
+
+def _encode(record: Record) -> tuple[str, str]:
+    return str(record.get("type") or ""), orjson.dumps(record).decode()
+
+
+def _decode(text: str) -> Any:
+    return orjson.loads(text)

@@ -1,0 +1,374 @@
+"""The shared store for several gateway replicas: PostgreSQL through an asyncpg pool.
+
+Same contract as the JSONL store, in tables instead of files, one namespace per tenant:
+
+    gateway_responses      (namespace, response_id, seq)      kind, record   one row per record
+    gateway_conversations  (namespace, conversation_id)       incarnation, last_seq, updated_at
+    gateway_index          (namespace, conversation_id, seq)  response_id | marker
+    gateway_side           (namespace, kind, key, id)         record   summaries, lifecycle, users,
+                                                                       digests, models
+    gateway_archive        (namespace, archive_id, path)      content  deleted conversations, as files
+
+Records are `json`, not `jsonb`: json keeps the exact text (key order, `\\u0000`), so an export
+gives back byte for byte what JSONL wrote. A turn's records, its commit record and its index row
+are written in one transaction, so the index never names an incomplete response. Turns on one
+conversation are serialized across replicas by a session advisory lock held on one dedicated
+connection per process (released by PostgreSQL if the process dies), and every append checks
+the tail the turn was built on, so even a lost lock can never fork a history (409 instead).
+A reader gets the entries after a `Version` (incarnation, last seq): one query, one round trip.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections.abc import AsyncIterator, Awaitable, Callable
+from contextlib import asynccontextmanager
+from typing import Any, TypeVar
+
+import orjson
+
+from gateway.exceptions import ConversationBusy, NotFound, StorageError
+from gateway.ids import check_conversation_id, is_valid_conversation_id, is_valid_response_id
+from gateway.store.base import LRU, Appended, IndexEntry, IndexRead, Record, ResponseLog, Store, Version, now
+from gateway.store.postgres import branches, sides
+from gateway.store.postgres.backend import _Backend, _backend_for
+from gateway.store.postgres.log import _Hold, _PostgresLog, _SideCache
+from gateway.store.postgres.schema import (
+    _APPEND,
+    _INSERT_RECORDS,
+    _INSERT_UNLESS_COMMITTED,
+    _LOAD,
+    _PROCESSOR_LOCK,
+    COMMAND_TIMEOUT,
+    _busy,
+    _Conflict,
+    _decode,
+    _encode,
+    advisory_key,
+    map_errors,
+    redact,
+)
+
+log = logging.getLogger("gateway.store")
+T = TypeVar("T")
+
+
+class PostgresStore(Store):
+    """One tenant's conversations (its `namespace`; "" without auth) in a shared database."""
+
+    def __init__(
+        self,
+        dsn: str,
+        *,
+        namespace: str = "",
+        durability: str = "fsync",
+        cache_size: int = 1024,
+    ) -> None:
+        self.dsn = dsn
+        self.namespace = namespace
+        self.durability = durability
+        self.cache_size = cache_size
+        self._backend: _Backend | None = None
+        self._side: LRU[tuple[str, str], _SideCache] = LRU(4 * cache_size)
+        self._holds: dict[str, _Hold] = {}
+        self._times: list[tuple[str, float]] = []
+        # Test hook: called inside the commit transaction, after the records, before the index.
+        self.before_index_append: Callable[[str], None] | None = None
+
+    def __repr__(self) -> str:
+        return f"PostgresStore({redact(self.dsn)!r}, namespace={self.namespace!r})"
+
+    # -- connections ------------------------------------------------------------------------------
+    async def _open_backend(self) -> _Backend:
+        backend = self._backend
+        if backend is None or backend.loop is not asyncio.get_running_loop() or backend.pool is None:
+            # First use, or a new event loop (a CLI command may run several): connect anew.
+            self._backend = backend = await _backend_for(self.dsn, self.durability)
+        return backend
+
+    async def open(self) -> None:
+        await self._open_backend()
+
+    async def try_processor_lease(self) -> bool | None:
+        """One lifecycle processor per database: a session advisory lock on the lock
+        connection, held until this process exits (PostgreSQL frees it if the process dies)."""
+        backend = await self._open_backend()
+        if getattr(backend, "processor_lease", False):
+            return True
+        granted = await backend.try_lock(_PROCESSOR_LOCK)
+        backend.processor_lease = granted  # type: ignore[attr-defined]
+        return granted
+
+    async def close(self) -> None:
+        backend, self._backend = self._backend, None
+        if backend is not None and backend.loop is asyncio.get_running_loop():
+            await backend.release()
+
+    async def _fetch(self, action: str, sql: str, *args: Any) -> list[Any]:
+        backend = await self._open_backend()
+        with map_errors(action):
+            return list(await backend.pool.fetch(sql, *args))
+
+    async def _write(self, action: str, work: Callable[[Any], Awaitable[T]]) -> T:
+        """One transaction, run to its end even if the caller is cancelled (never leaving a pooled
+        connection mid-transaction)."""
+        backend = await self._open_backend()
+
+        async def run() -> T:
+            with map_errors(action):
+                async with backend.pool.acquire() as conn:
+                    async with conn.transaction():
+                        return await work(conn)
+
+        return await asyncio.shield(backend.spawn(run()))
+
+    async def _insert_rows(
+        self, conn: Any, sql: str, response_id: str, rows: list[tuple[str, str]], first_seq: int
+    ) -> None:
+        seqs = list(range(first_seq, first_seq + len(rows)))
+        await conn.execute(sql, self.namespace, response_id, seqs, [k for k, _ in rows], [r for _, r in rows])
+
+    async def _insert(
+        self, response_id: str, rows: list[tuple[str, str]], first_seq: int, *, unless_committed: bool = False
+    ) -> None:
+        backend = await self._open_backend()
+        sql = _INSERT_UNLESS_COMMITTED if unless_committed else _INSERT_RECORDS
+        with map_errors("could not write the response log"):
+            async with backend.pool.acquire() as conn:
+                await self._insert_rows(conn, sql, response_id, rows, first_seq)
+
+    async def _append_entry(
+        self,
+        conn: Any,
+        cid: str,
+        response_id: str | None,
+        marker: str | None,
+        expected: tuple[int | None, int] | None,
+    ) -> tuple[int, int]:
+        extra: list[int | None] = []
+        if expected is None:
+            sql = _APPEND["any"]
+        elif expected[0] is None:
+            sql = _APPEND["new"]
+        else:
+            sql, extra = _APPEND["tail"], list(expected)
+        row = await conn.fetchrow(sql, self.namespace, cid, response_id, marker, *extra)
+        if row is None:
+            raise _Conflict()
+        return int(row["incarnation"]), int(row["last_seq"])
+
+    # -- locking ------------------------------------------------------------------------------------
+    @asynccontextmanager
+    async def lock(self, conversation_id: str, timeout: float) -> AsyncIterator[None]:
+        """In this process, one asyncio.Lock per conversation (FIFO); across replicas, a session
+        advisory lock on the backend's lock connection, polled until `timeout`."""
+        check_conversation_id(conversation_id)
+        busy = ConversationBusy(f"Conversation {conversation_id!r} is busy with another request; retry later")
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + timeout
+        candidate = await self._open_backend()
+        key = advisory_key(self.namespace, conversation_id)
+        # Per backend, not per store: two stores of one tenant in a process share the session,
+        # and session advisory locks are reentrant, so only this lock keeps them apart.
+        lock = candidate.local_lock(key)
+        try:
+            async with asyncio.timeout(max(0.0, deadline - loop.time())):
+                await lock.acquire()
+        except TimeoutError:
+            raise busy from None
+        backend: _Backend | None = None
+        try:
+            delay = 0.001
+            while not await candidate.try_lock(key):
+                if loop.time() >= deadline:
+                    raise busy
+                await asyncio.sleep(min(delay, max(0.0, deadline - loop.time())))
+                delay = min(delay * 2, 0.025)
+            backend = candidate
+            self._holds[conversation_id] = _Hold(asyncio.current_task())
+            yield
+        finally:
+            self._holds.pop(conversation_id, None)
+            try:
+                if backend is not None:
+                    await asyncio.shield(backend.spawn(backend.unlock(key)))
+            finally:
+                lock.release()
+
+    def _note_load(self, cid: str, incarnation: int | None, seq: int) -> None:
+        hold = self._holds.get(cid)
+        if hold is not None and hold.task is asyncio.current_task():
+            hold.expected = (incarnation, seq)
+
+    def _expected(self, cid: str) -> tuple[int | None, int] | None:
+        hold = self._holds.get(cid)
+        return hold.expected if hold is not None else None
+
+    # -- reading ------------------------------------------------------------------------------------
+    async def read_conversation(self, conversation_id: str, after: Version | None = None) -> IndexRead:
+        """The entries after `after`, with their records, in one query (one round trip when
+        nothing changed)."""
+        check_conversation_id(conversation_id)
+        since = after.position if after is not None else 0
+        rows = await self._fetch(
+            "could not load the conversation", _LOAD, self.namespace, conversation_id, since
+        )
+        if not rows:
+            self._note_load(conversation_id, None, 0)
+            return IndexRead([], None, True)
+        incarnation, last_seq = int(rows[0]["incarnation"]), int(rows[0]["last_seq"])
+        if after is not None and (after.generation != incarnation or last_seq < after.position):
+            return await self.read_conversation(conversation_id, None)  # deleted and started anew since
+        entries: list[IndexEntry] = []
+        current = None
+        for row in rows:
+            if row["seq"] is None:
+                continue  # nothing new
+            if row["seq"] != current:
+                current = row["seq"]
+                marker = _decode(row["marker"]) if row["marker"] is not None else None
+                marker = marker if isinstance(marker, dict) else None
+                entries.append(IndexEntry(row["response_id"], marker, []))
+            if row["record"] is not None:
+                value = _decode(row["record"])
+                if isinstance(value, dict) and value.get("type") != "context":
+                    entries[-1].records.append(value)
+        self._note_load(conversation_id, incarnation, last_seq)
+        return IndexRead(entries, Version(incarnation, last_seq), after is None)
+
+    def _forget(self, conversation_id: str | None) -> None:
+        """Nothing is cached here (the services cache views); kept as the one place to drop
+        per-conversation state after a failed or foreign write."""
+
+    def start(self, response_id: str, request: Record) -> ResponseLog:
+        if not is_valid_response_id(response_id):
+            raise NotFound(f"No response {response_id!r}", param="response_id")
+        return _PostgresLog(self, response_id, request)
+
+    async def read_response(self, response_id: str) -> list[Record]:
+        if not is_valid_response_id(response_id):
+            raise NotFound(f"No response {response_id!r}", param="response_id")
+        rows = await self._fetch(
+            "could not read the response",
+            "SELECT record FROM gateway_responses WHERE namespace = $1 AND response_id = $2 ORDER BY seq",
+            self.namespace,
+            response_id,
+        )
+        if not rows:
+            raise NotFound(f"No response {response_id!r}", param="response_id")
+        return [r for r in (_decode(row["record"]) for row in rows) if isinstance(r, dict)]
+
+    async def read_index(self, conversation_id: str) -> list[str | Record]:
+        check_conversation_id(conversation_id)
+        rows = await self._fetch(
+            "could not read the conversation",
+            "SELECT response_id, marker FROM gateway_index "
+            "WHERE namespace = $1 AND conversation_id = $2 ORDER BY seq",
+            self.namespace,
+            conversation_id,
+        )
+        if not rows:
+            raise NotFound(f"No conversation {conversation_id!r}", param="conversation_id")
+        return [row["response_id"] if row["marker"] is None else _decode(row["marker"]) for row in rows]
+
+    async def exists(self, conversation_id: str) -> bool:
+        check_conversation_id(conversation_id)
+        rows = await self._fetch(
+            "could not read the conversation",
+            "SELECT 1 FROM gateway_conversations WHERE namespace = $1 AND conversation_id = $2",
+            self.namespace,
+            conversation_id,
+        )
+        return bool(rows)
+
+    # -- writing ------------------------------------------------------------------------------------
+    async def append_marker(self, conversation_id: str, marker: Record) -> Appended:
+        check_conversation_id(conversation_id)
+        text = orjson.dumps(marker).decode()
+        expected = self._expected(conversation_id)
+
+        async def work(conn: Any) -> tuple[int, int]:
+            return await self._append_entry(conn, conversation_id, None, text, expected)
+
+        try:
+            incarnation, seq = await self._write("could not record the change durably", work)
+        except _Conflict:
+            self._forget(conversation_id)
+            raise _busy(conversation_id) from None
+        except StorageError:
+            self._forget(conversation_id)
+            raise
+        hold = self._holds.get(conversation_id)
+        if hold is not None:
+            hold.expected = (incarnation, seq)
+        return Appended(Version(incarnation, seq - 1), Version(incarnation, seq))
+
+    async def delete_conversation(self, conversation_id: str, *, archive: bool = False) -> bool:
+        return await branches.delete_conversation(self, conversation_id, archive=archive)
+
+    async def fork(self, source: str, target: str, through: str) -> None:
+        await branches.fork(self, source, target, through)
+
+    async def tombstone(self, response_id: str) -> None:
+        if not is_valid_response_id(response_id):
+            raise NotFound(f"No response {response_id!r}", param="response_id")
+        kind, text = _encode({"type": "deleted", "at": now()})
+
+        async def work(conn: Any) -> Any:
+            return await conn.fetchval(
+                "INSERT INTO gateway_responses (namespace, response_id, seq, kind, record) "
+                "SELECT $1::text, $2::text, max(seq) + 1, $3::text, $4::json FROM gateway_responses "
+                "WHERE namespace = $1 AND response_id = $2 HAVING count(*) > 0 RETURNING seq",
+                self.namespace,
+                response_id,
+                kind,
+                text,
+            )
+
+        if await self._write("could not delete the response", work) is None:
+            raise NotFound(f"No response {response_id!r}", param="response_id")
+
+    # -- side logs ----------------------------------------------------------------------------------
+    async def append_side(self, kind: str, key: str, record: Record) -> None:
+        await sides.append_side(self, kind, key, record)
+
+    async def read_side(self, kind: str, key: str) -> list[Record]:
+        """Cached per process; each read fetches only rows after the last one seen."""
+        return await sides.read_side(self, kind, key)
+
+    # -- listing ------------------------------------------------------------------------------------
+    async def _index_times(self) -> list[tuple[str, float]]:
+        rows = await self._fetch(
+            "could not list conversations",
+            "SELECT conversation_id, updated_at FROM gateway_conversations WHERE namespace = $1",
+            self.namespace,
+        )
+        self._times = [(row["conversation_id"], float(row["updated_at"])) for row in rows]
+        return self._times
+
+    def index_times(self) -> list[tuple[str, float]]:
+        """Called from a worker thread (as the lifecycle processor does), it asks the database
+        through the store's event loop; on the loop itself it returns the last answer."""
+        backend = self._backend
+        try:
+            asyncio.get_running_loop()
+            on_loop = True
+        except RuntimeError:
+            on_loop = False
+        if backend is not None and not on_loop and backend.loop.is_running():
+            future = asyncio.run_coroutine_threadsafe(self._index_times(), backend.loop)
+            return list(future.result(timeout=COMMAND_TIMEOUT))
+        return list(self._times)
+
+    async def conversation_ids(self) -> list[tuple[str, float]]:
+        times = [(c, t) for c, t in await self._index_times() if is_valid_conversation_id(c)]
+        return sorted(times, key=lambda t: t[1], reverse=True)
+
+    async def namespaces(self) -> list[str]:
+        """Every tenant with conversations or side logs in this database ("" included)."""
+        rows = await self._fetch(
+            "could not list tenants",
+            "SELECT namespace FROM gateway_conversations UNION SELECT namespace FROM gateway_side",
+        )
+        return sorted(row["namespace"] for row in rows)
