@@ -15,8 +15,10 @@ from __future__ import annotations
 import asyncio
 import contextvars
 import fcntl
+import hashlib
 import logging
 import os
+import struct
 import weakref
 from collections.abc import AsyncIterator, Callable
 from contextlib import asynccontextmanager
@@ -51,6 +53,51 @@ _HELD: contextvars.ContextVar[frozenset[str]] = contextvars.ContextVar(
 # Context snapshots are the bulk of a response log and are not needed to rebuild history.
 
 
+_OFD_SETLK: int | None = getattr(fcntl, "F_OFD_SETLK", None)
+
+
+class _CrossProcessLock:
+    """One conversation's lock across worker processes (see `JsonlStore.lock`)."""
+
+    def __init__(self, store: JsonlStore, conversation_id: str) -> None:
+        self.acquired = False
+        self._file_fd = -1
+        if _OFD_SETLK is not None:
+            self._fd = store._range_fd()
+            digest = hashlib.blake2b(conversation_id.encode(), digest_size=8).digest()
+            self._offset = int.from_bytes(digest, "big") >> 2
+        else:
+            path = store.locks_dir / f"{conversation_id}.lock"
+            try:
+                self._fd = self._file_fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
+            except OSError as exc:
+                raise StorageError(
+                    f"Cannot open the lock of conversation {conversation_id!r}: {exc.strerror}"
+                ) from exc
+
+    def _range(self, kind: int) -> None:
+        assert _OFD_SETLK is not None
+        fcntl.fcntl(self._fd, _OFD_SETLK, struct.pack("hhqqi4x", kind, os.SEEK_SET, self._offset, 1, 0))
+
+    def try_acquire(self) -> bool:
+        try:
+            if _OFD_SETLK is not None:
+                self._range(fcntl.F_WRLCK)
+            else:
+                fcntl.flock(self._fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except (BlockingIOError, PermissionError):
+            return False
+        self.acquired = True
+        return True
+
+    def release(self) -> None:
+        if self._file_fd >= 0:
+            os.close(self._file_fd)  # releases the flock
+        elif self.acquired:
+            self._range(fcntl.F_UNLCK)
+        self.acquired = False
+
+
 class JsonlStore(Store):
     def __init__(
         self,
@@ -70,6 +117,7 @@ class JsonlStore(Store):
         self.cache_size = cache_size
         # Index sizes last seen: only to know whether an index file exists yet (no views here).
         self._sizes: LRU[str, int] = LRU(cache_size)
+        self._lock_fd = -1  # locks/conversations.lock, for this store's byte-range locks
         self._locks: weakref.WeakValueDictionary[str, asyncio.Lock] = weakref.WeakValueDictionary()
         # Test hook: called after the response is durable and before the index append.
         self.before_index_append: Callable[[str], None] | None = None
@@ -114,10 +162,11 @@ class JsonlStore(Store):
     # -- locking ----------------------------------------------------------------------------
     @asynccontextmanager
     async def lock(self, conversation_id: str, timeout: float) -> AsyncIterator[None]:
-        """In this process, one asyncio.Lock per conversation (FIFO). Across processes, an
-        flock() on the conversation's own lock file, `locks/{id}.lock`, held for the turn: an
-        unrelated conversation never waits for it. Lock files are never removed while the
-        gateway runs (removing one could give two processes two different "same" locks)."""
+        """In this process, one asyncio.Lock per conversation (FIFO). Across processes, a lock
+        of the conversation's own: one byte of `locks/conversations.lock`, at an offset hashed
+        from the id over 2^62 (a Linux open-file-description lock, kept by this store's file
+        descriptor), so an unrelated conversation never waits for it and no file is created per
+        conversation. Without such locks (not Linux), an flock() on `locks/{id}.lock`."""
         check_conversation_id(conversation_id)
         lock = self._locks.get(conversation_id)
         if lock is None:
@@ -131,41 +180,40 @@ class JsonlStore(Store):
                 await lock.acquire()
         except TimeoutError:
             raise busy from None
-        fd = -1
-        held = False
+        held: _CrossProcessLock | None = None
         try:
-            try:
-                fd = os.open(self.locks_dir / f"{conversation_id}.lock", os.O_RDWR | os.O_CREAT, 0o644)
-            except OSError as exc:
-                raise StorageError(
-                    f"Cannot open the lock of conversation {conversation_id!r}: {exc.strerror}"
-                ) from exc
+            held = _CrossProcessLock(self, conversation_id)
             delay = 0.0005
-            while True:
-                try:
-                    fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-                    break
-                except BlockingIOError:
-                    if loop.time() >= deadline:
-                        raise busy from None
-                    await asyncio.sleep(delay)
-                    delay = min(delay * 2, 0.02)
+            while not held.try_acquire():
+                if loop.time() >= deadline:
+                    raise busy from None
+                await asyncio.sleep(delay)
+                delay = min(delay * 2, 0.02)
             _HELD.set(_HELD.get() | {conversation_id})
-            held = True
             yield
         finally:
-            if held:  # not a token reset: locks may be released in any order
+            if held is not None and held.acquired:  # not a token reset: released in any order
                 _HELD.set(_HELD.get() - {conversation_id})
-            if fd >= 0:
-                os.close(fd)  # releases the flock
+            if held is not None:
+                held.release()
             lock.release()
+
+    def _range_fd(self) -> int:
+        if self._lock_fd < 0:
+            try:
+                self._lock_fd = os.open(self.locks_dir / "conversations.lock", os.O_RDWR | os.O_CREAT, 0o644)
+            except OSError as exc:
+                raise StorageError(f"Cannot open the conversation locks: {exc.strerror}") from exc
+        return self._lock_fd
 
     def holds_lock(self, conversation_id: str) -> bool:
         """Does the running task hold this conversation's lock? Only then may a read repair."""
         return conversation_id in _HELD.get()
 
     async def close(self) -> None:
-        """Nothing is held between requests."""
+        if self._lock_fd >= 0:
+            os.close(self._lock_fd)
+            self._lock_fd = -1
 
     # -- reading ----------------------------------------------------------------------------
     def _read_records(self, path: Path, *, skip_context: bool = False) -> list[Record]:
