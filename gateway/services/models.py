@@ -35,8 +35,11 @@ from gateway.upstream.base import ServerWindow
 DEFAULT_CONTEXT_WINDOW = 8192
 # A server that could not be asked is asked again after this long.
 REASK_AFTER = 300.0
-# Calibration is written to the store every this many new observations (and on a refusal).
+# Calibration is written to the store after this many new observations, at most once a
+# SAVE_INTERVAL (and at once after a refusal); refitted every REFIT_EVERY once it has learned.
 SAVE_EVERY = 8
+SAVE_INTERVAL = 60.0
+REFIT_EVERY = 8
 # Without numbers in a refusal, the window shrinks by this factor (down to MIN_LEARNED_WINDOW).
 SHRINK = 0.85
 MIN_LEARNED_WINDOW = 256
@@ -129,6 +132,9 @@ class _Entry:
     asking: asyncio.Task[ServerWindow | None] | None = None
     loaded: bool = False
     unsaved: int = 0
+    seen: int = 0
+    saved_at: float | None = None
+    urgent: bool = False
 
 
 class ModelFacts:
@@ -221,8 +227,18 @@ class ModelFacts:
             return
         entry.observations.append((ours, theirs))
         del entry.observations[:-MAX_OBSERVATIONS]
-        entry.calibration = fit(entry.observations, entry.prior)
         entry.unsaved += 1
+        entry.seen += 1
+        # Refitted at every prompt while it is learning, then every REFIT_EVERY prompts; a prompt
+        # the fit undercounts is refitted at once (it would widen the margin).
+        current = entry.calibration
+        if (
+            current is None
+            or entry.seen <= MAX_OBSERVATIONS
+            or entry.seen % REFIT_EVERY == 0
+            or theirs > current.provider_tokens(ours)
+        ):
+            entry.calibration = fit(entry.observations, entry.prior)
 
     def refused(self, route: Route, ours: int, refusal: Refusal, window: int) -> None:
         """The provider refused a prompt we counted as `ours` while planning with `window`."""
@@ -234,6 +250,7 @@ class ModelFacts:
             entry.learned, entry.learned_from = min(learned, window), "provider refusal"
         entry.server, entry.asked_at = None, None  # ask the server again
         entry.unsaved = max(entry.unsaved, SAVE_EVERY)
+        entry.urgent = True
 
     def truncated(self, route: Route, theirs: int) -> None:
         """The provider answered having seen only `theirs` tokens of a longer prompt (Ollama's
@@ -249,7 +266,9 @@ class ModelFacts:
         entry = self._entry(route)
         if entry.unsaved < SAVE_EVERY or not entry.observations:
             return
-        entry.unsaved = 0
+        if entry.saved_at is not None and self.clock() - entry.saved_at < SAVE_INTERVAL and not entry.urgent:
+            return  # a cache: at most one write a minute under load, unless a refusal taught us
+        entry.unsaved, entry.urgent, entry.saved_at = 0, False, self.clock()
         record = {
             "type": "calibration",
             "provider": route.provider,
