@@ -117,6 +117,8 @@ class ProviderSettings(_Section):
     # answer has reached the client (never after a stream started; 429 is passed through).
     retries: int = Field(1, ge=0, le=10)
     context_window: int | None = Field(None, gt=0)
+    # The largest answer read from the provider (a stream counts every byte); past it: 502.
+    max_response_bytes: int = Field(32_000_000, gt=0)
     # litellm only: the litellm provider prefix (defaults to the provider's own name).
     litellm_provider: str = ""
     headers: dict[str, str] = Field(default_factory=dict)

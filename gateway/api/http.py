@@ -69,9 +69,37 @@ async def read_json(request: Request, limit: int, *, allow_empty: bool = False) 
     if not data:
         raise InvalidRequest("The request body is empty; a JSON object is expected")
     try:
-        return orjson.loads(data)
+        value = orjson.loads(data)
     except orjson.JSONDecodeError as exc:
         raise InvalidRequest(f"The request body is not valid JSON: {exc}") from None
+    if json_depth(value, MAX_JSON_DEPTH) > MAX_JSON_DEPTH:
+        # Stored records wrap a message a few levels deeper, and the writer stops at 254.
+        raise InvalidRequest(f"The request body is nested more than {MAX_JSON_DEPTH} levels deep")
+    return value
+
+
+# JSON nesting accepted in a request: far below what the store's writer handles (254 levels,
+# and a stored record puts a message's content a few levels deeper than the request did).
+MAX_JSON_DEPTH = 64
+
+
+def json_depth(value: Any, limit: int) -> int:
+    """How deeply `value` nests arrays and objects (1 for a flat one); stops past `limit`."""
+    deepest = 0
+    stack: list[tuple[Any, int]] = [(value, 1)]
+    while stack:
+        node, depth = stack.pop()
+        if isinstance(node, dict):
+            children: Any = node.values()
+        elif isinstance(node, list):
+            children = node
+        else:
+            continue
+        deepest = max(deepest, depth)
+        if deepest > limit:
+            return deepest
+        stack.extend((child, depth + 1) for child in children if isinstance(child, dict | list))
+    return deepest
 
 
 async def _wait_disconnect(receive: Receive) -> None:

@@ -20,6 +20,8 @@ from gateway.ids import check_conversation_id
 GATEWAY_FIELDS = frozenset({"conversation_id", "session_id", "agent_id", "response_id", "user_timezone"})
 # Never forwarded: a client must not redirect the gateway or choose its credentials.
 FORBIDDEN_FIELDS = frozenset({"api_base", "base_url", "api_key", "api_version", "extra_headers"})
+# Larger than any model's window: a bigger max_tokens is a mistake, not a request.
+MAX_ANSWER_TOKENS = 10_000_000
 MESSAGE_ROLES = frozenset({"system", "developer", "user", "assistant", "tool", "function"})
 
 
@@ -111,6 +113,14 @@ class ChatRequest:
             if "is_feedback" in m and not isinstance(m["is_feedback"], bool):
                 raise InvalidRequest(
                     f"messages[{i}].is_feedback must be a boolean", param=f"messages[{i}].is_feedback"
+                )
+        for key in ("max_tokens", "max_completion_tokens"):
+            value = body.get(key)
+            if value is not None and (
+                isinstance(value, bool) or not isinstance(value, int) or not 1 <= value <= MAX_ANSWER_TOKENS
+            ):
+                raise InvalidRequest(
+                    f"'{key}' must be an integer between 1 and {MAX_ANSWER_TOKENS}", param=key
                 )
         stream = body.get("stream", False)
         if stream is None:

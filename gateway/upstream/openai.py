@@ -59,6 +59,8 @@ _RETRY_CAUSES: tuple[type[BaseException], ...] = (
 # Once every choice has its finish_reason, a provider that neither sends `[DONE]` nor ends the
 # body gets this long (5x while an asked-for usage chunk is due) before the answer is taken as done.
 TAIL_GRACE = 1.0
+# Of an error answer, only this much is read (it is quoted in the error message, cut to 500).
+_ERROR_BODY_BYTES = 65536
 
 
 def is_retryable(exc: BaseException) -> bool:
@@ -205,6 +207,7 @@ class OpenAIUpstream(Upstream):
             sock_read=settings.timeout or None,
         )
         self._endpoint = f"{self.url}/chat/completions"
+        self.max_response_bytes = settings.max_response_bytes
         self._session: aiohttp.ClientSession | None = None
         self.retries = settings.retries
 
@@ -235,9 +238,11 @@ class OpenAIUpstream(Upstream):
     async def _complete_once(self, data: bytes) -> Body:
         with map_upstream_errors(self.name, self.url):
             async with self._client().post(self._endpoint, data=data) as response:
-                content = await response.read()
                 status = response.status
                 headers = response.headers
+                # An error body is only quoted: its start is enough.
+                limit = self.max_response_bytes if status < 400 else _ERROR_BODY_BYTES
+                content = await self._read_limited(response, limit, truncate=status >= 400)
         if status >= 400:
             raise status_error(self.name, status, content, headers)
         try:
@@ -270,9 +275,10 @@ class OpenAIUpstream(Upstream):
         with map_upstream_errors(self.name, self.url):
             async with self._client().post(self._endpoint, data=data) as response:
                 if response.status >= 400:
-                    content = await response.read()
+                    content = await self._read_limited(response, _ERROR_BODY_BYTES, truncate=True)
                     raise status_error(self.name, response.status, content, response.headers)
                 buffer = b""
+                received_bytes = 0
                 unfinished: set[Any] = set()  # choice indexes still without a finish_reason
                 seen_usage = False
                 finished = False
@@ -288,6 +294,9 @@ class OpenAIUpstream(Upstream):
                             return  # a complete answer without `[DONE]`
                     else:
                         received = await response.content.readany()
+                    received_bytes += len(received)
+                    if received_bytes > self.max_response_bytes:
+                        raise self._too_large()
                     if not received:
                         ended = True
                         received = b"\n"  # a last event without its line end still counts
@@ -310,6 +319,30 @@ class OpenAIUpstream(Upstream):
                         if isinstance(chunk.get("usage"), dict):
                             seen_usage = True
                         yield chunk
+
+    def _too_large(self) -> UpstreamProtocolError:
+        return UpstreamProtocolError(
+            f"Provider {self.name!r} at {self.url} sent an answer larger than "
+            f"{self.max_response_bytes} bytes (providers.{self.name}.max_response_bytes)"
+        )
+
+    async def _read_limited(self, response: aiohttp.ClientResponse, limit: int, *, truncate: bool) -> bytes:
+        """The body, read at most `limit` bytes at a time past which it is refused (or, for
+        an error body that is only quoted, cut)."""
+        declared = response.content_length
+        if declared is not None and declared > limit and not truncate:
+            raise self._too_large()
+        parts: list[bytes] = []
+        size = 0
+        async for piece in response.content.iter_chunked(65536):
+            size += len(piece)
+            if size > limit:
+                if truncate:
+                    parts.append(piece[: len(piece) - (size - limit)])
+                    break
+                raise self._too_large()
+            parts.append(piece)
+        return b"".join(parts)
 
     def _decode(self, line: str, headers: Mapping[str, str]) -> Chunk | None | bool:
         """One SSE line -> a checked chunk, None (nothing to yield) or True (`[DONE]`)."""

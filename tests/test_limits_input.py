@@ -1,0 +1,176 @@
+"""Bounded input and output: JSON nesting at parse time, answer sizes while reading, and the
+answer budget a client may ask for. Each refusal is a clear 4xx/5xx in OpenAI's shape."""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
+from typing import Any
+
+import httpx
+import orjson
+import pytest
+from aiohttp import web
+
+from gateway.exceptions import UpstreamProtocolError
+from gateway.store.memory import MemoryStore
+from gateway.upstream.mock import MockUpstream
+from gateway.upstream.openai import OpenAIUpstream
+from tests.conftest import build_client, make_settings
+
+
+class Deep:
+    """`depth` levels of objects, written out by hand: JSON encoders stop before 1000 levels."""
+
+    def __init__(self, depth: int) -> None:
+        self.depth = depth
+
+    def text(self) -> str:
+        return '{"a":' * (self.depth - 1) + '"x"' + "}" * (self.depth - 1)
+
+
+def nested(depth: int) -> Deep:
+    return Deep(depth)
+
+
+def body(template: dict[str, Any], deep: Deep) -> bytes:
+    """`template` as JSON with its "DEEP" string replaced by the deep value."""
+    return orjson.dumps(template).replace(b'"DEEP"', deep.text().encode())
+
+
+@pytest.mark.parametrize("depth, status", [(60, 200), (65, 400), (300, 400), (1000, 400)])
+async def test_json_nested_deeper_than_64_levels_is_a_400_everywhere(depth: int, status: int) -> None:
+    store = MemoryStore()
+    async with build_client(make_settings(), store, MockUpstream()) as client:
+        # the body object, messages, the message, content and the part are 5 levels
+        part = {"type": "text", "text": "hi", "extra": "DEEP"}
+        chat = {"model": "mock/m", "messages": [{"role": "user", "content": [part]}], "conversation_id": "c"}
+        headers = {"content-type": "application/json"}
+        r = await client.post("/v1/chat/completions", content=body(chat, nested(depth - 4)), headers=headers)
+        assert r.status_code == status, r.text
+        conversation = {"metadata": {"k": "v"}, "deep": "DEEP"}
+        r2 = await client.post(
+            "/v1/conversations", content=body(conversation, nested(depth)), headers=headers
+        )
+        assert r2.status_code == (200 if depth <= 64 else 400)
+        if status == 200:  # what was stored can be read back
+            rid = r.json()["id"]
+            assert (await client.get(f"/v1/responses/{rid}")).status_code == 200
+            assert (await client.get("/ui/api/conversations/c")).status_code == 200
+    if status == 400:
+        assert r.json()["error"]["type"] == "invalid_request_error"
+        assert store.indexes.get("c") is None  # nothing stored
+
+
+@pytest.mark.parametrize("value", [-1, 0, "lots", 1.5, 1e40, True, 10**18])
+async def test_max_tokens_must_be_a_sensible_integer(value: Any) -> None:
+    upstream = MockUpstream()
+    async with build_client(make_settings(), MemoryStore(), upstream) as client:
+        for key in ("max_tokens", "max_completion_tokens"):
+            r = await client.post(
+                "/v1/chat/completions",
+                json={"model": "mock/m", "messages": [{"role": "user", "content": "hi"}], key: value},
+            )
+            assert r.status_code == 400 and r.json()["error"]["param"] == key
+        r = await client.post(
+            "/v1/chat/completions",
+            json={"model": "mock/m", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 16},
+        )
+        assert r.status_code == 200
+    assert len(upstream.requests) == 1  # the refused ones never reached the provider
+
+
+def _completion(text: str) -> dict[str, Any]:
+    return {
+        "id": "x",
+        "object": "chat.completion",
+        "created": 0,
+        "model": "m",
+        "choices": [{"index": 0, "message": {"role": "assistant", "content": text}, "finish_reason": "stop"}],
+    }
+
+
+@asynccontextmanager
+async def huge_provider(size: int) -> AsyncIterator[str]:
+    async def complete(request: web.Request) -> web.StreamResponse:
+        body = await request.json()
+        if not body.get("stream"):
+            return web.json_response(_completion("y" * size))
+        response = web.StreamResponse(headers={"content-type": "text/event-stream"})
+        await response.prepare(request)
+        piece = {
+            "id": "x",
+            "object": "chat.completion.chunk",
+            "choices": [{"index": 0, "delta": {"content": "y" * 4096}}],
+        }
+        line = b"data: " + orjson.dumps(piece) + b"\n\n"
+        for _ in range(size // len(line) + 1):
+            await response.write(line)
+        await response.write(b"data: [DONE]\n\n")
+        return response
+
+    app = web.Application()
+    app.router.add_post("/v1/chat/completions", complete)
+    runner = web.AppRunner(app)
+    await runner.setup()
+    site = web.TCPSite(runner, "127.0.0.1", 0)
+    await site.start()
+    try:
+        yield f"http://127.0.0.1:{runner.addresses[0][1]}/v1"
+    finally:
+        await runner.cleanup()
+
+
+async def test_a_provider_answer_over_max_response_bytes_is_refused_while_read() -> None:
+    async with huge_provider(3_000_000) as url:
+        settings = (
+            make_settings()
+            .providers["mock"]
+            .model_copy(update={"base_url": url, "max_response_bytes": 1_000_000, "retries": 0})
+        )
+        upstream = OpenAIUpstream("big", settings)
+        try:
+            with pytest.raises(UpstreamProtocolError, match="larger than 1000000 bytes"):
+                await upstream.complete({"model": "m", "messages": [{"role": "user", "content": "hi"}]})
+            received = 0
+            with pytest.raises(UpstreamProtocolError, match="max_response_bytes"):
+                async for chunk in upstream.stream(
+                    {"model": "m", "messages": [{"role": "user", "content": "hi"}], "stream": True}
+                ):
+                    received += len(chunk["choices"][0]["delta"]["content"])
+            assert 0 < received <= 1_000_000
+            # Within the limit: answered as usual.
+            small = upstream.max_response_bytes = 10_000_000
+            assert small and (await upstream.complete({"model": "m", "messages": []}))["choices"]
+        finally:
+            await upstream.aclose()
+
+
+async def test_a_too_large_answer_is_a_502_and_stores_nothing() -> None:
+    async with huge_provider(3_000_000) as url:
+        settings = make_settings().model_copy(
+            update={
+                "providers": {
+                    "mock": make_settings()
+                    .providers["mock"]
+                    .model_copy(update={"base_url": url, "max_response_bytes": 1_000_000, "retries": 0})
+                }
+            }
+        )
+        store = MemoryStore()
+        from gateway.app import create_app
+
+        app = create_app(settings, store=store)
+        transport = httpx.ASGITransport(app=app)
+        async with httpx.AsyncClient(transport=transport, base_url="http://g") as client:
+            r = await client.post(
+                "/v1/chat/completions",
+                json={
+                    "model": "mock/m",
+                    "messages": [{"role": "user", "content": "hi"}],
+                    "conversation_id": "c",
+                },
+            )
+        await app.state.services.aclose()
+        assert r.status_code == 502 and r.json()["error"]["code"] == "upstream_bad_response"
+        assert "c" not in store.indexes
