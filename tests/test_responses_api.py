@@ -217,3 +217,33 @@ def test_invalid_body_with_an_older_previous_response_makes_no_fork(
     )
     assert bad_item.status_code == 400
     assert sorted(p.name for p in indexes.iterdir()) == before
+
+
+async def test_responses_turns_get_the_log_line_and_metrics_chat_turns_get(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    import logging
+
+    from gateway.store.memory import MemoryStore
+    from gateway.upstream.mock import MockUpstream
+    from tests.conftest import build_client, make_settings
+
+    upstream = MockUpstream()
+    async with build_client(make_settings(), MemoryStore(), upstream) as client:
+        with caplog.at_level(logging.INFO, logger="gateway.access"):
+            for stream in (False, True):
+                r = await client.post(
+                    "/v1/responses", json={"model": "mock/m", "input": "hi", "stream": stream}
+                )
+                assert r.status_code == 200
+            bad = await client.post("/v1/responses", json={"model": "mock/m", "input": 3})
+            assert bad.status_code == 400
+        metrics = (await client.get("/metrics")).text
+    lines = [json.loads(r.getMessage()) for r in caplog.records if r.name == "gateway.access"]
+    assert [(line["event"], line["status"], line["outcome"]) for line in lines] == [
+        ("response", 200, "complete"),
+        ("response", 200, "complete"),
+        ("response", 400, "refused"),
+    ]
+    assert 'gateway_upstream_seconds_count{provider="mock"} 2.0' in metrics  # both turns counted
+    assert len(upstream.requests) == 2

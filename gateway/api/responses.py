@@ -9,6 +9,7 @@ ids are the gateway's minted ids, so chat-completions and Responses turns see ea
 
 from __future__ import annotations
 
+import asyncio
 import secrets
 import time
 from typing import Any
@@ -27,14 +28,16 @@ from gateway.api.http import (
     turn_outcome,
     until_disconnect,
 )
+from gateway.api.observe import log_line, refused
 from gateway.api.response_shapes import response_events, response_object
 from gateway.context import Message
 from gateway.context.items import items_to_messages, message_to_items
-from gateway.exceptions import InvalidRequest
+from gateway.exceptions import GatewayError, InvalidRequest
 from gateway.ids import check_conversation_id
 from gateway.services import Services
 from gateway.services.queries import first, latest
 from gateway.services.requests import ChatRequest
+from gateway.services.turn import PreparedTurn
 
 _PASSED = ("temperature", "top_p", "parallel_tool_calls", "user", "metadata", "service_tier", "seed")
 
@@ -137,16 +140,23 @@ async def create_response(request: Request) -> Response:
     services = services_of(request)
     service = services.turns
     tenant = tenant_of(request)
-    body = await read_json(request, services.settings.server.max_body_bytes)
-    if not isinstance(body, dict):
-        raise InvalidRequest("The request body must be a JSON object")
-    chat_body, params = _chat_body(body)
-    chat = ChatRequest.parse(chat_body)  # every validation error before a fork is made
-    cid, previous = await _conversation_for(services, tenant, body)
-    if cid is not None:
-        chat_body["conversation_id"] = chat.conversation_id = cid
-    chat.previous_response_id = previous
-    turn = await service.prepare(chat, tenant)
+    metrics = request.app.state.metrics
+    started = time.perf_counter()
+    body: Any = None
+    try:
+        body = await read_json(request, services.settings.server.max_body_bytes)
+        if not isinstance(body, dict):
+            raise InvalidRequest("The request body must be a JSON object")
+        chat_body, params = _chat_body(body)
+        chat = ChatRequest.parse(chat_body)  # every validation error before a fork is made
+        cid, previous = await _conversation_for(services, tenant, body)
+        if cid is not None:
+            chat_body["conversation_id"] = chat.conversation_id = cid
+        chat.previous_response_id = previous
+        turn = await service.prepare(chat, tenant)
+    except GatewayError as exc:
+        refused(request, body, exc, started, event="response")
+        raise
     cid = turn.conversation_id
     position = len(turn.new)
     common: dict[str, Any] = {
@@ -165,10 +175,12 @@ async def create_response(request: Request) -> Response:
             completion = await until_disconnect(service.complete(turn), request.receive)
         except BaseException as exc:
             await service.close(turn, turn_outcome(exc))
+            _log_failure(turn, exc)
             if isinstance(exc, ClientDisconnected):
                 return Response(status_code=499)
             raise
         await service.close(turn)
+        log_line(turn, 200, "complete", metrics, event="response")
         return JSONBody(
             response_object(
                 created=turn.created or time.time(),
@@ -183,14 +195,27 @@ async def create_response(request: Request) -> Response:
         chunks = await until_disconnect(service.open_chunks(turn), request.receive)
     except BaseException as exc:
         await service.close(turn, turn_outcome(exc))
+        _log_failure(turn, exc)
         if isinstance(exc, ClientDisconnected):
             return Response(status_code=499)
         raise
 
     async def on_close(exc: BaseException | None) -> None:
         await service.close(turn, None if exc is None else turn_outcome(exc))
+        complete = turn.timings is not None and exc is None
+        log_line(turn, 200, "complete" if complete else "incomplete", metrics, event="response")
 
     return SSEResponse(response_events(service, turn, chunks, common), headers=headers, on_close=on_close)
+
+
+def _log_failure(turn: PreparedTurn, exc: BaseException) -> None:
+    if isinstance(exc, ClientDisconnected):
+        log_line(turn, 499, "disconnected", event="response")
+    elif isinstance(exc, GatewayError):
+        log_line(turn, exc.status_code, "error", event="response")
+    else:
+        cancelled = isinstance(exc, asyncio.CancelledError)
+        log_line(turn, 499 if cancelled else 500, "cancelled" if cancelled else "error", event="response")
 
 
 async def get_response(request: Request) -> Response:
