@@ -508,3 +508,30 @@ def test_keep_first_keeps_the_first_message_ahead_of_the_marker_when_it_fits() -
 def test_calibration_defaults() -> None:
     assert Calibration().provider_tokens(100) == 100
     assert UNCALIBRATED.provider_tokens(100) > 140  # unknown tokenizer: room for 1.25x and a template
+
+
+async def test_v1_models_lists_what_each_provider_reports() -> None:
+    from gateway.app import create_app
+
+    async with serving("vllm") as base_url:
+        settings = make_settings().model_copy(
+            update={
+                "providers": {
+                    "mock": make_settings().providers["mock"].model_copy(update={"base_url": base_url}),
+                    "demo": make_settings().providers["mock"].model_copy(update={"kind": "demo"}),
+                },
+                "models": {"mock/configured": ModelSettings(context_window=4096)},
+            }
+        )
+        app = create_app(settings, store=MemoryStore())
+        transport = httpx.ASGITransport(app=app)
+        async with httpx.AsyncClient(transport=transport, base_url="http://g") as client:
+            listed = (await client.get("/v1/models")).json()
+        await app.state.services.aclose()
+    ids = {m["id"]: m["owned_by"] for m in listed["data"]}
+    assert ids == {
+        "mock/configured": "mock",
+        "demo": "gateway",
+        "mock/Qwen/Qwen2.5-1.5B-Instruct": "mock",
+        "mock/other": "mock",
+    }

@@ -4,7 +4,6 @@ handlers that render every failure in OpenAI's error shape."""
 from __future__ import annotations
 
 import logging
-from typing import Any
 
 import orjson
 from starlette.exceptions import HTTPException
@@ -13,22 +12,15 @@ from starlette.responses import Response
 
 from gateway.api.http import JSONBody, error_response, services_of
 from gateway.api.openapi import build_schema
-from gateway.config import Settings
 from gateway.exceptions import GatewayError, NotFound
 
 log = logging.getLogger("gateway")
 
 
 async def models(request: Request) -> Response:
-    settings: Settings = request.app.state.settings
     created = int(request.app.state.started)
-    data: list[dict[str, Any]] = []
-    for name in settings.models:
-        provider = name.partition("/")[0] if "/" in name else settings.default_provider
-        data.append({"id": name, "object": "model", "created": created, "owned_by": provider})
-    for name, provider_settings in settings.providers.items():
-        if provider_settings.kind == "demo":
-            data.append({"id": name, "object": "model", "created": created, "owned_by": "gateway"})
+    entries = await services_of(request).catalog.models()
+    data = [{"id": e.id, "object": "model", "created": created, "owned_by": e.owned_by} for e in entries]
     return JSONBody({"object": "list", "data": data})
 
 

@@ -10,6 +10,7 @@ from contextlib import asynccontextmanager
 from gateway.config import Settings
 from gateway.exceptions import GatewayError
 from gateway.services.cache import ConversationCache
+from gateway.services.catalog import Catalog
 from gateway.services.conversations import Conversations
 from gateway.services.models import ModelFacts
 from gateway.services.queries import Queries
@@ -39,6 +40,7 @@ class Services:
         self.conversations = Conversations(settings, stores, self.cache)
         self.responses = StoredResponses(settings, stores)
         self.queries = Queries(stores, self.cache)
+        self.catalog = Catalog(settings, router)
 
     @classmethod
     @asynccontextmanager

@@ -125,6 +125,10 @@ class Upstream(ABC):
     def stream(self, body: Body) -> AsyncIterator[Chunk]:
         """`chat.completion.chunk` objects, in order; ends when the provider is done."""
 
+    async def list_models(self) -> list[str]:
+        """The model names the provider itself lists (empty when it lists none)."""
+        return []
+
     async def describe(self, model: str) -> ServerWindow | None:
         """The runtime context window the server reports for `model`, if it reports one."""
         return None

@@ -101,3 +101,21 @@ async def describe_openai_compatible(
     if found:
         return ServerWindow(found, "Ollama POST /api/show", num_ctx_option=True)
     return None
+
+
+async def list_openai_models(session: aiohttp.ClientSession, base_url: str) -> list[str]:
+    """The ids of `GET {base_url}/models` (OpenAI, vLLM, llama.cpp, Ollama's /v1 all have it)."""
+    try:
+        async with session.get(
+            f"{base_url}/models", timeout=aiohttp.ClientTimeout(total=LIST_TIMEOUT)
+        ) as response:
+            if response.status != 200:
+                return []
+            listing = orjson.loads(await response.read())
+    except (aiohttp.ClientError, TimeoutError, orjson.JSONDecodeError, ValueError):
+        return []
+    data = listing.get("data") if isinstance(listing, dict) else None
+    return [m["id"] for m in data or () if isinstance(m, dict) and isinstance(m.get("id"), str)]
+
+
+LIST_TIMEOUT = 2.0

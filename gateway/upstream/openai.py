@@ -36,7 +36,7 @@ from gateway.upstream.base import (
     complete_with_retries,
     stream_with_retries,
 )
-from gateway.upstream.discovery import describe_openai_compatible
+from gateway.upstream.discovery import describe_openai_compatible, list_openai_models
 from gateway.upstream.refusal import parse_refusal
 
 log = logging.getLogger("gateway.upstream")
@@ -225,6 +225,9 @@ class OpenAIUpstream(Upstream):
     async def aclose(self) -> None:
         if self._session is not None and not self._session.closed:
             await self._session.close()
+
+    async def list_models(self) -> list[str]:
+        return await list_openai_models(self._client(), self.url)
 
     async def describe(self, model: str) -> ServerWindow | None:
         return await describe_openai_compatible(self._client(), self.url, model)
