@@ -5,6 +5,7 @@ No I/O and no async: every function takes plain lists of OpenAI message dicts.
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -89,6 +90,9 @@ class Turn:
     user: str | None = None
     recap: Message | None = None  # "Earlier today" system message injected when it started
     timezone: str | None = None
+    # The client's history diverged (an edit, a regenerate): history is cut back to its first
+    # `branch_at` messages before this turn's messages (the rest stays in the logs).
+    branch_at: int | None = None
 
     @property
     def is_feedback_only(self) -> bool:
@@ -140,6 +144,8 @@ class ConversationView:
     _keys: dict[str, list[bytes]] = field(default_factory=dict)
 
     def extend(self, turn: Turn) -> None:
+        if turn.branch_at is not None:
+            self.cut_history(turn.branch_at)
         if self.created_at is None and turn.created is not None:
             self.created_at = turn.created
         if turn.created is not None:
@@ -231,6 +237,37 @@ class ConversationView:
                     self.history_end[owner] = j + 1
                 return
 
+    def cut_history(self, keep: int) -> None:
+        """Keep only the first `keep` history messages (a branch: the client's version of the
+        conversation continues from there); the transcript becomes that history."""
+        keep = max(0, keep)
+        for column in (self.history, self.history_owner, self.history_pos, self.history_tokens):
+            del column[keep:]
+        self.history_end = {}
+        for j, owner in enumerate(self.history_owner):
+            self.history_end[owner] = j + 1
+        self.has_tools = any(m.get("role") == "tool" or "tool_calls" in m for m in self.history)
+        self.transcript = list(self.history)
+        self._keys = {}
+
+    def branched(self, keep: int) -> ConversationView:
+        """A copy cut back to its first `keep` history messages (this view is not changed)."""
+        copy = dataclasses.replace(
+            self,
+            history=list(self.history),
+            transcript=list(self.transcript),
+            response_ids=list(self.response_ids),
+            history_owner=list(self.history_owner),
+            history_tokens=list(self.history_tokens),
+            history_end=dict(self.history_end),
+            history_pos=list(self.history_pos),
+            deleted_items=set(self.deleted_items),
+            metadata=dict(self.metadata),
+            _keys={},
+        )
+        copy.cut_history(keep)
+        return copy
+
     def reset(self, *, keep_system_message: bool) -> None:
         if not keep_system_message:
             self.system = None
@@ -292,21 +329,50 @@ def _common_prefix(incoming: Sequence[Message], stored_keys: Sequence[bytes]) ->
     return i
 
 
-def new_messages(incoming: Sequence[Message], view: ConversationView) -> list[Message]:
-    """The part of a request (system prompt already split off) that is not yet stored.
+@dataclass(frozen=True, slots=True)
+class Reconciled:
+    """What a request adds to the stored conversation: its new messages, and where the
+    stored history is cut first when the client's version diverged from it (None: nowhere)."""
 
-    A full-history client resends what it heard, so a leading overlap with the stored
-    transcript (or history) is dropped; the last message is always new, so a one-message
-    request is never mistaken for an echo of the conversation's first message.
+    new: list[Message]
+    branch_at: int | None = None
+
+
+def reconcile(incoming: Sequence[Message], view: ConversationView) -> Reconciled:
+    """Match the request's messages (system prompt already split off) with the stored ones.
+
+    - starts with everything stored: the rest is new (a full-history client);
+    - starts with part of the stored history, then differs (an edited message, a regenerated
+      answer): the conversation branches where they differ and continues with the client's
+      messages; only when the request holds an assistant message before its last one (a client
+      that resends history resends answers; one that sends only new messages never does);
+    - starts with the stored history's last messages (a client that trims its history): the
+      overlap is dropped;
+    - else every message is new. The last message is always new.
     """
-    if len(incoming) <= 1 or not view.transcript:
-        return list(incoming)
-    overlap = max(
-        _common_prefix(incoming, view.keys("transcript")),
-        _common_prefix(incoming, view.keys("history")),
-    )
-    overlap = min(overlap, len(incoming) - 1)
-    return list(incoming[overlap:])
+    n = len(incoming)
+    if n <= 1 or not view.transcript:
+        return Reconciled(list(incoming))
+    transcript = view.keys("transcript")
+    common = _common_prefix(incoming, transcript)
+    if common >= len(transcript):  # all of it, feedback included
+        return Reconciled(list(incoming[min(common, n - 1) :]))
+    history = view.keys("history")
+    m = len(history)
+    shared = min(_common_prefix(incoming, history), n - 1)
+    if shared >= m:
+        return Reconciled(list(incoming[shared:]))
+    if shared > 0 and any(msg.get("role") == "assistant" for msg in incoming[: n - 1]):
+        return Reconciled(list(incoming[shared:]), branch_at=shared)
+    for k in range(min(n - 1, m), 0, -1):  # the longest overlap with the stored tail
+        if [message_key(msg) for msg in incoming[:k]] == history[m - k :]:
+            return Reconciled(list(incoming[k:]))
+    return Reconciled(list(incoming))
+
+
+def new_messages(incoming: Sequence[Message], view: ConversationView) -> list[Message]:
+    """The part of a request that is not yet stored (see `reconcile`; a branch aside)."""
+    return reconcile(incoming, view).new
 
 
 def repair_tool_calls(messages: Sequence[Message]) -> list[Message]:

@@ -45,4 +45,5 @@ def turn_from_records(records: list[Record]) -> Turn | None:
         else None,
         recap=request.get("recap") if isinstance(request.get("recap"), dict) else None,
         timezone=request.get("user_timezone") if isinstance(request.get("user_timezone"), str) else None,
+        branch_at=request.get("branch_at") if isinstance(request.get("branch_at"), int) else None,
     )

@@ -52,6 +52,7 @@ class PreparedTurn:
     replan: Callable[[], Awaitable[ContextPlan]] | None = None  # after a provider's refusal
     refits: int = 0
     tenant: str = ""
+    branch_at: int | None = None  # history cut back here first (the client's version diverged)
     view: ConversationView | None = None
 
     @property

@@ -25,7 +25,7 @@ from gateway.context import (
     Message,
     Turn,
     clean_message,
-    new_messages,
+    reconcile,
     split_system,
 )
 from gateway.context.lifecycle import user_key, zone
@@ -100,13 +100,17 @@ class ChatService:
                 await asyncio.shield(self.warm_up)  # never load a tokenizer on the event loop
             encoding, count = counter_for(request.model)
             plan: ContextPlan | None = None
+            branch_at: int | None = None
             if cid is None:
                 new = list(rest)
                 sent = [clean_message(m) for m in request.messages]
                 new_tokens: list[int] | None = None
                 system_tokens: list[int] | None = None
             else:
-                new = new_messages(rest, view)
+                reconciled = reconcile(rest, view)
+                new, branch_at = reconciled.new, reconciled.branch_at
+                if branch_at is not None:
+                    view = view.branched(branch_at)  # planned on the client's version
                 # + 1: the reply this turn would store
                 check_size(self.settings.storage.max_conversation_messages, cid, view, len(new) + 1)
                 new_tokens = await off_loop_if_large(
@@ -162,6 +166,8 @@ class ChatService:
             if recap is not None:
                 record["recap"] = recap
                 record["recap_conversations"] = recap_from
+            if branch_at is not None:
+                record["branch_at"] = branch_at  # the client's history diverged here
             if isinstance(request.body.get("user_timezone"), str):
                 record["user_timezone"] = request.body["user_timezone"]
             if new_tokens is not None:
@@ -195,6 +201,7 @@ class ChatService:
             turn.store = store
             turn.view = view
             turn.tenant = tenant
+            turn.branch_at = branch_at
             if plan is not None:
                 turn.replan = replan
             turn.created = record["created"]
@@ -235,6 +242,7 @@ class ChatService:
             timezone=turn.request.body.get("user_timezone")
             if isinstance(turn.request.body.get("user_timezone"), str)
             else None,
+            branch_at=turn.branch_at,
         )
         # Shielded: a client disconnect must never interrupt the write of an answered turn.
         turn.commit_task = asyncio.ensure_future(self._commit_and_note(turn, stored))

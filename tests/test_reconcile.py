@@ -1,0 +1,139 @@
+"""History reconciliation for clients that resend history (SPEC 5.1): prefix, trimmed overlap,
+and divergence (an edit, a regenerate) which branches the conversation. The property: over
+random sequences of such requests, what reaches the provider is exactly the list a careful
+stateless client would have sent itself."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from gateway.context import ConversationView, Turn, reconcile
+from gateway.store.memory import MemoryStore
+from gateway.upstream.mock import MockUpstream
+from tests.conftest import build_client, make_settings
+
+
+def u(text: str) -> dict[str, Any]:
+    return {"role": "user", "content": text}
+
+
+def a(text: str) -> dict[str, Any]:
+    return {"role": "assistant", "content": text}
+
+
+def view_of(*pairs: tuple[str, str]) -> ConversationView:
+    view = ConversationView()
+    for i, (q, r) in enumerate(pairs):
+        view.extend(Turn(f"r{i}", (u(q),), a(r)))
+    return view
+
+
+def test_the_rules_with_examples() -> None:
+    view = view_of(("q1", "a1"), ("q2", "a2"))
+    # only the new message
+    assert reconcile([u("q3")], view).new == [u("q3")]
+    # the whole history, then the new message
+    assert reconcile([u("q1"), a("a1"), u("q2"), a("a2"), u("q3")], view).new == [u("q3")]
+    # a trimmed history: the stored tail, then the new message
+    assert reconcile([u("q2"), a("a2"), u("q3")], view).new == [u("q3")]
+    assert reconcile([a("a2"), u("q3")], view).new == [u("q3")]
+    # an edit of the second question: a branch after the first answer
+    edited = reconcile([u("q1"), a("a1"), u("q2, better")], view)
+    assert edited.new == [u("q2, better")] and edited.branch_at == 2
+    # a regenerate of the last answer: the question again, after the same branch point
+    regenerated = reconcile([u("q1"), a("a1"), u("q2")], view)
+    assert regenerated.new == [u("q2")] and regenerated.branch_at == 2
+    # two new messages, the first equal to the conversation's first: not an edit (no answer shared)
+    assert reconcile([u("q1"), u("more")], view) == type(edited)([u("q1"), u("more")], None)
+
+
+def test_a_branch_cuts_the_view_where_the_client_diverged() -> None:
+    view = view_of(("q1", "a1"), ("q2", "a2"))
+    view.extend(Turn("r2", (u("q2, better"),), a("a2'"), branch_at=2))
+    assert view.history == [u("q1"), a("a1"), u("q2, better"), a("a2'")]
+    assert view.history_end == {"r0": 2, "r2": 4} and view.turns == 3
+    copy = view.branched(2)
+    assert copy.history == [u("q1"), a("a1")] and len(view.history) == 4  # the original is untouched
+
+
+ACTIONS = st.lists(
+    st.tuples(st.sampled_from(["full", "new", "trim", "edit", "regenerate"]), st.integers(0, 1000)),
+    min_size=1,
+    max_size=12,
+)
+
+
+@settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(actions=ACTIONS)
+async def test_what_reaches_the_provider_is_what_a_careful_client_would_send(
+    actions: list[tuple[str, int]],
+) -> None:
+    counter = iter(range(10_000))
+
+    def reply(body: dict[str, Any]) -> str:
+        return f"answer {next(counter)}"
+
+    upstream = MockUpstream(reply)
+    store = MemoryStore()
+    history: list[dict[str, Any]] = []  # the careful client's own copy of the conversation
+    async with build_client(make_settings(), store, upstream) as client:
+        for step, (action, pick) in enumerate(actions):
+            question = u(f"question {step}")
+            users = [i for i, m in enumerate(history) if m["role"] == "user" and i >= 2]
+            if action == "new" or not history:
+                sent, history = [question], [*history, question]
+            elif action == "full":
+                history = [*history, question]
+                sent = history
+            elif action == "trim":
+                k = 1 + pick % len(history)
+                history = [*history, question]
+                sent = history[-(k + 1) :]
+            elif action == "edit" and users:
+                j = users[pick % len(users)]
+                history = [*history[:j], u(f"edited {step}")]
+                sent = history
+            elif action == "regenerate" and len(history) >= 4:
+                history = history[:-1]
+                sent = history
+            else:
+                history = [*history, question]
+                sent = history
+            r = await client.post(
+                "/v1/chat/completions", json={"model": "mock/m", "messages": sent, "conversation_id": "c"}
+            )
+            assert r.status_code == 200, r.text
+            assert upstream.requests[-1]["messages"] == history, (action, sent)
+            history = [*history, r.json()["choices"][0]["message"]]
+
+
+async def test_an_edited_branch_stays_readable_but_never_reaches_the_model_again() -> None:
+    upstream = MockUpstream(lambda body: f"answer to {body['messages'][-1]['content']}")
+    store = MemoryStore()
+    async with build_client(make_settings(), store, upstream) as client:
+
+        async def say(messages: list[dict[str, Any]]) -> dict[str, Any]:
+            r = await client.post(
+                "/v1/chat/completions", json={"model": "mock/m", "messages": messages, "conversation_id": "c"}
+            )
+            assert r.status_code == 200, r.text
+            return dict(r.json()["choices"][0]["message"])
+
+        a1 = await say([u("my secret is Falcon")])
+        a2 = await say([u("my secret is Falcon"), a1, u("what is my secret?")])
+        assert a2["content"] == "answer to what is my secret?"
+        await say([u("never mind"), u("let us talk about tea")])  # not a branch: only new messages
+        edited = [u("my secret is Falcon"), a1, u("tell me a joke")]
+        await say(edited)
+        await say([*edited, a("ok"), u("and another")])
+        sent = upstream.requests[-1]["messages"]
+        assert u("what is my secret?") not in sent and u("tell me a joke") in sent
+        items = (await client.get("/v1/conversations/c/items?order=asc")).json()["data"]
+        ui = (await client.get("/ui/api/conversations/c")).json()
+    texts = [c["text"] for item in items for c in item["content"]]
+    assert "what is my secret?" not in texts  # the conversation is the client's version now
+    logged = [m["content"] for t in ui["turns"] for m in t["input"]]
+    assert "what is my secret?" in logged  # the abandoned branch is still in the logs
