@@ -174,3 +174,32 @@ async def test_a_too_large_answer_is_a_502_and_stores_nothing() -> None:
         await app.state.services.aclose()
         assert r.status_code == 502 and r.json()["error"]["code"] == "upstream_bad_response"
         assert "c" not in store.indexes
+
+
+async def test_readyz_follows_the_stores_write_health_and_recovers(
+    tmp_path: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    import shutil
+
+    from gateway import services as services_module
+    from gateway.app import create_app
+    from gateway.store.jsonl import JsonlStore
+
+    monkeypatch.setattr(services_module, "PROBE_EVERY", 0.0)
+    store = JsonlStore(tmp_path / "var")
+    await store.open()
+    app = create_app(make_settings(tmp_path), store=store, router=None)
+    app.state.ready = True
+    transport = httpx.ASGITransport(app=app)
+    async with httpx.AsyncClient(transport=transport, base_url="http://g") as client:
+        assert (await client.get("/readyz")).status_code == 200
+        locks = tmp_path / "var" / "locks"
+        shutil.rmtree(locks)
+        locks.write_text("not a folder")  # the data dir can no longer be written there
+        r = await client.get("/readyz")
+        assert r.status_code == 503 and r.json()["status"] == "storage_unavailable"
+        assert "cannot be written" in r.json()["reason"]
+        locks.unlink()
+        locks.mkdir()
+        assert (await client.get("/readyz")).status_code == 200  # recovered by itself
+    await app.state.services.aclose()

@@ -38,9 +38,9 @@ async def healthz(request: Request) -> Response:
 async def readyz(request: Request) -> Response:
     if not getattr(request.app.state, "ready", False):
         return JSONBody({"status": "starting"}, status_code=503)
-    reason = services_of(request).refusing_writes()
+    reason = await services_of(request).readiness()
     if reason is not None:
-        # Out of the load balancer: this process acknowledges no writes until restarted.
+        # Out of the load balancer while the store cannot take writes.
         return JSONBody({"status": "storage_unavailable", "reason": reason}, status_code=503)
     return JSONBody({"status": "ready"})
 

@@ -4,6 +4,8 @@ from here. One `Services` per app (or per command), created from the settings.""
 
 from __future__ import annotations
 
+import asyncio
+import time
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 
@@ -23,6 +25,10 @@ from gateway.upstream import Router
 
 __all__ = ["Services", "StoreBackend"]
 
+# /readyz probes the store at most this often, and waits at most this long for it.
+PROBE_EVERY = 2.0
+PROBE_TIMEOUT = 2.0
+
 # The store seam's type, for the composition root and tests that hand in a twin.
 StoreBackend = Store
 
@@ -41,6 +47,8 @@ class Services:
         self.responses = StoredResponses(settings, stores)
         self.queries = Queries(stores, self.cache)
         self.catalog = Catalog(settings, router)
+        self._probed_at: float | None = None
+        self._probe_failure: str | None = None
 
     @classmethod
     @asynccontextmanager
@@ -90,6 +98,25 @@ class Services:
     def refusing_writes(self) -> str | None:
         """Why some store acknowledges no more writes, or None."""
         return self.stores.refusing_writes()
+
+    async def readiness(self) -> str | None:
+        """Why this process should get no traffic now, or None: a store that refuses writes
+        (a failed fsync: until restarted), else the outcome of a write probe made at most every
+        PROBE_EVERY seconds, so a full, read-only or unreachable store takes the replica out
+        of the load balancer and a recovered one brings it back."""
+        sticky = self.refusing_writes()
+        if sticky is not None:
+            return sticky
+        now = time.monotonic()
+        if self._probed_at is None or now - self._probed_at >= PROBE_EVERY:
+            self._probed_at = now
+            try:
+                async with asyncio.timeout(PROBE_TIMEOUT):
+                    await (await self.stores.get("")).probe()
+                self._probe_failure = None
+            except (GatewayError, TimeoutError) as exc:
+                self._probe_failure = getattr(exc, "message", None) or "the storage probe timed out"
+        return self._probe_failure
 
     async def open(self) -> None:
         await self.stores.get("")

@@ -124,6 +124,9 @@ class Store(ABC):
     async def open(self) -> None:  # noqa: B027 - optional hook
         """Prepare the backend (create folders, connect)."""
 
+    async def probe(self) -> None:  # noqa: B027 - optional hook
+        """A cheap real write (or round trip); raises StorageError when it cannot be done."""
+
     async def close(self) -> None:  # noqa: B027 - optional hook
         """Release resources."""
 

@@ -210,6 +210,26 @@ class JsonlStore(Store):
         """Does the running task hold this conversation's lock? Only then may a read repair."""
         return conversation_id in _HELD.get()
 
+    async def probe(self) -> None:
+        """Create, write, sync and remove a small file in the data dir (a full or read-only
+        disk, or a vanished folder, fails here before a turn does)."""
+        path = self.locks_dir / f".probe-{os.getpid()}"
+
+        def write() -> None:
+            fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+            try:
+                write_all(fd, b"probe\n")
+                if self.fsync:
+                    os.fdatasync(fd)
+            finally:
+                os.close(fd)
+            os.unlink(path)
+
+        try:
+            await asyncio.to_thread(write)
+        except OSError as exc:
+            raise StorageError(f"the data dir cannot be written: {exc.strerror or exc}") from exc
+
     async def close(self) -> None:
         if self._lock_fd >= 0:
             os.close(self._lock_fd)

@@ -90,6 +90,10 @@ class PostgresStore(Store):
     async def open(self) -> None:
         await self._open_backend()
 
+    async def probe(self) -> None:
+        """One round trip to the database (StorageError when it is down)."""
+        await self._fetch("cannot reach the database", "SELECT 1")
+
     async def try_processor_lease(self) -> bool | None:
         """One lifecycle processor per database: a session advisory lock on the lock
         connection, held until this process exits (PostgreSQL frees it if the process dies)."""
