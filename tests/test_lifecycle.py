@@ -21,6 +21,7 @@ from gateway.upstream import Router
 from gateway.upstream.mock import MockUpstream
 from tests.conftest import GatewayProcess, make_settings, write_config
 from tests.mockserver import MockServer
+from tests.views import load
 
 
 class Clock:
@@ -167,6 +168,17 @@ async def test_expiry_archives_and_next_request_starts_fresh(tmp_path: Path) -> 
     assert not await store.exists("c4")
     assert list((tmp_path / "var" / "archive").iterdir())
     assert await say(client, "c4", "what is my name?") == "I don't know your name yet."
+    await client.aclose()
+
+
+async def test_expiry_is_checked_when_the_conversation_is_used_not_only_by_the_pass(tmp_path: Path) -> None:
+    app, store, clock, _, client = await make(tmp_path, ttl=3600.0)
+    await say(client, "c5", "my name is Di")
+    assert await say(client, "c5", "what is my name?") == "Your name is Di."
+    clock.offset = 3601  # no processor pass runs
+    assert await say(client, "c5", "what is my name?") == "I don't know your name yet."
+    assert list((tmp_path / "var" / "archive").iterdir())  # the old one was archived
+    assert len((await load(store, "c5")).history) == 2  # the fresh conversation's one turn
     await client.aclose()
 
 

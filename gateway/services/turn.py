@@ -5,6 +5,7 @@ conversation's lock (and forking for `previous_response_id`), settling a commit,
 from __future__ import annotations
 
 import asyncio
+import logging
 import secrets
 import time
 from collections.abc import Awaitable, Callable
@@ -12,12 +13,18 @@ from contextlib import AsyncExitStack
 from dataclasses import dataclass, field
 from typing import Any
 
+import orjson
+
 from gateway.context import ConversationView, Message
-from gateway.exceptions import NotFound
+from gateway.exceptions import ContextLengthExceeded, NotFound, UpstreamStatusError
+from gateway.services.cache import ConversationCache
+from gateway.services.models import ModelFacts
 from gateway.services.planning import ContextPlan
 from gateway.services.requests import ChatRequest
 from gateway.store.base import ResponseLog, Store
 from gateway.upstream import Route
+
+log = logging.getLogger("gateway.services")
 
 
 @dataclass(slots=True)
@@ -75,9 +82,7 @@ async def settle(task: asyncio.Future[None]) -> None:
         raise asyncio.CancelledError()
 
 
-async def lock_conversation(
-    request: ChatRequest, store: Store, stack: AsyncExitStack, timeout: float
-) -> str:
+async def lock_conversation(request: ChatRequest, store: Store, stack: AsyncExitStack, timeout: float) -> str:
     """Lock the request's conversation (held until the turn closes) and return its id. With
     `previous_response_id`: when that response is no longer the newest, the turn moves to a
     fork made at it; decided under the lock, so a turn landing meanwhile cannot slip in."""
@@ -123,3 +128,62 @@ def response_record(
     turn.timings = record["timings"]
     turn.usage = usage if isinstance(usage, dict) else None
     return record
+
+
+def expired(view: ConversationView, ttl: float, now: float) -> bool:
+    """`sessions.ttl`: has the conversation been idle longer than that (0: never expires)?"""
+    return ttl > 0 and view.last_activity is not None and view.turns > 0 and now - view.last_activity > ttl
+
+
+async def archive_expired(store: Store, cache: ConversationCache, cid: str) -> ConversationView:
+    """Archive an expired conversation when it is next used (under its lock: not only the
+    background pass does it); the request then starts it afresh."""
+    await store.delete_conversation(cid, archive=True)
+    cache.forget(store, cid)
+    log.info(orjson.dumps({"event": "conversation_expired", "conversation_id": cid}).decode())
+    return ConversationView()
+
+
+async def refit(
+    turn: PreparedTurn, exc: UpstreamStatusError, facts: ModelFacts, on_refusal: Callable[[str], None]
+) -> None:
+    """The provider refused the prompt as too long: learn what it said, plan the window
+    again and let the caller retry once; else a 400 context_length_exceeded."""
+    refusal = exc.refusal
+    assert refusal is not None
+    plan = turn.plan
+    window = plan.context_window if plan is not None else (refusal.window or 0)
+    ours = plan.window.total_tokens if plan is not None else 0
+    facts.refused(turn.route, ours, refusal, window)
+    log.warning(
+        orjson.dumps(
+            {
+                "event": "context_refused",
+                "response_id": turn.response_id,
+                "conversation_id": turn.conversation_id,
+                "provider": turn.route.provider,
+                "planned_window": window,
+                "our_count": ours,
+                "provider_window": refusal.window,
+                "provider_count": refusal.prompt_tokens,
+                "retry": turn.replan is not None and turn.refits == 0,
+            }
+        ).decode()
+    )
+    if turn.replan is None or turn.refits > 0 or turn.view is None:
+        on_refusal("refused")
+        raise ContextLengthExceeded(
+            f"The provider refused the prompt as too long for the model's context window: {exc.message}",
+            param="messages",
+        ) from exc
+    turn.refits += 1
+    on_refusal("retried")
+    plan = await turn.replan()  # ContextLengthExceeded if the request alone cannot fit
+    turn.plan = plan
+    turn.upstream_body["messages"] = plan.window.messages
+    options = turn.upstream_body.get("options")
+    if plan.facts is not None and plan.facts.num_ctx_option and isinstance(options, dict):
+        options["num_ctx"] = plan.facts.tokens
+    snapshot = plan.snapshot(turn.view, len(turn.new), plan.window.messages)
+    snapshot["after_refusal"] = {"message": refusal.message[:500], "window": refusal.window}
+    turn.log.append(snapshot)

@@ -17,8 +17,6 @@ from collections.abc import AsyncIterator, Callable
 from contextlib import AsyncExitStack
 from typing import Any
 
-import orjson
-
 from gateway.config import Settings
 from gateway.context import (
     ConversationView,
@@ -30,7 +28,6 @@ from gateway.context import (
 )
 from gateway.context.lifecycle import user_key, zone
 from gateway.exceptions import (
-    ContextLengthExceeded,
     GatewayError,
     InvalidRequest,
     UpstreamProtocolError,
@@ -42,7 +39,15 @@ from gateway.services.models import ModelFacts
 from gateway.services.planning import ContextPlan, Planner, off_loop_if_large
 from gateway.services.requests import FORBIDDEN_FIELDS, GATEWAY_FIELDS, ChatRequest, check_size
 from gateway.services.stream import StreamAccumulator, output_message
-from gateway.services.turn import PreparedTurn, lock_conversation, response_record, settle
+from gateway.services.turn import (
+    PreparedTurn,
+    archive_expired,
+    expired,
+    lock_conversation,
+    refit,
+    response_record,
+    settle,
+)
 from gateway.store import StoreRegistry
 from gateway.tokens import counter_for
 from gateway.upstream import Router
@@ -89,6 +94,9 @@ class ChatService:
             if cid is not None:
                 cid = await lock_conversation(request, store, stack, self.settings.storage.lock_timeout)
                 view = await self.cache.load(store, cid)
+                ttl, now = self.settings.sessions.ttl, self.clock()
+                if expired(view, ttl, now):
+                    view = await archive_expired(store, self.cache, cid)
             system_in, rest = split_system(request.messages)
             recap: Message | None = None
             recap_from: list[str] = []
@@ -288,48 +296,6 @@ class ChatService:
             self.schedule_summary(turn.tenant, turn.conversation_id, plan.summary_target, turn.request.model)
 
     # -- non-streaming ------------------------------------------------------------------------
-    async def _refit(self, turn: PreparedTurn, exc: UpstreamStatusError) -> None:
-        """The provider refused the prompt as too long: learn what it said, plan the window
-        again and let the caller retry once; else a 400 context_length_exceeded."""
-        refusal = exc.refusal
-        assert refusal is not None
-        plan = turn.plan
-        window = plan.context_window if plan is not None else (refusal.window or 0)
-        ours = plan.window.total_tokens if plan is not None else 0
-        self.facts.refused(turn.route, ours, refusal, window)
-        log.warning(
-            orjson.dumps(
-                {
-                    "event": "context_refused",
-                    "response_id": turn.response_id,
-                    "conversation_id": turn.conversation_id,
-                    "provider": turn.route.provider,
-                    "planned_window": window,
-                    "our_count": ours,
-                    "provider_window": refusal.window,
-                    "provider_count": refusal.prompt_tokens,
-                    "retry": turn.replan is not None and turn.refits == 0,
-                }
-            ).decode()
-        )
-        if turn.replan is None or turn.refits > 0 or turn.view is None:
-            self.on_context_refusal("refused")
-            raise ContextLengthExceeded(
-                f"The provider refused the prompt as too long for the model's context window: {exc.message}",
-                param="messages",
-            ) from exc
-        turn.refits += 1
-        self.on_context_refusal("retried")
-        plan = await turn.replan()  # ContextLengthExceeded if the request alone cannot fit
-        turn.plan = plan
-        turn.upstream_body["messages"] = plan.window.messages
-        options = turn.upstream_body.get("options")
-        if plan.facts is not None and plan.facts.num_ctx_option and isinstance(options, dict):
-            options["num_ctx"] = plan.facts.tokens
-        snapshot = plan.snapshot(turn.view, len(turn.new), plan.window.messages)
-        snapshot["after_refusal"] = {"message": refusal.message[:500], "window": refusal.window}
-        turn.log.append(snapshot)
-
     async def complete(self, turn: PreparedTurn) -> dict[str, Any]:
         turn.upstream_started = time.perf_counter()
         while True:
@@ -339,7 +305,7 @@ class ChatService:
             except UpstreamStatusError as exc:
                 if exc.refusal is None:
                     raise
-                await self._refit(turn, exc)
+                await refit(turn, exc, self.facts, self.on_context_refusal)
         choices = completion.get("choices")
         if not choices or not isinstance(choices[0], dict):
             raise UpstreamProtocolError(f"Provider {turn.route.provider!r} returned no choices")
@@ -372,7 +338,7 @@ class ChatService:
             except UpstreamStatusError as exc:
                 if exc.refusal is None:
                     raise
-                await self._refit(turn, exc)
+                await refit(turn, exc, self.facts, self.on_context_refusal)
         return self._chunks(turn, chunks, first)
 
     async def _chunks(
