@@ -107,7 +107,14 @@ def test_tail_follows_new_turns(gateway: GatewayProcess, upstream: MockServer) -
             env={**os.environ, "PYTHONUNBUFFERED": "1"},
         )
         try:
-            time.sleep(1.0)
+            # Following, not a one-off dump: tail is up (its header printed, polling an index
+            # that does not exist yet) before the first turn is made.
+            deadline = time.monotonic() + 15
+            while time.monotonic() < deadline and "following" not in out_path.read_text():
+                time.sleep(0.05)
+            time.sleep(0.3)  # a few polls of the missing index
+            assert "following" in out_path.read_text() and "Cli" not in out_path.read_text()
+            assert proc.poll() is None
             _seed(gateway)
             deadline = time.monotonic() + 15
             while time.monotonic() < deadline and "Your name is Cli." not in out_path.read_text():

@@ -164,3 +164,5 @@ def test_kill_9_under_load_loses_nothing(tmp_path: Path, fault_server: FaultServ
     finally:
         fault_server.reset()
     print(f"crash harness: {context}, {kills_mid_request} kills with a provider call in flight")
+    # The harness claims kills land during provider calls: some must have (about half do).
+    assert kills_mid_request >= max(1, ROUNDS // 10), (kills_mid_request, context)

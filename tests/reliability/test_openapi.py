@@ -23,6 +23,7 @@ from schemathesis.specs.openapi.checks import (
 )
 
 from gateway.api.openapi import build_schema
+from gateway.ids import is_valid_response_id
 from tests.conftest import GatewayProcess
 
 pytestmark = pytest.mark.e2e
@@ -113,12 +114,31 @@ def test_schema_valid_turns_complete_and_continue(path: str, gateway: GatewayPro
 
 
 def test_the_data_dir_holds_only_valid_files(gateway: GatewayProcess) -> None:
-    """After the fuzzing (module order), every stored file is valid JSONL inside data_dir."""
+    """After the fuzzing (or, run alone, after turns of its own), every stored file is inside
+    data_dir and valid: JSON records, and index lines that are response ids or JSON markers."""
     root = Path(gateway.data_dir).resolve()
+    for n in range(20):  # whatever ran before: at least these turns are stored
+        r = httpx.post(
+            f"{gateway.url}/v1/chat/completions",
+            json={
+                "model": "demo",
+                "conversation_id": f"files-{n % 4}",
+                "messages": [{"role": "user", "content": f"{n}"}],
+            },
+            timeout=10,
+        )
+        assert r.status_code == 200, r.text
     assert len(list((root / "logs" / "responses").glob("*.jsonl"))) >= 20
+    checked = 0
     for file in root.rglob("*"):
         assert file.resolve().is_relative_to(root)
-        if file.suffix == ".jsonl":
-            for line in file.read_bytes().splitlines():
-                if line.startswith(b"{"):
-                    orjson.loads(line)
+        if file.suffix != ".jsonl":
+            continue
+        index = file.parent.name == "conversations"
+        for line in file.read_bytes().splitlines():
+            if index and not line.startswith(b"{"):
+                assert is_valid_response_id(line.decode()), (file, line)
+            else:
+                orjson.loads(line)
+            checked += 1
+    assert checked >= 20 * 4  # request, context, response and commit records at least
