@@ -302,8 +302,16 @@ async def test_stream_without_finish_is_incomplete(memory_store: MemoryStore) ->
 
     async with build_client(make_settings(), memory_store, Cut()) as client:
         r = await chat(client, [user("hi")], stream=True)
-    assert '"error"' in r.text and "[DONE]" not in r.text
+    events = [line for line in r.text.splitlines() if line.startswith("data: ")]
+    assert "[DONE]" not in r.text
+    assert json.loads(events[0][6:])["choices"][0]["delta"]["content"] == "half"  # what came, then
+    error = json.loads(events[-1][6:])["error"]  # an in-band error naming the cause
+    assert (
+        error["code"] == "upstream_bad_response" and "ended the stream before finishing" in error["message"]
+    )
     assert memory_store.indexes.get("c", []) == []
+    log = next(iter(memory_store.responses.values()))
+    assert log[-1]["type"] == "incomplete"  # the attempt stays in its log, marked incomplete
 
 
 async def test_stream_usage_chunk_only_when_asked(app_client: httpx.AsyncClient) -> None:

@@ -15,6 +15,7 @@ from gateway.config import ProviderSettings
 from gateway.exceptions import (
     NotFound,
     UpstreamError,
+    UpstreamProtocolError,
     UpstreamStatusError,
     UpstreamTimeout,
     UpstreamUnreachable,
@@ -63,8 +64,14 @@ def test_every_client_exception_is_mapped(exc_class: type[BaseException]) -> Non
     with pytest.raises(UpstreamError) as info, map_upstream_errors("p", "http://u"):
         raise exc
     assert "'p'" in info.value.message and "http://u" in info.value.message
+    # Each kind of failure has its own class (and so its own status and code).
     if isinstance(exc, TimeoutError):
-        assert isinstance(info.value, UpstreamTimeout)
+        expected: type[UpstreamError] = UpstreamTimeout
+    elif isinstance(exc, aiohttp.ClientConnectionError):
+        expected = UpstreamUnreachable
+    else:
+        expected = UpstreamProtocolError
+    assert type(info.value) is expected, (exc_class, type(info.value))
 
 
 def test_sse_line_parsing() -> None:
@@ -72,7 +79,7 @@ def test_sse_line_parsing() -> None:
     assert parse_sse_line("event: message") is None
     assert parse_sse_line("data: [DONE]") is True
     assert parse_sse_line('data: {"a": 1}') == {"a": 1}
-    with pytest.raises(UpstreamError):
+    with pytest.raises(UpstreamProtocolError):
         parse_sse_line("data: {broken")
 
 
@@ -150,8 +157,9 @@ async def test_litellm_path_against_real_http_mock(
     text = "".join((c["choices"][0]["delta"].get("content") or "") for c in chunks if c.get("choices"))
     assert text == "Nice to meet you, Kim! (turn 1)"
     upstream.mode = "error500"
-    with pytest.raises(UpstreamError):
+    with pytest.raises(UpstreamStatusError) as info:
         await up.complete(dict(BODY))
+    assert info.value.upstream_status == 500 and info.value.status_code == 502
 
 
 def test_routing() -> None:
