@@ -1,9 +1,12 @@
 """The conversation inspector in a real browser: headless Chromium driven by Playwright,
-against a real `gateway serve` with a few conversations. Screenshots: var/test-artifacts/."""
+against a real `gateway serve` with a few conversations. Screenshots: $GATEWAY_TEST_ARTIFACTS,
+default {tmp}/gateway-test-artifacts/ (never in the work tree)."""
 
 from __future__ import annotations
 
+import os
 import shutil
+import tempfile
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -11,12 +14,15 @@ from typing import Any
 import httpx
 import pytest
 
-from tests.conftest import REPO, GatewayProcess, write_config
+from tests.conftest import GatewayProcess, write_config
 from tests.mockserver import MockServer
 
 pytestmark = pytest.mark.e2e
 CHROMIUM = shutil.which("chromium") or shutil.which("chromium-browser")
-ARTIFACTS = REPO / "var" / "test-artifacts"
+# Outside the work tree: a test run leaves nothing in the checkout.
+ARTIFACTS = Path(
+    os.environ.get("GATEWAY_TEST_ARTIFACTS", Path(tempfile.gettempdir()) / "gateway-test-artifacts")
+)
 FLAGS = [
     "--headless=new",
     "--no-sandbox",
