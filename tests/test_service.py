@@ -453,3 +453,33 @@ async def test_the_inspectors_since_must_be_a_turn_index(app_client: httpx.Async
     assert r.status_code == 400 and r.json()["error"]["param"] == "since"
     r = await app_client.get("/ui/api/conversations/c?since=0")
     assert r.status_code == 200 and len(r.json()["turns"]) == 1
+
+
+async def test_a_stream_whose_commit_fails_never_shows_a_finish_reason(
+    memory_store: MemoryStore, app_client: httpx.AsyncClient, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A client that stops reading at finish_reason must not take an unsaved answer for a
+    saved one: the finishing chunk is held until the commit, and a failed commit is an
+    in-band error instead (and the log line says incomplete)."""
+    import logging
+
+    from gateway.exceptions import StorageError
+
+    memory_store.fail_commit = StorageError("disk full")
+    with caplog.at_level(logging.INFO, logger="gateway.access"):
+        r = await chat(app_client, [user("hi")], stream=True)
+    events = [json.loads(line[6:]) for line in r.text.splitlines() if line.startswith("data: {")]
+    assert events[-1]["error"]["code"] == "storage_unavailable"
+    finishes = [c for e in events for c in e.get("choices") or () if c.get("finish_reason")]
+    assert finishes == [] and "[DONE]" not in r.text
+    assert any(e.get("choices") for e in events)  # the answer's text did stream
+    assert memory_store.indexes.get("c", []) == []
+    line = json.loads(next(r.getMessage() for r in caplog.records if r.name == "gateway.access"))
+    assert line["outcome"] == "incomplete"
+    memory_store.fail_commit = None
+    r = await chat(app_client, [user("hi")], stream=True)
+    events = [json.loads(line[6:]) for line in r.text.splitlines() if line.startswith("data: {")]
+    assert [c["finish_reason"] for e in events for c in e.get("choices") or () if c.get("finish_reason")] == [
+        "stop"
+    ]
+    assert r.text.rstrip().endswith("data: [DONE]")

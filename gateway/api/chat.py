@@ -82,7 +82,7 @@ async def chat_completions(request: Request) -> Response:
 
     async def on_close(exc: BaseException | None) -> None:
         await service.close(turn, None if exc is None else turn_outcome(exc))
-        complete = turn.timings is not None and exc is None
+        complete = turn.final_message is not None and exc is None  # committed
         log_line(turn, 200, "complete" if complete else "incomplete", request.app.state.metrics)
 
     return SSEResponse(chat_events(service, turn, chunks), headers=_headers(turn), on_close=on_close)

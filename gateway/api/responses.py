@@ -202,7 +202,7 @@ async def create_response(request: Request) -> Response:
 
     async def on_close(exc: BaseException | None) -> None:
         await service.close(turn, None if exc is None else turn_outcome(exc))
-        complete = turn.timings is not None and exc is None
+        complete = turn.final_message is not None and exc is None  # committed
         log_line(turn, 200, "complete" if complete else "incomplete", metrics, event="response")
 
     return SSEResponse(response_events(service, turn, chunks, common), headers=headers, on_close=on_close)

@@ -347,6 +347,10 @@ class ChatService:
         acc = StreamAccumulator()
         cid = turn.conversation_id
         model = turn.request.model
+        # From the chunk that finishes the answer on, chunks are held back until the turn is
+        # committed: a client that stops reading at `finish_reason` must not take an answer
+        # the store then failed to keep for a saved one (it gets an in-band error instead).
+        held: list[dict[str, Any]] = []
         try:
             chunk = first
             while chunk is not None:
@@ -355,7 +359,10 @@ class ChatService:
                 chunk["model"] = model
                 if cid is not None:
                     chunk["conversation_id"] = cid
-                yield chunk
+                if acc.finish_reason is None:
+                    yield chunk
+                else:
+                    held.append(chunk)
                 try:
                     chunk = await chunks.__anext__()
                 except StopAsyncIteration:
@@ -368,6 +375,8 @@ class ChatService:
             await self._commit(turn, message, record)
             turn.final_message = message
             turn.finish_reason = acc.finish_reason
+            for chunk in held:
+                yield chunk
         finally:
             aclose = getattr(chunks, "aclose", None)
             if aclose is not None:
