@@ -203,3 +203,28 @@ async def test_readyz_follows_the_stores_write_health_and_recovers(
         locks.mkdir()
         assert (await client.get("/readyz")).status_code == 200  # recovered by itself
     await app.state.services.aclose()
+
+
+async def test_creating_a_conversation_with_items_is_all_or_nothing() -> None:
+    from gateway.exceptions import StorageError
+    from gateway.store.base import Appended
+
+    class FailingItems(MemoryStore):
+        def start(self, response_id: str, request: dict[str, Any]) -> Any:
+            log = super().start(response_id, request)
+
+            async def commit(conversation_id: str | None) -> Appended | None:
+                raise StorageError("disk full")
+
+            log.commit = commit  # type: ignore[method-assign]
+            return log
+
+    store = FailingItems()
+    async with build_client(make_settings(), store, MockUpstream()) as client:
+        items = [{"type": "message", "role": "user", "content": "hello"}]
+        r = await client.post("/v1/conversations", json={"id": "half", "items": items})
+        assert r.status_code == 503 and r.json()["error"]["code"] == "storage_unavailable"
+        assert (await client.get("/v1/conversations/half")).status_code == 404  # not half made
+        bad = await client.post("/v1/conversations", json={"id": "bad", "items": [{"type": "nonsense"}]})
+        assert bad.status_code == 400
+        assert (await client.get("/v1/conversations/bad")).status_code == 404  # refused before any write

@@ -4,12 +4,13 @@ and is an append (a marker, or a response log for added items); only deletion re
 
 from __future__ import annotations
 
+import contextlib
 import secrets
 import time
 from typing import Any
 
 from gateway.config import Settings
-from gateway.context import ConversationView, Turn, split_system
+from gateway.context import ConversationView, Message, Turn, split_system
 from gateway.context.items import Item, items_to_messages, message_to_items, parse_item_id
 from gateway.exceptions import InvalidRequest, NotFound
 from gateway.ids import check_conversation_id, mint_response_id
@@ -54,6 +55,7 @@ class Conversations:
     async def create(
         self, tenant: str, *, requested_id: Any, metadata: dict[str, str], items: Any
     ) -> tuple[str, ConversationView]:
+        """A new conversation, with its first items: all of it, or (on any failure) none."""
         store = await self.stores.get(tenant)
         # Extension: a client may choose the id (as it does with chat completions).
         cid = (
@@ -61,6 +63,8 @@ class Conversations:
             if requested_id
             else f"conv_{secrets.token_hex(16)}"
         )
+        if items:
+            self._messages(items)  # a bad item is a 400 before anything is written
         async with store.lock(cid, self.lock_timeout):
             if await store.exists(cid):
                 raise InvalidRequest(
@@ -69,8 +73,15 @@ class Conversations:
             await store.append_marker(
                 cid, {"type": "conversation", "created_at": int(time.time()), "metadata": metadata}
             )
-        if items:
-            await self._add_items(store, cid, items)
+            if items:
+                try:
+                    await self._add_items(store, cid, items, locked=True)
+                except BaseException:
+                    # Not half made: the conversation goes with the items that failed.
+                    with contextlib.suppress(Exception):
+                        await store.delete_conversation(cid)
+                    self.cache.forget(store, cid)
+                    raise
         return cid, await self.cache.load(store, cid)
 
     async def get(self, tenant: str, cid: str) -> ConversationView:
@@ -103,10 +114,15 @@ class Conversations:
         await self._existing(store, cid)
         return await self._add_items(store, cid, raw_items)
 
-    async def _add_items(self, store: Store, cid: str, raw_items: Any) -> list[Item]:
+    @staticmethod
+    def _messages(raw_items: Any) -> list[Message]:
         messages = items_to_messages(raw_items)
         if len(messages) > MAX_ADDED_ITEMS:
             raise InvalidRequest(f"At most {MAX_ADDED_ITEMS} items can be added at a time", param="items")
+        return messages
+
+    async def _add_items(self, store: Store, cid: str, raw_items: Any, *, locked: bool = False) -> list[Item]:
+        messages = self._messages(raw_items)
         system, rest = split_system(messages)
         rid = mint_response_id("items")
         created_at = now()
@@ -119,7 +135,9 @@ class Conversations:
             "system": system or None,
             "input": rest,
         }
-        async with store.lock(cid, self.lock_timeout):
+        async with contextlib.AsyncExitStack() as stack:
+            if not locked:
+                await stack.enter_async_context(store.lock(cid, self.lock_timeout))
             view = await self.cache.load(store, cid)
             check_size(self.settings.storage.max_conversation_messages, cid, view, len(messages))
             log = store.start(rid, record)
