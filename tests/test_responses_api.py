@@ -247,3 +247,34 @@ async def test_responses_turns_get_the_log_line_and_metrics_chat_turns_get(
     ]
     assert 'gateway_upstream_seconds_count{provider="mock"} 2.0' in metrics  # both turns counted
     assert len(upstream.requests) == 2
+
+
+async def test_a_deleted_response_is_skipped_without_a_damage_warning(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    import logging
+
+    from gateway.store.memory import MemoryStore
+    from gateway.upstream.mock import MockUpstream
+    from tests.conftest import build_client, make_settings
+
+    async with build_client(make_settings(), MemoryStore(), MockUpstream()) as client:
+        first = (await client.post("/v1/responses", json={"model": "mock/m", "input": "one"})).json()
+        cid = (
+            first["conversation"]["id"]
+            if isinstance(first.get("conversation"), dict)
+            else first["conversation"]
+        )
+        second = await client.post(
+            "/v1/responses", json={"model": "mock/m", "input": "two", "conversation": cid}
+        )
+        assert (await client.delete(f"/v1/responses/{first['id']}")).status_code == 200
+        with caplog.at_level(logging.WARNING):
+            items = (await client.get(f"/v1/conversations/{cid}/items?order=asc")).json()["data"]
+            third = await client.post(
+                "/v1/responses", json={"model": "mock/m", "input": "three", "conversation": cid}
+            )
+        assert second.status_code == third.status_code == 200
+    texts = [c["text"] for item in items for c in item["content"]]
+    assert "one" not in texts and "two" in texts
+    assert "not committed" not in caplog.text  # a deletion is not damage
