@@ -170,11 +170,22 @@ def show(settings: Settings, *, config_path: str | None, conversation_id: str, a
         n = count_message(m)
         total += n
         click.echo(render_message(m, tokens=n, note="system prompt"))
+    live = set(view.history_owner)  # turns whose messages the model still gets
     for turn in turns:
         if turn.is_feedback_only:
             click.echo(click.style(f"── {turn.response_id} (feedback turn: not replayed)", dim=True))
             continue
-        click.echo(click.style(f"── {turn.response_id}", dim=True))
+        if turn.response_id not in live:
+            note = "no longer sent to the model: edited away, reset or deleted"
+            click.echo(click.style(f"── {turn.response_id} ({note})", dim=True))
+            for m in [*turn.input, *([turn.output] if turn.output is not None else [])]:
+                click.echo(click.style(render_message(m), dim=True))
+            continue
+        if turn.branch_at is not None:
+            branch = f"── {turn.response_id} (the client's edit: continues after message {turn.branch_at})"
+            click.echo(click.style(branch, dim=True))
+        else:
+            click.echo(click.style(f"── {turn.response_id}", dim=True))
         for m in [*turn.input, *([turn.output] if turn.output is not None else [])]:
             if m.get("is_feedback"):
                 click.echo(render_message(m, note="not replayed"))

@@ -137,3 +137,40 @@ async def test_an_edited_branch_stays_readable_but_never_reaches_the_model_again
     assert "what is my secret?" not in texts  # the conversation is the client's version now
     logged = [m["content"] for t in ui["turns"] for m in t["input"]]
     assert "what is my secret?" in logged  # the abandoned branch is still in the logs
+
+
+def test_gateway_show_marks_the_abandoned_branch(tmp_path: Any) -> None:
+    import asyncio
+
+    from click.testing import CliRunner
+
+    from gateway.cli import main
+    from gateway.store.jsonl import JsonlStore
+
+    async def converse() -> None:
+        store = JsonlStore(tmp_path / "var")
+        await store.open()
+        upstream = MockUpstream(lambda body: f"answer to {body['messages'][-1]['content']}")
+        async with build_client(make_settings(tmp_path), store, upstream) as client:
+            history: list[dict[str, Any]] = []
+            for text in ("first question", "second question"):
+                history.append(u(text))
+                r = await client.post(
+                    "/v1/chat/completions",
+                    json={"model": "mock/m", "messages": history, "conversation_id": "c"},
+                )
+                history.append(r.json()["choices"][0]["message"])
+            edited = [*history[:2], u("second, edited")]
+            r = await client.post(
+                "/v1/chat/completions", json={"model": "mock/m", "messages": edited, "conversation_id": "c"}
+            )
+            assert r.status_code == 200
+
+    asyncio.run(converse())
+    result = CliRunner().invoke(main, ["show", "c", "--data-dir", str(tmp_path / "var")])
+    out = result.output
+    assert result.exit_code == 0, out
+    _, _, rest = out.partition("no longer sent to the model")
+    assert "second question" in rest.split("the client's edit")[0]  # shown under the abandoned turn
+    assert "continues after message 2" in out and "second, edited" in out
+    assert "3 turns, 4 messages" in out
