@@ -17,15 +17,14 @@ $(STAMP): pyproject.toml
 run: install
 	$(VENV)/bin/gateway serve
 
-# Three tiers: the real-model tier (llama.cpp on one thread, about 3.5 min) runs beside the unit
-# and process tests; the timing-sensitive tiers (reliability, postgres) run after it, alone.
+# Two pytest processes side by side: the real-model tier (llama.cpp on one core, 3-5 min) and
+# everything else (unit, process, reliability and PostgreSQL tests) on the other.
 test: install
 	@tmp=$$(mktemp -d); \
 	$(PY) -m pytest -q -p no:cacheprovider --basetemp="$$tmp/base" tests/realmodel >"$$tmp/real.log" 2>&1 & real=$$!; \
-	$(PY) -m pytest -q --ignore=tests/realmodel --ignore=tests/reliability --ignore=tests/postgres; units=$$?; \
+	$(PY) -m pytest -q --ignore=tests/realmodel; rest=$$?; \
 	wait $$real; realrc=$$?; echo "--- tests/realmodel:"; cat "$$tmp/real.log"; rm -rf "$$tmp"; \
-	$(PY) -m pytest -q tests/reliability tests/postgres; e2e=$$?; \
-	exit $$(( units || realrc || e2e ))
+	exit $$(( rest || realrc ))
 
 demo: install
 	$(VENV)/bin/gateway demo
