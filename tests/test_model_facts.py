@@ -281,6 +281,12 @@ def real_counting(handler: Any, window: ServerWindow | None = None) -> MockUpstr
 SENTENCE = "the quick brown fox jumps over the lazy dog while the river runs past the old mill "
 
 
+async def ask(client: httpx.AsyncClient, text: str, *, cid: str = "c", **extra: Any) -> httpx.Response:
+    """One user message to `mock/smol` in conversation `cid` (`extra`: more body fields)."""
+    body = {"model": "mock/smol", "messages": [{"role": "user", "content": text}], "conversation_id": cid}
+    return await client.post("/v1/chat/completions", json={**body, **extra})
+
+
 @pytest.mark.parametrize("stream", [False, True])
 async def test_a_refusal_is_learned_from_and_retried_once_inside_the_request(stream: bool) -> None:
     llama = FakeLlama()
@@ -291,16 +297,7 @@ async def test_a_refusal_is_learned_from_and_retried_once_inside_the_request(str
     async with build_client(settings, store, real_counting(llama)) as client:
         statuses = []
         for i in range(12):
-            r = await client.post(
-                "/v1/chat/completions",
-                json={
-                    "model": "mock/smol",
-                    "messages": [{"role": "user", "content": f"{i}: " + SENTENCE * 4}],
-                    "max_tokens": 16,
-                    "stream": stream,
-                    "conversation_id": "c",
-                },
-            )
+            r = await ask(client, f"{i}: " + SENTENCE * 4, max_tokens=16, stream=stream)
             statuses.append(r.status_code)
         metrics = (await client.get("/metrics")).text
     assert statuses == [200] * 12
@@ -320,27 +317,16 @@ async def test_a_request_too_long_for_the_real_window_is_a_400_and_the_conversat
         update={"models": {"mock/smol": ModelSettings(context_window=4096)}}
     )
     async with build_client(settings, MemoryStore(), real_counting(llama)) as client:
-
-        async def say(text: str) -> httpx.Response:
-            return await client.post(
-                "/v1/chat/completions",
-                json={
-                    "model": "mock/smol",
-                    "messages": [{"role": "user", "content": text}],
-                    "conversation_id": "c",
-                },
-            )
-
-        assert (await say("hello")).status_code == 200
+        assert (await ask(client, "hello")).status_code == 200
         with caplog.at_level(logging.INFO, logger="gateway.access"):
-            r = await say(SENTENCE * 40)  # ~700 tokens alone: no window of 512 holds it
+            r = await ask(client, SENTENCE * 40)  # ~700 tokens alone: no window of 512 holds it
         assert r.status_code == 400
         assert r.json()["error"]["code"] == "context_length_exceeded"
-        assert (await say("and now something short")).status_code == 200
+        assert (await ask(client, "and now something short")).status_code == 200
         # the gateway now knows the window: the same request is refused before the provider
         calls = len(llama.prompts)
         with caplog.at_level(logging.INFO, logger="gateway.access"):
-            r = await say(SENTENCE * 40)
+            r = await ask(client, SENTENCE * 40)
         assert r.status_code == 400 and r.json()["error"]["code"] == "context_length_exceeded"
         assert len(llama.prompts) == calls
         metrics = (await client.get("/metrics")).text
@@ -356,15 +342,7 @@ async def test_discovered_window_with_no_configuration_every_turn_fits() -> None
     store = MemoryStore()
     async with build_client(make_settings(), store, upstream) as client:
         for i in range(20):
-            r = await client.post(
-                "/v1/chat/completions",
-                json={
-                    "model": "mock/smol",
-                    "messages": [{"role": "user", "content": f"{i}: " + SENTENCE * 4}],
-                    "max_tokens": 16,
-                    "conversation_id": "c",
-                },
-            )
+            r = await ask(client, f"{i}: " + SENTENCE * 4, max_tokens=16)
             assert r.status_code == 200, r.text
     assert llama.refused == 0
     # Calibrated after the first answers: the later prompts fill most of the window.
@@ -377,24 +355,9 @@ async def test_the_answer_reserve_is_max_tokens_when_sent_else_a_quarter_of_a_sm
     store = MemoryStore()
     async with build_client(settings, store, upstream) as client:
         text = "word " * 400  # ~408 tokens: fits 512 with max_tokens 16, not with half the window kept free
-        r = await client.post(
-            "/v1/chat/completions",
-            json={
-                "model": "mock/smol",
-                "messages": [{"role": "user", "content": text}],
-                "max_tokens": 16,
-                "conversation_id": "a",
-            },
-        )
+        r = await ask(client, text, cid="a", max_tokens=16)
         assert r.status_code == 200, r.text
-        r = await client.post(
-            "/v1/chat/completions",
-            json={
-                "model": "mock/smol",
-                "messages": [{"role": "user", "content": "hi"}],
-                "conversation_id": "b",
-            },
-        )
+        r = await ask(client, "hi", cid="b")
     reserves = [
         next(c for c in recs if c["type"] == "context")["reserve_tokens"] for recs in store.responses.values()
     ]
@@ -426,25 +389,13 @@ async def test_a_stored_summary_larger_than_a_small_window_allows_is_cut_not_ref
         }
     )
     async with build_client(settings, store, upstream) as client:
-
-        async def say(text: str) -> httpx.Response:
-            return await client.post(
-                "/v1/chat/completions",
-                json={
-                    "model": "mock/smol",
-                    "messages": [{"role": "user", "content": text}],
-                    "max_tokens": 16,
-                    "conversation_id": "c",
-                },
-            )
-
-        first = (await say("my name is Ada")).json()["id"]
+        first = (await ask(client, "my name is Ada", max_tokens=16)).json()["id"]
         # A summary written when the window was thought larger: 450 tokens.
         await store.append_summary(
             "c",
             {"type": "summary", "version": 1, "covers_through": first, "text": "Ada likes tea. " * 90},
         )
-        r = await say("word " * 150)
+        r = await ask(client, "word " * 150, max_tokens=16)
         assert r.status_code == 200, r.text
     context = [c for c in store.responses[r.json()["id"]] if c["type"] == "context"][-1]
     assert context["summary_version"] == 1 and 24 <= context["tokens"]["summary"] <= 512 // 3

@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-import asyncio
-import logging
 import time
 from typing import Any
 
@@ -21,13 +19,11 @@ from gateway.api.http import (
     turn_outcome,
     until_disconnect,
 )
-from gateway.api.observe import log_line, refused
+from gateway.api.observe import log_failure, log_line, refused
 from gateway.api.sse import chat_events
 from gateway.exceptions import GatewayError
 from gateway.services.requests import ChatRequest
 from gateway.services.turn import PreparedTurn
-
-access_log = logging.getLogger("gateway.access")
 
 
 def _headers(turn: PreparedTurn) -> dict[str, str]:
@@ -40,14 +36,11 @@ def _headers(turn: PreparedTurn) -> dict[str, str]:
 def _failed(turn: PreparedTurn, exc: BaseException) -> Response:
     """The response for a turn that failed before any byte was sent: a 499 for a client that
     went away, else the error, naming the response whose log records the attempt."""
+    log_failure(turn, exc)
     if isinstance(exc, ClientDisconnected):
-        log_line(turn, 499, "disconnected")
         return Response(status_code=499)
     if not isinstance(exc, GatewayError):
-        cancelled = isinstance(exc, asyncio.CancelledError)
-        log_line(turn, 499 if cancelled else 500, "cancelled" if cancelled else "error")
         raise exc
-    log_line(turn, exc.status_code, "error")
     response = error_response(exc)
     response.headers.update(_headers(turn))
     return response

@@ -3,6 +3,7 @@ and the same metrics; also for requests refused before any provider was asked.""
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import time
 from typing import Any
@@ -10,6 +11,7 @@ from typing import Any
 import orjson
 from starlette.requests import Request
 
+from gateway.api.http import ClientDisconnected
 from gateway.exceptions import GatewayError
 from gateway.metrics import Metrics
 from gateway.services.turn import PreparedTurn
@@ -94,3 +96,14 @@ def refused(
         "ms": round((time.perf_counter() - started) * 1000, 3),
     }
     access_log.info(orjson.dumps(line).decode())
+
+
+def log_failure(turn: PreparedTurn, exc: BaseException, *, event: str = "chat.completion") -> None:
+    """The log line of a turn that failed before any byte of its answer was sent."""
+    if isinstance(exc, ClientDisconnected):
+        log_line(turn, 499, "disconnected", event=event)
+    elif isinstance(exc, GatewayError):
+        log_line(turn, exc.status_code, "error", event=event)
+    else:
+        cancelled = isinstance(exc, asyncio.CancelledError)
+        log_line(turn, 499 if cancelled else 500, "cancelled" if cancelled else "error", event=event)

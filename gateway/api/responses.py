@@ -9,7 +9,6 @@ ids are the gateway's minted ids, so chat-completions and Responses turns see ea
 
 from __future__ import annotations
 
-import asyncio
 import secrets
 import time
 from typing import Any
@@ -28,7 +27,7 @@ from gateway.api.http import (
     turn_outcome,
     until_disconnect,
 )
-from gateway.api.observe import log_line, refused
+from gateway.api.observe import log_failure, log_line, refused
 from gateway.api.response_shapes import response_events, response_object
 from gateway.context import Message
 from gateway.context.items import items_to_messages, message_to_items
@@ -37,7 +36,6 @@ from gateway.ids import check_conversation_id
 from gateway.services import Services
 from gateway.services.queries import first, latest
 from gateway.services.requests import ChatRequest
-from gateway.services.turn import PreparedTurn
 
 _PASSED = ("temperature", "top_p", "parallel_tool_calls", "user", "metadata", "service_tier", "seed")
 
@@ -175,7 +173,7 @@ async def create_response(request: Request) -> Response:
             completion = await until_disconnect(service.complete(turn), request.receive)
         except BaseException as exc:
             await service.close(turn, turn_outcome(exc))
-            _log_failure(turn, exc)
+            log_failure(turn, exc, event="response")
             if isinstance(exc, ClientDisconnected):
                 return Response(status_code=499)
             raise
@@ -195,7 +193,7 @@ async def create_response(request: Request) -> Response:
         chunks = await until_disconnect(service.open_chunks(turn), request.receive)
     except BaseException as exc:
         await service.close(turn, turn_outcome(exc))
-        _log_failure(turn, exc)
+        log_failure(turn, exc, event="response")
         if isinstance(exc, ClientDisconnected):
             return Response(status_code=499)
         raise
@@ -206,16 +204,6 @@ async def create_response(request: Request) -> Response:
         log_line(turn, 200, "complete" if complete else "incomplete", metrics, event="response")
 
     return SSEResponse(response_events(service, turn, chunks, common), headers=headers, on_close=on_close)
-
-
-def _log_failure(turn: PreparedTurn, exc: BaseException) -> None:
-    if isinstance(exc, ClientDisconnected):
-        log_line(turn, 499, "disconnected", event="response")
-    elif isinstance(exc, GatewayError):
-        log_line(turn, exc.status_code, "error", event="response")
-    else:
-        cancelled = isinstance(exc, asyncio.CancelledError)
-        log_line(turn, 499 if cancelled else 500, "cancelled" if cancelled else "error", event="response")
 
 
 async def get_response(request: Request) -> Response:

@@ -166,7 +166,3 @@ class Conversations:
                 cid, {"type": "delete_item", "response_id": rid, "position": position, "at": now()}
             )
             return await self.cache.load(store, cid)
-
-    async def reset_marker(self, tenant: str, cid: str, marker: dict[str, Any]) -> None:
-        """`gateway reset`: append a marker to an existing conversation."""
-        await self._marker(tenant, cid, marker)

@@ -92,15 +92,6 @@ def configured_window(settings: Settings, model: str, provider: str, upstream_mo
     return None
 
 
-def context_window(settings: Settings, model: str, provider: str, upstream_model: str) -> int:
-    """The window known without asking any server: config, else litellm, else 8192."""
-    configured = configured_window(settings, model, provider, upstream_model)
-    if configured:
-        return configured
-    known = litellm_context_window(model, f"{provider}/{upstream_model}", upstream_model)
-    return known or DEFAULT_CONTEXT_WINDOW
-
-
 def side_key(provider: str, upstream_model: str) -> str:
     """A store key for a (provider, model) pair: `[A-Za-z0-9._-]`, at most 128 characters."""
     raw = re.sub(r"[^A-Za-z0-9._-]", "-", f"{provider}--{upstream_model}")

@@ -45,6 +45,10 @@ class LRU(OrderedDict[K, V]):
             self.popitem(last=False)
 
 
+# The side logs every backend keeps beside the conversations (`append_side` / `read_side`).
+SIDE_LOGS = frozenset({"summaries", "lifecycle", "users", "digests", "models"})
+
+
 def now() -> float:
     return time.time()
 

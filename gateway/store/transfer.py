@@ -16,8 +16,9 @@ import orjson
 
 from gateway.exceptions import StorageError
 from gateway.ids import is_valid_conversation_id, is_valid_response_id
+from gateway.store.base import SIDE_LOGS
 from gateway.store.jsonl import parse_index, parse_jsonl
-from gateway.store.postgres import SIDE_LOGS, map_errors, migrate, redact
+from gateway.store.postgres import map_errors, migrate, redact
 
 log = logging.getLogger("gateway.store")
 

@@ -15,8 +15,6 @@ from gateway.ids import is_valid_response_id
 from gateway.store.base import Record
 
 CONTEXT_PREFIX = b'{"type":"context"'
-# Append-only logs beside the conversations: logs/{kind}/{key}.jsonl
-SIDE_LOGS = frozenset({"summaries", "lifecycle", "users", "digests", "models"})
 
 
 def parse_jsonl(data: bytes, *, path: str = "", start_line: int = 1) -> tuple[list[Any], int]:

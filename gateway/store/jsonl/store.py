@@ -14,11 +14,8 @@ from __future__ import annotations
 
 import asyncio
 import contextvars
-import fcntl
-import hashlib
 import logging
 import os
-import struct
 import weakref
 from collections.abc import AsyncIterator, Callable
 from contextlib import asynccontextmanager
@@ -29,17 +26,28 @@ import orjson
 
 from gateway.exceptions import ConversationBusy, NotFound, StorageError
 from gateway.ids import check_conversation_id, is_valid_conversation_id, is_valid_response_id
-from gateway.store.base import LRU, Appended, IndexEntry, IndexRead, Record, ResponseLog, Store, Version, now
+from gateway.store.base import (
+    LRU,
+    SIDE_LOGS,
+    Appended,
+    IndexEntry,
+    IndexRead,
+    Record,
+    ResponseLog,
+    Store,
+    Version,
+    now,
+)
 from gateway.store.jsonl import branches
 from gateway.store.jsonl.files import (
     CONTEXT_PREFIX,
-    SIDE_LOGS,
     append_file,
     fsync_dir,
     parse_index,
     parse_jsonl,
     write_all,
 )
+from gateway.store.jsonl.locks import CrossProcessLock
 from gateway.store.jsonl.log import JsonlLog
 
 log = logging.getLogger("gateway.store")
@@ -51,51 +59,6 @@ _HELD: contextvars.ContextVar[frozenset[str]] = contextvars.ContextVar(
     "gateway_held_locks", default=frozenset()
 )
 # Context snapshots are the bulk of a response log and are not needed to rebuild history.
-
-
-_OFD_SETLK: int | None = getattr(fcntl, "F_OFD_SETLK", None)
-
-
-class _CrossProcessLock:
-    """One conversation's lock across worker processes (see `JsonlStore.lock`)."""
-
-    def __init__(self, store: JsonlStore, conversation_id: str) -> None:
-        self.acquired = False
-        self._file_fd = -1
-        if _OFD_SETLK is not None:
-            self._fd = store._range_fd()
-            digest = hashlib.blake2b(conversation_id.encode(), digest_size=8).digest()
-            self._offset = int.from_bytes(digest, "big") >> 2
-        else:
-            path = store.locks_dir / f"{conversation_id}.lock"
-            try:
-                self._fd = self._file_fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
-            except OSError as exc:
-                raise StorageError(
-                    f"Cannot open the lock of conversation {conversation_id!r}: {exc.strerror}"
-                ) from exc
-
-    def _range(self, kind: int) -> None:
-        assert _OFD_SETLK is not None
-        fcntl.fcntl(self._fd, _OFD_SETLK, struct.pack("hhqqi4x", kind, os.SEEK_SET, self._offset, 1, 0))
-
-    def try_acquire(self) -> bool:
-        try:
-            if _OFD_SETLK is not None:
-                self._range(fcntl.F_WRLCK)
-            else:
-                fcntl.flock(self._fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except (BlockingIOError, PermissionError):
-            return False
-        self.acquired = True
-        return True
-
-    def release(self) -> None:
-        if self._file_fd >= 0:
-            os.close(self._file_fd)  # releases the flock
-        elif self.acquired:
-            self._range(fcntl.F_UNLCK)
-        self.acquired = False
 
 
 class JsonlStore(Store):
@@ -180,9 +143,9 @@ class JsonlStore(Store):
                 await lock.acquire()
         except TimeoutError:
             raise busy from None
-        held: _CrossProcessLock | None = None
+        held: CrossProcessLock | None = None
         try:
-            held = _CrossProcessLock(self, conversation_id)
+            held = CrossProcessLock(self, conversation_id)
             delay = 0.0005
             while not held.try_acquire():
                 if loop.time() >= deadline:
@@ -279,12 +242,14 @@ class JsonlStore(Store):
         # A torn last line is cut only by a holder of the lock: without it, the "torn" line may
         # be another writer's append in progress (another task, thread or worker process).
         repair = self.holds_lock(conversation_id)
+        if after is not None:  # a reader that is up to date reads only what was appended since
+            return self._read_sync(conversation_id, after, repair)
         try:
             size = os.stat(self.index_path(conversation_id)).st_size
         except FileNotFoundError:
             size = 0
-        # Reading many response files is slow: off the event loop unless it is little.
-        if size - (after.position if after is not None else 0) > _THREAD_LOAD_BYTES:
+        # Reading a whole conversation's response files is slow: off the event loop unless it is little.
+        if size > _THREAD_LOAD_BYTES:
             return await asyncio.to_thread(self._read_sync, conversation_id, after, repair)
         return self._read_sync(conversation_id, after, repair)
 

@@ -19,7 +19,6 @@ log = logging.getLogger("gateway.store")
 
 T = TypeVar("T")
 
-SIDE_LOGS = frozenset({"summaries", "lifecycle", "users", "digests", "models"})
 POOL_SIZE = 10
 COMMAND_TIMEOUT = 60.0
 _MIGRATION_LOCK = 0x6761746577617901  # "gateway\x01": one migrating replica at a time

@@ -9,9 +9,9 @@ from typing import TYPE_CHECKING, Any
 import orjson
 
 from gateway.ids import check_conversation_id
-from gateway.store.base import Record
+from gateway.store.base import SIDE_LOGS, Record
 from gateway.store.postgres.log import _SideCache
-from gateway.store.postgres.schema import SIDE_LOGS, _decode
+from gateway.store.postgres.schema import _decode
 
 if TYPE_CHECKING:
     from gateway.store.postgres.store import PostgresStore
