@@ -3,17 +3,15 @@
 from gateway.context.history import (
     ConversationView,
     Message,
-    Reconciled,
     Turn,
     clean_message,
     is_feedback,
     message_key,
-    new_messages,
     rebuild_view,
-    reconcile,
     repair_tool_calls,
     split_system,
 )
+from gateway.context.reconcile import Reconciled, new_messages, reconcile
 
 __all__ = [
     "ConversationView",

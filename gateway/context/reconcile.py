@@ -1,0 +1,63 @@
+"""What a request adds to a stored conversation (pure): the new messages of a client that sends
+only those, resends its whole history, trims it, or edits it (a branch)."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+from gateway.context.history import ConversationView, Message, message_key
+
+
+def _common_prefix(incoming: Sequence[Message], stored_keys: Sequence[bytes]) -> int:
+    n = min(len(incoming), len(stored_keys))
+    i = 0
+    while i < n and message_key(incoming[i]) == stored_keys[i]:
+        i += 1
+    return i
+
+
+@dataclass(frozen=True, slots=True)
+class Reconciled:
+    """What a request adds to the stored conversation: its new messages, and where the
+    stored history is cut first when the client's version diverged from it (None: nowhere)."""
+
+    new: list[Message]
+    branch_at: int | None = None
+
+
+def reconcile(incoming: Sequence[Message], view: ConversationView) -> Reconciled:
+    """Match the request's messages (system prompt already split off) with the stored ones.
+
+    - starts with everything stored: the rest is new (a full-history client);
+    - starts with part of the stored history, then differs (an edited message, a regenerated
+      answer): the conversation branches where they differ and continues with the client's
+      messages; only when the request holds an assistant message before its last one (a client
+      that resends history resends answers; one that sends only new messages never does);
+    - starts with the stored history's last messages (a client that trims its history): the
+      overlap is dropped;
+    - else every message is new. The last message is always new.
+    """
+    n = len(incoming)
+    if n <= 1 or not view.transcript:
+        return Reconciled(list(incoming))
+    transcript = view.keys("transcript")
+    common = _common_prefix(incoming, transcript)
+    if common >= len(transcript):  # all of it, feedback included
+        return Reconciled(list(incoming[min(common, n - 1) :]))
+    history = view.keys("history")
+    m = len(history)
+    shared = min(_common_prefix(incoming, history), n - 1)
+    if shared >= m:
+        return Reconciled(list(incoming[shared:]))
+    if shared > 0 and any(msg.get("role") == "assistant" for msg in incoming[: n - 1]):
+        return Reconciled(list(incoming[shared:]), branch_at=shared)
+    for k in range(min(n - 1, m), 0, -1):  # the longest overlap with the stored tail
+        if [message_key(msg) for msg in incoming[:k]] == history[m - k :]:
+            return Reconciled(list(incoming[k:]))
+    return Reconciled(list(incoming))
+
+
+def new_messages(incoming: Sequence[Message], view: ConversationView) -> list[Message]:
+    """The part of a request that is not yet stored (see `reconcile`; a branch aside)."""
+    return reconcile(incoming, view).new
