@@ -16,6 +16,7 @@ import orjson
 from gateway.cli_render import render_context, render_message, render_turn, when
 from gateway.config import Settings, load_settings
 from gateway.context import Turn
+from gateway.context.records import message, messages, number
 from gateway.exceptions import GatewayError, NotFound
 from gateway.services import Services
 
@@ -104,7 +105,6 @@ def serve(
     settings = load_settings(config_path)
     asyncio.run(Services.check_store(settings))
     run(settings, workers=workers, log_level=log_level)
-
 
 
 @main.command()
@@ -245,16 +245,19 @@ def context(
             click.echo(f"conversation {record.get('conversation_id')}")
             target = f"{record.get('provider')}:{record.get('upstream_model')}"
             click.echo(f"model        {record.get('model')} → {target}")
-            click.echo(f"created      {when(record.get('created') or 0)}")
-            for m in record.get("system") or []:
+            click.echo(f"created      {when(number(record.get('created')) or 0)}")
+            for m in messages(record.get("system")):
                 click.echo(render_message(m, note="new system prompt"))
-            for m in record.get("input") or []:
+            for m in messages(record.get("input")):
                 click.echo(render_message(m, note="new"))
         elif kind == "context":
             render_context(record, show_messages=not brief)
         elif kind == "response":
             click.echo(
-                render_message(record.get("message") or {}, note=f"finish={record.get('finish_reason')}")
+                render_message(
+                    message(record.get("message")) or {"role": "assistant"},
+                    note=f"finish={record.get('finish_reason')}",
+                )
             )
             click.echo(f"usage        {record.get('usage')}")
             click.echo(f"timings      {record.get('timings')}")

@@ -9,11 +9,15 @@ from __future__ import annotations
 
 import importlib.util
 import os
+from collections.abc import Callable, Mapping
 from functools import lru_cache
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING
 
 import orjson
+
+if TYPE_CHECKING:
+    from tiktoken import Encoding
 
 # OpenAI's per-message and per-request framing overheads (chat format).
 TOKENS_PER_MESSAGE = 3
@@ -43,7 +47,7 @@ def encoding_name_for(model: str) -> str:
 
 
 @lru_cache(maxsize=4)
-def get_encoding(name: str) -> Any:
+def get_encoding(name: str) -> Encoding:
     _ensure_cache_dir()
     import tiktoken
 
@@ -59,7 +63,7 @@ def count_text(text: str, model: str = "") -> int:
     return len(get_encoding(encoding_name_for(model)).encode(text, disallowed_special=()))
 
 
-def count_message(message: dict[str, Any], model: str = "") -> int:
+def count_message(message: Mapping[str, object], model: str = "") -> int:
     """Tokens a message costs in a chat request: its text fields plus framing."""
     enc = get_encoding(encoding_name_for(model))
     total = TOKENS_PER_MESSAGE
@@ -82,11 +86,11 @@ def truncate_text(text: str, max_tokens: int, model: str = "") -> str:
     return str(enc.decode(ids[:max_tokens]))
 
 
-def counter_for(model: str) -> tuple[str, Any]:
+def counter_for(model: str) -> tuple[str, Callable[[Mapping[str, object]], int]]:
     """(encoding name, count_message bound to it) for a model."""
     name = encoding_name_for(model)
 
-    def count(message: dict[str, Any]) -> int:
+    def count(message: Mapping[str, object]) -> int:
         return count_message(message, model)
 
     return name, count

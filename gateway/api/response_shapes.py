@@ -15,10 +15,15 @@ from gateway.exceptions import GatewayError
 from gateway.services.stream import StreamAccumulator
 from gateway.services.turn import PreparedTurn
 from gateway.services.turns import ChatService
+from gateway.types import JSONObject, Usage
 
 
-def _response_tools(tools: list[dict[str, Any]] | None) -> list[dict[str, Any]]:
-    return [{"type": "function", "strict": None, **t["function"]} for t in tools or []]
+def _response_tools(tools: object) -> list[JSONObject]:
+    return [
+        {"type": "function", "strict": None, **t["function"]}
+        for t in (tools if isinstance(tools, list) else ())
+        if isinstance(t, dict) and isinstance(t.get("function"), dict)
+    ]
 
 
 def output_items(message: Message | None, response_id: str, position: int) -> list[dict[str, Any]]:
@@ -26,8 +31,9 @@ def output_items(message: Message | None, response_id: str, position: int) -> li
         return []
     items = message_to_items(message, response_id, position)
     for item in items:
-        if item["type"] == "message":
-            for part in item["content"]:
+        content = item.get("content")
+        if item["type"] == "message" and isinstance(content, list):
+            for part in content:
                 part.setdefault("annotations", [])
     return items
 
@@ -40,16 +46,15 @@ def response_object(
     message: Message | None,
     position: int,
     finish_reason: str | None,
-    usage: dict[str, Any] | None,
-    params: dict[str, Any],
+    usage: Usage | None,
+    params: JSONObject,
     conversation_id: str | None,
     previous_response_id: str | None,
     status: str | None = None,
-    error: dict[str, Any] | None = None,
+    error: JSONObject | None = None,
 ) -> dict[str, Any]:
-    usage = usage or {}
-    prompt = int(usage.get("prompt_tokens") or 0)
-    completion = int(usage.get("completion_tokens") or 0)
+    prompt = int((usage or {}).get("prompt_tokens") or 0)
+    completion = int((usage or {}).get("completion_tokens") or 0)
     if status is None:
         status = "incomplete" if finish_reason == "length" else "completed"
     return {

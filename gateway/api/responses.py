@@ -30,12 +30,12 @@ from gateway.api.http import (
 from gateway.api.observe import log_failure, log_line, refused
 from gateway.api.response_shapes import response_events, response_object
 from gateway.context import Message
-from gateway.context.items import items_to_messages, message_to_items
+from gateway.context.items import Item, items_to_messages, message_to_items
 from gateway.exceptions import GatewayError, InvalidRequest
 from gateway.ids import check_conversation_id
 from gateway.services import Services
-from gateway.services.queries import first, latest
 from gateway.services.requests import ChatRequest
+from gateway.types import Record
 
 _PASSED = ("temperature", "top_p", "parallel_tool_calls", "user", "metadata", "service_tier", "seed")
 
@@ -206,23 +206,23 @@ async def create_response(request: Request) -> Response:
     return SSEResponse(response_events(service, turn, chunks, common), headers=headers, on_close=on_close)
 
 
+def _without_type(record: Record | None) -> Record | None:
+    return {k: v for k, v in record.items() if k != "type"} if record is not None else None
+
+
 async def get_response(request: Request) -> Response:
     """The response in the Responses API shape, plus the gateway's log (`gateway`)."""
     rid = request.path_params["response_id"]
-    records, req = await services_of(request).responses.get(tenant_of(request), rid)
-    response_record = first(records, "response")
-    context = latest(records, "context")
-    outcome = records[-1]
-    status = {"commit": "completed", "incomplete": "failed"}.get(str(outcome.get("type")), "in_progress")
-    params = dict(req.get("params") or {})
+    stored = await services_of(request).responses.get(tenant_of(request), rid)
+    params = stored.params
     obj = response_object(
         response_id=rid,
-        created=float(req.get("created") or 0),
-        model=str(req.get("model") or ""),
-        message=response_record.get("message") if response_record else None,
-        position=len(req.get("input") or []),
-        finish_reason=response_record.get("finish_reason") if response_record else None,
-        usage=response_record.get("usage") if response_record else None,
+        created=stored.created,
+        model=stored.model,
+        message=stored.message,
+        position=len(stored.input),
+        finish_reason=stored.finish_reason,
+        usage=stored.usage,
         params={
             "tools": params.get("tools"),
             "temperature": params.get("temperature"),
@@ -230,16 +230,16 @@ async def get_response(request: Request) -> Response:
             "user": params.get("user"),
             "max_output_tokens": params.get("max_tokens"),
         },
-        conversation_id=req.get("conversation_id"),
+        conversation_id=stored.conversation_id,
         previous_response_id=None,
-        status=status if status != "completed" else None,
-        error=outcome.get("error") if status == "failed" else None,
+        status=stored.status if stored.status != "completed" else None,
+        error=stored.error,
     )
     obj["gateway"] = {
-        "request": {k: v for k, v in req.items() if k != "type"},
-        "context": {k: v for k, v in context.items() if k != "type"} if context else None,
-        "response": {k: v for k, v in response_record.items() if k != "type"} if response_record else None,
-        "outcome": outcome,
+        "request": _without_type(stored.request),
+        "context": _without_type(stored.context),
+        "response": _without_type(stored.response),
+        "outcome": stored.outcome,
     }
     return JSONBody(obj)
 
@@ -252,10 +252,10 @@ async def delete_response(request: Request) -> Response:
 
 async def list_input_items(request: Request) -> Response:
     rid = request.path_params["response_id"]
-    _, req = await services_of(request).responses.get(tenant_of(request), rid)
-    items = []
-    for k, message in enumerate(req.get("system") or []):
+    stored = await services_of(request).responses.get(tenant_of(request), rid)
+    items: list[Item] = []
+    for k, message in enumerate(stored.system):
         items.extend(message_to_items(message, rid, -(k + 1)))
-    for pos, message in enumerate(req.get("input") or []):
+    for pos, message in enumerate(stored.input):
         items.extend(message_to_items(message, rid, pos))
     return JSONBody(paginate(items, request, default_order="desc"))

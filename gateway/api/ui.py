@@ -7,15 +7,16 @@ Static HTML/CSS/JS shipped in the package (no build step, no CDN) and two JSON e
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Any
 
 from starlette.requests import Request
 from starlette.responses import FileResponse, Response
 
 from gateway.api.http import JSONBody, services_of, tenant_of
+from gateway.context.records import first, latest
 from gateway.exceptions import InvalidRequest, NotFound
 from gateway.ids import check_conversation_id
-from gateway.services.queries import first, latest, text_of
+from gateway.services.queries import text_of
+from gateway.types import JSONObject, Record
 
 STATIC = Path(__file__).resolve().parent.parent / "ui" / "static"
 _FILES = {"index.html": "text/html", "app.js": "text/javascript", "style.css": "text/css"}
@@ -60,7 +61,7 @@ async def conversations(request: Request) -> Response:
     return JSONBody({"data": out})
 
 
-def _turn(records: list[dict[str, Any]], rid: str, index: int) -> dict[str, Any] | None:
+def _turn(records: list[Record], rid: str, index: int) -> JSONObject | None:
     request = first(records, "request")
     if request is None:
         return None

@@ -2,7 +2,6 @@
 
 from gateway.context.history import (
     ConversationView,
-    Message,
     Turn,
     clean_message,
     is_feedback,
@@ -12,6 +11,7 @@ from gateway.context.history import (
     split_system,
 )
 from gateway.context.reconcile import Reconciled, new_messages, reconcile
+from gateway.types import Message
 
 __all__ = [
     "ConversationView",

@@ -8,11 +8,11 @@ from __future__ import annotations
 import dataclasses
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import cast
 
 import orjson
 
-Message = dict[str, Any]
+from gateway.types import JSONObject, Message
 
 SYSTEM_ROLES = frozenset({"system", "developer"})
 GATEWAY_MESSAGE_FIELDS = ("is_feedback",)
@@ -27,7 +27,7 @@ def clean_message(message: Message) -> Message:
     """The message as a provider may see it: gateway-only fields removed."""
     if "is_feedback" not in message:
         return message
-    return {k: v for k, v in message.items() if k not in GATEWAY_MESSAGE_FIELDS}
+    return cast(Message, {k: v for k, v in message.items() if k not in GATEWAY_MESSAGE_FIELDS})
 
 
 def split_system(messages: Sequence[Message]) -> tuple[list[Message], list[Message]]:
@@ -38,7 +38,7 @@ def split_system(messages: Sequence[Message]) -> tuple[list[Message], list[Messa
     return list(messages[:i]), list(messages[i:])
 
 
-def _content_text(content: Any) -> Any:
+def _content_text(content: object) -> object:
     # Clients echo assistant text as a string or as a list of text parts; compare them alike.
     if content is None:
         return ""
@@ -49,13 +49,11 @@ def _content_text(content: Any) -> Any:
 
 def message_key(message: Message) -> bytes:
     """A canonical form for "is this the same message?", blind to null fields and part layout."""
-    calls = message.get("tool_calls") or None
-    if calls:
-        calls = [
-            (c.get("id"), (c.get("function") or {}).get("name"), (c.get("function") or {}).get("arguments"))
-            for c in calls
-            if isinstance(c, dict)
-        ]
+    calls = [
+        (c.get("id"), (c.get("function") or {}).get("name"), (c.get("function") or {}).get("arguments"))
+        for c in message.get("tool_calls") or ()
+        if isinstance(c, dict)
+    ] or None
     canon = (
         message.get("role"),
         _content_text(message.get("content")),
@@ -98,7 +96,7 @@ class Turn:
     def is_feedback_only(self) -> bool:
         return bool(self.input) and all(is_feedback(m) for m in self.input)
 
-    def to_dict(self) -> dict[str, Any]:
+    def to_dict(self) -> JSONObject:
         return {
             "response_id": self.response_id,
             "input": list(self.input),
@@ -134,7 +132,7 @@ class ConversationView:
     history_pos: list[int] = field(default_factory=list)
     system_owner: str | None = None
     created_at: float | None = None
-    metadata: dict[str, Any] = field(default_factory=dict)
+    metadata: dict[str, str] = field(default_factory=dict)
     deleted_items: set[str] = field(default_factory=set)
     last_activity: float | None = None
     last_model: str | None = None
@@ -195,7 +193,7 @@ class ConversationView:
             self.history_tokens.append(turn.output_tokens if same_encoding else None)
         self.history_end[turn.response_id] = len(self.history)
 
-    def apply_marker(self, marker: dict[str, Any]) -> None:
+    def apply_marker(self, marker: JSONObject) -> None:
         """Index lines that are not response ids: creation, metadata, resets, item deletions."""
         kind = marker.get("type")
         at = marker.get("at") or marker.get("created_at")
@@ -207,8 +205,9 @@ class ConversationView:
             if kind == "conversation" and self.created_at is None:
                 created = marker.get("created_at")
                 self.created_at = float(created) if isinstance(created, int | float) else None
-            if isinstance(marker.get("metadata"), dict):
-                self.metadata = dict(marker["metadata"])
+            metadata = marker.get("metadata")
+            if isinstance(metadata, dict):
+                self.metadata = {str(k): str(v) for k, v in metadata.items()}
         elif kind == "delete_response":
             owner = marker.get("response_id")
             if isinstance(owner, str):

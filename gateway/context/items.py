@@ -7,21 +7,19 @@ prompt messages: `sys_{response_id}_{k}`).
 
 from __future__ import annotations
 
-from typing import Any
-
-from gateway.context.history import Message
 from gateway.exceptions import InvalidRequest
+from gateway.types import ContentPart, JSONObject, Message, ToolCall
 
-Item = dict[str, Any]
+Item = JSONObject
 _TEXT_PARTS = frozenset({"input_text", "output_text", "text"})
 
 
-def _is_text_part(kind: Any) -> bool:
+def _is_text_part(kind: object) -> bool:
     """A part's type is client JSON: it may be any value, hashable or not."""
     return isinstance(kind, str) and kind in _TEXT_PARTS
 
 
-def _text_of(content: Any) -> str:
+def _text_of(content: object) -> str:
     if isinstance(content, str):
         return content
     if isinstance(content, list):
@@ -33,7 +31,7 @@ def _text_of(content: Any) -> str:
     return ""
 
 
-def _chat_content(content: Any, where: str) -> Any:
+def _chat_content(content: object, where: str) -> str | list[ContentPart]:
     """Responses content (string or parts) as chat content (string, or parts for images)."""
     if isinstance(content, str):
         return content
@@ -41,7 +39,7 @@ def _chat_content(content: Any, where: str) -> Any:
         raise InvalidRequest(
             f"{where}.content must be a string or an array of parts", param=f"{where}.content"
         )
-    parts: list[dict[str, Any]] = []
+    parts: list[ContentPart] = []
     for k, part in enumerate(content):
         kind = part.get("type") if isinstance(part, dict) else None
         if _is_text_part(kind):
@@ -55,11 +53,11 @@ def _chat_content(content: Any, where: str) -> Any:
                 f"{where}.content[{k}]: unsupported content part {kind!r}", param=f"{where}.content"
             )
     if all(p["type"] == "text" for p in parts):
-        return "".join(p["text"] for p in parts)
+        return "".join(p.get("text", "") for p in parts)
     return parts
 
 
-def items_to_messages(items: Any, *, param: str = "items") -> list[Message]:
+def items_to_messages(items: object, *, param: str = "items") -> list[Message]:
     """Responses-style input items as chat messages (consecutive function calls merge into one
     assistant message with several tool_calls)."""
     if not isinstance(items, list):
@@ -83,20 +81,16 @@ def items_to_messages(items: Any, *, param: str = "items") -> list[Message]:
         elif kind == "function_call":
             call_id = str(item.get("call_id") or item.get("id") or "")
             name = str(item.get("name", ""))
-            call: dict[str, Any] = {
+            call: ToolCall = {
                 "id": call_id,
                 "type": "function",
                 "function": {"name": name, "arguments": str(item.get("arguments", ""))},
             }
             if not call_id or not name:
                 raise InvalidRequest(f"{where}: a function_call needs call_id and name", param=where)
-            if (
-                out
-                and out[-1]["role"] == "assistant"
-                and out[-1].get("tool_calls")
-                and not out[-1].get("content")
-            ):
-                out[-1]["tool_calls"].append(call)
+            calls = out[-1].get("tool_calls") if out and out[-1]["role"] == "assistant" else None
+            if calls and not out[-1].get("content"):
+                calls.append(call)
             else:
                 out.append({"role": "assistant", "content": None, "tool_calls": [call]})
         elif kind == "function_call_output":
@@ -115,7 +109,7 @@ def items_to_messages(items: Any, *, param: str = "items") -> list[Message]:
     return out
 
 
-def _content_parts(message: Message, role: str) -> list[dict[str, Any]]:
+def _content_parts(message: Message, role: str) -> list[JSONObject]:
     content = message.get("content")
     if role == "assistant":
         text = _text_of(content) if not isinstance(content, str) else content
@@ -125,16 +119,13 @@ def _content_parts(message: Message, role: str) -> list[dict[str, Any]]:
             else []
         )
     if isinstance(content, list):
-        parts = []
+        parts: list[JSONObject] = []
         for p in content:
             if not isinstance(p, dict):
                 continue
             if p.get("type") == "image_url":
-                url = (
-                    (p.get("image_url") or {}).get("url")
-                    if isinstance(p.get("image_url"), dict)
-                    else p.get("image_url")
-                )
+                image = p.get("image_url")
+                url = image.get("url") if isinstance(image, dict) else image
                 parts.append({"type": "input_image", "image_url": url, "detail": "auto", "file_id": None})
             else:
                 parts.append({"type": "input_text", "text": str(p.get("text", ""))})

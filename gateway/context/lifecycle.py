@@ -16,8 +16,9 @@ from datetime import datetime
 from typing import Any
 from zoneinfo import ZoneInfo, ZoneInfoNotFoundError
 
-from gateway.context.history import ConversationView, Message
+from gateway.context.history import ConversationView
 from gateway.exceptions import InvalidRequest
+from gateway.types import Message
 
 ACTIVE, PROCESSING, PROCESSED, FAILED = "active", "processing", "processed", "failed"
 RECAP_PREFIX = "Earlier today"

@@ -6,7 +6,8 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from gateway.context.history import ConversationView, Message, message_key
+from gateway.context.history import ConversationView, message_key
+from gateway.types import Message
 
 
 def _common_prefix(incoming: Sequence[Message], stored_keys: Sequence[bytes]) -> int:

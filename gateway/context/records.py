@@ -1,49 +1,156 @@
-"""A committed response log, read as the turn it describes (pure)."""
+"""A response log read back (pure): as the turn it describes, or as a typed view of its
+records for the Responses API and the CLI. Records come from disk and are not trusted: every
+field is narrowed here, once, so readers get typed values."""
 
 from __future__ import annotations
 
-from typing import Any
+from dataclasses import dataclass
+from typing import Literal, cast
 
 from gateway.context.history import Turn
-
-Record = dict[str, Any]
+from gateway.types import JSONObject, Message, Record, Usage
 
 
 def is_committed(records: list[Record]) -> bool:
     return bool(records) and records[-1].get("type") == "commit"
 
 
+def first(records: list[Record], kind: str) -> Record | None:
+    return next((r for r in records if r.get("type") == kind), None)
+
+
+def latest(records: list[Record], kind: str) -> Record | None:
+    """The last record of a kind (a refitted turn has two `context` records: the last was sent)."""
+    return next((r for r in reversed(records) if r.get("type") == kind), None)
+
+
+def text(value: object) -> str | None:
+    return value if isinstance(value, str) else None
+
+
+def number(value: object) -> float | None:
+    return float(value) if isinstance(value, int | float) and not isinstance(value, bool) else None
+
+
+def obj(value: object) -> JSONObject | None:
+    return cast(JSONObject, value) if isinstance(value, dict) else None
+
+
+def message(value: object) -> Message | None:
+    return cast(Message, value) if isinstance(value, dict) else None
+
+
+def messages(value: object) -> list[Message]:
+    """A stored list of messages (anything that is not a message object left out)."""
+    return [cast(Message, m) for m in value if isinstance(m, dict)] if isinstance(value, list) else []
+
+
+def ints(value: object) -> tuple[int, ...] | None:
+    return tuple(v for v in value if isinstance(v, int)) if isinstance(value, list) else None
+
+
 def turn_from_records(records: list[Record]) -> Turn | None:
     """The turn a response log describes, or None unless it is committed with a reply."""
     if not is_committed(records):
         return None
-    request = next((r for r in records if r.get("type") == "request"), None)
-    response = next((r for r in reversed(records) if r.get("type") == "response"), None)
+    request = first(records, "request")
+    response = latest(records, "response")
     if request is None:
         return None
-    if request.get("kind") == "items":
-        response = {"message": None}  # items added through the Conversations API: no reply
-    elif response is None or not isinstance(response.get("message"), dict):
-        return None
+    output: Message | None = None
+    output_tokens: object = None
+    if request.get("kind") != "items":  # items added through the Conversations API: no reply
+        output = message(response.get("message")) if response is not None else None
+        if output is None or response is None:
+            return None
+        output_tokens = response.get("message_tokens")
     system = request.get("system")
-    input_tokens = request.get("input_tokens")
-    system_tokens = request.get("system_tokens")
-    output_tokens = response.get("message_tokens")
+    created, branch_at = request.get("created"), request.get("branch_at")
     return Turn(
         response_id=str(request.get("response_id")),
-        input=tuple(request.get("input") or ()),
-        output=response["message"],
-        system=tuple(system) if system is not None else None,
-        encoding=request.get("encoding"),
-        input_tokens=tuple(input_tokens) if isinstance(input_tokens, list) else None,
+        input=tuple(messages(request.get("input"))),
+        output=output,
+        system=tuple(messages(system)) if system is not None else None,
+        encoding=text(request.get("encoding")),
+        input_tokens=ints(request.get("input_tokens")),
         output_tokens=output_tokens if isinstance(output_tokens, int) else None,
-        system_tokens=tuple(system_tokens) if isinstance(system_tokens, list) else None,
-        created=request.get("created") if isinstance(request.get("created"), int | float) else None,
-        model=request.get("model") if isinstance(request.get("model"), str) else None,
-        user=(request.get("params") or {}).get("user")
-        if isinstance((request.get("params") or {}).get("user"), str)
-        else None,
-        recap=request.get("recap") if isinstance(request.get("recap"), dict) else None,
-        timezone=request.get("user_timezone") if isinstance(request.get("user_timezone"), str) else None,
-        branch_at=request.get("branch_at") if isinstance(request.get("branch_at"), int) else None,
+        system_tokens=ints(request.get("system_tokens")),
+        created=created if isinstance(created, int | float) else None,
+        model=text(request.get("model")),
+        user=text((obj(request.get("params")) or {}).get("user")),
+        recap=message(request.get("recap")),
+        timezone=text(request.get("user_timezone")),
+        branch_at=branch_at if isinstance(branch_at, int) else None,
     )
+
+
+Status = Literal["completed", "failed", "in_progress"]
+
+
+@dataclass(frozen=True, slots=True)
+class StoredResponse:
+    """A response log read back: the request, the context last sent, the reply, the outcome."""
+
+    response_id: str
+    records: list[Record]
+    request: Record
+    context: Record | None
+    response: Record | None
+    outcome: Record
+
+    @classmethod
+    def of(cls, response_id: str, records: list[Record]) -> StoredResponse:
+        return cls(
+            response_id=response_id,
+            records=records,
+            request=first(records, "request") or {},
+            context=latest(records, "context"),
+            response=first(records, "response"),
+            outcome=records[-1] if records else {},
+        )
+
+    @property
+    def status(self) -> Status:
+        kind = self.outcome.get("type")
+        return "completed" if kind == "commit" else "failed" if kind == "incomplete" else "in_progress"
+
+    @property
+    def conversation_id(self) -> str | None:
+        return text(self.request.get("conversation_id"))
+
+    @property
+    def created(self) -> float:
+        return number(self.request.get("created")) or 0.0
+
+    @property
+    def model(self) -> str:
+        return text(self.request.get("model")) or ""
+
+    @property
+    def params(self) -> JSONObject:
+        return obj(self.request.get("params")) or {}
+
+    @property
+    def input(self) -> list[Message]:
+        return messages(self.request.get("input"))
+
+    @property
+    def system(self) -> list[Message]:
+        return messages(self.request.get("system"))
+
+    @property
+    def message(self) -> Message | None:
+        return message(self.response.get("message")) if self.response else None
+
+    @property
+    def finish_reason(self) -> str | None:
+        return text(self.response.get("finish_reason")) if self.response else None
+
+    @property
+    def usage(self) -> Usage | None:
+        usage = obj(self.response.get("usage")) if self.response else None
+        return cast(Usage, usage) if usage is not None else None
+
+    @property
+    def error(self) -> JSONObject | None:
+        return obj(self.outcome.get("error")) if self.status == "failed" else None

@@ -6,7 +6,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-from gateway.context.history import ConversationView, Message
+from gateway.context.history import ConversationView
+from gateway.types import Message
 
 SUMMARY_INSTRUCTIONS = (
     "You maintain the running summary of a conversation between a user and an assistant. "

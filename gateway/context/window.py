@@ -13,8 +13,8 @@ from __future__ import annotations
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
-from gateway.context.history import Message
 from gateway.exceptions import ContextLengthExceeded
+from gateway.types import Message
 
 # Framing a chat request costs on top of its messages (OpenAI: every reply is primed).
 REQUEST_OVERHEAD_TOKENS = 3

@@ -245,7 +245,8 @@ class Planner:
         if limit < _MIN_SIZED_TOKENS:
             return None, 0
         text = message.get("content")
-        cut = {**message, "content": truncate_text(text, limit - 8, model) if isinstance(text, str) else ""}
+        shorter = truncate_text(text, limit - 8, model) if isinstance(text, str) else ""
+        cut: Message = {**message, "content": shorter}
         return cut, count(cut)
 
     async def recap(

@@ -6,18 +6,17 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Mapping
 from dataclasses import dataclass
-from typing import Any
 
 from gateway.context import ConversationView, Turn
 from gateway.context.lifecycle import State, derive_state
-from gateway.context.records import turn_from_records
+from gateway.context.records import latest, turn_from_records
 from gateway.exceptions import CorruptRecord, NotFound
 from gateway.services.cache import ConversationCache
 from gateway.store import Store, StoreRegistry
+from gateway.types import Record
 
-Record = dict[str, Any]
 log = logging.getLogger("gateway.services")
 
 
@@ -48,20 +47,11 @@ class ConversationRow:
         return self.summary.conversation_id
 
 
-def text_of(message: dict[str, Any]) -> str:
+def text_of(message: Mapping[str, object]) -> str:
     content = message.get("content")
     if isinstance(content, list):
         return " ".join(str(p.get("text", "")) for p in content if isinstance(p, dict))
     return content if isinstance(content, str) else ""
-
-
-def latest(records: list[Record], kind: str) -> Record | None:
-    """The last record of a kind (a refitted turn has two `context` records: the last was sent)."""
-    return next((r for r in reversed(records) if r.get("type") == kind), None)
-
-
-def first(records: list[Record], kind: str) -> Record | None:
-    return next((r for r in records if r.get("type") == kind), None)
 
 
 class Queries:

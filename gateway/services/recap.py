@@ -8,6 +8,7 @@ from zoneinfo import ZoneInfo
 
 from gateway.context import ConversationView, Message
 from gateway.context.lifecycle import local_day, recap_message, todays_user_lines, user_key
+from gateway.context.records import number
 from gateway.store import Store
 
 # The recap looks at most at this many of the user's most recently started conversations: its
@@ -44,7 +45,7 @@ async def build_recap(
         if not view.turns or view.last_activity is None or local_day(view.last_activity, tz) != today:
             continue
         digest = digests.get(cid)
-        if digest and float(digest.get("at", 0)) >= view.last_activity:
+        if digest and (number(digest.get("at")) or 0.0) >= view.last_activity:
             lines = [str(digest.get("summary", ""))]
         else:
             lines = todays_user_lines(view)

@@ -141,4 +141,3 @@ class ChatRequest:
         elif body.get("agent_id") is not None:
             cid = check_conversation_id(body["agent_id"], param="agent_id")
         return cls(body, model, messages, stream, include_usage, cid)
-

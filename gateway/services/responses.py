@@ -4,13 +4,11 @@
 from __future__ import annotations
 
 import time
-from typing import Any
 
 from gateway.config import Settings
+from gateway.context.records import StoredResponse
 from gateway.exceptions import InvalidRequest, NotFound
 from gateway.store import StoreRegistry
-
-Record = dict[str, Any]
 
 
 class StoredResponses:
@@ -18,19 +16,17 @@ class StoredResponses:
         self.settings = settings
         self.stores = stores
 
-    async def get(self, tenant: str, rid: str) -> tuple[list[Record], Record]:
-        """(the response's records, its request record); NotFound when absent or deleted."""
+    async def get(self, tenant: str, rid: str) -> StoredResponse:
+        """The response's log, read; NotFound when absent or deleted."""
         records = await (await self.stores.get(tenant)).read_response(rid)
         if not records or records[-1].get("type") == "deleted":
             raise NotFound(f"No response found with id {rid!r}", param="response_id")
-        request_record = next((r for r in records if r.get("type") == "request"), {})
-        return records, request_record
+        return StoredResponse.of(rid, records)
 
     async def delete(self, tenant: str, rid: str) -> None:
         store = await self.stores.get(tenant)
-        _, req = await self.get(tenant, rid)
-        cid = req.get("conversation_id")
-        if not isinstance(cid, str):
+        cid = (await self.get(tenant, rid)).conversation_id
+        if cid is None:
             await store.tombstone(rid)
             return
         async with store.lock(cid, self.settings.storage.lock_timeout):
@@ -40,7 +36,7 @@ class StoredResponses:
                     cid, {"type": "delete_response", "response_id": rid, "at": time.time()}
                 )
 
-    async def continued_conversation(self, tenant: str, previous: Any) -> str:
+    async def continued_conversation(self, tenant: str, previous: object) -> str:
         """The conversation a `previous_response_id` belongs to. Whether the turn continues on
         it or on a fork made at that response is decided by the turn, under the lock."""
         if not isinstance(previous, str):

@@ -24,6 +24,7 @@ from gateway.context.lifecycle import (
     user_key,
     zone,
 )
+from gateway.context.records import number
 from gateway.services.cache import ConversationCache
 from gateway.services.summaries import Summaries
 from gateway.store import Store, StoreRegistry
@@ -72,7 +73,7 @@ class Sessions:
             settled = (
                 bool(records)
                 and records[-1].get("state") in (PROCESSED, FAILED)
-                and float(records[-1].get("at", 0)) >= modified
+                and (number(records[-1].get("at")) or 0.0) >= modified
             )
             expired = sessions.ttl > 0 and now - modified > sessions.ttl
             if settled and not expired:

@@ -2,37 +2,38 @@
 
 from __future__ import annotations
 
-from typing import Any
+from typing import cast
 
-from gateway.context import (
-    Message,
-)
-from gateway.exceptions import (
-    UpstreamProtocolError,
-)
+from gateway.exceptions import UpstreamProtocolError
+from gateway.types import JSONObject, Message, ToolCall, Usage
 
 _OUTPUT_FIELDS = ("role", "content", "tool_calls", "function_call", "name", "refusal")
 
 
-def output_message(message: Any) -> Message:
+def _object(value: object) -> JSONObject:
+    return cast(JSONObject, value) if isinstance(value, dict) else {}
+
+
+def output_message(message: object) -> Message:
     """The assistant message as it will be replayed: known fields, nulls dropped."""
     if not isinstance(message, dict):
         raise UpstreamProtocolError("The provider's reply has no message")
-    out: Message = {"role": "assistant"}
+    out: JSONObject = {"role": "assistant"}
     for key in _OUTPUT_FIELDS[1:]:
         value = message.get(key)
         if value is not None and value != []:
             out[key] = value
     if "tool_calls" in out:
+        calls = out["tool_calls"]
         out["tool_calls"] = [
             {"id": c.get("id"), "type": c.get("type") or "function", "function": c.get("function")}
-            for c in out["tool_calls"]
+            for c in (calls if isinstance(calls, list) else ())
             if isinstance(c, dict)
         ]
         out.setdefault("content", None)
     else:
         out.setdefault("content", "")
-    return out
+    return cast(Message, out)
 
 
 class StreamAccumulator:
@@ -41,37 +42,48 @@ class StreamAccumulator:
     def __init__(self) -> None:
         self.content: list[str] = []
         self.refusal: list[str] = []
-        self.tool_calls: dict[int, dict[str, Any]] = {}
+        self.tool_calls: dict[int, ToolCall] = {}
         self.finish_reason: str | None = None
-        self.usage: dict[str, Any] | None = None
+        self.usage: Usage | None = None
 
-    def add(self, chunk: dict[str, Any]) -> None:
-        if isinstance(chunk.get("usage"), dict):
-            self.usage = chunk["usage"]
-        for choice in chunk.get("choices") or ():
+    def add(self, chunk: JSONObject) -> None:
+        usage = chunk.get("usage")
+        if isinstance(usage, dict):
+            self.usage = cast(Usage, usage)
+        choices = chunk.get("choices")
+        for choice in choices if isinstance(choices, list) else ():
             if not isinstance(choice, dict) or choice.get("index", 0) != 0:
                 continue
-            delta = choice.get("delta") or {}
-            if isinstance(delta.get("content"), str):
-                self.content.append(delta["content"])
-            if isinstance(delta.get("refusal"), str):
-                self.refusal.append(delta["refusal"])
-            for call in delta.get("tool_calls") or ():
-                slot = self.tool_calls.setdefault(
-                    int(call.get("index", 0)),
-                    {"id": None, "type": "function", "function": {"name": "", "arguments": ""}},
-                )
-                if call.get("id"):
-                    slot["id"] = call["id"]
-                if call.get("type"):
-                    slot["type"] = call["type"]
-                fn = call.get("function") or {}
-                if fn.get("name"):
-                    slot["function"]["name"] += fn["name"]
-                if fn.get("arguments"):
-                    slot["function"]["arguments"] += fn["arguments"]
-            if choice.get("finish_reason"):
-                self.finish_reason = choice["finish_reason"]
+            delta = _object(choice.get("delta"))
+            content, refusal = delta.get("content"), delta.get("refusal")
+            if isinstance(content, str):
+                self.content.append(content)
+            if isinstance(refusal, str):
+                self.refusal.append(refusal)
+            calls = delta.get("tool_calls")
+            for call in calls if isinstance(calls, list) else ():
+                if isinstance(call, dict):
+                    self._add_call(call)
+            finish = choice.get("finish_reason")
+            if finish:
+                self.finish_reason = str(finish)
+
+    def _add_call(self, call: JSONObject) -> None:
+        index = call.get("index", 0)
+        slot = self.tool_calls.setdefault(
+            int(index) if isinstance(index, int | float | str) else 0,
+            cast(ToolCall, {"id": None, "type": "function", "function": {"name": "", "arguments": ""}}),
+        )
+        if call.get("id"):
+            slot["id"] = cast(str, call["id"])
+        if call.get("type"):
+            slot["type"] = cast(str, call["type"])
+        fn = _object(call.get("function"))
+        function = slot["function"]
+        if fn.get("name"):
+            function["name"] = function.get("name", "") + str(fn["name"])
+        if fn.get("arguments"):
+            function["arguments"] = function.get("arguments", "") + str(fn["arguments"])
 
     def message(self) -> Message:
         message: Message = {"role": "assistant", "content": "".join(self.content)}
@@ -82,4 +94,3 @@ class StreamAccumulator:
             if not message["content"]:
                 message["content"] = None
         return message
-

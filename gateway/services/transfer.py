@@ -48,7 +48,6 @@ def _copy_data(source: Path, target: Path) -> int:
     return len(files)
 
 
-
 def export_data(settings: Settings, target: Path) -> str:
     """Every conversation of the configured backend (all tenants) written to `target` in the
     JSONL layout; what was written, in words."""

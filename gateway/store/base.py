@@ -17,8 +17,7 @@ from dataclasses import dataclass
 from typing import Any, TypeVar
 
 from gateway.exceptions import InvalidRequest, NotFound, StorageError
-
-Record = dict[str, Any]
+from gateway.types import Record
 
 K = TypeVar("K")
 V = TypeVar("V")

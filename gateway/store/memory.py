@@ -9,7 +9,8 @@ from contextlib import asynccontextmanager
 from typing import Any
 
 from gateway.exceptions import ConversationBusy, NotFound
-from gateway.store.base import Appended, IndexEntry, IndexRead, Record, ResponseLog, Store, Version, now
+from gateway.store.base import Appended, IndexEntry, IndexRead, ResponseLog, Store, Version, now
+from gateway.types import Record
 
 
 class _MemoryLog(ResponseLog):

@@ -10,9 +10,7 @@
 
 from __future__ import annotations
 
-from typing import Any
-
-Record = dict[str, Any]
+from gateway.types import Record
 
 
 def is_committed(records: list[Record]) -> bool:

@@ -12,7 +12,7 @@ import orjson
 
 from gateway.exceptions import CorruptRecord
 from gateway.ids import is_valid_response_id
-from gateway.store.base import Record
+from gateway.types import Record
 
 CONTEXT_PREFIX = b'{"type":"context"'
 

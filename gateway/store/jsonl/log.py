@@ -11,8 +11,9 @@ from typing import TYPE_CHECKING, Any
 import orjson
 
 from gateway.exceptions import StorageError
-from gateway.store.base import Appended, Record, ResponseLog, Version, now
+from gateway.store.base import Appended, ResponseLog, Version, now
 from gateway.store.jsonl.files import fsync_dir, write_all
+from gateway.types import Record
 
 if TYPE_CHECKING:
     from gateway.store.jsonl.store import JsonlStore

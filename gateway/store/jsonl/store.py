@@ -32,7 +32,6 @@ from gateway.store.base import (
     Appended,
     IndexEntry,
     IndexRead,
-    Record,
     ResponseLog,
     Store,
     Version,
@@ -49,6 +48,7 @@ from gateway.store.jsonl.files import (
 )
 from gateway.store.jsonl.locks import CrossProcessLock
 from gateway.store.jsonl.log import JsonlLog
+from gateway.types import Record
 
 log = logging.getLogger("gateway.store")
 

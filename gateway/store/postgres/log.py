@@ -9,7 +9,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 from gateway.exceptions import StorageError
-from gateway.store.base import Appended, Record, ResponseLog, Version, now
+from gateway.store.base import Appended, ResponseLog, Version, now
 from gateway.store.postgres.backend import _Backend
 from gateway.store.postgres.schema import (
     _INSERT_RECORDS,
@@ -18,6 +18,7 @@ from gateway.store.postgres.schema import (
     _encode,
     map_errors,
 )
+from gateway.types import Record
 
 log = logging.getLogger("gateway.store")
 

@@ -13,7 +13,7 @@ import asyncpg
 import orjson
 
 from gateway.exceptions import ConversationBusy, GatewayError, StorageError
-from gateway.store.base import Record
+from gateway.types import Record
 
 log = logging.getLogger("gateway.store")
 

@@ -9,9 +9,10 @@ from typing import TYPE_CHECKING, Any
 import orjson
 
 from gateway.ids import check_conversation_id
-from gateway.store.base import SIDE_LOGS, Record
+from gateway.store.base import SIDE_LOGS
 from gateway.store.postgres.log import _SideCache
 from gateway.store.postgres.schema import _decode
+from gateway.types import Record
 
 if TYPE_CHECKING:
     from gateway.store.postgres.store import PostgresStore

@@ -30,7 +30,7 @@ import orjson
 
 from gateway.exceptions import ConversationBusy, NotFound, StorageError
 from gateway.ids import check_conversation_id, is_valid_conversation_id, is_valid_response_id
-from gateway.store.base import LRU, Appended, IndexEntry, IndexRead, Record, ResponseLog, Store, Version, now
+from gateway.store.base import LRU, Appended, IndexEntry, IndexRead, ResponseLog, Store, Version, now
 from gateway.store.postgres import branches, sides
 from gateway.store.postgres.backend import _Backend, _backend_for
 from gateway.store.postgres.log import _Hold, _PostgresLog, _SideCache
@@ -49,6 +49,7 @@ from gateway.store.postgres.schema import (
     map_errors,
     redact,
 )
+from gateway.types import Record
 
 log = logging.getLogger("gateway.store")
 T = TypeVar("T")

@@ -1,0 +1,90 @@
+"""The shapes of the data the gateway passes around: OpenAI chat messages, tool calls, usage
+and stream chunks, the records of a response log, and JSON as read from a client, a provider
+or a file (an `object` to narrow with isinstance, never trusted)."""
+
+from __future__ import annotations
+
+from typing import Literal, Required, TypeAlias
+
+from typing_extensions import TypedDict
+
+# JSON as parsed (orjson.loads): narrow with isinstance before use.
+JSON: TypeAlias = "None | bool | int | float | str | list[JSON] | dict[str, JSON]"
+JSONObject: TypeAlias = "dict[str, object]"
+# A record of a response log, an index marker or a side-log entry, as stored (see
+# gateway/store/records.py for the kinds): JSON objects read back from disk are not trusted.
+Record: TypeAlias = "dict[str, object]"
+
+
+class FunctionCall(TypedDict, total=False):
+    name: str
+    arguments: str
+
+
+class ToolCall(TypedDict, total=False):
+    """A tool call on an assistant message (`index` only in stream deltas)."""
+
+    id: str
+    type: str
+    function: FunctionCall
+    index: int
+
+
+class ImageURL(TypedDict, total=False):
+    url: str
+    detail: str
+
+
+class ContentPart(TypedDict, total=False):
+    """A part of a message's content: text, or an image (`image_url`)."""
+
+    type: Required[str]
+    text: str
+    image_url: ImageURL | str
+
+
+class Message(TypedDict, total=False):
+    """An OpenAI chat message. Clients may send more fields; they are kept and forwarded as
+    sent (a TypedDict names the ones the gateway reads)."""
+
+    role: Required[str]
+    content: str | list[ContentPart] | None
+    name: str
+    tool_calls: list[ToolCall]
+    tool_call_id: str
+    refusal: str | None
+    is_feedback: bool  # a gateway field: stored, never sent to a provider
+
+
+class Usage(TypedDict, total=False):
+    prompt_tokens: int
+    completion_tokens: int
+    total_tokens: int
+    prompt_tokens_details: dict[str, int]
+
+
+class Delta(TypedDict, total=False):
+    role: str
+    content: str | None
+    tool_calls: list[ToolCall]
+    refusal: str | None
+
+
+class ChunkChoice(TypedDict, total=False):
+    index: int
+    delta: Delta
+    finish_reason: str | None
+
+
+class Chunk(TypedDict, total=False):
+    """One `chat.completion.chunk` of a stream."""
+
+    id: str
+    object: str
+    created: int
+    model: str
+    choices: list[ChunkChoice]
+    usage: Usage | None
+
+
+RecordType = Literal["request", "context", "response", "commit", "incomplete", "deleted"]
