@@ -63,6 +63,11 @@ class Usage(TypedDict, total=False):
     prompt_tokens_details: dict[str, int]
 
 
+class Timings(TypedDict):
+    upstream_ms: float
+    total_ms: float
+
+
 class Delta(TypedDict, total=False):
     role: str
     content: str | None

@@ -483,3 +483,33 @@ async def test_a_stream_whose_commit_fails_never_shows_a_finish_reason(
         "stop"
     ]
     assert r.text.rstrip().endswith("data: [DONE]")
+
+
+async def test_a_closed_turn_gives_one_frozen_outcome(memory_store: MemoryStore) -> None:
+    """The service hands callers a frozen TurnOutcome (not its working state); closing again,
+    as a stream's error path and its on-close hook both do, gives the same value."""
+    import dataclasses
+
+    from gateway.services import Services
+    from gateway.services.requests import ChatRequest
+    from gateway.upstream import Router
+
+    upstream = MockUpstream(lambda body: "four")
+    services = Services.from_settings(
+        make_settings(), store=memory_store, router=Router({"mock": upstream}, "mock")
+    )
+    body = {"model": "mock/m", "messages": [user("2+2?")], "conversation_id": "frozen"}
+    turn = await services.turns.prepare(ChatRequest.parse(body))
+    await services.turns.complete(turn)
+    outcome = await services.turns.close(turn)
+    assert outcome.committed and outcome.message == {"role": "assistant", "content": "four"}
+    assert (outcome.conversation_id, outcome.new_messages, outcome.sent_messages) == ("frozen", 1, 1)
+    assert outcome.timings is not None and outcome.timings["total_ms"] >= outcome.timings["upstream_ms"]
+    assert outcome.window_tokens is not None and outcome.window_tokens["total"] > 0
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        outcome.committed = False  # type: ignore[misc]
+    assert await services.turns.close(turn) is outcome
+
+    failed = await services.turns.prepare(ChatRequest.parse({**body, "messages": [user("again")]}))
+    outcome = await services.turns.close(failed, UpstreamTimeout("slow"))
+    assert not outcome.committed and outcome.message is None and outcome.finish_reason is None

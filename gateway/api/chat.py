@@ -23,7 +23,7 @@ from gateway.api.observe import log_failure, log_line, refused
 from gateway.api.sse import chat_events
 from gateway.exceptions import GatewayError
 from gateway.services.requests import ChatRequest
-from gateway.services.turn import PreparedTurn
+from gateway.services.turn import PreparedTurn, TurnOutcome
 
 
 def _headers(turn: PreparedTurn) -> dict[str, str]:
@@ -33,10 +33,10 @@ def _headers(turn: PreparedTurn) -> dict[str, str]:
     return headers
 
 
-def _failed(turn: PreparedTurn, exc: BaseException) -> Response:
+def _failed(turn: PreparedTurn, outcome: TurnOutcome, exc: BaseException) -> Response:
     """The response for a turn that failed before any byte was sent: a 499 for a client that
     went away, else the error, naming the response whose log records the attempt."""
-    log_failure(turn, exc)
+    log_failure(outcome, exc)
     if isinstance(exc, ClientDisconnected):
         return Response(status_code=499)
     if not isinstance(exc, GatewayError):
@@ -61,21 +61,18 @@ async def chat_completions(request: Request) -> Response:
         try:
             result = await until_disconnect(service.complete(turn), request.receive)
         except BaseException as exc:
-            await service.close(turn, turn_outcome(exc))
-            return _failed(turn, exc)
-        await service.close(turn)
-        log_line(turn, 200, "complete", request.app.state.metrics)
+            return _failed(turn, await service.close(turn, turn_outcome(exc)), exc)
+        log_line(await service.close(turn), 200, "complete", request.app.state.metrics)
         return JSONBody(result, headers=_headers(turn))
 
     try:
         chunks = await until_disconnect(service.open_chunks(turn), request.receive)
     except BaseException as exc:
-        await service.close(turn, turn_outcome(exc))
-        return _failed(turn, exc)
+        return _failed(turn, await service.close(turn, turn_outcome(exc)), exc)
 
     async def on_close(exc: BaseException | None) -> None:
-        await service.close(turn, None if exc is None else turn_outcome(exc))
-        complete = turn.final_message is not None and exc is None  # committed
-        log_line(turn, 200, "complete" if complete else "incomplete", request.app.state.metrics)
+        outcome = await service.close(turn, None if exc is None else turn_outcome(exc))
+        complete = outcome.committed and exc is None
+        log_line(outcome, 200, "complete" if complete else "incomplete", request.app.state.metrics)
 
     return SSEResponse(chat_events(service, turn, chunks), headers=_headers(turn), on_close=on_close)

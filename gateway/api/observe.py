@@ -6,7 +6,6 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from typing import Any
 
 import orjson
 from starlette.requests import Request
@@ -14,69 +13,69 @@ from starlette.requests import Request
 from gateway.api.http import ClientDisconnected
 from gateway.exceptions import GatewayError
 from gateway.metrics import Metrics
-from gateway.services.turn import PreparedTurn
+from gateway.services.turn import TurnOutcome
+from gateway.types import JSONObject
 
 access_log = logging.getLogger("gateway.access")
 
 
-def observe(metrics: Metrics, turn: PreparedTurn) -> None:
-    timings, plan = turn.timings, turn.plan
+def observe(metrics: Metrics, outcome: TurnOutcome) -> None:
+    timings = outcome.timings
     if timings is not None:
-        metrics.upstream.labels(turn.route.provider).observe(timings["upstream_ms"] / 1000)
+        metrics.upstream.labels(outcome.provider).observe(timings["upstream_ms"] / 1000)
         metrics.overhead.observe(max(0.0, timings["total_ms"] - timings["upstream_ms"]) / 1000)
-    usage = turn.usage or {}
+    usage = outcome.usage or {}
     prompt = usage.get("prompt_tokens")
     if not isinstance(prompt, int):
-        prompt = plan.window.total_tokens if plan is not None else 0
+        prompt = (outcome.window_tokens or {}).get("total", 0)
     metrics.tokens.labels("in").inc(prompt)
     completion = usage.get("completion_tokens")
     if isinstance(completion, int):
         metrics.tokens.labels("out").inc(completion)
-    if plan is not None and plan.window.omitted:
+    if outcome.truncated:
         metrics.truncations.inc()
-        metrics.truncated_messages.inc(plan.window.omitted)
-    if turn.upstream_truncated:
+        metrics.truncated_messages.inc(outcome.truncated)
+    if outcome.upstream_truncated:
         metrics.upstream_truncation.inc()
-    if turn.conversation_id is not None:
-        metrics.conversation_touched(turn.conversation_id)
+    if outcome.conversation_id is not None:
+        metrics.conversation_touched(outcome.conversation_id)
 
 
 def log_line(
-    turn: PreparedTurn,
+    outcome: TurnOutcome,
     status: int,
-    outcome: str,
+    result: str,
     metrics: Metrics | None = None,
     *,
     event: str = "chat.completion",
 ) -> None:
-    if metrics is not None and outcome == "complete":
-        observe(metrics, turn)
+    if metrics is not None and result == "complete":
+        observe(metrics, outcome)
     if not access_log.isEnabledFor(logging.INFO):
         return
-    line: dict[str, Any] = {
+    line: JSONObject = {
         "event": event,
-        "response_id": turn.response_id,
-        "conversation_id": turn.conversation_id,
-        "model": turn.request.model,
-        "provider": turn.route.provider,
-        "stream": turn.request.stream,
+        "response_id": outcome.response_id,
+        "conversation_id": outcome.conversation_id,
+        "model": outcome.model,
+        "provider": outcome.provider,
+        "stream": outcome.stream,
         "status": status,
-        "outcome": outcome,
-        "new_messages": len(turn.new),
-        "sent_messages": len(turn.upstream_body["messages"]),
-        "ms": round((time.perf_counter() - turn.started) * 1000, 3),
+        "outcome": result,
+        "new_messages": outcome.new_messages,
+        "sent_messages": outcome.sent_messages,
+        "ms": outcome.elapsed_ms,
     }
-    plan = turn.plan
-    if plan is not None:
-        line["tokens"] = plan.window.tokens
-        line["budget"] = plan.window.budget
-        line["truncated"] = plan.window.omitted
-        line["summary_version"] = plan.summary.version if plan.summary else None
+    if outcome.window_tokens is not None:
+        line["tokens"] = outcome.window_tokens
+        line["budget"] = outcome.budget
+        line["truncated"] = outcome.truncated
+        line["summary_version"] = outcome.summary_version
     access_log.info(orjson.dumps(line).decode())
 
 
 def refused(
-    request: Request, body: Any, exc: GatewayError, started: float, *, event: str = "chat.completion"
+    request: Request, body: object, exc: GatewayError, started: float, *, event: str = "chat.completion"
 ) -> None:
     """The log line and metric of a request the gateway refused before asking any provider."""
     request.app.state.metrics.refusals.labels(exc.code or exc.error_type).inc()
@@ -84,7 +83,7 @@ def refused(
         return
     body = body if isinstance(body, dict) else {}
     cid = body.get("conversation_id") or request.headers.get("x-conversation-id")
-    line: dict[str, Any] = {
+    line: JSONObject = {
         "event": event,
         "response_id": None,
         "conversation_id": cid if isinstance(cid, str) else None,
@@ -98,12 +97,12 @@ def refused(
     access_log.info(orjson.dumps(line).decode())
 
 
-def log_failure(turn: PreparedTurn, exc: BaseException, *, event: str = "chat.completion") -> None:
+def log_failure(outcome: TurnOutcome, exc: BaseException, *, event: str = "chat.completion") -> None:
     """The log line of a turn that failed before any byte of its answer was sent."""
     if isinstance(exc, ClientDisconnected):
-        log_line(turn, 499, "disconnected", event=event)
+        log_line(outcome, 499, "disconnected", event=event)
     elif isinstance(exc, GatewayError):
-        log_line(turn, exc.status_code, "error", event=event)
+        log_line(outcome, exc.status_code, "error", event=event)
     else:
         cancelled = isinstance(exc, asyncio.CancelledError)
-        log_line(turn, 499 if cancelled else 500, "cancelled" if cancelled else "error", event=event)
+        log_line(outcome, 499 if cancelled else 500, "cancelled" if cancelled else "error", event=event)

@@ -193,10 +193,11 @@ async def response_events(
         seq += 1
         yield event("response.failed", seq, response=failed)
         return
+    outcome = await service.close(turn)  # committed by now: the lock is released early
     final = response_object(
         created=created,
-        message=turn.final_message,
-        finish_reason=turn.finish_reason,
+        message=outcome.message,
+        finish_reason=outcome.finish_reason,
         usage=acc.usage,
         **common,
     )

@@ -170,21 +170,20 @@ async def create_response(request: Request) -> Response:
         headers["x-conversation-id"] = cid
     if not chat.stream:
         try:
-            completion = await until_disconnect(service.complete(turn), request.receive)
+            await until_disconnect(service.complete(turn), request.receive)
         except BaseException as exc:
-            await service.close(turn, turn_outcome(exc))
-            log_failure(turn, exc, event="response")
+            log_failure(await service.close(turn, turn_outcome(exc)), exc, event="response")
             if isinstance(exc, ClientDisconnected):
                 return Response(status_code=499)
             raise
-        await service.close(turn)
-        log_line(turn, 200, "complete", metrics, event="response")
+        outcome = await service.close(turn)
+        log_line(outcome, 200, "complete", metrics, event="response")
         return JSONBody(
             response_object(
-                created=turn.created or time.time(),
-                message=turn.final_message,
-                finish_reason=turn.finish_reason,
-                usage=completion.get("usage"),
+                created=outcome.created or time.time(),
+                message=outcome.message,
+                finish_reason=outcome.finish_reason,
+                usage=outcome.usage,
                 **common,
             ),
             headers=headers,
@@ -192,16 +191,15 @@ async def create_response(request: Request) -> Response:
     try:
         chunks = await until_disconnect(service.open_chunks(turn), request.receive)
     except BaseException as exc:
-        await service.close(turn, turn_outcome(exc))
-        log_failure(turn, exc, event="response")
+        log_failure(await service.close(turn, turn_outcome(exc)), exc, event="response")
         if isinstance(exc, ClientDisconnected):
             return Response(status_code=499)
         raise
 
     async def on_close(exc: BaseException | None) -> None:
-        await service.close(turn, None if exc is None else turn_outcome(exc))
-        complete = turn.final_message is not None and exc is None  # committed
-        log_line(turn, 200, "complete" if complete else "incomplete", metrics, event="response")
+        outcome = await service.close(turn, None if exc is None else turn_outcome(exc))
+        complete = outcome.committed and exc is None
+        log_line(outcome, 200, "complete" if complete else "incomplete", metrics, event="response")
 
     return SSEResponse(response_events(service, turn, chunks, common), headers=headers, on_close=on_close)
 

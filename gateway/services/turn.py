@@ -11,30 +11,59 @@ import time
 from collections.abc import Awaitable, Callable
 from contextlib import AsyncExitStack
 from dataclasses import dataclass, field
-from typing import Any
+from typing import cast
 
 import orjson
 
-from gateway.context import ConversationView, Message
+from gateway.context import ConversationView
 from gateway.exceptions import ContextLengthExceeded, NotFound, UpstreamStatusError
 from gateway.services.cache import ConversationCache
 from gateway.services.models import ModelFacts
 from gateway.services.planning import ContextPlan
 from gateway.services.requests import ChatRequest
 from gateway.store.base import ResponseLog, Store
+from gateway.types import JSONObject, Message, Record, Timings, Usage
 from gateway.upstream import Route
 
 log = logging.getLogger("gateway.services")
 
 
+@dataclass(frozen=True, slots=True)
+class TurnOutcome:
+    """What a closed turn came to, for the caller's log line, metrics and reply: returned by
+    `ChatService.close`, the same value however often a turn is closed."""
+
+    response_id: str
+    conversation_id: str | None
+    model: str
+    provider: str
+    stream: bool
+    committed: bool
+    message: Message | None  # the stored answer (None unless committed)
+    finish_reason: str | None
+    created: float | None
+    new_messages: int
+    sent_messages: int
+    elapsed_ms: float
+    usage: Usage | None
+    timings: Timings | None
+    window_tokens: dict[str, int] | None  # what the planner counted, by part (None: stateless)
+    budget: int | None
+    truncated: int | None  # messages left out of the window
+    summary_version: int | None
+    upstream_truncated: bool  # the provider counted far fewer prompt tokens than were sent
+
+
 @dataclass(slots=True)
 class PreparedTurn:
-    """Everything decided before the provider is called; closing it releases the lock."""
+    """Everything decided before the provider is called; the service's own working state
+    (callers read only its identity: `response_id`, `conversation_id`); closing it releases
+    the lock and gives the `TurnOutcome`."""
 
     request: ChatRequest
     response_id: str
     route: Route
-    upstream_body: dict[str, Any]
+    upstream_body: JSONObject
     log: ResponseLog
     new: list[Message]
     system_in: list[Message] | None
@@ -49,8 +78,8 @@ class PreparedTurn:
     plan: ContextPlan | None = None
     store: Store | None = None
     created: float | None = None
-    timings: dict[str, float] | None = None
-    usage: dict[str, Any] | None = None
+    timings: Timings | None = None
+    usage: Usage | None = None
     upstream_truncated: bool = False
     recap: Message | None = None
     final_message: Message | None = None
@@ -61,6 +90,32 @@ class PreparedTurn:
     tenant: str = ""
     branch_at: int | None = None  # history cut back here first (the client's version diverged)
     view: ConversationView | None = None
+    outcome: TurnOutcome | None = None  # set by the first close
+
+    def close_outcome(self, committed: bool) -> TurnOutcome:
+        plan = self.plan
+        messages = self.upstream_body.get("messages")
+        return TurnOutcome(
+            response_id=self.response_id,
+            conversation_id=self.conversation_id,
+            model=self.request.model,
+            provider=self.route.provider,
+            stream=self.request.stream,
+            committed=committed,
+            message=self.final_message if committed else None,
+            finish_reason=self.finish_reason if committed else None,
+            created=self.created,
+            new_messages=len(self.new),
+            sent_messages=len(messages) if isinstance(messages, list) else 0,
+            elapsed_ms=round((time.perf_counter() - self.started) * 1000, 3),
+            usage=self.usage,
+            timings=self.timings,
+            window_tokens=dict(plan.window.tokens) if plan is not None else None,
+            budget=plan.window.budget if plan is not None else None,
+            truncated=plan.window.omitted if plan is not None else None,
+            summary_version=plan.summary.version if plan is not None and plan.summary else None,
+            upstream_truncated=self.upstream_truncated,
+        )
 
     @property
     def conversation_id(self) -> str | None:
@@ -110,23 +165,25 @@ async def lock_conversation(request: ChatRequest, store: Store, stack: AsyncExit
 
 
 def response_record(
-    turn: PreparedTurn, message: Message, finish_reason: Any, usage: Any, raw: Any = None
-) -> dict[str, Any]:
+    turn: PreparedTurn, message: Message, finish_reason: object, usage: object, raw: object = None
+) -> Record:
     end = time.perf_counter()
-    record: dict[str, Any] = {
+    timings: Timings = {
+        "upstream_ms": round((end - turn.upstream_started) * 1000, 3),
+        "total_ms": round((end - turn.started) * 1000, 3),
+    }
+    record: Record = {
         "type": "response",
         "message": message,
         "finish_reason": finish_reason,
         "usage": usage,
-        "timings": {
-            "upstream_ms": round((end - turn.upstream_started) * 1000, 3),
-            "total_ms": round((end - turn.started) * 1000, 3),
-        },
+        "timings": timings,
     }
     if raw is not None and raw != message:
         record["upstream_message"] = raw
-    turn.timings = record["timings"]
-    turn.usage = usage if isinstance(usage, dict) else None
+    turn.timings = timings
+    turn.usage = cast(Usage, usage) if isinstance(usage, dict) else None
+    turn.finish_reason = finish_reason if isinstance(finish_reason, str) else None
     return record
 
 

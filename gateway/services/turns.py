@@ -41,6 +41,7 @@ from gateway.services.requests import FORBIDDEN_FIELDS, GATEWAY_FIELDS, ChatRequ
 from gateway.services.stream import StreamAccumulator, output_message
 from gateway.services.turn import (
     PreparedTurn,
+    TurnOutcome,
     archive_expired,
     expired,
     lock_conversation,
@@ -263,8 +264,11 @@ class ChatService:
         if cid is not None and turn.store is not None:
             self.cache.appended(turn.store, cid, appended, lambda view: view.extend(stored))
 
-    async def close(self, turn: PreparedTurn, exc: BaseException | None = None) -> None:
-        """Abandon the turn unless it was committed, then release the conversation."""
+    async def close(self, turn: PreparedTurn, exc: BaseException | None = None) -> TurnOutcome:
+        """Abandon the turn unless it was committed, then release the conversation. Closing
+        again gives the first close's outcome."""
+        if turn.outcome is not None:
+            return turn.outcome
         try:
             if turn.commit_task is not None:
                 await settle(turn.commit_task)
@@ -294,6 +298,8 @@ class ChatService:
                 )
         if plan is not None and plan.summary_target and turn.conversation_id and committed and turn.store:
             self.schedule_summary(turn.tenant, turn.conversation_id, plan.summary_target, turn.request.model)
+        turn.outcome = turn.close_outcome(committed)
+        return turn.outcome
 
     # -- non-streaming ------------------------------------------------------------------------
     async def complete(self, turn: PreparedTurn) -> dict[str, Any]:
@@ -314,7 +320,6 @@ class ChatService:
         record = response_record(turn, message, choices[0].get("finish_reason"), completion.get("usage"), raw)
         await self._commit(turn, message, record)
         turn.final_message = message
-        turn.finish_reason = choices[0].get("finish_reason")
         completion["id"] = turn.response_id
         completion["model"] = turn.request.model
         if turn.conversation_id is not None:
@@ -374,7 +379,6 @@ class ChatService:
             record = response_record(turn, message, acc.finish_reason, acc.usage)
             await self._commit(turn, message, record)
             turn.final_message = message
-            turn.finish_reason = acc.finish_reason
             for chunk in held:
                 yield chunk
         finally:

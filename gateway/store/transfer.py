@@ -9,7 +9,6 @@ import os
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
 
 import asyncpg
 import orjson
@@ -19,6 +18,7 @@ from gateway.ids import is_valid_conversation_id, is_valid_response_id
 from gateway.store.base import SIDE_LOGS
 from gateway.store.jsonl import parse_index, parse_jsonl
 from gateway.store.postgres import map_errors, migrate, redact
+from gateway.store.postgres.schema import Conn, Row
 
 log = logging.getLogger("gateway.store")
 
@@ -87,10 +87,10 @@ async def export_jsonl(dsn: str, target: Path) -> TransferStats:
     return stats
 
 
-async def _grouped(conn: Any, sql: str, *args: Any) -> AsyncIterator[tuple[Any, list[Any]]]:
+async def _grouped(conn: Conn, sql: str, *args: object) -> AsyncIterator[tuple[object, list[Row]]]:
     """Rows of `sql` (ordered by its first column) grouped by that column, streamed by a cursor."""
-    key: Any = None
-    group: list[Any] = []
+    key: object = None
+    group: list[Row] = []
     async for row in conn.cursor(sql, *args, prefetch=2000):
         if group and row[0] != key:
             yield key, group
@@ -101,7 +101,7 @@ async def _grouped(conn: Any, sql: str, *args: Any) -> AsyncIterator[tuple[Any, 
         yield key, group
 
 
-async def _export_namespace(conn: Any, ns: str, root: Path, stats: TransferStats) -> None:
+async def _export_namespace(conn: Conn, ns: str, root: Path, stats: TransferStats) -> None:
     logs = root / "logs"
     for folder in ("responses", "conversations", "summaries"):
         (logs / folder).mkdir(parents=True, exist_ok=True)
@@ -198,7 +198,7 @@ async def import_jsonl(dsn: str, source: Path) -> TransferStats:
     return stats
 
 
-async def _import_namespace(conn: Any, ns: str, root: Path, stats: TransferStats) -> None:
+async def _import_namespace(conn: Conn, ns: str, root: Path, stats: TransferStats) -> None:
     logs = root / "logs"
     responses: list[tuple[str, str, int, str, str]] = []
     for path in _jsonl_files(logs / "responses"):

@@ -34,10 +34,10 @@ class _Backend:
         self.dsn = dsn
         self.durability = durability
         self.loop = loop
-        self.pool: Any = None
+        self.pool: asyncpg.Pool[asyncpg.Record] | None = None
         self.users = 0
         self._opening = asyncio.Lock()
-        self._lock_conn: Any = None
+        self._lock_conn: asyncpg.Connection[asyncpg.Record] | None = None
         self._lock_mutex = asyncio.Lock()
         self._tasks: set[asyncio.Future[Any]] = set()
         self._local: weakref.WeakValueDictionary[int, asyncio.Lock] = weakref.WeakValueDictionary()
@@ -47,6 +47,13 @@ class _Backend:
         if lock is None:
             lock = self._local[key] = asyncio.Lock()
         return lock
+
+    @property
+    def open_pool(self) -> asyncpg.Pool[asyncpg.Record]:
+        """The pool, once `acquire` has opened it."""
+        if self.pool is None:
+            raise StorageError("PostgreSQL storage is not open")
+        return self.pool
 
     def _settings(self) -> dict[str, str]:
         settings = {"application_name": "gateway"}

@@ -3,7 +3,7 @@ PostgreSQL: index rows are copied, response rows are shared."""
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 from gateway.exceptions import InvalidRequest, NotFound
 from gateway.ids import check_conversation_id
@@ -11,6 +11,7 @@ from gateway.store.base import now
 from gateway.store.postgres.schema import (
     _ARCHIVE,
     _NOW,
+    Conn,
 )
 
 if TYPE_CHECKING:
@@ -24,7 +25,7 @@ async def delete_conversation(store: PostgresStore, conversation_id: str, *, arc
     for kind in ("summaries", "lifecycle"):
         store._side.pop((kind, conversation_id), None)
 
-    async def work(conn: Any) -> bool:
+    async def work(conn: Conn) -> bool:
         found = await conn.fetchval(
             "DELETE FROM gateway_conversations WHERE namespace = $1 AND conversation_id = $2 "
             "RETURNING incarnation",
@@ -67,7 +68,7 @@ async def fork(store: PostgresStore, source: str, target: str, through: str) -> 
     check_conversation_id(target)
     ns = store.namespace
 
-    async def work(conn: Any) -> None:
+    async def work(conn: Conn) -> None:
         if await conn.fetchval(
             "SELECT 1 FROM gateway_conversations WHERE namespace = $1 AND conversation_id = $2",
             ns,

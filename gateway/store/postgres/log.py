@@ -89,7 +89,7 @@ class _PostgresLog(ResponseLog):
             await asyncio.wait([self._created])
         try:
             with map_errors("could not record the response durably"):
-                async with backend.pool.acquire() as conn:
+                async with backend.open_pool.acquire() as conn:
                     async with conn.transaction():
                         await store._insert_rows(conn, _INSERT_RECORDS, self.response_id, rows, 0)
                         if store.before_index_append is not None:

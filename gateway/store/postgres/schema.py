@@ -6,7 +6,7 @@ import hashlib
 import logging
 from collections.abc import Iterator
 from contextlib import contextmanager
-from typing import Any, TypeVar
+from typing import TYPE_CHECKING, Any, TypeAlias, TypeVar
 from urllib.parse import urlsplit
 
 import asyncpg
@@ -14,6 +14,13 @@ import orjson
 
 from gateway.exceptions import ConversationBusy, GatewayError, StorageError
 from gateway.types import Record
+
+if TYPE_CHECKING:
+    from asyncpg.pool import PoolConnectionProxy
+
+# A connection of the pool, or one opened on its own (locks, export/import).
+Conn: TypeAlias = "asyncpg.Connection[asyncpg.Record] | PoolConnectionProxy[asyncpg.Record]"
+Row: TypeAlias = asyncpg.Record
 
 log = logging.getLogger("gateway.store")
 
@@ -124,7 +131,7 @@ def advisory_key(namespace: str, conversation_id: str) -> int:
     return int.from_bytes(digest, "big", signed=True)
 
 
-async def migrate(conn: Any) -> int:
+async def migrate(conn: Conn) -> int:
     """Bring the schema up to SCHEMA_VERSION (idempotent, safe with replicas starting together)."""
     async with conn.transaction():
         await conn.execute("SELECT pg_advisory_xact_lock($1)", _MIGRATION_LOCK)

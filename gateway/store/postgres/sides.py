@@ -4,14 +4,14 @@ that row being gone) that another replica deleted the log."""
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 import orjson
 
 from gateway.ids import check_conversation_id
 from gateway.store.base import SIDE_LOGS
 from gateway.store.postgres.log import _SideCache
-from gateway.store.postgres.schema import _decode
+from gateway.store.postgres.schema import Conn, _decode
 from gateway.types import Record
 
 if TYPE_CHECKING:
@@ -28,7 +28,7 @@ async def append_side(store: PostgresStore, kind: str, key: str, record: Record)
     check_side(kind, key)
     text = orjson.dumps(record).decode()
 
-    async def work(conn: Any) -> None:
+    async def work(conn: Conn) -> None:
         await conn.execute(
             "INSERT INTO gateway_side (namespace, kind, key, record) VALUES ($1, $2, $3, $4::json)",
             store.namespace,

@@ -24,7 +24,7 @@ import asyncio
 import logging
 from collections.abc import AsyncIterator, Awaitable, Callable
 from contextlib import asynccontextmanager
-from typing import Any, TypeVar
+from typing import TypeVar
 
 import orjson
 
@@ -41,6 +41,8 @@ from gateway.store.postgres.schema import (
     _LOAD,
     _PROCESSOR_LOCK,
     COMMAND_TIMEOUT,
+    Conn,
+    Row,
     _busy,
     _Conflict,
     _decode,
@@ -110,26 +112,26 @@ class PostgresStore(Store):
         if backend is not None and backend.loop is asyncio.get_running_loop():
             await backend.release()
 
-    async def _fetch(self, action: str, sql: str, *args: Any) -> list[Any]:
+    async def _fetch(self, action: str, sql: str, *args: object) -> list[Row]:
         backend = await self._open_backend()
         with map_errors(action):
-            return list(await backend.pool.fetch(sql, *args))
+            return list(await backend.open_pool.fetch(sql, *args))
 
-    async def _write(self, action: str, work: Callable[[Any], Awaitable[T]]) -> T:
+    async def _write(self, action: str, work: Callable[[Conn], Awaitable[T]]) -> T:
         """One transaction, run to its end even if the caller is cancelled (never leaving a pooled
         connection mid-transaction)."""
         backend = await self._open_backend()
 
         async def run() -> T:
             with map_errors(action):
-                async with backend.pool.acquire() as conn:
+                async with backend.open_pool.acquire() as conn:
                     async with conn.transaction():
                         return await work(conn)
 
         return await asyncio.shield(backend.spawn(run()))
 
     async def _insert_rows(
-        self, conn: Any, sql: str, response_id: str, rows: list[tuple[str, str]], first_seq: int
+        self, conn: Conn, sql: str, response_id: str, rows: list[tuple[str, str]], first_seq: int
     ) -> None:
         seqs = list(range(first_seq, first_seq + len(rows)))
         await conn.execute(sql, self.namespace, response_id, seqs, [k for k, _ in rows], [r for _, r in rows])
@@ -140,12 +142,12 @@ class PostgresStore(Store):
         backend = await self._open_backend()
         sql = _INSERT_UNLESS_COMMITTED if unless_committed else _INSERT_RECORDS
         with map_errors("could not write the response log"):
-            async with backend.pool.acquire() as conn:
+            async with backend.open_pool.acquire() as conn:
                 await self._insert_rows(conn, sql, response_id, rows, first_seq)
 
     async def _append_entry(
         self,
-        conn: Any,
+        conn: Conn,
         cid: str,
         response_id: str | None,
         marker: str | None,
@@ -293,7 +295,7 @@ class PostgresStore(Store):
         text = orjson.dumps(marker).decode()
         expected = self._expected(conversation_id)
 
-        async def work(conn: Any) -> tuple[int, int]:
+        async def work(conn: Conn) -> tuple[int, int]:
             return await self._append_entry(conn, conversation_id, None, text, expected)
 
         try:
@@ -320,7 +322,7 @@ class PostgresStore(Store):
             raise NotFound(f"No response {response_id!r}", param="response_id")
         kind, text = _encode({"type": "deleted", "at": now()})
 
-        async def work(conn: Any) -> Any:
+        async def work(conn: Conn) -> object:
             return await conn.fetchval(
                 "INSERT INTO gateway_responses (namespace, response_id, seq, kind, record) "
                 "SELECT $1::text, $2::text, max(seq) + 1, $3::text, $4::json FROM gateway_responses "
