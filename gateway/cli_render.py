@@ -5,12 +5,13 @@ from __future__ import annotations
 
 import textwrap
 from datetime import datetime
-from typing import Any
 
 import click
 
 from gateway.context import Message, Turn
+from gateway.context.records import messages, number, obj
 from gateway.tokens import count_message
+from gateway.types import Record, as_list
 
 
 def when(ts: float) -> str:
@@ -68,15 +69,15 @@ LAYERS = [
 ]
 
 
-def render_context(record: dict[str, Any], *, show_messages: bool) -> None:
+def render_context(record: Record, *, show_messages: bool) -> None:
     """The manifest: how the window was filled, what was left out, and what was sent."""
     if record.get("stateless"):
         click.echo(
             f"context      stateless pass-through: {record.get('sent_messages')} messages sent as given"
         )
     else:
-        budget = int(record.get("budget") or 0)
-        tokens = record.get("tokens") or {}
+        budget = int(number(record.get("budget")) or 0)
+        tokens = obj(record.get("tokens")) or {}
         click.echo(
             f"window       {record.get('context_window')} tokens, reserve {record.get('reserve_tokens')}, "
             f"budget {budget} ({record.get('encoding')})"
@@ -100,7 +101,7 @@ def render_context(record: dict[str, Any], *, show_messages: bool) -> None:
         width = 60
         bar = ""
         for name, char, color in LAYERS:
-            cells = round(width * int(tokens.get(name, 0)) / budget) if budget else 0
+            cells = round(width * (number(tokens.get(name)) or 0) / budget) if budget else 0
             bar += click.style(char * cells, fg=color)
         free = max(0, width - len(click.unstyle(bar)))
         click.echo(f"             [{bar}{'·' * free}] budget")
@@ -117,10 +118,10 @@ def render_context(record: dict[str, Any], *, show_messages: bool) -> None:
             through = record.get("summary_covers_through")
             version = record.get("summary_version")
             click.echo(f"summary      v{version} covers {covers} messages, through {through}")
-        included = record.get("included_response_ids") or []
+        included = as_list(record.get("included_response_ids"))
         if included:
             click.echo(f"included     {len(included)} responses: {included[0]} … {included[-1]}")
     if show_messages:
         click.echo("sent (exact):")
-        for m in record.get("messages") or []:
+        for m in messages(record.get("messages")):
             click.echo("  " + render_message(m))

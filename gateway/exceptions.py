@@ -23,7 +23,8 @@ GatewayError
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any
+
+from gateway.types import JSONObject
 
 
 @dataclass(frozen=True, slots=True)
@@ -50,7 +51,7 @@ class GatewayError(Exception):
         if code is not None:
             self.code = code
 
-    def to_dict(self) -> dict[str, Any]:
+    def to_dict(self) -> dict[str, JSONObject]:
         return {
             "error": {
                 "message": self.message,

@@ -4,7 +4,7 @@ or a file (an `object` to narrow with isinstance, never trusted)."""
 
 from __future__ import annotations
 
-from typing import Literal, Required, TypeAlias
+from typing import Literal, Required, TypeAlias, cast
 
 from typing_extensions import TypedDict
 
@@ -93,3 +93,19 @@ class Chunk(TypedDict, total=False):
 
 
 RecordType = Literal["request", "context", "response", "commit", "incomplete", "deleted"]
+
+
+def as_object(value: object) -> JSONObject:
+    """`value` if it is a JSON object, else an empty one (for reading untrusted JSON)."""
+    return cast(JSONObject, value) if isinstance(value, dict) else {}
+
+
+def as_list(value: object) -> list[object]:
+    """`value` if it is a JSON array, else an empty one."""
+    return cast(list[object], value) if isinstance(value, list) else []
+
+
+def first_choice(completion: JSONObject) -> JSONObject:
+    """Choice 0 of a completion or chunk (empty when there is none)."""
+    choices = as_list(completion.get("choices"))
+    return as_object(choices[0]) if choices else {}

@@ -175,7 +175,7 @@ async def test_summary_recalls_turn_3_at_turn_900(tmp_path: Path) -> None:
     colour, name = (a.json()["choices"][0]["message"]["content"] for a in answers)
     assert colour == "Your colour is green."
     assert name == "Your name is Bob."
-    summaries = await store.read_summaries("long")
+    summaries = await store.read_side("summaries", "long")
     versions = [s for s in summaries if s["type"] == "summary"]
     assert versions and [s["version"] for s in versions] == list(range(1, len(versions) + 1))
     # Coverage is contiguous: every turn is covered exactly once, oldest first, no gaps.

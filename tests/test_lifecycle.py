@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import time
 from collections.abc import Iterator
 from datetime import datetime, timedelta
@@ -25,11 +26,19 @@ from tests.views import load
 
 
 class Clock:
+    """Real time moved forward by `offset`: the gateway's clock in these tests."""
+
     def __init__(self) -> None:
         self.offset = 0.0
 
     def __call__(self) -> float:
         return time.time() + self.offset
+
+    def stamp(self, store: JsonlStore, cid: str) -> None:
+        """Date the conversation's index by this clock, as a turn taken at clock time would
+        have: the processor finds candidates by index modification time."""
+        now = self()
+        os.utime(store.conversations_dir / f"{cid}.jsonl", (now, now))
 
 
 class Summaries:
@@ -97,7 +106,7 @@ async def test_idle_conversation_is_processed_and_reactivated(tmp_path: Path) ->
     await processor.run_once()
     states = [r["state"] for r in await store.read_side("lifecycle", "c1")]
     assert states == [PROCESSING, PROCESSED]
-    summary = (await store.read_summaries("c1"))[-1]
+    summary = (await store.read_side("summaries", "c1"))[-1]
     assert "my name is Ada" in summary["text"]
     day = datetime.now(ZoneInfo("UTC")).strftime("%Y-%m-%d")
     digest = await store.read_side("digests", f"{user_key('u1')}.{day}")
@@ -130,6 +139,7 @@ async def test_failures_retry_then_fail(tmp_path: Path) -> None:
     model.fail = False
     clock.offset = 62
     await say(client, "c2", "still there?")  # ...until a new message
+    clock.stamp(store, "c2")
     clock.offset = 124
     await processor.run_once()
     assert (await processor.state_of("", "c2")).state == PROCESSED

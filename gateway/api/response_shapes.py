@@ -26,7 +26,7 @@ def _response_tools(tools: object) -> list[JSONObject]:
     ]
 
 
-def output_items(message: Message | None, response_id: str, position: int) -> list[dict[str, Any]]:
+def output_items(message: Message | None, response_id: str, position: int) -> list[JSONObject]:
     if message is None:
         return []
     items = message_to_items(message, response_id, position)
@@ -92,7 +92,7 @@ def response_object(
     }
 
 
-def event(kind: str, seq: int, **fields: Any) -> bytes:
+def event(kind: str, seq: int, **fields: object) -> bytes:
     payload = {"type": kind, "sequence_number": seq, **fields}
     return b"event: " + kind.encode() + b"\ndata: " + orjson.dumps(payload) + b"\n\n"
 

@@ -3,26 +3,26 @@
 from __future__ import annotations
 
 import logging
-from collections.abc import AsyncIterator
-from typing import Any
+from collections.abc import AsyncIterator, Mapping
 
 import orjson
 
 from gateway.exceptions import GatewayError, UpstreamProtocolError
 from gateway.services.turn import PreparedTurn
 from gateway.services.turns import ChatService
+from gateway.types import JSONObject
 
 log = logging.getLogger("gateway.api")
 
 SSE_DONE = b"data: [DONE]\n\n"
 
 
-def sse(payload: dict[str, Any]) -> bytes:
+def sse(payload: Mapping[str, object]) -> bytes:
     return b"data: " + orjson.dumps(payload) + b"\n\n"
 
 
 async def chat_events(
-    service: ChatService, turn: PreparedTurn, chunks: AsyncIterator[dict[str, Any]]
+    service: ChatService, turn: PreparedTurn, chunks: AsyncIterator[JSONObject]
 ) -> AsyncIterator[bytes]:
     """The chunks as `chat.completion.chunk` events, then `[DONE]`. Headers are sent by then:
     any failure becomes an in-band error event (as OpenAI does: no `[DONE]` after it)."""

@@ -12,7 +12,8 @@ from __future__ import annotations
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any
+
+from gateway.types import JSONObject
 
 # Newest (ours, theirs) pairs kept per (provider, model).
 MAX_OBSERVATIONS = 64
@@ -40,7 +41,7 @@ class Calibration:
         room = provider_budget - self.overhead - self.margin
         return max(0, math.floor(room / self.ratio)) if room > 0 else 0
 
-    def to_dict(self) -> dict[str, Any]:
+    def to_dict(self) -> JSONObject:
         return {
             "ratio": round(self.ratio, 4),
             "overhead": round(self.overhead, 1),

@@ -13,12 +13,12 @@ import hashlib
 from collections.abc import Callable
 from dataclasses import dataclass
 from datetime import datetime
-from typing import Any
 from zoneinfo import ZoneInfo, ZoneInfoNotFoundError
 
 from gateway.context.history import ConversationView
+from gateway.context.records import number, text
 from gateway.exceptions import InvalidRequest
-from gateway.types import Message
+from gateway.types import Message, Record
 
 ACTIVE, PROCESSING, PROCESSED, FAILED = "active", "processing", "processed", "failed"
 RECAP_PREFIX = "Earlier today"
@@ -51,17 +51,17 @@ class State:
     error: str | None = None
 
 
-def derive_state(records: list[dict[str, Any]], last_activity: float | None) -> State:
+def derive_state(records: list[Record], last_activity: float | None) -> State:
     """The current state from the lifecycle log and the conversation's last activity."""
     if not records:
         return State(ACTIVE, 0, 0.0)
     last = records[-1]
     state = str(last.get("state", ACTIVE))
-    at = float(last.get("at", 0.0))
-    attempts = int(last.get("attempts", 0))
+    at = number(last.get("at")) or 0.0
+    attempts = int(number(last.get("attempts")) or 0)
     if state in (PROCESSED, FAILED) and last_activity is not None and last_activity > at:
         return State(ACTIVE, 0, last_activity)  # a new message reactivates it
-    return State(state, attempts, at, last.get("lease_until"), last.get("error"))
+    return State(state, attempts, at, number(last.get("lease_until")), text(last.get("error")))
 
 
 def _text(message: Message) -> str:

@@ -4,10 +4,10 @@ summarizer prompt is rendered, and how big summaries and summarizer chunks may b
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any
 
 from gateway.context.history import ConversationView
-from gateway.types import Message
+from gateway.context.records import number
+from gateway.types import Message, Record
 
 SUMMARY_INSTRUCTIONS = (
     "You maintain the running summary of a conversation between a user and an assistant. "
@@ -46,7 +46,7 @@ class Summary:
         return {"role": "system", "content": f"Summary of the earlier conversation:\n{self.text}"}
 
 
-def current_summary(records: list[dict[str, Any]], view: ConversationView) -> Summary | None:
+def current_summary(records: list[Record], view: ConversationView) -> Summary | None:
     """The newest summary that applies to this view (a reset makes older ones inapplicable)."""
     for record in reversed(records):
         if record.get("type") != "summary":
@@ -55,7 +55,7 @@ def current_summary(records: list[dict[str, Any]], view: ConversationView) -> Su
         if not isinstance(rid, str) or rid not in view.history_end:
             continue
         return Summary(
-            version=int(record.get("version", 0)),
+            version=int(number(record.get("version")) or 0),
             covers_through=rid,
             covered=view.history_end[rid],
             text=str(record.get("text", "")),

@@ -7,7 +7,6 @@ from __future__ import annotations
 import contextlib
 import secrets
 import time
-from typing import Any
 
 from gateway.config import Settings
 from gateway.context import ConversationView, Message, Turn, split_system
@@ -18,6 +17,7 @@ from gateway.services.cache import ConversationCache
 from gateway.services.requests import check_size
 from gateway.store import Store, StoreRegistry
 from gateway.store.base import now
+from gateway.types import Record
 
 MAX_ADDED_ITEMS = 100
 
@@ -53,7 +53,7 @@ class Conversations:
         return await self.cache.load(store, cid)
 
     async def create(
-        self, tenant: str, *, requested_id: Any, metadata: dict[str, str], items: Any
+        self, tenant: str, *, requested_id: object, metadata: dict[str, str], items: object
     ) -> tuple[str, ConversationView]:
         """A new conversation, with its first items: all of it, or (on any failure) none."""
         store = await self.stores.get(tenant)
@@ -87,7 +87,7 @@ class Conversations:
     async def get(self, tenant: str, cid: str) -> ConversationView:
         return await self._existing(await self.stores.get(tenant), cid)
 
-    async def _marker(self, tenant: str, cid: str, marker: dict[str, Any]) -> ConversationView:
+    async def _marker(self, tenant: str, cid: str, marker: Record) -> ConversationView:
         store = await self.stores.get(tenant)
         async with store.lock(cid, self.lock_timeout):
             await self._existing(store, cid)
@@ -109,24 +109,26 @@ class Conversations:
         if not deleted:
             raise NotFound(f"No conversation found with id {cid!r}", param="conversation_id")
 
-    async def add_items(self, tenant: str, cid: str, raw_items: Any) -> list[Item]:
+    async def add_items(self, tenant: str, cid: str, raw_items: object) -> list[Item]:
         store = await self.stores.get(tenant)
         await self._existing(store, cid)
         return await self._add_items(store, cid, raw_items)
 
     @staticmethod
-    def _messages(raw_items: Any) -> list[Message]:
+    def _messages(raw_items: object) -> list[Message]:
         messages = items_to_messages(raw_items)
         if len(messages) > MAX_ADDED_ITEMS:
             raise InvalidRequest(f"At most {MAX_ADDED_ITEMS} items can be added at a time", param="items")
         return messages
 
-    async def _add_items(self, store: Store, cid: str, raw_items: Any, *, locked: bool = False) -> list[Item]:
+    async def _add_items(
+        self, store: Store, cid: str, raw_items: object, *, locked: bool = False
+    ) -> list[Item]:
         messages = self._messages(raw_items)
         system, rest = split_system(messages)
         rid = mint_response_id("items")
         created_at = now()
-        record: dict[str, Any] = {
+        record: Record = {
             "type": "request",
             "kind": "items",
             "response_id": rid,

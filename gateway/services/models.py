@@ -21,7 +21,6 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from functools import lru_cache
 from pathlib import Path
-from typing import Any
 
 import orjson
 
@@ -29,6 +28,7 @@ from gateway.config import Settings
 from gateway.context.calibration import EXACT, MAX_OBSERVATIONS, UNCALIBRATED, Calibration, fit
 from gateway.exceptions import GatewayError, Refusal
 from gateway.store.base import Store
+from gateway.types import JSONObject
 from gateway.upstream import Route
 from gateway.upstream.base import ServerWindow
 
@@ -107,7 +107,7 @@ class WindowFacts:
     calibration: Calibration
     num_ctx_option: bool = False
 
-    def to_dict(self) -> dict[str, Any]:
+    def to_dict(self) -> JSONObject:
         return {"tokens": self.tokens, "source": self.source, "calibration": self.calibration.to_dict()}
 
 

@@ -26,6 +26,7 @@ from gateway.services.recap import build_recap
 from gateway.services.requests import ChatRequest
 from gateway.store.base import Store
 from gateway.tokens import count_message, truncate_text
+from gateway.types import Record
 from gateway.upstream import Route
 
 log = logging.getLogger("gateway.services")
@@ -81,7 +82,7 @@ class ContextPlan:
     summary_target: str | None  # response id a new summary should cover through
     facts: WindowFacts | None = None
 
-    def snapshot(self, view: ConversationView, new_messages: int, sent: list[Message]) -> dict[str, Any]:
+    def snapshot(self, view: ConversationView, new_messages: int, sent: list[Message]) -> Record:
         included = list(dict.fromkeys(view.history_owner[self.kept_from :]))
         return {
             "type": "context",
@@ -143,7 +144,7 @@ class Planner:
             system_tokens = [int(n or 0) for n in (view.system_tokens or [])]
         summary = None
         if ctx.strategy == "summarize":
-            summary = current_summary(await store.read_summaries(cid), view)
+            summary = current_summary(await store.read_side("summaries", cid), view)
         covered = summary.covered if summary else 0
         history = view.history
         # The first unit, kept ahead of the cut when configured and no summary covers it.
@@ -269,7 +270,7 @@ class Planner:
         )
 
     def learn_from_usage(
-        self, plan: ContextPlan | None, route: Route, record: dict[str, Any], cid: str | None, rid: str
+        self, plan: ContextPlan | None, route: Route, record: Record, cid: str | None, rid: str
     ) -> bool:
         """Calibrate counting from the provider's `prompt_tokens` (which already includes cached
         tokens, for OpenAI and llama.cpp alike), and flag a provider that silently dropped part

@@ -127,7 +127,9 @@ class Queries:
 
     async def summaries(self, tenant: str, cid: str) -> list[Record]:
         return [
-            r for r in await (await self.stores.get(tenant)).read_summaries(cid) if r.get("type") == "summary"
+            r
+            for r in await (await self.stores.get(tenant)).read_side("summaries", cid)
+            if r.get("type") == "summary"
         ]
 
     async def turns(self, tenant: str, cid: str) -> list[Turn]:

@@ -9,7 +9,6 @@ retries are the background job's (`gateway.jobs.summarizer`); this never runs on
 from __future__ import annotations
 
 import time
-from typing import Any
 
 from gateway.config import Settings
 from gateway.context.summary import (
@@ -25,7 +24,9 @@ from gateway.services.models import ModelFacts
 from gateway.store import StoreRegistry
 from gateway.store.base import now
 from gateway.tokens import count_message, count_text, encoding_name_for, truncate_text
+from gateway.types import as_object, first_choice
 from gateway.upstream import Router
+from gateway.upstream.base import Body
 
 
 class Summaries:
@@ -54,13 +55,15 @@ class Summaries:
         if not view.history_owner:
             return ""
         await self.fold(tenant, cid, view.history_owner[-1], self.model_for(model))
-        summary = current_summary(await store.read_summaries(cid), await self.cache.load(store, cid))
+        summary = current_summary(await store.read_side("summaries", cid), await self.cache.load(store, cid))
         return summary.text if summary else ""
 
     async def record_failure(self, tenant: str, cid: str, attempt: int, message: str) -> None:
         store = await self.stores.get(tenant)
-        await store.append_summary(
-            cid, {"type": "summary_failed", "attempt": attempt, "error": message[:500], "created": now()}
+        await store.append_side(
+            "summaries",
+            cid,
+            {"type": "summary_failed", "attempt": attempt, "error": message[:500], "created": now()},
         )
 
     async def fold(self, tenant: str, cid: str, target: str, model: str) -> None:
@@ -70,7 +73,7 @@ class Summaries:
         encoding = encoding_name_for(model)
         async with store.lock(cid, self.settings.storage.lock_timeout):
             view = await self.cache.load(store, cid)
-            records = await store.read_summaries(cid)
+            records = await store.read_side("summaries", cid)
             summary = current_summary(records, view)
             end = view.history_end.get(target)
             if end is None:
@@ -104,7 +107,7 @@ class Summaries:
                 j = k
             chunk = messages[i:j]
             rendered = truncate_text(render_for_summary(chunk), limit, model)
-            body: dict[str, Any] = {
+            body: Body = {
                 "model": route.model,
                 "messages": [
                     {"role": "system", "content": SUMMARY_INSTRUCTIONS.format(max_tokens=cap)},
@@ -123,10 +126,11 @@ class Summaries:
                 if exc.refusal is not None:  # learned from; the retry plans smaller chunks
                     self.facts.refused(route, 0, exc.refusal, facts.tokens)
                 raise
-            reply = ((completion.get("choices") or [{}])[0].get("message") or {}).get("content") or ""
+            reply = as_object(first_choice(completion).get("message")).get("content") or ""
             text = truncate_text(str(reply).strip(), cap, model)
             version += 1
-            await store.append_summary(
+            await store.append_side(
+                "summaries",
                 cid,
                 {
                     "type": "summary",

@@ -51,7 +51,9 @@ from gateway.services.turn import (
 )
 from gateway.store import StoreRegistry
 from gateway.tokens import counter_for
+from gateway.types import Record, first_choice
 from gateway.upstream import Router
+from gateway.upstream.base import Chunk
 
 log = logging.getLogger("gateway.services")
 
@@ -159,11 +161,12 @@ class ChatService:
                 options = upstream_body.get("options")
                 if options is None or (isinstance(options, dict) and "num_ctx" not in options):
                     upstream_body["options"] = {**(options or {}), "num_ctx": plan.facts.tokens}
-            record: dict[str, Any] = {
+            created = self.clock()
+            record: Record = {
                 "type": "request",
                 "response_id": response_id,
                 "conversation_id": cid,
-                "created": self.clock(),
+                "created": created,
                 "model": request.model,
                 "provider": route.provider,
                 "upstream_model": route.model,
@@ -213,7 +216,7 @@ class ChatService:
             turn.branch_at = branch_at
             if plan is not None:
                 turn.replan = replan
-            turn.created = record["created"]
+            turn.created = created
             turn.recap = recap
             turn.first_of_user = (
                 request.body["user"]
@@ -225,7 +228,7 @@ class ChatService:
             await stack.aclose()
             raise
 
-    async def _commit(self, turn: PreparedTurn, message: Message, record: dict[str, Any]) -> None:
+    async def _commit(self, turn: PreparedTurn, message: Message, record: Record) -> None:
         output_tokens = None
         if turn.encoding is not None and turn.new_tokens is not None:
             _, count = counter_for(turn.request.model)
@@ -302,7 +305,7 @@ class ChatService:
         return turn.outcome
 
     # -- non-streaming ------------------------------------------------------------------------
-    async def complete(self, turn: PreparedTurn) -> dict[str, Any]:
+    async def complete(self, turn: PreparedTurn) -> Chunk:
         turn.upstream_started = time.perf_counter()
         while True:
             try:
@@ -312,12 +315,12 @@ class ChatService:
                 if exc.refusal is None:
                     raise
                 await refit(turn, exc, self.facts, self.on_context_refusal)
-        choices = completion.get("choices")
-        if not choices or not isinstance(choices[0], dict):
+        choice = first_choice(completion)
+        if not choice:
             raise UpstreamProtocolError(f"Provider {turn.route.provider!r} returned no choices")
-        raw = choices[0].get("message")
+        raw = choice.get("message")
         message = output_message(raw)
-        record = response_record(turn, message, choices[0].get("finish_reason"), completion.get("usage"), raw)
+        record = response_record(turn, message, choice.get("finish_reason"), completion.get("usage"), raw)
         await self._commit(turn, message, record)
         turn.final_message = message
         completion["id"] = turn.response_id
@@ -327,7 +330,7 @@ class ChatService:
         return completion
 
     # -- streaming ----------------------------------------------------------------------------
-    async def open_chunks(self, turn: PreparedTurn) -> AsyncIterator[dict[str, Any]]:
+    async def open_chunks(self, turn: PreparedTurn) -> AsyncIterator[Chunk]:
         """Start the provider's stream and wait for its first chunk, so that errors before
         the first byte still become proper HTTP statuses; then return the chunk stream, which
         commits the turn after the last chunk (and raises GatewayError on a broken stream)."""
@@ -335,7 +338,7 @@ class ChatService:
         while True:
             chunks = turn.route.upstream.stream(turn.upstream_body).__aiter__()
             try:
-                first: dict[str, Any] | None = await chunks.__anext__()
+                first: Chunk | None = await chunks.__anext__()
                 break
             except StopAsyncIteration:
                 first = None
@@ -347,15 +350,15 @@ class ChatService:
         return self._chunks(turn, chunks, first)
 
     async def _chunks(
-        self, turn: PreparedTurn, chunks: AsyncIterator[dict[str, Any]], first: dict[str, Any] | None
-    ) -> AsyncIterator[dict[str, Any]]:
+        self, turn: PreparedTurn, chunks: AsyncIterator[Chunk], first: Chunk | None
+    ) -> AsyncIterator[Chunk]:
         acc = StreamAccumulator()
         cid = turn.conversation_id
         model = turn.request.model
         # From the chunk that finishes the answer on, chunks are held back until the turn is
         # committed: a client that stops reading at `finish_reason` must not take an answer
         # the store then failed to keep for a saved one (it gets an in-band error instead).
-        held: list[dict[str, Any]] = []
+        held: list[Chunk] = []
         try:
             chunk = first
             while chunk is not None:

@@ -14,10 +14,10 @@ from abc import ABC, abstractmethod
 from collections import OrderedDict
 from contextlib import AbstractAsyncContextManager
 from dataclasses import dataclass
-from typing import Any, TypeVar
+from typing import Literal, TypeVar, get_args
 
 from gateway.exceptions import InvalidRequest, NotFound, StorageError
-from gateway.types import Record
+from gateway.types import JSONObject, Record
 
 K = TypeVar("K")
 V = TypeVar("V")
@@ -45,7 +45,8 @@ class LRU(OrderedDict[K, V]):
 
 
 # The side logs every backend keeps beside the conversations (`append_side` / `read_side`).
-SIDE_LOGS = frozenset({"summaries", "lifecycle", "users", "digests", "models"})
+SideLog = Literal["summaries", "lifecycle", "users", "digests", "models"]
+SIDE_LOGS: frozenset[str] = frozenset(get_args(SideLog))
 
 
 def now() -> float:
@@ -104,7 +105,7 @@ class ResponseLog(ABC):
         append, when there is a conversation)."""
 
     @abstractmethod
-    async def abandon(self, reason: str, error: dict[str, Any] | None = None) -> None:
+    async def abandon(self, reason: str, error: JSONObject | None = None) -> None:
         """Close the log marked incomplete; nothing enters any index."""
 
 
@@ -173,10 +174,6 @@ class Store(ABC):
         """Mark a response deleted: a final `deleted` record; loaders then skip it."""
         raise InvalidRequest("Deleting responses is not supported by this storage backend")
 
-    def index_times(self) -> list[tuple[str, float]]:
-        """(conversation id, last change time) for every conversation; cheap (no parsing)."""
-        return []
-
     async def try_processor_lease(self) -> bool | None:
         """Take the lifecycle processor's lease for everything this backend holds, if the
         backend provides one (shared databases do); None means: use the data dir's lock file."""
@@ -190,22 +187,15 @@ class Store(ABC):
         return True
 
     @abstractmethod
-    async def append_side(self, kind: str, key: str, record: Record) -> None:
+    async def append_side(self, kind: SideLog, key: str, record: Record) -> None:
         """Append to a side log: `summaries`/`lifecycle` (key: conversation id), `users` (key:
         hashed user), `digests` (key: hashed user and day)."""
 
     @abstractmethod
-    async def read_side(self, kind: str, key: str) -> list[Record]:
+    async def read_side(self, kind: SideLog, key: str) -> list[Record]:
         """Every record of a side log, oldest first (empty if none)."""
-
-    async def append_summary(self, conversation_id: str, record: Record) -> None:
-        """Append a summary (or summary failure) record to the conversation's summary log."""
-        await self.append_side("summaries", conversation_id, record)
-
-    async def read_summaries(self, conversation_id: str) -> list[Record]:
-        """Every summary record of the conversation, oldest first (empty if none)."""
-        return await self.read_side("summaries", conversation_id)
 
     @abstractmethod
     async def conversation_ids(self) -> list[tuple[str, float]]:
-        """(conversation id, last change time) of every conversation, most recent first."""
+        """(conversation id, last change time) of every conversation, most recent first;
+        cheap (no record is parsed)."""

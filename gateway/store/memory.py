@@ -6,11 +6,10 @@ import asyncio
 import copy
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
-from typing import Any
 
 from gateway.exceptions import ConversationBusy, NotFound
-from gateway.store.base import Appended, IndexEntry, IndexRead, ResponseLog, Store, Version, now
-from gateway.types import Record
+from gateway.store.base import Appended, IndexEntry, IndexRead, ResponseLog, SideLog, Store, Version, now
+from gateway.types import JSONObject, Record
 
 
 class _MemoryLog(ResponseLog):
@@ -33,7 +32,7 @@ class _MemoryLog(ResponseLog):
             return None
         return self.store._append(conversation_id, self.response_id)
 
-    async def abandon(self, reason: str, error: dict[str, Any] | None = None) -> None:
+    async def abandon(self, reason: str, error: JSONObject | None = None) -> None:
         if self.closed:
             return
         self.closed = True
@@ -144,19 +143,19 @@ class MemoryStore(Store):
             raise NotFound(f"No response {response_id!r}")
         self.responses[response_id].append({"type": "deleted", "at": now()})
 
-    def index_times(self) -> list[tuple[str, float]]:
+    def _index_times(self) -> list[tuple[str, float]]:
         return [(cid, self.activity.get(cid, 0.0)) for cid in self.indexes]
 
-    async def append_side(self, kind: str, key: str, record: Record) -> None:
+    async def append_side(self, kind: SideLog, key: str, record: Record) -> None:
         if kind == "summaries":
             self.summaries.setdefault(key, []).append(copy.deepcopy(record))
         else:
             self.side.setdefault((kind, key), []).append(copy.deepcopy(record))
 
-    async def read_side(self, kind: str, key: str) -> list[Record]:
+    async def read_side(self, kind: SideLog, key: str) -> list[Record]:
         if kind == "summaries":
             return list(self.summaries.get(key, []))
         return list(self.side.get((kind, key), []))
 
     async def conversation_ids(self) -> list[tuple[str, float]]:
-        return sorted(self.index_times(), key=lambda pair: pair[1], reverse=True)
+        return sorted(self._index_times(), key=lambda pair: pair[1], reverse=True)

@@ -13,14 +13,14 @@ from abc import ABC, abstractmethod
 from collections.abc import AsyncGenerator, AsyncIterator, Awaitable, Callable
 from contextlib import aclosing
 from dataclasses import dataclass
-from typing import Any
 
 import orjson
 
 from gateway.exceptions import UpstreamError
+from gateway.types import JSONObject, as_list, as_object, first_choice
 
-Body = dict[str, Any]
-Chunk = dict[str, Any]
+Body = JSONObject  # an OpenAI chat-completions request body
+Chunk = JSONObject  # a completion, or one chunk of a stream, as the provider sent it
 
 log = logging.getLogger("gateway.upstream")
 
@@ -171,23 +171,23 @@ def chunks_from_completion(completion: Body, *, include_usage: bool) -> list[Chu
         "created": created,
         "model": model,
     }
-    choice = completion["choices"][0]
-    message = choice.get("message") or {}
+    choice = first_choice(completion)
+    message = as_object(choice.get("message"))
     out: list[Chunk] = [
         {
             **base,
             "choices": [{"index": 0, "delta": {"role": "assistant", "content": ""}, "finish_reason": None}],
         }
     ]
-    text = message.get("content") or ""
-    words = text.split(" ")
+    content = message.get("content")
+    words = (content if isinstance(content, str) else "").split(" ")
     for i, word in enumerate(words):
         piece = word if i == len(words) - 1 else word + " "
         if piece:
             out.append(
                 {**base, "choices": [{"index": 0, "delta": {"content": piece}, "finish_reason": None}]}
             )
-    for i, call in enumerate(message.get("tool_calls") or []):
+    for i, call in enumerate(as_object(c) for c in as_list(message.get("tool_calls"))):
         out.append(
             {
                 **base,
@@ -204,10 +204,10 @@ def chunks_from_completion(completion: Body, *, include_usage: bool) -> list[Chu
     return out
 
 
-def approx_tokens(messages: list[dict[str, Any]]) -> int:
+def approx_tokens(messages: object) -> int:
     """A cheap token estimate for local models (4 characters a token, 4 per message)."""
     total = 0
-    for m in messages:
-        content = m.get("content")
+    for m in as_list(messages):
+        content = as_object(m).get("content")
         total += 4 + (len(content) // 4 if isinstance(content, str) else 8)
     return total

@@ -7,9 +7,9 @@ visible without any provider: if the gateway forgot a turn, the demo model forge
 from __future__ import annotations
 
 import re
-from collections.abc import AsyncIterator
-from typing import Any
+from collections.abc import AsyncIterator, Mapping, Sequence
 
+from gateway.types import as_list, as_object
 from gateway.upstream.base import (
     Body,
     Chunk,
@@ -27,7 +27,7 @@ _NAMING = re.compile(r"^(?:called|named)\s+", re.IGNORECASE)
 _FIRST = re.compile(r"\bwhat did i (?:first )?(?:say|ask)\b", re.IGNORECASE)
 
 
-def _text(message: dict[str, Any]) -> str:
+def _text(message: Mapping[str, object]) -> str:
     content = message.get("content")
     if isinstance(content, str):
         return content
@@ -36,7 +36,7 @@ def _text(message: dict[str, Any]) -> str:
     return ""
 
 
-def demo_reply(messages: list[dict[str, Any]]) -> str:
+def demo_reply(messages: Sequence[Mapping[str, object]]) -> str:
     """The demo model's answer to a message list (pure, deterministic)."""
     users = [_text(m) for m in messages if m.get("role") == "user"]
     if not users:
@@ -74,13 +74,13 @@ class DemoUpstream(Upstream):
         self.reports_real_usage = False
 
     async def complete(self, body: Body) -> Body:
-        messages = body.get("messages") or []
+        messages = [as_object(m) for m in as_list(body.get("messages"))]
         return completion_from_text(
             str(body.get("model", "demo")), demo_reply(messages), prompt_tokens=approx_tokens(messages)
         )
 
     async def stream(self, body: Body) -> AsyncIterator[Chunk]:
         completion = await self.complete(body)
-        include_usage = bool((body.get("stream_options") or {}).get("include_usage"))
+        include_usage = bool(as_object(body.get("stream_options")).get("include_usage"))
         for chunk in chunks_from_completion(completion, include_usage=include_usage):
             yield chunk

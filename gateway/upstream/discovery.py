@@ -4,25 +4,23 @@ answer and returns the window, or None when that answer does not say."""
 
 from __future__ import annotations
 
-from typing import Any
-
 import aiohttp
 import orjson
 
 from gateway.upstream.base import ServerWindow
 
 
-def _positive(value: Any) -> int | None:
+def _positive(value: object) -> int | None:
     return value if isinstance(value, int) and not isinstance(value, bool) and value > 0 else None
 
 
-def window_from_llamacpp_props(props: Any) -> int | None:
+def window_from_llamacpp_props(props: object) -> int | None:
     """llama.cpp `GET /props`: the runtime (per-slot) window, not the training one."""
     settings = props.get("default_generation_settings") if isinstance(props, dict) else None
     return _positive(settings.get("n_ctx")) if isinstance(settings, dict) else None
 
 
-def window_from_models(listing: Any, model: str) -> int | None:
+def window_from_models(listing: object, model: str) -> int | None:
     """vLLM `GET /v1/models`: `max_model_len` of the model (the only one, if the name differs)."""
     data = listing.get("data") if isinstance(listing, dict) else None
     if not isinstance(data, list):
@@ -36,7 +34,7 @@ def window_from_models(listing: Any, model: str) -> int | None:
     return None
 
 
-def window_from_ollama_ps(ps: Any, model: str) -> int | None:
+def window_from_ollama_ps(ps: object, model: str) -> int | None:
     """Ollama `GET /api/ps`: `context_length` of the loaded model (its runtime num_ctx)."""
     models = ps.get("models") if isinstance(ps, dict) else None
     for entry in models if isinstance(models, list) else ():
@@ -49,7 +47,7 @@ def window_from_ollama_ps(ps: Any, model: str) -> int | None:
 OLLAMA_DEFAULT_NUM_CTX = 4096
 
 
-def window_from_ollama_show(show: Any) -> int | None:
+def window_from_ollama_show(show: object) -> int | None:
     """Ollama `POST /api/show`: the Modelfile's `num_ctx`, else the model's trained length
     capped at Ollama's default runtime window (what a request gets unless told otherwise)."""
     if not isinstance(show, dict):
@@ -79,7 +77,7 @@ async def describe_openai_compatible(
     root = base_url[: -len("/v1")] if base_url.endswith("/v1") else base_url
     timeout = aiohttp.ClientTimeout(total=DESCRIBE_TIMEOUT)
 
-    async def get_json(method: str, url: str, payload: Any = None) -> Any:
+    async def get_json(method: str, url: str, payload: object = None) -> object:
         try:
             async with session.request(method, url, json=payload, timeout=timeout) as response:
                 if response.status != 200:

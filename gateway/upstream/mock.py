@@ -9,8 +9,8 @@ from __future__ import annotations
 import asyncio
 import copy
 from collections.abc import AsyncIterator, Callable
-from typing import Any
 
+from gateway.types import as_list, as_object, first_choice
 from gateway.upstream.base import (
     Body,
     Chunk,
@@ -22,11 +22,13 @@ from gateway.upstream.base import (
 )
 from gateway.upstream.demo import demo_reply
 
-Handler = Callable[[Body], Any]
+# A handler answers a request body with the reply text, the assistant message, or a whole
+# completion (anything else is a TypeError; raising an UpstreamError fakes a provider fault).
+Handler = Callable[[Body], object]
 
 
-def _demo_handler(body: Body) -> Any:
-    return demo_reply(body.get("messages") or [])
+def _demo_handler(body: Body) -> str:
+    return demo_reply([as_object(m) for m in as_list(body.get("messages"))])
 
 
 class MockUpstream(Upstream):
@@ -51,16 +53,17 @@ class MockUpstream(Upstream):
         self.requests.append(copy.deepcopy(body) if self.record else body)
         reply = self.handler(body)
         model = str(body.get("model", "mock"))
-        messages = body.get("messages") or []
+        messages = body.get("messages")
         if isinstance(reply, str):
             return completion_from_text(model, reply, prompt_tokens=approx_tokens(messages))
         if isinstance(reply, dict) and "choices" in reply:
-            return reply
+            return as_object(reply)
         if isinstance(reply, dict):
             completion = completion_from_text(model, "", prompt_tokens=approx_tokens(messages))
-            completion["choices"][0]["message"] = reply
+            choice = first_choice(completion)
+            choice["message"] = reply
             if reply.get("tool_calls"):
-                completion["choices"][0]["finish_reason"] = "tool_calls"
+                choice["finish_reason"] = "tool_calls"
             return completion
         raise TypeError(f"mock handler returned {type(reply).__name__}")
 
@@ -74,6 +77,6 @@ class MockUpstream(Upstream):
 
     async def stream(self, body: Body) -> AsyncIterator[Chunk]:
         completion = await self.complete(body)
-        include_usage = bool((body.get("stream_options") or {}).get("include_usage"))
+        include_usage = bool(as_object(body.get("stream_options")).get("include_usage"))
         for chunk in chunks_from_completion(completion, include_usage=include_usage):
             yield chunk

@@ -14,7 +14,6 @@ import logging
 import os
 from collections.abc import AsyncGenerator, AsyncIterator, Iterator, Mapping
 from contextlib import contextmanager
-from typing import Any
 
 import aiohttp
 import orjson
@@ -27,6 +26,7 @@ from gateway.exceptions import (
     UpstreamTimeout,
     UpstreamUnreachable,
 )
+from gateway.types import as_list, as_object
 from gateway.upstream.base import (
     RETRY_STATUSES,
     Body,
@@ -159,7 +159,7 @@ def check_chunk(chunk: Chunk) -> Chunk:
     problem = None
     if choices is not None and not isinstance(choices, list):
         problem = "'choices' is not a list"
-    for choice in choices or ():
+    for choice in as_list(choices):
         delta = choice.get("delta") if isinstance(choice, dict) else None
         if not isinstance(choice, dict):
             problem = "a choice is not an object"
@@ -181,7 +181,7 @@ def check_chunk(chunk: Chunk) -> Chunk:
     return chunk
 
 
-def _is_tool_call_delta(call: Any) -> bool:
+def _is_tool_call_delta(call: object) -> bool:
     if not isinstance(call, dict) or not isinstance(call.get("index", 0), int):
         return False
     fn = call.get("function")
@@ -249,7 +249,7 @@ class OpenAIUpstream(Upstream):
         if status >= 400:
             raise status_error(self.name, status, content, headers)
         try:
-            result: Any = orjson.loads(content)
+            result: object = orjson.loads(content)
         except orjson.JSONDecodeError as exc:
             raise UpstreamProtocolError(
                 f"Provider {self.name!r} at {self.url} returned invalid JSON"
@@ -262,7 +262,7 @@ class OpenAIUpstream(Upstream):
 
     def stream(self, body: Body) -> AsyncIterator[Chunk]:
         data = orjson.dumps(body)
-        wants_usage = bool((body.get("stream_options") or {}).get("include_usage"))
+        wants_usage = bool(as_object(body.get("stream_options")).get("include_usage"))
         return stream_with_retries(
             self.name,
             self.retries,
@@ -282,7 +282,7 @@ class OpenAIUpstream(Upstream):
                     raise status_error(self.name, response.status, content, response.headers)
                 buffer = b""
                 received_bytes = 0
-                unfinished: set[Any] = set()  # choice indexes still without a finish_reason
+                unfinished: set[object] = set()  # choice indexes still without a finish_reason
                 seen_usage = False
                 finished = False
                 ended = False
@@ -312,7 +312,8 @@ class OpenAIUpstream(Upstream):
                             return
                         if not isinstance(chunk, dict):
                             continue
-                        for choice in chunk.get("choices") or ():
+                        for item in as_list(chunk.get("choices")):
+                            choice = as_object(item)
                             index = choice.get("index", 0)
                             if choice.get("finish_reason"):
                                 unfinished.discard(index)

@@ -13,7 +13,6 @@ Shapes seen:
 from __future__ import annotations
 
 import re
-from typing import Any
 
 from gateway.exceptions import Refusal
 
@@ -45,11 +44,11 @@ def _first(patterns: tuple[re.Pattern[str], ...], text: str) -> int | None:
     return None
 
 
-def _positive_int(value: Any) -> int | None:
+def _positive_int(value: object) -> int | None:
     return value if isinstance(value, int) and not isinstance(value, bool) and value > 0 else None
 
 
-def parse_refusal(status: int, payload: Any, text: str) -> Refusal | None:
+def parse_refusal(status: int, payload: object, text: str) -> Refusal | None:
     """The refusal in a provider's error answer (`payload`: its decoded JSON, `text`: its
     message), or None when the error is about something else."""
     if status not in (400, 413, 422, 500):

@@ -104,14 +104,14 @@ async def test_side_logs_seen_across_replicas_and_their_deletion_too(
     a, b = replicas
     await commit_turn(a, "conv", "one")
     await a.append_side("summaries", "conv", {"type": "summary", "version": 1})
-    assert [r["version"] for r in await b.read_summaries("conv")] == [1]
+    assert [r["version"] for r in await b.read_side("summaries", "conv")] == [1]
     await a.append_side("summaries", "conv", {"type": "summary", "version": 2})
-    assert [r["version"] for r in await b.read_summaries("conv")] == [1, 2]
+    assert [r["version"] for r in await b.read_side("summaries", "conv")] == [1, 2]
     async with a.lock("conv", timeout=5):
         await a.delete_conversation("conv")
-    assert await b.read_summaries("conv") == []
+    assert await b.read_side("summaries", "conv") == []
     await a.append_side("summaries", "conv", {"type": "summary", "version": 9})
-    assert [r["version"] for r in await b.read_summaries("conv")] == [9]
+    assert [r["version"] for r in await b.read_side("summaries", "conv")] == [9]
 
 
 async def test_the_lock_is_shared_across_replicas(replicas: tuple[PostgresStore, PostgresStore]) -> None:
@@ -245,12 +245,11 @@ async def test_tenants_are_namespaces(pg_dsn: str) -> None:
         await two.close()
 
 
-async def test_index_times_from_a_worker_thread(pg_store: PostgresStore) -> None:
+async def test_conversation_ids_newest_first(pg_store: PostgresStore) -> None:
     await commit_turn(pg_store, "a", "x")
     await commit_turn(pg_store, "b", "y")
-    times = dict(await asyncio.to_thread(pg_store.index_times))
-    assert sorted(times) == ["a", "b"] and times["b"] >= times["a"] > 0
-    assert dict(pg_store.index_times()) == times  # on the loop: the last answer
+    ids = await pg_store.conversation_ids()
+    assert [cid for cid, _ in ids] == ["b", "a"] and ids[0][1] >= ids[1][1] > 0
 
 
 async def test_start_writes_the_request_at_once(pg_store: PostgresStore) -> None:

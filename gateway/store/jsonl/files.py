@@ -6,7 +6,6 @@ from __future__ import annotations
 import os
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any
 
 import orjson
 
@@ -17,13 +16,13 @@ from gateway.types import Record
 CONTEXT_PREFIX = b'{"type":"context"'
 
 
-def parse_jsonl(data: bytes, *, path: str = "", start_line: int = 1) -> tuple[list[Any], int]:
+def parse_jsonl(data: bytes, *, path: str = "", start_line: int = 1) -> tuple[list[object], int]:
     """Decode complete lines; return (values, bytes consumed). A torn last line is not consumed.
 
     An undecodable complete line raises CorruptRecord with its path and line number.
     """
     end = data.rfind(b"\n") + 1
-    values: list[Any] = []
+    values: list[object] = []
     for offset, line in enumerate(data[:end].split(b"\n")[:-1]):
         if not line.strip():
             continue

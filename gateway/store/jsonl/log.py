@@ -6,14 +6,14 @@ from __future__ import annotations
 import asyncio
 import logging
 import os
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 import orjson
 
 from gateway.exceptions import StorageError
 from gateway.store.base import Appended, ResponseLog, Version, now
 from gateway.store.jsonl.files import fsync_dir, write_all
-from gateway.types import Record
+from gateway.types import JSONObject, Record
 
 if TYPE_CHECKING:
     from gateway.store.jsonl.store import JsonlStore
@@ -161,7 +161,7 @@ class JsonlLog(ResponseLog):
         except OSError as exc:
             log.error("could not mark %s incomplete: %s", self.response_id, exc)
 
-    async def abandon(self, reason: str, error: dict[str, Any] | None = None) -> None:
+    async def abandon(self, reason: str, error: JSONObject | None = None) -> None:
         if self._closed:
             return
         self._closed = True

@@ -33,6 +33,7 @@ from gateway.store.base import (
     IndexEntry,
     IndexRead,
     ResponseLog,
+    SideLog,
     Store,
     Version,
     now,
@@ -315,7 +316,7 @@ class JsonlStore(Store):
             raise ValueError(f"unknown side log {kind!r}")
         return self.root / "logs" / kind / f"{check_conversation_id(key, param='key')}.jsonl"
 
-    async def append_side(self, kind: str, key: str, record: Record) -> None:
+    async def append_side(self, kind: SideLog, key: str, record: Record) -> None:
         path = self.side_path(kind, key)
         line = orjson.dumps(record) + b"\n"
 
@@ -329,7 +330,7 @@ class JsonlStore(Store):
             raise StorageError(f"could not record {kind}: {exc.strerror or exc}") from exc
         self._side.pop((kind, key), None)
 
-    async def read_side(self, kind: str, key: str) -> list[Record]:
+    async def read_side(self, kind: SideLog, key: str) -> list[Record]:
         path = self.side_path(kind, key)
         try:
             size = path.stat().st_size
@@ -353,7 +354,7 @@ class JsonlStore(Store):
         except OSError as exc:
             raise StorageError(f"could not delete the response: {exc.strerror or exc}") from exc
 
-    def index_times(self) -> list[tuple[str, float]]:
+    def _index_times(self) -> list[tuple[str, float]]:
         out = []
         if self.conversations_dir.is_dir():
             with os.scandir(self.conversations_dir) as entries:
@@ -367,5 +368,5 @@ class JsonlStore(Store):
         return out
 
     async def conversation_ids(self) -> list[tuple[str, float]]:
-        times = await asyncio.to_thread(self.index_times)
+        times = await asyncio.to_thread(self._index_times)
         return sorted(times, key=lambda pair: pair[1], reverse=True)

@@ -18,7 +18,7 @@ from gateway.store.postgres.schema import (
     _encode,
     map_errors,
 )
-from gateway.types import Record
+from gateway.types import JSONObject, Record
 
 log = logging.getLogger("gateway.store")
 
@@ -114,7 +114,7 @@ class _PostgresLog(ResponseLog):
         except StorageError as exc:
             log.error("could not mark %s incomplete: %s", self.response_id, exc.message)
 
-    async def abandon(self, reason: str, error: dict[str, Any] | None = None) -> None:
+    async def abandon(self, reason: str, error: JSONObject | None = None) -> None:
         if self._closed:
             return
         self._closed = True

@@ -6,7 +6,7 @@ import hashlib
 import logging
 from collections.abc import Iterator
 from contextlib import contextmanager
-from typing import TYPE_CHECKING, Any, TypeAlias, TypeVar
+from typing import TYPE_CHECKING, TypeAlias, TypeVar
 from urllib.parse import urlsplit
 
 import asyncpg
@@ -240,5 +240,5 @@ def _encode(record: Record) -> tuple[str, str]:
     return str(record.get("type") or ""), orjson.dumps(record).decode()
 
 
-def _decode(text: str) -> Any:
+def _decode(text: str) -> object:
     return orjson.loads(text)

@@ -9,7 +9,7 @@ from typing import TYPE_CHECKING
 import orjson
 
 from gateway.ids import check_conversation_id
-from gateway.store.base import SIDE_LOGS
+from gateway.store.base import SIDE_LOGS, SideLog
 from gateway.store.postgres.log import _SideCache
 from gateway.store.postgres.schema import Conn, _decode
 from gateway.types import Record
@@ -24,7 +24,7 @@ def check_side(kind: str, key: str) -> None:
     check_conversation_id(key, param="key")
 
 
-async def append_side(store: PostgresStore, kind: str, key: str, record: Record) -> None:
+async def append_side(store: PostgresStore, kind: SideLog, key: str, record: Record) -> None:
     check_side(kind, key)
     text = orjson.dumps(record).decode()
 
@@ -41,7 +41,7 @@ async def append_side(store: PostgresStore, kind: str, key: str, record: Record)
     store._side.pop((kind, key), None)
 
 
-async def read_side(store: PostgresStore, kind: str, key: str) -> list[Record]:
+async def read_side(store: PostgresStore, kind: SideLog, key: str) -> list[Record]:
     """Cached per process; each read fetches only rows after the last one seen, and notices
     (by that row being gone) that another replica deleted the log."""
     check_side(kind, key)

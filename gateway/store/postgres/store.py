@@ -30,7 +30,7 @@ import orjson
 
 from gateway.exceptions import ConversationBusy, NotFound, StorageError
 from gateway.ids import check_conversation_id, is_valid_conversation_id, is_valid_response_id
-from gateway.store.base import LRU, Appended, IndexEntry, IndexRead, ResponseLog, Store, Version, now
+from gateway.store.base import LRU, Appended, IndexEntry, IndexRead, ResponseLog, SideLog, Store, Version, now
 from gateway.store.postgres import branches, sides
 from gateway.store.postgres.backend import _Backend, _backend_for
 from gateway.store.postgres.log import _Hold, _PostgresLog, _SideCache
@@ -40,7 +40,6 @@ from gateway.store.postgres.schema import (
     _INSERT_UNLESS_COMMITTED,
     _LOAD,
     _PROCESSOR_LOCK,
-    COMMAND_TIMEOUT,
     Conn,
     Row,
     _busy,
@@ -51,7 +50,7 @@ from gateway.store.postgres.schema import (
     map_errors,
     redact,
 )
-from gateway.types import Record
+from gateway.types import Record, as_object
 
 log = logging.getLogger("gateway.store")
 T = TypeVar("T")
@@ -75,7 +74,6 @@ class PostgresStore(Store):
         self._backend: _Backend | None = None
         self._side: LRU[tuple[str, str], _SideCache] = LRU(4 * cache_size)
         self._holds: dict[str, _Hold] = {}
-        self._times: list[tuple[str, float]] = []
         # Test hook: called inside the commit transaction, after the records, before the index.
         self.before_index_append: Callable[[str], None] | None = None
 
@@ -277,7 +275,10 @@ class PostgresStore(Store):
         )
         if not rows:
             raise NotFound(f"No conversation {conversation_id!r}", param="conversation_id")
-        return [row["response_id"] if row["marker"] is None else _decode(row["marker"]) for row in rows]
+        return [
+            str(row["response_id"]) if row["marker"] is None else as_object(_decode(row["marker"]))
+            for row in rows
+        ]
 
     async def exists(self, conversation_id: str) -> bool:
         check_conversation_id(conversation_id)
@@ -337,10 +338,10 @@ class PostgresStore(Store):
             raise NotFound(f"No response {response_id!r}", param="response_id")
 
     # -- side logs ----------------------------------------------------------------------------------
-    async def append_side(self, kind: str, key: str, record: Record) -> None:
+    async def append_side(self, kind: SideLog, key: str, record: Record) -> None:
         await sides.append_side(self, kind, key, record)
 
-    async def read_side(self, kind: str, key: str) -> list[Record]:
+    async def read_side(self, kind: SideLog, key: str) -> list[Record]:
         """Cached per process; each read fetches only rows after the last one seen."""
         return await sides.read_side(self, kind, key)
 
@@ -351,22 +352,7 @@ class PostgresStore(Store):
             "SELECT conversation_id, updated_at FROM gateway_conversations WHERE namespace = $1",
             self.namespace,
         )
-        self._times = [(row["conversation_id"], float(row["updated_at"])) for row in rows]
-        return self._times
-
-    def index_times(self) -> list[tuple[str, float]]:
-        """Called from a worker thread (as the lifecycle processor does), it asks the database
-        through the store's event loop; on the loop itself it returns the last answer."""
-        backend = self._backend
-        try:
-            asyncio.get_running_loop()
-            on_loop = True
-        except RuntimeError:
-            on_loop = False
-        if backend is not None and not on_loop and backend.loop.is_running():
-            future = asyncio.run_coroutine_threadsafe(self._index_times(), backend.loop)
-            return list(future.result(timeout=COMMAND_TIMEOUT))
-        return list(self._times)
+        return [(row["conversation_id"], float(row["updated_at"])) for row in rows]
 
     async def conversation_ids(self) -> list[tuple[str, float]]:
         times = [(c, t) for c, t in await self._index_times() if is_valid_conversation_id(c)]
