@@ -45,15 +45,27 @@ async def make_store(kind: str, data_dir: Path) -> Store:
     return store
 
 
-@pytest.fixture(params=["memory", "jsonl", "postgres"])
-async def store(request: pytest.FixtureRequest, tmp_path: Path) -> AsyncIterator[Store]:
-    if request.param == "postgres":
+async def open_backend(kind: str, request: pytest.FixtureRequest, tmp_path: Path) -> Store:
+    if kind == "postgres":
         # One database for the contract suite; each test gets its own namespace (tenant) in it.
         dsn = request.getfixturevalue("postgres_cluster").contract_dsn()
         s: Store = PostgresStore(dsn, namespace=f"t{os.urandom(8).hex()}")
         await s.open()
-    else:
-        s = await make_store(request.param, tmp_path / "var")
+        return s
+    return await make_store(kind, tmp_path / "var")
+
+
+@pytest.fixture(params=["memory", "jsonl", "postgres"])
+async def store(request: pytest.FixtureRequest, tmp_path: Path) -> AsyncIterator[Store]:
+    s = await open_backend(request.param, request, tmp_path)
+    yield s
+    await s.close()
+
+
+@pytest.fixture(params=["jsonl", "postgres"])
+async def durable_store(request: pytest.FixtureRequest, tmp_path: Path) -> AsyncIterator[Store]:
+    """The backends that keep a bounded per-process cache of side logs."""
+    s = await open_backend(request.param, request, tmp_path)
     yield s
     await s.close()
 
@@ -231,6 +243,120 @@ async def test_failed_commit_adds_nothing(store: Store) -> None:
     view = await load(store, "conv")
     assert view.response_ids == [kept, later]
     assert view.history == [user("first"), reply("one"), user("after"), reply("two")]
+
+
+async def test_markers_and_turns_share_one_ordered_index(store: Store) -> None:
+    """A marker creates the conversation, is durable, and sits in the index in append order;
+    each append moves the version on, and a reader at `before` sees exactly the new entry."""
+    created = {"type": "conversation", "created_at": now(), "metadata": {"k": "v"}}
+    first = await store.append_marker("marked", created)
+    rid = await commit_turn(store, "marked", "hello")
+    reset = {"type": "reset", "at": now(), "keep_system_message": True}
+    last = await store.append_marker("marked", reset)
+    index = await store.read_index("marked")
+    assert [e if isinstance(e, str) else e["type"] for e in index] == ["conversation", rid, "reset"]
+    assert index[0] == created and index[2] == reset
+    assert last.after.position > last.before.position > first.after.position > first.before.position
+    whole = await store.read_conversation("marked")
+    assert whole.restarted and whole.version == last.after
+    assert [(e.response_id, e.marker) for e in whole.entries] == [(None, created), (rid, None), (None, reset)]
+    tail = await store.read_conversation("marked", after=last.before)
+    assert not tail.restarted and [e.marker for e in tail.entries] == [reset]
+    unchanged = await store.read_conversation("marked", after=last.after)
+    assert unchanged.entries == [] and not unchanged.restarted and unchanged.version == last.after
+    view = await load(store, "marked")
+    assert view.metadata == {"k": "v"} and view.history == []  # the reset cleared the turn
+
+
+async def test_a_replaced_index_restarts_its_readers(store: Store) -> None:
+    await commit_turn(store, "again", "one")
+    seen = (await store.read_conversation("again")).version
+    assert await store.delete_conversation("again")
+    assert (await store.read_conversation("again", after=seen)).version is None  # gone
+    rid = await commit_turn(store, "again", "two")
+    fresh = await store.read_conversation("again", after=seen)
+    assert fresh.restarted and [e.response_id for e in fresh.entries] == [rid]
+
+
+async def test_fork_copies_the_prefix_and_then_goes_its_own_way(store: Store) -> None:
+    r1 = await commit_turn(store, "trunk", "one")
+    await store.append_marker("trunk", {"type": "metadata", "at": now(), "metadata": {"a": "b"}})
+    r2 = await commit_turn(store, "trunk", "two")
+    branch = f"trunk.fork-{os.urandom(6).hex()}"
+    await store.fork("trunk", branch, r1)
+    assert await store.read_index(branch) == [r1]
+    r3 = await commit_turn(store, branch, "three")
+    assert (await load(store, branch)).response_ids == [r1, r3]
+    assert (await load(store, "trunk")).response_ids == [r1, r2]  # the source is untouched
+    with pytest.raises(NotFound):
+        await store.fork("trunk", f"trunk.fork-{os.urandom(6).hex()}", r3)  # not in the source
+    with pytest.raises(NotFound):
+        await store.fork("no-such-trunk", f"x.fork-{os.urandom(6).hex()}", r1)
+
+
+async def test_a_tombstone_ends_the_log_and_the_index_keeps_its_name(store: Store) -> None:
+    kept = await commit_turn(store, "tomb", "one")
+    gone = await commit_turn(store, "tomb", "two")
+    await store.tombstone(gone)
+    records = await store.read_response(gone)
+    assert [r["type"] for r in records][-2:] == ["commit", "deleted"]
+    assert (await store.read_response(kept))[-1]["type"] == "commit"
+    assert await store.read_index("tomb") == [kept, gone]  # the service adds the marker
+    with pytest.raises(NotFound):
+        await store.tombstone(mint_response_id("test/model"))
+
+
+@pytest.mark.parametrize("archive", [False, True])
+async def test_delete_takes_the_index_its_responses_and_side_logs(store: Store, archive: bool) -> None:
+    rid = await commit_turn(store, "doomed", "one")
+    other = await commit_turn(store, "spared", "two")
+    for cid in ("doomed", "spared"):
+        await store.append_side("summaries", cid, {"type": "summary", "version": 1})
+        await store.append_side("lifecycle", cid, {"state": "processed", "at": 1.0})
+    assert await store.delete_conversation("doomed", archive=archive)
+    assert not await store.delete_conversation("doomed", archive=archive)  # once only
+    with pytest.raises(NotFound):
+        await store.read_index("doomed")
+    with pytest.raises(NotFound):
+        await store.read_response(rid)
+    assert await store.read_side("summaries", "doomed") == []
+    assert await store.read_side("lifecycle", "doomed") == []
+    assert [cid for cid, _ in await store.conversation_ids()] == ["spared"]
+    assert await store.read_index("spared") == [other]
+    assert await store.read_side("summaries", "spared") == [{"type": "summary", "version": 1}]
+
+
+async def test_side_logs_are_kept_per_kind_and_key_in_order(store: Store) -> None:
+    await store.append_side("users", "u1", {"conversation_id": "a", "at": 1.0})
+    await store.append_side("users", "u1", {"conversation_id": "b", "at": 2.0})
+    await store.append_side("users", "u2", {"conversation_id": "c", "at": 3.0})
+    await store.append_side("digests", "u1", {"summary": "s", "at": 4.0})
+    await store.append_side("models", "mmock--m", {"ratio": 1.1, "nested": {"x": [1, "é"]}})
+    assert [r["conversation_id"] for r in await store.read_side("users", "u1")] == ["a", "b"]
+    assert await store.read_side("users", "u2") == [{"conversation_id": "c", "at": 3.0}]
+    assert await store.read_side("digests", "u1") == [{"summary": "s", "at": 4.0}]
+    assert await store.read_side("models", "mmock--m") == [{"ratio": 1.1, "nested": {"x": [1, "é"]}}]
+    assert await store.read_side("digests", "nobody") == []
+
+
+async def test_commits_enter_the_index_in_commit_order(store: Store) -> None:
+    """The stale-commit rule, for every backend: a response enters the index when it commits,
+    after whatever is there by then (a log started earlier but committed later comes later),
+    and nothing already there is lost. Refusing a commit built on a view that changed under a
+    held lock is the PostgreSQL store's extra (its advisory lock can be lost with its session:
+    tests/postgres), and the services never commit without the lock."""
+    slow = mint_response_id("test/model")
+    log = store.start(slow, request_record(slow, "order", [user("slow")]))
+    log.append({"type": "response", "message": reply("late"), "finish_reason": "stop", "usage": None})
+    fast = await commit_turn(store, "order", "fast")
+    await log.commit("order")
+    assert await store.read_index("order") == [fast, slow]
+    assert [m["content"] for m in (await load(store, "order")).history] == [
+        "fast",
+        "re: fast",
+        "slow",
+        "late",
+    ]
 
 
 async def test_unknown_ids_are_not_found(store: Store) -> None:
@@ -451,6 +577,23 @@ async def test_second_instance_sees_commits_via_load(jstore: JsonlStore, tmp_pat
     assert (await load(other, "conv")).response_ids == [r1, r2, r3]
 
 
+async def test_a_new_index_at_a_reused_inode_is_not_taken_for_the_old_one(
+    jstore: JsonlStore, tmp_path: Path
+) -> None:
+    """Deleted files' inodes are reused: an index deleted and begun anew may sit at the inode
+    a reader saw, at the same size. The reader must still read the new one afresh."""
+    await commit_turn(jstore, "reborn", "old")
+    seen = (await jstore.read_conversation("reborn")).version
+    other = JsonlStore(tmp_path / "var")  # another process
+    await other.open()
+    new = await commit_turn(other, "elsewhere", "new")
+    index = jstore.index_path("reborn")
+    with open(index, "r+b") as f:  # the same inode, the same size, another conversation
+        f.write(new.encode() + b"\n")
+    again = await jstore.read_conversation("reborn", after=seen)
+    assert again.restarted and [e.response_id for e in again.entries] == [new]
+
+
 async def test_second_instance_notices_a_shrunk_index(jstore: JsonlStore, tmp_path: Path) -> None:
     r1 = await commit_turn(jstore, "conv", "one")
     await commit_turn(jstore, "conv", "two")
@@ -637,12 +780,11 @@ async def test_commit_after_an_unseen_append_does_not_corrupt_the_cache(
     assert [m["content"] for m in view.history if m["role"] == "user"] == ["one", "two", "three"]
 
 
-async def test_side_log_cache_is_bounded(store: Store) -> None:
+async def test_side_log_cache_is_bounded(durable_store: Store) -> None:
     """Reading the lifecycle log of every conversation (as the processor's scan does) must not
     grow the per-process cache with the number of conversations ever seen."""
-    cache = getattr(store, "_side", None)
-    if cache is None:
-        pytest.skip("the memory store keeps everything by design")
+    store = durable_store
+    cache = store._side  # type: ignore[attr-defined]
     cache.limit = limit = 20
     for n in range(limit + 5):
         await store.append_side("lifecycle", f"conv-{n}", {"state": "active", "at": float(n)})
@@ -656,8 +798,6 @@ async def test_side_log_cache_is_bounded(store: Store) -> None:
 async def test_deleting_a_conversation_keeps_what_its_forks_share(store: Store, archive: bool) -> None:
     """A fork shares its prefix's responses with its source. Deleting either one must not take
     the other's history with it."""
-    if isinstance(store, MemoryStore):
-        pytest.skip("the memory store copies nothing to share")
     source = "family"
     r1 = await commit_turn(store, source, "one")
     r2 = await commit_turn(store, source, "two")

@@ -119,11 +119,13 @@ class MemoryStore(Store):
         entries = self.indexes.pop(conversation_id, None)
         if entries is None:
             return False
+        shared = {e for index in self.indexes.values() for e in index if isinstance(e, str)}
         for entry in entries:
             if isinstance(entry, str):
-                records = self.responses.pop(entry, None)
+                # A fork shares its prefix's responses: those stay while an index names them.
+                records = self.responses.get(entry) if entry in shared else self.responses.pop(entry, None)
                 if archive and records is not None:
-                    self.archived.setdefault(conversation_id, []).append(records)
+                    self.archived.setdefault(conversation_id, []).append(copy.deepcopy(records))
         self.summaries.pop(conversation_id, None)
         self.side.pop(("lifecycle", conversation_id), None)
         self.activity.pop(conversation_id, None)

@@ -67,6 +67,16 @@ def write_all(fd: int, data: bytes) -> None:
         raise OSError(28, f"short write ({written} of {len(data)} bytes)")
 
 
+def index_generation(fd: int, stat: os.stat_result, first_line: bytes = b"") -> str:
+    """An index file's identity across appends: its inode and its first line. A deleted file's
+    inode is soon reused, so a reader that saw a deleted index could take a new one at the same
+    inode (and by chance the same size) for the one it read; the first line, a minted response
+    id or a creation marker, tells them apart. `first_line`: what an append to an empty file
+    writes (`fd` must be readable otherwise)."""
+    head = (os.pread(fd, 128, 0) if stat.st_size else first_line).split(b"\n", 1)[0]
+    return f"{stat.st_ino}:{head.decode('utf-8', 'replace')}"
+
+
 def fsync_dir(path: Path) -> None:
     fd = os.open(path, os.O_RDONLY)
     try:

@@ -12,7 +12,7 @@ import orjson
 
 from gateway.exceptions import StorageError
 from gateway.store.base import Appended, ResponseLog, Version, now
-from gateway.store.jsonl.files import fsync_dir, write_all
+from gateway.store.jsonl.files import fsync_dir, index_generation, write_all
 from gateway.types import JSONObject, Record
 
 if TYPE_CHECKING:
@@ -109,10 +109,11 @@ class JsonlLog(ResponseLog):
                 return None
             index = store.index_path(conversation_id)
             line = self.response_id.encode() + b"\n"
-            fd = os.open(index, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
+            fd = os.open(index, os.O_RDWR | os.O_CREAT | os.O_APPEND, 0o644)
             try:
                 stat = os.fstat(fd)
                 before = stat.st_size
+                generation = index_generation(fd, stat, line)
                 write_all(fd, line)
                 if store.fsync:
                     store._sync(os.fdatasync, fd)
@@ -121,7 +122,7 @@ class JsonlLog(ResponseLog):
             if before == 0 and store.fsync:
                 store._sync(fsync_dir, store.conversations_dir)
             store._sizes[conversation_id] = before + len(line)
-            return Appended(Version(stat.st_ino, before), Version(stat.st_ino, before + len(line)))
+            return Appended(Version(generation, before), Version(generation, before + len(line)))
         except OSError as exc:
             reason = exc.strerror or str(exc)
             if durable and before < 0:

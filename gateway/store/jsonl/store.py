@@ -43,6 +43,7 @@ from gateway.store.jsonl.files import (
     CONTEXT_PREFIX,
     append_file,
     fsync_dir,
+    index_generation,
     parse_index,
     parse_jsonl,
     write_all,
@@ -216,7 +217,8 @@ class JsonlStore(Store):
         try:
             with open(path, "rb") as f:
                 stat = os.fstat(f.fileno())
-                restarted = after is None or after.generation != stat.st_ino or stat.st_size < after.position
+                generation = index_generation(f.fileno(), stat)
+                restarted = after is None or after.generation != generation or stat.st_size < after.position
                 start = 0 if restarted or after is None else after.position
                 if not restarted and after is not None and stat.st_size == start:
                     return IndexRead([], after, False)
@@ -237,7 +239,7 @@ class JsonlStore(Store):
             for entry in raw
         ]
         self._sizes[conversation_id] = start + consumed
-        return IndexRead(entries, Version(stat.st_ino, start + consumed), restarted)
+        return IndexRead(entries, Version(generation, start + consumed), restarted)
 
     async def read_conversation(self, conversation_id: str, after: Version | None = None) -> IndexRead:
         # A torn last line is cut only by a holder of the lock: without it, the "torn" line may
@@ -282,9 +284,10 @@ class JsonlStore(Store):
 
         def write() -> Appended:
             sync = self._appender()
-            fd = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
+            fd = os.open(path, os.O_RDWR | os.O_APPEND | os.O_CREAT, 0o644)
             try:
                 stat = os.fstat(fd)
+                generation = index_generation(fd, stat, line)
                 write_all(fd, line)
                 if sync is not None:
                     sync(fd)
@@ -294,7 +297,7 @@ class JsonlStore(Store):
                 self._sync(fsync_dir, self.conversations_dir)
             after = stat.st_size + len(line)
             self._sizes[conversation_id] = after
-            return Appended(Version(stat.st_ino, stat.st_size), Version(stat.st_ino, after))
+            return Appended(Version(generation, stat.st_size), Version(generation, after))
 
         try:
             return await asyncio.to_thread(write)
