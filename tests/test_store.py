@@ -5,7 +5,7 @@ from __future__ import annotations
 import asyncio
 import json
 import os
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from pathlib import Path
 from typing import Any
 
@@ -78,25 +78,39 @@ async def jstore(tmp_path: Path) -> AsyncIterator[JsonlStore]:
     await s.close()
 
 
-def fail_next_commits(store: Store) -> None:
-    """Make the store's commits fail the way its backend fails (disk full, lost connection)."""
-    if isinstance(store, MemoryStore):
-        store.fail_commit = StorageError("injected storage failure")
-    else:
-        assert isinstance(store, JsonlStore | PostgresStore)
+def on_index_append(
+    monkeypatch: pytest.MonkeyPatch, store: JsonlStore, action: Callable[[Path], None]
+) -> None:
+    """Run `action` whenever the JSONL store opens an index file to append to it (after the
+    response file is complete and durable, before the index names it)."""
+    real_open = os.open
 
-        def boom(response_id: str) -> None:
+    def opening(path: Any, flags: int, mode: int = 0o777, *, dir_fd: int | None = None) -> int:
+        if flags & os.O_APPEND and Path(path).parent == store.conversations_dir:
+            action(Path(path))
+        return real_open(path, flags, mode, dir_fd=dir_fd)
+
+    monkeypatch.setattr(os, "open", opening)
+
+
+def fail_next_commits(store: Store, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Make the store's commits fail the way its backend fails (disk full, lost connection),
+    through the steps it really takes; `monkeypatch.undo()` heals it."""
+    if isinstance(store, MemoryStore):
+        monkeypatch.setattr(store, "fail_commit", StorageError("injected storage failure"))
+    elif isinstance(store, JsonlStore):
+
+        def disk_full(path: Path) -> None:
             raise OSError(28, "No space left on device")
 
-        store.before_index_append = boom
-
-
-def heal(store: Store) -> None:
-    if isinstance(store, MemoryStore):
-        store.fail_commit = None
+        on_index_append(monkeypatch, store, disk_full)
     else:
-        assert isinstance(store, JsonlStore | PostgresStore)
-        store.before_index_append = None
+        assert isinstance(store, PostgresStore)
+
+        async def connection_lost(*args: object) -> tuple[int, int]:
+            raise OSError(104, "Connection reset by peer")
+
+        monkeypatch.setattr(store, "_append_entry", connection_lost)
 
 
 def request_record(
@@ -230,13 +244,13 @@ async def test_abandon_after_commit_does_not_uncommit(store: Store, request: pyt
     assert (await load(store, "conv")).response_ids == [rid]
 
 
-async def test_failed_commit_adds_nothing(store: Store) -> None:
+async def test_failed_commit_adds_nothing(store: Store, monkeypatch: pytest.MonkeyPatch) -> None:
     kept = await commit_turn(store, "conv", "first", "one")
     await load(store, "conv")  # warm any cache
-    fail_next_commits(store)
+    fail_next_commits(store, monkeypatch)
     with pytest.raises(StorageError):
         await commit_turn(store, "conv", "lost")
-    heal(store)
+    monkeypatch.undo()
     assert await store.read_index("conv") == [kept]
     assert (await load(store, "conv")).response_ids == [kept]
     later = await commit_turn(store, "conv", "after", "two")
@@ -516,40 +530,44 @@ async def test_torn_response_file_is_not_committed(jstore: JsonlStore, tmp_path:
 # -- JSONL: the ordering rule ---------------------------------------------------------------------
 
 
-async def test_response_is_durable_before_index_names_it(jstore: JsonlStore, tmp_path: Path) -> None:
+async def test_response_is_durable_before_index_names_it(
+    jstore: JsonlStore, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
     r1 = await commit_turn(jstore, "conv", "one")
-    seen: list[tuple[str, list[str]]] = []
+    seen: list[dict[str, list[str]]] = []
+    responses = tmp_path / "var" / "logs" / "responses"
 
-    def observe(response_id: str) -> None:
-        # At this moment the response file must already be complete on disk...
-        path = tmp_path / "var" / "logs" / "responses" / f"{response_id}.jsonl"
-        types = [json.loads(line)["type"] for line in path.read_text().splitlines()]
-        seen.append((response_id, types))
-        # ... and the index must not name it yet.
-        index = (tmp_path / "var" / "logs" / "conversations" / "conv.jsonl").read_text()
-        assert response_id not in index
+    def observe(index: Path) -> None:
+        # At this moment the new response file must already be complete on disk...
+        named = index.read_text().split()
+        seen.append(
+            {
+                path.stem: [json.loads(line)["type"] for line in path.read_text().splitlines()]
+                for path in responses.glob("*.jsonl")
+                if path.stem not in named  # ... and the index must not name it yet.
+            }
+        )
 
-    jstore.before_index_append = observe
+    on_index_append(monkeypatch, jstore, observe)
     r2 = await commit_turn(jstore, "conv", "two")
-    assert seen == [(r2, ["request", "context", "response", "commit"])]
+    assert seen == [{r2: ["request", "context", "response", "commit"]}]
     assert await jstore.read_index("conv") == [r1, r2]
 
 
 async def test_failure_before_index_append_leaves_complete_but_unindexed_response(
-    jstore: JsonlStore, tmp_path: Path
+    jstore: JsonlStore, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     r1 = await commit_turn(jstore, "conv", "one")
     await load(jstore, "conv")
-    failed: list[str] = []
 
-    def boom(response_id: str) -> None:
-        failed.append(response_id)
+    def boom(index: Path) -> None:
         raise OSError(5, "Input/output error")
 
-    jstore.before_index_append = boom
+    on_index_append(monkeypatch, jstore, boom)
     with pytest.raises(StorageError):
         await commit_turn(jstore, "conv", "two")
-    (r2,) = failed
+    monkeypatch.undo()
+    (r2,) = [p.stem for p in (tmp_path / "var" / "logs" / "responses").glob("*.jsonl") if p.stem != r1]
     path = tmp_path / "var" / "logs" / "responses" / f"{r2}.jsonl"
     records = [json.loads(line) for line in path.read_text().splitlines()]
     assert records[-1]["type"] == "commit"  # complete on disk ...

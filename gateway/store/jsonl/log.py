@@ -103,8 +103,6 @@ class JsonlLog(ResponseLog):
             if store.fsync and not self._dir_durable:
                 store._sync(fsync_dir, store.responses_dir)
             durable = True
-            if store.before_index_append is not None:
-                store.before_index_append(self.response_id)
             if conversation_id is None:
                 return None
             index = store.index_path(conversation_id)

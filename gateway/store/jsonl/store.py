@@ -85,7 +85,6 @@ class JsonlStore(Store):
         self._lock_fd = -1  # locks/conversations.lock, for this store's byte-range locks
         self._locks: weakref.WeakValueDictionary[str, asyncio.Lock] = weakref.WeakValueDictionary()
         # Test hook: called after the response is durable and before the index append.
-        self.before_index_append: Callable[[str], None] | None = None
         # Set by the first failed fsync: the kernel may have dropped the dirty pages, and a
         # later fsync could succeed without them, so no write is acknowledged after it.
         self.sync_failed: str | None = None

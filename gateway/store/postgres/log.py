@@ -92,8 +92,6 @@ class _PostgresLog(ResponseLog):
                 async with backend.open_pool.acquire() as conn:
                     async with conn.transaction():
                         await store._insert_rows(conn, _INSERT_RECORDS, self.response_id, rows, 0)
-                        if store.before_index_append is not None:
-                            store.before_index_append(self.response_id)
                         if cid is None:
                             return 0, 0
                         return await store._append_entry(conn, cid, self.response_id, None, expected)

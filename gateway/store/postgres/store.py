@@ -75,7 +75,6 @@ class PostgresStore(Store):
         self._side: LRU[tuple[str, str], _SideCache] = LRU(4 * cache_size)
         self._holds: dict[str, _Hold] = {}
         # Test hook: called inside the commit transaction, after the records, before the index.
-        self.before_index_append: Callable[[str], None] | None = None
 
     def __repr__(self) -> str:
         return f"PostgresStore({redact(self.dsn)!r}, namespace={self.namespace!r})"
