@@ -15,6 +15,7 @@ from typing import Any
 
 import httpx
 import pytest
+from openai import OpenAI
 
 from gateway.app import create_app
 from gateway.config import Settings, load_settings
@@ -44,6 +45,13 @@ def upstream(upstream_server: MockServer) -> Iterator[MockServer]:
     upstream_server.reset()
     yield upstream_server
     upstream_server.reset()
+
+
+def sdk(
+    gateway: GatewayProcess, key: str = "client-key-not-forwarded", *, timeout: float | None = None
+) -> OpenAI:
+    """The official SDK pointed at a gateway process (no retries: a test sees every failure)."""
+    return OpenAI(base_url=f"{gateway.url}/v1", api_key=key, max_retries=0, timeout=timeout)
 
 
 class GatewayProcess:

@@ -8,16 +8,11 @@ from pathlib import Path
 import httpx
 import openai
 import pytest
-from openai import OpenAI
 
-from tests.conftest import GatewayProcess, write_config
+from tests.conftest import GatewayProcess, sdk, write_config
 from tests.mockserver import MockServer
 
 pytestmark = pytest.mark.e2e
-
-
-def sdk(gateway: GatewayProcess, key: str = "unused") -> OpenAI:
-    return OpenAI(base_url=f"{gateway.url}/v1", api_key=key, max_retries=0)
 
 
 def test_sdk_conversation_lifecycle(gateway: GatewayProcess, upstream: MockServer) -> None:

@@ -9,16 +9,12 @@ import openai
 import pytest
 from openai import OpenAI
 
-from tests.conftest import GatewayProcess
+from tests.conftest import GatewayProcess, sdk
 from tests.mockserver import MockServer
 
 pytestmark = pytest.mark.e2e
 
 TURNS = ["Hello, my name is Bob.", "I like trains.", "What is my name?"]
-
-
-def sdk(gateway: GatewayProcess) -> OpenAI:
-    return OpenAI(base_url=f"{gateway.url}/v1", api_key="client-key-not-forwarded", max_retries=0)
 
 
 def _user_and_assistant(messages: list[dict]) -> list[tuple[str, str]]:

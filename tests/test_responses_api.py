@@ -9,14 +9,10 @@ import openai
 import pytest
 from openai import OpenAI
 
-from tests.conftest import GatewayProcess
+from tests.conftest import GatewayProcess, sdk
 from tests.mockserver import MockServer
 
 pytestmark = pytest.mark.e2e
-
-
-def sdk(gateway: GatewayProcess) -> OpenAI:
-    return OpenAI(base_url=f"{gateway.url}/v1", api_key="x", max_retries=0)
 
 
 def stream_text(client: OpenAI, **kwargs: object) -> tuple[str, str]:

@@ -12,7 +12,7 @@ from typing import Any
 import openai
 import pytest
 
-from tests.conftest import GatewayProcess
+from tests.conftest import GatewayProcess, sdk
 from tests.reliability.conftest import Conversation, Reply, assert_history, response_records, wait_for
 from tests.reliability.faultserver import (
     FaultRequest,
@@ -34,10 +34,6 @@ def convo(request: pytest.FixtureRequest, gw: GatewayProcess, fault: FaultServer
     c = Conversation(gw, fault, cid)
     c.ok("Hello, my name is Ada.")  # a committed turn the faults must not disturb
     yield c
-
-
-def sdk(gw: GatewayProcess) -> openai.OpenAI:
-    return openai.OpenAI(base_url=f"{gw.url}/v1", api_key="unused", max_retries=0, timeout=15)
 
 
 def assert_error(reply: Reply, status_code: int, code: str) -> dict[str, Any]:
@@ -80,7 +76,7 @@ def test_500_before_first_byte_is_502_and_not_retried(
 def test_500_through_the_sdk(convo: Conversation, fault: FaultServer) -> None:
     fault.script(status(500))
     with pytest.raises(openai.InternalServerError) as info:
-        sdk(convo.gw).chat.completions.create(
+        sdk(convo.gw, timeout=15).chat.completions.create(
             model="fault/m",
             messages=[{"role": "user", "content": "x"}],
             extra_body={"conversation_id": convo.cid},
@@ -96,7 +92,7 @@ def test_429_is_passed_through_with_retry_after(
     fault.script(status(429, "slow down", {"retry-after": "7"}))
     n = len(fault.requests)
     with pytest.raises(openai.RateLimitError) as info:
-        sdk(convo.gw).chat.completions.create(
+        sdk(convo.gw, timeout=15).chat.completions.create(
             model="fault/m",
             messages=[{"role": "user", "content": "x"}],
             stream=stream,
@@ -217,7 +213,7 @@ def test_mid_stream_fault_is_an_in_band_error_never_retried(
 
 def test_mid_stream_reset_through_the_sdk(convo: Conversation, fault: FaultServer) -> None:
     fault.script(stream_then(3, "reset"))
-    stream = sdk(convo.gw).chat.completions.create(
+    stream = sdk(convo.gw, timeout=15).chat.completions.create(
         model="fault/m",
         messages=[{"role": "user", "content": "What is my name?"}],
         stream=True,
