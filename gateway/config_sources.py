@@ -99,12 +99,14 @@ class GatewayEnvSource(EnvSettingsSource):
         prefix = self.env_prefix.lower()
         # Replaces what the base class read from os.environ: names lower-cased, as it does.
         self.env_vars = {name.lower(): value for name, value in environ.items()}
+        # The variables that name a key, by key path: GATEWAY_PROVIDERS__MY_LLM__KIND is
+        # ("providers", "my_llm", "kind"); GATEWAY_KEYS (no key, no "__") is not one.
         self.variables: dict[tuple[str, ...], str] = {}
         for name in environ:
             if name.lower().startswith(prefix) and name != CONFIG_ENV:
                 parts = name[len(prefix) :].lower().split(ENV_DELIMITER)
                 path = tuple(env_spelling(part) for part in parts if part)
-                if path:
+                if len(path) > 1 or (path and path[0] in settings_cls.model_fields):
                     self.variables[path] = name
         self.names = {table: {env_spelling(n): n for n in found} for table, found in (names or {}).items()}
 

@@ -262,6 +262,8 @@ def test_gateway_variables_that_are_not_keys_are_left_alone() -> None:
     # auth.keys_env may name a GATEWAY_ variable (the README's example); tests use others.
     s = load_settings(SHIPPED, environ={"GATEWAY_KEYS": "k1,k2", "GATEWAY_TEST_CACHE": "/tmp/x"})
     assert s.server.port == 8080
+    message = config_error(path=SHIPPED, environ={"GATEWAY_KEYS": "k1"}, overrides={"server": {"port": -1}})
+    assert message.endswith(f"[{SHIPPED}]")
 
 
 def test_settings_class_reads_the_same_sources(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
