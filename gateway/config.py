@@ -1,7 +1,8 @@
 """Configuration: a TOML file, `GATEWAY_<SECTION>__<KEY>` environment overrides, command-line flags.
 
-Precedence: flag > environment > file > built-in default. Validation errors become one
-`ConfigError` line that names the offending key.
+Precedence: flag > environment > file > built-in default (pydantic-settings sources, in
+`config_sources.py`). Validation errors become one `ConfigError` line that names the offending
+key and where its value came from.
 """
 
 from __future__ import annotations
@@ -9,17 +10,29 @@ from __future__ import annotations
 import math
 import os
 import re
-import tomllib
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from pathlib import Path
-from typing import Annotated, Any, Literal
+from typing import Annotated, Literal
 
 from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, ValidationError
+from pydantic_core import ErrorDetails
+from pydantic_settings import (
+    BaseSettings,
+    InitSettingsSource,
+    PydanticBaseSettingsSource,
+    SettingsConfigDict,
+    SettingsError,
+)
 
+from gateway.config_sources import (
+    ENV_DELIMITER,
+    ENV_PREFIX,
+    GatewayEnvSource,
+    TomlFileSource,
+    table_names,
+)
 from gateway.exceptions import ConfigError
 
-ENV_PREFIX = "GATEWAY_"
-DEFAULT_CONFIG_PATH = "config/gateway.toml"
 _DURATION_RE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*(ms|s|m|h|d)?\s*$")
 _TYPE_LABEL = re.compile(r"^(int|float|str|bool|none|dict\[.*\]|list\[.*\]|literal\[.*\]|function-.*)$")
 _UNIT_SECONDS = {"ms": 0.001, "s": 1.0, "m": 60.0, "h": 3600.0, "d": 86400.0, None: 1.0}
@@ -66,7 +79,7 @@ class StorageSettings(_Section):
     cache_conversations: int = Field(1024, ge=0)
     max_conversation_messages: int = Field(100_000, ge=0)
 
-    def model_post_init(self, _context: Any) -> None:
+    def model_post_init(self, _context: object) -> None:
         if self.backend == "postgres" and not self.dsn.strip():
             raise ConfigError(
                 'config error: storage.dsn: required when storage.backend = "postgres" '
@@ -132,7 +145,11 @@ def _default_providers() -> dict[str, ProviderSettings]:
     return {"demo": ProviderSettings(kind="demo")}
 
 
-class Settings(_Section):
+class Settings(BaseSettings):
+    model_config = SettingsConfigDict(
+        env_prefix=ENV_PREFIX, env_nested_delimiter=ENV_DELIMITER, extra="forbid", frozen=True
+    )
+
     default_provider: str = "demo"
     server: ServerSettings = ServerSettings()
     storage: StorageSettings = StorageSettings()
@@ -143,7 +160,20 @@ class Settings(_Section):
     providers: dict[str, ProviderSettings] = Field(default_factory=_default_providers)
     models: dict[str, ModelSettings] = Field(default_factory=dict)
 
-    def model_post_init(self, _context: Any) -> None:
+    @classmethod
+    def settings_customise_sources(
+        cls,
+        settings_cls: type[BaseSettings],
+        init_settings: PydanticBaseSettingsSource,
+        env_settings: PydanticBaseSettingsSource,
+        dotenv_settings: PydanticBaseSettingsSource,
+        file_secret_settings: PydanticBaseSettingsSource,
+    ) -> tuple[PydanticBaseSettingsSource, ...]:
+        """`Settings(**overrides)` reads what `load_settings` does: no .env file, no secrets dir."""
+        file = TomlFileSource(settings_cls, None, os.environ)
+        return init_settings, GatewayEnvSource(settings_cls, os.environ, names=table_names(file.data)), file
+
+    def model_post_init(self, _context: object) -> None:
         if self.default_provider and self.default_provider not in self.providers:
             raise ConfigError(
                 f"config error: default_provider: {self.default_provider!r} is not a configured "
@@ -155,53 +185,19 @@ class Settings(_Section):
         return Path(self.storage.data_dir)
 
 
-def _parse_env_value(raw: str) -> Any:
-    """Env values stay strings (pydantic converts "9090" or "true" where the key wants it);
-    only TOML arrays and inline tables (`[...]`, `{...}`) are parsed, for list/table keys."""
-    if raw.lstrip().startswith(("[", "{")):
-        try:
-            return tomllib.loads(f"v = {raw}")["v"]
-        except tomllib.TOMLDecodeError:
-            return raw
-    return raw
+def _sets(layer: Mapping[str, object], key: Sequence[str]) -> bool:
+    node: object = layer
+    for part in key:
+        if not isinstance(node, Mapping) or part not in node:
+            return False
+        node = node[part]
+    return bool(key)
 
 
-def _set_path(data: dict[str, Any], path: list[str], value: Any) -> None:
-    node = data
-    for part in path[:-1]:
-        child = node.get(part)
-        if not isinstance(child, dict):
-            child = {}
-            node[part] = child
-        node = child
-    node[path[-1]] = value
-
-
-def env_overrides(environ: Mapping[str, str]) -> dict[str, Any]:
-    """`GATEWAY_STORAGE__DATA_DIR=/srv` -> {"storage": {"data_dir": "/srv"}}."""
-    data: dict[str, Any] = {}
-    for name, raw in environ.items():
-        if not name.startswith(ENV_PREFIX) or name == "GATEWAY_CONFIG":
-            continue
-        path = [p.lower() for p in name[len(ENV_PREFIX) :].split("__") if p]
-        if not path:
-            continue
-        _set_path(data, path, _parse_env_value(raw))
-    return data
-
-
-def _merge(base: dict[str, Any], extra: Mapping[str, Any]) -> dict[str, Any]:
-    out = dict(base)
-    for key, value in extra.items():
-        if isinstance(value, Mapping) and isinstance(out.get(key), dict):
-            out[key] = _merge(out[key], value)
-        else:
-            out[key] = value
-    return out
-
-
-def _format_validation_error(exc: ValidationError, source: str) -> str:
-    err = exc.errors()[0]
+def _error_line(
+    exc: ValidationError, file: TomlFileSource, env: GatewayEnvSource, overrides: Mapping[str, object]
+) -> str:
+    err: ErrorDetails = exc.errors()[0]
     loc = [str(p) for p in err["loc"]]
     # Union errors end with pydantic's member label ("int", "literal['auto']"): not part of the key.
     while loc and _TYPE_LABEL.match(loc[-1]):
@@ -213,52 +209,34 @@ def _format_validation_error(exc: ValidationError, source: str) -> str:
     got = err.get("input")
     shown = "" if isinstance(got, dict) or err["type"] == "missing" else f" (got {got!r})"
     more = f" (+{len(exc.errors()) - 1} more)" if len(exc.errors()) > 1 else ""
+    # A missing key is blamed on whoever made the table it is missing from; a flag on nobody.
+    blamed = loc[:-1] if err["type"] == "missing" else loc
+    variable = None if _sets(overrides, blamed) else env.variable_for(blamed)
+    if variable is not None:
+        source = f"environment variable {variable}"
+    else:
+        source = file.label + (" + environment" if env.variables else "")
     return f"config error: {key}: {msg}{shown}{more} [{source}]"
-
-
-def _fix_env_provider_keys(file_data: dict[str, Any], env_data: dict[str, Any]) -> None:
-    # Env var names cannot hold '/', '.' or '-': match them case-insensitively against the file.
-    for section in ("providers", "models"):
-        env_section = env_data.get(section)
-        if not isinstance(env_section, dict):
-            continue
-        known = {re.sub(r"[^a-z0-9]", "_", k.lower()): k for k in file_data.get(section, {})}
-        for key in list(env_section):
-            norm = re.sub(r"[^a-z0-9]", "_", key.lower())
-            if norm in known and known[norm] != key:
-                env_section[known[norm]] = env_section.pop(key)
 
 
 def load_settings(
     path: str | os.PathLike[str] | None = None,
     *,
     environ: Mapping[str, str] | None = None,
-    overrides: Mapping[str, Any] | None = None,
+    overrides: Mapping[str, object] | None = None,
 ) -> Settings:
-    """Read the TOML file, apply env overrides then explicit overrides, validate.
+    """Read the TOML file, apply env overrides then explicit overrides (flags), validate.
 
     `path=None` means `$GATEWAY_CONFIG`, else `config/gateway.toml` if it exists, else defaults.
     """
     environ = os.environ if environ is None else environ
-    explicit = path is not None or "GATEWAY_CONFIG" in environ
-    config_path = Path(path if path is not None else environ.get("GATEWAY_CONFIG", DEFAULT_CONFIG_PATH))
-    file_data: dict[str, Any] = {}
-    source = str(config_path)
-    if config_path.is_file():
-        try:
-            file_data = tomllib.loads(config_path.read_text(encoding="utf-8"))
-        except tomllib.TOMLDecodeError as exc:
-            raise ConfigError(f"config error: {config_path}: invalid TOML: {exc}") from None
-    elif explicit:
-        raise ConfigError(f"config error: config file {config_path} does not exist")
-    else:
-        source = "built-in defaults"
-    env_data = env_overrides(environ)
-    _fix_env_provider_keys(file_data, env_data)
-    data = _merge(_merge(file_data, env_data), overrides or {})
-    if env_data:
-        source += " + environment"
+    overrides = dict(overrides or {})
+    file = TomlFileSource(Settings, path, environ)
+    env = GatewayEnvSource(Settings, environ, names=table_names(file.data, overrides))
+    sources = (InitSettingsSource(Settings, init_kwargs=overrides), env, file)
     try:
-        return Settings.model_validate(data)
+        return Settings(_build_sources=(sources, {}))
     except ValidationError as exc:
-        raise ConfigError(_format_validation_error(exc, source)) from None
+        raise ConfigError(_error_line(exc, file, env, overrides)) from None
+    except SettingsError as exc:
+        raise ConfigError(f"config error: {exc} [environment]") from None

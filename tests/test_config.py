@@ -7,8 +7,11 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from pydantic import BaseModel
+from pydantic_settings import BaseSettings
 
-from gateway.config import load_settings, parse_duration
+from gateway.config import Settings, load_settings, parse_duration
+from gateway.config_sources import GatewayEnvSource
 from gateway.exceptions import ConfigError
 
 REPO = Path(__file__).resolve().parent.parent
@@ -165,6 +168,113 @@ def test_precedence_override_beats_env_beats_file(tmp_path: Path) -> None:
     assert load_settings(path, environ={}).server.port == 7000
 
 
+def test_env_values_take_the_type_of_their_key() -> None:
+    s = load_settings(
+        SHIPPED,
+        environ={
+            "GATEWAY_SERVER__PORT": "9090",
+            "GATEWAY_SERVER__ACCESS_LOG": "true",
+            "GATEWAY_UI__ENABLED": "false",
+            "GATEWAY_SERVER__HOST": "0.0.0.0",
+            "GATEWAY_CONTEXT__MAX_CONTEXT_TOKENS": "8192",
+            "GATEWAY_MODELS__OLLAMA_PHI4_MINI__CONTEXT_WINDOW": "16384",
+            "GATEWAY_PROVIDERS__OLLAMA__RETRIES": "3",
+        },
+    )
+    assert s.server.port == 9090 and type(s.server.port) is int
+    assert s.server.access_log is True
+    assert s.ui.enabled is False
+    assert s.server.host == "0.0.0.0"
+    assert s.context.max_context_tokens == 8192 and type(s.context.max_context_tokens) is int
+    assert s.models["ollama/phi4-mini"].context_window == 16384
+    assert s.providers["ollama"].retries == 3
+    auto = load_settings(SHIPPED, environ={"GATEWAY_CONTEXT__MAX_CONTEXT_TOKENS": "auto"})
+    assert auto.context.max_context_tokens == "auto"
+
+
+@pytest.mark.parametrize("value", ['{ X-Team = "ml", X-Trace = "1" }', '{"X-Team": "ml", "X-Trace": "1"}'])
+def test_env_table_value_as_toml_or_json(value: str) -> None:
+    s = load_settings(SHIPPED, environ={"GATEWAY_PROVIDERS__OLLAMA__HEADERS": value})
+    assert s.providers["ollama"].headers == {"X-Team": "ml", "X-Trace": "1"}
+    assert s.providers["ollama"].base_url == "http://127.0.0.1:11434/v1"
+
+
+@pytest.mark.parametrize("value", ['["a", "b"]', "['a', 'b']", '["a","b"]'])
+def test_env_list_value_as_toml_or_json(value: str) -> None:
+    # No gateway key is a list yet: the same source on a settings class with list keys.
+    class Tags(BaseModel):
+        names: list[str] = []
+
+    class Listed(BaseSettings):
+        model_config = Settings.model_config
+        names: list[str] = []
+        tags: Tags = Tags()
+
+    environ = {"GATEWAY_NAMES": value, "GATEWAY_TAGS__NAMES": value}
+    listed = Listed.model_validate(GatewayEnvSource(Listed, environ)())
+    assert listed.names == ["a", "b"]
+    assert listed.tags.names == ["a", "b"]
+
+
+def test_provider_created_only_from_env(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.chdir(tmp_path)  # no config file: built-in defaults
+    s = load_settings(
+        environ={
+            "GATEWAY_DEFAULT_PROVIDER": "gpu",
+            "GATEWAY_PROVIDERS__GPU__KIND": "openai",
+            "GATEWAY_PROVIDERS__GPU__BASE_URL": "http://gpu:11434/v1",
+            "GATEWAY_PROVIDERS__GPU__TIMEOUT": "90s",
+            "GATEWAY_PROVIDERS__GPU__HEADERS": '{ X-Team = "ml" }',
+        }
+    )
+    assert s.default_provider == "gpu"
+    gpu = s.providers["gpu"]
+    assert (gpu.kind, gpu.base_url, gpu.timeout, gpu.headers) == (
+        "openai",
+        "http://gpu:11434/v1",
+        90.0,
+        {"X-Team": "ml"},
+    )
+    assert gpu.connect_timeout == 10.0  # the rest are the provider defaults
+
+
+def test_env_beats_file_at_every_level(tmp_path: Path) -> None:
+    path = write(
+        tmp_path,
+        'default_provider = "a"\n[server]\nport = 7000\n'
+        '[providers.a]\nkind = "openai"\nbase_url = "http://file/v1"\ntimeout = 5\n'
+        '[providers.b]\nkind = "demo"\n',
+    )
+    s = load_settings(
+        path,
+        environ={
+            "GATEWAY_DEFAULT_PROVIDER": "b",
+            "GATEWAY_SERVER__PORT": "8000",
+            "GATEWAY_PROVIDERS__A__BASE_URL": "http://env/v1",
+        },
+    )
+    assert (s.default_provider, s.server.port) == ("b", 8000)
+    assert (s.providers["a"].base_url, s.providers["a"].timeout) == ("http://env/v1", 5.0)
+    assert set(s.providers) == {"a", "b"}
+
+
+def test_gateway_variables_that_are_not_keys_are_left_alone() -> None:
+    # auth.keys_env may name a GATEWAY_ variable (the README's example); tests use others.
+    s = load_settings(SHIPPED, environ={"GATEWAY_KEYS": "k1,k2", "GATEWAY_TEST_CACHE": "/tmp/x"})
+    assert s.server.port == 8080
+    message = config_error(path=SHIPPED, environ={"GATEWAY_KEYS": "k1"}, overrides={"server": {"port": -1}})
+    assert message.endswith(f"[{SHIPPED}]")
+
+
+def test_settings_class_reads_the_same_sources(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    path = write(tmp_path, "[server]\nport = 7000\nhost = \"10.0.0.1\"\n")
+    monkeypatch.setenv("GATEWAY_CONFIG", str(path))
+    monkeypatch.setenv("GATEWAY_SERVER__PORT", "8000")
+    direct = Settings(storage={"data_dir": "flag"})
+    assert (direct.server.port, direct.server.host, direct.storage.data_dir) == (8000, "10.0.0.1", "flag")
+    assert direct == load_settings(overrides={"storage": {"data_dir": "flag"}})
+
+
 def test_overrides_merge_into_tables_without_replacing_them() -> None:
     s = load_settings(SHIPPED, environ={}, overrides={"providers": {"ollama": {"timeout": "90s"}}})
     assert s.providers["ollama"].timeout == 90.0
@@ -208,6 +318,39 @@ def test_bad_env_value_names_the_key() -> None:
     message = config_error(path=SHIPPED, environ={"GATEWAY_SERVER__PORT": "lots"})
     assert "server.port:" in message
     assert "environment" in message
+
+
+@pytest.mark.parametrize(
+    ("name", "value", "key"),
+    [
+        ("GATEWAY_SERVER__PORT", "lots", "server.port"),
+        ("GATEWAY_SERVER__ACCESS_LOG", "maybe", "server.access_log"),
+        ("GATEWAY_STORAGE__DURABILITY", "sometimes", "storage.durability"),
+        ("GATEWAY_SESSIONS__TTL", "soon", "sessions.ttl"),
+        ("GATEWAY_PROVIDERS__OLLAMA__HEADERS", "X-Team: ml", "providers.ollama.headers"),
+        ("GATEWAY_PROVIDERS__OLLAMA__RETRIES", "99", "providers.ollama.retries"),
+        ("GATEWAY_SERVR__PORT", "9090", "servr"),
+    ],
+)
+def test_bad_env_value_names_the_variable(name: str, value: str, key: str) -> None:
+    message = config_error(path=SHIPPED, environ={name: value, "GATEWAY_SERVER__HOST": "0.0.0.0"})
+    assert message.startswith(f"config error: {key}: ")
+    assert message.endswith(f"[environment variable {name}]")
+    if key != "servr":
+        assert repr(value) in message  # the value as it was given
+
+
+def test_env_provider_missing_its_kind_names_the_variable_that_made_it(tmp_path: Path) -> None:
+    message = config_error(path=SHIPPED, environ={"GATEWAY_PROVIDERS__GPU__BASE_URL": "http://gpu/v1"})
+    assert "providers.gpu.kind: Field required" in message
+    assert "GATEWAY_PROVIDERS__GPU__BASE_URL" in message
+
+
+def test_bad_file_value_is_not_blamed_on_the_environment(tmp_path: Path) -> None:
+    path = write(tmp_path, "[server]\nport = 70000\n")
+    message = config_error(path=path, environ={"GATEWAY_SERVER__HOST": "0.0.0.0"})
+    assert "server.port:" in message
+    assert f"[{path} + environment]" in message
 
 
 def test_unknown_env_key_is_an_error() -> None:
