@@ -4,7 +4,7 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 
-.PHONY: install run test demo lint bench soak clean
+.PHONY: install run test coverage demo lint bench soak clean
 
 install: $(STAMP)
 
@@ -25,6 +25,19 @@ test: install
 	$(PY) -m pytest -q --ignore=tests/realmodel; rest=$$?; \
 	wait $$real; realrc=$$?; echo "--- tests/realmodel:"; cat "$$tmp/real.log"; rm -rf "$$tmp"; \
 	exit $$(( rest || realrc ))
+
+# Line coverage of gateway/ over the whole suite, gateway subprocesses included (they are
+# started with COVERAGE_PROCESS_START set, and a .pth file starts coverage in each of them).
+coverage: install
+	@rm -rf var/coverage; mkdir -p var/coverage; \
+	pth=$$($(PY) -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])')/gateway-coverage.pth; \
+	echo 'import os, coverage; os.environ.get("COVERAGE_PROCESS_START") and coverage.process_startup()' >"$$pth"; \
+	export COVERAGE_PROCESS_START=$(CURDIR)/pyproject.toml GATEWAY_COVERAGE_DIR=$(CURDIR)/var/coverage; tmp=$$(mktemp -d); \
+	$(PY) -m pytest -q -p no:cacheprovider --basetemp="$$tmp/base" tests/realmodel >"$$tmp/real.log" 2>&1 & real=$$!; \
+	$(PY) -m pytest -q -p no:cacheprovider --ignore=tests/realmodel; rest=$$?; \
+	wait $$real; realrc=$$?; tail -1 "$$tmp/real.log"; rm -rf "$$tmp" "$$pth"; \
+	$(PY) -m coverage combine -q && $(PY) -m coverage report --format=markdown >var/coverage/report.md; \
+	$(PY) -m coverage report | tail -1; exit $$(( rest || realrc ))
 
 demo: install
 	$(VENV)/bin/gateway demo

@@ -115,6 +115,7 @@ def create_app(
         exception_handlers={
             GatewayError: health.gateway_error,
             HTTPException: health.http_error,
+            OSError: health.os_error,
             Exception: health.unexpected,
         },
     )

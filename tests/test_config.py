@@ -267,7 +267,7 @@ def test_gateway_variables_that_are_not_keys_are_left_alone() -> None:
 
 
 def test_settings_class_reads_the_same_sources(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    path = write(tmp_path, "[server]\nport = 7000\nhost = \"10.0.0.1\"\n")
+    path = write(tmp_path, '[server]\nport = 7000\nhost = "10.0.0.1"\n')
     monkeypatch.setenv("GATEWAY_CONFIG", str(path))
     monkeypatch.setenv("GATEWAY_SERVER__PORT", "8000")
     direct = Settings(storage={"data_dir": "flag"})

@@ -839,3 +839,57 @@ async def test_deleting_a_conversation_keeps_what_its_forks_share(store: Store, 
     assert await store.read_response(r1)
     with pytest.raises(NotFound):
         await store.read_response(r3)
+
+
+# -- JSONL: every OS failure is a StorageError (a 503), never a crash -------------------------------
+def _break(path: Path) -> None:
+    """Make a folder unusable even for root: a file where the folder was (ENOTDIR)."""
+    import shutil
+
+    shutil.rmtree(path, ignore_errors=True)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text("not a folder")
+
+
+JSONL_OPERATIONS = {
+    "start+commit": lambda s, rid: commit_turn(s, "conv", "again"),
+    "read_conversation": lambda s, rid: s.read_conversation("conv"),
+    "read_index": lambda s, rid: s.read_index("conv"),
+    "read_response": lambda s, rid: s.read_response(rid),
+    "append_marker": lambda s, rid: s.append_marker(
+        "conv", {"type": "metadata", "at": now(), "metadata": {}}
+    ),
+    "tombstone": lambda s, rid: s.tombstone(rid),
+    "fork": lambda s, rid: s.fork("conv", "conv.fork-0123456789ab", rid),
+    "delete": lambda s, rid: s.delete_conversation("conv"),
+    "archive": lambda s, rid: s.delete_conversation("conv", archive=True),
+    "append_side": lambda s, rid: s.append_side("lifecycle", "conv", {"state": "active"}),
+    "read_side": lambda s, rid: s.read_side("summaries", "conv"),
+    "conversation_ids": lambda s, rid: s.conversation_ids(),
+}
+BROKEN_FOLDERS = {
+    "responses": ("logs", "responses"),
+    "conversations": ("logs", "conversations"),
+    "side logs": ("logs", "summaries"),
+    "archive": ("archive",),
+}
+
+
+@pytest.mark.parametrize("folder", BROKEN_FOLDERS, ids=list(BROKEN_FOLDERS))
+async def test_os_failures_are_storage_errors_without_paths(
+    jstore: JsonlStore, tmp_path: Path, folder: str
+) -> None:
+    """Whatever the OS refuses (here ENOTDIR: a folder replaced by a file, which stops root too),
+    each store operation fails with StorageError (503 storage_unavailable), or succeeds when it
+    does not touch that folder; nothing else escapes, and no message shows a server path."""
+    rid = await commit_turn(jstore, "conv", "one")
+    await jstore.append_side("summaries", "conv", {"type": "summary", "version": 1})
+    _break(tmp_path.joinpath("var", *BROKEN_FOLDERS[folder]))
+    for name, operation in JSONL_OPERATIONS.items():
+        fresh = JsonlStore(tmp_path / "var")  # no cache to answer from
+        try:
+            await operation(fresh, rid)
+        except (StorageError, NotFound) as exc:
+            assert str(tmp_path) not in exc.message, (name, exc.message)
+        except Exception as exc:  # noqa: BLE001 - the point: nothing else may escape
+            raise AssertionError(f"{name} with broken {folder}: {type(exc).__name__}: {exc}") from exc

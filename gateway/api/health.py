@@ -12,7 +12,7 @@ from starlette.responses import Response
 
 from gateway.api.http import JSONBody, error_response, services_of
 from gateway.api.openapi import build_schema
-from gateway.exceptions import GatewayError, NotFound
+from gateway.exceptions import GatewayError, NotFound, StorageError
 
 log = logging.getLogger("gateway")
 
@@ -58,6 +58,14 @@ async def http_error(request: Request, exc: Exception) -> Response:
     err.status_code = exc.status_code
     err.error_type = "invalid_request_error"
     return error_response(err)
+
+
+async def os_error(request: Request, exc: Exception) -> Response:
+    """The OS refused something no layer mapped (files, descriptors): 503, not a crash."""
+    assert isinstance(exc, OSError)
+    log.error("the system refused an operation on %s: %r", request.url.path, exc)
+    reason = exc.strerror or type(exc).__name__
+    return error_response(StorageError(f"the system refused an operation: {reason}"))
 
 
 async def unexpected(request: Request, exc: Exception) -> Response:

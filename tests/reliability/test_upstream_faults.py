@@ -259,6 +259,38 @@ def test_non_streaming_body_cut_short_is_retried(convo: Conversation, fault: Fau
     convo.check()
 
 
+@pytest.mark.parametrize(
+    ("body", "code", "says"),
+    [
+        (b'{"id": "x", "choices": [', "upstream_bad_response", "invalid JSON"),
+        (b'{"id": "x", "object": "chat.completion"}', "upstream_bad_response", "no choices"),
+        (b'["not", "an", "object"]', "upstream_bad_response", "no choices"),
+        (b'{"error": {"message": "model is loading", "type": "server_error"}}', "upstream_error", "loading"),
+        (b'{"id": "x", "choices": []}', "upstream_bad_response", "no choices"),
+    ],
+    ids=["invalid-json", "no-choices", "not-an-object", "error-body", "empty-choices"],
+)
+def test_a_200_that_is_not_a_completion_is_an_error_and_adds_nothing(
+    convo: Conversation, fault: FaultServer, body: bytes, code: str, says: str
+) -> None:
+    """A provider that answers 200 with something that is not a completion: the client gets a
+    502 naming the problem, the attempt is logged incomplete, and the conversation is untouched
+    (the provider answered, so the request is not sent again)."""
+
+    async def odd(req: FaultRequest) -> None:
+        await req.respond(200, body)
+
+    fault.script(odd, answer())
+    n = len(fault.requests)
+    reply = convo.send("What is my name?")
+    error = assert_error(reply, 502, code)
+    assert says in error["message"], error["message"]
+    assert len(attempts(fault, n)) == 1
+    records = response_records(convo.gw.data_dir, str(reply.response_id))
+    assert records[-1]["type"] == "incomplete"
+    convo.check()
+
+
 # -- odd but valid streams ----------------------------------------------------------------------------
 UNICODE = "Grüße 你好 🚀—ça"
 

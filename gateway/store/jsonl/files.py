@@ -4,12 +4,13 @@ without leaving a short write unnoticed."""
 from __future__ import annotations
 
 import os
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from pathlib import Path
 
 import orjson
 
-from gateway.exceptions import CorruptRecord
+from gateway.exceptions import CorruptRecord, StorageError
 from gateway.ids import is_valid_response_id
 from gateway.types import Record
 
@@ -75,6 +76,16 @@ def index_generation(fd: int, stat: os.stat_result, first_line: bytes = b"") -> 
     writes (`fd` must be readable otherwise)."""
     head = (os.pread(fd, 128, 0) if stat.st_size else first_line).split(b"\n", 1)[0]
     return f"{stat.st_ino}:{head.decode('utf-8', 'replace')}"
+
+
+@contextmanager
+def os_errors(action: str) -> Iterator[None]:
+    """What the OS refuses (EACCES, EIO, EMFILE, ENOTDIR, ...) as a StorageError: a 503 saying
+    what could not be done and why, never a server path."""
+    try:
+        yield
+    except OSError as exc:
+        raise StorageError(f"could not {action}: {exc.strerror or type(exc).__name__}") from exc
 
 
 def fsync_dir(path: Path) -> None:

@@ -44,6 +44,7 @@ from gateway.store.jsonl.files import (
     append_file,
     fsync_dir,
     index_generation,
+    os_errors,
     parse_index,
     parse_jsonl,
     write_all,
@@ -84,7 +85,6 @@ class JsonlStore(Store):
         self._sizes: LRU[str, int] = LRU(cache_size)
         self._lock_fd = -1  # locks/conversations.lock, for this store's byte-range locks
         self._locks: weakref.WeakValueDictionary[str, asyncio.Lock] = weakref.WeakValueDictionary()
-        # Test hook: called after the response is durable and before the index append.
         # Set by the first failed fsync: the kernel may have dropped the dirty pages, and a
         # later fsync could succeed without them, so no write is acknowledged after it.
         self.sync_failed: str | None = None
@@ -244,16 +244,17 @@ class JsonlStore(Store):
         # A torn last line is cut only by a holder of the lock: without it, the "torn" line may
         # be another writer's append in progress (another task, thread or worker process).
         repair = self.holds_lock(conversation_id)
-        if after is not None:  # a reader that is up to date reads only what was appended since
+        with os_errors("read the conversation"):
+            if after is not None:  # a reader that is up to date reads only what was appended since
+                return self._read_sync(conversation_id, after, repair)
+            try:
+                size = os.stat(self.index_path(conversation_id)).st_size
+            except FileNotFoundError:
+                size = 0
+            # Reading a whole conversation's response files is slow: off the loop unless it is little.
+            if size > _THREAD_LOAD_BYTES:
+                return await asyncio.to_thread(self._read_sync, conversation_id, after, repair)
             return self._read_sync(conversation_id, after, repair)
-        try:
-            size = os.stat(self.index_path(conversation_id)).st_size
-        except FileNotFoundError:
-            size = 0
-        # Reading a whole conversation's response files is slow: off the event loop unless it is little.
-        if size > _THREAD_LOAD_BYTES:
-            return await asyncio.to_thread(self._read_sync, conversation_id, after, repair)
-        return self._read_sync(conversation_id, after, repair)
 
     def _forget(self, conversation_id: str | None) -> None:
         if conversation_id is not None:
@@ -264,16 +265,21 @@ class JsonlStore(Store):
 
     async def read_response(self, response_id: str) -> list[Record]:
         path = self.response_path(response_id)
-        if not path.exists():
-            raise NotFound(f"No response {response_id!r}", param="response_id")
-        return self._read_records(path)
+        with os_errors("read the response"):
+            try:
+                data = path.read_bytes()
+            except FileNotFoundError:
+                raise NotFound(f"No response {response_id!r}", param="response_id") from None
+        records, _ = parse_jsonl(data, path=str(path))
+        return [r for r in records if isinstance(r, dict)]
 
     async def read_index(self, conversation_id: str) -> list[str | Record]:
         path = self.index_path(conversation_id)
-        try:
-            data = path.read_bytes()
-        except FileNotFoundError:
-            raise NotFound(f"No conversation {conversation_id!r}", param="conversation_id") from None
+        with os_errors("read the conversation"):
+            try:
+                data = path.read_bytes()
+            except FileNotFoundError:
+                raise NotFound(f"No conversation {conversation_id!r}", param="conversation_id") from None
         entries, _ = parse_index(data, path=str(path))
         return entries
 
@@ -334,14 +340,15 @@ class JsonlStore(Store):
 
     async def read_side(self, kind: SideLog, key: str) -> list[Record]:
         path = self.side_path(kind, key)
-        try:
-            size = path.stat().st_size
-        except FileNotFoundError:
-            return []
-        cached = self._side.get((kind, key))
-        if cached is not None and cached[0] == size:
-            return cached[1]
-        records = self._read_records(path)
+        with os_errors(f"read {kind}"):
+            try:
+                size = path.stat().st_size
+            except FileNotFoundError:
+                return []
+            cached = self._side.get((kind, key))
+            if cached is not None and cached[0] == size:
+                return cached[1]
+            records = self._read_records(path)
         self._side[(kind, key)] = (size, records)
         return records
 
@@ -370,5 +377,6 @@ class JsonlStore(Store):
         return out
 
     async def conversation_ids(self) -> list[tuple[str, float]]:
-        times = await asyncio.to_thread(self._index_times)
+        with os_errors("list the conversations"):
+            times = await asyncio.to_thread(self._index_times)
         return sorted(times, key=lambda pair: pair[1], reverse=True)

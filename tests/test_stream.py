@@ -1,0 +1,137 @@
+"""Streams rebuilt into the stored answer: tool-call arguments split across chunks, several
+calls interleaved, refusals, usage; and the same stream through the app and back."""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator
+from typing import Any
+
+import orjson
+
+from gateway.services.stream import StreamAccumulator, output_message
+from gateway.store.memory import MemoryStore
+from gateway.upstream.base import Body, Chunk
+from gateway.upstream.mock import MockUpstream
+from tests.conftest import build_client, make_settings
+from tests.views import load
+
+
+def delta(**fields: Any) -> Chunk:
+    return {"choices": [{"index": 0, "delta": fields, "finish_reason": None}]}
+
+
+def call_piece(index: int, *, id: str | None = None, name: str | None = None, args: str = "") -> Chunk:
+    function: dict[str, str] = {"arguments": args}
+    if name is not None:
+        function["name"] = name
+    call: dict[str, Any] = {"index": index, "function": function}
+    if id is not None:
+        call.update(id=id, type="function")
+    return delta(tool_calls=[call])
+
+
+# Two calls, their arguments cut mid-token and interleaved, as providers stream them.
+SPLIT_CALLS: list[Chunk] = [
+    delta(role="assistant", content=None),
+    call_piece(0, id="call_a", name="get_weather", args=""),
+    call_piece(0, args='{"ci'),
+    call_piece(1, id="call_b", name="get_time", args='{"tz": "Eu'),
+    call_piece(0, args='ty": "Par'),
+    call_piece(1, args='rope/Paris"}'),
+    call_piece(0, args='is"}'),
+    {"choices": [{"index": 0, "delta": {}, "finish_reason": "tool_calls"}]},
+    {"choices": [], "usage": {"prompt_tokens": 9, "completion_tokens": 4, "total_tokens": 13}},
+]
+EXPECTED_CALLS = [
+    {
+        "id": "call_a",
+        "type": "function",
+        "function": {"name": "get_weather", "arguments": '{"city": "Paris"}'},
+    },
+    {
+        "id": "call_b",
+        "type": "function",
+        "function": {"name": "get_time", "arguments": '{"tz": "Europe/Paris"}'},
+    },
+]
+
+
+def test_split_tool_call_arguments_are_joined_per_call() -> None:
+    acc = StreamAccumulator()
+    for chunk in SPLIT_CALLS:
+        acc.add(chunk)
+    assert acc.message() == {"role": "assistant", "content": None, "tool_calls": EXPECTED_CALLS}
+    assert acc.finish_reason == "tool_calls"
+    assert acc.usage == {"prompt_tokens": 9, "completion_tokens": 4, "total_tokens": 13}
+    for call in EXPECTED_CALLS:
+        orjson.loads(call["function"]["arguments"])  # whole JSON again
+
+
+def test_text_refusal_and_other_choices() -> None:
+    acc = StreamAccumulator()
+    for chunk in [
+        delta(role="assistant", content="Hel"),
+        {"choices": [{"index": 1, "delta": {"content": "other choice"}, "finish_reason": None}]},
+        delta(content="lo"),
+        delta(refusal="I can"),
+        delta(refusal="not."),
+        {"choices": "not a list"},  # ignored, not fatal
+        {"choices": [{"index": 0, "delta": {}, "finish_reason": "stop"}]},
+    ]:
+        acc.add(chunk)
+    assert acc.message() == {"role": "assistant", "content": "Hello", "refusal": "I cannot."}
+
+
+def test_output_message_keeps_known_fields_and_drops_nulls() -> None:
+    raw = {"role": "assistant", "content": "x", "refusal": None, "audio": {"id": "a"}, "tool_calls": []}
+    assert output_message(raw) == {"role": "assistant", "content": "x"}
+    calls = output_message(
+        {"role": "assistant", "tool_calls": [{"id": "c", "function": {"name": "f"}}, "junk"]}
+    )
+    assert calls == {
+        "role": "assistant",
+        "content": None,
+        "tool_calls": [{"id": "c", "type": "function", "function": {"name": "f"}}],
+    }
+
+
+class SplitStream(MockUpstream):
+    """Streams SPLIT_CALLS for the first request, then a plain answer."""
+
+    async def stream(self, body: Body) -> AsyncIterator[Chunk]:
+        self.requests.append(body)
+        if len(self.requests) == 1:
+            for chunk in SPLIT_CALLS:
+                yield chunk
+            return
+        async for chunk in super().stream(body):
+            yield chunk
+
+
+async def test_split_tool_calls_through_the_app_are_stored_whole_and_replayed() -> None:
+    store = MemoryStore()
+    upstream = SplitStream()
+    async with build_client(make_settings(), store, upstream) as client:
+        body = {
+            "model": "mock/m",
+            "conversation_id": "tools",
+            "stream": True,
+            "messages": [{"role": "user", "content": "Weather and time in Paris?"}],
+        }
+        async with client.stream("POST", "/v1/chat/completions", json=body) as r:
+            assert r.status_code == 200
+            events = [line async for line in r.aiter_lines() if line.startswith("data: ")]
+        assert events[-1] == "data: [DONE]"
+        view = await load(store, "tools")
+        assert view.history[-1] == {"role": "assistant", "content": None, "tool_calls": EXPECTED_CALLS}
+        results = [
+            {"role": "tool", "tool_call_id": "call_a", "content": "sunny"},
+            {"role": "tool", "tool_call_id": "call_b", "content": "14:00"},
+        ]
+        r2 = await client.post(
+            "/v1/chat/completions", json={"model": "mock/m", "conversation_id": "tools", "messages": results}
+        )
+        assert r2.status_code == 200
+        sent = upstream.requests[-1]["messages"]
+        assert sent[-3] == {"role": "assistant", "content": None, "tool_calls": EXPECTED_CALLS}
+        assert sent[-2:] == results

@@ -1,0 +1,151 @@
+"""The rolling-summary job: retries with backoff, `summary_failed` records, giving up, and a
+summarizer model that fails for real (through the service, on the store twin)."""
+
+from __future__ import annotations
+
+import asyncio
+from typing import Any
+
+from gateway.exceptions import UpstreamUnreachable
+from gateway.jobs.summarizer import MAX_ATTEMPTS, Summarizer
+from gateway.store.memory import MemoryStore
+from gateway.upstream.demo import demo_reply
+from gateway.upstream.mock import MockUpstream
+from tests.conftest import build_client, make_settings
+
+
+class FlakySummaries:
+    """The service's side of a fold, failing its first `failures` attempts."""
+
+    def __init__(self, failures: int) -> None:
+        self.failures = failures
+        self.folds: list[tuple[str, str, str, str]] = []
+        self.recorded: list[tuple[str, int, str]] = []
+
+    def model_for(self, model: str) -> str:
+        return f"summarizer-for-{model}"
+
+    async def fold(self, tenant: str, cid: str, target: str, model: str) -> None:
+        self.folds.append((tenant, cid, target, model))
+        if len(self.folds) <= self.failures:
+            raise UpstreamUnreachable(f"attempt {len(self.folds)}: provider unreachable")
+
+    async def record_failure(self, tenant: str, cid: str, attempt: int, message: str) -> None:
+        self.recorded.append((cid, attempt, message))
+
+
+def job(summaries: FlakySummaries) -> tuple[Summarizer, list[float], list[str]]:
+    delays: list[float] = []
+    outcomes: list[str] = []
+
+    async def sleep(seconds: float) -> None:
+        delays.append(seconds)
+
+    summarizer = Summarizer(summaries, sleep=sleep)  # type: ignore[arg-type]
+    summarizer.on_outcome = outcomes.append
+    return summarizer, delays, outcomes
+
+
+async def test_failures_are_recorded_and_retried_with_backoff_until_one_succeeds() -> None:
+    summaries = FlakySummaries(failures=2)
+    summarizer, delays, outcomes = job(summaries)
+    summarizer.schedule("", "c", "resp-7", "m")
+    await summarizer.wait_idle()
+    assert summaries.folds == [("", "c", "resp-7", "summarizer-for-m")] * 3
+    assert [(cid, attempt) for cid, attempt, _ in summaries.recorded] == [("c", 1), ("c", 2)]
+    assert "attempt 2: provider unreachable" in summaries.recorded[1][2]
+    assert delays == [1.0, 2.0]
+    assert outcomes == ["failed", "failed", "ok"]
+    assert summarizer.failures == {}  # a success clears the count
+
+
+async def test_after_max_attempts_it_gives_up_until_asked_again() -> None:
+    summaries = FlakySummaries(failures=100)
+    summarizer, delays, outcomes = job(summaries)
+    summarizer.schedule("", "c", "resp-7", "m")
+    await summarizer.wait_idle()
+    assert len(summaries.folds) == MAX_ATTEMPTS
+    assert [attempt for _, attempt, _ in summaries.recorded] == list(range(1, MAX_ATTEMPTS + 1))
+    assert delays == [1.0, 2.0, 4.0, 8.0]  # none after the last attempt
+    assert outcomes == ["failed"] * MAX_ATTEMPTS and summarizer.failures == {("", "c"): MAX_ATTEMPTS}
+    summarizer.schedule("", "c", "resp-9", "m")  # the next truncation asks again
+    await summarizer.wait_idle()
+    assert len(summaries.folds) == 2 * MAX_ATTEMPTS and summaries.folds[-1][2] == "resp-9"
+
+
+async def test_a_newer_target_arriving_during_a_fold_is_folded_next() -> None:
+    summaries = FlakySummaries(failures=0)
+    summarizer, _, _ = job(summaries)
+    started = asyncio.Event()
+    release = asyncio.Event()
+    original = summaries.fold
+
+    async def slow_fold(*args: Any) -> None:
+        started.set()
+        await release.wait()
+        await original(*args)
+
+    summaries.fold = slow_fold  # type: ignore[method-assign]
+    summarizer.schedule("", "c", "resp-1", "m")
+    await started.wait()
+    summarizer.schedule("", "c", "resp-2", "m")  # same task, newer target
+    release.set()
+    await summarizer.wait_idle()
+    assert [target for _, _, target, _ in summaries.folds] == ["resp-1", "resp-2"]
+
+
+async def test_a_failing_summarizer_model_leaves_summary_failed_records_and_truncation() -> None:
+    """Through the app: the summarizer model is down; turns still succeed (truncated), and the
+    conversation's summary log says why no summary exists."""
+    down = True
+
+    def model(body: dict[str, Any]) -> str:
+        if str(body["messages"][0].get("content", "")).startswith("You maintain the running summary"):
+            if down:
+                raise UpstreamUnreachable("Provider 'mock' at mock://upstream is unreachable")
+            return "They talked about numbers."
+        return demo_reply(body["messages"])
+
+    store = MemoryStore()
+    settings = make_settings()
+    settings = settings.model_copy(
+        update={
+            "context": settings.context.model_copy(
+                update={"strategy": "summarize", "max_history_messages": 4, "keep_recent_messages": 2}
+            )
+        }
+    )
+    delays: list[float] = []
+
+    async def no_wait(seconds: float) -> None:
+        delays.append(seconds)
+
+    async with build_client(settings, store, MockUpstream(model)) as client:
+        app: Any = client._transport.app  # type: ignore[attr-defined]
+        app.state.summarizer.sleep = no_wait
+        for n in range(6):
+            body = {
+                "model": "mock/m",
+                "conversation_id": "sum",
+                "messages": [{"role": "user", "content": f"n{n}"}],
+            }
+            r = await client.post("/v1/chat/completions", json=body)
+            assert r.status_code == 200, r.text
+        await app.state.summarizer.wait_idle()
+        failed = [r for r in await store.read_side("summaries", "sum") if r["type"] == "summary_failed"]
+        assert failed and failed[0]["attempt"] == 1 and "unreachable" in failed[0]["error"]
+        assert not [r for r in await store.read_side("summaries", "sum") if r["type"] == "summary"]
+        assert delays  # it retried
+        down = False
+        r = await client.post(
+            "/v1/chat/completions",
+            json={
+                "model": "mock/m",
+                "conversation_id": "sum",
+                "messages": [{"role": "user", "content": "n6"}],
+            },
+        )
+        assert r.status_code == 200
+        await app.state.summarizer.wait_idle()
+        summaries = [r for r in await store.read_side("summaries", "sum") if r["type"] == "summary"]
+        assert summaries and summaries[-1]["text"] == "They talked about numbers."
