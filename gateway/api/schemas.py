@@ -345,3 +345,4 @@ class Reset(BaseModel):
     model_config = BODY
 
     keep_system_message: SkipValidation[bool] = False
+
