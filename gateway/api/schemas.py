@@ -345,4 +345,3 @@ class Reset(BaseModel):
     model_config = BODY
 
     keep_system_message: SkipValidation[bool] = False
-

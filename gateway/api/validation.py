@@ -16,6 +16,7 @@ from gateway.services.requests import ChatRequest
 
 B = TypeVar("B", bound=BaseModel)
 
+
 def _path(error: ErrorDetails, body: object) -> list[str | int]:
     """The error's place in the body. pydantic's `loc` also holds the tags of the union members
     it tried (a message's role, "str"): following the body leaves them out."""
