@@ -19,6 +19,7 @@ from typing import Any
 import httpx
 import pytest
 
+from gateway.api.validation import parse_chat
 from gateway.app import create_app
 from gateway.exceptions import ConversationBusy
 from gateway.services.requests import ChatRequest
@@ -67,7 +68,7 @@ async def test_2_previous_response_id_is_decided_under_the_turns_own_lock() -> N
             # Another turn lands on the conversation after the request was read, before its turn.
             service.prepare = real_prepare  # type: ignore[method-assign]
             intruder = await real_prepare(
-                ChatRequest.parse(
+                parse_chat(
                     {
                         "model": "mock/m",
                         "messages": [{"role": "user", "content": "INTRUDER"}],

@@ -423,11 +423,11 @@ async def test_malformed_chunk_mid_stream_is_an_in_band_error(memory_store: Memo
     ],
 )
 def test_malformed_messages_are_a_400_naming_the_field(message: dict[str, Any], param: str) -> None:
+    from gateway.api.validation import parse_chat
     from gateway.exceptions import InvalidRequest
-    from gateway.services.requests import ChatRequest
 
     with pytest.raises(InvalidRequest) as info:
-        ChatRequest.parse({"model": "m", "messages": [message]})
+        parse_chat({"model": "m", "messages": [message]})
     assert info.value.param == param
     assert info.value.status_code == 400
 
@@ -490,8 +490,8 @@ async def test_a_closed_turn_gives_one_frozen_outcome(memory_store: MemoryStore)
     as a stream's error path and its on-close hook both do, gives the same value."""
     import dataclasses
 
+    from gateway.api.validation import parse_chat
     from gateway.services import Services
-    from gateway.services.requests import ChatRequest
     from gateway.upstream import Router
 
     upstream = MockUpstream(lambda body: "four")
@@ -499,7 +499,7 @@ async def test_a_closed_turn_gives_one_frozen_outcome(memory_store: MemoryStore)
         make_settings(), store=memory_store, router=Router({"mock": upstream}, "mock")
     )
     body = {"model": "mock/m", "messages": [user("2+2?")], "conversation_id": "frozen"}
-    turn = await services.turns.prepare(ChatRequest.parse(body))
+    turn = await services.turns.prepare(parse_chat(body))
     await services.turns.complete(turn)
     outcome = await services.turns.close(turn)
     assert outcome.committed and outcome.message == {"role": "assistant", "content": "four"}
@@ -510,6 +510,6 @@ async def test_a_closed_turn_gives_one_frozen_outcome(memory_store: MemoryStore)
         outcome.committed = False  # type: ignore[misc]
     assert await services.turns.close(turn) is outcome
 
-    failed = await services.turns.prepare(ChatRequest.parse({**body, "messages": [user("again")]}))
+    failed = await services.turns.prepare(parse_chat({**body, "messages": [user("again")]}))
     outcome = await services.turns.close(failed, UpstreamTimeout("slow"))
     assert not outcome.committed and outcome.message is None and outcome.finish_reason is None

@@ -21,8 +21,8 @@ from gateway.api.http import (
 )
 from gateway.api.observe import log_failure, log_line, refused
 from gateway.api.sse import chat_events
+from gateway.api.validation import parse_chat
 from gateway.exceptions import GatewayError
-from gateway.services.requests import ChatRequest
 from gateway.services.turn import PreparedTurn, TurnOutcome
 
 
@@ -52,7 +52,7 @@ async def chat_completions(request: Request) -> Response:
     body: Any = None
     try:
         body = await read_json(request, service.settings.server.max_body_bytes)
-        chat = ChatRequest.parse(body, header_conversation_id=request.headers.get("x-conversation-id"))
+        chat = parse_chat(body, header_conversation_id=request.headers.get("x-conversation-id"))
         turn = await service.prepare(chat, tenant_of(request))
     except GatewayError as exc:
         refused(request, body, exc, started)

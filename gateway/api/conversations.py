@@ -9,29 +9,17 @@ from starlette.requests import Request
 from starlette.responses import Response
 
 from gateway.api.http import JSONBody, read_json, services_of, tenant_of
+from gateway.api.schemas import ConversationCreate, ConversationUpdate, ItemsCreate
+from gateway.api.validation import validate
 from gateway.context import ConversationView
 from gateway.context.items import Item
 from gateway.exceptions import InvalidRequest, NotFound
 from gateway.ids import check_conversation_id
 from gateway.services.conversations import find_item, view_items
 
-MAX_METADATA = 16
-
 
 def _cid(request: Request) -> str:
     return check_conversation_id(request.path_params["conversation_id"], param="conversation_id")
-
-
-def _metadata(body: dict[str, Any]) -> dict[str, str] | None:
-    metadata = body.get("metadata")
-    if metadata is None:
-        return None
-    if not isinstance(metadata, dict) or len(metadata) > MAX_METADATA:
-        raise InvalidRequest("'metadata' must be an object of at most 16 string pairs", param="metadata")
-    for key, value in metadata.items():
-        if not isinstance(value, str) or len(key) > 64 or len(value) > 512:
-            raise InvalidRequest("metadata keys are ≤64 characters and values strings ≤512", param="metadata")
-    return dict(metadata)
 
 
 def conversation_object(cid: str, view: ConversationView, **extra: Any) -> dict[str, Any]:
@@ -85,12 +73,11 @@ def paginate(items: list[Item], request: Request, *, default_order: str) -> dict
 async def create_conversation(request: Request) -> Response:
     services = services_of(request)
     body = await read_json(request, services.settings.server.max_body_bytes, allow_empty=True)
-    if not isinstance(body, dict):
-        raise InvalidRequest("The request body must be a JSON object")
+    create = validate(ConversationCreate, body)
     cid, view = await services.conversations.create(
         tenant_of(request),
         requested_id=body.get("id") or body.get("conversation_id"),
-        metadata=_metadata(body) or {},
+        metadata=create.metadata or {},
         items=body.get("items"),
     )
     return JSONBody(conversation_object(cid, view))
@@ -106,12 +93,8 @@ async def update_conversation(request: Request) -> Response:
     services = services_of(request)
     cid = _cid(request)
     body = await read_json(request, services.settings.server.max_body_bytes)
-    if not isinstance(body, dict):
-        raise InvalidRequest("The request body must be a JSON object")
-    metadata = _metadata(body)
-    if metadata is None:
-        raise InvalidRequest("'metadata' is required", param="metadata")
-    view = await services.conversations.update_metadata(tenant_of(request), cid, metadata)
+    update = validate(ConversationUpdate, body)
+    view = await services.conversations.update_metadata(tenant_of(request), cid, update.metadata)
     return JSONBody(conversation_object(cid, view))
 
 
@@ -159,8 +142,9 @@ async def create_items(request: Request) -> Response:
     services = services_of(request)
     cid = _cid(request)
     body = await read_json(request, services.settings.server.max_body_bytes)
-    if not isinstance(body, dict) or "items" not in body:
+    if not isinstance(body, dict):
         raise InvalidRequest("'items' is required", param="items")
+    validate(ItemsCreate, body)  # then turned into messages (and checked again) by the service
     created = await services.conversations.add_items(tenant_of(request), cid, body["items"])
     return JSONBody(_page(created))
 

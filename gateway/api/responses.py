@@ -29,32 +29,27 @@ from gateway.api.http import (
 )
 from gateway.api.observe import log_failure, log_line, refused
 from gateway.api.response_shapes import response_events, response_object
+from gateway.api.schemas import ResponseCreate
+from gateway.api.validation import parse_chat, validate
 from gateway.context import Message
 from gateway.context.items import Item, items_to_messages, message_to_items
 from gateway.exceptions import GatewayError, InvalidRequest
 from gateway.ids import check_conversation_id
 from gateway.services import Services
-from gateway.services.requests import ChatRequest
 from gateway.types import Record
 
 _PASSED = ("temperature", "top_p", "parallel_tool_calls", "user", "metadata", "service_tier", "seed")
 
 
-def _tools(tools: Any) -> list[dict[str, Any]] | None:
+def _tools(tools: list[dict[str, Any]] | None) -> list[dict[str, Any]] | None:
+    """Responses function tools (checked by `FunctionTool`) as chat-completions tools."""
     if tools is None:
         return None
-    if not isinstance(tools, list):
-        raise InvalidRequest("'tools' must be an array", param="tools")
-    out = []
-    for i, tool in enumerate(tools):
-        if not isinstance(tool, dict) or tool.get("type") != "function" or not tool.get("name"):
-            raise InvalidRequest(f"tools[{i}]: only function tools are supported", param=f"tools[{i}]")
-        fn = {k: tool[k] for k in ("name", "description", "parameters", "strict") if k in tool}
-        out.append({"type": "function", "function": fn})
-    return out
+    keys = ("name", "description", "parameters", "strict")
+    return [{"type": "function", "function": {k: tool[k] for k in keys if k in tool}} for tool in tools]
 
 
-def _tool_choice(choice: Any) -> Any:
+def _tool_choice(choice: object) -> object:
     if isinstance(choice, dict) and choice.get("type") == "function" and choice.get("name"):
         return {"type": "function", "function": {"name": choice["name"]}}
     return choice
@@ -80,33 +75,21 @@ async def _conversation_for(
     return f"resp-{secrets.token_hex(12)}", None
 
 
-def _chat_body(body: dict[str, Any]) -> tuple[dict[str, Any], dict[str, Any]]:
+def _chat_body(body: dict[str, Any], request: ResponseCreate) -> tuple[dict[str, Any], dict[str, Any]]:
     """The chat-completions request for a Responses request, and the params to echo back."""
-    model = body.get("model")
-    if not isinstance(model, str) or not model:
-        raise InvalidRequest("'model' is required", param="model")
-    raw_input = body.get("input")
+    raw_input = body["input"]
     if isinstance(raw_input, str):
         messages: list[Message] = [{"role": "user", "content": raw_input}]
-    elif isinstance(raw_input, list):
-        messages = items_to_messages(raw_input, param="input")
     else:
-        raise InvalidRequest("'input' must be a string or an array of items", param="input")
-    instructions = body.get("instructions")
+        messages = items_to_messages(raw_input, param="input")
+    instructions = request.instructions
     if instructions is not None:
-        if not isinstance(instructions, str):
-            raise InvalidRequest("'instructions' must be a string", param="instructions")
         messages = [{"role": "system", "content": instructions}, *messages]
     if not messages:
         raise InvalidRequest("'input' is empty", param="input")
-    truncation = body.get("truncation", "auto")
-    if truncation not in ("auto", "disabled", None):
-        raise InvalidRequest("'truncation' must be 'auto' or 'disabled'", param="truncation")
+    truncation = request.truncation
     tools = _tools(body.get("tools"))
-    stream = body.get("stream")
-    if stream is not None and not isinstance(stream, bool):
-        raise InvalidRequest("'stream' must be a boolean", param="stream")
-    chat: dict[str, Any] = {"model": model, "messages": messages, "stream": bool(stream)}
+    chat: dict[str, Any] = {"model": request.model, "messages": messages, "stream": bool(request.stream)}
     for key in _PASSED:
         if body.get(key) is not None and key != "metadata":
             chat[key] = body[key]
@@ -114,8 +97,8 @@ def _chat_body(body: dict[str, Any]) -> tuple[dict[str, Any], dict[str, Any]]:
         chat["tools"] = tools
     if body.get("tool_choice") is not None:
         chat["tool_choice"] = _tool_choice(body["tool_choice"])
-    if isinstance(body.get("max_output_tokens"), int):
-        chat["max_tokens"] = body["max_output_tokens"]
+    if request.max_output_tokens is not None:
+        chat["max_tokens"] = request.max_output_tokens
     if chat["stream"]:
         chat["stream_options"] = {"include_usage": True}
     params = {
@@ -143,10 +126,8 @@ async def create_response(request: Request) -> Response:
     body: Any = None
     try:
         body = await read_json(request, services.settings.server.max_body_bytes)
-        if not isinstance(body, dict):
-            raise InvalidRequest("The request body must be a JSON object")
-        chat_body, params = _chat_body(body)
-        chat = ChatRequest.parse(chat_body)  # every validation error before a fork is made
+        chat_body, params = _chat_body(body, validate(ResponseCreate, body))
+        chat = parse_chat(chat_body)  # every validation error before a fork is made
         cid, previous = await _conversation_for(services, tenant, body)
         if cid is not None:
             chat_body["conversation_id"] = chat.conversation_id = cid

@@ -1,0 +1,69 @@
+"""The reply bodies, described for the OpenAPI document only (`api/openapi.py`): the handlers
+build plain dicts, and the schemathesis test checks that what they send matches these."""
+
+from __future__ import annotations
+
+from typing import Literal
+
+from pydantic import BaseModel, ConfigDict, Field
+
+Fields = dict[str, object]  # (as a field's type, `object` would name the field `object`)
+
+
+class _Reply(BaseModel):
+    model_config = ConfigDict(extra="allow")
+
+
+class ErrorDetail(_Reply):
+    message: str
+    type: str
+    param: str | None
+    code: str | None
+
+
+class Error(_Reply):
+    """OpenAI's error shape, for every error status."""
+
+    error: ErrorDetail
+
+
+class ChatCompletion(_Reply):
+    id: str = Field(description="The minted response id, {model-slug}-{12 hex}")
+    object: str
+    model: str | None = None
+    conversation_id: str | None = None
+    choices: list[Fields]
+    usage: Fields | None = None
+
+
+class ModelList(_Reply):
+    object: Literal["list"]
+    data: list[Fields]
+
+
+class Conversation(_Reply):
+    id: str
+    object: Literal["conversation"]
+    created_at: int | None = None
+    metadata: Fields | None = None
+
+
+class Deleted(_Reply):
+    id: str
+    object: str
+    deleted: Literal[True]
+
+
+class Page(_Reply):
+    object: Literal["list"]
+    data: list[Fields]
+    has_more: bool | None = None
+    first_id: str | None = None
+    last_id: str | None = None
+
+
+class ResponseObject(_Reply):
+    id: str
+    object: Literal["response"]
+    status: str | None = None
+    output: list[Fields] | None = None

@@ -1,0 +1,347 @@
+"""The request bodies the gateway accepts, as pydantic models: `api/validation.py` checks requests
+with them and `api/openapi.py` generates the OpenAPI document from them.
+
+A model checks a body, it never rewrites one: the client's own dicts are what is forwarded and
+stored, unknown fields included (`extra="allow"`). Fields the gateway only passes on are
+documented with OpenAI's types but not checked (`SkipValidation`): the provider checks them.
+Messages are TypedDicts that leave unknown fields out of their (unused) copy: a 200-message
+history is checked as fast as by hand. Each body's `error_messages` says what a 400 reads.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Annotated, ClassVar, Literal, NotRequired, Required
+
+from pydantic import BaseModel, ConfigDict, Discriminator, Field, SkipValidation, Tag, with_config
+from pydantic_core import ErrorDetails
+from typing_extensions import TypedDict  # pydantic needs this one before Python 3.12
+
+from gateway.ids import CONVERSATION_ID_RE
+from gateway.services.requests import MAX_ANSWER_TOKENS, MESSAGE_ROLES
+
+# What a 400 says, by field path ("messages[].role"; "" is the body): a text whose {param} is the
+# field as the client wrote it, or a function of that and pydantic's error.
+ErrorMessages = dict[str, str | Callable[[str, ErrorDetails], str]]
+
+BODY = ConfigDict(extra="allow", strict=True)
+# For the shapes repeated in a history: unknown fields are accepted, only not copied (a third
+# faster on long histories), as nobody reads the validated copy.
+MESSAGE = ConfigDict(strict=True, json_schema_extra={"additionalProperties": True})
+ConversationId = Annotated[str, Field(pattern=f"^{CONVERSATION_ID_RE.pattern}$")]
+AnswerTokens = Annotated[int, Field(ge=1, le=MAX_ANSWER_TOKENS)]
+TOKENS = f"must be an integer between 1 and {MAX_ANSWER_TOKENS}"
+NOT_AN_OBJECT = "The request body must be a JSON object"
+
+
+# -- chat completions ----------------------------------------------------------------------------
+
+
+@with_config(MESSAGE)
+class ContentPart(TypedDict, total=False):
+    """A content part (text, image_url, ...): an object; what is in it is the provider's to check."""
+
+    type: SkipValidation[str]
+    text: SkipValidation[str]
+
+
+Content = str | list[ContentPart] | None
+
+
+@with_config(MESSAGE)
+class FunctionCall(TypedDict):
+    name: str
+    arguments: NotRequired[str]
+
+
+@with_config(MESSAGE)
+class ToolCall(TypedDict):
+    id: str
+    type: NotRequired[SkipValidation[Literal["function"]]]
+    function: FunctionCall
+
+
+@with_config(MESSAGE)
+class InputMessage(TypedDict, total=False):
+    """A system, developer or user message (or a legacy `function` result)."""
+
+    role: Required[Literal["system", "developer", "user", "function"]]
+    content: Content
+    name: str | None
+    tool_call_id: str | None
+    tool_calls: None  # only an assistant message calls tools
+    is_feedback: Annotated[bool, Field(description="Gateway extension: forwarded once, never replayed")]
+
+
+@with_config(MESSAGE)
+class AssistantMessage(TypedDict, total=False):
+    role: Required[Literal["assistant"]]
+    content: Content
+    name: str | None
+    tool_call_id: str | None
+    tool_calls: list[ToolCall] | None
+    is_feedback: bool
+
+
+@with_config(MESSAGE)
+class ToolMessage(TypedDict, total=False):
+    role: Required[Literal["tool"]]
+    content: Content
+    name: str | None
+    tool_call_id: Required[str]
+    tool_calls: None
+    is_feedback: bool
+
+
+Message = Annotated[InputMessage | AssistantMessage | ToolMessage, Field(discriminator="role")]
+
+
+@with_config(BODY)
+class StreamOptions(TypedDict, total=False):
+    include_usage: SkipValidation[bool]
+
+
+def _tool_call_id(param: str, error: ErrorDetails) -> str:
+    if error["type"] == "missing" or error["input"] is None:
+        return f"{param} is required for a tool message"
+    return f"{param} must be a string"
+
+
+class ChatCompletionRequest(BaseModel):
+    model_config = BODY
+
+    model: Annotated[str, Field(min_length=1)]
+    # Checked only: what is forwarded and stored is the client's own list (`body["messages"]`).
+    messages: Annotated[list[Message], Field(min_length=1)]
+    max_tokens: AnswerTokens | None = None
+    max_completion_tokens: AnswerTokens | None = None
+    stream: bool | None = None
+    stream_options: StreamOptions | None = None
+    # The gateway's own fields (never forwarded), checked in the order they are used.
+    conversation_id: SkipValidation[ConversationId | None] = Field(
+        None, description="Gateway extension: the conversation this turn continues (or starts)"
+    )
+    session_id: SkipValidation[ConversationId | None] = Field(None, description="Without conversation_id")
+    agent_id: SkipValidation[ConversationId | None] = Field(None, description="Without session_id")
+    user_timezone: SkipValidation[str | None] = Field(None, description="IANA zone for the recap's 'today'")
+    # Passed on to the provider.
+    user: SkipValidation[str | None] = None
+    temperature: SkipValidation[float | None] = None
+    tools: SkipValidation[list[dict[str, object]] | None] = None
+    tool_choice: SkipValidation[str | dict[str, object] | None] = None
+
+    error_messages: ClassVar[ErrorMessages] = {
+        "": NOT_AN_OBJECT,
+        "model": "'model' is required and must be a non-empty string",
+        "messages": "'messages' must be a non-empty array",
+        "messages[]": "{param} must be an object",
+        "messages[].role": "{param} must be one of " + ", ".join(sorted(MESSAGE_ROLES)),
+        "messages[].content": "{param} must be a string, an array of content parts, or null",
+        "messages[].name": "{param} must be a string",
+        "messages[].tool_call_id": _tool_call_id,
+        "messages[].tool_calls": "{param} must be an array on an assistant message",
+        "messages[].tool_calls[]": "{param} must be {{id, type: 'function', function: {{name, arguments}}}}",
+        "messages[].is_feedback": "{param} must be a boolean",
+        "max_tokens": f"'max_tokens' {TOKENS}",
+        "max_completion_tokens": f"'max_completion_tokens' {TOKENS}",
+        "stream": "'stream' must be a boolean",
+        "stream_options": "'stream_options' must be an object",
+    }
+
+
+# -- items (Responses input, Conversations items) -------------------------------------------------
+
+
+@with_config(BODY)
+class ItemContentPart(TypedDict, total=False):
+    type: Literal["input_text", "output_text", "text", "input_image"]
+    text: str
+    image_url: str | None
+    file_id: str | None
+
+
+@with_config(BODY)
+class MessageItem(TypedDict, total=False):
+    type: Literal["message"]
+    role: Required[Literal["user", "assistant", "system", "developer"]]
+    # Parts are checked (and named) when they become chat content: context/items.py.
+    content: str | list[SkipValidation[ItemContentPart]]
+
+
+def _documented_as_required(*fields: str) -> ConfigDict:
+    """Documented as OpenAI requires them; `context/items.py` checks them (and takes `id` for
+    a missing `call_id`)."""
+    return ConfigDict(extra="allow", strict=True, json_schema_extra={"required": list(fields)})
+
+
+@with_config(_documented_as_required("type", "call_id", "name"))
+class FunctionCallItem(TypedDict, total=False):
+    type: Required[Literal["function_call"]]
+    call_id: SkipValidation[Annotated[str, Field(min_length=1)]]
+    name: SkipValidation[Annotated[str, Field(min_length=1)]]
+    arguments: SkipValidation[str]
+
+
+@with_config(_documented_as_required("type", "call_id"))
+class FunctionCallOutputItem(TypedDict, total=False):
+    type: Required[Literal["function_call_output"]]
+    call_id: SkipValidation[Annotated[str, Field(min_length=1)]]
+    output: SkipValidation[str]
+
+
+_ITEM_KINDS = {"message": "message item", "function_call": "call item", "function_call_output": "output item"}
+
+
+def _item_kind(item: object) -> str | None:
+    if not isinstance(item, dict):
+        return "message item"
+    kind = item.get("type", "message")
+    return _ITEM_KINDS.get(kind) if isinstance(kind, str) else None
+
+
+Item = Annotated[
+    Annotated[MessageItem, Tag("message item")]
+    | Annotated[FunctionCallItem, Tag("call item")]
+    | Annotated[FunctionCallOutputItem, Tag("output item")],
+    Discriminator(_item_kind, custom_error_type="unknown_type", custom_error_message="unknown item type"),
+]
+
+
+def _unsupported_item(param: str, error: ErrorDetails) -> str:
+    item = error["input"]
+    kind = item.get("type") if isinstance(item, dict) else None
+    return f"{param.removesuffix('.type')}: unsupported item type {kind!r}"
+
+
+def item_errors(field: str) -> ErrorMessages:
+    """The messages for a list of items at `field` (as `context.items.items_to_messages` words them)."""
+    return {
+        f"{field}[]": "{param} must be an object",
+        f"{field}[].type": _unsupported_item,
+        f"{field}[].role": "{param} must be user, assistant, system or developer",
+        f"{field}[].content": "{param} must be a string or an array of parts",
+    }
+
+
+# -- the Responses API ---------------------------------------------------------------------------
+
+
+@with_config(BODY)
+class FunctionTool(TypedDict):
+    type: Literal["function"]
+    name: Annotated[str, Field(min_length=1)]
+    description: NotRequired[SkipValidation[str | None]]
+    parameters: NotRequired[SkipValidation[dict[str, object] | None]]
+    strict: NotRequired[SkipValidation[bool | None]]
+
+
+@with_config(BODY)
+class ConversationRef(TypedDict):
+    id: ConversationId
+
+
+def _input_kind(value: object) -> str:
+    return "items" if isinstance(value, list) else "text"
+
+
+ResponseInput = Annotated[
+    Annotated[str, Tag("text")] | Annotated[list[Item], Tag("items")], Discriminator(_input_kind)
+]
+
+
+class ResponseCreate(BaseModel):
+    model_config = ConfigDict(
+        extra="allow",
+        strict=True,
+        json_schema_extra={"not": {"required": ["conversation", "previous_response_id"]}},
+    )
+
+    model: Annotated[str, Field(min_length=1)]
+    input: ResponseInput
+    instructions: str | None = None
+    truncation: Literal["auto", "disabled"] | None = None
+    tools: list[FunctionTool] | None = None
+    stream: bool | None = None
+    max_output_tokens: AnswerTokens | None = None
+    # Checked where they are used: the conversation's id, the response's existence.
+    conversation: SkipValidation[ConversationId | ConversationRef | None] = None
+    previous_response_id: SkipValidation[str | None] = Field(None, description="404 unless a stored response")
+    store: SkipValidation[bool] = True
+    metadata: SkipValidation[dict[str, str] | None] = None
+    # Passed on to the provider.
+    temperature: SkipValidation[float | None] = None
+    top_p: SkipValidation[float | None] = None
+    parallel_tool_calls: SkipValidation[bool | None] = None
+    tool_choice: SkipValidation[str | dict[str, object] | None] = None
+    user: SkipValidation[str | None] = None
+
+    error_messages: ClassVar[ErrorMessages] = {
+        "": NOT_AN_OBJECT,
+        "model": "'model' is required",
+        "input": "'input' must be a string or an array of items",
+        **item_errors("input"),
+        "instructions": "'instructions' must be a string",
+        "truncation": "'truncation' must be 'auto' or 'disabled'",
+        "tools": "'tools' must be an array",
+        "tools[]": "{param}: only function tools are supported",
+        "stream": "'stream' must be a boolean",
+        "max_output_tokens": f"'max_output_tokens' {TOKENS}",
+    }
+
+
+# -- the Conversations API -----------------------------------------------------------------------
+
+MAX_METADATA = 16
+Metadata = Annotated[
+    dict[Annotated[str, Field(max_length=64)], Annotated[str, Field(max_length=512)]],
+    Field(max_length=MAX_METADATA),
+]
+
+
+def _metadata(param: str, error: ErrorDetails) -> str:
+    if len(error["loc"]) > 1:
+        return "metadata keys are ≤64 characters and values strings ≤512"
+    if error["type"] == "missing" or error["input"] is None:
+        return "'metadata' is required"
+    return f"'metadata' must be an object of at most {MAX_METADATA} string pairs"
+
+
+def _items(param: str, error: ErrorDetails) -> str:
+    return "'items' is required" if error["type"] == "missing" else "'items' must be an array"
+
+
+class ConversationCreate(BaseModel):
+    model_config = BODY
+
+    metadata: Metadata | None = None
+    items: list[Item] | None = None
+    id: SkipValidation[ConversationId | None] = Field(None, description="Gateway extension: choose the id")
+
+    error_messages: ClassVar[ErrorMessages] = {
+        "": NOT_AN_OBJECT,
+        "metadata": _metadata,
+        "items": _items,
+        **item_errors("items"),
+    }
+
+
+class ConversationUpdate(BaseModel):
+    model_config = BODY
+
+    metadata: Metadata
+
+    error_messages: ClassVar[ErrorMessages] = {"": NOT_AN_OBJECT, "metadata": _metadata}
+
+
+class ItemsCreate(BaseModel):
+    model_config = BODY
+
+    items: list[Item]
+
+    error_messages: ClassVar[ErrorMessages] = {"items": _items, **item_errors("items")}
+
+
+class Reset(BaseModel):
+    model_config = BODY
+
+    keep_system_message: SkipValidation[bool] = False

@@ -1,0 +1,94 @@
+"""Request bodies checked against their models (`api/schemas.py`), pydantic's first error turned
+into OpenAI's: a 400 `invalid_request_error` whose `param` names the field as the client wrote
+it (`messages[2].tool_calls[0]`) and whose message says what that field must be."""
+
+from __future__ import annotations
+
+from typing import TypeVar
+
+from pydantic import BaseModel, ValidationError
+from pydantic_core import ErrorDetails
+
+from gateway.api.schemas import NOT_AN_OBJECT, ChatCompletionRequest, ErrorMessages
+from gateway.exceptions import InvalidRequest
+from gateway.ids import check_conversation_id
+from gateway.services.requests import ChatRequest
+
+B = TypeVar("B", bound=BaseModel)
+
+
+def _path(error: ErrorDetails, body: object) -> list[str | int]:
+    """The error's place in the body. pydantic's `loc` also holds the tags of the union members
+    it tried (a message's role, "str"): following the body leaves them out."""
+    path: list[str | int] = []
+    node = body
+    last = len(error["loc"]) - 1
+    for k, step in enumerate(error["loc"]):
+        after_index = k > 0 and isinstance(error["loc"][k - 1], int)
+        if isinstance(step, int) and isinstance(node, list) and 0 <= step < len(node):
+            path.append(step)
+            node = node[step]
+        elif after_index and isinstance(node, dict) and step == node.get("role"):
+            continue  # the tag of a message's member: its role
+        elif isinstance(step, str) and isinstance(node, dict) and step in node:
+            path.append(step)
+            node = node[step]
+        elif k == last and error["type"] == "missing":
+            path.append(step)
+    if error["type"] in ("union_tag_invalid", "union_tag_not_found"):  # no member for the role
+        path.append(str(error.get("ctx", {}).get("discriminator", "")).strip("'"))
+    elif error["type"] == "unknown_type":  # no member for an item's type
+        path.append("type")
+    return path
+
+
+def _render(path: list[str | int], *, indexes: bool = True) -> str:
+    out = ""
+    for step in path:
+        if isinstance(step, int):
+            out += f"[{step}]" if indexes else "[]"
+        else:
+            out += f".{step}" if out else step
+    return out
+
+
+def invalid_request(error: ErrorDetails, body: object, messages: ErrorMessages) -> InvalidRequest:
+    """The 400 for pydantic's `error`, reported at the deepest field `messages` has words for."""
+    path = _path(error, body)
+    for end in range(len(path), -1, -1):
+        message = messages.get(_render(path[:end], indexes=False))
+        if message is not None:
+            param = _render(path[:end])
+            text = message.format(param=param) if isinstance(message, str) else message(param, error)
+            return InvalidRequest(text, param=param or None)
+    param = _render(path)
+    return InvalidRequest(f"{param or 'The request body'}: {error['msg']}", param=param or None)
+
+
+def validate(model: type[B], body: object) -> B:
+    """`body` as a `model`, or the 400 for its first error (the model's fields in order)."""
+    try:
+        return model.model_validate(body)
+    except ValidationError as exc:
+        error = exc.errors(include_url=False)[0]
+        messages: ErrorMessages = getattr(model, "error_messages", {})
+        raise invalid_request(error, body, messages) from None
+
+
+def parse_chat(body: object, *, header_conversation_id: str | None = None) -> ChatRequest:
+    """A chat-completions request, checked; the services get the client's own dicts."""
+    if not isinstance(body, dict):
+        raise InvalidRequest(NOT_AN_OBJECT)
+    request = validate(ChatCompletionRequest, body)
+    cid: str | None = None
+    # The first id present names the conversation; ids after it are not looked at.
+    if request.conversation_id is not None:
+        cid = check_conversation_id(request.conversation_id, param="conversation_id")
+    elif header_conversation_id is not None:
+        cid = check_conversation_id(header_conversation_id, param="X-Conversation-Id")
+    elif request.session_id is not None:
+        cid = check_conversation_id(request.session_id, param="session_id")
+    elif request.agent_id is not None:
+        cid = check_conversation_id(request.agent_id, param="agent_id")
+    include_usage = bool((request.stream_options or {}).get("include_usage"))
+    return ChatRequest(body, request.model, body["messages"], bool(request.stream), include_usage, cid)

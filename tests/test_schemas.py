@@ -1,0 +1,233 @@
+"""Requests checked by the pydantic models (gateway/api/schemas.py): 400s in OpenAI's shape that
+name the field as the client wrote it, bodies forwarded as sent, and the OpenAPI document
+generated from the models keeping every operation of the API."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import httpx
+import orjson
+import pytest
+
+from gateway.api.openapi import build_schema
+from gateway.api.validation import parse_chat
+from gateway.exceptions import InvalidRequest
+from gateway.upstream.mock import MockUpstream
+
+U = {"role": "user", "content": "hi"}
+CALL = {"id": "c1", "type": "function", "function": {"name": "f", "arguments": "{}"}}
+
+# SPEC.md section 5, and the Responses API (README): every operation the document must keep.
+OPERATIONS = {
+    ("post", "/v1/chat/completions"),
+    ("get", "/v1/models"),
+    ("post", "/v1/conversations"),
+    ("get", "/v1/conversations"),
+    ("get", "/v1/conversations/{conversation_id}"),
+    ("post", "/v1/conversations/{conversation_id}"),
+    ("delete", "/v1/conversations/{conversation_id}"),
+    ("get", "/v1/conversations/{conversation_id}/items"),
+    ("post", "/v1/conversations/{conversation_id}/items"),
+    ("get", "/v1/conversations/{conversation_id}/items/{item_id}"),
+    ("delete", "/v1/conversations/{conversation_id}/items/{item_id}"),
+    ("post", "/v1/conversations/{conversation_id}/reset"),
+    ("get", "/v1/conversations/{conversation_id}/context"),
+    ("get", "/v1/responses/{response_id}"),
+    ("get", "/healthz"),
+    ("get", "/readyz"),
+    ("get", "/metrics"),
+    # The Responses API bridge.
+    ("post", "/v1/responses"),
+    ("delete", "/v1/responses/{response_id}"),
+    ("get", "/v1/responses/{response_id}/input_items"),
+}
+TURN = {200, 400, 401, 404, 408, 409, 413, 429, 502, 503, 504}
+
+
+def test_the_generated_document_keeps_every_operation_and_status() -> None:
+    paths = build_schema()["paths"]
+    assert {(method, path) for path, ops in paths.items() for method in ops} == OPERATIONS
+    statuses = {
+        (m, p): {int(s) for s in op["responses"]} for p, ops in paths.items() for m, op in ops.items()
+    }
+    assert statuses["post", "/v1/chat/completions"] == statuses["post", "/v1/responses"] == TURN
+    assert statuses["post", "/v1/conversations/{conversation_id}/items"] == {
+        200,
+        400,
+        401,
+        404,
+        408,
+        409,
+        413,
+        503,
+    }
+    assert statuses["delete", "/v1/responses/{response_id}"] == {200, 400, 401, 404, 409, 503}
+    assert statuses["get", "/v1/models"] == {200, 401} and statuses["get", "/readyz"] == {200, 503}
+
+
+def test_every_reference_in_the_document_resolves() -> None:
+    document = build_schema()
+    found: list[str] = []
+
+    def walk(node: Any) -> None:
+        if isinstance(node, dict):
+            found.extend(v for k, v in node.items() if k == "$ref")
+            for value in node.values():
+                walk(value)
+        elif isinstance(node, list):
+            for value in node:
+                walk(value)
+
+    walk(document)
+    for ref in found:
+        _, section, kind, name = ref.split("/")
+        assert name in document[section][kind], ref
+    assert "#/components/schemas/ToolMessage" in found and "#/components/schemas/FunctionCallItem" in found
+
+
+@pytest.mark.parametrize(
+    ("body", "param", "message"),
+    [
+        ([], None, "The request body must be a JSON object"),
+        ({"messages": [U]}, "model", "'model' is required and must be a non-empty string"),
+        ({"model": "m", "messages": {}}, "messages", "'messages' must be a non-empty array"),
+        ({"model": "m", "messages": [U, 5]}, "messages[1]", "messages[1] must be an object"),
+        ({"model": "m", "messages": [{}]}, "messages[0].role", None),
+        ({"model": "m", "messages": [U, {"role": "wizard"}]}, "messages[1].role", None),
+        (
+            {"model": "m", "messages": [U, U, {"role": "assistant", "tool_calls": [{"id": "c"}]}]},
+            "messages[2].tool_calls[0]",
+            "messages[2].tool_calls[0] must be {id, type: 'function', function: {name, arguments}}",
+        ),
+        (
+            {"model": "m", "messages": [{"role": "assistant", "tool_calls": [CALL, {**CALL, "id": 5}]}]},
+            "messages[0].tool_calls[1]",
+            None,
+        ),
+        (
+            {"model": "m", "messages": [{"role": "tool", "content": "x"}]},
+            "messages[0].tool_call_id",
+            "messages[0].tool_call_id is required for a tool message",
+        ),
+        (
+            {"model": "m", "messages": [{"role": "tool", "tool_call_id": 7}]},
+            "messages[0].tool_call_id",
+            "messages[0].tool_call_id must be a string",
+        ),
+        # A key named like the message's role is not where pydantic's union tag points.
+        (
+            {"model": "m", "messages": [{"role": "user", "user": 1, "content": 5}]},
+            "messages[0].content",
+            None,
+        ),
+        ({"model": "m", "messages": [{"role": "user", "content": [{}, "x"]}]}, "messages[0].content", None),
+        ({"model": "m", "messages": [U], "max_completion_tokens": 0}, "max_completion_tokens", None),
+        ({"model": "m", "messages": [U], "stream_options": []}, "stream_options", None),
+        ({"model": "m", "messages": [U], "session_id": "a b"}, "session_id", None),
+    ],
+)
+def test_a_chat_request_error_names_the_field_as_sent(
+    body: Any, param: str | None, message: str | None
+) -> None:
+    with pytest.raises(InvalidRequest) as info:
+        parse_chat(body)
+    assert info.value.param == param
+    assert info.value.to_dict()["error"]["type"] == "invalid_request_error"
+    if message is not None:
+        assert info.value.message == message
+
+
+def test_the_services_get_the_clients_own_dicts() -> None:
+    body = {"model": "m", "messages": [U], "stream": None, "stream_options": {"include_usage": 1}}
+    request = parse_chat(body, header_conversation_id="from-header")
+    assert request.body is body and request.messages is body["messages"]
+    assert (request.stream, request.include_usage, request.conversation_id) == (False, True, "from-header")
+
+
+async def test_messages_reach_the_provider_byte_for_byte(
+    app_client: httpx.AsyncClient, mock_upstream: MockUpstream
+) -> None:
+    """Unknown fields, nulls and key order are kept; the models add no defaults."""
+    messages = [
+        {"content": "Be brief.", "role": "system", "name": None},
+        {"role": "user", "content": [{"type": "text", "text": "hi", "cache_control": {"type": "ephemeral"}}]},
+        {"role": "assistant", "content": None, "refusal": None, "tool_calls": [{**CALL, "extra": [1]}]},
+        {"tool_call_id": "c1", "role": "tool", "content": "42"},
+        {"role": "user", "content": "and?", "x-vendor": {"a": 1}},
+    ]
+    for extra in ({}, {"conversation_id": "bytes"}):
+        r = await app_client.post(
+            "/v1/chat/completions", json={"model": "mock/m", "messages": messages, **extra}
+        )
+        assert r.status_code == 200, r.text
+        assert orjson.dumps(mock_upstream.requests[-1]["messages"]) == orjson.dumps(messages)
+
+
+async def test_responses_and_items_errors_name_the_item(app_client: httpx.AsyncClient) -> None:
+    async def error(path: str, body: Any) -> dict[str, Any]:
+        r = await app_client.post(path, json=body)
+        assert r.status_code == 400, r.text
+        err: dict[str, Any] = r.json()["error"]
+        assert err["type"] == "invalid_request_error"
+        return err
+
+    bad = [{"role": "user", "content": "a"}, {"type": "bogus"}]
+    err = await error("/v1/responses", {"model": "mock/m", "input": bad})
+    assert (err["param"], err["message"]) == ("input[1].type", "input[1]: unsupported item type 'bogus'")
+    err = await error("/v1/responses", {"model": "mock/m", "input": [{"role": "tool", "content": "x"}]})
+    assert err["param"] == "input[0].role"
+    err = await error("/v1/responses", {"model": "mock/m", "input": "x", "tools": [{"type": "web_search"}]})
+    assert (err["param"], err["message"]) == ("tools[0]", "tools[0]: only function tools are supported")
+    err = await error("/v1/conversations", {"items": [{"role": "user", "content": None}]})
+    assert (err["param"], err["message"]) == (
+        "items[0].content",
+        "items[0].content must be a string or an array of parts",
+    )
+    err = await error("/v1/conversations", {"metadata": {"k": "v" * 513}})
+    assert err["param"] == "metadata" and "≤512" in err["message"]
+    assert (await app_client.post("/v1/conversations", json={"id": "c1"})).status_code == 200
+    err = await error("/v1/conversations/c1/items", {"items": [{"type": "function_call", "name": "f"}]})
+    assert (err["param"], err["message"]) == ("items[0]", "items[0]: a function_call needs call_id and name")
+    err = await error("/v1/conversations/c1", {"metadata": None})
+    assert (err["param"], err["message"]) == ("metadata", "'metadata' is required")
+
+
+@pytest.mark.parametrize("value", ["lots", 1.5, True, 0, 10**8])
+async def test_max_output_tokens_is_checked_under_its_own_name(
+    app_client: httpx.AsyncClient, mock_upstream: MockUpstream, value: Any
+) -> None:
+    """Was: a non-integer silently ignored, an integer out of range reported as `max_tokens`."""
+    r = await app_client.post(
+        "/v1/responses", json={"model": "mock/m", "input": "hi", "max_output_tokens": value}
+    )
+    assert r.status_code == 400 and r.json()["error"]["param"] == "max_output_tokens"
+    r = await app_client.post(
+        "/v1/responses", json={"model": "mock/m", "input": "hi", "max_output_tokens": 16}
+    )
+    assert r.status_code == 200 and mock_upstream.requests[-1]["max_tokens"] == 16
+
+
+async def test_a_function_tool_needs_a_string_name(
+    app_client: httpx.AsyncClient, mock_upstream: MockUpstream
+) -> None:
+    """Was: any truthy name (a number, a list) forwarded for the provider to refuse."""
+    for name in (5, ["f"], ""):
+        tools = [{"type": "function", "name": name}]
+        r = await app_client.post("/v1/responses", json={"model": "mock/m", "input": "hi", "tools": tools})
+        assert r.status_code == 400 and r.json()["error"]["param"] == "tools[0]"
+    assert mock_upstream.requests == []
+
+
+@pytest.mark.parametrize("items", [0, "", False, {}])
+async def test_a_new_conversations_items_must_be_an_array(app_client: httpx.AsyncClient, items: Any) -> None:
+    """Was: a falsy non-array (0, "", false, {}) taken as "no items"."""
+    r = await app_client.post("/v1/conversations", json={"items": items})
+    assert r.status_code == 400
+    assert r.json()["error"] == {
+        "message": "'items' must be an array",
+        "type": "invalid_request_error",
+        "param": "items",
+        "code": None,
+    }
+    assert (await app_client.post("/v1/conversations", json={"items": None})).status_code == 200
