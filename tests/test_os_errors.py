@@ -4,10 +4,12 @@ a store that raises a bare OSError (EMFILE, EACCES) still gives the OpenAI-shape
 from __future__ import annotations
 
 import errno
+from pathlib import Path
 
 import pytest
 
 from gateway.store.base import IndexRead, Version
+from gateway.store.jsonl import JsonlStore
 from gateway.store.memory import MemoryStore
 from gateway.types import Record
 from gateway.upstream.mock import MockUpstream
@@ -42,3 +44,31 @@ async def test_a_bare_os_error_is_a_503_in_openai_shape(code: int) -> None:
         error = r.json()["error"]
         assert error["code"] == "storage_unavailable" and error["type"]
         assert "refused" in error["message"] or "system" in error["message"]
+
+
+async def test_a_corrupt_record_is_a_503_naming_the_file_and_line_not_the_server_path(tmp_path: Path) -> None:
+    """A line in the middle of a response log that cannot be decoded: every reader says which
+    file and line (relative to the data dir), as a 503, and never shows where the data dir is."""
+    settings = make_settings(tmp_path, durability="none")
+    store = JsonlStore(tmp_path / "var", durability="none")
+    await store.open()
+    async with build_client(settings, store, MockUpstream()) as client:
+        body = {"model": "mock/m", "conversation_id": "bad", "messages": [{"role": "user", "content": "hi"}]}
+        first = (await client.post("/v1/chat/completions", json=body)).json()["id"]
+        path = tmp_path / "var" / "logs" / "responses" / f"{first}.jsonl"
+        lines = path.read_bytes().split(b"\n")
+        lines[1] = b'{"type": "context", oops'
+        path.write_bytes(b"\n".join(lines))
+        fresh = JsonlStore(tmp_path / "var", durability="none")  # no cached view to answer from
+        await fresh.open()
+    async with build_client(settings, fresh, MockUpstream()) as client:
+        replies = [
+            await client.get(f"/v1/responses/{first}"),
+            await client.post("/v1/chat/completions", json=body),
+            await client.get("/v1/conversations/bad/items"),
+        ]
+    for r in replies:
+        assert r.status_code == 503, (r.request.url, r.text)
+        message = r.json()["error"]["message"]
+        assert f"logs/responses/{first}.jsonl:2" in message, message
+        assert str(tmp_path) not in message

@@ -31,7 +31,7 @@ async def delete_conversation(store: JsonlStore, conversation_id: str, *, archiv
             data = index.read_bytes()
         except FileNotFoundError:
             return False
-        entries, _ = parse_index(data, path=str(index))
+        entries, _ = parse_index(data, path=store.shown(index))
         shared = named_by_relatives(store, conversation_id)
         ids = [e for e in entries if isinstance(e, str)]
         owned = [rid for rid in ids if rid not in shared]

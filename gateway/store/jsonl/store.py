@@ -115,6 +115,13 @@ class JsonlStore(Store):
             d.mkdir(parents=True, exist_ok=True)
 
     # -- paths: the only place ids become file names ---------------------------------------
+    def shown(self, path: Path) -> str:
+        """A file as errors name it to clients: relative to the data dir (no server paths)."""
+        try:
+            return str(path.relative_to(self.root))
+        except ValueError:
+            return path.name
+
     def index_path(self, conversation_id: str) -> Path:
         return self.conversations_dir / f"{check_conversation_id(conversation_id)}.jsonl"
 
@@ -208,7 +215,7 @@ class JsonlStore(Store):
         if skip_context and CONTEXT_PREFIX in data:
             lines = data.split(b"\n")
             data = b"\n".join(line for line in lines if not line.startswith(CONTEXT_PREFIX))
-        records, _ = parse_jsonl(data, path=str(path))
+        records, _ = parse_jsonl(data, path=self.shown(path))
         return [r for r in records if isinstance(r, dict)]
 
     def _read_sync(self, conversation_id: str, after: Version | None, repair: bool) -> IndexRead:
@@ -226,7 +233,7 @@ class JsonlStore(Store):
         except FileNotFoundError:
             self._sizes.pop(conversation_id, None)
             return IndexRead([], None, True)
-        raw, consumed = parse_index(data, path=str(path))
+        raw, consumed = parse_index(data, path=self.shown(path))
         if consumed < len(data) and repair:
             # A torn last line: the crash happened before its fsync, so it was never acknowledged.
             log.warning("repairing torn last line of %s", path)
@@ -270,7 +277,7 @@ class JsonlStore(Store):
                 data = path.read_bytes()
             except FileNotFoundError:
                 raise NotFound(f"No response {response_id!r}", param="response_id") from None
-        records, _ = parse_jsonl(data, path=str(path))
+        records, _ = parse_jsonl(data, path=self.shown(path))
         return [r for r in records if isinstance(r, dict)]
 
     async def read_index(self, conversation_id: str) -> list[str | Record]:
@@ -280,7 +287,7 @@ class JsonlStore(Store):
                 data = path.read_bytes()
             except FileNotFoundError:
                 raise NotFound(f"No conversation {conversation_id!r}", param="conversation_id") from None
-        entries, _ = parse_index(data, path=str(path))
+        entries, _ = parse_index(data, path=self.shown(path))
         return entries
 
     async def append_marker(self, conversation_id: str, marker: Record) -> Appended:
