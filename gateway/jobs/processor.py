@@ -10,7 +10,7 @@ import fcntl
 import logging
 import os
 import time
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from pathlib import Path
 
 from gateway.config import Settings
@@ -22,11 +22,17 @@ log = logging.getLogger("gateway.lifecycle")
 
 class Processor:
     def __init__(
-        self, settings: Settings, sessions: Sessions, *, clock: Callable[[], float] = time.time
+        self,
+        settings: Settings,
+        sessions: Sessions,
+        *,
+        clock: Callable[[], float] = time.time,
+        sleep: Callable[[float], Awaitable[None]] = asyncio.sleep,
     ) -> None:
         self.settings = settings
         self.sessions = sessions
         self.clock = clock
+        self.sleep = sleep
         self._lock_fd: int | None = None
         self._task: asyncio.Task[None] | None = None
 
@@ -67,7 +73,7 @@ class Processor:
         shortest = min(x for x in (sessions.idle_after, sessions.ttl) if x > 0)
         interval = max(1.0, min(60.0, shortest / 4))
         while True:
-            await asyncio.sleep(interval)
+            await self.sleep(interval)
             try:
                 if await self.acquire_lease():
                     await self.run_once()
