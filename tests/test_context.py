@@ -23,6 +23,7 @@ from gateway.upstream import Router
 from gateway.upstream.demo import demo_reply
 from gateway.upstream.mock import MockUpstream
 from tests.conftest import REPO, make_settings
+from tests.helpers import assert_openai_tool_order
 
 os.environ.setdefault("TIKTOKEN_CACHE_DIR", bundled_tiktoken_dir() or "")
 ENC = tiktoken.get_encoding("cl100k_base")
@@ -44,18 +45,6 @@ def independent_count(messages: list[dict[str, Any]]) -> int:
     return total
 
 
-def valid_for_openai(messages: list[dict[str, Any]]) -> None:
-    pending: set[str] = set()
-    for m in messages:
-        if m["role"] == "tool":
-            assert m["tool_call_id"] in pending
-            pending.discard(m["tool_call_id"])
-        else:
-            assert not pending
-            if m["role"] == "assistant" and m.get("tool_calls"):
-                pending = {c["id"] for c in m["tool_calls"]}
-
-
 _FACTS = re.compile(r"\bmy ([a-z]+) is ([A-Za-z]+)", re.IGNORECASE)
 
 
@@ -74,7 +63,7 @@ class Model:
             return " ".join(f"The user said my {k} is {v}." for k, v in facts.items()) or "Nothing notable."
         self.sizes.append(independent_count(messages))
         assert messages[0] == {"role": "system", "content": "You are terse."}
-        valid_for_openai(messages)
+        assert_openai_tool_order(messages)
         last = messages[-1]
         if last["role"] == "user" and "weather" in str(last["content"]):
             self.calls += 1

@@ -18,6 +18,7 @@ from gateway.context import (
     split_system,
 )
 from gateway.context.history import UNANSWERED_TOOL_RESULT
+from tests.helpers import assert_openai_tool_order
 
 
 def user(text: str, **extra: Any) -> Message:
@@ -421,32 +422,11 @@ def conversations(draw: st.DrawFn) -> list[Message]:
     return out
 
 
-def _check_openai_ordering(messages: list[Message]) -> None:
-    current_calls: list[str] | None = None
-    answered: set[str] = set()
-    for i, message in enumerate(messages):
-        if message["role"] == "tool":
-            assert current_calls is not None, f"orphan tool message at {i}"
-            call_id = message["tool_call_id"]
-            assert call_id in current_calls, f"tool message {i} answers no call of its assistant"
-            assert call_id not in answered, f"call {call_id} answered twice"
-            answered.add(call_id)
-            continue
-        if current_calls is not None:
-            # A non-tool message closes the tool-call block: every call must be answered by now.
-            missing = [c for c in current_calls if c not in answered]
-            assert not missing, f"calls {missing} unanswered before message {i}"
-        current_calls = None
-        answered = set()
-        if message["role"] == "assistant" and message.get("tool_calls"):
-            current_calls = [c["id"] for c in message["tool_calls"]]
-
-
 @settings(max_examples=200, deadline=None)
 @given(conversations())
 def test_repaired_history_satisfies_openai_ordering(messages: list[Message]) -> None:
     repaired = repair_tool_calls(messages)
-    _check_openai_ordering(repaired)
+    assert_openai_tool_order(repaired)
     # Every original non-tool message survives, in order, as the same object.
     originals = [m for m in messages if m["role"] != "tool"]
     kept = [m for m in repaired if m["role"] != "tool"]
@@ -472,4 +452,4 @@ def test_repaired_history_satisfies_openai_ordering(messages: list[Message]) -> 
 def test_ordering_checker_rejects_unrepaired_histories(messages: list[Message]) -> None:
     # The property above is only as good as its checker: it must catch the raw problems.
     with pytest.raises(AssertionError):
-        _check_openai_ordering(messages)
+        assert_openai_tool_order(messages)

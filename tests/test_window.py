@@ -11,6 +11,7 @@ from hypothesis import strategies as st
 from gateway.context import repair_tool_calls
 from gateway.context.window import REQUEST_OVERHEAD_TOKENS, fit_window, omitted_marker, tool_units
 from gateway.exceptions import ContextLengthExceeded
+from tests.helpers import assert_openai_tool_order
 
 Message = dict[str, Any]
 
@@ -193,18 +194,6 @@ def conversations(draw: st.DrawFn) -> list[Message]:
     return out
 
 
-def _valid_for_openai(messages: list[Message]) -> None:
-    pending: set[str] = set()
-    for i, m in enumerate(messages):
-        if m["role"] == "tool":
-            assert m["tool_call_id"] in pending, f"orphan tool message at {i}"
-            pending.discard(m["tool_call_id"])
-        else:
-            assert not pending, f"unanswered tool calls before message {i}"
-            if m["role"] == "assistant" and m.get("tool_calls"):
-                pending = {c["id"] for c in m["tool_calls"]}
-
-
 @settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(
     history=conversations(),
@@ -228,7 +217,7 @@ def test_window_properties(history: list[Message], budget: int, max_msgs: int, n
     assert w.messages[0] == SYSTEM[0] and w.messages[-1] == new[0]
     # Valid for OpenAI's tool rules (the final list, with the marker removed).
     body = [m for m in w.messages[1:] if not (m["role"] == "system" and "omitted" in m["content"])]
-    _valid_for_openai(body)
+    assert_openai_tool_order(body)
     assert body[0]["role"] != "tool"
     # Suffix-preserving: what is kept is exactly the newest part of the repaired conversation.
     repaired = repair_tool_calls([*history, *new])
