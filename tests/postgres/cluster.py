@@ -2,8 +2,8 @@
 port, stopped at the end of the session. One cluster per pytest process, shared by every
 fixture that asks for it (`postgres_dsn`), and a fresh database per test that needs one.
 
-The Debian `postgresql` package is installed with apt-get when the binaries are missing and
-we are root; when PostgreSQL truly cannot be had, the tests skip with the reason, loudly.
+Tests never install software: `.ci/run` installs Debian's `postgresql` package; without its
+binaries the PostgreSQL tests skip, loudly, saying so.
 """
 
 from __future__ import annotations
@@ -44,23 +44,6 @@ def find_bin_dir() -> Path | None:
         if (Path(folder) / "initdb").exists() and (Path(folder) / "pg_ctl").exists():
             return Path(folder)
     return None
-
-
-def _install_with_apt() -> str:
-    """Install Debian's `postgresql` package; return '' on success or why it failed."""
-    if os.geteuid() != 0:
-        return (
-            "the PostgreSQL server binaries (initdb, pg_ctl) are missing and we are not root to apt-get them"
-        )
-    if shutil.which("apt-get") is None:
-        return "the PostgreSQL server binaries are missing and there is no apt-get to install them"
-    env = {**os.environ, "DEBIAN_FRONTEND": "noninteractive"}
-    for cmd in (["apt-get", "update", "-qq"], ["apt-get", "install", "-y", "-qq", "postgresql"]):
-        done = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=600)
-        if done.returncode != 0:
-            tail = (done.stderr or done.stdout).strip().splitlines()[-1:] or ["?"]
-            return f"`{' '.join(cmd)}` failed: {tail[0]}"
-    return ""
 
 
 class PostgresCluster:
@@ -162,10 +145,10 @@ def acquire() -> PostgresCluster:
         started = time.monotonic()
         bin_dir = find_bin_dir()
         if bin_dir is None:
-            why = _install_with_apt()
-            bin_dir = find_bin_dir()
-            if bin_dir is None:
-                _Shared.failure = why or "apt-get installed postgresql but initdb/pg_ctl are still not found"
+            _Shared.failure = (
+                "the PostgreSQL server binaries (initdb, pg_ctl) are missing: "
+                "apt-get install postgresql (as .ci/run does)"
+            )
         if bin_dir is not None:
             try:
                 _Shared.cluster = PostgresCluster(bin_dir).start()
