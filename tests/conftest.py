@@ -181,6 +181,11 @@ def build_client(settings: Settings, store: Store | None, upstream: MockUpstream
     return httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://gateway.test")
 
 
+def app_of(client: httpx.AsyncClient) -> Any:
+    """The app behind a `build_client` client (its state: summarizer, processor, ...)."""
+    return client._transport.app  # type: ignore[attr-defined]
+
+
 @pytest.fixture
 async def app_client(
     memory_store: MemoryStore, mock_upstream: MockUpstream

@@ -14,15 +14,13 @@ import httpx
 import pytest
 import tiktoken
 
-from gateway.app import create_app
 from gateway.config import ModelSettings
 from gateway.store.jsonl import JsonlStore
 from gateway.store.memory import MemoryStore
 from gateway.tokens import bundled_tiktoken_dir
-from gateway.upstream import Router
 from gateway.upstream.demo import demo_reply
 from gateway.upstream.mock import MockUpstream
-from tests.conftest import REPO, make_settings
+from tests.conftest import REPO, app_of, build_client, make_settings
 from tests.helpers import assert_openai_tool_order
 
 os.environ.setdefault("TIKTOKEN_CACHE_DIR", bundled_tiktoken_dir() or "")
@@ -101,9 +99,8 @@ async def run_long_conversation(
     store = JsonlStore(tmp_path / "var", durability="none")
     await store.open()
     model = Model()
-    app = create_app(settings, store=store, router=Router({"mock": MockUpstream(model)}, "mock"))
     answers = []
-    async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://g") as client:
+    async with build_client(settings, store, MockUpstream(model)) as client:
 
         async def say(messages: list[dict[str, Any]]) -> httpx.Response:
             r = await client.post(
@@ -111,7 +108,7 @@ async def run_long_conversation(
                 json={"model": "mock/m", "messages": messages, "conversation_id": "long"},
             )
             assert r.status_code == 200, r.text
-            await app.state.summarizer.wait_idle()
+            await app_of(client).state.summarizer.wait_idle()
             return r
 
         await say(
@@ -187,8 +184,7 @@ async def test_request_too_big_is_400_before_upstream(tmp_path: Path) -> None:
     settings = settings.model_copy(
         update={"context": settings.context.model_copy(update={"max_context_tokens": 1000})}
     )
-    app = create_app(settings, store=MemoryStore(), router=Router({"mock": upstream}, "mock"))
-    async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://g") as client:
+    async with build_client(settings, MemoryStore(), upstream) as client:
         r = await client.post(
             "/v1/chat/completions",
             json={
@@ -210,8 +206,7 @@ async def test_max_tokens_in_request_enlarges_reserve(tmp_path: Path) -> None:
         }
     )
     store = MemoryStore()
-    app = create_app(settings, store=store, router=Router({"mock": upstream}, "mock"))
-    async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://g") as client:
+    async with build_client(settings, store, upstream) as client:
         for _ in range(30):
             r = await client.post(
                 "/v1/chat/completions",
@@ -241,8 +236,7 @@ async def test_upstream_truncation_is_flagged(tmp_path: Path, caplog: pytest.Log
         }
 
     store = MemoryStore()
-    app = create_app(make_settings(), store=store, router=Router({"mock": MockUpstream(lying)}, "mock"))
-    async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://g") as client:
+    async with build_client(make_settings(), store, MockUpstream(lying)) as client:
         r = await client.post(
             "/v1/chat/completions",
             json={
@@ -277,8 +271,7 @@ def test_token_counting_works_offline() -> None:
 
 async def test_context_endpoint_returns_latest_snapshot(tmp_path: Path) -> None:
     store = MemoryStore()
-    app = create_app(make_settings(), store=store, router=Router({"mock": MockUpstream()}, "mock"))
-    async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://g") as client:
+    async with build_client(make_settings(), store, MockUpstream()) as client:
         assert (await client.get("/v1/conversations/none/context")).status_code == 404
         assert (await client.get("/v1/conversations/..%2fx/context")).status_code in (400, 404)
         ids = []
@@ -318,9 +311,8 @@ async def test_truncation_warning_once_per_conversation_and_cache_hits_count(
         }
 
     store = MemoryStore()
-    app = create_app(make_settings(), store=store, router=Router({"mock": MockUpstream(reply)}, "mock"))
     ids = []
-    async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://g") as client:
+    async with build_client(make_settings(), store, MockUpstream(reply)) as client:
 
         async def say(cid: str) -> None:
             r = await client.post(

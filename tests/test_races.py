@@ -16,20 +16,17 @@ import zlib
 from pathlib import Path
 from typing import Any
 
-import httpx
 import pytest
 
 from gateway.api.validation import parse_chat
-from gateway.app import create_app
 from gateway.exceptions import ConversationBusy
 from gateway.services.requests import ChatRequest
 from gateway.services.turns import ChatService
 from gateway.store import StoreRegistry
 from gateway.store.jsonl import JsonlStore
 from gateway.store.memory import MemoryStore
-from gateway.upstream import Router
 from gateway.upstream.mock import MockUpstream
-from tests.conftest import make_settings
+from tests.conftest import app_of, build_client, make_settings
 from tests.test_lifecycle import make, say
 from tests.test_store import commit_turn
 from tests.views import load
@@ -56,9 +53,8 @@ async def test_1_a_reader_without_the_lock_never_cuts_an_append_in_progress(tmp_
 async def test_2_previous_response_id_is_decided_under_the_turns_own_lock() -> None:
     upstream = MockUpstream()
     store = MemoryStore()
-    app = create_app(make_settings(), store=store, router=Router({"mock": upstream}, "mock"))
-    service: ChatService = app.state.service
-    async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://g") as client:
+    async with build_client(make_settings(), store, upstream) as client:
+        service: ChatService = app_of(client).state.service
         first = await client.post("/v1/responses", json={"model": "mock/m", "input": "my colour is blue"})
         assert first.status_code == 200, first.text
         cid = first.headers["x-conversation-id"]

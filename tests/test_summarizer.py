@@ -11,7 +11,7 @@ from gateway.jobs.summarizer import MAX_ATTEMPTS, Summarizer
 from gateway.store.memory import MemoryStore
 from gateway.upstream.demo import demo_reply
 from gateway.upstream.mock import MockUpstream
-from tests.conftest import build_client, make_settings
+from tests.conftest import app_of, build_client, make_settings
 
 
 class FlakySummaries:
@@ -121,7 +121,7 @@ async def test_a_failing_summarizer_model_leaves_summary_failed_records_and_trun
         delays.append(seconds)
 
     async with build_client(settings, store, MockUpstream(model)) as client:
-        app: Any = client._transport.app  # type: ignore[attr-defined]
+        app = app_of(client)
         app.state.summarizer.sleep = no_wait
         for n in range(6):
             body = {
@@ -131,7 +131,7 @@ async def test_a_failing_summarizer_model_leaves_summary_failed_records_and_trun
             }
             r = await client.post("/v1/chat/completions", json=body)
             assert r.status_code == 200, r.text
-        await app.state.summarizer.wait_idle()
+        await app_of(client).state.summarizer.wait_idle()
         failed = [r for r in await store.read_side("summaries", "sum") if r["type"] == "summary_failed"]
         assert failed and failed[0]["attempt"] == 1 and "unreachable" in failed[0]["error"]
         assert not [r for r in await store.read_side("summaries", "sum") if r["type"] == "summary"]
@@ -146,6 +146,6 @@ async def test_a_failing_summarizer_model_leaves_summary_failed_records_and_trun
             },
         )
         assert r.status_code == 200
-        await app.state.summarizer.wait_idle()
+        await app_of(client).state.summarizer.wait_idle()
         summaries = [r for r in await store.read_side("summaries", "sum") if r["type"] == "summary"]
         assert summaries and summaries[-1]["text"] == "They talked about numbers."
