@@ -1,10 +1,10 @@
-# make install | run | test | demo | lint | bench | soak
+# make install | run | test | test-unit | test-app | test-e2e | test-postgres | test-real | coverage | demo | lint | bench | soak
 PYTHON ?= python3
 VENV ?= .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 
-.PHONY: install run test coverage demo lint bench soak clean
+.PHONY: install run test test-unit test-app test-e2e test-postgres test-real coverage demo lint bench soak clean
 
 install: $(STAMP)
 
@@ -17,12 +17,29 @@ $(STAMP): pyproject.toml
 run: install
 	$(VENV)/bin/gateway serve
 
-# Two pytest processes side by side: the real-model tier (llama.cpp on one core, 3-5 min) and
-# everything else (unit, process, reliability and PostgreSQL tests) on the other.
+# The tiers, one folder of tests/ each:
+#   unit      pure code, the upstream seam over loopback HTTP, and the store contract on every
+#             backend (memory, JSONL, PostgreSQL: its throwaway cluster starts on first use)
+#   app       the whole app in-process over the store and provider twins
+#   e2e       `gateway` processes: the official SDK, the CLI, the inspector, reliability
+#   postgres  PostgreSQL-only behaviour, replicas, export/import
+#   realmodel llama.cpp's server with a real model (3-5 min on one core)
+test-unit: install
+	$(PY) -m pytest -q -p no:cacheprovider tests/unit
+test-app: install
+	$(PY) -m pytest -q -p no:cacheprovider tests/app
+test-e2e: install
+	$(PY) -m pytest -q -p no:cacheprovider tests/e2e
+test-postgres: install
+	$(PY) -m pytest -q -p no:cacheprovider tests/postgres
+test-real: install
+	$(PY) -m pytest -q -p no:cacheprovider tests/realmodel
+
+# Every tier: the real-model tier in a second pytest process, side by side with the others.
 test: install
 	@tmp=$$(mktemp -d); \
 	$(PY) -m pytest -q -p no:cacheprovider --basetemp="$$tmp/base" tests/realmodel >"$$tmp/real.log" 2>&1 & real=$$!; \
-	$(PY) -m pytest -q --ignore=tests/realmodel; rest=$$?; \
+	$(PY) -m pytest -q -p no:cacheprovider tests/unit tests/app tests/e2e tests/postgres; rest=$$?; \
 	wait $$real; realrc=$$?; echo "--- tests/realmodel:"; cat "$$tmp/real.log"; rm -rf "$$tmp"; \
 	exit $$(( rest || realrc ))
 
@@ -34,7 +51,7 @@ coverage: install
 	echo 'import os, coverage; os.environ.get("COVERAGE_PROCESS_START") and coverage.process_startup()' >"$$pth"; \
 	export COVERAGE_PROCESS_START=$(CURDIR)/pyproject.toml GATEWAY_COVERAGE_DIR=$(CURDIR)/var/coverage; tmp=$$(mktemp -d); \
 	$(PY) -m pytest -q -p no:cacheprovider --basetemp="$$tmp/base" tests/realmodel >"$$tmp/real.log" 2>&1 & real=$$!; \
-	$(PY) -m pytest -q -p no:cacheprovider --ignore=tests/realmodel; rest=$$?; \
+	$(PY) -m pytest -q -p no:cacheprovider tests/unit tests/app tests/e2e tests/postgres; rest=$$?; \
 	wait $$real; realrc=$$?; tail -1 "$$tmp/real.log"; rm -rf "$$tmp" "$$pth"; \
 	$(PY) -m coverage combine -q && $(PY) -m coverage report --format=markdown >var/coverage/report.md; \
 	$(PY) -m coverage report | tail -1; exit $$(( rest || realrc ))
@@ -50,7 +67,7 @@ bench: install
 CRASH_ROUNDS ?= 1000
 SOAK_SECONDS ?= 1800
 soak: install
-	SOAK=1 CRASH_ROUNDS=$(CRASH_ROUNDS) SOAK_SECONDS=$(SOAK_SECONDS) $(PY) -m pytest -q -s tests/reliability
+	SOAK=1 CRASH_ROUNDS=$(CRASH_ROUNDS) SOAK_SECONDS=$(SOAK_SECONDS) $(PY) -m pytest -q -s tests/e2e/reliability
 
 lint: install
 	$(VENV)/bin/ruff check gateway tests

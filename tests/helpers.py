@@ -1,8 +1,13 @@
-"""Checks shared by the test tiers."""
+"""Helpers shared by the test tiers: a turn written the way the service writes it, and checks."""
 
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
+from typing import Any
+
+from gateway.context import Message
+from gateway.ids import mint_response_id
+from gateway.store.base import Store, now
 
 
 def assert_openai_tool_order(messages: Sequence[Mapping[str, object]]) -> None:
@@ -25,3 +30,48 @@ def assert_openai_tool_order(messages: Sequence[Mapping[str, object]]) -> None:
         calls = message.get("tool_calls")
         if message["role"] == "assistant" and isinstance(calls, list) and calls:
             current = [c["id"] for c in calls if isinstance(c, dict)]
+
+
+def user(text: str, **extra: Any) -> Message:
+    return {"role": "user", "content": text, **extra}
+
+
+def reply(text: str) -> Message:
+    return {"role": "assistant", "content": text}
+
+
+def request_record(
+    rid: str, cid: str | None, inputs: list[Message], system: list[Message] | None = None
+) -> dict[str, Any]:
+    return {
+        "type": "request",
+        "response_id": rid,
+        "conversation_id": cid,
+        "created": now(),
+        "model": "test/model",
+        "stream": False,
+        "params": {},
+        "system": system,
+        "input": inputs,
+    }
+
+
+async def commit_turn(
+    store: Store,
+    cid: str | None,
+    text: str,
+    answer: str | None = None,
+    *,
+    inputs: list[Message] | None = None,
+    output: Message | None = None,
+    system: list[Message] | None = None,
+) -> str:
+    """Write one acknowledged turn the way the service does: start, context, response, commit."""
+    rid = mint_response_id("test/model")
+    inputs = inputs if inputs is not None else [user(text)]
+    output = output if output is not None else reply(answer if answer is not None else f"re: {text}")
+    log = store.start(rid, request_record(rid, cid, inputs, system))
+    log.append({"type": "context", "stored_messages": 0, "sent_messages": len(inputs)})
+    log.append({"type": "response", "message": output, "finish_reason": "stop", "usage": None})
+    await log.commit(cid)
+    return rid

@@ -23,8 +23,6 @@ from tests.conftest import GatewayProcess, write_config
 from tests.mockserver import MockServer
 from tests.views import load
 
-pytestmark = pytest.mark.e2e
-
 TURNS = ["Hello, my name is Bob.", "I like trains.", "What is my name?"]
 
 

@@ -11,7 +11,7 @@ from typing import Any
 
 import pytest
 
-import tests.test_context as long_tests
+import tests.app.test_context as long_tests
 from gateway.store.postgres import PostgresStore
 
 

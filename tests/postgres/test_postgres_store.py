@@ -11,7 +11,7 @@ import pytest
 
 from gateway.exceptions import ConversationBusy, InvalidRequest, NotFound
 from gateway.store.postgres import SCHEMA_VERSION, PostgresStore, migrate
-from tests.test_store import commit_turn, reply, request_record, user
+from tests.helpers import commit_turn, reply, request_record, user
 from tests.views import load
 
 

@@ -14,7 +14,7 @@ from gateway.cli import main
 from gateway.ids import mint_response_id
 from gateway.store.jsonl import JsonlStore
 from gateway.store.postgres import PostgresStore
-from tests.test_store import commit_turn, reply, request_record, user
+from tests.helpers import commit_turn, reply, request_record, user
 from tests.views import list_conversations, load
 
 TENANT = "t0123456789abcdef"

@@ -14,7 +14,7 @@ from gateway.config import Settings, load_settings, parse_duration
 from gateway.config_sources import GatewayEnvSource
 from gateway.exceptions import ConfigError
 
-REPO = Path(__file__).resolve().parent.parent
+REPO = Path(__file__).resolve().parents[2]
 SHIPPED = REPO / "config" / "gateway.toml"
 
 

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import os
 import time
-from collections.abc import Iterator
 from datetime import datetime, timedelta
 from pathlib import Path
 from typing import Any
@@ -12,7 +11,6 @@ from zoneinfo import ZoneInfo
 
 import httpx
 import pytest
-from openai import OpenAI
 
 from gateway.app import create_app
 from gateway.context.lifecycle import FAILED, PROCESSED, PROCESSING, derive_state, user_key
@@ -20,8 +18,7 @@ from gateway.exceptions import UpstreamUnreachable
 from gateway.store.jsonl import JsonlStore
 from gateway.upstream import Router
 from gateway.upstream.mock import MockUpstream
-from tests.conftest import GatewayProcess, make_settings, write_config
-from tests.mockserver import MockServer
+from tests.conftest import make_settings
 from tests.views import load
 
 
@@ -243,44 +240,6 @@ async def test_recap_respects_the_users_local_day(tmp_path: Path) -> None:
     )
     assert bad.status_code == 400 and bad.json()["error"]["param"] == "user_timezone"
     await client.aclose()
-
-
-@pytest.fixture
-def recap_gateway(tmp_path: Path, upstream: MockServer) -> Iterator[GatewayProcess]:
-    config = write_config(tmp_path / "gateway.toml", upstream.url, extra="[sessions]\nrecap = true\n")
-    gateway = GatewayProcess(config, tmp_path / "var").start()
-    yield gateway
-    gateway.stop()
-
-
-@pytest.mark.e2e
-def test_recap_across_channels_end_to_end(recap_gateway: GatewayProcess, upstream: MockServer) -> None:
-    gateway = recap_gateway
-    client = OpenAI(base_url=f"{gateway.url}/v1", api_key="x", max_retries=0)
-
-    def ask(cid: str, text: str, user: str) -> str:
-        r = client.chat.completions.create(
-            model="mock/m",
-            messages=[{"role": "user", "content": text}],
-            user=user,
-            extra_body={"conversation_id": cid},
-        )
-        return str(r.choices[0].message.content)
-
-    ask("text-1", "my dog is called Rex", "u1")
-    assert ask("voice-1", "what is my dog called?", "u1") == "Your dog is Rex."
-    recap = upstream.requests[-1]["messages"][0]
-    assert (
-        recap["role"] == "system"
-        and recap["content"].startswith("Earlier today")
-        and "Rex" in recap["content"]
-    )
-    # The recap stays with the new conversation on its next turns.
-    assert ask("voice-1", "what is my dog called?", "u1") == "Your dog is Rex."
-    # Another user gets no recap.
-    assert ask("voice-2", "what is my dog called?", "u2") == "I don't know your dog yet."
-    assert upstream.requests[-1]["messages"][0]["role"] == "user"
-    assert (gateway.data_dir / "logs" / "users").is_dir()
 
 
 async def test_real_clock_pass_skips_settled_and_recent_conversations(tmp_path: Path) -> None:

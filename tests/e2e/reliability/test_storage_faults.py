@@ -18,7 +18,7 @@ from gateway.exceptions import StorageError
 from gateway.store.jsonl import JsonlStore
 from gateway.upstream.mock import MockUpstream
 from tests.conftest import build_client, make_settings
-from tests.reliability.conftest import index_ids, response_records
+from tests.e2e.reliability.conftest import index_ids, response_records
 
 CID = "durable"
 

@@ -13,13 +13,10 @@ from pathlib import Path
 from typing import Any
 
 import httpx
-import pytest
 
 from tests.conftest import GatewayProcess
-from tests.reliability.conftest import SOAK, gateway_config, index_ids, send
-from tests.reliability.faultserver import FaultRequest, FaultServer, answer
-
-pytestmark = pytest.mark.e2e
+from tests.e2e.reliability.conftest import SOAK, gateway_config, index_ids, send
+from tests.e2e.reliability.faultserver import FaultRequest, FaultServer, answer
 
 CLIENTS, TURNS, SHARED = (64, 50, 8) if SOAK else (16, 10, 4)
 

@@ -12,8 +12,6 @@ import pytest
 from tests.conftest import GatewayProcess, sdk, write_config
 from tests.mockserver import MockServer
 
-pytestmark = pytest.mark.e2e
-
 
 def test_sdk_conversation_lifecycle(gateway: GatewayProcess, upstream: MockServer) -> None:
     client = sdk(gateway)

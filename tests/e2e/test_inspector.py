@@ -17,7 +17,6 @@ import pytest
 from tests.conftest import GatewayProcess, write_config
 from tests.mockserver import MockServer
 
-pytestmark = pytest.mark.e2e
 CHROMIUM = shutil.which("chromium") or shutil.which("chromium-browser")
 # Outside the work tree: a test run leaves nothing in the checkout.
 ARTIFACTS = Path(

@@ -26,9 +26,9 @@ from gateway.store import StoreRegistry
 from gateway.store.jsonl import JsonlStore
 from gateway.store.memory import MemoryStore
 from gateway.upstream.mock import MockUpstream
+from tests.app.test_lifecycle import make, say
 from tests.conftest import app_of, build_client, make_settings
-from tests.test_lifecycle import make, say
-from tests.test_store import commit_turn
+from tests.helpers import commit_turn
 from tests.views import load
 
 

@@ -12,8 +12,6 @@ from openai import OpenAI
 from tests.conftest import GatewayProcess, sdk
 from tests.mockserver import MockServer
 
-pytestmark = pytest.mark.e2e
-
 
 def stream_text(client: OpenAI, **kwargs: object) -> tuple[str, str]:
     """Run a streamed response; (text, response id) from the events."""

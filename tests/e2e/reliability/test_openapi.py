@@ -26,8 +26,6 @@ from gateway.api.openapi import build_schema
 from gateway.ids import is_valid_response_id
 from tests.conftest import GatewayProcess
 
-pytestmark = pytest.mark.e2e
-
 schema = schemathesis.openapi.from_dict(build_schema())
 CHECKS = [not_a_server_error, status_code_conformance, content_type_conformance, response_schema_conformance]
 

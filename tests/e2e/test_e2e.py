@@ -12,8 +12,6 @@ from openai import OpenAI
 from tests.conftest import GatewayProcess, sdk
 from tests.mockserver import MockServer
 
-pytestmark = pytest.mark.e2e
-
 TURNS = ["Hello, my name is Bob.", "I like trains.", "What is my name?"]
 
 

@@ -11,10 +11,8 @@ import httpx
 import pytest
 
 from tests.conftest import GatewayProcess
-from tests.reliability.conftest import Conversation, open_fds, responses_of, wait_for
-from tests.reliability.faultserver import FaultRequest, FaultServer, answer, hang, hang_after_head
-
-pytestmark = pytest.mark.e2e
+from tests.e2e.reliability.conftest import Conversation, open_fds, responses_of, wait_for
+from tests.e2e.reliability.faultserver import FaultRequest, FaultServer, answer, hang, hang_after_head
 
 LONG = " ".join(f"word{i}" for i in range(40))
 

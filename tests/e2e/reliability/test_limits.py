@@ -12,9 +12,7 @@ import time
 import pytest
 
 from tests.conftest import GatewayProcess
-from tests.reliability.faultserver import FaultServer
-
-pytestmark = pytest.mark.e2e
+from tests.e2e.reliability.faultserver import FaultServer
 
 BODY = json.dumps(
     {"model": "fault/m", "messages": [{"role": "user", "content": "hi"}], "conversation_id": "limits"}

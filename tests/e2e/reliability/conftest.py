@@ -15,7 +15,7 @@ import httpx
 import pytest
 
 from tests.conftest import GatewayProcess
-from tests.reliability.faultserver import FaultServer, blackhole, closed_port
+from tests.e2e.reliability.faultserver import FaultServer, blackhole, closed_port
 
 SOAK = os.environ.get("SOAK", "") not in ("", "0")
 

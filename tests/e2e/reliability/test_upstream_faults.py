@@ -13,8 +13,8 @@ import openai
 import pytest
 
 from tests.conftest import GatewayProcess, sdk
-from tests.reliability.conftest import Conversation, Reply, assert_history, response_records, wait_for
-from tests.reliability.faultserver import (
+from tests.e2e.reliability.conftest import Conversation, Reply, assert_history, response_records, wait_for
+from tests.e2e.reliability.faultserver import (
     FaultRequest,
     FaultServer,
     answer,
@@ -24,8 +24,6 @@ from tests.reliability.faultserver import (
     status,
     stream_then,
 )
-
-pytestmark = pytest.mark.e2e
 
 
 @pytest.fixture

@@ -19,8 +19,8 @@ import httpx
 import pytest
 
 from tests.conftest import REPO, GatewayProcess
-from tests.reliability.conftest import SOAK, gateway_config, index_ids, response_records, send
-from tests.reliability.faultserver import (
+from tests.e2e.reliability.conftest import SOAK, gateway_config, index_ids, response_records, send
+from tests.e2e.reliability.faultserver import (
     FaultRequest,
     FaultServer,
     answer,
@@ -29,7 +29,7 @@ from tests.reliability.faultserver import (
     stream_then,
 )
 
-pytestmark = [pytest.mark.e2e, pytest.mark.skipif(not SOAK, reason="soak runs with SOAK=1 (make soak)")]
+pytestmark = pytest.mark.skipif(not SOAK, reason="soak runs with SOAK=1 (make soak)")
 
 SECONDS = float(os.environ.get("SOAK_SECONDS", "300"))
 CLIENTS = 8

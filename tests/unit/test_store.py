@@ -13,7 +13,6 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from gateway.context import Message
 from gateway.exceptions import (
     ConversationBusy,
     CorruptRecord,
@@ -27,16 +26,9 @@ from gateway.store.base import Store, now
 from gateway.store.jsonl import JsonlStore, parse_index, parse_jsonl
 from gateway.store.memory import MemoryStore
 from gateway.store.postgres import PostgresStore
+from tests.helpers import commit_turn, reply, request_record, user
 from tests.postgres.cluster import postgres_cluster  # noqa: F401 - the session's PostgreSQL, for "postgres"
 from tests.views import list_conversations, load
-
-
-def user(text: str, **extra: Any) -> Message:
-    return {"role": "user", "content": text, **extra}
-
-
-def reply(text: str) -> Message:
-    return {"role": "assistant", "content": text}
 
 
 async def make_store(kind: str, data_dir: Path) -> Store:
@@ -111,43 +103,6 @@ def fail_next_commits(store: Store, monkeypatch: pytest.MonkeyPatch) -> None:
             raise OSError(104, "Connection reset by peer")
 
         monkeypatch.setattr(store, "_append_entry", connection_lost)
-
-
-def request_record(
-    rid: str, cid: str | None, inputs: list[Message], system: list[Message] | None = None
-) -> dict[str, Any]:
-    return {
-        "type": "request",
-        "response_id": rid,
-        "conversation_id": cid,
-        "created": now(),
-        "model": "test/model",
-        "stream": False,
-        "params": {},
-        "system": system,
-        "input": inputs,
-    }
-
-
-async def commit_turn(
-    store: Store,
-    cid: str | None,
-    text: str,
-    answer: str | None = None,
-    *,
-    inputs: list[Message] | None = None,
-    output: Message | None = None,
-    system: list[Message] | None = None,
-) -> str:
-    """Write one acknowledged turn the way the service does: start, context, response, commit."""
-    rid = mint_response_id("test/model")
-    inputs = inputs if inputs is not None else [user(text)]
-    output = output if output is not None else reply(answer if answer is not None else f"re: {text}")
-    log = store.start(rid, request_record(rid, cid, inputs, system))
-    log.append({"type": "context", "stored_messages": 0, "sent_messages": len(inputs)})
-    log.append({"type": "response", "message": output, "finish_reason": "stop", "usage": None})
-    await log.commit(cid)
-    return rid
 
 
 # -- contract: every backend -------------------------------------------------------------------

@@ -13,7 +13,7 @@ from pydantic import BaseModel
 
 from gateway.config import ProviderSettings, Settings
 
-README = Path(__file__).resolve().parent.parent / "README.md"
+README = Path(__file__).resolve().parents[2] / "README.md"
 NAME = "NAME"  # how the table spells a provider's or a model's own name
 
 

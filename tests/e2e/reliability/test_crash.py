@@ -19,19 +19,16 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import httpx
-import pytest
 
 from tests.conftest import GatewayProcess
-from tests.reliability.conftest import (
+from tests.e2e.reliability.conftest import (
     SOAK,
     gateway_config,
     index_ids,
     response_records,
     send,
 )
-from tests.reliability.faultserver import FaultRequest, FaultServer, answer
-
-pytestmark = pytest.mark.e2e
+from tests.e2e.reliability.faultserver import FaultRequest, FaultServer, answer
 
 ROUNDS = int(os.environ.get("CRASH_ROUNDS", "200" if SOAK else "20"))
 CONVERSATIONS = [f"crash-{i}" for i in range(4)]

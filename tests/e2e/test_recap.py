@@ -1,0 +1,49 @@
+"""The "earlier today" recap end to end: one user, two channels, a real gateway process."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+from openai import OpenAI
+
+from tests.conftest import GatewayProcess, write_config
+from tests.mockserver import MockServer
+
+
+@pytest.fixture
+def recap_gateway(tmp_path: Path, upstream: MockServer) -> Iterator[GatewayProcess]:
+    config = write_config(tmp_path / "gateway.toml", upstream.url, extra="[sessions]\nrecap = true\n")
+    gateway = GatewayProcess(config, tmp_path / "var").start()
+    yield gateway
+    gateway.stop()
+
+
+def test_recap_across_channels_end_to_end(recap_gateway: GatewayProcess, upstream: MockServer) -> None:
+    gateway = recap_gateway
+    client = OpenAI(base_url=f"{gateway.url}/v1", api_key="x", max_retries=0)
+
+    def ask(cid: str, text: str, user: str) -> str:
+        r = client.chat.completions.create(
+            model="mock/m",
+            messages=[{"role": "user", "content": text}],
+            user=user,
+            extra_body={"conversation_id": cid},
+        )
+        return str(r.choices[0].message.content)
+
+    ask("text-1", "my dog is called Rex", "u1")
+    assert ask("voice-1", "what is my dog called?", "u1") == "Your dog is Rex."
+    recap = upstream.requests[-1]["messages"][0]
+    assert (
+        recap["role"] == "system"
+        and recap["content"].startswith("Earlier today")
+        and "Rex" in recap["content"]
+    )
+    # The recap stays with the new conversation on its next turns.
+    assert ask("voice-1", "what is my dog called?", "u1") == "Your dog is Rex."
+    # Another user gets no recap.
+    assert ask("voice-2", "what is my dog called?", "u2") == "I don't know your dog yet."
+    assert upstream.requests[-1]["messages"][0]["role"] == "user"
+    assert (gateway.data_dir / "logs" / "users").is_dir()
