@@ -145,10 +145,15 @@ kind = "demo"
     return path
 
 
-@pytest.fixture
-def gateway(tmp_path: Path, upstream: MockServer) -> Iterator[GatewayProcess]:
-    config = write_config(tmp_path / "gateway.toml", upstream.url)
-    proc = GatewayProcess(config, tmp_path / "var").start()
+@pytest.fixture(scope="module")
+def gateway(
+    tmp_path_factory: pytest.TempPathFactory, upstream_server: MockServer
+) -> Iterator[GatewayProcess]:
+    """One `gateway serve` per test module against the mock upstream (reset for each test by
+    the `upstream` fixture): tests use conversation ids of their own and look only at those."""
+    root = tmp_path_factory.mktemp("gateway")
+    config = write_config(root / "gateway.toml", upstream_server.url)
+    proc = GatewayProcess(config, root / "var").start()
     try:
         yield proc
     finally:

@@ -24,13 +24,14 @@ def test_three_turn_recall_sending_only_new_messages(
     gateway: GatewayProcess, upstream: MockServer, stream: bool
 ) -> None:
     client = sdk(gateway)
+    cid = f"c1-{'stream' if stream else 'json'}"
     replies = []
     ids = []
     for text in TURNS:
         kwargs = {
             "model": "mock/tiny",
             "messages": [{"role": "user", "content": text}],
-            "extra_body": {"conversation_id": "c1"},
+            "extra_body": {"conversation_id": cid},
         }
         if stream:
             chunks = list(
@@ -44,7 +45,7 @@ def test_three_turn_recall_sending_only_new_messages(
             completion = client.chat.completions.create(**kwargs)
             ids.append(completion.id)
             replies.append(completion.choices[0].message.content)
-            assert completion.model_extra["conversation_id"] == "c1"
+            assert completion.model_extra["conversation_id"] == cid
     assert replies[-1] == "Your name is Bob."
     for rid in ids:
         assert rid.startswith("mock-tiny-") and len(rid) == len("mock-tiny-") + 12
@@ -61,7 +62,7 @@ def test_three_turn_recall_sending_only_new_messages(
     assert upstream.requests[-1]["model"] == "tiny"
     assert "conversation_id" not in upstream.requests[-1]
     # The index names the three responses in order; each response log is committed.
-    index = (gateway.data_dir / "logs" / "conversations" / "c1.jsonl").read_text().split()
+    index = (gateway.data_dir / "logs" / "conversations" / f"{cid}.jsonl").read_text().split()
     assert index == ids
     for rid in ids:
         records = [
@@ -100,6 +101,8 @@ def test_headers_and_body_ids(gateway: GatewayProcess, upstream: MockServer) -> 
 
 def test_bad_conversation_id_is_400_in_openai_shape(gateway: GatewayProcess, upstream: MockServer) -> None:
     client = sdk(gateway)
+    indexes = gateway.data_dir / "logs" / "conversations"
+    before = sorted(p.name for p in indexes.iterdir()) if indexes.exists() else []
     with pytest.raises(openai.BadRequestError) as info:
         client.chat.completions.create(
             model="mock/tiny",
@@ -109,7 +112,7 @@ def test_bad_conversation_id_is_400_in_openai_shape(gateway: GatewayProcess, ups
     assert info.value.status_code == 400
     assert info.value.body["param"] == "conversation_id"
     assert upstream.requests == []
-    assert not list((gateway.data_dir / "logs" / "conversations").iterdir())
+    assert (sorted(p.name for p in indexes.iterdir()) if indexes.exists() else []) == before
 
 
 def test_upstream_500_adds_nothing_to_history(gateway: GatewayProcess, upstream: MockServer) -> None:
@@ -140,10 +143,10 @@ def test_upstream_500_adds_nothing_to_history(gateway: GatewayProcess, upstream:
     index = (gateway.data_dir / "logs" / "conversations" / "e5.jsonl").read_text().split()
     assert len(index) == 2
     # The failed attempt stays in its own log, marked incomplete.
-    incomplete = [
-        p for p in (gateway.data_dir / "logs" / "responses").iterdir() if '"incomplete"' in p.read_text()
+    attempts = [
+        p for p in (gateway.data_dir / "logs" / "responses").iterdir() if "lost message" in p.read_text()
     ]
-    assert len(incomplete) == 1 and "lost message" in incomplete[0].read_text()
+    assert len(attempts) == 1 and '"incomplete"' in attempts[0].read_text()
 
 
 def test_unreachable_provider_is_502_naming_it(tmp_path, upstream: MockServer) -> None:

@@ -1,6 +1,6 @@
 """A long-conversation test of test_context.py, run unchanged on the PostgreSQL store: rolling
-summaries recall turn 3 at turn 900 (900 locked turns, summary versions in a side log).
-(The 1,000-turn truncation test passes too, `long_tests.test_thousand_turns_in_a_4k_window_truncate`;
+summaries recall turn 3 at turn 300 (300 locked turns, summary versions in a side log).
+(The 300-turn truncation test passes too, `long_tests.test_three_hundred_turns_in_a_4k_window_truncate`;
 it adds ~8 s and nothing the store does not already show here, so it is left to the JSONL run.)"""
 
 from __future__ import annotations
@@ -28,10 +28,10 @@ def postgres_stores(monkeypatch: pytest.MonkeyPatch, pg_dsn: str) -> Iterator[li
     yield stores
 
 
-async def test_summary_recalls_turn_3_at_turn_900(
+async def test_summary_recalls_turn_3_at_turn_300(
     postgres_stores: list[PostgresStore], tmp_path: Path
 ) -> None:
-    await long_tests.test_summary_recalls_turn_3_at_turn_900(tmp_path)
+    await long_tests.test_summary_recalls_turn_3_at_turn_300(tmp_path)
     assert postgres_stores and not (tmp_path / "var" / "logs" / "summaries").exists()
     for store in postgres_stores:
         await store.close()

@@ -5,6 +5,7 @@ JSON body matches its documented shape (errors in OpenAI's error shape)."""
 
 from __future__ import annotations
 
+import os
 from collections import Counter
 from collections.abc import Iterator
 from pathlib import Path
@@ -68,7 +69,7 @@ def test_the_served_schema_is_the_one_fuzzed(gateway: GatewayProcess) -> None:
 
 @schema.parametrize()
 @settings(
-    max_examples=60,
+    max_examples=int(os.environ.get("OPENAPI_EXAMPLES", "30")),
     deadline=None,
     suppress_health_check=list(HealthCheck),
     derandomize=True,
