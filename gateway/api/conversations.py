@@ -16,20 +16,29 @@ from gateway.context.items import Item
 from gateway.exceptions import InvalidRequest, NotFound
 from gateway.ids import check_conversation_id
 from gateway.services.conversations import find_item, view_items
+from gateway.types import JSONObject
 
 
 def _cid(request: Request) -> str:
     return check_conversation_id(request.path_params["conversation_id"], param="conversation_id")
 
 
-def conversation_object(cid: str, view: ConversationView, **extra: Any) -> dict[str, Any]:
+def conversation_object(cid: str, view: ConversationView, ttl: float = 0.0, **extra: object) -> JSONObject:
+    """OpenAI's conversation object, plus `expires_at` when `sessions.ttl` is set: when it
+    expires if nothing more is said (null: it never does, or nothing was said yet)."""
+    expires = view.last_activity + ttl if ttl > 0 and view.last_activity is not None else None
     return {
         "id": cid,
         "object": "conversation",
         "created_at": int(view.created_at or 0),
         "metadata": view.metadata,
+        "expires_at": int(expires) if expires is not None else None,
         **extra,
     }
+
+
+def _ttl(request: Request) -> float:
+    return float(request.app.state.settings.sessions.ttl)
 
 
 def _page(items: list[Item], *, first: bool = True) -> dict[str, Any]:
@@ -80,13 +89,13 @@ async def create_conversation(request: Request) -> Response:
         metadata=create.metadata or {},
         items=body.get("items"),
     )
-    return JSONBody(conversation_object(cid, view))
+    return JSONBody(conversation_object(cid, view, _ttl(request)))
 
 
 async def get_conversation(request: Request) -> Response:
     cid = _cid(request)
     view = await services_of(request).conversations.get(tenant_of(request), cid)
-    return JSONBody(conversation_object(cid, view))
+    return JSONBody(conversation_object(cid, view, _ttl(request)))
 
 
 async def update_conversation(request: Request) -> Response:
@@ -95,7 +104,7 @@ async def update_conversation(request: Request) -> Response:
     body = await read_json(request, services.settings.server.max_body_bytes)
     update = validate(ConversationUpdate, body)
     view = await services.conversations.update_metadata(tenant_of(request), cid, update.metadata)
-    return JSONBody(conversation_object(cid, view))
+    return JSONBody(conversation_object(cid, view, _ttl(request)))
 
 
 async def delete_conversation(request: Request) -> Response:
@@ -112,6 +121,7 @@ async def list_conversations(request: Request) -> Response:
         conversation_object(
             row.conversation_id,
             row.view,
+            _ttl(request),
             turns=row.summary.turns,
             messages=row.summary.messages,
             last_activity_at=int(row.summary.last_activity),
@@ -130,7 +140,7 @@ async def reset_conversation(request: Request) -> Response:
     body = await read_json(request, services.settings.server.max_body_bytes, allow_empty=True)
     keep = bool(body.get("keep_system_message", False)) if isinstance(body, dict) else False
     view = await services.conversations.reset(tenant_of(request), cid, keep_system_message=keep)
-    return JSONBody(conversation_object(cid, view, reset=True, keep_system_message=keep))
+    return JSONBody(conversation_object(cid, view, _ttl(request), reset=True, keep_system_message=keep))
 
 
 async def list_items(request: Request) -> Response:
@@ -159,7 +169,7 @@ async def delete_item(request: Request) -> Response:
     view = await services_of(request).conversations.delete_item(
         tenant_of(request), cid, request.path_params["item_id"]
     )
-    return JSONBody(conversation_object(cid, view))
+    return JSONBody(conversation_object(cid, view, _ttl(request)))
 
 
 async def conversation_context(request: Request) -> Response:

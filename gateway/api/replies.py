@@ -46,6 +46,7 @@ class Conversation(_Reply):
     object: Literal["conversation"]
     created_at: int | None = None
     metadata: Fields | None = None
+    expires_at: int | None = None  # with sessions.ttl: when it expires if nothing more is said
 
 
 class Deleted(_Reply):

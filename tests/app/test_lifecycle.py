@@ -285,3 +285,19 @@ async def test_recap_looks_at_a_bounded_number_of_the_users_conversations(
     r = await client.get("/v1/conversations/fresh/context")
     assert r.json()["recap_conversations"][0] == "old-11"
     await client.aclose()
+
+
+async def test_the_conversation_object_says_when_it_expires(tmp_path: Path) -> None:
+    app, store, clock, _, client = await make(tmp_path, ttl=3600.0)
+    await say(client, "exp", "hello")
+    view = await load(store, "exp")
+    assert view.last_activity is not None
+    got = (await client.get("/v1/conversations/exp")).json()
+    assert got["expires_at"] == int(view.last_activity + 3600)
+    listed = (await client.get("/v1/conversations")).json()["data"]
+    assert [c["expires_at"] for c in listed if c["id"] == "exp"] == [got["expires_at"]]
+    await client.aclose()
+    _, _, _, _, no_ttl = await make(tmp_path / "other")
+    await say(no_ttl, "forever", "hello")
+    assert (await no_ttl.get("/v1/conversations/forever")).json()["expires_at"] is None
+    await no_ttl.aclose()
