@@ -1,0 +1,70 @@
+"""Real clients against a real `gateway serve`: LangChain's ChatOpenAI, which names the
+conversation in `extra_body` and may send only the new message or the whole history (edits
+and regenerations included), and the official SDK's streaming helper."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+from langchain_core.messages import AIMessage, HumanMessage, SystemMessage
+from langchain_openai import ChatOpenAI
+
+from tests.conftest import GatewayProcess
+from tests.mockserver import MockServer
+
+
+def chat(gateway: GatewayProcess, cid: str, **kwargs: Any) -> ChatOpenAI:
+    return ChatOpenAI(
+        base_url=f"{gateway.url}/v1",
+        api_key="unused",  # type: ignore[arg-type]
+        model="mock/tiny",
+        max_retries=0,
+        extra_body={"conversation_id": cid},
+        **kwargs,
+    )
+
+
+def sent(upstream: MockServer) -> list[tuple[str, Any]]:
+    return [(m["role"], m.get("content")) for m in upstream.requests[-1]["messages"]]
+
+
+@pytest.mark.parametrize("streaming", [False, True])
+def test_langchain_sending_only_the_new_message_is_remembered(
+    gateway: GatewayProcess, upstream: MockServer, streaming: bool
+) -> None:
+    llm = chat(gateway, f"lc-new-{streaming}", streaming=streaming)
+    llm.invoke([HumanMessage("Hello, my name is Lang.")])
+    answer = llm.invoke([HumanMessage("What is my name?")])
+    assert answer.content == "Your name is Lang."
+    assert [role for role, _ in sent(upstream)] == ["user", "assistant", "user"]
+    assert "conversation_id" not in upstream.requests[-1]
+
+
+def test_langchain_resending_its_history_edits_and_regenerates(
+    gateway: GatewayProcess, upstream: MockServer
+) -> None:
+    """A chat UI built on LangChain resends everything; an edited question branches and a
+    regenerated answer replaces the old one: the provider never sees a message twice, nor the
+    abandoned branch."""
+    llm = chat(gateway, "lc-full")
+    history: list[Any] = [SystemMessage("Be brief."), HumanMessage("My colour is red.")]
+    history.append(llm.invoke(history))
+    history.append(HumanMessage("My pet is Rex."))
+    history.append(llm.invoke(history))
+    assert [c for _, c in sent(upstream)] == [m.content for m in history[:4]]
+
+    # The user edits the second question: the conversation branches after the first answer.
+    edited = [*history[:3], HumanMessage("My pet is Max.")]
+    edited.append(llm.invoke(edited))
+    assert [c for _, c in sent(upstream)] == [m.content for m in edited[:4]]
+    edited.append(HumanMessage("What is my pet?"))
+    answer = llm.invoke(edited)
+    assert answer.content == "Your pet is Max."
+    assert "My pet is Rex." not in [c for _, c in sent(upstream)]
+
+    # Regenerate: the same history again; the old answer is not sent back.
+    again = llm.invoke(edited)
+    assert again.content == "Your pet is Max."
+    assert [c for _, c in sent(upstream)] == [m.content for m in edited]
+    assert isinstance(edited[4], AIMessage)
