@@ -1,7 +1,9 @@
 """A real HTTP, OpenAI-compatible mock upstream for end-to-end tests.
 
 It records every request body, answers with the demo model's logic (so recall is visible),
-and can be told to misbehave: `server.mode = "error500" | "error503_once" | "error429" | "hang"
+rejects what OpenAI rejects (an argument or a message field it does not know: 400
+"Unrecognized request argument supplied"), lists its models at `/v1/models`, and can be told
+to misbehave: `server.mode = "error500" | "error503_once" | "error429" | "hang"
 | "tool_call"`.
 """
 
@@ -23,6 +25,28 @@ from starlette.routing import Route
 from gateway.server import running_in_thread
 from gateway.upstream.base import approx_tokens, chunks_from_completion, completion_from_text
 from gateway.upstream.demo import demo_reply
+
+# What OpenAI's chat completions accept; anything else is a 400, as OpenAI answers it.
+KNOWN_ARGUMENTS = frozenset(
+    {
+        "model", "messages", "stream", "stream_options", "max_tokens", "max_completion_tokens",
+        "temperature", "top_p", "n", "stop", "presence_penalty", "frequency_penalty", "logit_bias",
+        "logprobs", "top_logprobs", "user", "tools", "tool_choice", "parallel_tool_calls",
+        "response_format", "seed", "metadata", "store", "reasoning_effort", "modalities", "audio",
+        "prediction", "service_tier", "web_search_options", "functions", "function_call",
+    }
+)  # fmt: skip
+KNOWN_MESSAGE_FIELDS = frozenset(
+    {"role", "content", "name", "tool_calls", "tool_call_id", "refusal", "function_call", "audio"}
+)
+MODELS = ["tiny", "m", "big"]
+
+
+def unknown_fields(body: dict[str, Any]) -> list[str]:
+    unknown = [k for k in body if k not in KNOWN_ARGUMENTS]
+    for i, message in enumerate(body.get("messages") or []):
+        unknown += [f"messages[{i}].{k}" for k in message if k not in KNOWN_MESSAGE_FIELDS]
+    return unknown
 
 
 class MockServer:
@@ -65,6 +89,13 @@ class MockServer:
         body = orjson.loads(await request.body())
         with self._lock:
             self.requests.append(copy.deepcopy(body))
+        unknown = unknown_fields(body)
+        if unknown:
+            message = f"Unrecognized request argument supplied: {', '.join(unknown)}"
+            error = {
+                "error": {"message": message, "type": "invalid_request_error", "param": None, "code": None}
+            }
+            return Response(orjson.dumps(error), status_code=400, media_type="application/json")
         if self.mode == "error503_once":
             self.mode = "normal"
             return Response(b'{"error": {"message": "warming up", "type": "server_error"}}', status_code=503)
@@ -91,8 +122,17 @@ class MockServer:
 
         return StreamingResponse(events(), media_type="text/event-stream")
 
+    async def models(self, request: Request) -> Response:
+        data = [{"id": m, "object": "model", "created": 0, "owned_by": "mock"} for m in MODELS]
+        return Response(orjson.dumps({"object": "list", "data": data}), media_type="application/json")
+
     def app(self) -> Starlette:
-        return Starlette(routes=[Route("/v1/chat/completions", self.chat, methods=["POST"])])
+        return Starlette(
+            routes=[
+                Route("/v1/chat/completions", self.chat, methods=["POST"]),
+                Route("/v1/models", self.models, methods=["GET"]),
+            ]
+        )
 
     def user_contents(self, index: int = -1) -> list[Any]:
         return [m.get("content") for m in self.requests[index]["messages"]]

@@ -1,0 +1,93 @@
+"""What a client of `gateway serve` sees, against a provider as strict as OpenAI (it rejects
+any argument or message field it does not know): the gateway's own fields never reach it,
+`session_id` continues a conversation, a trimmed history is not sent twice, `/v1/models`
+lists the provider's own models, and every Responses turn is one log line and one upstream
+observation."""
+
+from __future__ import annotations
+
+import re
+
+import httpx
+import pytest
+
+from tests.conftest import GatewayProcess, sdk
+from tests.mockserver import MockServer, unknown_fields
+
+
+def ask(gateway: GatewayProcess, messages: list[dict[str, object]], **extra: object) -> httpx.Response:
+    return httpx.post(
+        f"{gateway.url}/v1/chat/completions",
+        json={"model": "mock/tiny", "messages": messages, **extra},
+        timeout=30,
+    )
+
+
+def user(text: str, **extra: object) -> dict[str, object]:
+    return {"role": "user", "content": text, **extra}
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_gateway_fields_never_reach_a_strict_provider(
+    gateway: GatewayProcess, upstream: MockServer, stream: bool
+) -> None:
+    cid = f"strict-{stream}"
+    fields = {
+        "conversation_id": cid,
+        "agent_id": "agent-7",
+        "session_id": "ignored-when-conversation_id-is-set",
+        "response_id": "resp-from-the-client",
+        "user_timezone": "Europe/Paris",
+        "user": "end-user-1",
+    }
+    for text in ["my name is Strict", "what is my name?"]:
+        r = ask(gateway, [user(text)], stream=stream, **fields)
+        assert r.status_code == 200, r.text
+    feedback = ask(gateway, [user("thanks, that was right", is_feedback=True)], **fields)
+    assert feedback.status_code == 200, feedback.text
+    assert len(upstream.requests) == 3
+    assert all(unknown_fields(body) == [] for body in upstream.requests)
+    assert upstream.requests[-1]["user"] == "end-user-1"  # OpenAI's own field is passed on
+
+
+def test_session_id_continues_a_conversation(gateway: GatewayProcess, upstream: MockServer) -> None:
+    first = ask(gateway, [user("my colour is teal")], session_id="sess-42")
+    assert first.status_code == 200 and first.headers["x-conversation-id"] == "sess-42"
+    second = ask(gateway, [user("what is my colour?")], session_id="sess-42")
+    assert second.json()["choices"][0]["message"]["content"] == "Your colour is teal."
+
+
+def test_a_trimmed_history_is_not_sent_twice(gateway: GatewayProcess, upstream: MockServer) -> None:
+    cid = "trimmed"
+    q1, q2 = user("my name is Tim"), user("my city is Oslo")
+    a1 = ask(gateway, [q1], conversation_id=cid).json()["choices"][0]["message"]
+    a2 = ask(gateway, [q1, a1, q2], conversation_id=cid).json()["choices"][0]["message"]
+    # A client that keeps only its newest messages: the overlap with the stored tail is dropped.
+    r = ask(gateway, [q2, a2, user("what is my name?")], conversation_id=cid)
+    assert r.json()["choices"][0]["message"]["content"] == "Your name is Tim."
+    contents = [m["content"] for m in upstream.requests[-1]["messages"]]
+    assert contents == [q1["content"], a1["content"], q2["content"], a2["content"], "what is my name?"]
+
+
+def test_models_lists_the_providers_own_models(gateway: GatewayProcess, upstream: MockServer) -> None:
+    ids = [m.id for m in sdk(gateway).models.list()]
+    assert {"mock/tiny", "mock/m", "mock/big"} <= set(ids)
+
+
+def test_each_responses_turn_is_one_log_line_and_one_upstream_observation(
+    gateway: GatewayProcess, upstream: MockServer
+) -> None:
+    def observed() -> float:
+        text = httpx.get(f"{gateway.url}/metrics").text
+        match = re.search(r'gateway_upstream_seconds_count\{provider="mock"\} ([0-9.]+)', text)
+        return float(match.group(1)) if match else 0.0
+
+    before = observed()
+    log_before = gateway.log_path.read_text().count('"event":"response"')
+    client = sdk(gateway)
+    first = client.responses.create(model="mock/tiny", input="my name is Resa")
+    client.responses.create(model="mock/tiny", input="what is my name?", previous_response_id=first.id)
+    assert observed() - before == 2
+    lines = [line for line in gateway.log_path.read_text().splitlines() if '"event":"response"' in line]
+    assert len(lines) - log_before == 2
+    assert all('"outcome":"complete"' in line for line in lines[log_before:])
