@@ -91,3 +91,27 @@ def test_each_responses_turn_is_one_log_line_and_one_upstream_observation(
     lines = [line for line in gateway.log_path.read_text().splitlines() if '"event":"response"' in line]
     assert len(lines) - log_before == 2
     assert all('"outcome":"complete"' in line for line in lines[log_before:])
+
+
+def test_the_recap_is_off_by_default_so_one_conversation_never_reaches_another(
+    gateway: GatewayProcess, upstream: MockServer
+) -> None:
+    secret = ask(
+        gateway, [user("my secret project is Falcon")], conversation_id="recap-a", user="shared-user"
+    )
+    assert secret.status_code == 200
+    other = ask(gateway, [user("hello")], conversation_id="recap-b", user="shared-user")
+    assert other.status_code == 200
+    assert "Falcon" not in str(upstream.requests[-1]["messages"])
+
+
+def test_reading_after_a_delete_logs_no_damage(gateway: GatewayProcess, upstream: MockServer) -> None:
+    client = sdk(gateway)
+    first = client.responses.create(model="mock/tiny", input="my name is Del", conversation="del-1")
+    client.responses.create(model="mock/tiny", input="and my pet is Rex", conversation="del-1")
+    log_before = len(gateway.log_path.read_text())
+    client.responses.delete(first.id)
+    reply = client.responses.create(model="mock/tiny", input="what is my name?", conversation="del-1")
+    assert "Del" not in str(upstream.requests[-1]["messages"])
+    assert reply.output_text
+    assert "not committed" not in gateway.log_path.read_text()[log_before:]
