@@ -4,6 +4,10 @@ and regenerations included), and the official SDK's streaming helper."""
 
 from __future__ import annotations
 
+import os
+import subprocess
+import sys
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -68,3 +72,57 @@ def test_langchain_resending_its_history_edits_and_regenerates(
     assert again.content == "Your pet is Max."
     assert [c for _, c in sent(upstream)] == [m.content for m in edited]
     assert isinstance(edited[4], AIMessage)
+
+
+LLM_VERSION = "0.36"
+
+
+def llm_cli() -> Path:
+    """simonw's `llm`, in a virtualenv of its own: it needs openai>=3, which litellm (the
+    gateway's litellm extra) does not allow beside it. Installed from PyPI once, cached in
+    $GATEWAY_TEST_CACHE (as the real-model tier's model is), so reruns are offline."""
+    root = Path(os.environ.get("GATEWAY_TEST_CACHE") or Path.home() / ".cache" / "gateway-tests")
+    venv = root / "clients" / f"llm-{LLM_VERSION}"
+    exe = venv / "bin" / "llm"
+    if not exe.exists():
+        subprocess.run([sys.executable, "-m", "venv", str(venv)], check=True, timeout=120)
+        subprocess.run(
+            [str(venv / "bin" / "python"), "-m", "pip", "install", "-q", f"llm=={LLM_VERSION}"],
+            check=True,
+            timeout=600,
+        )
+    return exe
+
+
+def test_llm_cli_with_the_conversation_header(
+    gateway: GatewayProcess, upstream: MockServer, tmp_path: Path
+) -> None:
+    """`llm` as its README configures an OpenAI-compatible server: extra-openai-models.yaml
+    with the `X-Conversation-Id` header. Each `llm` call sends only the new prompt (no `-c`);
+    the gateway remembers the rest."""
+    home = tmp_path / "llm-home"
+    home.mkdir()
+    (home / "extra-openai-models.yaml").write_text(
+        f"""- model_id: gateway-tiny
+  model_name: mock/tiny
+  api_base: "{gateway.url}/v1"
+  headers:
+    X-Conversation-Id: llm-cli-1
+"""
+    )
+    env = {**os.environ, "LLM_USER_PATH": str(home), "OPENAI_API_KEY": "unused"}
+
+    def llm(prompt: str) -> str:
+        done = subprocess.run(
+            [str(llm_cli()), "-m", "gateway-tiny", "--no-stream", prompt],
+            env=env,
+            capture_output=True,
+            text=True,
+            timeout=60,
+        )
+        assert done.returncode == 0, done.stderr
+        return done.stdout.strip()
+
+    llm("My name is Simon.")
+    assert llm("What is my name?") == "Your name is Simon."
+    assert [m["role"] for m in upstream.requests[-1]["messages"]] == ["user", "assistant", "user"]
