@@ -140,9 +140,9 @@ def _notice_missing_litellm(settings: Settings) -> None:
     names = sorted(name for name, p in settings.providers.items() if p.kind == "litellm")
     if names and not litellm_installed():
         click.echo(
-            f"gateway: provider{'s' if len(names) > 1 else ''} {', '.join(names)}: kind = \"litellm\" "
-            f"needs litellm, which is not installed ({INSTALL_HINT}); until then requests "
-            "for them get 502",
+            f"gateway: note: provider{'s' if len(names) > 1 else ''} {', '.join(names)} "
+            f"(kind = \"litellm\") need{'' if len(names) > 1 else 's'} litellm, not installed: "
+            f"{INSTALL_HINT}; until then {'their' if len(names) > 1 else 'its'} requests get 502",
             err=True,
         )
 

@@ -9,6 +9,8 @@ import subprocess
 import sys
 import textwrap
 
+import pytest
+
 from tests.conftest import REPO
 
 WITHOUT_LITELLM = textwrap.dedent(
@@ -91,3 +93,22 @@ def test_the_bundled_files_are_what_tiktoken_expects() -> None:
         url = f"https://openaipublic.blob.core.windows.net/encodings/{name}.tiktoken"
         path = REPO / "gateway" / "tokenizers" / hashlib.sha1(url.encode()).hexdigest()
         assert hashlib.sha256(path.read_bytes()).hexdigest() == sha256
+
+
+def test_serve_names_litellm_providers_whose_extra_is_missing(
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    from gateway import cli
+    from gateway.config import load_settings
+    from gateway.upstream import litellm
+
+    settings = load_settings(REPO / "config" / "gateway.toml", environ={})
+    monkeypatch.setattr(litellm, "litellm_installed", lambda: False)
+    cli._notice_missing_litellm(settings)
+    assert capsys.readouterr().err == (
+        'gateway: note: provider anthropic (kind = "litellm") needs litellm, not installed: '
+        "pip install 'llm-continuity-gateway[litellm]'; until then its requests get 502\n"
+    )
+    monkeypatch.setattr(litellm, "litellm_installed", lambda: True)
+    cli._notice_missing_litellm(settings)
+    assert capsys.readouterr().err == ""
