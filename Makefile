@@ -1,18 +1,28 @@
-# make install | run | test | test-unit | test-app | test-e2e | test-postgres | test-real | coverage | demo | lint | bench | soak
+# make install | install-dev | run | test | test-unit | test-app | test-e2e | test-postgres | test-real | coverage | demo | lint | bench | soak | image-smoke
 PYTHON ?= python3
 VENV ?= .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
+DEV_STAMP := $(VENV)/.installed-dev
 
-.PHONY: install run test test-unit test-app test-e2e test-postgres test-real coverage demo lint bench soak clean
+.PHONY: install install-dev run test test-unit test-app test-e2e test-postgres test-real coverage demo lint bench soak image-smoke clean
 
+# Runtime dependencies only (make run, make demo); the dev extra adds litellm and the test and
+# lint tools (every test target, coverage, lint, bench, soak).
 install: $(STAMP)
+install-dev: $(DEV_STAMP)
 
-$(STAMP): pyproject.toml
+$(VENV)/bin/python:
 	@$(PYTHON) -m venv $(VENV) || { echo "error: '$(PYTHON) -m venv' failed; on Debian/Ubuntu: apt-get install python3-venv" >&2; exit 1; }
 	$(PY) -m pip install -q --upgrade pip
-	$(PY) -m pip install -q -e '.[dev]'
+
+$(STAMP): pyproject.toml | $(VENV)/bin/python
+	$(PY) -m pip install -q -e .
 	@touch $(STAMP)
+
+$(DEV_STAMP): pyproject.toml | $(VENV)/bin/python
+	$(PY) -m pip install -q -e '.[dev]'
+	@touch $(STAMP) $(DEV_STAMP)
 
 run: install
 	$(VENV)/bin/gateway serve
@@ -24,19 +34,19 @@ run: install
 #   e2e       `gateway` processes: the official SDK, the CLI, the inspector, reliability
 #   postgres  PostgreSQL-only behaviour, replicas, export/import
 #   realmodel llama.cpp's server with a real model (3-5 min on one core)
-test-unit: install
+test-unit: install-dev
 	$(PY) -m pytest -q -p no:cacheprovider tests/unit
-test-app: install
+test-app: install-dev
 	$(PY) -m pytest -q -p no:cacheprovider tests/app
-test-e2e: install
+test-e2e: install-dev
 	$(PY) -m pytest -q -p no:cacheprovider tests/e2e
-test-postgres: install
+test-postgres: install-dev
 	$(PY) -m pytest -q -p no:cacheprovider tests/postgres
-test-real: install
+test-real: install-dev
 	$(PY) -m pytest -q -p no:cacheprovider tests/realmodel
 
 # Every tier: the real-model tier in a second pytest process, side by side with the others.
-test: install
+test: install-dev
 	@tmp=$$(mktemp -d); \
 	$(PY) -m pytest -q -p no:cacheprovider --basetemp="$$tmp/base" tests/realmodel >"$$tmp/real.log" 2>&1 & real=$$!; \
 	$(PY) -m pytest -q -p no:cacheprovider tests/unit tests/app tests/e2e tests/postgres; rest=$$?; \
@@ -45,7 +55,7 @@ test: install
 
 # Line coverage of gateway/ over the whole suite, gateway subprocesses included (they are
 # started with COVERAGE_PROCESS_START set, and a .pth file starts coverage in each of them).
-coverage: install
+coverage: install-dev
 	@rm -rf var/coverage; mkdir -p var/coverage; \
 	pth=$$($(PY) -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])')/gateway-coverage.pth; \
 	echo 'import os, coverage; os.environ.get("COVERAGE_PROCESS_START") and coverage.process_startup()' >"$$pth"; \
@@ -59,19 +69,24 @@ coverage: install
 demo: install
 	$(VENV)/bin/gateway demo
 
-bench: install
+bench: install-dev
 	$(PY) bench/run.py
 
 # The long reliability runs (not in CI): 64 x 50 concurrent turns, CRASH_ROUNDS kill -9 rounds,
 # SOAK_SECONDS of mixed load with faults and cancels (figures in var/soak/latest.json).
 CRASH_ROUNDS ?= 1000
 SOAK_SECONDS ?= 1800
-soak: install
+soak: install-dev
 	SOAK=1 CRASH_ROUNDS=$(CRASH_ROUNDS) SOAK_SECONDS=$(SOAK_SECONDS) $(PY) -m pytest -q -s tests/e2e/reliability
 
-lint: install
+lint: install-dev
 	$(VENV)/bin/ruff check gateway tests
 	$(VENV)/bin/mypy gateway
+
+# Build the image and run it (podman), then compose.yaml with PostgreSQL: slow (3-5 min), so
+# neither make test nor CI runs it. See "Containers" in the README.
+image-smoke:
+	scripts/image-smoke
 
 clean:
 	rm -rf $(VENV) build *.egg-info .pytest_cache .mypy_cache .ruff_cache

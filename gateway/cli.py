@@ -15,6 +15,7 @@ import orjson
 
 from gateway.cli_render import render_context, render_message, render_turn, when
 from gateway.config import Settings, load_settings
+from gateway.config_sources import CONFIG_ENV, DEFAULT_CONFIG_PATH
 from gateway.context import Turn
 from gateway.context.records import message, messages, number
 from gateway.exceptions import GatewayError, NotFound
@@ -48,12 +49,37 @@ def _common(func: F) -> F:
             if data_dir is not None:
                 overrides["storage"] = {"data_dir": data_dir}
             settings = load_settings(config_path, overrides=overrides)
+            if config_path is None and CONFIG_ENV not in os.environ:
+                _notice_if_no_config_file(settings)
             return func(settings, *args, config_path=config_path, **kwargs)
         except GatewayError as exc:
             click.echo(f"gateway: {exc.message}", err=True)
             sys.exit(1)
 
     return wrapper  # type: ignore[return-value]
+
+
+def _notice_if_no_config_file(settings: Settings) -> None:
+    """Outside a checkout there is often no config/gateway.toml: say which defaults are in
+    force and where the data goes, instead of silently creating ./var."""
+    if Path(DEFAULT_CONFIG_PATH).is_file():
+        return
+    storage = settings.storage
+    if storage.backend == "jsonl":
+        data = f"data in {Path(storage.data_dir).absolute()}"
+    elif storage.backend == "postgres":
+        data = "data in PostgreSQL (storage.dsn)"
+    else:
+        data = "data in memory only (nothing persists)"
+    env = " + GATEWAY_* environment" if any(k.startswith("GATEWAY_") for k in os.environ) else ""
+    providers = ", ".join(sorted(settings.providers))
+    click.echo(
+        f"gateway: no config file ({DEFAULT_CONFIG_PATH} not found in {Path.cwd()}; "
+        "name one with --config or GATEWAY_CONFIG): "
+        f"using built-in defaults{env}: {settings.server.host}:{settings.server.port}, "
+        f"providers {providers} (default {settings.default_provider!r}), {data}",
+        err=True,
+    )
 
 
 def _no_conversation(settings: Settings, conversation_id: str) -> GatewayError:
@@ -71,7 +97,7 @@ def _run(settings: Settings, work: Callable[[Services], Awaitable[T]], *, writes
 
 
 @click.group(context_settings={"help_option_names": ["-h", "--help"]})
-@click.version_option(package_name="gateway")
+@click.version_option(package_name="llm-continuity-gateway")
 def main() -> None:
     """A conversation-continuity gateway for LLM providers (OpenAI-compatible proxy)."""
 
@@ -104,16 +130,31 @@ def serve(
     os.environ["GATEWAY_STORAGE__DATA_DIR"] = settings.storage.data_dir
     settings = load_settings(config_path)
     asyncio.run(Services.check_store(settings))
+    _notice_missing_litellm(settings)
     run(settings, workers=workers, log_level=log_level)
+
+
+def _notice_missing_litellm(settings: Settings) -> None:
+    from gateway.upstream.litellm import INSTALL_HINT, litellm_installed
+
+    names = sorted(name for name, p in settings.providers.items() if p.kind == "litellm")
+    if names and not litellm_installed():
+        click.echo(
+            f"gateway: note: provider{'s' if len(names) > 1 else ''} {', '.join(names)} "
+            f"(kind = \"litellm\") need{'' if len(names) > 1 else 's'} litellm, not installed: "
+            f"{INSTALL_HINT}; until then {'their' if len(names) > 1 else 'its'} requests get 502",
+            err=True,
+        )
 
 
 @main.command()
 @_common
-def demo(settings: Settings, *, config_path: str | None) -> None:
+@click.option("--port", type=int, default=0, help="Port on 127.0.0.1 (default: a free one).")
+def demo(settings: Settings, *, config_path: str | None, port: int) -> None:
     """Show continuity end to end on the built-in demo model (no provider needed)."""
     from gateway.demo import run_demo
 
-    run_demo(settings)
+    run_demo(settings, port=port)
 
 
 @main.command()

@@ -18,7 +18,7 @@ SCRIPT = [
 ]
 
 
-def run_demo(settings: Settings) -> None:
+def run_demo(settings: Settings, *, port: int = 0) -> None:
     from openai import OpenAI
 
     from gateway.app import create_app
@@ -31,7 +31,7 @@ def run_demo(settings: Settings) -> None:
     settings = settings.model_copy(update={"providers": providers})
     conversation_id = f"demo-{secrets.token_hex(3)}"
     app = create_app(settings)
-    with running_in_thread(app) as base_url:
+    with running_in_thread(app, port=port) as base_url:
         client = OpenAI(base_url=f"{base_url}/v1", api_key="not-needed")
         click.echo(f"gateway on {base_url}, model 'demo', conversation {conversation_id}")
         click.echo("each request carries only the new user message; the gateway supplies the rest\n")

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import errno
 import logging
 import socket
 import sys
@@ -14,6 +15,9 @@ from typing import Any
 import uvicorn
 
 from gateway.config import Settings
+from gateway.exceptions import GatewayError
+
+STARTUP_FAILURE = 3  # uvicorn's exit status when the app's startup fails
 
 
 def configure_logging(level: str = "info") -> None:
@@ -54,36 +58,72 @@ def _loop_and_http() -> dict[str, Any]:
     return opts
 
 
+def bind(host: str, port: int) -> socket.socket:
+    """A bound TCP socket (as uvicorn binds one), or one clear line: a taken port is reported
+    before anything claims to be listening."""
+    sock = socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    try:
+        sock.bind((host, port))
+    except OSError as exc:
+        sock.close()
+        if exc.errno == errno.EADDRINUSE:
+            reason = "address already in use (try another --port)"
+        else:
+            reason = (exc.strerror or str(exc)).lower()
+        raise GatewayError(f"cannot listen on {host}:{port}: {reason}") from None
+    return sock
+
+
 def serve(settings: Settings, *, workers: int = 1, log_level: str = "info") -> None:
     """Run the gateway in the foreground. Workers re-read settings from the environment."""
     configure_logging(log_level)
+    host, port = settings.server.host, settings.server.port
+    sock = bind(host, port)
+    options: dict[str, Any] = {
+        "factory": True,
+        "access_log": settings.server.access_log,
+        "log_level": "warning",
+        "timeout_graceful_shutdown": 5,
+        **_loop_and_http(),
+    }
+    if workers > 1:
+        # uvicorn's supervisor binds the socket itself (its API for a given socket is
+        # internal): ours only proved the port free, so the line below may precede it by a moment.
+        sock.close()
+        _listening(settings, port, workers)
+        uvicorn.run("gateway.app:app_from_env", host=host, port=port, workers=workers, **options)
+        return
+    # One process: serve on the socket bound above, so "listening" is true when it is printed
+    # (connections wait in the backlog while the app starts).
+    sock.listen(2048)
+    _listening(settings, sock.getsockname()[1], workers)
+    server = uvicorn.Server(uvicorn.Config("gateway.app:app_from_env", **options))
+    try:
+        server.run(sockets=[sock])
+    except KeyboardInterrupt:
+        pass
+    finally:
+        sock.close()
+    if not server.started:
+        sys.exit(STARTUP_FAILURE)
+
+
+def _listening(settings: Settings, port: int, workers: int) -> None:
     logging.getLogger("gateway").info(
         "gateway listening on http://%s:%s (data dir %s, %d worker%s)",
         settings.server.host,
-        settings.server.port,
+        port,
         settings.storage.data_dir,
         workers,
         "" if workers == 1 else "s",
     )
-    uvicorn.run(
-        "gateway.app:app_from_env",
-        factory=True,
-        host=settings.server.host,
-        port=settings.server.port,
-        workers=workers,
-        access_log=settings.server.access_log,
-        log_level="warning",
-        timeout_graceful_shutdown=5,
-        **_loop_and_http(),
-    )
 
 
 @contextmanager
-def running_in_thread(app: Any, host: str = "127.0.0.1") -> Iterator[str]:
-    """Serve `app` on a free loopback port in a thread; yields its base URL."""
-    sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
-    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-    sock.bind((host, 0))
+def running_in_thread(app: Any, host: str = "127.0.0.1", port: int = 0) -> Iterator[str]:
+    """Serve `app` in a thread on `port` (0: a free one); yields its base URL."""
+    sock = bind(host, port)
     port = sock.getsockname()[1]
     config = uvicorn.Config(app, log_level="warning", lifespan="on", **_loop_and_http())
     server = uvicorn.Server(config)

@@ -1,13 +1,12 @@
-"""Token counting that works offline: tiktoken with the BPE files that litellm's wheel ships.
+"""Token counting that works offline: tiktoken with its BPE files bundled in gateway/tokenizers.
 
 `tiktoken.get_encoding()` would download its files on first use; we point TIKTOKEN_CACHE_DIR
-at litellm's bundled copies (found without importing litellm, which is slow and heavy).
+at the bundled copies (so neither the network nor litellm is needed).
 Models whose family is unknown are counted with `cl100k_base` (documented fallback).
 """
 
 from __future__ import annotations
 
-import importlib.util
 import os
 from collections.abc import Callable, Mapping
 from functools import lru_cache
@@ -25,10 +24,7 @@ TOKENS_PER_REQUEST = 3
 
 
 def bundled_tiktoken_dir() -> str | None:
-    spec = importlib.util.find_spec("litellm")
-    if spec is None or not spec.submodule_search_locations:
-        return None
-    folder = Path(next(iter(spec.submodule_search_locations))) / "litellm_core_utils" / "tokenizers"
+    folder = Path(__file__).resolve().parent / "tokenizers"
     return str(folder) if folder.is_dir() else None
 
 

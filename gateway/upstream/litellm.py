@@ -1,10 +1,12 @@
 """Every provider that is not OpenAI-compatible (Anthropic, Gemini, Bedrock, Ollama native, ...)
-goes through `litellm.acompletion`. litellm is imported lazily, the first time it is needed,
-with its bundled model cost map (it would otherwise try the network at import).
+goes through `litellm.acompletion`. litellm is an optional dependency (the `litellm` extra),
+imported lazily the first time it is needed, with its bundled model cost map (it would
+otherwise try the network at import).
 """
 
 from __future__ import annotations
 
+import importlib.util
 import os
 from collections.abc import AsyncGenerator, AsyncIterator, Iterator
 from contextlib import contextmanager
@@ -30,13 +32,23 @@ from gateway.upstream.base import (
 from gateway.upstream.refusal import parse_refusal
 
 _litellm: Any = None
+INSTALL_HINT = "pip install 'llm-continuity-gateway[litellm]'"
 
 
-def import_litellm() -> Any:
+def litellm_installed() -> bool:
+    return importlib.util.find_spec("litellm") is not None
+
+
+def import_litellm(provider: str = "") -> Any:
     global _litellm
     if _litellm is None:
         os.environ.setdefault("LITELLM_LOCAL_MODEL_COST_MAP", "True")
-        import litellm
+        try:
+            import litellm
+        except ImportError:
+            raise UpstreamError(
+                f"Provider {provider!r} has kind = \"litellm\", which needs litellm: {INSTALL_HINT}"
+            ) from None
 
         litellm.telemetry = False
         litellm.suppress_debug_info = True
@@ -112,7 +124,7 @@ class LitellmUpstream(Upstream):
         return kwargs
 
     async def complete(self, body: Body) -> Body:
-        litellm = import_litellm()
+        litellm = import_litellm(self.name)
         kwargs = self._kwargs({**body, "stream": False})
 
         async def once() -> Body:
@@ -125,7 +137,7 @@ class LitellmUpstream(Upstream):
         kwargs = self._kwargs({**body, "stream": True})
 
         async def once() -> AsyncGenerator[Chunk, None]:
-            litellm = import_litellm()
+            litellm = import_litellm(self.name)
             with map_litellm_errors(self.name, self.url):
                 response = await litellm.acompletion(**kwargs)
                 async for chunk in response:

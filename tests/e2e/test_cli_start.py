@@ -1,0 +1,119 @@
+"""How `gateway serve` and `gateway demo` start, as a user meets them: the port flag, the notice
+when no config file is found, and a taken port reported before anything claims to listen."""
+
+from __future__ import annotations
+
+import os
+import socket
+import subprocess
+import sys
+from pathlib import Path
+
+from tests.conftest import REPO, free_port
+from tests.e2e.test_cli import gw
+
+
+def _env_without_config() -> dict[str, str]:
+    return {k: v for k, v in os.environ.items() if not k.startswith("GATEWAY_")}
+
+
+def test_demo_runs_on_the_port_it_is_given(tmp_path: Path) -> None:
+    port = free_port()
+    result = gw("demo", "--port", str(port), "--data-dir", str(tmp_path / "var"))
+    assert result.returncode == 0, result.stderr
+    assert f"gateway on http://127.0.0.1:{port}," in result.stdout
+    assert "Your name is Bob." in result.stdout
+
+
+def test_demo_on_a_taken_port_is_one_line(tmp_path: Path) -> None:
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        result = gw("demo", "--port", str(port), "--data-dir", str(tmp_path / "var"))
+    assert result.returncode == 1
+    assert result.stderr.strip().splitlines() == [
+        f"gateway: cannot listen on 127.0.0.1:{port}: address already in use (try another --port)"
+    ]
+
+
+def test_no_config_file_is_a_notice_naming_defaults_and_data_dir(tmp_path: Path) -> None:
+    """Outside a checkout there is no config/gateway.toml: say so, and where the data goes."""
+    result = subprocess.run(
+        [sys.executable, "-m", "gateway", "conversations"],
+        cwd=tmp_path,
+        env=_env_without_config(),
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert result.returncode == 0, result.stderr
+    notice = result.stderr
+    assert "no config file" in notice and "config/gateway.toml" in notice
+    assert "built-in defaults" in notice and "127.0.0.1:8080" in notice and "demo" in notice
+    assert f"data in {tmp_path / 'var'}" in notice
+    # A config file (found, or named) means no notice.
+    found = gw("conversations", "--data-dir", str(tmp_path / "var"))
+    assert "no config file" not in found.stderr
+    named = gw("conversations", "--config", str(REPO / "tests" / "empty.toml"), "--data-dir", str(tmp_path))
+    assert "no config file" not in named.stderr
+
+
+def test_no_config_notice_reflects_the_environment(tmp_path: Path) -> None:
+    env = {**_env_without_config(), "GATEWAY_STORAGE__DATA_DIR": str(tmp_path / "elsewhere")}
+    result = subprocess.run(
+        [sys.executable, "-m", "gateway", "conversations"],
+        cwd=tmp_path,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert f"data in {tmp_path / 'elsewhere'}" in result.stderr
+    assert "environment" in result.stderr
+
+
+def test_serve_on_a_taken_port_says_so_before_any_listening_line(tmp_path: Path) -> None:
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        config = str(REPO / "tests" / "empty.toml")
+        result = gw("serve", "--config", config, "--data-dir", str(tmp_path / "var"), "--port", str(port))
+    assert result.returncode == 1
+    assert "listening" not in result.stderr + result.stdout
+    assert result.stderr.strip().splitlines() == [
+        f"gateway: cannot listen on 127.0.0.1:{port}: address already in use (try another --port)"
+    ]
+
+
+def test_serve_says_listening_once_the_port_is_held(tmp_path: Path) -> None:
+    """The "listening" line comes after the port is bound: a client may connect right away."""
+    port = free_port()
+    proc = subprocess.Popen(
+        [
+            sys.executable,
+            "-m",
+            "gateway",
+            "serve",
+            "--config",
+            str(REPO / "tests" / "empty.toml"),
+            "--data-dir",
+            str(tmp_path / "var"),
+            "--port",
+            str(port),
+        ],
+        cwd=REPO,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+    )
+    try:
+        assert proc.stdout is not None
+        line = proc.stdout.readline()
+        assert f"gateway listening on http://127.0.0.1:{port}" in line, line
+        with socket.create_connection(("127.0.0.1", port), timeout=5):
+            pass
+    finally:
+        proc.terminate()
+        proc.wait(timeout=10)

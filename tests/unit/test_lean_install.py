@@ -1,0 +1,114 @@
+"""The runtime install has no litellm (it is the `litellm` extra): counting still works offline
+from the bundled BPE files, the model map falls back to the bundled snapshot, and a
+kind = "litellm" provider says what to install."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import textwrap
+
+import pytest
+
+from tests.conftest import REPO
+
+WITHOUT_LITELLM = textwrap.dedent(
+    """
+    import sys
+    sys.modules["litellm"] = None  # as if not installed: find_spec() is None, import fails
+    """
+)
+
+
+def run_without_litellm(code: str) -> subprocess.CompletedProcess[str]:
+    env = {k: v for k, v in os.environ.items() if k != "TIKTOKEN_CACHE_DIR"}
+    # Any download would go through this proxy, where nothing listens: offline for real.
+    env.update(HTTP_PROXY="http://127.0.0.1:9", HTTPS_PROXY="http://127.0.0.1:9", NO_PROXY="")
+    return subprocess.run(
+        [sys.executable, "-c", WITHOUT_LITELLM + textwrap.dedent(code)],
+        cwd=REPO,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+
+
+def test_counting_works_offline_without_litellm() -> None:
+    result = run_without_litellm(
+        """
+        import os
+        from gateway.tokens import count_text, encoding_name_for
+        assert count_text("hello world") == 2
+        assert count_text("hello world", "gpt-4o") == 2 and encoding_name_for("gpt-4o") == "o200k_base"
+        print(os.environ["TIKTOKEN_CACHE_DIR"])
+        """
+    )
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.strip() == str(REPO / "gateway" / "tokenizers")
+
+
+def test_model_map_falls_back_to_the_bundled_snapshot() -> None:
+    result = run_without_litellm(
+        """
+        from gateway.services.models import litellm_context_window
+        print(litellm_context_window("gpt-4o"), litellm_context_window("no-such-model"))
+        """
+    )
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.split() == ["128000", "None"]
+
+
+def test_litellm_provider_without_litellm_names_the_extra() -> None:
+    result = run_without_litellm(
+        """
+        import asyncio
+        from gateway.config import ProviderSettings
+        from gateway.exceptions import UpstreamError
+        from gateway.upstream.litellm import LitellmUpstream
+        up = LitellmUpstream("anthropic", ProviderSettings(kind="litellm"))
+        try:
+            asyncio.run(up.complete({"model": "claude", "messages": []}))
+        except UpstreamError as exc:
+            print(exc.status_code, exc.message)
+        """
+    )
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.strip() == (
+        "502 Provider 'anthropic' has kind = \"litellm\", which needs litellm: "
+        "pip install 'llm-continuity-gateway[litellm]'"
+    )
+
+
+def test_the_bundled_files_are_what_tiktoken_expects() -> None:
+    """tiktoken names a cached file by the SHA-1 of its URL and checks its SHA-256."""
+    import hashlib
+
+    expected = {
+        "cl100k_base": "223921b76ee99bde995b7ff738513eef100fb51d18c93597a113bcffe865b2a7",
+        "o200k_base": "446a9538cb6c348e3516120d7c08b09f57c36495e2acfffe59a5bf8b0cfb1a2d",
+    }
+    for name, sha256 in expected.items():
+        url = f"https://openaipublic.blob.core.windows.net/encodings/{name}.tiktoken"
+        path = REPO / "gateway" / "tokenizers" / hashlib.sha1(url.encode()).hexdigest()
+        assert hashlib.sha256(path.read_bytes()).hexdigest() == sha256
+
+
+def test_serve_names_litellm_providers_whose_extra_is_missing(
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    from gateway import cli
+    from gateway.config import load_settings
+    from gateway.upstream import litellm
+
+    settings = load_settings(REPO / "config" / "gateway.toml", environ={})
+    monkeypatch.setattr(litellm, "litellm_installed", lambda: False)
+    cli._notice_missing_litellm(settings)
+    assert capsys.readouterr().err == (
+        'gateway: note: provider anthropic (kind = "litellm") needs litellm, not installed: '
+        "pip install 'llm-continuity-gateway[litellm]'; until then its requests get 502\n"
+    )
+    monkeypatch.setattr(litellm, "litellm_installed", lambda: True)
+    cli._notice_missing_litellm(settings)
+    assert capsys.readouterr().err == ""
