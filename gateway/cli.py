@@ -141,7 +141,7 @@ def _notice_missing_litellm(settings: Settings) -> None:
     if names and not litellm_installed():
         click.echo(
             f"gateway: note: provider{'s' if len(names) > 1 else ''} {', '.join(names)} "
-            f"(kind = \"litellm\") need{'' if len(names) > 1 else 's'} litellm, not installed: "
+            f'(kind = "litellm") need{"" if len(names) > 1 else "s"} litellm, not installed: '
             f"{INSTALL_HINT}; until then {'their' if len(names) > 1 else 'its'} requests get 502",
             err=True,
         )

@@ -139,6 +139,7 @@ class ConversationView:
     user: str | None = None
     timezone: str | None = None
     recap: Message | None = None
+    created_of: dict[str, float] = field(default_factory=dict)  # response id -> when it started
     _keys: dict[str, list[bytes]] = field(default_factory=dict)
 
     def extend(self, turn: Turn) -> None:
@@ -148,6 +149,7 @@ class ConversationView:
             self.created_at = turn.created
         if turn.created is not None:
             self.last_activity = max(self.last_activity or 0.0, turn.created)
+            self.created_of[turn.response_id] = turn.created
         self.last_model = turn.model or self.last_model
         self.user = turn.user or self.user
         self.timezone = turn.timezone or self.timezone
@@ -262,6 +264,7 @@ class ConversationView:
             history_pos=list(self.history_pos),
             deleted_items=set(self.deleted_items),
             metadata=dict(self.metadata),
+            created_of=dict(self.created_of),
             _keys={},
         )
         copy.cut_history(keep)

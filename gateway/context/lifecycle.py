@@ -71,14 +71,19 @@ def _text(message: Message) -> str:
     return content if isinstance(content, str) else ""
 
 
-def todays_user_lines(view: ConversationView) -> list[str]:
-    """The user's own lines of a conversation active today (its turns are all recent)."""
+def todays_lines(view: ConversationView, tz: ZoneInfo, today: str) -> list[str]:
+    """Both sides of what was said in a conversation on the user's local `today` (the user's
+    lines and the assistant's answers, which hold what it promised), newest 20, each cut to
+    300 characters; older turns of the same conversation are left out."""
     lines = []
-    for message in view.history:
-        if message.get("role") == "user":
-            text = _text(message).strip()
-            if text:
-                lines.append(f"user: {text}")
+    for message, owner in zip(view.history, view.history_owner, strict=True):
+        role = message.get("role")
+        created = view.created_of.get(owner)
+        if role not in ("user", "assistant") or created is None or local_day(created, tz) != today:
+            continue
+        text = _text(message).strip()
+        if text:
+            lines.append(f"{role}: {text[:300]}")
     return lines[-20:]
 
 
@@ -97,7 +102,7 @@ def recap_message(
     budget = max_tokens - count({"role": "system", "content": header})
     for last, cid, lines in sorted(candidates, reverse=True):
         when = datetime.fromtimestamp(last, tz).strftime("%H:%M")
-        block = f"- [{when}, {cid}] " + " / ".join(lines)
+        block = "\n".join([f"- [{when}, {cid}]", *(f"  {line}" for line in lines)])
         cost = count({"role": "system", "content": block}) - 3
         if cost > budget:
             continue

@@ -7,7 +7,7 @@ from collections.abc import Awaitable, Callable
 from zoneinfo import ZoneInfo
 
 from gateway.context import ConversationView, Message
-from gateway.context.lifecycle import local_day, recap_message, todays_user_lines, user_key
+from gateway.context.lifecycle import local_day, recap_message, todays_lines, user_key
 from gateway.context.records import number
 from gateway.store import Store
 
@@ -48,7 +48,7 @@ async def build_recap(
         if digest and (number(digest.get("at")) or 0.0) >= view.last_activity:
             lines = [str(digest.get("summary", ""))]
         else:
-            lines = todays_user_lines(view)
+            lines = todays_lines(view, tz, today)
         if lines:
             candidates.append((view.last_activity, cid, lines))
     return recap_message(candidates, tz, max_tokens=max_tokens, count=count)

@@ -47,7 +47,7 @@ def import_litellm(provider: str = "") -> Any:
             import litellm
         except ImportError:
             raise UpstreamError(
-                f"Provider {provider!r} has kind = \"litellm\", which needs litellm: {INSTALL_HINT}"
+                f'Provider {provider!r} has kind = "litellm", which needs litellm: {INSTALL_HINT}'
             ) from None
 
         litellm.telemetry = False

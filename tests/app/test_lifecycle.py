@@ -301,3 +301,19 @@ async def test_the_conversation_object_says_when_it_expires(tmp_path: Path) -> N
     await say(no_ttl, "forever", "hello")
     assert (await no_ttl.get("/v1/conversations/forever")).json()["expires_at"] is None
     await no_ttl.aclose()
+
+
+async def test_the_recap_carries_both_sides_of_the_users_local_today_only(tmp_path: Path) -> None:
+    app, store, clock, _, client = await make(tmp_path)
+    tz = "Europe/Paris"
+    clock.offset = -86400  # yesterday, in any zone
+    await say(client, "plan-1", "my old project is Eagle", user="u7", user_timezone=tz)
+    clock.offset = 0
+    await say(client, "plan-1", "my secret project is Falcon", user="u7", user_timezone=tz)
+    await say(client, "plan-2", "hello again", user="u7", user_timezone=tz)
+    sent = app.state.router.upstreams["mock"].requests[-1]["messages"]
+    recap = next(m["content"] for m in sent if m["role"] == "system" and "Earlier today" in m["content"])
+    assert "user: my secret project is Falcon" in recap
+    assert "assistant: " in recap  # what the assistant said (and promised) comes along
+    assert "Eagle" not in recap  # yesterday's turn of the same conversation is not today
+    await client.aclose()
