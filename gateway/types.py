@@ -11,8 +11,14 @@ from typing_extensions import TypedDict
 # JSON as parsed (orjson.loads): narrow with isinstance before use.
 JSON: TypeAlias = "None | bool | int | float | str | list[JSON] | dict[str, JSON]"
 JSONObject: TypeAlias = "dict[str, object]"
-# A record of a response log, an index marker or a side-log entry, as stored (see
-# gateway/store/records.py for the kinds): JSON objects read back from disk are not trusted.
+# A record of a response log, an index marker or a side-log entry, as stored; JSON read back
+# from disk is not trusted. A response log's records, in order:
+#   {"type": "request", "response_id", "conversation_id", "created", "model", "stream",
+#                       "params", "system", "input", ...}
+#   {"type": "context", "stored_messages", "sent_messages", "messages", ...}   (the manifest)
+#   {"type": "response", "message", "finish_reason", "usage", "timings"}
+#   {"type": "commit", "status": "complete", "committed"} or {"type": "incomplete", "reason", "error"}
+#   {"type": "deleted", "at"}                                                  (a tombstone)
 Record: TypeAlias = "dict[str, object]"
 
 
