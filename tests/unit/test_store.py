@@ -54,6 +54,23 @@ async def store(request: pytest.FixtureRequest, tmp_path: Path) -> AsyncIterator
     await s.close()
 
 
+@pytest.fixture
+async def second(store: Store, tmp_path: Path) -> AsyncIterator[Store]:
+    """Another instance on the same data, as another worker process or replica opens it (the
+    memory store has no other process: its second instance is itself)."""
+    if isinstance(store, MemoryStore):
+        yield store
+        return
+    other: Store = (
+        JsonlStore(store.root)
+        if isinstance(store, JsonlStore)
+        else PostgresStore(store.dsn, namespace=store.namespace)  # type: ignore[attr-defined]
+    )
+    await other.open()
+    yield other
+    await other.close()
+
+
 @pytest.fixture(params=["jsonl", "postgres"])
 async def durable_store(request: pytest.FixtureRequest, tmp_path: Path) -> AsyncIterator[Store]:
     """The backends that keep a bounded per-process cache of side logs."""
@@ -535,9 +552,8 @@ async def test_failure_before_index_append_leaves_complete_but_unindexed_respons
 # -- JSONL: several processes on one data dir ---------------------------------------------------------
 
 
-async def test_second_instance_sees_commits_via_load(jstore: JsonlStore, tmp_path: Path) -> None:
-    other = JsonlStore(tmp_path / "var")
-    await other.open()
+async def test_second_instance_sees_commits_via_load(store: Store, second: Store) -> None:
+    jstore, other = store, second
     r1 = await commit_turn(jstore, "conv", "one")
     assert (await load(other, "conv")).response_ids == [r1]  # now cached in `other`
     r2 = await commit_turn(jstore, "conv", "two")
@@ -548,6 +564,11 @@ async def test_second_instance_sees_commits_via_load(jstore: JsonlStore, tmp_pat
     r3 = await commit_turn(other, "conv", "three")
     assert (await load(jstore, "conv")).response_ids == [r1, r2, r3]
     assert (await load(other, "conv")).response_ids == [r1, r2, r3]
+    await other.append_marker("conv", {"type": "reset", "at": now(), "keep_system_message": False})
+    assert (await load(jstore, "conv")).history == []
+    assert await other.delete_conversation("conv")
+    assert (await store.read_conversation("conv")).version is None
+    assert (await load(jstore, "conv")).turns == 0
 
 
 async def test_a_new_index_at_a_reused_inode_is_not_taken_for_the_old_one(
@@ -576,9 +597,8 @@ async def test_second_instance_notices_a_shrunk_index(jstore: JsonlStore, tmp_pa
     assert (await load(jstore, "conv")).response_ids == [r1]
 
 
-async def test_lock_is_shared_across_instances(jstore: JsonlStore, tmp_path: Path) -> None:
-    other = JsonlStore(tmp_path / "var")
-    await other.open()
+async def test_lock_is_shared_across_instances(store: Store, second: Store) -> None:
+    jstore, other = store, second
     async with jstore.lock("conv", timeout=5):
         with pytest.raises(ConversationBusy):
             async with other.lock("conv", timeout=0.1):
