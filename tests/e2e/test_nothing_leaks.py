@@ -7,11 +7,13 @@ observation."""
 from __future__ import annotations
 
 import re
+import time
+from pathlib import Path
 
 import httpx
 import pytest
 
-from tests.conftest import GatewayProcess, sdk
+from tests.conftest import GatewayProcess, sdk, write_config
 from tests.mockserver import MockServer, unknown_fields
 
 
@@ -115,3 +117,22 @@ def test_reading_after_a_delete_logs_no_damage(gateway: GatewayProcess, upstream
     assert "Del" not in str(upstream.requests[-1]["messages"])
     assert reply.output_text
     assert "not committed" not in gateway.log_path.read_text()[log_before:]
+
+
+def test_an_expired_conversation_starts_afresh_on_its_next_request(
+    tmp_path: Path, upstream: MockServer
+) -> None:
+    """Expiry is checked when the conversation is loaded, not only by the background pass."""
+    config = write_config(tmp_path / "ttl.toml", upstream.url, extra="[sessions]\nttl = 1\nidle_after = 0\n")
+    proc = GatewayProcess(config, tmp_path / "var").start()
+    try:
+        first = ask(proc, [user("my name is Old")], conversation_id="ttl-1")
+        assert first.status_code == 200
+        expires = httpx.get(f"{proc.url}/v1/conversations/ttl-1").json()["expires_at"]
+        time.sleep(max(0.0, expires - time.time()) + 1.1)
+        again = ask(proc, [user("what is my name?")], conversation_id="ttl-1")
+        assert again.json()["choices"][0]["message"]["content"] == "I don't know your name yet."
+        assert [m["role"] for m in upstream.requests[-1]["messages"]] == ["user"]
+        assert list((tmp_path / "var" / "archive").iterdir())  # the expired one was archived
+    finally:
+        proc.stop()
