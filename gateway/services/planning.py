@@ -35,6 +35,7 @@ log = logging.getLogger("gateway.services")
 _COUNT_OFF_LOOP_CHARS = 20_000
 # A provider reporting fewer prompt tokens than this share of ours probably cut the prompt.
 _TRUNCATION_RATIO = 0.7
+_UNCALIBRATED_TRUNCATION_RATIO = 0.5
 _TRUNCATION_MIN_TOKENS = 256
 # A summary or recap squeezed below this many tokens is left out instead.
 _MIN_SIZED_TOKENS = 24
@@ -283,8 +284,13 @@ class Planner:
         if not isinstance(theirs, int) or isinstance(theirs, bool) or theirs <= 0:
             return False
         calibration = plan.facts.calibration if plan.facts is not None else None
-        expected = calibration.ratio * ours + calibration.overhead if calibration else float(ours)
-        if ours < _TRUNCATION_MIN_TOKENS or theirs >= expected * _TRUNCATION_RATIO:
+        if calibration is not None and calibration.samples > 0:
+            expected, ratio = calibration.ratio * ours + calibration.overhead, _TRUNCATION_RATIO
+        else:
+            # Not calibrated yet: a provider may simply count fewer tokens than we do (a larger
+            # vocabulary, a rough count), so only a cut to under half is taken for truncation.
+            expected, ratio = float(ours), _UNCALIBRATED_TRUNCATION_RATIO
+        if ours < _TRUNCATION_MIN_TOKENS or theirs >= expected * ratio:
             self.facts.observe(route, ours, theirs)
             return False
         record["upstream_truncation_suspected"] = {"prompt_tokens": theirs, "our_count": ours}

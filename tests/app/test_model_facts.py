@@ -487,3 +487,39 @@ async def test_v1_models_lists_what_each_provider_reports() -> None:
         "mock/Qwen/Qwen2.5-1.5B-Instruct": "mock",
         "mock/other": "mock",
     }
+
+
+async def test_a_provider_that_counts_fewer_tokens_is_not_taken_for_a_truncating_one() -> None:
+    """A provider whose tokenizer counts about 0.6 of ours (short messages, a rough count),
+    met first on a long conversation (a restarted gateway: nothing calibrated yet), must not
+    shrink the window: the whole conversation is still sent (it once lost its start to
+    '[N earlier messages omitted]')."""
+    from gateway.upstream.base import approx_tokens, completion_from_text
+
+    def counting(body: dict[str, Any]) -> Any:
+        return completion_from_text("m", "ok", prompt_tokens=approx_tokens(body["messages"]))
+
+    def no_usage(body: dict[str, Any]) -> Any:
+        completion = completion_from_text("m", "ok", prompt_tokens=0)
+        completion.pop("usage")
+        return completion
+
+    store = MemoryStore()
+
+    async def turns(upstream: MockUpstream, first: int, count: int) -> None:
+        async with build_client(make_settings(), store, upstream) as client:
+            for n in range(first, first + count):
+                body = {
+                    "model": "mock/m",
+                    "conversation_id": "terse",
+                    "messages": [{"role": "user", "content": f"r0-w{n}-t0"}],
+                }
+                r = await client.post("/v1/chat/completions", json=body)
+                assert r.status_code == 200, r.text
+
+    await turns(MockUpstream(no_usage), 0, 40)  # history above 256 tokens, nothing calibrated
+    upstream = MockUpstream(counting)
+    upstream.reports_real_usage = True
+    await turns(upstream, 40, 3)  # a new process meets the provider on a long conversation
+    sent = upstream.requests[-1]["messages"]
+    assert len(sent) == 85 and sent[0]["content"] == "r0-w0-t0"
