@@ -82,6 +82,22 @@ class IndexRead:
 
 
 @dataclass(frozen=True, slots=True)
+class Damage:
+    """What `Store.check` found (`gateway fsck`): where (a file relative to the store's root
+    and its line, or a table and row), what is wrong, and what repairing does or did about it."""
+
+    path: str
+    line: int | None
+    problem: str
+    action: str  # done (`repaired`), or what a repair would do
+    repaired: bool = False
+
+    @property
+    def where(self) -> str:
+        return self.path if self.line is None else f"{self.path}:{self.line}"
+
+
+@dataclass(frozen=True, slots=True)
 class Appended:
     """An append to an index: the version just before it and just after it. A reader that was
     at `before` may apply the appended entry itself and be at `after`."""
@@ -178,6 +194,13 @@ class Store(ABC):
         """Take the lifecycle processor's lease for everything this backend holds, if the
         backend provides one (shared databases do); None means: use the data dir's lock file."""
         return None
+
+    async def check(self, *, repair: bool = False, lock_timeout: float = 30.0) -> list[Damage]:
+        """Look for damage a reader would trip on (`gateway fsck`). With `repair`, set each
+        damaged line or record aside (never deleting it), holding the conversation's lock, and
+        return what was done plus whatever is still wrong. A backend with nothing on disk has
+        nothing to check."""
+        return []
 
     async def exists(self, conversation_id: str) -> bool:
         try:

@@ -30,6 +30,7 @@ from gateway.store.base import (
     LRU,
     SIDE_LOGS,
     Appended,
+    Damage,
     IndexEntry,
     IndexRead,
     ResponseLog,
@@ -38,7 +39,7 @@ from gateway.store.base import (
     Version,
     now,
 )
-from gateway.store.jsonl import branches
+from gateway.store.jsonl import branches, fsck
 from gateway.store.jsonl.files import (
     CONTEXT_PREFIX,
     append_file,
@@ -322,6 +323,9 @@ class JsonlStore(Store):
 
     async def fork(self, source: str, target: str, through: str) -> None:
         await branches.fork(self, source, target, through)
+
+    async def check(self, *, repair: bool = False, lock_timeout: float = 30.0) -> list[Damage]:
+        return await fsck.check(self, repair=repair, lock_timeout=lock_timeout)
 
     def summary_path(self, conversation_id: str) -> Path:
         return self.side_path("summaries", conversation_id)
