@@ -11,8 +11,12 @@ from dataclasses import dataclass
 from gateway.context import ConversationView
 from gateway.context.records import turn_from_records
 from gateway.store.base import LRU, Appended, Store, Version
+from gateway.types import Record
 
 log = logging.getLogger("gateway.services")
+
+# Responses already warned about (a bounded set: damage must not grow memory either).
+WARNED_LIMIT = 4096
 
 
 @dataclass(slots=True)
@@ -26,6 +30,17 @@ class ConversationCache:
 
     def __init__(self, size: int = 1024) -> None:
         self._views: LRU[tuple[int, str], _Cached] = LRU(size)
+        self._warned: LRU[str, bool] = LRU(WARNED_LIMIT)
+
+    def skipped(self, cid: str, rid: str, records: list[Record]) -> None:
+        """The rule for an index entry whose response is missing, empty or not committed: every
+        reader of the conversation leaves it out, with one warning per response per process
+        (a deleted response is left out silently: that is no damage)."""
+        if (records and records[-1].get("type") == "deleted") or self._warned.get(rid):
+            return
+        self._warned[rid] = True
+        why = "its response file is missing or empty" if not records else "not a committed turn"
+        log.warning("the index of %s names %s, %s: skipped (gateway fsck reports it)", cid, rid, why)
 
     async def load(self, store: Store, cid: str) -> ConversationView:
         """The conversation as stored (empty if new). Callers must not mutate it."""
@@ -42,8 +57,7 @@ class ConversationCache:
                 continue
             turn = turn_from_records(entry.records)
             if turn is None:
-                if not (entry.records and entry.records[-1].get("type") == "deleted"):  # deleted: by design
-                    log.warning("the index of %s names %s, not committed: skipped", cid, entry.response_id)
+                self.skipped(cid, str(entry.response_id), entry.records)
                 continue
             view.extend(turn)
         self._views[key] = _Cached(read.version, view)
