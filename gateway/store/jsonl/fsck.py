@@ -86,7 +86,12 @@ def response_problem(scanned: Scanned | None) -> str | None:
     if scanned is None:
         return "names a response file that is missing"
     if not scanned.records:
-        return "names a response file that is empty"
+        empty = not scanned.data.strip()
+        return (
+            "names a response file that is empty"
+            if empty
+            else "names a response file with no readable record"
+        )
     kinds = {r.get("type") for r in scanned.records}
     if "commit" not in kinds:
         return "names a response that is not committed"
