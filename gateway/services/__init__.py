@@ -40,7 +40,7 @@ class Services:
         self.router = router
         self.stores = stores
         self.facts = ModelFacts(settings)
-        self.cache = ConversationCache(settings.storage.cache_conversations)
+        self.cache = ConversationCache.of(settings)
         self.turns = ChatService(settings, router, stores=stores, facts=self.facts, cache=self.cache)
         self.summaries = Summaries(settings, router, stores, self.facts, self.cache)
         self.sessions = Sessions(settings, stores, self.summaries, self.cache)

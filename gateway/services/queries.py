@@ -63,7 +63,7 @@ class Queries:
         """The row of one conversation; None when it cannot be read (a damaged record: skipped
         with a warning, the list still answers)."""
         try:
-            view = await self.cache.load(store, cid)
+            view = await self.cache.load(store, cid, keep=False)
         except CorruptRecord as exc:
             log.warning("skipping conversation %s: %s", cid, exc.message)
             return None

@@ -79,7 +79,10 @@ class JsonlStore(Store):
         self.locks_dir = self.root / "locks"
         self.summaries_dir = self.root / "logs" / "summaries"
         self.archive_dir = self.root / "archive"
-        self._side: LRU[tuple[str, str], tuple[int, list[Record]]] = LRU(4 * cache_size)
+        # Side logs read (size, records): at most 4 x cache_size logs and as many records.
+        self._side: LRU[tuple[str, str], tuple[int, list[Record]]] = LRU(
+            4 * cache_size, weigh=lambda v: len(v[1]) + 1, budget=4 * cache_size
+        )
         self.fsync = durability == "fsync"
         self.cache_size = cache_size
         # Index sizes last seen: only to know whether an index file exists yet (no views here).

@@ -83,7 +83,9 @@ class PostgresStore(Store):
         self.durability = durability
         self.cache_size = cache_size
         self._backend: _Backend | None = None
-        self._side: LRU[tuple[str, str], _SideCache] = LRU(4 * cache_size)
+        self._side: LRU[tuple[str, str], _SideCache] = LRU(
+            4 * cache_size, weigh=lambda v: len(v.records) + 1, budget=4 * cache_size
+        )
         self._holds: dict[str, _Hold] = {}
         # Test hook: called inside the commit transaction, after the records, before the index.
 
