@@ -351,6 +351,31 @@ def reset(
     click.echo(f"reset {conversation_id}" + (" (system prompt kept)" if keep_system_message else ""))
 
 
+@main.command()
+@_common
+@click.option("--repair", is_flag=True, help="Move damaged lines and files to quarantine/ (deletes nothing).")
+def fsck(settings: Settings, *, config_path: str | None, repair: bool) -> None:
+    """Check the data dir (or database) for damage: undecodable lines, torn last lines, index
+    lines naming a response that is missing, empty or not committed. Exits 1 while any remains.
+    With --repair, each damaged line or file is set aside (under the conversation's lock: safe
+    while the gateway runs) so the conversation can go on."""
+    jsonl = settings.storage.backend == "jsonl"
+    where = settings.storage.data_dir if jsonl else f"the {settings.storage.backend} database"
+    if jsonl and not Path(settings.storage.data_dir).is_dir():
+        raise GatewayError(f"there is no data dir at {settings.storage.data_dir}")
+    report = _run(settings, lambda services: services.fsck.run(repair=repair), writes=repair)
+    for damage in report.repaired:
+        click.echo(f"repaired {damage.where}: {damage.problem} ({damage.action})")
+    for damage in report.remaining:
+        click.echo(f"{damage.where}: {damage.problem}" + ("" if repair else f" [repair: {damage.action}]"))
+    if report.remaining:
+        hint = " (gateway fsck --repair sets them aside)" if not repair else ""
+        click.echo(f"{len(report.remaining)} problem(s) in {where}{hint}")
+        sys.exit(1)
+    done = f" after {len(report.repaired)} repair(s)" if report.repaired else ""
+    click.echo(f"{where}: no damage found{done}")
+
+
 # -- moving conversations between backends: the JSONL layout is the interchange format ----------
 
 

@@ -77,6 +77,7 @@ class StorageSettings(_Section):
     lock_timeout: Duration = 30.0
     archive_deleted: bool = False
     cache_conversations: int = Field(1024, ge=0)
+    cache_messages: int = Field(10_000, ge=0)
     max_conversation_messages: int = Field(100_000, ge=0)
 
     def model_post_init(self, _context: object) -> None:

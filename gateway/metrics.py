@@ -13,6 +13,9 @@ from starlette.responses import Response
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 _FAST = (0.0005, 0.001, 0.002, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0)
+# The active-conversations gauge remembers at most this many (a busy gateway's new conversations
+# must not grow memory): past it, it reads ACTIVE_LIMIT.
+ACTIVE_LIMIT = 16_384
 _SLOW = (0.01, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0)
 
 
@@ -66,17 +69,21 @@ class Metrics:
         )
         self.active = Gauge(
             "gateway_conversations_active",
-            "Conversations with a turn in the last sessions.idle_after",
+            f"Conversations with a turn in the last sessions.idle_after (counted up to {ACTIVE_LIMIT})",
             registry=r,
         )
         self.active.set_function(self._count_active)
-        self._last_turn: dict[str, float] = {}
+        # Keyed by the id's hash (an int, not the id): bounded by ACTIVE_LIMIT and the window.
+        self._last_turn: dict[int, float] = {}
         self._touches = 0
         self.active_window = active_window
 
     def conversation_touched(self, key: str) -> None:
-        self._last_turn.pop(key, None)  # re-inserted last: the dict stays ordered by recency
-        self._last_turn[key] = time.monotonic()
+        hashed = hash(key)
+        self._last_turn.pop(hashed, None)  # re-inserted last: the dict stays ordered by recency
+        self._last_turn[hashed] = time.monotonic()
+        while len(self._last_turn) > ACTIVE_LIMIT:
+            del self._last_turn[next(iter(self._last_turn))]  # the least recent
         self._touches += 1
         if self._touches % 1024 == 0:
             self._count_active()

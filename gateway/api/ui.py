@@ -106,7 +106,9 @@ async def conversation(request: Request) -> Response:
                 turns.append({"index": index, "marker": "reset", "at": entry.get("at")})
             continue
         if index >= since:
-            turn = _turn(await queries.records(tenant, entry), entry, index)
+            # A response file that is missing or empty is left out, as in chat.
+            records = await queries.logged_turn(tenant, cid, entry)
+            turn = _turn(records, entry, index) if records is not None else None
             if turn is not None:
                 turns.append(turn)
         index += 1

@@ -13,6 +13,8 @@ from gateway.services.summaries import Summaries
 log = logging.getLogger("gateway.summarizer")
 
 MAX_ATTEMPTS = 5
+# Failure counts are kept for the conversations that failed most recently, this many at most.
+FAILURES_KEPT = 1024
 
 
 class Summarizer:
@@ -71,7 +73,9 @@ class Summarizer:
             except Exception as exc:  # noqa: BLE001 - recorded, retried, never raised
                 attempt += 1
                 self.on_outcome("failed")
-                self.failures[key] = self.failures.get(key, 0) + 1
+                self.failures[key] = self.failures.pop(key, 0) + 1  # re-inserted: newest last
+                while len(self.failures) > FAILURES_KEPT:
+                    del self.failures[next(iter(self.failures))]
                 message = getattr(exc, "message", None) or repr(exc)
                 log.warning("summary of %s failed (attempt %d): %s", cid, attempt, message)
                 try:

@@ -14,6 +14,7 @@ from gateway.exceptions import GatewayError
 from gateway.services.cache import ConversationCache
 from gateway.services.catalog import Catalog
 from gateway.services.conversations import Conversations
+from gateway.services.fsck import Fsck
 from gateway.services.models import ModelFacts
 from gateway.services.queries import Queries
 from gateway.services.responses import StoredResponses
@@ -39,7 +40,7 @@ class Services:
         self.router = router
         self.stores = stores
         self.facts = ModelFacts(settings)
-        self.cache = ConversationCache(settings.storage.cache_conversations)
+        self.cache = ConversationCache.of(settings)
         self.turns = ChatService(settings, router, stores=stores, facts=self.facts, cache=self.cache)
         self.summaries = Summaries(settings, router, stores, self.facts, self.cache)
         self.sessions = Sessions(settings, stores, self.summaries, self.cache)
@@ -47,6 +48,7 @@ class Services:
         self.responses = StoredResponses(settings, stores)
         self.queries = Queries(stores, self.cache)
         self.catalog = Catalog(settings, router)
+        self.fsck = Fsck(settings, stores)
         self._probed_at: float | None = None
         self._probe_failure: str | None = None
 

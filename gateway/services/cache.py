@@ -8,11 +8,16 @@ import logging
 from collections.abc import Callable
 from dataclasses import dataclass
 
+from gateway.config import Settings
 from gateway.context import ConversationView
 from gateway.context.records import turn_from_records
 from gateway.store.base import LRU, Appended, Store, Version
+from gateway.types import Record
 
 log = logging.getLogger("gateway.services")
+
+# Responses already warned about (a bounded set: damage must not grow memory either).
+WARNED_LIMIT = 4096
 
 
 @dataclass(slots=True)
@@ -21,14 +26,38 @@ class _Cached:
     view: ConversationView
 
 
+def _weight(cached: _Cached) -> int:
+    return len(cached.view.transcript) + 1
+
+
 class ConversationCache:
     """Keyed by (store, conversation): every tenant has its own store."""
 
-    def __init__(self, size: int = 1024) -> None:
-        self._views: LRU[tuple[int, str], _Cached] = LRU(size)
+    def __init__(self, size: int = 1024, messages: int = 10_000) -> None:
+        """At most `size` conversations and `messages` stored messages in all (the conversation
+        in use is kept even when it alone holds more): a view's memory grows with its turns."""
+        self._views: LRU[tuple[int, str], _Cached] = LRU(size, weigh=_weight, budget=messages)
+        self._warned: LRU[str, bool] = LRU(WARNED_LIMIT)
 
-    async def load(self, store: Store, cid: str) -> ConversationView:
-        """The conversation as stored (empty if new). Callers must not mutate it."""
+    @classmethod
+    def of(cls, settings: Settings) -> ConversationCache:
+        return cls(settings.storage.cache_conversations, settings.storage.cache_messages)
+
+    def skipped(self, cid: str, rid: str, records: list[Record]) -> None:
+        """The rule for an index entry whose response is missing, empty or not committed: every
+        reader of the conversation leaves it out, with one warning per response per process
+        (a deleted response is left out silently: that is no damage)."""
+        if (records and records[-1].get("type") == "deleted") or self._warned.get(rid):
+            return
+        self._warned[rid] = True
+        why = "its response file is missing or empty" if not records else "not a committed turn"
+        log.warning("the index of %s names %s, %s: skipped (gateway fsck reports it)", cid, rid, why)
+
+    async def load(self, store: Store, cid: str, *, keep: bool = True) -> ConversationView:
+        """The conversation as stored (empty if new). Callers must not mutate it. Readers that
+        go over many conversations (lists, the lifecycle pass, recaps) pass `keep=False`: a
+        cached view is used and brought up to date, but none is added for them, so they neither
+        grow memory nor push out the conversations that are talking."""
         key = (id(store), cid)
         cached = self._views.get(key)
         read = await store.read_conversation(cid, cached.version if cached is not None else None)
@@ -42,11 +71,11 @@ class ConversationCache:
                 continue
             turn = turn_from_records(entry.records)
             if turn is None:
-                if not (entry.records and entry.records[-1].get("type") == "deleted"):  # deleted: by design
-                    log.warning("the index of %s names %s, not committed: skipped", cid, entry.response_id)
+                self.skipped(cid, str(entry.response_id), entry.records)
                 continue
             view.extend(turn)
-        self._views[key] = _Cached(read.version, view)
+        if keep or cached is not None:
+            self._views[key] = _Cached(read.version, view)
         return view
 
     def appended(
@@ -62,6 +91,7 @@ class ConversationCache:
             return
         apply(cached.view)
         cached.version = appended.after
+        self._views[key] = cached  # weighed again: it grew
 
     def forget(self, store: Store, cid: str) -> None:
         self._views.pop((id(store), cid), None)

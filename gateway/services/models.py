@@ -28,7 +28,7 @@ import orjson
 from gateway.config import Settings
 from gateway.context.calibration import EXACT, MAX_OBSERVATIONS, UNCALIBRATED, Calibration, fit
 from gateway.exceptions import GatewayError, Refusal
-from gateway.store.base import Store
+from gateway.store.base import LRU, Store
 from gateway.types import JSONObject
 from gateway.upstream import Route
 from gateway.upstream.base import ServerWindow
@@ -44,6 +44,8 @@ REFIT_EVERY = 8
 # Without numbers in a refusal, the window shrinks by this factor (down to MIN_LEARNED_WINDOW).
 SHRINK = 0.85
 MIN_LEARNED_WINDOW = 256
+# Models whose facts are kept in memory at once.
+MAX_MODELS = 256
 _EXACT_FAMILIES = re.compile(r"^(gpt-|o1|o3|o4|chatgpt-)")
 log = logging.getLogger("gateway.models")
 
@@ -140,7 +142,9 @@ class ModelFacts:
     def __init__(self, settings: Settings, *, clock: Callable[[], float] = time.monotonic) -> None:
         self.settings = settings
         self.clock = clock
-        self._entries: dict[tuple[str, str], _Entry] = {}
+        # Keyed by the model a client names: bounded, the least recently used dropped (its
+        # calibration is saved in the store and read back if it comes again).
+        self._entries: LRU[tuple[str, str], _Entry] = LRU(MAX_MODELS)
 
     def _entry(self, route: Route) -> _Entry:
         key = (route.provider, route.model)

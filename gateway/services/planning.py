@@ -24,7 +24,7 @@ from gateway.context.window import REQUEST_OVERHEAD_TOKENS, Window, fit_window, 
 from gateway.services.models import ModelFacts, WindowFacts
 from gateway.services.recap import build_recap
 from gateway.services.requests import ChatRequest
-from gateway.store.base import Store
+from gateway.store.base import LRU, Store
 from gateway.tokens import count_message, truncate_text
 from gateway.types import Record
 from gateway.upstream import Route
@@ -37,6 +37,8 @@ _COUNT_OFF_LOOP_CHARS = 20_000
 _TRUNCATION_RATIO = 0.7
 _UNCALIBRATED_TRUNCATION_RATIO = 0.5
 _TRUNCATION_MIN_TOKENS = 256
+# Conversations whose suspected truncation was logged (the newest this many are remembered).
+WARNED_LIMIT = 4096
 # A summary or recap squeezed below this many tokens is left out instead.
 _MIN_SIZED_TOKENS = 24
 
@@ -113,7 +115,8 @@ class Planner:
     def __init__(self, settings: Settings, facts: ModelFacts) -> None:
         self.settings = settings
         self.facts = facts
-        self._warned_truncation: set[str | None] = set()
+        # Conversations already warned about (the newest WARNED_LIMIT: bounded memory).
+        self._warned_truncation: LRU[str | None, bool] = LRU(WARNED_LIMIT)
 
     async def plan(
         self,
@@ -296,10 +299,9 @@ class Planner:
         record["upstream_truncation_suspected"] = {"prompt_tokens": theirs, "our_count": ours}
         if route.upstream.reports_real_usage:
             self.facts.truncated(route, theirs)
-        if cid in self._warned_truncation:
+        if self._warned_truncation.get(cid):
             return True  # recorded on every response, logged once per conversation
-        if len(self._warned_truncation) < 100_000:
-            self._warned_truncation.add(cid)
+        self._warned_truncation[cid] = True
         log.warning(
             orjson.dumps(
                 {

@@ -63,7 +63,7 @@ class Queries:
         """The row of one conversation; None when it cannot be read (a damaged record: skipped
         with a warning, the list still answers)."""
         try:
-            view = await self.cache.load(store, cid)
+            view = await self.cache.load(store, cid, keep=False)
         except CorruptRecord as exc:
             log.warning("skipping conversation %s: %s", cid, exc.message)
             return None
@@ -122,8 +122,32 @@ class Queries:
         return await (await self.stores.get(tenant)).read_index(cid)
 
     async def records(self, tenant: str, response_id: str) -> list[Record]:
-        """A response's log, as written (empty when there is none)."""
-        return await (await self.stores.get(tenant)).read_response(response_id)
+        """A response's log, as written; NotFound when its file is missing or empty."""
+        records = await (await self.stores.get(tenant)).read_response(response_id)
+        if not records:
+            raise NotFound(f"No response {response_id!r}", param="response_id")
+        return records
+
+    async def logged_turn(self, tenant: str, cid: str, rid: str) -> list[Record] | None:
+        """The log of a response the conversation's index names, for the inspector: None when
+        its file is missing or empty (left out, as every reader does); a deleted or uncommitted
+        one is returned, for the inspector to mark."""
+        return await self._turn_records(await self.stores.get(tenant), cid, rid, committed=False)
+
+    async def _turn_records(
+        self, store: Store, cid: str, rid: str, *, committed: bool = True
+    ) -> list[Record] | None:
+        """The records of an indexed response; None (with one warning) when it is missing or
+        empty, or, with `committed`, not a committed turn."""
+        try:
+            records = await store.read_response(rid)
+        except NotFound:
+            records = []
+        if turn_from_records(records) is None:
+            self.cache.skipped(cid, rid, records)
+            if committed or not records:
+                return None
+        return records
 
     async def summaries(self, tenant: str, cid: str) -> list[Record]:
         return [
@@ -138,7 +162,8 @@ class Queries:
         turns = []
         for entry in await store.read_index(cid):
             if isinstance(entry, str):
-                turn = turn_from_records(await store.read_response(entry))
+                records = await self._turn_records(store, cid, entry)
+                turn = turn_from_records(records) if records is not None else None
                 if turn is not None:
                     turns.append(turn)
         return turns
@@ -148,7 +173,8 @@ class Queries:
         store = await self.stores.get(tenant)
         ids = [e for e in await store.read_index(cid) if isinstance(e, str)]
         for rid in reversed(ids):
-            context = latest(await store.read_response(rid), "context")
+            records = await self._turn_records(store, cid, rid)
+            context = latest(records, "context") if records is not None else None
             if context is not None:
                 return rid, context
         raise NotFound(f"Conversation {cid!r} has no recorded context yet", param="conversation_id")
@@ -165,7 +191,8 @@ class Queries:
             if len(ids) < seen:
                 seen = 0
             for rid in ids[seen:]:
-                turn = turn_from_records(await store.read_response(rid))
+                records = await self._turn_records(store, cid, rid)
+                turn = turn_from_records(records) if records is not None else None
                 if turn is not None:
                     yield turn
             seen = len(ids)

@@ -79,7 +79,7 @@ class Sessions:
 
     async def state_of(self, tenant: str, cid: str) -> State:
         store = await self.stores.get(tenant)
-        view = await self.cache.load(store, cid)
+        view = await self.cache.load(store, cid, keep=False)
         return derive_state(await store.read_side("lifecycle", cid), view.last_activity)
 
     async def visit(self, tenant: str, cid: str, clock: Clock, modified: float | None = None) -> None:
@@ -87,12 +87,12 @@ class Sessions:
         store = await self.stores.get(tenant)
         now = clock()
         sessions = self.settings.sessions
-        view = await self.cache.load(store, cid)
+        view = await self.cache.load(store, cid, keep=False)  # idle: not worth a place in the cache
         last = max(view.last_activity or 0.0, modified or 0.0)
         if sessions.ttl > 0 and now - last > sessions.ttl:
             async with store.lock(cid, self.settings.storage.lock_timeout):
                 # Decided without the lock: a turn may have landed since. Decide again.
-                fresh = await self.cache.load(store, cid)
+                fresh = await self.cache.load(store, cid, keep=False)
                 if fresh.last_activity is None or clock() - fresh.last_activity > sessions.ttl:
                     await store.delete_conversation(cid, archive=True)
                     log.info('{"event": "conversation_expired", "conversation_id": "%s"}', cid)

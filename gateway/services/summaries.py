@@ -51,11 +51,12 @@ class Summaries:
     async def summarize_all(self, tenant: str, cid: str, model: str) -> str:
         """Fold the whole conversation into its summary now (post-processing); the text."""
         store = await self.stores.get(tenant)
-        view = await self.cache.load(store, cid)
+        view = await self.cache.load(store, cid, keep=False)  # an idle conversation
         if not view.history_owner:
             return ""
-        await self.fold(tenant, cid, view.history_owner[-1], self.model_for(model))
-        summary = current_summary(await store.read_side("summaries", cid), await self.cache.load(store, cid))
+        await self.fold(tenant, cid, view.history_owner[-1], self.model_for(model), keep=False)
+        records = await store.read_side("summaries", cid)
+        summary = current_summary(records, await self.cache.load(store, cid, keep=False))
         return summary.text if summary else ""
 
     async def record_failure(self, tenant: str, cid: str, attempt: int, message: str) -> None:
@@ -66,13 +67,14 @@ class Summaries:
             {"type": "summary_failed", "attempt": attempt, "error": message[:500], "created": now()},
         )
 
-    async def fold(self, tenant: str, cid: str, target: str, model: str) -> None:
+    async def fold(self, tenant: str, cid: str, target: str, model: str, *, keep: bool = True) -> None:
         """Fold the turns not yet covered, through response `target`, into new summary versions
-        (whole turns, in chunks that fit `model`'s window). The lock is held only to read."""
+        (whole turns, in chunks that fit `model`'s window). The lock is held only to read.
+        `keep`: whether the view may take a place in the cache (not for idle conversations)."""
         store = await self.stores.get(tenant)
         encoding = encoding_name_for(model)
         async with store.lock(cid, self.settings.storage.lock_timeout):
-            view = await self.cache.load(store, cid)
+            view = await self.cache.load(store, cid, keep=keep)
             records = await store.read_side("summaries", cid)
             summary = current_summary(records, view)
             end = view.history_end.get(target)

@@ -73,7 +73,7 @@ class ChatService:
         self.settings = settings
         self.router = router
         self.stores = stores or StoreRegistry(settings)
-        self.cache = cache or ConversationCache(settings.storage.cache_conversations)
+        self.cache = cache or ConversationCache.of(settings)
         self.facts = facts or ModelFacts(settings)
         # Asks the background summarizer for coverage (tenant, conversation, through, model).
         self.schedule_summary: Callable[[str, str, str, str], None] = lambda *args: None
@@ -129,8 +129,9 @@ class ChatService:
                 )
                 system_tokens = [count(m) for m in system_in] if system_in else None
                 if view.turns == 0:
+                    others = functools.partial(self.cache.load, store, keep=False)  # not cached for a recap
                     recap, recap_from = await self.planner.recap(
-                        request, store, lambda c: self.cache.load(store, c), cid, count, self.clock()
+                        request, store, others, cid, count, self.clock()
                     )
                 replan = functools.partial(
                     self.planner.plan,

@@ -12,6 +12,7 @@ from __future__ import annotations
 import time
 from abc import ABC, abstractmethod
 from collections import OrderedDict
+from collections.abc import Callable
 from contextlib import AbstractAsyncContextManager
 from dataclasses import dataclass
 from typing import Literal, TypeVar, get_args
@@ -25,11 +26,18 @@ V = TypeVar("V")
 
 class LRU(OrderedDict[K, V]):
     """A per-process cache that keeps at most `limit` entries, dropping the least recently used:
-    caches keyed by conversation must not grow with the number of conversations ever seen."""
+    caches keyed by conversation must not grow with the number of conversations ever seen.
+    With `weigh` and `budget`, also at most `budget` in total weight (the entry just stored is
+    kept even if it alone weighs more), so entries that grow (a conversation) stay bounded too.
+    An entry changed in place is weighed again when it is stored again."""
 
-    def __init__(self, limit: int) -> None:
+    def __init__(self, limit: int, *, weigh: Callable[[V], int] | None = None, budget: int = 0) -> None:
         super().__init__()
         self.limit = max(1, limit)
+        self.weigh = weigh
+        self.budget = budget
+        self.weight = 0
+        self._weights: dict[K, int] = {}
 
     def get(self, key: K, default: None = None) -> V | None:  # type: ignore[override]
         if key in self:
@@ -40,8 +48,37 @@ class LRU(OrderedDict[K, V]):
     def __setitem__(self, key: K, value: V) -> None:
         super().__setitem__(key, value)
         self.move_to_end(key)
-        while len(self) > self.limit:
+        if self.weigh is not None:
+            weight = self.weigh(value)
+            self.weight += weight - self._weights.get(key, 0)
+            self._weights[key] = weight
+        heavy = self.weigh is not None
+        while len(self) > self.limit or (heavy and self.weight > self.budget and len(self) > 1):
             self.popitem(last=False)
+
+    def _forgotten(self, key: K) -> None:
+        self.weight -= self._weights.pop(key, 0)
+
+    def __delitem__(self, key: K) -> None:
+        super().__delitem__(key)
+        self._forgotten(key)
+
+    def pop(self, key: K, *default: V | None) -> V | None:  # type: ignore[override]
+        if key not in self:
+            return default[0] if default else super().pop(key)
+        value = super().pop(key)
+        self._forgotten(key)
+        return value
+
+    def popitem(self, last: bool = True) -> tuple[K, V]:
+        key, value = super().popitem(last)
+        self._forgotten(key)
+        return key, value
+
+    def clear(self) -> None:
+        super().clear()
+        self._weights.clear()
+        self.weight = 0
 
 
 # The side logs every backend keeps beside the conversations (`append_side` / `read_side`).
@@ -79,6 +116,22 @@ class IndexRead:
     entries: list[IndexEntry]
     version: Version | None  # None: there is no such conversation
     restarted: bool  # the entries start from the beginning (new, or replaced since)
+
+
+@dataclass(frozen=True, slots=True)
+class Damage:
+    """What `Store.check` found (`gateway fsck`): where (a file relative to the store's root
+    and its line, or a table and row), what is wrong, and what repairing does or did about it."""
+
+    path: str
+    line: int | None
+    problem: str
+    action: str  # done (`repaired`), or what a repair would do
+    repaired: bool = False
+
+    @property
+    def where(self) -> str:
+        return self.path if self.line is None else f"{self.path}:{self.line}"
 
 
 @dataclass(frozen=True, slots=True)
@@ -178,6 +231,13 @@ class Store(ABC):
         """Take the lifecycle processor's lease for everything this backend holds, if the
         backend provides one (shared databases do); None means: use the data dir's lock file."""
         return None
+
+    async def check(self, *, repair: bool = False, lock_timeout: float = 30.0) -> list[Damage]:
+        """Look for damage a reader would trip on (`gateway fsck`). With `repair`, set each
+        damaged line or record aside (never deleting it), holding the conversation's lock, and
+        return what was done plus whatever is still wrong. A backend with nothing on disk has
+        nothing to check."""
+        return []
 
     async def exists(self, conversation_id: str) -> bool:
         try:

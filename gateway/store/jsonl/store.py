@@ -30,6 +30,7 @@ from gateway.store.base import (
     LRU,
     SIDE_LOGS,
     Appended,
+    Damage,
     IndexEntry,
     IndexRead,
     ResponseLog,
@@ -38,7 +39,7 @@ from gateway.store.base import (
     Version,
     now,
 )
-from gateway.store.jsonl import branches
+from gateway.store.jsonl import branches, fsck
 from gateway.store.jsonl.files import (
     CONTEXT_PREFIX,
     append_file,
@@ -78,7 +79,10 @@ class JsonlStore(Store):
         self.locks_dir = self.root / "locks"
         self.summaries_dir = self.root / "logs" / "summaries"
         self.archive_dir = self.root / "archive"
-        self._side: LRU[tuple[str, str], tuple[int, list[Record]]] = LRU(4 * cache_size)
+        # Side logs read (size, records): at most 4 x cache_size logs and as many records.
+        self._side: LRU[tuple[str, str], tuple[int, list[Record]]] = LRU(
+            4 * cache_size, weigh=lambda v: len(v[1]) + 1, budget=4 * cache_size
+        )
         self.fsync = durability == "fsync"
         self.cache_size = cache_size
         # Index sizes last seen: only to know whether an index file exists yet (no views here).
@@ -322,6 +326,9 @@ class JsonlStore(Store):
 
     async def fork(self, source: str, target: str, through: str) -> None:
         await branches.fork(self, source, target, through)
+
+    async def check(self, *, repair: bool = False, lock_timeout: float = 30.0) -> list[Damage]:
+        return await fsck.check(self, repair=repair, lock_timeout=lock_timeout)
 
     def summary_path(self, conversation_id: str) -> Path:
         return self.side_path("summaries", conversation_id)

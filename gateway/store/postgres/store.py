@@ -30,8 +30,19 @@ import orjson
 
 from gateway.exceptions import ConversationBusy, NotFound, StorageError
 from gateway.ids import check_conversation_id, is_valid_conversation_id, is_valid_response_id
-from gateway.store.base import LRU, Appended, IndexEntry, IndexRead, ResponseLog, SideLog, Store, Version, now
-from gateway.store.postgres import branches, sides
+from gateway.store.base import (
+    LRU,
+    Appended,
+    Damage,
+    IndexEntry,
+    IndexRead,
+    ResponseLog,
+    SideLog,
+    Store,
+    Version,
+    now,
+)
+from gateway.store.postgres import branches, fsck, sides
 from gateway.store.postgres.backend import _Backend, _backend_for
 from gateway.store.postgres.log import _Hold, _PostgresLog, _SideCache
 from gateway.store.postgres.schema import (
@@ -72,7 +83,9 @@ class PostgresStore(Store):
         self.durability = durability
         self.cache_size = cache_size
         self._backend: _Backend | None = None
-        self._side: LRU[tuple[str, str], _SideCache] = LRU(4 * cache_size)
+        self._side: LRU[tuple[str, str], _SideCache] = LRU(
+            4 * cache_size, weigh=lambda v: len(v.records) + 1, budget=4 * cache_size
+        )
         self._holds: dict[str, _Hold] = {}
         # Test hook: called inside the commit transaction, after the records, before the index.
 
@@ -316,6 +329,9 @@ class PostgresStore(Store):
 
     async def fork(self, source: str, target: str, through: str) -> None:
         await branches.fork(self, source, target, through)
+
+    async def check(self, *, repair: bool = False, lock_timeout: float = 30.0) -> list[Damage]:
+        return await fsck.check(self, repair=repair, lock_timeout=lock_timeout)
 
     async def tombstone(self, response_id: str) -> None:
         if not is_valid_response_id(response_id):

@@ -1,0 +1,95 @@
+"""One rule for an index line naming a response file that is missing or empty: every reader of
+the conversation leaves that turn out, with one warning in the log, and a direct read of that
+response is a 404."""
+
+from __future__ import annotations
+
+import logging
+from pathlib import Path
+
+import pytest
+
+from gateway.exceptions import NotFound
+from gateway.services.cache import WARNED_LIMIT, ConversationCache
+from gateway.store.jsonl import JsonlStore
+from gateway.upstream.mock import MockUpstream
+from tests.conftest import app_of, build_client, make_settings
+
+
+async def _seed(tmp_path: Path) -> list[str]:
+    settings = make_settings(tmp_path, durability="none")
+    store = JsonlStore(tmp_path / "var", durability="none")
+    await store.open()
+    async with build_client(settings, store, MockUpstream()) as client:
+        ids = []
+        for n in range(3):
+            body = {
+                "model": "mock/m",
+                "conversation_id": "c",
+                "messages": [{"role": "user", "content": f"message {n}"}],
+            }
+            reply = await client.post("/v1/chat/completions", json=body)
+            assert reply.status_code == 200
+            ids.append(reply.json()["id"])
+    return ids
+
+
+@pytest.mark.parametrize("damage", ["missing", "empty"])
+async def test_every_reader_skips_the_turn_and_a_direct_read_is_404(
+    tmp_path: Path, damage: str, caplog: pytest.LogCaptureFixture
+) -> None:
+    first, second, third = await _seed(tmp_path)
+    path = tmp_path / "var" / "logs" / "responses" / f"{second}.jsonl"
+    if damage == "missing":
+        path.unlink()
+    else:
+        path.write_bytes(b"")
+    store = JsonlStore(tmp_path / "var", durability="none")  # a fresh process: nothing cached
+    await store.open()
+    upstream = MockUpstream()
+    settings = make_settings(tmp_path, durability="none")
+    with caplog.at_level(logging.WARNING, logger="gateway"):
+        async with build_client(settings, store, upstream) as client:
+            items = await client.get("/v1/conversations/c/items?order=asc")
+            inspector = await client.get("/ui/api/conversations/c")
+            context = await client.get("/v1/conversations/c/context")
+            direct = await client.get(f"/v1/responses/{second}")
+            input_items = await client.get(f"/v1/responses/{second}/input_items")
+            chat = await client.post(
+                "/v1/chat/completions",
+                json={
+                    "model": "mock/m",
+                    "conversation_id": "c",
+                    "messages": [{"role": "user", "content": "x"}],
+                },
+            )
+            queries = app_of(client).state.services.queries
+            shown = [turn.response_id for turn in await queries.turns("", "c")]  # gateway show
+            with pytest.raises(NotFound):
+                await queries.records("", second)  # gateway context RESPONSE_ID
+            again = await client.get("/ui/api/conversations/c")
+
+    assert items.status_code == 200
+    texts = [part["text"] for item in items.json()["data"] for part in item["content"]]
+    assert "message 0" in texts and "message 2" in texts and "message 1" not in texts
+    assert inspector.status_code == 200 and again.status_code == 200
+    turns = inspector.json()["turns"]
+    assert [t["response_id"] for t in turns] == [first, third]
+    assert [t["index"] for t in turns] == [0, 2]  # positions in the index are kept
+    assert context.status_code == 200 and context.json()["response_id"] == third
+    for reply in (direct, input_items):
+        assert reply.status_code == 404 and reply.json()["error"]["code"] == "not_found", reply.text
+    assert chat.status_code == 200
+    sent = [m["content"] for m in upstream.requests[-1]["messages"]]
+    assert "message 0" in sent and "message 2" in sent and "message 1" not in sent
+    assert shown == [first, third, chat.json()["id"]]
+    warnings = [r.getMessage() for r in caplog.records if second in r.getMessage()]
+    assert len(warnings) == 1, warnings  # once per process, however many readers
+    assert "missing or empty: skipped" in warnings[0]
+
+
+def test_the_warned_set_stays_bounded() -> None:
+    cache = ConversationCache(8)
+    for n in range(WARNED_LIMIT * 3):
+        cache.skipped("c", f"m-{n:012x}", [])
+    assert len(cache._warned) == WARNED_LIMIT
