@@ -13,11 +13,10 @@ from typing import Any, TypeVar
 import click
 import orjson
 
-from gateway.cli_render import render_context, render_message, render_turn, when
+from gateway.cli_render import render_log, render_message, render_turn, when
 from gateway.config import Settings, load_settings
 from gateway.config_sources import CONFIG_ENV, DEFAULT_CONFIG_PATH
 from gateway.context import Turn
-from gateway.context.records import message, messages, number
 from gateway.exceptions import GatewayError, NotFound
 from gateway.services import Services
 
@@ -279,33 +278,7 @@ def context(
         for record in records:
             click.echo(orjson.dumps(record).decode())
         return
-    for record in records:
-        kind = record.get("type")
-        if kind == "request":
-            click.echo(f"response     {record.get('response_id')}")
-            click.echo(f"conversation {record.get('conversation_id')}")
-            target = f"{record.get('provider')}:{record.get('upstream_model')}"
-            click.echo(f"model        {record.get('model')} → {target}")
-            click.echo(f"created      {when(number(record.get('created')) or 0)}")
-            for m in messages(record.get("system")):
-                click.echo(render_message(m, note="new system prompt"))
-            for m in messages(record.get("input")):
-                click.echo(render_message(m, note="new"))
-        elif kind == "context":
-            render_context(record, show_messages=not brief)
-        elif kind == "response":
-            click.echo(
-                render_message(
-                    message(record.get("message")) or {"role": "assistant"},
-                    note=f"finish={record.get('finish_reason')}",
-                )
-            )
-            click.echo(f"usage        {record.get('usage')}")
-            click.echo(f"timings      {record.get('timings')}")
-        elif kind == "commit":
-            click.echo(click.style("committed    yes", fg="green"))
-        elif kind == "incomplete":
-            click.echo(click.style(f"incomplete   {record.get('reason')}: {record.get('error')}", fg="red"))
+    render_log(records, show_messages=not brief)
 
 
 @main.command()

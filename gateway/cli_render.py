@@ -9,7 +9,7 @@ from datetime import datetime
 import click
 
 from gateway.context import Message, Turn
-from gateway.context.records import messages, number, obj
+from gateway.context.records import message, messages, number, obj
 from gateway.tokens import count_message
 from gateway.types import Record, as_list
 
@@ -125,3 +125,34 @@ def render_context(record: Record, *, show_messages: bool) -> None:
         click.echo("sent (exact):")
         for m in messages(record.get("messages")):
             click.echo("  " + render_message(m))
+
+
+def render_log(records: list[Record], *, show_messages: bool) -> None:
+    """A response log for a terminal: request, context manifest, reply, outcome."""
+    for record in records:
+        kind = record.get("type")
+        if kind == "request":
+            click.echo(f"response     {record.get('response_id')}")
+            click.echo(f"conversation {record.get('conversation_id')}")
+            target = f"{record.get('provider')}:{record.get('upstream_model')}"
+            click.echo(f"model        {record.get('model')} → {target}")
+            click.echo(f"created      {when(number(record.get('created')) or 0)}")
+            for m in messages(record.get("system")):
+                click.echo(render_message(m, note="new system prompt"))
+            for m in messages(record.get("input")):
+                click.echo(render_message(m, note="new"))
+        elif kind == "context":
+            render_context(record, show_messages=show_messages)
+        elif kind == "response":
+            click.echo(
+                render_message(
+                    message(record.get("message")) or {"role": "assistant"},
+                    note=f"finish={record.get('finish_reason')}",
+                )
+            )
+            click.echo(f"usage        {record.get('usage')}")
+            click.echo(f"timings      {record.get('timings')}")
+        elif kind == "commit":
+            click.echo(click.style("committed    yes", fg="green"))
+        elif kind == "incomplete":
+            click.echo(click.style(f"incomplete   {record.get('reason')}: {record.get('error')}", fg="red"))
