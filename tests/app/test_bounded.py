@@ -15,9 +15,9 @@ from gateway.store.jsonl import JsonlStore
 from gateway.store.memory import MemoryStore
 from gateway.upstream import Route
 from gateway.upstream.mock import MockUpstream
+from tests.app.test_summarizer import FlakySummaries, job
 from tests.conftest import make_settings
-from tests.test_store import commit_turn
-from tests.test_summarizer import FlakySummaries, job
+from tests.helpers import commit_turn
 
 
 def test_lru_keeps_count_and_weight_within_bounds() -> None:

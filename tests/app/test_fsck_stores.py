@@ -12,8 +12,8 @@ import pytest
 from gateway.services.cache import ConversationCache
 from gateway.store.jsonl import JsonlStore
 from gateway.store.postgres import PostgresStore
+from tests.helpers import commit_turn
 from tests.postgres.cluster import PostgresCluster, postgres_cluster
-from tests.test_store import commit_turn
 
 __all__ = ["postgres_cluster"]
 

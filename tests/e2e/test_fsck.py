@@ -10,12 +10,9 @@ import sys
 from pathlib import Path
 
 import orjson
-import pytest
 
 from tests.conftest import REPO, GatewayProcess, sdk, write_config
 from tests.mockserver import MockServer
-
-pytestmark = pytest.mark.e2e
 
 CONVERSATIONS = ["mid-index", "mid-response", "side-log", "missing", "empty"]
 
