@@ -23,6 +23,7 @@ from gateway.api import responses as resp
 from gateway.api.chat import chat_completions
 from gateway.config import Settings, load_settings
 from gateway.exceptions import GatewayError
+from gateway.jobs.heap import HeapTrimmer
 from gateway.jobs.processor import Processor
 from gateway.jobs.summarizer import Summarizer
 from gateway.metrics import Metrics, MetricsMiddleware, metrics_endpoint
@@ -58,6 +59,7 @@ def create_app(
     summarizer.on_outcome = lambda outcome: metrics.summaries.labels(outcome).inc()
     service.on_context_refusal = lambda outcome: metrics.context_refusals.labels(outcome).inc()
     processor = Processor(settings, services.sessions)
+    trimmer = HeapTrimmer()
 
     @asynccontextmanager
     async def lifespan(app: Starlette) -> AsyncIterator[None]:
@@ -67,11 +69,13 @@ def create_app(
         warm.add_done_callback(lambda f: None if f.cancelled() else f.exception())
         service.warm_up = warm
         processor.start()
+        trimmer.start()
         app.state.ready = True
         try:
             yield
         finally:
             app.state.ready = False
+            await trimmer.stop()
             await processor.stop()
             await summarizer.aclose()
             await services.aclose()
@@ -123,6 +127,7 @@ def create_app(
     app.state.stores = stores
     app.state.metrics = metrics
     app.state.processor = processor
+    app.state.trimmer = trimmer
     app.state.summarizer = summarizer
     app.state.tenants = tenants
     app.state.router = router

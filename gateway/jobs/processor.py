@@ -84,11 +84,15 @@ class Processor:
 
     async def run_once(self) -> None:
         for tenant in await self.sessions.tenants():
+            started = self.clock()
+            unsettled = [started - self.sessions.quiet()]  # younger ones were not looked at
             for cid, modified in await self.sessions.candidates(tenant, self.clock):
-                await self.sessions.visit(tenant, cid, self.clock, modified)
+                if not await self.sessions.visit(tenant, cid, self.clock, modified):
+                    unsettled.append(modified)
+            self.sessions.settled_before(tenant, min(unsettled))
 
-    async def visit(self, tenant: str, cid: str, modified: float | None = None) -> None:
-        await self.sessions.visit(tenant, cid, self.clock, modified)
+    async def visit(self, tenant: str, cid: str, modified: float | None = None) -> bool:
+        return await self.sessions.visit(tenant, cid, self.clock, modified)
 
     async def state_of(self, tenant: str, cid: str) -> State:
         return await self.sessions.state_of(tenant, cid)

@@ -67,7 +67,7 @@ class Queries:
         except CorruptRecord as exc:
             log.warning("skipping conversation %s: %s", cid, exc.message)
             return None
-        state = derive_state(await store.read_side("lifecycle", cid), view.last_activity)
+        state = derive_state(await store.read_side("lifecycle", cid, keep=False), view.last_activity)
         return ConversationRow(ConversationSummary.of(cid, view, changed), view, state)
 
     async def conversations(

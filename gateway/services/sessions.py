@@ -40,6 +40,10 @@ class Sessions:
         self.stores = stores
         self.summaries = summaries
         self.cache = cache
+        # Per tenant: every conversation whose index is older than this was settled at the last
+        # pass (processed, failed, or nothing to do), so the next pass need not read its
+        # lifecycle log again: a pass reads the logs of recent conversations, not of all.
+        self._settled_before: dict[str, float] = {}
 
     async def tenants(self) -> list[str]:
         """The default tenant and every other one that has data."""
@@ -56,34 +60,43 @@ class Sessions:
         sessions = self.settings.sessions
         times = await store.conversation_ids()
         now = clock()
-        quiet = (
-            min(x for x in (sessions.idle_after, sessions.ttl) if x > 0)
-            if (sessions.idle_after or sessions.ttl)
-            else 0
-        )
+        quiet = self.quiet()
         out = []
+        before = self._settled_before.get(tenant, float("-inf"))
         for cid, modified in times:
             if now - modified < quiet:
                 continue
-            records = await store.read_side("lifecycle", cid)
+            expired = sessions.ttl > 0 and now - modified > sessions.ttl
+            if modified < before and not expired:
+                continue  # settled at an earlier pass and unchanged since
+            records = await store.read_side("lifecycle", cid, keep=False)
             settled = (
                 bool(records)
                 and records[-1].get("state") in (PROCESSED, FAILED)
                 and (number(records[-1].get("at")) or 0.0) >= modified
             )
-            expired = sessions.ttl > 0 and now - modified > sessions.ttl
             if settled and not expired:
                 continue
             out.append((cid, modified))
         return out
 
+    def quiet(self) -> float:
+        """How long a conversation must be left alone before a pass looks at it."""
+        sessions = self.settings.sessions
+        return min((x for x in (sessions.idle_after, sessions.ttl) if x > 0), default=0.0)
+
+    def settled_before(self, tenant: str, when: float) -> None:
+        """After a pass: every conversation last changed before `when` is settled."""
+        self._settled_before[tenant] = when
+
     async def state_of(self, tenant: str, cid: str) -> State:
         store = await self.stores.get(tenant)
         view = await self.cache.load(store, cid, keep=False)
-        return derive_state(await store.read_side("lifecycle", cid), view.last_activity)
+        return derive_state(await store.read_side("lifecycle", cid, keep=False), view.last_activity)
 
-    async def visit(self, tenant: str, cid: str, clock: Clock, modified: float | None = None) -> None:
-        """Whatever the conversation needs now: expiry, lease recovery or post-processing."""
+    async def visit(self, tenant: str, cid: str, clock: Clock, modified: float | None = None) -> bool:
+        """Whatever the conversation needs now: expiry, lease recovery or post-processing.
+        Whether it is settled: nothing more to do until it changes (or expires)."""
         store = await self.stores.get(tenant)
         now = clock()
         sessions = self.settings.sessions
@@ -96,10 +109,10 @@ class Sessions:
                 if fresh.last_activity is None or clock() - fresh.last_activity > sessions.ttl:
                     await store.delete_conversation(cid, archive=True)
                     log.info('{"event": "conversation_expired", "conversation_id": "%s"}', cid)
-                    return
+                    return True
             view = fresh
             last = view.last_activity or last
-        state = derive_state(await store.read_side("lifecycle", cid), view.last_activity)
+        state = derive_state(await store.read_side("lifecycle", cid, keep=False), view.last_activity)
         if state.state == PROCESSING:
             if state.lease_until is not None and now > state.lease_until:
                 await self._record(
@@ -110,21 +123,22 @@ class Sessions:
                     attempts=state.attempts + 1,
                     error="lease expired (processor crashed?)",
                 )
-            return
-        if (
-            state.state == ACTIVE
-            and sessions.idle_after > 0
-            and now - last >= sessions.idle_after
-            and view.turns
-        ):
-            await self.process(tenant, store, cid, view, state.attempts, clock)
+            return False
+        if state.state != ACTIVE:
+            return True  # processed or failed
+        if not view.turns:
+            return True  # nothing to process until a turn comes
+        if sessions.idle_after > 0 and now - last >= sessions.idle_after:
+            return await self.process(tenant, store, cid, view, state.attempts, clock) != ACTIVE
+        return sessions.idle_after <= 0
 
     async def _record(self, store: Store, cid: str, clock: Clock, state: str, **fields: object) -> None:
         await store.append_side("lifecycle", cid, {"state": state, "at": clock(), **fields})
 
     async def process(
         self, tenant: str, store: Store, cid: str, view: ConversationView, attempts: int, clock: Clock
-    ) -> None:
+    ) -> str:
+        """Post-process the conversation; the state it ends in."""
         sessions = self.settings.sessions
         now = clock()
         await self._record(store, cid, clock, PROCESSING, attempts=attempts, lease_until=now + sessions.lease)
@@ -143,13 +157,8 @@ class Sessions:
         except Exception as exc:  # noqa: BLE001 - recorded as the state's error
             message = getattr(exc, "message", None) or repr(exc)
             attempts += 1
-            await self._record(
-                store,
-                cid,
-                clock,
-                FAILED if attempts >= sessions.max_attempts else ACTIVE,
-                attempts=attempts,
-                error=message[:500],
-            )
-            return
+            state = FAILED if attempts >= sessions.max_attempts else ACTIVE
+            await self._record(store, cid, clock, state, attempts=attempts, error=message[:500])
+            return state
         await self._record(store, cid, clock, PROCESSED, attempts=attempts)
+        return PROCESSED

@@ -55,7 +55,7 @@ class Summaries:
         if not view.history_owner:
             return ""
         await self.fold(tenant, cid, view.history_owner[-1], self.model_for(model), keep=False)
-        records = await store.read_side("summaries", cid)
+        records = await store.read_side("summaries", cid, keep=False)
         summary = current_summary(records, await self.cache.load(store, cid, keep=False))
         return summary.text if summary else ""
 
@@ -75,7 +75,7 @@ class Summaries:
         encoding = encoding_name_for(model)
         async with store.lock(cid, self.settings.storage.lock_timeout):
             view = await self.cache.load(store, cid, keep=keep)
-            records = await store.read_side("summaries", cid)
+            records = await store.read_side("summaries", cid, keep=keep)
             summary = current_summary(records, view)
             end = view.history_end.get(target)
             if end is None:

@@ -252,8 +252,10 @@ class Store(ABC):
         hashed user), `digests` (key: hashed user and day)."""
 
     @abstractmethod
-    async def read_side(self, kind: SideLog, key: str) -> list[Record]:
-        """Every record of a side log, oldest first (empty if none)."""
+    async def read_side(self, kind: SideLog, key: str, *, keep: bool = True) -> list[Record]:
+        """Every record of a side log, oldest first (empty if none). A backend may cache what
+        it read; `keep=False` (readers that go over many conversations: the lifecycle pass,
+        lists) uses a cached copy but adds none."""
 
     @abstractmethod
     async def conversation_ids(self) -> list[tuple[str, float]]:

@@ -154,7 +154,7 @@ class MemoryStore(Store):
         else:
             self.side.setdefault((kind, key), []).append(copy.deepcopy(record))
 
-    async def read_side(self, kind: SideLog, key: str) -> list[Record]:
+    async def read_side(self, kind: SideLog, key: str, *, keep: bool = True) -> list[Record]:
         if kind == "summaries":
             return list(self.summaries.get(key, []))
         return list(self.side.get((kind, key), []))

@@ -109,6 +109,6 @@ async def test_jsonl_side_log_cache_is_bounded_by_records(tmp_path: object) -> N
     await store.open()
     for n in range(200):
         for k in range(3):
-            await store.append_side("lifecycle", f"c{n}", {"state": "active", "k": k})
-        await store.read_side("lifecycle", f"c{n}")
+            await store.append_side("summaries", f"c{n}", {"type": "summary", "k": k})
+        await store.read_side("summaries", f"c{n}")
     assert len(store._side) <= 4 * 16 and store._side.weight <= 4 * 16

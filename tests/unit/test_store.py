@@ -774,17 +774,22 @@ async def test_commit_after_an_unseen_append_does_not_corrupt_the_cache(
 
 
 async def test_side_log_cache_is_bounded(durable_store: Store) -> None:
-    """Reading the lifecycle log of every conversation (as the processor's scan does) must not
-    grow the per-process cache with the number of conversations ever seen."""
+    """Reading a side log of every conversation must not grow the per-process cache with the
+    number of conversations ever seen; what scans read (`keep=False`: the processor's pass and
+    the lists read every conversation's lifecycle log) is not added to it at all."""
     store = durable_store
     cache = store._side  # type: ignore[attr-defined]
     cache.limit = limit = 20
     for n in range(limit + 5):
+        await store.append_side("summaries", f"conv-{n}", {"type": "summary", "at": float(n)})
+        assert await store.read_side("summaries", f"conv-{n}") == [{"type": "summary", "at": float(n)}]
         await store.append_side("lifecycle", f"conv-{n}", {"state": "active", "at": float(n)})
-        assert await store.read_side("lifecycle", f"conv-{n}") == [{"state": "active", "at": float(n)}]
+        lifecycle = await store.read_side("lifecycle", f"conv-{n}", keep=False)
+        assert lifecycle == [{"state": "active", "at": float(n)}]
     assert len(cache) == limit
+    assert not any(kind == "lifecycle" for kind, _ in cache)
     # An evicted entry is read again, correctly, from storage.
-    assert await store.read_side("lifecycle", "conv-0") == [{"state": "active", "at": 0.0}]
+    assert await store.read_side("summaries", "conv-0") == [{"type": "summary", "at": 0.0}]
 
 
 @pytest.mark.parametrize("archive", [False, True])

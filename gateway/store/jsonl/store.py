@@ -352,7 +352,7 @@ class JsonlStore(Store):
             raise StorageError(f"could not record {kind}: {exc.strerror or exc}") from exc
         self._side.pop((kind, key), None)
 
-    async def read_side(self, kind: SideLog, key: str) -> list[Record]:
+    async def read_side(self, kind: SideLog, key: str, *, keep: bool = True) -> list[Record]:
         path = self.side_path(kind, key)
         with os_errors(f"read {kind}"):
             try:
@@ -363,7 +363,8 @@ class JsonlStore(Store):
             if cached is not None and cached[0] == size:
                 return cached[1]
             records = self._read_records(path)
-        self._side[(kind, key)] = (size, records)
+        if keep or (kind, key) in self._side:
+            self._side[(kind, key)] = (size, records)
         return records
 
     async def tombstone(self, response_id: str) -> None:

@@ -41,7 +41,7 @@ async def append_side(store: PostgresStore, kind: SideLog, key: str, record: Rec
     store._side.pop((kind, key), None)
 
 
-async def read_side(store: PostgresStore, kind: SideLog, key: str) -> list[Record]:
+async def read_side(store: PostgresStore, kind: SideLog, key: str, *, keep: bool = True) -> list[Record]:
     """Cached per process; each read fetches only rows after the last one seen, and notices
     (by that row being gone) that another replica deleted the log."""
     check_side(kind, key)
@@ -62,7 +62,7 @@ async def read_side(store: PostgresStore, kind: SideLog, key: str) -> list[Recor
     cached.records.extend(r for r in (_decode(row["record"]) for row in fresh) if isinstance(r, dict))
     if fresh:
         cached.last_id = int(fresh[-1]["id"])
-    if cached.last_id:
+    if cached.last_id and (keep or (kind, key) in store._side):
         store._side[(kind, key)] = cached
     else:
         store._side.pop((kind, key), None)

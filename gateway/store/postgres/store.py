@@ -356,9 +356,9 @@ class PostgresStore(Store):
     async def append_side(self, kind: SideLog, key: str, record: Record) -> None:
         await sides.append_side(self, kind, key, record)
 
-    async def read_side(self, kind: SideLog, key: str) -> list[Record]:
+    async def read_side(self, kind: SideLog, key: str, *, keep: bool = True) -> list[Record]:
         """Cached per process; each read fetches only rows after the last one seen."""
-        return await sides.read_side(self, kind, key)
+        return await sides.read_side(self, kind, key, keep=keep)
 
     # -- listing ------------------------------------------------------------------------------------
     async def _index_times(self) -> list[tuple[str, float]]:
