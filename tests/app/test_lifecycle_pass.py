@@ -8,7 +8,7 @@ from pathlib import Path
 from typing import Any
 
 from gateway.context.lifecycle import PROCESSED
-from tests.test_lifecycle import make, say
+from tests.app.test_lifecycle import make, say
 
 
 def count_reads(store: Any) -> dict[str, int]:
