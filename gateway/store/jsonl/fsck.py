@@ -176,6 +176,7 @@ def survey(store: JsonlStore) -> Survey:
             if scanned is not None:
                 out.files += 1
                 lines(path, scanned, None)
+    out.damage.sort(key=lambda d: (d.path, d.line or 0))
     return out
 
 
@@ -281,11 +282,14 @@ def repair_conversation(q: Quarantine, cid: str, files: list[Path]) -> list[Dama
     """Under the conversation's lock: its damaged response files first, then the index lines
     that are unreadable or name a response that is (now) missing, empty or not committed."""
     done: list[Damage] = []
+    index = q.store.index_path(cid)
+    scanned = scan(index, index=True)
+    named = [entry for _, entry in scanned.entries if isinstance(entry, str)] if scanned else []
+    # As found, before a response file is set aside (an empty one is then missing).
+    found = {rid: response_problem(scan(q.store.response_path(rid))) for rid in named}
     for path in files:
         if path.parent != q.store.conversations_dir:
             done += repair_file(q, path)
-    index = q.store.index_path(cid)
-    scanned = scan(index, index=True)
     if scanned is None:
         return done
     drop = dict(scanned.bad)
@@ -295,7 +299,7 @@ def repair_conversation(q: Quarantine, cid: str, files: list[Path]) -> list[Dama
         if isinstance(entry, str):
             problem = response_problem(scan(q.store.response_path(entry)))
             if problem is not None:
-                drop[lineno] = f"{problem} ({entry})"
+                drop[lineno] = f"{found.get(entry) or problem} ({entry})"
     q.store._forget(cid)
     return done + (q.move_lines(index, scanned, drop) if drop else [])
 
