@@ -3,7 +3,7 @@
 Every acknowledged turn (200 with an id, or a stream that reached `[DONE]`) is in its
 conversation's index; the index names only committed responses, each once, with no torn lines;
 and after the last restart every conversation continues with each turn sent upstream exactly once.
-Rounds: CRASH_ROUNDS (default 20; 200 with SOAK=1). Seed: CRASH_SEED (printed on failure).
+Rounds: CRASH_ROUNDS (default 10; 200 with SOAK=1). Seed: CRASH_SEED (printed on failure).
 """
 
 from __future__ import annotations
@@ -30,7 +30,7 @@ from tests.e2e.reliability.conftest import (
 )
 from tests.e2e.reliability.faultserver import FaultRequest, FaultServer, answer
 
-ROUNDS = int(os.environ.get("CRASH_ROUNDS", "200" if SOAK else "20"))
+ROUNDS = int(os.environ.get("CRASH_ROUNDS", "200" if SOAK else "10"))
 CONVERSATIONS = [f"crash-{i}" for i in range(4)]
 CLIENTS = 6
 RESPONSE_ID = re.compile(r"^[A-Za-z0-9._-]+-[0-9a-f]{12}$")
