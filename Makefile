@@ -45,11 +45,14 @@ test-postgres: install-dev
 test-real: install-dev
 	$(PY) -m pytest -q -p no:cacheprovider tests/realmodel
 
-# Every tier: the real-model tier in a second pytest process, side by side with the others.
+# Every tier: the real-model tier (one core, mostly the model) in a pytest process of its own,
+# side by side with the others, which two xdist workers share file by file (a file's
+# module-scoped gateway or cluster is started once). TEST_WORKERS=0 runs them in one process.
+TEST_WORKERS ?= 2
 test: install-dev
 	@tmp=$$(mktemp -d); \
 	$(PY) -m pytest -q -p no:cacheprovider --basetemp="$$tmp/base" tests/realmodel >"$$tmp/real.log" 2>&1 & real=$$!; \
-	$(PY) -m pytest -q -p no:cacheprovider tests/unit tests/app tests/e2e tests/postgres; rest=$$?; \
+	$(PY) -m pytest -q -p no:cacheprovider -n $(TEST_WORKERS) --dist loadfile tests/unit tests/app tests/e2e tests/postgres; rest=$$?; \
 	wait $$real; realrc=$$?; echo "--- tests/realmodel:"; cat "$$tmp/real.log"; rm -rf "$$tmp"; \
 	exit $$(( rest || realrc ))
 
