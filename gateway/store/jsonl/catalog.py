@@ -51,6 +51,26 @@ def _related(conversation_id: str) -> bool:
     return ".fork-" in conversation_id or len(conversation_id) > 100
 
 
+def _decode(line: bytes) -> tuple[str, float | None] | None:
+    """(id, last change, or None: deleted) of a line; None for a line that is not one. A torn
+    line (a writer that died mid-write) has the next writer's line glued to it: that one is kept."""
+    try:
+        record = orjson.loads(line)
+    except orjson.JSONDecodeError:
+        start = line.rfind(b'{"id"')
+        if start <= 0:
+            return None
+        return _decode(line[start:])
+    if not isinstance(record, dict):
+        return None
+    cid, at = record.get("id"), record.get("at")
+    if not isinstance(cid, str) or not is_valid_conversation_id(cid):
+        return None
+    if record.get("gone"):
+        return cid, None
+    return (cid, float(at)) if isinstance(at, int | float) else None
+
+
 class Catalog:
     """One store's catalog, in this process: `at` (id -> last change) and `_keys`, the same as
     (last change, id) pairs sorted, for keyset pages. Safe to use from several threads."""
@@ -127,14 +147,9 @@ class Catalog:
             if not line:
                 continue
             self._lines += 1
-            try:
-                record = orjson.loads(line)
-                cid = record["id"]
-                at = None if record.get("gone") else float(record["at"])
-            except (orjson.JSONDecodeError, KeyError, TypeError, ValueError):
-                continue  # a torn line glued to the next one: the load-time check repairs
-            if isinstance(cid, str) and is_valid_conversation_id(cid):
-                self._set(cid, at)
+            entry = _decode(line)
+            if entry is not None:
+                self._set(*entry)
         return end
 
     def _reset(self) -> None:
@@ -164,16 +179,14 @@ class Catalog:
             if not line:
                 continue
             self._lines += 1
-            try:
-                record = orjson.loads(line)
-                cid = record["id"]
-                if record.get("gone"):
-                    pairs.pop(cid, None)
-                else:
-                    pairs[cid] = float(record["at"])
-            except (orjson.JSONDecodeError, KeyError, TypeError, ValueError):
+            entry = _decode(line)
+            if entry is None:
                 continue
-        self._bulk({c: a for c, a in pairs.items() if isinstance(c, str) and is_valid_conversation_id(c)})
+            if entry[1] is None:
+                pairs.pop(entry[0], None)
+            else:
+                pairs[entry[0]] = entry[1]
+        self._bulk(pairs)
         self._identity, self._offset = (stat.st_dev, stat.st_ino), end
         return True
 
