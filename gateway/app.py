@@ -64,6 +64,7 @@ def create_app(
     @asynccontextmanager
     async def lifespan(app: Starlette) -> AsyncIterator[None]:
         await services.open()
+        await services.warm()
         # Load the default tokenizer in the background: the first request need not pay for it.
         warm = asyncio.get_running_loop().run_in_executor(None, warm_up)
         warm.add_done_callback(lambda f: None if f.cancelled() else f.exception())

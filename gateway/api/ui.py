@@ -42,7 +42,12 @@ async def static(request: Request) -> Response:
 
 async def conversations(request: Request) -> Response:
     _enabled(request)
-    rows = await services_of(request).queries.search(tenant_of(request), request.query_params.get("q", ""))
+    after = request.query_params.get("after") or None
+    if after is not None:
+        check_conversation_id(after, param="after")
+    rows, next_after = await services_of(request).queries.search(
+        tenant_of(request), request.query_params.get("q", ""), after=after
+    )
     out = [
         {
             "id": row.conversation_id,
@@ -58,7 +63,8 @@ async def conversations(request: Request) -> Response:
         }
         for row in rows
     ]
-    return JSONBody({"data": out})
+    # `next`: older conversations remain unread; ask again with `after` set to it.
+    return JSONBody({"data": out, "next": next_after} if next_after else {"data": out})
 
 
 def _turn(records: list[Record], rid: str, index: int) -> JSONObject | None:

@@ -5,6 +5,7 @@ from here. One `Services` per app (or per command), created from the settings.""
 from __future__ import annotations
 
 import asyncio
+import logging
 import time
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
@@ -23,6 +24,8 @@ from gateway.services.summaries import Summaries
 from gateway.services.turns import ChatService
 from gateway.store import Store, StoreRegistry, create_store
 from gateway.upstream import Router
+
+log = logging.getLogger("gateway.services")
 
 __all__ = ["Services", "StoreBackend"]
 
@@ -122,6 +125,14 @@ class Services:
 
     async def open(self) -> None:
         await self.stores.get("")
+
+    async def warm(self) -> None:
+        """Before serving: load what the first list needs (the JSONL catalog), so the first
+        request does not pay for it. A failure is left for that request to report."""
+        try:
+            await (await self.stores.get("")).warm()
+        except GatewayError as exc:
+            log.warning("could not load the conversation catalog: %s", exc.message)
 
     async def aclose(self) -> None:
         await self.router.aclose()

@@ -19,6 +19,9 @@ from gateway.types import Record
 
 log = logging.getLogger("gateway.services")
 
+# The most conversations one search request reads (the inspector then offers to go on).
+SEARCH_SCAN = 500
+
 
 @dataclass(frozen=True, slots=True)
 class ConversationSummary:
@@ -54,6 +57,12 @@ def text_of(message: Mapping[str, object]) -> str:
     return content if isinstance(content, str) else ""
 
 
+def _matches(row: ConversationRow, query: str) -> bool:
+    if query in row.conversation_id.lower() or query in (row.view.user or "").lower():
+        return True
+    return any(query in text_of(m).lower() for m in row.view.transcript)
+
+
 class Queries:
     def __init__(self, stores: StoreRegistry, cache: ConversationCache) -> None:
         self.stores = stores
@@ -70,46 +79,47 @@ class Queries:
         state = derive_state(await store.read_side("lifecycle", cid, keep=False), view.last_activity)
         return ConversationRow(ConversationSummary.of(cid, view, changed), view, state)
 
+    async def _rows(self, store: Store, page: list[tuple[str, float]]) -> list[ConversationRow | None]:
+        return list(await asyncio.gather(*(self._row(store, cid, changed) for cid, changed in page)))
+
     async def conversations(
         self, tenant: str, *, limit: int, after: str | None = None
     ) -> tuple[list[ConversationRow], bool]:
-        """Most recently active first; (a page of rows, whether more follow)."""
+        """Most recently active first; (a page of rows, whether more follow). A page costs its
+        own rows: the store hands out the page's ids (its catalog, or one keyset query)."""
         store = await self.stores.get(tenant)
-        ids = await store.conversation_ids()
-        if after:
-            names = [cid for cid, _ in ids]
-            if after not in names:
-                raise NotFound(f"No conversation {after!r} in this list", param="after")
-            ids = ids[names.index(after) + 1 :]
         rows: list[ConversationRow] = []
-        consumed = 0
-        for cid, changed in ids:
-            if len(rows) == limit:
-                break
-            consumed += 1
-            row = await self._row(store, cid, changed)
-            if row is not None:
-                rows.append(row)
-        return rows, consumed < len(ids)
+        while True:
+            page, more = await store.list_conversations(limit - len(rows), after)
+            rows += [row for row in await self._rows(store, page) if row is not None]
+            if len(rows) == limit or not more or not page:
+                return rows, more
+            after = page[-1][0]  # some could not be read: fill the page from the next ones
 
-    async def search(self, tenant: str, query: str, *, limit: int = 200) -> list[ConversationRow]:
-        """Conversations whose id, user or text contains `query` (case-insensitive)."""
+    async def search(
+        self, tenant: str, query: str, *, limit: int = 200, after: str | None = None, scan: int = SEARCH_SCAN
+    ) -> tuple[list[ConversationRow], str | None]:
+        """Conversations whose id, user or text contains `query` (case-insensitive), most
+        recently active first, looking at no more than `scan` conversations (after conversation
+        `after`); (the matches, the last conversation looked at when older ones remain: where
+        the next search goes on, else None). An empty query lists the first `limit`."""
         store = await self.stores.get(tenant)
         query = query.strip().lower()
-        out = []
-        for cid, changed in await store.conversation_ids():
-            row = await self._row(store, cid, changed)
-            if row is None:
-                continue
-            if query:
-                haystack = [cid.lower(), (row.view.user or "").lower()]
-                haystack += [text_of(m).lower() for m in row.view.transcript]
-                if not any(query in h for h in haystack):
-                    continue
-            out.append(row)
-            if len(out) >= limit:
-                break
-        return out
+        out: list[ConversationRow] = []
+        looked = 0
+        while looked < scan:
+            size = min(100 if query else limit - len(out), scan - looked)
+            page, more = await store.list_conversations(size, after)
+            for (cid, _), row in zip(page, await self._rows(store, page), strict=True):
+                looked += 1
+                after = cid
+                if row is not None and (not query or _matches(row, query)):
+                    out.append(row)
+                    if len(out) == limit:
+                        return out, after if more or cid != page[-1][0] else None
+            if not more or not page:
+                return out, None
+        return out, after
 
     async def view(self, tenant: str, cid: str) -> ConversationView:
         return await self.cache.load(await self.stores.get(tenant), cid)

@@ -261,3 +261,21 @@ class Store(ABC):
     async def conversation_ids(self) -> list[tuple[str, float]]:
         """(conversation id, last change time) of every conversation, most recent first;
         cheap (no record is parsed)."""
+
+    async def list_conversations(
+        self, limit: int, after: str | None = None
+    ) -> tuple[list[tuple[str, float]], bool]:
+        """A page of `conversation_ids`: at most `limit` (id, last change time), most recent
+        first (ties: greater id first), after conversation `after` (NotFound when there is no
+        such conversation); and whether more follow. Backends answer in O(page)."""
+        ids = sorted(await self.conversation_ids(), key=lambda p: (p[1], p[0]), reverse=True)
+        start = 0
+        if after is not None:
+            names = [cid for cid, _ in ids]
+            if after not in names:
+                raise NotFound(f"No conversation {after!r} in this list", param="after")
+            start = names.index(after) + 1
+        return ids[start : start + limit], len(ids) > start + limit
+
+    async def warm(self) -> None:  # noqa: B027 - optional hook
+        """Load what listing needs before the first request (a server calls it at start)."""

@@ -77,7 +77,8 @@ def data_files(root: Path) -> dict[str, bytes]:
     return {
         str(p.relative_to(root)): p.read_bytes()
         for p in sorted(root.rglob("*"))
-        if p.is_file() and "locks" not in p.relative_to(root).parts
+        # Locks and the conversation catalog are derived state, not data: never exported.
+        if p.is_file() and not {"locks", "catalog"} & set(p.relative_to(root).parts)
     }
 
 

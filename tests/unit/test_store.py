@@ -368,6 +368,39 @@ async def test_list_conversations_most_recent_first(store: Store) -> None:
     assert listed[0].last_activity >= listed[1].last_activity >= listed[2].last_activity
 
 
+async def test_list_pages_newest_first_with_a_cursor(store: Store, second: Store) -> None:
+    """`list_conversations`: keyset pages, newest change first, `after` a conversation id; what
+    one instance (process, replica) writes, another lists."""
+    assert await store.list_conversations(5) == ([], False)
+    for cid in ("c1", "c2", "c3", "c4", "c5"):
+        await commit_turn(store, cid, "hi")
+        await asyncio.sleep(0.002)
+    await commit_turn(store, "c2", "again")  # a change moves it to the front
+    page, more = await second.list_conversations(2)
+    assert [cid for cid, _ in page] == ["c2", "c5"] and more
+    assert page[0][1] >= page[1][1]
+    page, more = await second.list_conversations(2, after="c5")
+    assert [cid for cid, _ in page] == ["c4", "c3"] and more
+    page, more = await second.list_conversations(2, after="c3")
+    assert [cid for cid, _ in page] == ["c1"] and not more
+    assert await second.list_conversations(2, after="c1") == ([], False)
+    with pytest.raises(NotFound):
+        await second.list_conversations(2, after="no-such-conversation")
+    await store.delete_conversation("c5")
+    await store.fork("c4", "c4.fork-0123456789ab", (await store.read_index("c4"))[0])  # type: ignore[arg-type]
+    page, more = await second.list_conversations(10)
+    assert [cid for cid, _ in page] == ["c4.fork-0123456789ab", "c2", "c4", "c3", "c1"] and not more
+    assert [cid for cid, _ in await second.conversation_ids()] == [cid for cid, _ in page]
+
+
+async def test_exists_follows_creation_and_deletion(store: Store, second: Store) -> None:
+    assert not await store.exists("maybe")
+    await store.append_marker("maybe", {"type": "conversation", "created_at": 1, "metadata": {}})
+    assert await second.exists("maybe")
+    await store.delete_conversation("maybe")
+    assert not await second.exists("maybe")
+
+
 async def test_lock_serializes_second_acquirer_waits(store: Store) -> None:
     events: list[str] = []
 
@@ -846,6 +879,8 @@ JSONL_OPERATIONS = {
     "append_side": lambda s, rid: s.append_side("lifecycle", "conv", {"state": "active"}),
     "read_side": lambda s, rid: s.read_side("summaries", "conv"),
     "conversation_ids": lambda s, rid: s.conversation_ids(),
+    "list_conversations": lambda s, rid: s.list_conversations(20),
+    "exists": lambda s, rid: s.exists("conv"),
 }
 BROKEN_FOLDERS = {
     "responses": ("logs", "responses"),

@@ -1,6 +1,7 @@
-"""Deleting (or archiving) a conversation and branching one at an earlier response. A fork
-(`{source[:100]}.fork-{hex}`) shares its prefix's response files with its source instead of
-copying them, so deletion keeps the files another conversation of the family still names."""
+"""Deleting (or archiving) a conversation, tombstoning a response, and branching a conversation
+at an earlier response. A fork (`{source[:100]}.fork-{hex}`) shares its prefix's response files
+with its source instead of copying them, so deletion keeps the files another conversation of the
+family still names (found in the catalog, not by scanning the folder)."""
 
 from __future__ import annotations
 
@@ -9,9 +10,11 @@ import os
 import shutil
 from typing import TYPE_CHECKING
 
+import orjson
+
 from gateway.exceptions import CorruptRecord, InvalidRequest, NotFound, StorageError
 from gateway.store.base import now
-from gateway.store.jsonl.files import fsync_dir, parse_index, write_all
+from gateway.store.jsonl.files import append_file, fsync_dir, parse_index, write_all
 
 if TYPE_CHECKING:
     from gateway.store.jsonl.store import JsonlStore
@@ -61,6 +64,7 @@ async def delete_conversation(store: JsonlStore, conversation_id: str, *, archiv
                     pass
         if store.fsync:
             store._sync(fsync_dir, store.conversations_dir)
+        store.catalog.removed(conversation_id)
         return True
 
     try:
@@ -72,20 +76,11 @@ async def delete_conversation(store: JsonlStore, conversation_id: str, *, archiv
 def named_by_relatives(store: JsonlStore, conversation_id: str) -> set[str]:
     """Response ids that other conversations of the same fork family name. A fork
     (`{source[:100]}.fork-{hex}`, made by the Responses API) shares its prefix's response
-    files with its source and its siblings instead of copying them."""
-    root = conversation_id.split(".fork-", 1)[0][:100]
-    candidates = {root} if root != conversation_id else set()
-    try:
-        with os.scandir(store.conversations_dir) as entries:
-            for entry in entries:
-                name = entry.name[:-6] if entry.name.endswith(".jsonl") else ""
-                related = ".fork-" in name or len(name) > 100  # a source cut to 100 in its forks' ids
-                if name.startswith(root) and related and name != conversation_id:
-                    candidates.add(name)
-    except FileNotFoundError:
-        return set()
+    files with its source and its siblings instead of copying them. The family comes from the
+    catalog (no scan of the conversations folder)."""
+    store.catalog.refresh()
     named: set[str] = set()
-    for other in candidates:
+    for other in store.catalog.family(conversation_id):
         try:
             listed, _ = parse_index(store.index_path(other).read_bytes())
         except (FileNotFoundError, CorruptRecord):
@@ -115,6 +110,7 @@ async def fork(store: JsonlStore, source: str, target: str, through: str) -> Non
             os.close(fd)
         if store.fsync:
             store._sync(fsync_dir, store.conversations_dir)
+        store.catalog.changed(target, now())
 
     try:
         await asyncio.to_thread(copy_prefix)
@@ -125,3 +121,15 @@ async def fork(store: JsonlStore, source: str, target: str, through: str) -> Non
     except OSError as exc:
         raise StorageError(f"could not branch the conversation: {exc.strerror or exc}") from exc
     store._forget(target)
+
+
+async def tombstone(store: JsonlStore, response_id: str) -> None:
+    """Mark a response deleted: a final `deleted` record appended to its file."""
+    path = store.response_path(response_id)
+    line = orjson.dumps({"type": "deleted", "at": now()}) + b"\n"
+    try:
+        await asyncio.to_thread(lambda: append_file(path, line, sync=store._appender(), create=False))
+    except FileNotFoundError:
+        raise NotFound(f"No response {response_id!r}", param="response_id") from None
+    except OSError as exc:
+        raise StorageError(f"could not delete the response: {exc.strerror or exc}") from exc

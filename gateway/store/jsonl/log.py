@@ -120,6 +120,7 @@ class JsonlLog(ResponseLog):
             if before == 0 and store.fsync:
                 store._sync(fsync_dir, store.conversations_dir)
             store._sizes[conversation_id] = before + len(line)
+            store.catalog.changed(conversation_id, now())
             return Appended(Version(generation, before), Version(generation, before + len(line)))
         except OSError as exc:
             reason = exc.strerror or str(exc)

@@ -3,7 +3,8 @@
     {data_dir}/logs/responses/{response_id}.jsonl      request, context, response, commit
     {data_dir}/logs/conversations/{conversation_id}.jsonl  one response id per line
     {data_dir}/logs/summaries/{conversation_id}.jsonl  rolling summary versions (append-only)
-    {data_dir}/locks/{conversation_id}.lock           flock() per conversation, across worker processes
+    {data_dir}/locks/conversations.lock               byte-range locks per conversation, across processes
+    {data_dir}/catalog/conversations.jsonl            each conversation's last change (see catalog.py)
 
 A response file is written and fsync'd before its id is appended to the index (then the index
 is fsync'd), so the index never names an incomplete response. A reader gets the entries after a
@@ -25,7 +26,7 @@ from typing import Any
 import orjson
 
 from gateway.exceptions import ConversationBusy, NotFound, StorageError
-from gateway.ids import check_conversation_id, is_valid_conversation_id, is_valid_response_id
+from gateway.ids import check_conversation_id, is_valid_response_id
 from gateway.store.base import (
     LRU,
     SIDE_LOGS,
@@ -40,6 +41,7 @@ from gateway.store.base import (
     now,
 )
 from gateway.store.jsonl import branches, fsck
+from gateway.store.jsonl.catalog import Catalog
 from gateway.store.jsonl.files import (
     CONTEXT_PREFIX,
     append_file,
@@ -87,6 +89,7 @@ class JsonlStore(Store):
         self.cache_size = cache_size
         # Index sizes last seen: only to know whether an index file exists yet (no views here).
         self._sizes: LRU[str, int] = LRU(cache_size)
+        self.catalog = Catalog(self)
         self._lock_fd = -1  # locks/conversations.lock, for this store's byte-range locks
         self._locks: weakref.WeakValueDictionary[str, asyncio.Lock] = weakref.WeakValueDictionary()
         # Set by the first failed fsync: the kernel may have dropped the dirty pages, and a
@@ -313,6 +316,7 @@ class JsonlStore(Store):
                 self._sync(fsync_dir, self.conversations_dir)
             after = stat.st_size + len(line)
             self._sizes[conversation_id] = after
+            self.catalog.changed(conversation_id, now())
             return Appended(Version(generation, stat.st_size), Version(generation, after))
 
         try:
@@ -368,30 +372,28 @@ class JsonlStore(Store):
         return records
 
     async def tombstone(self, response_id: str) -> None:
-        path = self.response_path(response_id)
-        line = orjson.dumps({"type": "deleted", "at": now()}) + b"\n"
+        await branches.tombstone(self, response_id)
 
-        try:
-            await asyncio.to_thread(lambda: append_file(path, line, sync=self._appender(), create=False))
-        except FileNotFoundError:
-            raise NotFound(f"No response {response_id!r}", param="response_id") from None
-        except OSError as exc:
-            raise StorageError(f"could not delete the response: {exc.strerror or exc}") from exc
+    async def exists(self, conversation_id: str) -> bool:
+        path = self.index_path(conversation_id)
+        with os_errors("read the conversation"):
+            return os.path.exists(path)
 
-    def _index_times(self) -> list[tuple[str, float]]:
-        out = []
-        if self.conversations_dir.is_dir():
-            with os.scandir(self.conversations_dir) as entries:
-                for entry in entries:
-                    name = entry.name
-                    if name.endswith(".jsonl") and is_valid_conversation_id(name[:-6]):
-                        try:
-                            out.append((name[:-6], entry.stat().st_mtime))
-                        except FileNotFoundError:
-                            continue
-        return out
+    async def warm(self) -> None:
+        with os_errors("list the conversations"):
+            await asyncio.to_thread(self.catalog.refresh)
+
+    async def list_conversations(
+        self, limit: int, after: str | None = None
+    ) -> tuple[list[tuple[str, float]], bool]:
+        if after is not None:
+            check_conversation_id(after, param="after")
+        with os_errors("list the conversations"):
+            page = await asyncio.to_thread(self.catalog.checked_page, limit, after)
+        if page is None:
+            raise NotFound(f"No conversation {after!r} in this list", param="after")
+        return page
 
     async def conversation_ids(self) -> list[tuple[str, float]]:
         with os_errors("list the conversations"):
-            times = await asyncio.to_thread(self._index_times)
-        return sorted(times, key=lambda pair: pair[1], reverse=True)
+            return await asyncio.to_thread(self.catalog.everything)

@@ -91,6 +91,15 @@ MIGRATIONS: list[tuple[int, str]] = [
             WHERE response_id IS NOT NULL;
         """,
     ),
+    (
+        3,
+        # Listing pages by (last change, id), newest first: one index range scan per page.
+        """
+        CREATE INDEX gateway_conversations_page
+            ON gateway_conversations (namespace, updated_at, conversation_id);
+        DROP INDEX gateway_conversations_recent;
+        """,
+    ),
 ]
 SCHEMA_VERSION = MIGRATIONS[-1][0]
 
@@ -206,6 +215,13 @@ LEFT JOIN gateway_responses r
 WHERE c.namespace = $1 AND c.conversation_id = $2
 ORDER BY i.seq, r.seq
 """
+_PAGE = """
+SELECT conversation_id, updated_at FROM gateway_conversations
+WHERE namespace = $1 {after}
+ORDER BY updated_at DESC, conversation_id DESC LIMIT $2
+"""
+_FIRST_PAGE = _PAGE.format(after="")
+_NEXT_PAGE = _PAGE.format(after="AND (updated_at, conversation_id) < ($3, $4)")
 _ARCHIVE = f"""
 INSERT INTO gateway_archive (namespace, archive_id, path, content, archived_at)
 SELECT $1::text, $3::text, 'conversation.jsonl',

@@ -1,6 +1,6 @@
 """Side logs in PostgreSQL (`gateway_side`): summaries, lifecycle, users, digests, models. A
 read is cached per process and fetches only the rows after the last one seen; it notices (by
-that row being gone) that another replica deleted the log."""
+that row being gone) that another replica deleted the log. And pages of the conversation list."""
 
 from __future__ import annotations
 
@@ -8,10 +8,11 @@ from typing import TYPE_CHECKING
 
 import orjson
 
-from gateway.ids import check_conversation_id
+from gateway.exceptions import NotFound
+from gateway.ids import check_conversation_id, is_valid_conversation_id
 from gateway.store.base import SIDE_LOGS, SideLog
 from gateway.store.postgres.log import _SideCache
-from gateway.store.postgres.schema import Conn, _decode
+from gateway.store.postgres.schema import _FIRST_PAGE, _NEXT_PAGE, Conn, _decode
 from gateway.types import Record
 
 if TYPE_CHECKING:
@@ -67,3 +68,25 @@ async def read_side(store: PostgresStore, kind: SideLog, key: str, *, keep: bool
     else:
         store._side.pop((kind, key), None)
     return list(cached.records)
+
+
+async def page(store: PostgresStore, limit: int, after: str | None) -> tuple[list[tuple[str, float]], bool]:
+    """One keyset query on (updated_at, conversation_id), newest first (index
+    `gateway_conversations_page`); a second, small one to find `after`."""
+    action = "could not list conversations"
+    if after is None:
+        rows = await store._fetch(action, _FIRST_PAGE, store.namespace, limit + 1)
+    else:
+        check_conversation_id(after, param="after")
+        found = await store._fetch(
+            action,
+            "SELECT updated_at FROM gateway_conversations WHERE namespace = $1 AND conversation_id = $2",
+            store.namespace,
+            after,
+        )
+        if not found:
+            raise NotFound(f"No conversation {after!r} in this list", param="after")
+        at = found[0]["updated_at"]
+        rows = await store._fetch(action, _NEXT_PAGE, store.namespace, limit + 1, at, after)
+    listed = [(str(row["conversation_id"]), float(row["updated_at"])) for row in rows]
+    return [p for p in listed[:limit] if is_valid_conversation_id(p[0])], len(listed) > limit

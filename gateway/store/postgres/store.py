@@ -373,6 +373,11 @@ class PostgresStore(Store):
         times = [(c, t) for c, t in await self._index_times() if is_valid_conversation_id(c)]
         return sorted(times, key=lambda t: t[1], reverse=True)
 
+    async def list_conversations(
+        self, limit: int, after: str | None = None
+    ) -> tuple[list[tuple[str, float]], bool]:
+        return await sides.page(self, limit, after)
+
     async def namespaces(self) -> list[str]:
         """Every tenant with conversations or side logs in this database ("" included)."""
         rows = await self._fetch(

@@ -43,21 +43,34 @@ function bubble(message, extra = "") {
 }
 
 // -- list -----------------------------------------------------------------------------------
-async function showList() {
+// One request reads a bounded number of conversations (newest first); "older" goes on from `next`.
+let listed = { rows: [], next: null };
+
+async function showList(more = false) {
   stopPolling();
   $("#conversation-view").hidden = true;
   $("#list-view").hidden = false;
   const q = $("#search").value.trim();
+  const params = new URLSearchParams();
+  if (q) params.set("q", q);
+  if (more && listed.next) params.set("after", listed.next);
   try {
-    const { data } = await api("/ui/api/conversations" + (q ? "?q=" + encodeURIComponent(q) : ""));
+    const { data, next } = await api("/ui/api/conversations" + (params.size ? "?" + params : ""));
+    listed = { rows: more ? listed.rows.concat(data) : data, next: next || null };
     const body = $("#conversation-list tbody");
-    body.replaceChildren(...data.map(c => el("tr", { class: "conv-row", "data-id": c.id, onclick: () => { location.hash = "#/c/" + encodeURIComponent(c.id); } },
+    body.replaceChildren(...listed.rows.map(c => el("tr", { class: "conv-row", "data-id": c.id, onclick: () => { location.hash = "#/c/" + encodeURIComponent(c.id); } },
       el("td", {}, el("a", { href: "#/c/" + encodeURIComponent(c.id), text: c.id })),
       el("td", { text: c.user || "–" }), el("td", { text: c.turns }), el("td", { text: c.messages }),
       el("td", { text: c.tokens }), el("td", { text: when(c.last_activity) }),
       el("td", {}, el("span", { class: "state " + c.state, text: c.state })),
       el("td", { class: "preview", text: c.preview }))));
-    $("#list-count").textContent = `${data.length} conversation${data.length === 1 ? "" : "s"}`;
+    const n = listed.rows.length;
+    const count = $("#list-count");
+    count.replaceChildren(`${n} conversation${n === 1 ? "" : "s"}`);
+    if (listed.next) {
+      count.append(" · ", el("a", { href: "#", id: "list-more", text: q ? "search older conversations" : "older",
+        onclick: (e) => { e.preventDefault(); showList(true); } }));
+    }
     status("");
   } catch (e) { status(e.message); }
 }

@@ -1,0 +1,322 @@
+"""The conversation catalog of a JSONL data dir: which conversations exist and when each last
+changed, so that a page of the list, a fork family or an existence check costs what it returns,
+not a scan of `logs/conversations/`.
+
+    {data_dir}/catalog/conversations.jsonl   {"id": ..., "at": ...} or {"id": ..., "gone": true}
+
+One line is appended per change to an index (a commit, a marker, a fork) and per deletion, by
+whichever process made it; every process reads the file once and then only what was appended
+since (one `stat` per listing), into a list sorted by last change. The catalog is derived data:
+it is never fsync'd on a turn's path, and it is rebuilt from the conversations folder when it is
+missing (data dirs older than it), when a process finds it out of step with the folder at load
+(a line lost in a power cut, files copied in or removed by hand), or when it has grown to many
+times the number of conversations (compaction). Appends take `locks/catalog.lock` shared, a
+rebuild takes it exclusively (and replaces the file by a rename), so no append is lost to one.
+A torn line is skipped (the folder check at the next load puts right what it named).
+"""
+
+from __future__ import annotations
+
+import fcntl
+import logging
+import os
+import threading
+from bisect import bisect_left, insort
+from collections.abc import Iterator
+from contextlib import contextmanager
+from typing import TYPE_CHECKING
+
+import orjson
+
+from gateway.ids import is_valid_conversation_id
+
+if TYPE_CHECKING:
+    from gateway.store.jsonl.store import JsonlStore
+
+log = logging.getLogger("gateway.store")
+
+# Compact when the file holds more than this many lines per conversation (plus a floor).
+_COMPACT_RATIO = 4
+_COMPACT_FLOOR = 4096
+
+
+def family_root(conversation_id: str) -> str:
+    """The conversation a fork family grew from, as fork ids name it (`{source[:100]}.fork-…`)."""
+    return conversation_id.split(".fork-", 1)[0][:100]
+
+
+def _related(conversation_id: str) -> bool:
+    """Could it share response files with another conversation (a fork, or a source cut to 100
+    characters in its forks' ids)?"""
+    return ".fork-" in conversation_id or len(conversation_id) > 100
+
+
+def _decode(line: bytes) -> tuple[str, float | None] | None:
+    """(id, last change, or None: deleted) of a line; None for a line that is not one. A torn
+    line (a writer that died mid-write) has the next writer's line glued to it: that one is kept."""
+    try:
+        record = orjson.loads(line)
+    except orjson.JSONDecodeError:
+        start = line.rfind(b'{"id"')
+        if start <= 0:
+            return None
+        return _decode(line[start:])
+    if not isinstance(record, dict):
+        return None
+    cid, at = record.get("id"), record.get("at")
+    if not isinstance(cid, str) or not is_valid_conversation_id(cid):
+        return None
+    if record.get("gone"):
+        return cid, None
+    return (cid, float(at)) if isinstance(at, int | float) else None
+
+
+class Catalog:
+    """One store's catalog, in this process: `at` (id -> last change) and `_keys`, the same as
+    (last change, id) pairs sorted, for keyset pages. Safe to use from several threads."""
+
+    def __init__(self, store: JsonlStore) -> None:
+        self.store = store
+        self.path = store.root / "catalog" / "conversations.jsonl"
+        self.lock_path = store.locks_dir / "catalog.lock"
+        self.at: dict[str, float] = {}
+        self._keys: list[tuple[float, str]] = []
+        self._families: dict[str, set[str]] = {}
+        self._identity: tuple[int, int] | None = None  # (device, inode) of the file read
+        self._offset = 0
+        self._lines = 0
+        self.loaded = False
+        self._mutex = threading.RLock()
+
+    # -- writing ----------------------------------------------------------------------------------
+    @contextmanager
+    def _flock(self, kind: int) -> Iterator[None]:
+        fd = os.open(self.lock_path, os.O_RDWR | os.O_CREAT, 0o644)
+        try:
+            fcntl.flock(fd, kind)
+            yield
+        finally:
+            os.close(fd)  # releases the flock
+
+    def _append(self, record: dict[str, object]) -> None:
+        """Append one line; nothing when there is no catalog yet (the first load builds it from
+        the folder). A failure is logged, never raised: the turn it follows is already durable."""
+        line = orjson.dumps(record) + b"\n"
+        try:
+            with self._flock(fcntl.LOCK_SH):
+                try:
+                    fd = os.open(self.path, os.O_WRONLY | os.O_APPEND)
+                except FileNotFoundError:
+                    return
+                try:
+                    os.write(fd, line)
+                finally:
+                    os.close(fd)
+        except OSError as exc:
+            log.warning("could not add to the conversation catalog (rebuilt at next start): %s", exc)
+
+    def changed(self, conversation_id: str, at: float) -> None:
+        self._append({"id": conversation_id, "at": at})
+
+    def removed(self, conversation_id: str) -> None:
+        self._append({"id": conversation_id, "gone": True})
+
+    # -- the in-memory index --------------------------------------------------------------------
+    def _set(self, cid: str, at: float | None) -> None:
+        old = self.at.pop(cid, None)
+        if old is not None:
+            i = bisect_left(self._keys, (old, cid))
+            if i < len(self._keys) and self._keys[i] == (old, cid):
+                del self._keys[i]
+        if at is None:
+            if _related(cid):
+                self._families.get(family_root(cid), set()).discard(cid)
+            return
+        self.at[cid] = at
+        if not self._keys or (at, cid) > self._keys[-1]:
+            self._keys.append((at, cid))  # the common case: the newest change
+        else:
+            insort(self._keys, (at, cid))
+        if _related(cid):
+            self._families.setdefault(family_root(cid), set()).add(cid)
+
+    def _apply(self, data: bytes) -> int:
+        """Apply complete lines; the bytes consumed (a torn last line is left for later)."""
+        end = data.rfind(b"\n") + 1
+        for line in data[:end].split(b"\n"):
+            if not line:
+                continue
+            self._lines += 1
+            entry = _decode(line)
+            if entry is not None:
+                self._set(*entry)
+        return end
+
+    def _reset(self) -> None:
+        self.at, self._keys, self._families = {}, [], {}
+        self._identity, self._offset, self._lines = None, 0, 0
+
+    def _bulk(self, pairs: dict[str, float]) -> None:
+        self.at = dict(pairs)
+        self._keys = sorted((at, cid) for cid, at in pairs.items())
+        self._families = {}
+        for cid in pairs:
+            if _related(cid):
+                self._families.setdefault(family_root(cid), set()).add(cid)
+
+    def _read_file(self) -> bool:
+        """Read the whole file into memory; False when there is none."""
+        self._reset()
+        try:
+            with open(self.path, "rb") as f:
+                stat = os.fstat(f.fileno())
+                data = f.read()
+        except FileNotFoundError:
+            return False
+        pairs: dict[str, float] = {}
+        end = data.rfind(b"\n") + 1
+        for line in data[:end].split(b"\n"):
+            if not line:
+                continue
+            self._lines += 1
+            entry = _decode(line)
+            if entry is None:
+                continue
+            if entry[1] is None:
+                pairs.pop(entry[0], None)
+            else:
+                pairs[entry[0]] = entry[1]
+        self._bulk(pairs)
+        self._identity, self._offset = (stat.st_dev, stat.st_ino), end
+        return True
+
+    def _on_disk(self) -> set[str]:
+        names = set()
+        try:
+            with os.scandir(self.store.conversations_dir) as entries:
+                for entry in entries:
+                    name = entry.name
+                    if name.endswith(".jsonl") and is_valid_conversation_id(name[:-6]):
+                        names.add(name[:-6])
+        except FileNotFoundError:
+            pass
+        return names
+
+    def _mtime(self, cid: str) -> float | None:
+        try:
+            return os.stat(self.store.conversations_dir / f"{cid}.jsonl").st_mtime
+        except FileNotFoundError:
+            return None
+
+    def _rebuild(self) -> None:
+        """Write the catalog anew, one line per conversation, oldest change first: what this
+        process knows, checked against the folder (under the exclusive lock, so no append is
+        lost and no conversation created meanwhile is missed)."""
+        self.store.locks_dir.mkdir(parents=True, exist_ok=True)
+        with self._flock(fcntl.LOCK_EX):
+            if not self._read_file():
+                self._reset()
+            names = self._on_disk()
+            pairs = {cid: at for cid, at in self.at.items() if cid in names}
+            for cid in names - pairs.keys():
+                mtime = self._mtime(cid)
+                if mtime is not None:
+                    pairs[cid] = mtime
+            self._bulk(pairs)
+            if not pairs and not self.path.exists():
+                return  # an empty data dir stays as it was
+            self.path.parent.mkdir(parents=True, exist_ok=True)
+            temp = self.path.with_name(f".{self.path.name}.{os.getpid()}.tmp")
+            data = b"".join(orjson.dumps({"id": cid, "at": at}) + b"\n" for at, cid in self._keys)
+            with open(temp, "wb") as f:
+                f.write(data)
+            os.replace(temp, self.path)
+            stat = os.stat(self.path)
+            self._identity, self._offset, self._lines = (stat.st_dev, stat.st_ino), len(data), len(pairs)
+        log.info("rebuilt the conversation catalog of %s (%d conversations)", self.store.root, len(pairs))
+
+    def _load(self) -> None:
+        if self._read_file():
+            on_disk = self._on_disk()
+            if on_disk.symmetric_difference(self.at.keys()):
+                self._rebuild()  # out of step with the folder (see the module's docstring)
+            elif self._lines > _COMPACT_RATIO * len(self.at) + _COMPACT_FLOOR:
+                self._rebuild()
+        elif self._on_disk():
+            self._rebuild()  # a data dir older than the catalog
+        self.loaded = True
+
+    def refresh(self) -> None:
+        """Bring this process's copy up to date: load it once, then read what was appended since
+        (a new file, after another process rebuilt it, is read whole)."""
+        with self._mutex:
+            if not self.loaded:
+                self._load()
+                return
+            try:
+                stat = os.stat(self.path)
+            except FileNotFoundError:
+                if self.at or self._on_disk():
+                    self._rebuild()  # removed by hand (or never written): from the folder
+                return
+            if (stat.st_dev, stat.st_ino) != self._identity or stat.st_size < self._offset:
+                self.loaded = False
+                self._load()
+                return
+            if stat.st_size == self._offset:
+                return
+            with open(self.path, "rb") as f:
+                f.seek(self._offset)
+                data = f.read()
+            self._offset += self._apply(data)
+
+    # -- questions (`page`, `family`: call `refresh` first) ------------------------------------
+    def page(self, limit: int, after: str | None) -> tuple[list[tuple[str, float]], bool] | None:
+        """Up to `limit` (id, last change), most recent first, after conversation `after`; and
+        whether more follow. None when `after` is not in the catalog."""
+        with self._mutex:
+            end = len(self._keys)
+            if after is not None:
+                at = self.at.get(after)
+                if at is None:
+                    return None
+                end = bisect_left(self._keys, (at, after))
+            start = max(0, end - limit)
+            return [(cid, at) for at, cid in reversed(self._keys[start:end])], start > 0
+
+    def forget(self, cid: str) -> None:
+        """An index found gone by a reader: out of this process's copy (the file is left alone:
+        readers never write)."""
+        with self._mutex:
+            self._set(cid, None)
+
+    def family(self, cid: str) -> set[str]:
+        """The other conversations that may share response files with `cid` (its fork family)."""
+        with self._mutex:
+            root = family_root(cid)
+            out = set(self._families.get(root, ()))
+            if root != cid and root in self.at:
+                out.add(root)
+            out.discard(cid)
+            return out
+
+    def checked_page(self, limit: int, after: str | None) -> tuple[list[tuple[str, float]], bool] | None:
+        """`page`, up to date, each id checked against the folder (one stat each): an index
+        removed behind the catalog's back is left out."""
+        self.refresh()
+        while True:
+            page = self.page(limit, after)
+            if page is None:
+                return None
+            folder = self.store.conversations_dir
+            gone = [cid for cid, _ in page[0] if not os.path.exists(folder / f"{cid}.jsonl")]
+            if not gone:
+                return page
+            for cid in gone:
+                self.forget(cid)
+
+    def everything(self) -> list[tuple[str, float]]:
+        """Every conversation, most recent first, up to date."""
+        self.refresh()
+        with self._mutex:
+            return [(cid, at) for at, cid in reversed(self._keys)]
