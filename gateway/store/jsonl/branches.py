@@ -14,6 +14,7 @@ import orjson
 
 from gateway.exceptions import CorruptRecord, InvalidRequest, NotFound, StorageError
 from gateway.store.base import now
+from gateway.store.jsonl import recovery
 from gateway.store.jsonl.files import append_file, fsync_dir, parse_index, write_all
 
 if TYPE_CHECKING:
@@ -35,6 +36,8 @@ async def delete_conversation(store: JsonlStore, conversation_id: str, *, archiv
         except FileNotFoundError:
             return False
         entries, _ = parse_index(data, path=store.shown(index))
+        if store.fsync:
+            recovery.forget(store, conversation_id)
         shared = named_by_relatives(store, conversation_id)
         ids = [e for e in entries if isinstance(e, str)]
         owned = [rid for rid in ids if rid not in shared]

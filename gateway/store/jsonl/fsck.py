@@ -305,6 +305,7 @@ def repair_conversation(q: Quarantine, cid: str, files: list[Path]) -> list[Dama
 
 
 async def check(store: JsonlStore, *, repair: bool, lock_timeout: float) -> list[Damage]:
+    await store.recover()  # what a stopped process left in its journal first
     found = await asyncio.to_thread(survey, store)
     if not repair or not found.damage:
         return found.damage

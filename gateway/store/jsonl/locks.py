@@ -8,6 +8,9 @@ import fcntl
 import hashlib
 import os
 import struct
+from collections.abc import Iterator
+from contextlib import contextmanager
+from pathlib import Path
 from typing import TYPE_CHECKING
 
 from gateway.exceptions import StorageError
@@ -58,3 +61,27 @@ class CrossProcessLock:
         elif self.acquired:
             self._range(fcntl.F_UNLCK)
         self.acquired = False
+
+
+def try_lock_file(fd: int) -> bool:
+    """Lock a whole file for as long as `fd` is open (a journal's owner is alive while it holds
+    it): an open-file-description lock on Linux, flock() elsewhere."""
+    try:
+        if _OFD_SETLK is not None:
+            fcntl.fcntl(fd, _OFD_SETLK, struct.pack("hhqqi4x", fcntl.F_WRLCK, os.SEEK_SET, 0, 0, 0))
+        else:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except (BlockingIOError, PermissionError):
+        return False
+    return True
+
+
+@contextmanager
+def file_lock(path: Path) -> Iterator[None]:
+    """An exclusive flock() on `path` for the block (short sections only: it blocks)."""
+    fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX)
+        yield
+    finally:
+        os.close(fd)

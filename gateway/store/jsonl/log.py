@@ -1,5 +1,6 @@
-"""An open response log on disk: created while the provider works, committed (records, then
-the commit record, fsync'd, then the index line) or marked incomplete."""
+"""An open response log on disk: created by the store's writer thread while the provider
+works, committed (durable in the journal, then the rest of the file, then the index line) or
+marked incomplete."""
 
 from __future__ import annotations
 
@@ -12,7 +13,8 @@ import orjson
 
 from gateway.exceptions import StorageError
 from gateway.store.base import Appended, ResponseLog, Version, now
-from gateway.store.jsonl.files import fsync_dir, index_generation, write_all
+from gateway.store.jsonl.files import index_generation, write_all
+from gateway.store.jsonl.journal import Job, commit_line
 from gateway.types import JSONObject, Record
 
 if TYPE_CHECKING:
@@ -26,43 +28,25 @@ class JsonlLog(ResponseLog):
         self.store = store
         self.response_id = response_id
         self.path = store.response_path(response_id)
+        self.first = orjson.dumps(request) + b"\n"
         self._pending: list[bytes] = []
         self._closed = False
         self._fd = -1
-        self._dir_durable = False
-        first = orjson.dumps(request) + b"\n"
-        # The file is created, and its directory entry made durable, in a worker thread while
-        # the provider works: file creation is slow and erratic on some disks, and the commit
-        # then only waits for the file's data and the index line.
-        self._created: asyncio.Future[None] | None = None
-        try:
-            loop = asyncio.get_running_loop()
-        except RuntimeError:
-            self._create(first)
-            return
-        self._created = loop.run_in_executor(None, self._create, first)
-        # An abandoned log may never await it: retrieve its outcome so nothing is left unread.
-        self._created.add_done_callback(lambda f: None if f.cancelled() else f.exception())
+        self.created = False  # set by the writer thread once the file exists (or failed)
+        self.create_error: str | None = None
+        # Created in the writer thread while the provider works (file creation is slow and
+        # erratic on some disks); nothing waits for it until the commit, queued behind it.
+        store.writer.submit(Job("create", self))
 
-    def _create(self, first: bytes) -> None:
+    def create(self) -> None:
         try:
             self._fd = os.open(self.path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_APPEND, 0o644)
-            os.write(self._fd, first)
+            write_all(self._fd, self.first)
         except OSError as exc:
-            raise StorageError(f"cannot create response log: {exc.strerror or exc}") from exc
-        if self.store.fsync:
-            fsync_dir(self.store.responses_dir)
-            self._dir_durable = True
-
-    async def _wait_created(self) -> None:
-        if self._created is not None:
-            try:
-                await asyncio.shield(self._created)
-            except OSError as exc:
-                # The file exists (or not); only the early directory fsync may have failed.
-                log.warning("early directory fsync failed: %s", exc)
-        if self._fd < 0:
-            raise StorageError("the response log could not be created")
+            self.create_error = exc.strerror or str(exc)
+            log.error("cannot create response log %s: %s", self.path.name, self.create_error)
+        finally:
+            self.created = True
 
     def append(self, record: Record) -> None:
         self._pending.append(orjson.dumps(record) + b"\n")
@@ -70,42 +54,66 @@ class JsonlLog(ResponseLog):
     async def commit(self, conversation_id: str | None) -> Appended | None:
         records = b"".join(self._pending)
         self._pending.clear()
+        self._closed = True
         store = self.store
-        await self._wait_created()
-        known = store._sizes.get(conversation_id) if conversation_id is not None else None
-        if store.fsync or (conversation_id is not None and not known):
-            # Waiting on the disk (fsync, or creating a new index file) happens off the loop.
-            return await asyncio.shield(asyncio.to_thread(self._commit_sync, records, conversation_id))
-        return self._commit_sync(records, conversation_id)
+        known = conversation_id is None or bool(store._sizes.get(conversation_id))
+        if not store.fsync and self.created and known:
+            # Nothing waits on the disk (no sync, no file to create): no thread hop.
+            try:
+                self.check_commit(records, conversation_id)
+                appended = self.finish(records + commit_line(), conversation_id)
+            except StorageError:
+                store._forget(conversation_id)
+                raise
+        else:
+            try:
+                job = Job("commit", self, records, conversation_id)
+                appended = await asyncio.shield(store.writer.run(job))
+            except StorageError:
+                store._forget(conversation_id)
+                raise
+        if appended is not None and conversation_id is not None:
+            store._sizes[conversation_id] = appended.after.position
+        return appended
 
-    def _commit_sync(self, records: bytes, conversation_id: str | None) -> Appended | None:
-        """Write and commit; return the index append (None without a conversation).
+    def check_commit(self, records: bytes, conversation_id: str | None) -> int:
+        """Before the journal: refuse a commit that cannot be made; the index's size now."""
+        store = self.store
+        if store.sync_failed is not None:
+            self.mark_failed(records, store.sync_failed, None, -1)
+            store.refuse_if_failed()
+        if self._fd < 0:
+            raise StorageError(f"the response log could not be created: {self.create_error}")
+        if conversation_id is None:
+            return 0
+        try:
+            return os.stat(store.index_path(conversation_id)).st_size
+        except FileNotFoundError:
+            return 0
+        except OSError as exc:
+            reason = exc.strerror or str(exc)
+            self.mark_failed(records, reason, None, -1)
+            raise StorageError(f"could not record the response durably: {reason}") from exc
+
+    def finish(self, tail: bytes, conversation_id: str | None) -> Appended | None:
+        """Write the rest of the response file, then the index line (no sync of their own:
+        the journal already holds both); return the index append.
 
         On any failure nothing is acknowledged: an index line already written is taken back
         and the response log is marked incomplete (as far as the disk still allows), so that
         neither the index nor the log claims a turn the client was told failed."""
-        store = self.store
-        self._closed = True
-        if store.sync_failed is not None:
-            self._mark_failed(records, store.sync_failed, conversation_id, -1)
-            store.refuse_if_failed()
-        commit = orjson.dumps({"type": "commit", "status": "complete", "committed": now()}) + b"\n"
         before = -1
-        durable = False
+        written = False
         try:
             try:
-                write_all(self._fd, records + commit)
-                if store.fsync:
-                    store._sync(os.fdatasync, self._fd)
+                write_all(self._fd, tail)
             finally:
                 os.close(self._fd)
                 self._fd = -1
-            if store.fsync and not self._dir_durable:
-                store._sync(fsync_dir, store.responses_dir)
-            durable = True
+            written = True
             if conversation_id is None:
                 return None
-            index = store.index_path(conversation_id)
+            index = self.store.index_path(conversation_id)
             line = self.response_id.encode() + b"\n"
             fd = os.open(index, os.O_RDWR | os.O_CREAT | os.O_APPEND, 0o644)
             try:
@@ -113,31 +121,21 @@ class JsonlLog(ResponseLog):
                 before = stat.st_size
                 generation = index_generation(fd, stat, line)
                 write_all(fd, line)
-                if store.fsync:
-                    store._sync(os.fdatasync, fd)
             finally:
                 os.close(fd)
-            if before == 0 and store.fsync:
-                store._sync(fsync_dir, store.conversations_dir)
-            store._sizes[conversation_id] = before + len(line)
-            store.catalog.changed(conversation_id, now())
+            self.store.catalog.changed(conversation_id, now())
             return Appended(Version(generation, before), Version(generation, before + len(line)))
         except OSError as exc:
             reason = exc.strerror or str(exc)
-            if durable and before < 0:
-                # Complete on disk, not indexed: the state a crash at this point leaves too.
-                store._forget(conversation_id)
-            else:
-                self._mark_failed(b"", reason, conversation_id, before)
+            if not (written and before < 0):  # else: complete, not indexed (as a crash leaves it)
+                self.mark_failed(b"", reason, conversation_id, before)
             raise StorageError(f"could not record the response durably: {reason}") from exc
 
-    def _mark_failed(self, records: bytes, reason: str, conversation_id: str | None, before: int) -> None:
+    def mark_failed(self, records: bytes, reason: str, conversation_id: str | None, before: int) -> None:
         """Best effort after a failed commit: take our index line back (we hold the
         conversation's lock, so it is the last one) and end the log with `incomplete`."""
-        store = self.store
-        store._forget(conversation_id)
         if conversation_id is not None and before >= 0:
-            index = store.index_path(conversation_id)
+            index = self.store.index_path(conversation_id)
             try:
                 if before == 0:
                     os.unlink(index)
@@ -165,15 +163,19 @@ class JsonlLog(ResponseLog):
         if self._closed:
             return
         self._closed = True
-        try:
-            await self._wait_created()
-        except StorageError as exc:
-            log.warning("could not mark %s incomplete: %s", self.response_id, exc.message)
-            return
         self._pending.append(orjson.dumps({"type": "incomplete", "reason": reason, "error": error}) + b"\n")
+        records = b"".join(self._pending)
+        self._pending.clear()
+        await asyncio.shield(self.store.writer.run(Job("abandon", self, records)))
+
+    def write_abandoned(self, records: bytes) -> None:
+        if self._fd < 0:
+            log.warning("could not mark %s incomplete: %s", self.response_id, self.create_error)
+            return
         try:
-            os.write(self._fd, b"".join(self._pending))
+            os.write(self._fd, records)
         except OSError as exc:
             log.warning("could not mark %s incomplete: %s", self.response_id, exc)
         finally:
             os.close(self._fd)
+            self._fd = -1

@@ -3,12 +3,15 @@
     {data_dir}/logs/responses/{response_id}.jsonl      request, context, response, commit
     {data_dir}/logs/conversations/{conversation_id}.jsonl  one response id per line
     {data_dir}/logs/summaries/{conversation_id}.jsonl  rolling summary versions (append-only)
+    {data_dir}/logs/journal/                          write-ahead journals (journal.py, recovery.py)
     {data_dir}/locks/conversations.lock               byte-range locks per conversation, across processes
     {data_dir}/catalog/conversations.jsonl            each conversation's last change (see catalog.py)
 
-A response file is written and fsync'd before its id is appended to the index (then the index
-is fsync'd), so the index never names an incomplete response. A reader gets the entries after a
-`Version` (the index file's inode and byte offset), so writes by another process are noticed.
+A turn's commit is made durable in the process's journal (one fdatasync shared by the turns
+committing together), then its response file is completed and its id appended to the index, so
+the index never names an incomplete response; a restart replays what a crash left unfinished.
+A reader gets the entries after a `Version` (the index file's inode and byte offset), so writes
+by another process are noticed.
 """
 
 from __future__ import annotations
@@ -40,7 +43,7 @@ from gateway.store.base import (
     Version,
     now,
 )
-from gateway.store.jsonl import branches, fsck
+from gateway.store.jsonl import branches, fsck, recovery
 from gateway.store.jsonl.catalog import Catalog
 from gateway.store.jsonl.files import (
     CONTEXT_PREFIX,
@@ -52,6 +55,7 @@ from gateway.store.jsonl.files import (
     parse_jsonl,
     write_all,
 )
+from gateway.store.jsonl.journal import Writer
 from gateway.store.jsonl.locks import CrossProcessLock
 from gateway.store.jsonl.log import JsonlLog
 from gateway.types import Record
@@ -81,6 +85,7 @@ class JsonlStore(Store):
         self.locks_dir = self.root / "locks"
         self.summaries_dir = self.root / "logs" / "summaries"
         self.archive_dir = self.root / "archive"
+        self.journal_dir = self.root / "logs" / "journal"
         # Side logs read (size, records): at most 4 x cache_size logs and as many records.
         self._side: LRU[tuple[str, str], tuple[int, list[Record]]] = LRU(
             4 * cache_size, weigh=lambda v: len(v[1]) + 1, budget=4 * cache_size
@@ -95,6 +100,7 @@ class JsonlStore(Store):
         # Set by the first failed fsync: the kernel may have dropped the dirty pages, and a
         # later fsync could succeed without them, so no write is acknowledged after it.
         self.sync_failed: str | None = None
+        self.writer = Writer(self)  # the file work of turns: one thread, one journal
 
     @property
     def refusing_writes(self) -> str | None:
@@ -120,6 +126,14 @@ class JsonlStore(Store):
     async def open(self) -> None:
         for d in (self.responses_dir, self.conversations_dir, self.locks_dir, self.summaries_dir):
             d.mkdir(parents=True, exist_ok=True)
+        await self.recover()
+
+    async def recover(self) -> int:
+        """Replay the journals of processes that stopped (see recovery.py)."""
+        try:
+            return await asyncio.to_thread(recovery.recover, self)
+        except OSError as exc:
+            raise StorageError(f"could not replay the journal: {exc.strerror or exc}") from exc
 
     # -- paths: the only place ids become file names ---------------------------------------
     def shown(self, path: Path) -> str:
@@ -209,6 +223,7 @@ class JsonlStore(Store):
             raise StorageError(f"the data dir cannot be written: {exc.strerror or exc}") from exc
 
     async def close(self) -> None:
+        await asyncio.to_thread(self.writer.stop)
         if self._lock_fd >= 0:
             os.close(self._lock_fd)
             self._lock_fd = -1

@@ -1,0 +1,206 @@
+"""The JSONL store's write-ahead journal: commits waiting together share one fdatasync, and a
+restart replays what a crash lost after the acknowledgement (a power cut: the response file and
+the index line are written without a sync of their own) and nothing else.
+
+A crash is simulated by copying the data dir while the store still runs (its journal not yet
+emptied), then taking away what a power cut could take from the copy."""
+
+from __future__ import annotations
+
+import asyncio
+import errno
+import os
+import shutil
+from collections.abc import AsyncIterator, Callable
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from gateway.exceptions import NotFound, StorageError
+from gateway.store.jsonl import JsonlStore, recovery
+from gateway.store.jsonl import journal as journal_module
+from tests.helpers import commit_turn
+from tests.views import load
+
+
+@pytest.fixture
+async def jstore(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> AsyncIterator[JsonlStore]:
+    monkeypatch.setattr(journal_module, "ROTATE_SECONDS", 3600.0)  # the journal is kept until close
+    s = JsonlStore(tmp_path / "var")
+    await s.open()
+    yield s
+    await s.close()
+
+
+def crash_image(store: JsonlStore, tmp_path: Path) -> Path:
+    """The data dir as a machine crash would leave it if every write since the last sync were
+    kept (the page cache is part of the copy); the tests then take away what was not synced."""
+    image = tmp_path / "image"
+    shutil.copytree(store.root, image)
+    return image
+
+
+def journals(root: Path) -> list[Path]:
+    return sorted((root / "logs" / "journal").glob("*.wal"))
+
+
+async def test_writes_lost_after_the_acknowledgement_are_replayed(jstore: JsonlStore, tmp_path: Path) -> None:
+    r1 = await commit_turn(jstore, "conv", "one")
+    r2 = await commit_turn(jstore, "conv", "two")
+    r3 = await commit_turn(jstore, None, "stateless")
+    files = {rid: jstore.response_path(rid).read_bytes() for rid in (r1, r2, r3)}
+    image = crash_image(jstore, tmp_path)
+    assert journals(image)
+    # The power cut took the index, one whole response file and the end of another.
+    (image / "logs" / "conversations" / "conv.jsonl").unlink()
+    (image / "logs" / "responses" / f"{r2}.jsonl").unlink()
+    cut = image / "logs" / "responses" / f"{r1}.jsonl"
+    cut.write_bytes(files[r1][: len(files[r1]) // 2])
+    (image / "logs" / "responses" / f"{r3}.jsonl").write_bytes(b"\0" * 10)
+
+    restarted = JsonlStore(image)
+    await restarted.open()
+    assert await restarted.read_index("conv") == [r1, r2]
+    for rid, data in files.items():
+        assert (image / "logs" / "responses" / f"{rid}.jsonl").read_bytes() == data
+    assert (await load(restarted, "conv")).response_ids == [r1, r2]
+    assert journals(image) == []  # replayed, synced, removed
+    await restarted.close()
+
+
+async def test_a_lost_index_tail_is_refilled_in_commit_order(jstore: JsonlStore, tmp_path: Path) -> None:
+    rids = [await commit_turn(jstore, "conv", f"turn {i}") for i in range(4)]
+    image = crash_image(jstore, tmp_path)
+    index = image / "logs" / "conversations" / "conv.jsonl"
+    keep = len(rids[0]) + 1
+    index.write_bytes(index.read_bytes()[:keep] + b"\0" * 7)  # a lost page reads as zeros
+    restarted = JsonlStore(image)
+    await restarted.open()
+    assert await restarted.read_index("conv") == rids
+    await restarted.close()
+
+
+async def test_a_clean_crash_replays_nothing_and_removes_the_journal(
+    jstore: JsonlStore, tmp_path: Path
+) -> None:
+    r1 = await commit_turn(jstore, "conv", "one")
+    image = crash_image(jstore, tmp_path)
+    before = {p: p.read_bytes() for p in (image / "logs").rglob("*.jsonl")}
+    restarted = JsonlStore(image)
+    assert await asyncio.to_thread(recovery.recover, restarted) == 0
+    assert {p: p.read_bytes() for p in (image / "logs").rglob("*.jsonl")} == before
+    assert journals(image) == []
+    await restarted.open()
+    assert await restarted.read_index("conv") == [r1]
+    await restarted.close()
+
+
+async def test_a_conversation_that_went_on_without_a_commit_keeps_its_index(
+    jstore: JsonlStore, tmp_path: Path
+) -> None:
+    """A commit in the journal whose index line never made it, while the conversation went on
+    in another process: it was never acknowledged, and is not slipped in after the others."""
+    await commit_turn(jstore, "conv", "one")
+    other = await commit_turn(jstore, "elsewhere", "other")
+    image = crash_image(jstore, tmp_path)
+    index = image / "logs" / "conversations" / "conv.jsonl"
+    index.write_bytes(f"{other}\n".encode())  # where "one" was to go, another turn now stands
+    restarted = JsonlStore(image)
+    await restarted.open()
+    assert await restarted.read_index("conv") == [other]
+    await restarted.close()
+
+
+@pytest.mark.parametrize("archive", [False, True])
+async def test_a_deleted_conversation_is_not_brought_back(
+    jstore: JsonlStore, tmp_path: Path, archive: bool
+) -> None:
+    r1 = await commit_turn(jstore, "conv", "one")
+    async with jstore.lock("conv", 5):
+        assert await jstore.delete_conversation("conv", archive=archive)
+    kept = await commit_turn(jstore, "conv", "after")  # the id used again after the deletion
+    image = crash_image(jstore, tmp_path)
+    (image / "logs" / "conversations" / "conv.jsonl").unlink()
+    restarted = JsonlStore(image)
+    await restarted.open()
+    assert await restarted.read_index("conv") == [kept]
+    assert not (image / "logs" / "responses" / f"{r1}.jsonl").exists()
+    await restarted.close()
+
+
+async def test_a_commit_the_client_was_told_failed_is_not_replayed(
+    jstore: JsonlStore, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    r1 = await commit_turn(jstore, "conv", "one")
+    real_open = os.open
+
+    def index_full(path: Any, flags: int, mode: int = 0o777, *, dir_fd: int | None = None) -> int:
+        if flags & os.O_APPEND and Path(path).parent == jstore.conversations_dir:
+            raise OSError(errno.ENOSPC, "No space left on device")
+        return real_open(path, flags, mode, dir_fd=dir_fd)
+
+    monkeypatch.setattr(os, "open", index_full)
+    with pytest.raises(StorageError):
+        await commit_turn(jstore, "conv", "two")  # in the journal, then the index append failed
+    monkeypatch.undo()
+    image = crash_image(jstore, tmp_path)
+    restarted = JsonlStore(image)
+    await restarted.open()
+    assert await restarted.read_index("conv") == [r1]
+    await restarted.close()
+
+
+async def test_a_torn_journal_tail_is_ignored(jstore: JsonlStore, tmp_path: Path) -> None:
+    r1 = await commit_turn(jstore, "conv", "one")
+    image = crash_image(jstore, tmp_path)
+    (image / "logs" / "conversations" / "conv.jsonl").unlink()
+    with open(journals(image)[0], "ab") as f:  # a crash during the next append, before its sync
+        f.write(b'{"response_id":"resp_x","conversation_id":"conv","before":37,"at":1,"size":900}\n{"ty')
+    restarted = JsonlStore(image)
+    await restarted.open()
+    assert await restarted.read_index("conv") == [r1]
+    await restarted.close()
+
+
+async def test_a_live_process_journal_is_left_alone(jstore: JsonlStore, tmp_path: Path) -> None:
+    await commit_turn(jstore, "conv", "one")
+    held = journals(jstore.root)
+    second = JsonlStore(jstore.root)
+    await second.open()  # another worker starting: the first one's journal is not its to replay
+    assert journals(jstore.root) == held
+    r2 = await commit_turn(second, "conv", "two")
+    assert (await jstore.read_index("conv"))[-1] == r2
+    await second.close()
+    await jstore.close()
+    assert journals(jstore.root) == []  # a clean stop leaves no journal
+
+
+async def test_commits_waiting_together_share_fdatasyncs(
+    jstore: JsonlStore, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    await commit_turn(jstore, "warm", "up")  # the journal exists
+    real: Callable[[int], None] = os.fdatasync
+    syncs: list[int] = []
+
+    def counting(fd: int) -> None:
+        syncs.append(fd)
+        real(fd)
+
+    monkeypatch.setattr(os, "fdatasync", counting)
+    rids = await asyncio.gather(*(commit_turn(jstore, f"c{i}", "hi") for i in range(20)))
+    assert 1 <= len(syncs) < len(rids)
+    for i, rid in enumerate(rids):
+        assert await jstore.read_index(f"c{i}") == [rid]
+
+
+async def test_without_durability_there_is_no_journal(tmp_path: Path) -> None:
+    store = JsonlStore(tmp_path / "var", durability="none")
+    await store.open()
+    r1 = await commit_turn(store, "conv", "one")
+    r2 = await commit_turn(store, "conv", "two")  # the index is known: written on the loop
+    assert await store.read_index("conv") == [r1, r2]
+    assert journals(store.root) == []
+    with pytest.raises(NotFound):
+        await store.read_index("other")
+    await store.close()
