@@ -17,7 +17,7 @@ import contextvars
 import logging
 import os
 import weakref
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Callable, Sequence
 from contextlib import asynccontextmanager
 from pathlib import Path
 from typing import Any
@@ -25,7 +25,7 @@ from typing import Any
 import orjson
 
 from gateway.exceptions import ConversationBusy, NotFound, StorageError
-from gateway.ids import check_conversation_id, is_valid_conversation_id, is_valid_response_id
+from gateway.ids import check_conversation_id, is_valid_response_id
 from gateway.store.base import (
     LRU,
     SIDE_LOGS,
@@ -43,8 +43,10 @@ from gateway.store.jsonl import branches, fsck
 from gateway.store.jsonl.files import (
     CONTEXT_PREFIX,
     append_file,
+    file_size,
     fsync_dir,
     index_generation,
+    index_times,
     os_errors,
     parse_index,
     parse_jsonl,
@@ -56,13 +58,14 @@ from gateway.types import Record
 
 log = logging.getLogger("gateway.store")
 
-# Conversations bigger than this (index bytes) are loaded in a worker thread.
+# Conversations bigger than this (index bytes) are loaded in a worker thread, and so are
+# more response files than this at once.
 _THREAD_LOAD_BYTES = 4096
+_THREAD_LOAD_FILES = 16
 # The conversations whose lock the running task holds (readers without it never repair).
 _HELD: contextvars.ContextVar[frozenset[str]] = contextvars.ContextVar(
     "gateway_held_locks", default=frozenset()
 )
-# Context snapshots are the bulk of a response log and are not needed to rebuild history.
 
 
 class JsonlStore(Store):
@@ -222,7 +225,9 @@ class JsonlStore(Store):
         records, _ = parse_jsonl(data, path=self.shown(path))
         return [r for r in records if isinstance(r, dict)]
 
-    def _read_sync(self, conversation_id: str, after: Version | None, repair: bool) -> IndexRead:
+    def _read_sync(
+        self, conversation_id: str, after: Version | None, repair: bool, records: bool = True
+    ) -> IndexRead:
         path = self.index_path(conversation_id)
         try:
             with open(path, "rb") as f:
@@ -245,11 +250,19 @@ class JsonlStore(Store):
         entries = [
             IndexEntry(None, entry, [])
             if isinstance(entry, dict)
-            else IndexEntry(entry, None, self._read_records(self.response_path(entry), skip_context=True))
+            else IndexEntry(
+                entry,
+                None,
+                self._read_records(self.response_path(entry), skip_context=True) if records else [],
+            )
             for entry in raw
         ]
         self._sizes[conversation_id] = start + consumed
         return IndexRead(entries, Version(generation, start + consumed), restarted)
+
+    async def read_entries(self, conversation_id: str) -> IndexRead:
+        with os_errors("read the conversation"):
+            return self._read_sync(conversation_id, None, self.holds_lock(conversation_id), records=False)
 
     async def read_conversation(self, conversation_id: str, after: Version | None = None) -> IndexRead:
         # A torn last line is cut only by a holder of the lock: without it, the "torn" line may
@@ -258,14 +271,19 @@ class JsonlStore(Store):
         with os_errors("read the conversation"):
             if after is not None:  # a reader that is up to date reads only what was appended since
                 return self._read_sync(conversation_id, after, repair)
-            try:
-                size = os.stat(self.index_path(conversation_id)).st_size
-            except FileNotFoundError:
-                size = 0
             # Reading a whole conversation's response files is slow: off the loop unless it is little.
-            if size > _THREAD_LOAD_BYTES:
+            if file_size(self.index_path(conversation_id)) > _THREAD_LOAD_BYTES:
                 return await asyncio.to_thread(self._read_sync, conversation_id, after, repair)
             return self._read_sync(conversation_id, after, repair)
+
+    async def read_turns(self, response_ids: Sequence[str]) -> list[list[Record]]:
+        def read() -> list[list[Record]]:
+            return [self._read_records(self.response_path(rid), skip_context=True) for rid in response_ids]
+
+        with os_errors("read the conversation"):
+            if len(response_ids) > _THREAD_LOAD_FILES:
+                return await asyncio.to_thread(read)
+            return read()
 
     def _forget(self, conversation_id: str | None) -> None:
         if conversation_id is not None:
@@ -277,12 +295,9 @@ class JsonlStore(Store):
     async def read_response(self, response_id: str) -> list[Record]:
         path = self.response_path(response_id)
         with os_errors("read the response"):
-            try:
-                data = path.read_bytes()
-            except FileNotFoundError:
-                raise NotFound(f"No response {response_id!r}", param="response_id") from None
-        records, _ = parse_jsonl(data, path=self.shown(path))
-        return [r for r in records if isinstance(r, dict)]
+            if not path.exists():
+                raise NotFound(f"No response {response_id!r}", param="response_id")
+            return self._read_records(path)
 
     async def read_index(self, conversation_id: str) -> list[str | Record]:
         path = self.index_path(conversation_id)
@@ -378,20 +393,7 @@ class JsonlStore(Store):
         except OSError as exc:
             raise StorageError(f"could not delete the response: {exc.strerror or exc}") from exc
 
-    def _index_times(self) -> list[tuple[str, float]]:
-        out = []
-        if self.conversations_dir.is_dir():
-            with os.scandir(self.conversations_dir) as entries:
-                for entry in entries:
-                    name = entry.name
-                    if name.endswith(".jsonl") and is_valid_conversation_id(name[:-6]):
-                        try:
-                            out.append((name[:-6], entry.stat().st_mtime))
-                        except FileNotFoundError:
-                            continue
-        return out
-
     async def conversation_ids(self) -> list[tuple[str, float]]:
         with os_errors("list the conversations"):
-            times = await asyncio.to_thread(self._index_times)
+            times = await asyncio.to_thread(index_times, self.conversations_dir)
         return sorted(times, key=lambda pair: pair[1], reverse=True)
