@@ -58,6 +58,9 @@ async def tail_view(
     positions = [i for i, e in enumerate(entries) if e.response_id is not None]
     records: dict[int, list[Record]] = {}
     want = max(_FIRST_READ, tail // 2 + 2)
+    if through is not None:  # back to the turn the summary covers through, at once
+        found_at = [n for n, i in enumerate(positions) if entries[i].response_id == through]
+        want = max(want, len(positions) - found_at[-1] + 1) if found_at else want
     while True:
         unread = len(positions) - len(records)
         batch = positions[max(0, unread - want) : unread]
