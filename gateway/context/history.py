@@ -12,11 +12,12 @@ from typing import cast
 
 import orjson
 
+from gateway.context.tools import UNANSWERED_TOOL_RESULT as UNANSWERED_TOOL_RESULT
+from gateway.context.tools import repair_tool_calls as repair_tool_calls
 from gateway.types import JSONObject, Message
 
 SYSTEM_ROLES = frozenset({"system", "developer"})
 GATEWAY_MESSAGE_FIELDS = ("is_feedback",)
-UNANSWERED_TOOL_RESULT = "[no result: the user continued without answering this tool call]"
 
 
 def is_feedback(message: Message) -> bool:
@@ -105,12 +106,21 @@ class Turn:
         }
 
 
+class NotLoaded(Exception):
+    """A partly loaded view was asked for what it does not hold: load the whole conversation."""
+
+
 @dataclass(slots=True)
 class ConversationView:
     """A conversation rebuilt from its turns, extended in place as turns are appended.
 
     `history` is what the model sees (feedback left out); `transcript` is everything the
     client said and heard, which is what a full-history client sends back.
+
+    A view may hold only the conversation's newest part (`resume`): its first `history_base`
+    history and `transcript_base` transcript messages are not loaded (positions, as in
+    `history_end`, count them all). What needs them raises `NotLoaded`; the caller then loads
+    the whole conversation.
     """
 
     system: list[Message] | None = None
@@ -141,10 +151,35 @@ class ConversationView:
     recap: Message | None = None
     created_of: dict[str, float] = field(default_factory=dict)  # response id -> when it started
     _keys: dict[str, list[bytes]] = field(default_factory=dict)
+    entries: int = 0  # index entries applied (turns, markers, and entries skipped as damaged)
+    recap_owner: str | None = None
+    history_base: int = 0
+    transcript_base: int = 0
+    # Responses indexed before the loaded part (since the last reset): what they hold is unknown.
+    prefix_ids: frozenset[str] = frozenset()
+
+    @property
+    def partial(self) -> bool:
+        return bool(self.history_base or self.transcript_base or self.prefix_ids)
+
+    @property
+    def history_count(self) -> int:
+        return self.history_base + len(self.history)
+
+    @property
+    def transcript_count(self) -> int:
+        return self.transcript_base + len(self.transcript)
+
+    def loaded_from(self, position: int) -> int:
+        """`position` in history as an index into the loaded `history` (NotLoaded below it)."""
+        if position < self.history_base:
+            raise NotLoaded(f"history message {position} is not loaded")
+        return position - self.history_base
 
     def extend(self, turn: Turn) -> None:
         if turn.branch_at is not None:
             self.cut_history(turn.branch_at)
+        self.entries += 1
         if self.created_at is None and turn.created is not None:
             self.created_at = turn.created
         if turn.created is not None:
@@ -154,7 +189,7 @@ class ConversationView:
         self.user = turn.user or self.user
         self.timezone = turn.timezone or self.timezone
         if turn.recap is not None:
-            self.recap = turn.recap
+            self.recap, self.recap_owner = turn.recap, turn.response_id
         same_encoding = turn.encoding is not None and turn.encoding == self.encoding
         if self.encoding is None and turn.encoding is not None and not self.history:
             self.encoding = turn.encoding
@@ -193,11 +228,16 @@ class ConversationView:
             self.history_owner.append(turn.response_id)
             self.history_pos.append(len(turn.input))
             self.history_tokens.append(turn.output_tokens if same_encoding else None)
-        self.history_end[turn.response_id] = len(self.history)
+        self.history_end[turn.response_id] = self.history_count
 
     def apply_marker(self, marker: JSONObject) -> None:
         """Index lines that are not response ids: creation, metadata, resets, item deletions."""
         kind = marker.get("type")
+        if kind in ("delete_response", "delete_item") and marker.get("response_id") in self.prefix_ids:
+            position = marker.get("position")
+            if kind == "delete_response" or not isinstance(position, int) or position >= 0:
+                raise NotLoaded("a deletion in the part of history not loaded")
+        self.entries += 1
         at = marker.get("at") or marker.get("created_at")
         if isinstance(at, int | float):
             self.last_activity = max(self.last_activity or 0.0, float(at))
@@ -233,23 +273,25 @@ class ConversationView:
                 for column in (self.history, self.history_owner, self.history_pos, self.history_tokens):
                     del column[i]
                 self._keys.pop("history", None)
-                self.history_end = {}
-                for j, owner in enumerate(self.history_owner):
-                    self.history_end[owner] = j + 1
+                self._ends()
                 return
 
     def cut_history(self, keep: int) -> None:
         """Keep only the first `keep` history messages (a branch: the client's version of the
         conversation continues from there); the transcript becomes that history."""
-        keep = max(0, keep)
+        keep = self.loaded_from(max(0, keep))
         for column in (self.history, self.history_owner, self.history_pos, self.history_tokens):
             del column[keep:]
-        self.history_end = {}
-        for j, owner in enumerate(self.history_owner):
-            self.history_end[owner] = j + 1
+        self._ends()
         self.has_tools = any(m.get("role") == "tool" or "tool_calls" in m for m in self.history)
         self.transcript = list(self.history)
+        self.transcript_base = self.history_base
         self._keys = {}
+
+    def _ends(self) -> None:
+        self.history_end = {}
+        for j, owner in enumerate(self.history_owner, start=self.history_base + 1):
+            self.history_end[owner] = j
 
     def branched(self, keep: int) -> ConversationView:
         """A copy cut back to its first `keep` history messages (this view is not changed)."""
@@ -282,11 +324,13 @@ class ConversationView:
         self.has_tools = False
         if not keep_system_message:
             self.system_owner = None
-        self.recap = None
+        self.recap = self.recap_owner = None
         self.transcript = []
         self.response_ids = []
         self.turns = 0
         self._keys = {}
+        self.history_base = self.transcript_base = 0
+        self.prefix_ids = frozenset()
         self.needs_count = self.system_tokens is not None and None in self.system_tokens
 
     def count_tokens(self, encoding: str, count: Callable[[Message], int]) -> None:
@@ -321,34 +365,3 @@ def rebuild_view(turns: Iterable[Turn]) -> ConversationView:
     for turn in turns:
         view.extend(turn)
     return view
-
-
-def repair_tool_calls(messages: Sequence[Message]) -> list[Message]:
-    """Make a message list acceptable to providers' tool-call rules without losing anything.
-
-    An assistant `tool_calls` message whose calls were not all answered before the next
-    non-tool message gets a synthetic `tool` result per missing call; a `tool` message that
-    answers no pending call is dropped (providers reject orphans).
-    """
-    out: list[Message] = []
-    pending: list[str] = []
-
-    def close_pending() -> None:
-        for call_id in pending:
-            out.append({"role": "tool", "tool_call_id": call_id, "content": UNANSWERED_TOOL_RESULT})
-        pending.clear()
-
-    for message in messages:
-        role = message.get("role")
-        if role == "tool":
-            call_id = message.get("tool_call_id")
-            if call_id in pending:
-                pending.remove(call_id)
-                out.append(message)
-            continue
-        close_pending()
-        out.append(message)
-        if role == "assistant" and message.get("tool_calls"):
-            pending = [str(c["id"]) for c in message["tool_calls"] if isinstance(c, dict) and c.get("id")]
-    # A trailing unanswered call is the model asking for tools now; leave it for the client.
-    return out

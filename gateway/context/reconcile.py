@@ -6,7 +6,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from gateway.context.history import ConversationView, message_key
+from gateway.context.history import ConversationView, NotLoaded, message_key
 from gateway.types import Message
 
 
@@ -40,6 +40,8 @@ def reconcile(incoming: Sequence[Message], view: ConversationView) -> Reconciled
     - else every message is new. The last message is always new.
     """
     n = len(incoming)
+    if n > 1 and view.partial:
+        raise NotLoaded("matching a resent history needs all of it")
     if n <= 1 or not view.transcript:
         return Reconciled(list(incoming))
     transcript = view.keys("transcript")

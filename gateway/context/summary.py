@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from gateway.context.history import ConversationView
+from gateway.context.history import ConversationView, NotLoaded
 from gateway.context.records import number
 from gateway.types import Message, Record
 
@@ -53,6 +53,8 @@ def current_summary(records: list[Record], view: ConversationView) -> Summary | 
             continue
         rid = record.get("covers_through")
         if not isinstance(rid, str) or rid not in view.history_end:
+            if rid in view.prefix_ids:
+                raise NotLoaded(f"the summary covers through {rid}, which is not loaded")
             continue
         return Summary(
             version=int(number(record.get("version")) or 0),
@@ -81,8 +83,8 @@ def render_for_summary(messages: list[Message]) -> str:
 def snap_to_turn_end(view: ConversationView, position: int) -> int:
     """The first turn end at or after `position` that does not split a tool-call unit (the
     next message is not a tool result), or the end of history."""
-    n = len(view.history)
+    n = view.history_count
     for end in view.history_end.values():  # increasing
-        if end >= position and (end == n or view.history[end].get("role") != "tool"):
+        if end >= position and (end == n or view.history[view.loaded_from(end)].get("role") != "tool"):
             return end
     return n

@@ -10,7 +10,8 @@ from dataclasses import dataclass
 
 from gateway.config import Settings
 from gateway.context import ConversationView
-from gateway.context.records import turn_from_records
+from gateway.context.history import NotLoaded
+from gateway.services.tail import apply_entries, tail_view
 from gateway.store.base import LRU, Appended, Store, Version
 from gateway.types import Record
 
@@ -27,7 +28,7 @@ class _Cached:
 
 
 def _weight(cached: _Cached) -> int:
-    return len(cached.view.transcript) + 1
+    return len(cached.view.transcript) + len(cached.view.prefix_ids) // 8 + 1
 
 
 class ConversationCache:
@@ -53,27 +54,37 @@ class ConversationCache:
         why = "its response file is missing or empty" if not records else "not a committed turn"
         log.warning("the index of %s names %s, %s: skipped (gateway fsck reports it)", cid, rid, why)
 
-    async def load(self, store: Store, cid: str, *, keep: bool = True) -> ConversationView:
+    async def load(
+        self, store: Store, cid: str, *, keep: bool = True, tail: int = 0, through: str | None = None
+    ) -> ConversationView:
         """The conversation as stored (empty if new). Callers must not mutate it. Readers that
         go over many conversations (lists, the lifecycle pass, recaps) pass `keep=False`: a
         cached view is used and brought up to date, but none is added for them, so they neither
-        grow memory nor push out the conversations that are talking."""
+        grow memory nor push out the conversations that are talking.
+
+        With `tail`, a partial view (`ConversationView.partial`) holding at least the newest
+        `tail` history messages, and the turn `through` names, will do: the index is read, then
+        only the responses those need (`tail_view`). Without, the view is whole."""
         key = (id(store), cid)
         cached = self._views.get(key)
+        if cached is not None and cached.view.partial and not tail:
+            cached = None  # all of it is asked for
+        if cached is None and tail:
+            found = await tail_view(store, cid, tail, through, self.skipped)
+            if found is not None:
+                if keep:
+                    self._views[key] = _Cached(*found)
+                return found[1]
         read = await store.read_conversation(cid, cached.version if cached is not None else None)
         if read.version is None:
             self._views.pop(key, None)
             return ConversationView()
         view = cached.view if cached is not None and not read.restarted else ConversationView()
-        for entry in read.entries:
-            if entry.marker is not None:
-                view.apply_marker(entry.marker)
-                continue
-            turn = turn_from_records(entry.records)
-            if turn is None:
-                self.skipped(cid, str(entry.response_id), entry.records)
-                continue
-            view.extend(turn)
+        try:
+            apply_entries(view, cid, read.entries, self.skipped)
+        except NotLoaded:  # a change to what a partial view does not hold: read all of it
+            self._views.pop(key, None)
+            return await self.load(store, cid, keep=keep)
         if keep or cached is not None:
             self._views[key] = _Cached(read.version, view)
         return view
@@ -89,7 +100,11 @@ class ConversationCache:
         if appended is None or cached.version != appended.before:
             self._views.pop(key, None)  # someone else appended too: read it next time
             return
-        apply(cached.view)
+        try:
+            apply(cached.view)
+        except NotLoaded:
+            self._views.pop(key, None)
+            return
         cached.version = appended.after
         self._views[key] = cached  # weighed again: it grew
 

@@ -11,6 +11,7 @@ import time
 from gateway.config import Settings
 from gateway.context import ConversationView, Message, Turn, split_system
 from gateway.context.items import Item, items_to_messages, message_to_items, parse_item_id
+from gateway.context.tail import checkpoint
 from gateway.exceptions import InvalidRequest, NotFound
 from gateway.ids import check_conversation_id, mint_response_id
 from gateway.services.cache import ConversationCache
@@ -142,6 +143,7 @@ class Conversations:
                 await stack.enter_async_context(store.lock(cid, self.lock_timeout))
             view = await self.cache.load(store, cid)
             check_size(self.settings.storage.max_conversation_messages, cid, view, len(messages))
+            record["before"] = checkpoint(view)
             log = store.start(rid, record)
             turn = Turn(rid, tuple(rest), None, tuple(system) if system else None, created=created_at)
             try:

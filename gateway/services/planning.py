@@ -58,6 +58,12 @@ def marker_cost(encoding: str, omitted: int) -> int:
     return cost
 
 
+def history_needed(max_history_messages: int, keep_recent_messages: int) -> int:
+    """Stored history messages a window looks at (`Planner.plan`'s `lower` on): the newest
+    max_history_messages (or keep_recent_messages) and the one before them."""
+    return max(max_history_messages, keep_recent_messages) + 1
+
+
 def _size(messages: list[Message]) -> int:
     total = 0
     for m in messages:
@@ -86,7 +92,7 @@ class ContextPlan:
     facts: WindowFacts | None = None
 
     def snapshot(self, view: ConversationView, new_messages: int, sent: list[Message]) -> Record:
-        included = list(dict.fromkeys(view.history_owner[self.kept_from :]))
+        included = list(dict.fromkeys(view.history_owner[view.loaded_from(self.kept_from) :]))
         return {
             "type": "context",
             "encoding": self.encoding,
@@ -95,7 +101,7 @@ class ContextPlan:
             "calibration": self.facts.calibration.to_dict() if self.facts else None,
             "reserve_tokens": self.reserve,
             "budget": self.window.budget,
-            "stored_messages": len(view.history) + len(view.system or []),
+            "stored_messages": view.history_count + len(view.system or []),
             "stored_turns": view.turns,
             "new_messages": new_messages,
             "sent_messages": len(sent),
@@ -117,6 +123,21 @@ class Planner:
         self.facts = facts
         # Conversations already warned about (the newest WARNED_LIMIT: bounded memory).
         self._warned_truncation: LRU[str | None, bool] = LRU(WARNED_LIMIT)
+
+    async def window_needs(self, store: Store, cid: str) -> dict[str, Any]:
+        """What a turn's window needs loaded (`ConversationCache.load`'s `tail` and `through`):
+        the newest history messages it can send, a few more (a tool-call unit is never cut),
+        and the turn the newest rolling summary covers through."""
+        ctx = self.settings.context
+        through = None
+        if ctx.strategy == "summarize":
+            summaries = await store.read_side("summaries", cid)
+            last = summaries[-1].get("covers_through") if summaries else None
+            through = last if isinstance(last, str) else None
+        return {
+            "tail": history_needed(ctx.max_history_messages, ctx.keep_recent_messages) + 16,
+            "through": through,
+        }
 
     async def plan(
         self,
@@ -150,20 +171,22 @@ class Planner:
         if ctx.strategy == "summarize":
             summary = current_summary(await store.read_side("summaries", cid), view)
         covered = summary.covered if summary else 0
-        history = view.history
+        # Positions count every stored message; a partial view holds its newest ones (the
+        # loaded part is `history`, from `loaded_from`): NotLoaded when more is needed.
+        history, total = view.history, view.history_count
         # The first unit, kept ahead of the cut when configured and no summary covers it.
         first_end = 0
-        if ctx.keep_first and covered == 0 and history:
-            first_end = 1
+        if ctx.keep_first and covered == 0 and total:
+            first_end = 1 + view.loaded_from(0)
             while first_end < len(history) and history[first_end].get("role") == "tool":
                 first_end += 1
         # Only the newest max_history_messages (or keep_recent_messages) can be sent.
         newest = max(ctx.max_history_messages, ctx.keep_recent_messages)
-        lower = max(covered, first_end, len(history) - newest - 1)
-        while lower > max(covered, first_end) and history[lower].get("role") == "tool":
+        lower = max(covered, first_end, total - newest - 1)
+        while lower > max(covered, first_end) and history[view.loaded_from(lower)].get("role") == "tool":
             lower -= 1
-        hist = history[lower:]
-        hist_tokens = [int(n or 0) for n in view.history_tokens[lower:]]
+        hist = history[view.loaded_from(lower) :]
+        hist_tokens = [int(n or 0) for n in view.history_tokens[view.loaded_from(lower) :]]
         clean_new = [clean_message(m) for m in new]
         combined = [*hist, *clean_new]
         repaired = view.has_tools or any("tool_calls" in m or m.get("role") == "tool" for m in clean_new)
@@ -215,16 +238,16 @@ class Planner:
             positions = {id(m): lower + i for i, m in enumerate(hist)}
             kept_abs = next(
                 (positions[id(m)] for m in conversation[window.history_start :] if id(m) in positions),
-                len(history),
+                total,
             )
         else:
             kept_abs = lower + min(window.history_start, len(hist))
         target = None
-        if ctx.strategy == "summarize" and window.omitted > 0 and history:
+        if ctx.strategy == "summarize" and window.omitted > 0 and total:
             # Cover what fell out plus half of what is kept, so the next turns fit too.
-            end = snap_to_turn_end(view, kept_abs + (len(history) - kept_abs) // 2)
+            end = snap_to_turn_end(view, kept_abs + (total - kept_abs) // 2)
             if end > covered:
-                target = view.history_owner[end - 1]
+                target = view.history_owner[view.loaded_from(end - 1)]
         return ContextPlan(
             window=window,
             encoding=encoding,

@@ -20,7 +20,7 @@ MESSAGE_ROLES = frozenset({"system", "developer", "user", "assistant", "tool", "
 
 def check_size(cap: int, cid: str, view: ConversationView, adding: int) -> None:
     """A conversation past the cap gets a clear 400 instead of an ever slower load."""
-    stored = len(view.transcript)
+    stored = view.transcript_count
     if cap and stored + adding > cap:
         raise ConversationTooLarge(
             f"Conversation {cid!r} holds {stored} messages; this turn would take it past the cap of "

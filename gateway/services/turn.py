@@ -15,7 +15,7 @@ from typing import cast
 
 import orjson
 
-from gateway.context import ConversationView
+from gateway.context import ConversationView, Turn
 from gateway.exceptions import ContextLengthExceeded, NotFound, UpstreamStatusError
 from gateway.services.cache import ConversationCache
 from gateway.services.models import ModelFacts
@@ -244,3 +244,24 @@ async def refit(
     snapshot = plan.snapshot(turn.view, len(turn.new), plan.window.messages)
     snapshot["after_refusal"] = {"message": refusal.message[:500], "window": refusal.window}
     turn.log.append(snapshot)
+
+
+def stored_turn(turn: PreparedTurn, message: Message, output_tokens: int | None) -> Turn:
+    """The turn as the conversation's view takes it once committed (what its log records)."""
+    body = turn.request.body
+    return Turn(
+        turn.response_id,
+        tuple(turn.new),
+        message,
+        tuple(turn.system_in) if turn.system_in is not None else None,
+        encoding=turn.encoding if turn.new_tokens is not None else None,
+        input_tokens=tuple(turn.new_tokens) if turn.new_tokens is not None else None,
+        output_tokens=output_tokens,
+        system_tokens=tuple(turn.system_tokens) if turn.system_tokens is not None else None,
+        created=turn.created,
+        model=turn.request.model,
+        user=body.get("user") if isinstance(body.get("user"), str) else None,
+        recap=turn.recap,
+        timezone=body.get("user_timezone") if isinstance(body.get("user_timezone"), str) else None,
+        branch_at=turn.branch_at,
+    )

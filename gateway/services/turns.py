@@ -26,7 +26,9 @@ from gateway.context import (
     reconcile,
     split_system,
 )
+from gateway.context.history import NotLoaded
 from gateway.context.lifecycle import user_key, zone
+from gateway.context.tail import checkpoint
 from gateway.exceptions import (
     GatewayError,
     InvalidRequest,
@@ -48,6 +50,7 @@ from gateway.services.turn import (
     refit,
     response_record,
     settle,
+    stored_turn,
 )
 from gateway.store import StoreRegistry
 from gateway.tokens import counter_for
@@ -96,7 +99,7 @@ class ChatService:
             view = ConversationView()
             if cid is not None:
                 cid = await lock_conversation(request, store, stack, self.settings.storage.lock_timeout)
-                view = await self.cache.load(store, cid)
+                view = await self.cache.load(store, cid, **await self.planner.window_needs(store, cid))
                 ttl, now = self.settings.sessions.ttl, self.clock()
                 if expired(view, ttl, now):
                     view = await archive_expired(store, self.cache, cid)
@@ -118,38 +121,48 @@ class ChatService:
                 new_tokens: list[int] | None = None
                 system_tokens: list[int] | None = None
             else:
-                reconciled = reconcile(rest, view)
-                new, branch_at = reconciled.new, reconciled.branch_at
-                if branch_at is not None:
-                    view = view.branched(branch_at)  # planned on the client's version
-                # + 1: the reply this turn would store
-                check_size(self.settings.storage.max_conversation_messages, cid, view, len(new) + 1)
-                new_tokens = await off_loop_if_large(
-                    [*system_in, *new], lambda: [count(clean_message(m)) for m in new]
-                )
-                system_tokens = [count(m) for m in system_in] if system_in else None
-                if view.turns == 0:
-                    others = functools.partial(self.cache.load, store, keep=False)  # not cached for a recap
-                    recap, recap_from = await self.planner.recap(
-                        request, store, others, cid, count, self.clock()
-                    )
-                replan = functools.partial(
-                    self.planner.plan,
-                    request,
-                    route,
-                    view,
-                    store,
-                    cid,
-                    system_in,
-                    system_tokens,
-                    new,
-                    new_tokens,
-                    encoding,
-                    count,
-                    recap or view.recap,
-                )
-                plan = await replan()
-                sent = plan.window.messages
+                for attempt in range(2):
+                    try:
+                        reconciled = reconcile(rest, view)
+                        new, branch_at = reconciled.new, reconciled.branch_at
+                        if branch_at is not None:
+                            view = view.branched(branch_at)  # planned on the client's version
+                        # + 1: the reply this turn would store
+                        check_size(self.settings.storage.max_conversation_messages, cid, view, len(new) + 1)
+                        new_tokens = await off_loop_if_large(
+                            [*system_in, *new],
+                            lambda: [count(clean_message(m)) for m in new],  # noqa: B023 - run at once
+                        )
+                        system_tokens = [count(m) for m in system_in] if system_in else None
+                        if view.turns == 0:
+                            others = functools.partial(
+                                self.cache.load, store, keep=False
+                            )  # not cached for a recap
+                            recap, recap_from = await self.planner.recap(
+                                request, store, others, cid, count, self.clock()
+                            )
+                        replan = functools.partial(
+                            self.planner.plan,
+                            request,
+                            route,
+                            view,
+                            store,
+                            cid,
+                            system_in,
+                            system_tokens,
+                            new,
+                            new_tokens,
+                            encoding,
+                            count,
+                            recap or view.recap,
+                        )
+                        plan = await replan()
+                        sent = plan.window.messages
+                        break
+                    except NotLoaded:  # a partial view cannot tell: the whole conversation can
+                        if attempt:
+                            raise
+                        view = await self.cache.load(store, cid)
             stored_system = system_in if system_in and system_in != view.system else None
             params = {
                 k: v
@@ -176,6 +189,8 @@ class ChatService:
                 "system": stored_system,
                 "input": new,
             }
+            if cid is not None:
+                record["before"] = checkpoint(view)  # lets a later load start at this turn
             if recap is not None:
                 record["recap"] = recap
                 record["recap_conversations"] = recap_from
@@ -239,24 +254,7 @@ class ChatService:
             turn.plan, turn.route, record, turn.conversation_id, turn.response_id
         )
         turn.log.append(record)
-        stored = Turn(
-            turn.response_id,
-            tuple(turn.new),
-            message,
-            tuple(turn.system_in) if turn.system_in is not None else None,
-            encoding=turn.encoding if turn.new_tokens is not None else None,
-            input_tokens=tuple(turn.new_tokens) if turn.new_tokens is not None else None,
-            output_tokens=output_tokens,
-            system_tokens=tuple(turn.system_tokens) if turn.system_tokens is not None else None,
-            created=turn.created,
-            model=turn.request.model,
-            user=turn.request.body.get("user") if isinstance(turn.request.body.get("user"), str) else None,
-            recap=turn.recap,
-            timezone=turn.request.body.get("user_timezone")
-            if isinstance(turn.request.body.get("user_timezone"), str)
-            else None,
-            branch_at=turn.branch_at,
-        )
+        stored = stored_turn(turn, message, output_tokens)
         # Shielded: a client disconnect must never interrupt the write of an answered turn.
         turn.commit_task = asyncio.ensure_future(self._commit_and_note(turn, stored))
         await asyncio.shield(turn.commit_task)

@@ -12,7 +12,7 @@ from __future__ import annotations
 import time
 from abc import ABC, abstractmethod
 from collections import OrderedDict
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from contextlib import AbstractAsyncContextManager
 from dataclasses import dataclass
 from typing import Literal, TypeVar, get_args
@@ -195,6 +195,24 @@ class Store(ABC):
     async def read_conversation(self, conversation_id: str, after: Version | None = None) -> IndexRead:
         """The index entries after `after` (all of them when None, or when the index was
         replaced since). A torn last line is repaired only by a holder of the lock."""
+
+    async def read_entries(self, conversation_id: str) -> IndexRead:
+        """All the index entries, as `read_conversation` gives them, except that a response's
+        records may be left out (read the ones needed with `read_turns`): the index alone,
+        whatever the conversation's size. (This default reads them all.)"""
+        return await self.read_conversation(conversation_id)
+
+    async def read_turns(self, response_ids: Sequence[str]) -> list[list[Record]]:
+        """The records of these responses, in order, context snapshots left out (as
+        `read_conversation` gives them: empty for a missing response)."""
+        out: list[list[Record]] = []
+        for rid in response_ids:
+            try:
+                records = await self.read_response(rid)
+            except NotFound:
+                records = []
+            out.append([r for r in records if r.get("type") != "context"])
+        return out
 
     @abstractmethod
     def start(self, response_id: str, request: Record) -> ResponseLog:

@@ -81,7 +81,13 @@ class MemoryStore(Store):
         finally:
             lock.release()
 
+    async def read_entries(self, conversation_id: str) -> IndexRead:
+        return self._read(conversation_id, None, records=False)
+
     async def read_conversation(self, conversation_id: str, after: Version | None = None) -> IndexRead:
+        return self._read(conversation_id, after, records=True)
+
+    def _read(self, conversation_id: str, after: Version | None, *, records: bool) -> IndexRead:
         if conversation_id not in self.indexes:
             return IndexRead([], None, True)
         version = self._version(conversation_id)
@@ -93,8 +99,12 @@ class MemoryStore(Store):
             if isinstance(entry, dict):
                 entries.append(IndexEntry(None, copy.deepcopy(entry), []))
             else:
-                records = [r for r in self.responses.get(entry, []) if r.get("type") != "context"]
-                entries.append(IndexEntry(entry, None, records))
+                kept = (
+                    [r for r in self.responses.get(entry, []) if r.get("type") != "context"]
+                    if records
+                    else []
+                )
+                entries.append(IndexEntry(entry, None, kept))
         return IndexRead(entries, version, restarted)
 
     def start(self, response_id: str, request: Record) -> ResponseLog:

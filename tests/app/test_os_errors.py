@@ -26,6 +26,9 @@ class RefusingStore(MemoryStore):
     async def read_conversation(self, conversation_id: str, after: Version | None = None) -> IndexRead:
         raise OSError(self.code, "refused")
 
+    async def read_entries(self, conversation_id: str) -> IndexRead:
+        raise OSError(self.code, "refused")
+
     async def read_index(self, conversation_id: str) -> list[str | Record]:
         raise OSError(self.code, "refused")
 

@@ -254,6 +254,25 @@ async def test_markers_and_turns_share_one_ordered_index(store: Store) -> None:
     assert view.metadata == {"k": "v"} and view.history == []  # the reset cleared the turn
 
 
+async def test_the_index_alone_and_the_turns_it_names_read_apart(store: Store) -> None:
+    """`read_entries` gives what `read_conversation` gives, at the same version, without having
+    to read every response; `read_turns` gives the named responses' records, in the order
+    asked, context snapshots left out (as `read_conversation` gives them; empty if missing)."""
+    await store.append_marker("split", {"type": "conversation", "created_at": now(), "metadata": {}})
+    rids = [await commit_turn(store, "split", f"turn {n}") for n in range(3)]
+    whole = await store.read_conversation("split")
+    alone = await store.read_entries("split")
+    assert alone.version == whole.version and alone.restarted
+    assert [(e.response_id, e.marker) for e in alone.entries] == [
+        (e.response_id, e.marker) for e in whole.entries
+    ]
+    missing = mint_response_id("test/model")
+    turns = await store.read_turns([rids[2], missing, rids[0]])
+    assert turns == [whole.entries[3].records, [], whole.entries[1].records]
+    assert [r["type"] for r in turns[0]] == ["request", "response", "commit"]
+    assert (await store.read_entries("nothing-here")).version is None
+
+
 async def test_a_replaced_index_restarts_its_readers(store: Store) -> None:
     await commit_turn(store, "again", "one")
     seen = (await store.read_conversation("again")).version

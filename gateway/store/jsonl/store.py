@@ -21,7 +21,7 @@ import contextvars
 import logging
 import os
 import weakref
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Callable, Sequence
 from contextlib import asynccontextmanager
 from pathlib import Path
 from typing import Any
@@ -48,6 +48,7 @@ from gateway.store.jsonl.catalog import Catalog
 from gateway.store.jsonl.files import (
     CONTEXT_PREFIX,
     append_file,
+    file_size,
     fsync_dir,
     index_generation,
     os_errors,
@@ -62,13 +63,14 @@ from gateway.types import Record
 
 log = logging.getLogger("gateway.store")
 
-# Conversations bigger than this (index bytes) are loaded in a worker thread.
+# Conversations bigger than this (index bytes) are loaded in a worker thread, and so are
+# more response files than this at once.
 _THREAD_LOAD_BYTES = 4096
+_THREAD_LOAD_FILES = 16
 # The conversations whose lock the running task holds (readers without it never repair).
 _HELD: contextvars.ContextVar[frozenset[str]] = contextvars.ContextVar(
     "gateway_held_locks", default=frozenset()
 )
-# Context snapshots are the bulk of a response log and are not needed to rebuild history.
 
 
 class JsonlStore(Store):
@@ -240,7 +242,9 @@ class JsonlStore(Store):
         records, _ = parse_jsonl(data, path=self.shown(path))
         return [r for r in records if isinstance(r, dict)]
 
-    def _read_sync(self, conversation_id: str, after: Version | None, repair: bool) -> IndexRead:
+    def _read_sync(
+        self, conversation_id: str, after: Version | None, repair: bool, records: bool = True
+    ) -> IndexRead:
         path = self.index_path(conversation_id)
         try:
             with open(path, "rb") as f:
@@ -263,11 +267,19 @@ class JsonlStore(Store):
         entries = [
             IndexEntry(None, entry, [])
             if isinstance(entry, dict)
-            else IndexEntry(entry, None, self._read_records(self.response_path(entry), skip_context=True))
+            else IndexEntry(
+                entry,
+                None,
+                self._read_records(self.response_path(entry), skip_context=True) if records else [],
+            )
             for entry in raw
         ]
         self._sizes[conversation_id] = start + consumed
         return IndexRead(entries, Version(generation, start + consumed), restarted)
+
+    async def read_entries(self, conversation_id: str) -> IndexRead:
+        with os_errors("read the conversation"):
+            return self._read_sync(conversation_id, None, self.holds_lock(conversation_id), records=False)
 
     async def read_conversation(self, conversation_id: str, after: Version | None = None) -> IndexRead:
         # A torn last line is cut only by a holder of the lock: without it, the "torn" line may
@@ -276,14 +288,19 @@ class JsonlStore(Store):
         with os_errors("read the conversation"):
             if after is not None:  # a reader that is up to date reads only what was appended since
                 return self._read_sync(conversation_id, after, repair)
-            try:
-                size = os.stat(self.index_path(conversation_id)).st_size
-            except FileNotFoundError:
-                size = 0
             # Reading a whole conversation's response files is slow: off the loop unless it is little.
-            if size > _THREAD_LOAD_BYTES:
+            if file_size(self.index_path(conversation_id)) > _THREAD_LOAD_BYTES:
                 return await asyncio.to_thread(self._read_sync, conversation_id, after, repair)
             return self._read_sync(conversation_id, after, repair)
+
+    async def read_turns(self, response_ids: Sequence[str]) -> list[list[Record]]:
+        def read() -> list[list[Record]]:
+            return [self._read_records(self.response_path(rid), skip_context=True) for rid in response_ids]
+
+        with os_errors("read the conversation"):
+            if len(response_ids) > _THREAD_LOAD_FILES:
+                return await asyncio.to_thread(read)
+            return read()
 
     def _forget(self, conversation_id: str | None) -> None:
         if conversation_id is not None:
@@ -295,12 +312,9 @@ class JsonlStore(Store):
     async def read_response(self, response_id: str) -> list[Record]:
         path = self.response_path(response_id)
         with os_errors("read the response"):
-            try:
-                data = path.read_bytes()
-            except FileNotFoundError:
-                raise NotFound(f"No response {response_id!r}", param="response_id") from None
-        records, _ = parse_jsonl(data, path=self.shown(path))
-        return [r for r in records if isinstance(r, dict)]
+            if not path.exists():
+                raise NotFound(f"No response {response_id!r}", param="response_id")
+            return self._read_records(path)
 
     async def read_index(self, conversation_id: str) -> list[str | Record]:
         path = self.index_path(conversation_id)

@@ -222,6 +222,20 @@ ORDER BY updated_at DESC, conversation_id DESC LIMIT $2
 """
 _FIRST_PAGE = _PAGE.format(after="")
 _NEXT_PAGE = _PAGE.format(after="AND (updated_at, conversation_id) < ($3, $4)")
+# The index alone (`records=False`): the responses a view needs are read with _TURNS.
+_LOAD_INDEX = """
+SELECT c.incarnation, c.last_seq, i.seq, i.response_id, i.marker, NULL::json AS record
+FROM gateway_conversations c
+LEFT JOIN gateway_index i
+       ON i.namespace = c.namespace AND i.conversation_id = c.conversation_id AND i.seq > $3
+WHERE c.namespace = $1 AND c.conversation_id = $2
+ORDER BY i.seq
+"""
+_TURNS = """
+SELECT response_id, record FROM gateway_responses
+WHERE namespace = $1 AND response_id = ANY($2::text[]) AND kind <> 'context'
+ORDER BY response_id, seq
+"""
 _ARCHIVE = f"""
 INSERT INTO gateway_archive (namespace, archive_id, path, content, archived_at)
 SELECT $1::text, $3::text, 'conversation.jsonl',

@@ -22,7 +22,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
 from contextlib import asynccontextmanager
 from typing import TypeVar
 
@@ -50,7 +50,9 @@ from gateway.store.postgres.schema import (
     _INSERT_RECORDS,
     _INSERT_UNLESS_COMMITTED,
     _LOAD,
+    _LOAD_INDEX,
     _PROCESSOR_LOCK,
+    _TURNS,
     Conn,
     Row,
     _busy,
@@ -223,20 +225,26 @@ class PostgresStore(Store):
         return hold.expected if hold is not None else None
 
     # -- reading ------------------------------------------------------------------------------------
-    async def read_conversation(self, conversation_id: str, after: Version | None = None) -> IndexRead:
-        """The entries after `after`, with their records, in one query (one round trip when
-        nothing changed)."""
+    async def read_entries(self, conversation_id: str) -> IndexRead:
+        return await self.read_conversation(conversation_id, records=False)
+
+    async def read_conversation(
+        self, conversation_id: str, after: Version | None = None, *, records: bool = True
+    ) -> IndexRead:
+        """The entries after `after`, with their records unless `records` is False, in one
+        query (one round trip when nothing changed)."""
         check_conversation_id(conversation_id)
         since = after.position if after is not None else 0
+        sql = _LOAD if records else _LOAD_INDEX
         rows = await self._fetch(
-            "could not load the conversation", _LOAD, self.namespace, conversation_id, since
+            "could not load the conversation", sql, self.namespace, conversation_id, since
         )
         if not rows:
             self._note_load(conversation_id, None, 0)
             return IndexRead([], None, True)
         incarnation, last_seq = int(rows[0]["incarnation"]), int(rows[0]["last_seq"])
         if after is not None and (after.generation != incarnation or last_seq < after.position):
-            return await self.read_conversation(conversation_id, None)  # deleted and started anew since
+            return await self.read_conversation(conversation_id, None, records=records)  # begun anew since
         entries: list[IndexEntry] = []
         current = None
         for row in rows:
@@ -247,7 +255,7 @@ class PostgresStore(Store):
                 marker = _decode(row["marker"]) if row["marker"] is not None else None
                 marker = marker if isinstance(marker, dict) else None
                 entries.append(IndexEntry(row["response_id"], marker, []))
-            if row["record"] is not None:
+            if records and row["record"] is not None:
                 value = _decode(row["record"])
                 if isinstance(value, dict) and value.get("type") != "context":
                     entries[-1].records.append(value)
@@ -275,6 +283,15 @@ class PostgresStore(Store):
         if not rows:
             raise NotFound(f"No response {response_id!r}", param="response_id")
         return [r for r in (_decode(row["record"]) for row in rows) if isinstance(r, dict)]
+
+    async def read_turns(self, response_ids: Sequence[str]) -> list[list[Record]]:
+        rows = await self._fetch("could not read the responses", _TURNS, self.namespace, list(response_ids))
+        found: dict[str, list[Record]] = {}
+        for row in rows:
+            value = _decode(row["record"])
+            if isinstance(value, dict):
+                found.setdefault(str(row["response_id"]), []).append(value)
+        return [found.get(rid, []) for rid in response_ids]
 
     async def read_index(self, conversation_id: str) -> list[str | Record]:
         check_conversation_id(conversation_id)

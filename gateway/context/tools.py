@@ -1,0 +1,40 @@
+"""Tool-call rules (pure): what providers accept around assistant `tool_calls` messages."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+from gateway.types import Message
+
+UNANSWERED_TOOL_RESULT = "[no result: the user continued without answering this tool call]"
+
+
+def repair_tool_calls(messages: Sequence[Message]) -> list[Message]:
+    """Make a message list acceptable to providers' tool-call rules without losing anything.
+
+    An assistant `tool_calls` message whose calls were not all answered before the next
+    non-tool message gets a synthetic `tool` result per missing call; a `tool` message that
+    answers no pending call is dropped (providers reject orphans).
+    """
+    out: list[Message] = []
+    pending: list[str] = []
+
+    def close_pending() -> None:
+        for call_id in pending:
+            out.append({"role": "tool", "tool_call_id": call_id, "content": UNANSWERED_TOOL_RESULT})
+        pending.clear()
+
+    for message in messages:
+        role = message.get("role")
+        if role == "tool":
+            call_id = message.get("tool_call_id")
+            if call_id in pending:
+                pending.remove(call_id)
+                out.append(message)
+            continue
+        close_pending()
+        out.append(message)
+        if role == "assistant" and message.get("tool_calls"):
+            pending = [str(c["id"]) for c in message["tool_calls"] if isinstance(c, dict) and c.get("id")]
+    # A trailing unanswered call is the model asking for tools now; leave it for the client.
+    return out

@@ -1,0 +1,135 @@
+"""Loading a conversation's newest part only: the index, then the response logs a turn's window
+needs, newest first, back to a turn whose request record says what came before it (`before`,
+`context/tail.py`). A turn on a conversation of any length so reads a bounded number of files;
+what needs more (a resent or edited history, `keep_first`, an older summary) loads it all."""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable, Sequence
+
+from gateway.context import ConversationView
+from gateway.context.history import NotLoaded, Turn
+from gateway.context.records import turn_from_records
+from gateway.context.tail import checkpoint_of, resume
+from gateway.store.base import IndexEntry, Store, Version
+from gateway.types import JSONObject, Record
+
+Skipped = Callable[[str, str, list[Record]], None]
+
+# Responses read first (a turn stores two messages or more), then twice as many each time.
+_FIRST_READ = 8
+
+
+def apply_entries(
+    view: ConversationView,
+    cid: str,
+    entries: Sequence[IndexEntry],
+    skipped: Skipped,
+    *,
+    resumed: bool = False,
+) -> None:
+    """Apply index entries in order. `resumed`: the view stands at the first one's checkpoint,
+    which was taken after that turn's `branch_at` cut."""
+    for n, entry in enumerate(entries):
+        if entry.marker is not None:
+            view.apply_marker(entry.marker)
+            continue
+        turn = turn_from_records(entry.records)
+        if turn is None:
+            skipped(cid, str(entry.response_id), entry.records)
+            view.entries += 1
+            continue
+        if resumed and n == 0:
+            turn = dataclasses.replace(turn, branch_at=None)
+        view.extend(turn)
+
+
+async def tail_view(
+    store: Store, cid: str, tail: int, through: str | None, skipped: Skipped
+) -> tuple[Version, ConversationView] | None:
+    """A view holding at least the newest `tail` history messages and the turn `through` (when
+    the conversation still holds it), and the version it is at; None if there is no such
+    conversation."""
+    read = await store.read_entries(cid)
+    if read.version is None:
+        return None
+    entries = read.entries
+    positions = [i for i, e in enumerate(entries) if e.response_id is not None]
+    records: dict[int, list[Record]] = {}
+    want = max(_FIRST_READ, tail // 2 + 2)
+    if through is not None:  # back to the turn the summary covers through, at once
+        found_at = [n for n, i in enumerate(positions) if entries[i].response_id == through]
+        want = max(want, len(positions) - found_at[-1] + 1) if found_at else want
+    while True:
+        unread = len(positions) - len(records)
+        batch = positions[max(0, unread - want) : unread]
+        if batch:
+            found = await store.read_turns([str(entries[i].response_id) for i in batch])
+            records.update(zip(batch, found, strict=True))
+        if len(records) == len(positions):  # all of it was read after all
+            whole = [
+                dataclasses.replace(e, records=records[i]) if i in records else e
+                for i, e in enumerate(entries)
+            ]
+            view = ConversationView()
+            apply_entries(view, cid, whole, skipped)
+            return read.version, view
+        # The oldest turn read whose checkpoint can be trusted: it names its own position (a
+        # copied or rewritten index, or turns written before checkpoints, are read whole).
+        start = next((i for i in sorted(records) if _point(records[i], i)), None)
+        resumed = await _resumed(store, cid, entries, records, start, skipped) if start is not None else None
+        enough = resumed is not None and (len(resumed.history) >= tail or not resumed.partial)
+        if resumed is not None and enough and (through is None or through not in resumed.prefix_ids):
+            return read.version, resumed
+        want *= 2
+
+
+def _point(records: list[Record], position: int) -> JSONObject | None:
+    point = checkpoint_of(records)
+    return point if point is not None and point["entries"] == position else None
+
+
+async def _resumed(
+    store: Store,
+    cid: str,
+    entries: list[IndexEntry],
+    records: dict[int, list[Record]],
+    start: int,
+    skipped: Skipped,
+) -> ConversationView | None:
+    """The view from index entry `start` on (its turn's checkpoint on), unless something after
+    it needs what came before or what the checkpoint names is gone; else None."""
+    point = _point(records[start], start)
+    if point is None:
+        return None
+    # The turns that set the system prompt and the recap in force; gone (deleted or damaged
+    # since), or not holding them: the checkpoint no longer tells the truth.
+    owners: list[Turn | None] = []
+    for key, field in (("system_from", "system"), ("recap_from", "recap")):
+        rid = point.get(key)
+        owner = None
+        if rid is not None:
+            (found,) = await store.read_turns([rid]) if isinstance(rid, str) else ([],)
+            owner = turn_from_records(found)
+            if owner is None or getattr(owner, field) is None:
+                return None
+        owners.append(owner)
+    reset = max((i for i in range(start) if (entries[i].marker or {}).get("type") == "reset"), default=-1)
+    prefix = frozenset(str(e.response_id) for e in entries[reset + 1 : start] if e.response_id is not None)
+    view = resume(point, prefix, *owners)
+    for entry in entries[:start]:  # the metadata in force comes from the index's markers
+        marker = entry.marker or {}
+        metadata = marker.get("metadata")
+        if marker.get("type") in ("conversation", "metadata") and isinstance(metadata, dict):
+            view.metadata = {str(k): str(v) for k, v in metadata.items()}
+    rest = [
+        dataclasses.replace(e, records=records[i]) if e.response_id else e
+        for i, e in enumerate(entries)
+        if i >= start
+    ]
+    try:
+        apply_entries(view, cid, rest, skipped, resumed=True)
+    except NotLoaded:
+        return None
+    return view
