@@ -24,6 +24,7 @@ import threading
 from bisect import bisect_left, insort
 from collections.abc import Iterator
 from contextlib import contextmanager
+from pathlib import Path
 from typing import TYPE_CHECKING
 
 import orjson
@@ -38,6 +39,21 @@ log = logging.getLogger("gateway.store")
 # Compact when the file holds more than this many lines per conversation (plus a floor).
 _COMPACT_RATIO = 4
 _COMPACT_FLOOR = 4096
+
+
+def forget_catalogs(root: Path) -> None:
+    """Remove the catalogs of a data dir (its tenants' too) after files were copied in (`gateway
+    import`): every process, running or not, then rebuilds its catalog from the folder."""
+    tenants = root / "tenants"
+    bases = [root, *(p for p in tenants.iterdir() if p.is_dir())] if tenants.is_dir() else [root]
+    for base in bases:
+        (base / "locks").mkdir(parents=True, exist_ok=True)
+        fd = os.open(base / "locks" / "catalog.lock", os.O_RDWR | os.O_CREAT, 0o644)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX)  # not while another process rebuilds or appends
+            (base / "catalog" / "conversations.jsonl").unlink(missing_ok=True)
+        finally:
+            os.close(fd)
 
 
 def family_root(conversation_id: str) -> str:
