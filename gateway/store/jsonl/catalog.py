@@ -23,7 +23,7 @@ import os
 import threading
 from bisect import bisect_left, insort
 from collections.abc import Iterator
-from contextlib import contextmanager
+from contextlib import contextmanager, suppress
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -54,6 +54,22 @@ def forget_catalogs(root: Path) -> None:
             (base / "catalog" / "conversations.jsonl").unlink(missing_ok=True)
         finally:
             os.close(fd)
+
+
+def index_times(folder: Path) -> list[tuple[str, float]]:
+    """(id, index modification time) of every conversation in the folder: a scan, for the
+    lifecycle pass (whose idle clock is the file's time), never for a list."""
+    out = []
+    if folder.is_dir():
+        with os.scandir(folder) as entries:
+            for entry in entries:
+                name = entry.name
+                if name.endswith(".jsonl") and is_valid_conversation_id(name[:-6]):
+                    try:
+                        out.append((name[:-6], entry.stat().st_mtime))
+                    except FileNotFoundError:
+                        continue
+    return out
 
 
 def family_root(conversation_id: str) -> str:
@@ -227,12 +243,6 @@ class Catalog:
             return set()
         return {name[:-6] for name in names if name.endswith(".jsonl")}
 
-    def _mtime(self, cid: str) -> float | None:
-        try:
-            return os.stat(self.store.conversations_dir / f"{cid}.jsonl").st_mtime
-        except FileNotFoundError:
-            return None
-
     def _rebuild(self) -> None:
         """Write the catalog anew, one line per conversation, oldest change first: what this
         process knows, checked against the folder (under the exclusive lock, so no append is
@@ -244,9 +254,9 @@ class Catalog:
             names = self._on_disk()
             pairs = {cid: at for cid, at in self.at.items() if cid in names and isinstance(at, float)}
             for cid in names - pairs.keys():
-                mtime = self._mtime(cid) if is_valid_conversation_id(cid) else None
-                if mtime is not None:
-                    pairs[cid] = mtime
+                with suppress(FileNotFoundError):
+                    if is_valid_conversation_id(cid):
+                        pairs[cid] = os.stat(self.store.conversations_dir / f"{cid}.jsonl").st_mtime
             self._bulk(pairs)
             if not pairs and not self.path.exists():
                 return  # an empty data dir stays as it was
@@ -385,9 +395,3 @@ class Catalog:
                 return page
             for cid in gone:
                 self.forget(cid)
-
-    def everything(self) -> list[tuple[str, float]]:
-        """Every conversation, most recent first, up to date."""
-        self.refresh()
-        with self._mutex:
-            return [(cid, at) for at, cid in reversed(self._keys) if is_valid_conversation_id(cid)]

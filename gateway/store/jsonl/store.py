@@ -41,7 +41,7 @@ from gateway.store.base import (
     now,
 )
 from gateway.store.jsonl import branches, fsck
-from gateway.store.jsonl.catalog import Catalog
+from gateway.store.jsonl.catalog import Catalog, index_times
 from gateway.store.jsonl.files import (
     CONTEXT_PREFIX,
     append_file,
@@ -64,7 +64,6 @@ _THREAD_LOAD_BYTES = 4096
 _HELD: contextvars.ContextVar[frozenset[str]] = contextvars.ContextVar(
     "gateway_held_locks", default=frozenset()
 )
-# Context snapshots are the bulk of a response log and are not needed to rebuild history.
 
 
 class JsonlStore(Store):
@@ -395,5 +394,7 @@ class JsonlStore(Store):
         return page
 
     async def conversation_ids(self) -> list[tuple[str, float]]:
+        """A scan of the folder (file times: the lifecycle pass's clock); lists use the catalog."""
         with os_errors("list the conversations"):
-            return await asyncio.to_thread(self.catalog.everything)
+            times = await asyncio.to_thread(index_times, self.conversations_dir)
+        return sorted(times, key=lambda pair: pair[1], reverse=True)
