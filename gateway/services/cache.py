@@ -11,7 +11,7 @@ from dataclasses import dataclass
 from gateway.config import Settings
 from gateway.context import ConversationView
 from gateway.context.records import turn_from_records
-from gateway.store.base import LRU, Appended, Store, Version
+from gateway.store.base import LRU, Appended, IndexRead, Store, Version
 from gateway.types import Record
 
 log = logging.getLogger("gateway.services")
@@ -61,6 +61,23 @@ class ConversationCache:
         key = (id(store), cid)
         cached = self._views.get(key)
         read = await store.read_conversation(cid, cached.version if cached is not None else None)
+        return self._apply(key, cached, read, keep)
+
+    async def load_many(self, store: Store, cids: list[str], *, keep: bool = True) -> list[ConversationView]:
+        """`load` of several conversations with one `read_many` (a page of a list: one query
+        on PostgreSQL instead of one per row)."""
+        keys = [(id(store), cid) for cid in cids]
+        cached = [self._views.get(key) for key in keys]
+        reads = await store.read_many(
+            [(cid, c.version if c else None) for cid, c in zip(cids, cached, strict=True)]
+        )
+        return [self._apply(*args, keep) for args in zip(keys, cached, reads, strict=True)]
+
+    def _apply(
+        self, key: tuple[int, str], cached: _Cached | None, read: IndexRead, keep: bool
+    ) -> ConversationView:
+        """A cached view (or a new one) brought up to date with what was read."""
+        cid = key[1]
         if read.version is None:
             self._views.pop(key, None)
             return ConversationView()

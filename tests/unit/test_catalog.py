@@ -199,13 +199,13 @@ async def test_search_reads_a_bounded_number_of_conversations(tmp_path: Path) ->
         await commit_turn(store, f"conv{i:02d}", "needle" if i % 3 == 0 else "hay")
         await asyncio.sleep(0.002)
     loaded: list[str] = []
-    real = cache.load
+    real = cache.load_many
 
-    async def counting(store: Any, cid: str, **kw: Any) -> Any:
-        loaded.append(cid)
-        return await real(store, cid, **kw)
+    async def counting(store: Any, cids: list[str], **kw: Any) -> Any:
+        loaded.extend(cids)
+        return await real(store, cids, **kw)
 
-    cache.load = counting  # type: ignore[method-assign]
+    cache.load_many = counting  # type: ignore[method-assign]
     rows, after = await queries.search("", "needle", scan=5)
     assert [r.conversation_id for r in rows] == ["conv09"]  # conv11..conv07 looked at
     assert after == "conv07" and len(loaded) == 5

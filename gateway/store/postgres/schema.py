@@ -222,6 +222,17 @@ ORDER BY updated_at DESC, conversation_id DESC LIMIT $2
 """
 _FIRST_PAGE = _PAGE.format(after="")
 _NEXT_PAGE = _PAGE.format(after="AND (updated_at, conversation_id) < ($3, $4)")
+# `_LOAD` of several conversations, each after its own seq.
+_LOAD_MANY = """
+SELECT w.n, c.incarnation, c.last_seq, i.seq, i.response_id, i.marker, r.record
+FROM unnest($2::text[], $3::bigint[]) WITH ORDINALITY AS w(cid, since, n)
+JOIN gateway_conversations c ON c.namespace = $1 AND c.conversation_id = w.cid
+LEFT JOIN gateway_index i
+       ON i.namespace = c.namespace AND i.conversation_id = c.conversation_id AND i.seq > w.since
+LEFT JOIN gateway_responses r
+       ON r.namespace = i.namespace AND r.response_id = i.response_id AND r.kind <> 'context'
+ORDER BY w.n, i.seq, r.seq
+"""
 _ARCHIVE = f"""
 INSERT INTO gateway_archive (namespace, archive_id, path, content, archived_at)
 SELECT $1::text, $3::text, 'conversation.jsonl',
