@@ -94,7 +94,10 @@ class Target:
             "--port",
             str(self.port),
         ]
-        self.server = self.procs.start(Server(self.name, argv, self.port, self.log, self.env()), REPO)
+        # `python -m` puts the working directory first on sys.path: run from the code measured.
+        self.server = self.procs.start(
+            Server(self.name, argv, self.port, self.log, self.env()), self.code or REPO
+        )
         return self.server.wait_ready("/readyz", 300)
 
     def stop(self) -> None:
@@ -116,7 +119,9 @@ class Target:
         times = []
         for _ in range(repeat):
             t = time.perf_counter()
-            done = subprocess.run(argv, env=self.env(), cwd=REPO, capture_output=True, timeout=600)
+            done = subprocess.run(
+                argv, env=self.env(), cwd=self.code or REPO, capture_output=True, timeout=600
+            )
             times.append((time.perf_counter() - t) * 1000)
             if done.returncode != 0:
                 raise RuntimeError(f"{self.name}: gateway conversations failed: {done.stderr[-500:]!r}")
