@@ -252,16 +252,31 @@ async def measure_http(port: int, repeat: int) -> dict[str, Any]:
     return out
 
 
-async def create_conversations(port: int, count: int) -> float:
+async def create_conversations(port: int, count: int) -> tuple[float, list[str]]:
     conn = Connection(HOST, port)
     t = time.perf_counter()
+    made = []
     for i in range(count):
         body = orjson.dumps({"metadata": {"made": str(i)}})
         r = await conn.request("POST", "/v1/conversations", body)
         if r.status != 200:
             raise RuntimeError(f"POST /v1/conversations: HTTP {r.status}: {r.body[:300]!r}")
+        made.append(orjson.loads(r.body)["id"])
     conn.close()
-    return time.perf_counter() - t
+    return time.perf_counter() - t, made
+
+
+async def delete_conversations(port: int, ids: list[str]) -> float:
+    """Delete them again (the seeded data dir is kept for the next run); p50 ms of a delete."""
+    conn = Connection(HOST, port)
+    times = []
+    for cid in ids:
+        r = await conn.request("DELETE", f"/v1/conversations/{cid}")
+        if r.status != 200:
+            raise RuntimeError(f"DELETE /v1/conversations/{cid}: HTTP {r.status}: {r.body[:300]!r}")
+        times.append(r.latency * 1000)
+    conn.close()
+    return statistics.median(times)
 
 
 def run_target(target: Target, args: argparse.Namespace, *, rebuild: bool, create: int) -> dict[str, Any]:
@@ -278,11 +293,12 @@ def run_target(target: Target, args: argparse.Namespace, *, rebuild: bool, creat
         out.update(asyncio.run(measure_http(target.port, args.repeat)))
         out["rss_after_listing_mib"] = round(rss_kib(target.server.pid) / 1024, 1)
         if create:
-            seconds = asyncio.run(create_conversations(target.port, create))
+            seconds, made = asyncio.run(create_conversations(target.port, create))
             out[f"created_{create}_seconds"] = round(seconds, 2)
             out[f"rss_after_creating_{create}_mib"] = round(rss_kib(target.server.pid) / 1024, 1)
             t, page = asyncio.run(first_page(target.port))
             out["first_page_after_creating_ms"] = round(t, 2)
+            out["delete_p50_ms"] = round(asyncio.run(delete_conversations(target.port, made)), 2)
     finally:
         target.stop()
     if not target.dsn:
@@ -371,13 +387,13 @@ def main(argv: list[str] | None = None) -> int:
             seeds[str(total)] = seed_jsonl(data_dir, total, args.turned, tmp)
             print(f"bench listing: jsonl {total}: seed {seeds[str(total)]}; measuring", flush=True)
             target = Target(f"jsonl_{total}", tmp, data_dir)
-            create = args.create if total == args.conversations else 0
+            create = args.create if total == args.conversations else 50
             results[f"jsonl_{total}"] = run_target(target, args, rebuild=True, create=create)
         if args.baseline and not args.no_jsonl:
             data_dir = REPO / "var" / "bench" / f"listing-{args.small}"
             base = Target("baseline", tmp, data_dir, code=Path(args.baseline).resolve())
             print(f"bench listing: baseline {args.baseline} at {args.small}", flush=True)
-            results[f"baseline_{args.small}"] = run_target(base, args, rebuild=False, create=0)
+            results[f"baseline_{args.small}"] = run_target(base, args, rebuild=False, create=50)
         postgres = "skipped (--no-postgres)"
         if not args.no_postgres:
             postgres = run_postgres(tmp, args, results)

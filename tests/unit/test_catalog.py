@@ -155,6 +155,8 @@ async def test_a_first_page_needs_no_load(jstore: JsonlStore, tmp_path: Path) ->
     page, more = await other.list_conversations(3)
     assert [cid for cid, _ in page] == ["c05", "c28", "c27"] and more
     assert not other.catalog.loaded
+    assert await other.list_conversations(3) == (page, more)
+    assert other.catalog.loaded  # a process that lists again loads it
     (tmp_path / "var" / "catalog" / "conversations.jsonl").unlink()  # e.g. after an import
     page, more = await (await fresh(tmp_path / "var")).list_conversations(3)
     assert [cid for cid, _ in page][1:] == ["c28", "c27"] and more  # rebuilt from file times

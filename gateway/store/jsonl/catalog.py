@@ -118,6 +118,7 @@ class Catalog:
         self._offset = 0
         self._lines = 0
         self.loaded = False
+        self._quick = False  # a first page was read from the file's end (`newest`)
         self._mutex = threading.RLock()
 
     # -- writing ----------------------------------------------------------------------------------
@@ -379,7 +380,8 @@ class Catalog:
     def checked_page(self, limit: int, after: str | None) -> tuple[list[tuple[str, float]], bool] | None:
         """`page`, up to date, each id checked against the folder (one stat each): an index
         removed behind the catalog's back is left out."""
-        if not self.loaded and after is None:
+        if not self.loaded and after is None and not self._quick:
+            self._quick = True  # once: a process that lists again loads the catalog
             quick = self.newest(limit)
             folder = self.store.conversations_dir
             if quick is not None and all(os.path.exists(folder / f"{cid}.jsonl") for cid, _ in quick[0]):
