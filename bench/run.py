@@ -238,7 +238,25 @@ def main(argv: list[str] | None = None) -> int:
         "commit): its `gateway serve` gets a row of its own (new conversation, 1 message), measured "
         "in the same run with the same iterations, so before/after is compared on equal terms",
     )
+    parser.add_argument(
+        "--no-listing",
+        action="store_true",
+        help="skip bench/listing.py (lists with 100,000 conversations; run after the rest)",
+    )
     args = parser.parse_args(argv)
+    rc = run(args)
+    if rc == 0 and not args.no_listing:
+        import listing
+
+        extra = ["--quick"] if args.quick else ["--repeat", "20", "--cli-repeat", "1", "--create", "500"]
+        extra += ["--no-postgres"] if args.no_postgres else []
+        extra += ["--baseline", args.baseline] if args.baseline else []
+        print("\nbench: listing (bench/listing.py)", flush=True)
+        rc = listing.main(extra)
+    return rc
+
+
+def run(args: argparse.Namespace) -> int:
     plan = Plan.quick() if args.quick else Plan()
     context = context_overrides(args)
 

@@ -127,10 +127,12 @@ class Services:
         await self.stores.get("")
 
     async def warm(self) -> None:
-        """Before serving: load what the first list needs (the JSONL catalog), so the first
-        request does not pay for it. A failure is left for that request to report."""
+        """Before serving: load what the first list needs (the JSONL catalog) and read a
+        one-row page (PostgreSQL prepares its statements), so the first request does not pay
+        for it. A failure is left for that request to report."""
         try:
             await (await self.stores.get("")).warm()
+            await self.queries.conversations("", limit=1)
         except GatewayError as exc:
             log.warning("could not load the conversation catalog: %s", exc.message)
 

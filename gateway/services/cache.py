@@ -12,7 +12,7 @@ from gateway.config import Settings
 from gateway.context import ConversationView
 from gateway.context.history import NotLoaded
 from gateway.services.tail import apply_entries, tail_view
-from gateway.store.base import LRU, Appended, Store, Version
+from gateway.store.base import LRU, Appended, IndexRead, Store, Version
 from gateway.types import Record
 
 log = logging.getLogger("gateway.services")
@@ -76,6 +76,30 @@ class ConversationCache:
                     self._views[key] = _Cached(*found)
                 return found[1]
         read = await store.read_conversation(cid, cached.version if cached is not None else None)
+        view = self._apply(key, cached, read, keep)
+        return view if view is not None else await self.load(store, cid, keep=keep)
+
+    async def load_many(self, store: Store, cids: list[str], *, keep: bool = True) -> list[ConversationView]:
+        """`load` of several conversations with one `read_many` (a page of a list: one query
+        on PostgreSQL instead of one per row)."""
+        keys = [(id(store), cid) for cid in cids]
+        cached = [self._views.get(key) for key in keys]
+        cached = [c if c is not None and not c.view.partial else None for c in cached]  # all of it
+        reads = await store.read_many(
+            [(cid, c.version if c else None) for cid, c in zip(cids, cached, strict=True)]
+        )
+        views = [self._apply(*args, keep) for args in zip(keys, cached, reads, strict=True)]
+        return [
+            view if view is not None else await self.load(store, cid, keep=keep)
+            for cid, view in zip(cids, views, strict=True)
+        ]
+
+    def _apply(
+        self, key: tuple[int, str], cached: _Cached | None, read: IndexRead, keep: bool
+    ) -> ConversationView | None:
+        """A cached view (or a new one) brought up to date with what was read; None when what
+        changed is outside what a partial view holds (then the caller loads all of it)."""
+        cid = key[1]
         if read.version is None:
             self._views.pop(key, None)
             return ConversationView()
@@ -84,7 +108,7 @@ class ConversationCache:
             apply_entries(view, cid, read.entries, self.skipped)
         except NotLoaded:  # a change to what a partial view does not hold: read all of it
             self._views.pop(key, None)
-            return await self.load(store, cid, keep=keep)
+            return None
         if keep or cached is not None:
             self._views[key] = _Cached(read.version, view)
         return view

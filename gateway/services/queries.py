@@ -80,7 +80,20 @@ class Queries:
         return ConversationRow(ConversationSummary.of(cid, view, changed), view, state)
 
     async def _rows(self, store: Store, page: list[tuple[str, float]]) -> list[ConversationRow | None]:
-        return list(await asyncio.gather(*(self._row(store, cid, changed) for cid, changed in page)))
+        """The rows of a page: its conversations and lifecycle logs read in one go each
+        (`read_many`, `read_sides`); row by row when one cannot be read (then skipped)."""
+        cids = [cid for cid, _ in page]
+        try:
+            views = await self.cache.load_many(store, cids, keep=False)
+        except CorruptRecord:
+            return [await self._row(store, cid, changed) for cid, changed in page]
+        lifecycles = await store.read_sides("lifecycle", cids)
+        return [
+            ConversationRow(
+                ConversationSummary.of(cid, view, changed), view, derive_state(records, view.last_activity)
+            )
+            for (cid, changed), view, records in zip(page, views, lifecycles, strict=True)
+        ]
 
     async def conversations(
         self, tenant: str, *, limit: int, after: str | None = None

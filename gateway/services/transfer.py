@@ -11,6 +11,7 @@ from pathlib import Path
 
 from gateway.config import Settings
 from gateway.exceptions import GatewayError
+from gateway.store.jsonl.catalog import forget_catalogs
 
 
 def _data_files(root: Path) -> list[Path]:
@@ -79,5 +80,6 @@ def import_data(settings: Settings, source: Path) -> str:
         return f"imported {stats.describe()} from {source}"
     if backend == "jsonl":
         count = _copy_data(source, Path(settings.storage.data_dir))
+        forget_catalogs(Path(settings.storage.data_dir))
         return f"imported {count} files from {source} into {settings.storage.data_dir}"
     raise GatewayError(f"cannot import into storage.backend = {backend!r}")

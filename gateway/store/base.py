@@ -295,5 +295,14 @@ class Store(ABC):
             start = names.index(after) + 1
         return ids[start : start + limit], len(ids) > start + limit
 
+    async def read_many(self, wanted: list[tuple[str, Version | None]]) -> list[IndexRead]:
+        """`read_conversation` of several conversations (each after its version), in one go
+        where the backend can (PostgreSQL: one query): a page of a list."""
+        return [await self.read_conversation(cid, after) for cid, after in wanted]
+
+    async def read_sides(self, kind: SideLog, keys: list[str]) -> list[list[Record]]:
+        """`read_side(kind, key, keep=False)` of several keys, in one go where the backend can."""
+        return [await self.read_side(kind, key, keep=False) for key in keys]
+
     async def warm(self) -> None:  # noqa: B027 - optional hook
         """Load what listing needs before the first request (a server calls it at start)."""

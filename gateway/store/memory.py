@@ -169,8 +169,5 @@ class MemoryStore(Store):
             return list(self.summaries.get(key, []))
         return list(self.side.get((kind, key), []))
 
-    async def exists(self, conversation_id: str) -> bool:
-        return conversation_id in self.indexes
-
     async def conversation_ids(self) -> list[tuple[str, float]]:
         return sorted(self._index_times(), key=lambda pair: pair[1], reverse=True)

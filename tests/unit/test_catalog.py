@@ -119,7 +119,9 @@ async def test_files_changed_behind_its_back_are_noticed(jstore: JsonlStore, tmp
     (folder / "b.jsonl").unlink()  # removed by hand: left out at once
     assert await ids(jstore) == ["c", "a"]
     (folder / "copied.jsonl").write_bytes((folder / "a.jsonl").read_bytes())  # copied in by hand
-    assert await ids(await fresh(root)) == ["copied", "c", "a"]  # the next process finds it
+    other = await fresh(root)
+    await other.warm()
+    assert await ids(other) == ["copied", "c", "a"]  # the next process that loads it finds it
     (root / "catalog" / "conversations.jsonl").unlink()  # removed: rebuilt from the folder
     assert sorted(await ids(jstore)) == ["a", "c", "copied"]
 
@@ -136,8 +138,28 @@ async def test_the_catalog_is_compacted_when_it_outgrows_the_conversations(
         await commit_turn(jstore, "talkative", str(i))
     catalog = tmp_path / "var" / "catalog" / "conversations.jsonl"
     assert len(catalog.read_bytes().splitlines()) > 20
-    assert await ids(await fresh(tmp_path / "var")) == ["talkative"]
+    other = await fresh(tmp_path / "var")
+    await other.warm()  # a server loads it at start
+    assert await ids(other) == ["talkative"]
     assert len(catalog.read_bytes().splitlines()) == 1
+
+
+async def test_a_first_page_needs_no_load(jstore: JsonlStore, tmp_path: Path) -> None:
+    """A process that lists once (`gateway conversations`) reads the catalog's end only."""
+    for i in range(30):
+        await commit_turn(jstore, f"c{i:02d}", "hi")
+    await jstore.warm()
+    await commit_turn(jstore, "c05", "again")
+    await jstore.delete_conversation("c29")
+    other = await fresh(tmp_path / "var")
+    page, more = await other.list_conversations(3)
+    assert [cid for cid, _ in page] == ["c05", "c28", "c27"] and more
+    assert not other.catalog.loaded
+    assert await other.list_conversations(3) == (page, more)
+    assert other.catalog.loaded  # a process that lists again loads it
+    (tmp_path / "var" / "catalog" / "conversations.jsonl").unlink()  # e.g. after an import
+    page, more = await (await fresh(tmp_path / "var")).list_conversations(3)
+    assert [cid for cid, _ in page][1:] == ["c28", "c27"] and more  # rebuilt from file times
 
 
 async def test_an_empty_data_dir_gets_no_catalog(jstore: JsonlStore, tmp_path: Path) -> None:
@@ -179,13 +201,13 @@ async def test_search_reads_a_bounded_number_of_conversations(tmp_path: Path) ->
         await commit_turn(store, f"conv{i:02d}", "needle" if i % 3 == 0 else "hay")
         await asyncio.sleep(0.002)
     loaded: list[str] = []
-    real = cache.load
+    real = cache.load_many
 
-    async def counting(store: Any, cid: str, **kw: Any) -> Any:
-        loaded.append(cid)
-        return await real(store, cid, **kw)
+    async def counting(store: Any, cids: list[str], **kw: Any) -> Any:
+        loaded.extend(cids)
+        return await real(store, cids, **kw)
 
-    cache.load = counting  # type: ignore[method-assign]
+    cache.load_many = counting  # type: ignore[method-assign]
     rows, after = await queries.search("", "needle", scan=5)
     assert [r.conversation_id for r in rows] == ["conv09"]  # conv11..conv07 looked at
     assert after == "conv07" and len(loaded) == 5
@@ -200,3 +222,16 @@ async def test_search_reads_a_bounded_number_of_conversations(tmp_path: Path) ->
     with pytest.raises(NotFound):
         await queries.conversations("", limit=3, after="nope")
     await stores.close()
+
+
+async def test_an_import_shows_in_a_running_process_list(tmp_path: Path) -> None:
+    from gateway.services.transfer import import_data
+
+    source = await fresh(tmp_path / "source")
+    await commit_turn(source, "imported", "hi")
+    target = await fresh(tmp_path / "var")
+    await commit_turn(target, "local", "hi")
+    await target.warm()
+    assert await ids(target) == ["local"]
+    await asyncio.to_thread(import_data, make_settings(tmp_path), tmp_path / "source")
+    assert sorted(await ids(target)) == ["imported", "local"]

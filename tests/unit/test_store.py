@@ -22,7 +22,7 @@ from gateway.exceptions import (
     StorageError,
 )
 from gateway.ids import mint_response_id
-from gateway.store.base import Store, now
+from gateway.store.base import Store, Version, now
 from gateway.store.jsonl import JsonlStore, parse_index, parse_jsonl
 from gateway.store.memory import MemoryStore
 from gateway.store.postgres import PostgresStore
@@ -418,6 +418,28 @@ async def test_exists_follows_creation_and_deletion(store: Store, second: Store)
     assert await second.exists("maybe")
     await store.delete_conversation("maybe")
     assert not await second.exists("maybe")
+
+
+async def test_read_many_is_read_conversation_of_each(store: Store, second: Store) -> None:
+    """A page's conversations and lifecycle logs read in one go, each after its own version."""
+    await commit_turn(store, "m1", "one")
+    await store.append_marker("m2", {"type": "conversation", "created_at": 1, "metadata": {"k": "v"}})
+    await store.append_side("lifecycle", "m1", {"state": "processed", "at": 1.0})
+    v1 = (await second.read_conversation("m1")).version
+    await commit_turn(store, "m1", "two")
+    await store.delete_conversation("m2")
+    await store.append_marker("m2", {"type": "conversation", "created_at": 2, "metadata": {}})
+    wanted = [("m1", v1), ("m1", None), ("m2", Version("stale", 1)), ("nobody", None)]
+    reads = await second.read_many(wanted)
+    singles = [await second.read_conversation(cid, after) for cid, after in wanted]
+    assert reads == singles
+    assert [len(r.entries) for r in reads] == [1, 2, 1, 0] and reads[3].version is None
+    assert reads[2].restarted and reads[2].entries[0].marker == {
+        "type": "conversation",
+        "created_at": 2,
+        "metadata": {},
+    }
+    assert await second.read_sides("lifecycle", ["m1", "m2"]) == [[{"state": "processed", "at": 1.0}], []]
 
 
 async def test_lock_serializes_second_acquirer_waits(store: Store) -> None:

@@ -23,7 +23,8 @@ import os
 import threading
 from bisect import bisect_left, insort
 from collections.abc import Iterator
-from contextlib import contextmanager
+from contextlib import contextmanager, suppress
+from pathlib import Path
 from typing import TYPE_CHECKING
 
 import orjson
@@ -38,6 +39,37 @@ log = logging.getLogger("gateway.store")
 # Compact when the file holds more than this many lines per conversation (plus a floor).
 _COMPACT_RATIO = 4
 _COMPACT_FLOOR = 4096
+
+
+def forget_catalogs(root: Path) -> None:
+    """Remove the catalogs of a data dir (its tenants' too) after files were copied in (`gateway
+    import`): every process, running or not, then rebuilds its catalog from the folder."""
+    tenants = root / "tenants"
+    bases = [root, *(p for p in tenants.iterdir() if p.is_dir())] if tenants.is_dir() else [root]
+    for base in bases:
+        (base / "locks").mkdir(parents=True, exist_ok=True)
+        fd = os.open(base / "locks" / "catalog.lock", os.O_RDWR | os.O_CREAT, 0o644)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX)  # not while another process rebuilds or appends
+            (base / "catalog" / "conversations.jsonl").unlink(missing_ok=True)
+        finally:
+            os.close(fd)
+
+
+def index_times(folder: Path) -> list[tuple[str, float]]:
+    """(id, index modification time) of every conversation in the folder: a scan, for the
+    lifecycle pass (whose idle clock is the file's time), never for a list."""
+    out = []
+    if folder.is_dir():
+        with os.scandir(folder) as entries:
+            for entry in entries:
+                name = entry.name
+                if name.endswith(".jsonl") and is_valid_conversation_id(name[:-6]):
+                    try:
+                        out.append((name[:-6], entry.stat().st_mtime))
+                    except FileNotFoundError:
+                        continue
+    return out
 
 
 def family_root(conversation_id: str) -> str:
@@ -86,6 +118,7 @@ class Catalog:
         self._offset = 0
         self._lines = 0
         self.loaded = False
+        self._quick = False  # a first page was read from the file's end (`newest`)
         self._mutex = threading.RLock()
 
     # -- writing ----------------------------------------------------------------------------------
@@ -165,7 +198,8 @@ class Catalog:
                 self._families.setdefault(family_root(cid), set()).add(cid)
 
     def _read_file(self) -> bool:
-        """Read the whole file into memory; False when there is none."""
+        """Read the whole file into memory; False when there is none. Decoded in one go (a
+        damaged line sends it line by line); ids are checked where they are used (`page`)."""
         self._reset()
         try:
             with open(self.path, "rb") as f:
@@ -173,40 +207,42 @@ class Catalog:
                 data = f.read()
         except FileNotFoundError:
             return False
-        pairs: dict[str, float] = {}
         end = data.rfind(b"\n") + 1
-        for line in data[:end].split(b"\n"):
-            if not line:
-                continue
-            self._lines += 1
-            entry = _decode(line)
-            if entry is None:
-                continue
-            if entry[1] is None:
-                pairs.pop(entry[0], None)
-            else:
-                pairs[entry[0]] = entry[1]
+        pairs: dict[str, float] = {}
+        try:
+            records = orjson.loads(b"[" + data[: end - 1].replace(b"\n", b",") + b"]") if end else []
+            for record in records:
+                cid = record["id"]
+                if type(cid) is not str:
+                    continue
+                if record.get("gone"):
+                    pairs.pop(cid, None)
+                else:
+                    pairs[cid] = float(record["at"])
+            self._lines = len(records)
+        except (orjson.JSONDecodeError, AttributeError, KeyError, TypeError, ValueError):
+            pairs = {}
+            for line in data[:end].split(b"\n"):
+                entry = _decode(line) if line else None
+                if entry is None:
+                    continue
+                if entry[1] is None:
+                    pairs.pop(entry[0], None)
+                else:
+                    pairs[entry[0]] = entry[1]
+            self._lines = data.count(b"\n", 0, end)
         self._bulk(pairs)
         self._identity, self._offset = (stat.st_dev, stat.st_ino), end
         return True
 
     def _on_disk(self) -> set[str]:
-        names = set()
+        """The conversations in the folder (their index files' names; checked only where they
+        differ from the catalog's)."""
         try:
-            with os.scandir(self.store.conversations_dir) as entries:
-                for entry in entries:
-                    name = entry.name
-                    if name.endswith(".jsonl") and is_valid_conversation_id(name[:-6]):
-                        names.add(name[:-6])
+            names = os.listdir(self.store.conversations_dir)
         except FileNotFoundError:
-            pass
-        return names
-
-    def _mtime(self, cid: str) -> float | None:
-        try:
-            return os.stat(self.store.conversations_dir / f"{cid}.jsonl").st_mtime
-        except FileNotFoundError:
-            return None
+            return set()
+        return {name[:-6] for name in names if name.endswith(".jsonl")}
 
     def _rebuild(self) -> None:
         """Write the catalog anew, one line per conversation, oldest change first: what this
@@ -217,11 +253,11 @@ class Catalog:
             if not self._read_file():
                 self._reset()
             names = self._on_disk()
-            pairs = {cid: at for cid, at in self.at.items() if cid in names}
+            pairs = {cid: at for cid, at in self.at.items() if cid in names and isinstance(at, float)}
             for cid in names - pairs.keys():
-                mtime = self._mtime(cid)
-                if mtime is not None:
-                    pairs[cid] = mtime
+                with suppress(FileNotFoundError):
+                    if is_valid_conversation_id(cid):
+                        pairs[cid] = os.stat(self.store.conversations_dir / f"{cid}.jsonl").st_mtime
             self._bulk(pairs)
             if not pairs and not self.path.exists():
                 return  # an empty data dir stays as it was
@@ -238,7 +274,8 @@ class Catalog:
     def _load(self) -> None:
         if self._read_file():
             on_disk = self._on_disk()
-            if on_disk.symmetric_difference(self.at.keys()):
+            differ = on_disk.symmetric_difference(self.at.keys())
+            if any(is_valid_conversation_id(cid) for cid in differ):
                 self._rebuild()  # out of step with the folder (see the module's docstring)
             elif self._lines > _COMPACT_RATIO * len(self.at) + _COMPACT_FLOOR:
                 self._rebuild()
@@ -281,8 +318,15 @@ class Catalog:
                 if at is None:
                     return None
                 end = bisect_left(self._keys, (at, after))
-            start = max(0, end - limit)
-            return [(cid, at) for at, cid in reversed(self._keys[start:end])], start > 0
+            while True:
+                start = max(0, end - limit)
+                keys = self._keys[start:end]
+                bad = [key for key in keys if not is_valid_conversation_id(key[1])]
+                if not bad:
+                    return [(cid, at) for at, cid in reversed(keys)], start > 0
+                for _, cid in bad:  # a foreign line: never a file name, never listed
+                    self._set(cid, None)
+                end -= len(bad)
 
     def forget(self, cid: str) -> None:
         """An index found gone by a reader: out of this process's copy (the file is left alone:
@@ -300,9 +344,48 @@ class Catalog:
             out.discard(cid)
             return out
 
+    def newest(self, limit: int) -> tuple[list[tuple[str, float]], bool] | None:
+        """The first page without loading the catalog (a process that lists once, such as
+        `gateway conversations`): read from the end of the file back, until enough
+        conversations are found (lines are appended in time order, give or take a few racing
+        writers: twice the page is read, then sorted). None when there is no catalog file."""
+        want = 2 * limit + 16
+        latest: dict[str, float | None] = {}
+        live = 0
+        try:
+            f = open(self.path, "rb")  # noqa: SIM115 - closed below
+        except FileNotFoundError:
+            return None
+        with f:
+            pos = os.fstat(f.fileno()).st_size
+            rest = b""
+            while pos > 0 and live < want:
+                step = min(1 << 16, pos)
+                pos -= step
+                f.seek(pos)
+                rest = f.read(step) + rest
+                cut = 0 if pos == 0 else rest.find(b"\n") + 1
+                if cut == 0 and pos > 0:
+                    continue  # not one whole line yet
+                lines, rest = rest[cut:].split(b"\n"), rest[:cut]
+                for line in reversed(lines):
+                    entry = _decode(line) if line else None
+                    if entry is None or entry[0] in latest:
+                        continue
+                    latest[entry[0]] = entry[1]
+                    live += entry[1] is not None
+        found = sorted(((at, cid) for cid, at in latest.items() if at is not None), reverse=True)
+        return [(cid, at) for at, cid in found[:limit]], len(found) > limit
+
     def checked_page(self, limit: int, after: str | None) -> tuple[list[tuple[str, float]], bool] | None:
         """`page`, up to date, each id checked against the folder (one stat each): an index
         removed behind the catalog's back is left out."""
+        if not self.loaded and after is None and not self._quick:
+            self._quick = True  # once: a process that lists again loads the catalog
+            quick = self.newest(limit)
+            folder = self.store.conversations_dir
+            if quick is not None and all(os.path.exists(folder / f"{cid}.jsonl") for cid, _ in quick[0]):
+                return quick
         self.refresh()
         while True:
             page = self.page(limit, after)
@@ -314,9 +397,3 @@ class Catalog:
                 return page
             for cid in gone:
                 self.forget(cid)
-
-    def everything(self) -> list[tuple[str, float]]:
-        """Every conversation, most recent first, up to date."""
-        self.refresh()
-        with self._mutex:
-            return [(cid, at) for at, cid in reversed(self._keys)]

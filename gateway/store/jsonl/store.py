@@ -44,7 +44,7 @@ from gateway.store.base import (
     now,
 )
 from gateway.store.jsonl import branches, fsck, recovery
-from gateway.store.jsonl.catalog import Catalog
+from gateway.store.jsonl.catalog import Catalog, index_times
 from gateway.store.jsonl.files import (
     CONTEXT_PREFIX,
     append_file,
@@ -424,5 +424,7 @@ class JsonlStore(Store):
         return page
 
     async def conversation_ids(self) -> list[tuple[str, float]]:
+        """A scan of the folder (file times: the lifecycle pass's clock); lists use the catalog."""
         with os_errors("list the conversations"):
-            return await asyncio.to_thread(self.catalog.everything)
+            times = await asyncio.to_thread(index_times, self.conversations_dir)
+        return sorted(times, key=lambda pair: pair[1], reverse=True)

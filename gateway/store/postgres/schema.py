@@ -236,6 +236,17 @@ SELECT response_id, record FROM gateway_responses
 WHERE namespace = $1 AND response_id = ANY($2::text[]) AND kind <> 'context'
 ORDER BY response_id, seq
 """
+# `_LOAD` of several conversations, each after its own seq.
+_LOAD_MANY = """
+SELECT w.n, c.incarnation, c.last_seq, i.seq, i.response_id, i.marker, r.record
+FROM unnest($2::text[], $3::bigint[]) WITH ORDINALITY AS w(cid, since, n)
+JOIN gateway_conversations c ON c.namespace = $1 AND c.conversation_id = w.cid
+LEFT JOIN gateway_index i
+       ON i.namespace = c.namespace AND i.conversation_id = c.conversation_id AND i.seq > w.since
+LEFT JOIN gateway_responses r
+       ON r.namespace = i.namespace AND r.response_id = i.response_id AND r.kind <> 'context'
+ORDER BY w.n, i.seq, r.seq
+"""
 _ARCHIVE = f"""
 INSERT INTO gateway_archive (namespace, archive_id, path, content, archived_at)
 SELECT $1::text, $3::text, 'conversation.jsonl',

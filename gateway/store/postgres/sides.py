@@ -10,9 +10,9 @@ import orjson
 
 from gateway.exceptions import NotFound
 from gateway.ids import check_conversation_id, is_valid_conversation_id
-from gateway.store.base import SIDE_LOGS, SideLog
+from gateway.store.base import SIDE_LOGS, IndexEntry, IndexRead, SideLog, Version
 from gateway.store.postgres.log import _SideCache
-from gateway.store.postgres.schema import _FIRST_PAGE, _NEXT_PAGE, Conn, _decode
+from gateway.store.postgres.schema import _FIRST_PAGE, _LOAD_MANY, _NEXT_PAGE, Conn, Row, _decode
 from gateway.types import Record
 
 if TYPE_CHECKING:
@@ -90,3 +90,64 @@ async def page(store: PostgresStore, limit: int, after: str | None) -> tuple[lis
         rows = await store._fetch(action, _NEXT_PAGE, store.namespace, limit + 1, at, after)
     listed = [(str(row["conversation_id"]), float(row["updated_at"])) for row in rows]
     return [p for p in listed[:limit] if is_valid_conversation_id(p[0])], len(listed) > limit
+
+
+def index_read(rows: list[Row], after: Version | None) -> IndexRead | None:
+    """A conversation's `_LOAD` rows as an IndexRead; None when the conversation was replaced
+    since `after` (read it again from the start)."""
+    incarnation, last_seq = int(rows[0]["incarnation"]), int(rows[0]["last_seq"])
+    if after is not None and (after.generation != incarnation or last_seq < after.position):
+        return None
+    entries: list[IndexEntry] = []
+    current = None
+    for row in rows:
+        if row["seq"] is None:
+            continue  # nothing new
+        if row["seq"] != current:
+            current = row["seq"]
+            marker = _decode(row["marker"]) if row["marker"] is not None else None
+            marker = marker if isinstance(marker, dict) else None
+            entries.append(IndexEntry(row["response_id"], marker, []))
+        if row["record"] is not None:
+            value = _decode(row["record"])
+            if isinstance(value, dict) and value.get("type") != "context":
+                entries[-1].records.append(value)
+    return IndexRead(entries, Version(incarnation, last_seq), after is None)
+
+
+async def read_many(store: PostgresStore, wanted: list[tuple[str, Version | None]]) -> list[IndexRead]:
+    """Several conversations, each after its version, in one query."""
+    for cid, _ in wanted:
+        check_conversation_id(cid)
+    since = [after.position if after is not None else 0 for _, after in wanted]
+    rows = await store._fetch(
+        "could not load the conversations", _LOAD_MANY, store.namespace, [c for c, _ in wanted], since
+    )
+    grouped: dict[int, list[Row]] = {}
+    for row in rows:
+        grouped.setdefault(int(row["n"]), []).append(row)
+    out = []
+    for n, (cid, after) in enumerate(wanted, start=1):
+        read = index_read(grouped[n], after) if n in grouped else IndexRead([], None, True)
+        out.append(read if read is not None else await store.read_conversation(cid, None))
+    return out
+
+
+async def read_sides(store: PostgresStore, kind: SideLog, keys: list[str]) -> list[list[Record]]:
+    """Several side logs of one kind in one query (nothing is added to the cache)."""
+    for key in keys:
+        check_side(kind, key)
+    rows = await store._fetch(
+        f"could not read {kind}",
+        "SELECT key, record FROM gateway_side WHERE namespace = $1 AND kind = $2 AND key = ANY($3::text[]) "
+        "ORDER BY key, id",
+        store.namespace,
+        kind,
+        keys,
+    )
+    found: dict[str, list[Record]] = {}
+    for row in rows:
+        value = _decode(row["record"])
+        if isinstance(value, dict):
+            found.setdefault(row["key"], []).append(value)
+    return [found.get(key, []) for key in keys]

@@ -34,7 +34,6 @@ from gateway.store.base import (
     LRU,
     Appended,
     Damage,
-    IndexEntry,
     IndexRead,
     ResponseLog,
     SideLog,
@@ -242,25 +241,19 @@ class PostgresStore(Store):
         if not rows:
             self._note_load(conversation_id, None, 0)
             return IndexRead([], None, True)
-        incarnation, last_seq = int(rows[0]["incarnation"]), int(rows[0]["last_seq"])
-        if after is not None and (after.generation != incarnation or last_seq < after.position):
+        read = sides.index_read(rows, after)
+        if read is None:
             return await self.read_conversation(conversation_id, None, records=records)  # begun anew since
-        entries: list[IndexEntry] = []
-        current = None
-        for row in rows:
-            if row["seq"] is None:
-                continue  # nothing new
-            if row["seq"] != current:
-                current = row["seq"]
-                marker = _decode(row["marker"]) if row["marker"] is not None else None
-                marker = marker if isinstance(marker, dict) else None
-                entries.append(IndexEntry(row["response_id"], marker, []))
-            if records and row["record"] is not None:
-                value = _decode(row["record"])
-                if isinstance(value, dict) and value.get("type") != "context":
-                    entries[-1].records.append(value)
-        self._note_load(conversation_id, incarnation, last_seq)
-        return IndexRead(entries, Version(incarnation, last_seq), after is None)
+        assert read.version is not None
+        self._note_load(conversation_id, int(read.version.generation), read.version.position)
+        return read
+
+    async def read_many(self, wanted: list[tuple[str, Version | None]]) -> list[IndexRead]:
+        """One query for all of them (a page of a list); no lock is held by such readers."""
+        return await sides.read_many(self, wanted)
+
+    async def read_sides(self, kind: SideLog, keys: list[str]) -> list[list[Record]]:
+        return await sides.read_sides(self, kind, keys)
 
     def _forget(self, conversation_id: str | None) -> None:
         """Nothing is cached here (the services cache views); kept as the one place to drop
