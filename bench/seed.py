@@ -10,8 +10,9 @@ snapshot and whatever else the gateway writes), with fresh ids and timestamps. S
 takes its request and reply from template turn t mod K and its context snapshot from template
 turn min(t, K-1), i.e. the steady-state window once the template has filled it. Response ids
 named anywhere in a copied record (e.g. the snapshot's included ids) are mapped to the seeded
-turns they stand for. So a seeded conversation looks exactly like one the gateway grew, and
-10,000 messages take seconds instead of 5,000 round trips.
+turns they stand for, and each request's `before` checkpoint is made anew for its place in the
+seeded conversation (by the gateway's own code). So a seeded conversation looks exactly like one
+the gateway grew, and 10,000 messages take seconds instead of 5,000 round trips.
 """
 
 from __future__ import annotations
