@@ -125,6 +125,25 @@ def _latency_rows(result: dict[str, Any]) -> list[dict[str, Any]]:
     return rows
 
 
+def _cold_rows(result: dict[str, Any], latency: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """Cold first requests per gateway, each as a ratio to the baseline checkout's (same run)
+    and to the gateway's own cold first request on the smallest seeded conversations."""
+    smallest = next((r for r in latency if r["target"] == "gateway" and "cold_first_request_ms" in r), None)
+    rows = []
+    for r in result.get("cold", []):
+        stats = stats_ms(r.pop("samples"))
+        rows.append(
+            {"size": r["size"], "target": r["target"], **{k: stats[k] for k in ("n", "p50", "min", "max")}}
+        )
+    base = {r["size"]: r["p50"] for r in rows if r["target"] == "gateway_base"}
+    for row in rows:
+        row["x_baseline"] = round(row["p50"] / base[row["size"]], 4) if base.get(row["size"]) else None
+        if smallest is not None and smallest["cold_first_request_ms"]:
+            row["vs_cold_of"] = smallest["group"]
+            row["x_vs_cold"] = round(row["p50"] / smallest["cold_first_request_ms"], 3)
+    return rows
+
+
 def _stream_rows(result: dict[str, Any]) -> list[dict[str, Any]]:
     rows = []
     for r in result["stream"]:
@@ -214,6 +233,26 @@ def print_report(result: dict[str, Any]) -> dict[str, Any]:
         " on a seeded conversation (the gateway loads it from disk)"
     )
 
+    cold_rows = _cold_rows(result, latency)
+    if cold_rows:
+        print("\nCold first request on a stored conversation not loaded yet (ms)")
+        print(
+            _row("scenario", width, ("msgs", 7), ("n", 6), ("p50", 8), ("min", 8), ("max", 8), ("x base", 8))
+        )
+        print(rule)
+        for r in cold_rows:
+            cells = (
+                (format(r["size"], ","), 7),
+                (r["n"], 6),
+                (f"{r['p50']:.2f}", 8),
+                (f"{r['min']:.2f}", 8),
+                (f"{r['max']:.2f}", 8),
+                (_ratio(r["x_baseline"]), 8),
+            )
+            vs = f"  {r['x_vs_cold']:.2f}x the cold {r['vs_cold_of']}" if r.get("x_vs_cold") else ""
+            print(_row(str(LABELS.get(r["target"], r["target"])), width, *cells, tail=vs))
+        print("x base = p50 / the baseline checkout's p50 (--baseline), same run")
+
     print("\nStreaming, time to first chunk (ms), 1 message")
     print(_row("scenario", width, ("", 7), *heads, tail="  whole stream p50"))
     print(rule)
@@ -272,4 +311,10 @@ def print_report(result: dict[str, Any]) -> dict[str, Any]:
         print(f"warning: the gateway logged {log['other_lines']} lines besides its access log, e.g.:")
         for line in log["examples"][:3]:
             print(f"  {line[:200]}")
-    return {"latency": latency, "streaming": stream, "throughput": throughput, "gateway": gw}
+    return {
+        "latency": latency,
+        "cold": cold_rows,
+        "streaming": stream,
+        "throughput": throughput,
+        "gateway": gw,
+    }

@@ -371,6 +371,17 @@ def run(args: argparse.Namespace) -> int:
         grown_ids, seeding = seed_conversations(
             ports["gateway"], data_dirs["gateway"], plan.template_turns, sizes
         )
+        # Conversations for the cold-load comparison, in each gateway's own data dir.
+        cold_size, cold_copies = plan.cold
+        template = read_conversation(data_dirs["gateway"], "bench-template")
+        cold_ids = {
+            name: [f"bench-cold-{cold_size}-{c:03d}" for c in range(cold_copies)]
+            for name in ("gateway", "gateway_base")
+            if name in servers
+        }
+        for name, ids in cold_ids.items():
+            for cid in ids:
+                clone_conversation(data_dirs[name], cid, cold_size, template)
         bench = Bench(plan, ports, data_dirs, litellm_key)
         bench.served_conversations = 2  # the first request and the template
         steps: dict[str, float] = {}
@@ -384,6 +395,7 @@ def run(args: argparse.Namespace) -> int:
                         for s, _, w, n in plan.grown
                     )
                 ),
+                ("cold", lambda: bench.cold(cold_size, cold_ids)),
                 ("streaming", bench.streaming),
                 ("throughput", bench.throughput),
             ):

@@ -40,11 +40,13 @@ class Plan:
     throughput_warmup: int = 500
     throughput_stateless: int = 3_000
     conversations_total: int = 10_000  # served before the idle RSS reading
+    # (stored messages, conversations per gateway): the cold-load comparison (`Bench.cold`).
+    cold: tuple[int, int] = (10_000, 5)
 
     @classmethod
     def quick(cls) -> Plan:
         grown = ((200, 3, 1, 10), (1_000, 2, 1, 10), (10_000, 1, 1, 10))
-        return cls((20, 200), (20, 100), grown, (10, 100), 150, 50, 500, 1_000)
+        return cls((20, 200), (20, 100), grown, (10, 100), 150, 50, 500, 1_000, cold=(10_000, 2))
 
 
 def _body(payload: dict[str, Any]) -> bytes:
@@ -63,7 +65,7 @@ class Bench:
         self.ports = ports
         self.data_dirs = data_dirs
         self.litellm_key = litellm_key
-        self.results: dict[str, Any] = {"latency": [], "stream": [], "throughput": []}
+        self.results: dict[str, Any] = {"latency": [], "stream": [], "throughput": [], "cold": []}
         self.served_conversations = 0
         self._seq = 0
         self._control: Connection | None = None
@@ -151,6 +153,22 @@ class Bench:
                 self.record(
                     "latency", group="1 message", target=target, label=label, sent_messages=1, samples=lat
                 )
+
+    async def cold(self, size: int, cids: dict[str, list[str]]) -> None:
+        """The first request on stored conversations of `size` messages that the gateway has
+        not loaded yet (it reads them from disk), on each gateway target in turn: the gateway
+        and, with --baseline, the baseline checkout, interleaved so that noise hits both alike."""
+        conns = {target: self.conn(target) for target in cids}
+        samples: dict[str, list[float]] = {target: [] for target in cids}
+        for k in range(max(len(ids) for ids in cids.values())):
+            for target, ids in cids.items():
+                if k < len(ids):
+                    r = await self.post(conns[target], target, one_message(size // 2, conversation_id=ids[k]))
+                    samples[target].append(r.latency)
+        for conn in conns.values():
+            conn.close()
+        for target, lat in samples.items():
+            self.record("cold", size=size, target=target, samples=lat)
 
     async def grown(self, size: int, cids: list[str], warmup: int, n: int) -> None:
         """Conversations pre-grown to `size` messages. Each iteration sends one new message to

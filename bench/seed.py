@@ -10,8 +10,9 @@ snapshot and whatever else the gateway writes), with fresh ids and timestamps. S
 takes its request and reply from template turn t mod K and its context snapshot from template
 turn min(t, K-1), i.e. the steady-state window once the template has filled it. Response ids
 named anywhere in a copied record (e.g. the snapshot's included ids) are mapped to the seeded
-turns they stand for. So a seeded conversation looks exactly like one the gateway grew, and
-10,000 messages take seconds instead of 5,000 round trips.
+turns they stand for, and each request's `before` checkpoint is made anew for its place in the
+seeded conversation (by the gateway's own code). So a seeded conversation looks exactly like one
+the gateway grew, and 10,000 messages take seconds instead of 5,000 round trips.
 """
 
 from __future__ import annotations
@@ -23,6 +24,10 @@ from pathlib import Path
 from typing import Any
 
 import orjson
+
+from gateway.context import ConversationView
+from gateway.context.records import turn_from_records
+from gateway.context.tail import checkpoint
 
 Record = dict[str, Any]
 _WORDS = (
@@ -90,6 +95,7 @@ def clone_conversation(
     turns = messages // 2
     new_ids = [f"{slug}-{secrets.token_hex(6)}" for _ in range(turns)]
     start = time.time() - 2.0 * turns
+    view = ConversationView()
     for t in range(turns):
         src = t % k
         ctx_src = min(t, k - 1)
@@ -99,7 +105,7 @@ def clone_conversation(
         ctx_ids = {template_ids[j]: new_ids[j + offset] for j in range(ctx_src + 1)}
         ctx_ids[template_cid] = conversation_id
         own_ids = {template_ids[src]: new_ids[t], template_cid: conversation_id}
-        out: list[bytes] = []
+        out: list[Record] = []
         for record in template[src]:
             kind = record.get("type")
             if kind == "context":
@@ -124,8 +130,17 @@ def clone_conversation(
                 record["created"] = start + 2.0 * t
             if kind == "commit" and isinstance(record.get("committed"), int | float):
                 record["committed"] = start + 2.0 * t + 0.001
-            out.append(orjson.dumps(record) + b"\n")
-        (responses / f"{new_ids[t]}.jsonl").write_bytes(b"".join(out))
+            out.append(record)
+        # What the gateway notes in a turn's request about everything before it (its
+        # checkpoint, which lets a load start there), made by the gateway's own code.
+        request = next(r for r in out if r.get("type") == "request")
+        if "before" in request:
+            request["before"] = checkpoint(view)
+        turn = turn_from_records(out)
+        if turn is None:
+            raise ValueError(f"seeded turn {t} is not a committed turn")
+        view.extend(turn)
+        (responses / f"{new_ids[t]}.jsonl").write_bytes(b"".join(orjson.dumps(r) + b"\n" for r in out))
     # The index last: it must never name a response file that is not complete.
     index.write_bytes("".join(f"{rid}\n" for rid in new_ids).encode())
     return new_ids

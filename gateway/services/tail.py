@@ -7,13 +7,14 @@ from __future__ import annotations
 
 import dataclasses
 from collections.abc import Callable, Sequence
+from typing import cast
 
 from gateway.context import ConversationView
 from gateway.context.history import NotLoaded, Turn
 from gateway.context.records import turn_from_records
 from gateway.context.tail import checkpoint_of, resume
 from gateway.store.base import IndexEntry, Store, Version
-from gateway.types import JSONObject, Record
+from gateway.types import JSONObject, Record, as_object
 
 Skipped = Callable[[str, str, list[Record]], None]
 
@@ -51,38 +52,48 @@ async def tail_view(
     """A view holding at least the newest `tail` history messages and the turn `through` (when
     the conversation still holds it), and the version it is at; None if there is no such
     conversation."""
-    read = await store.read_entries(cid)
-    if read.version is None:
+    index = await store.read_entries(cid)
+    if index.version is None:
         return None
-    entries = read.entries
-    positions = [i for i, e in enumerate(entries) if e.response_id is not None]
+    entries = index.entries
+    markers = [i for i, e in enumerate(entries) if e.__class__ is not str]
+    positions = (
+        [i for i, e in enumerate(entries) if e.__class__ is str] if markers else list(range(len(entries)))
+    )
     records: dict[int, list[Record]] = {}
     want = max(_FIRST_READ, tail // 2 + 2)
     if through is not None:  # back to the turn the summary covers through, at once
-        found_at = [n for n, i in enumerate(positions) if entries[i].response_id == through]
+        found_at = [n for n, i in enumerate(positions) if entries[i] == through]
         want = max(want, len(positions) - found_at[-1] + 1) if found_at else want
     while True:
         unread = len(positions) - len(records)
         batch = positions[max(0, unread - want) : unread]
         if batch:
-            found = await store.read_turns([str(entries[i].response_id) for i in batch])
+            found = await store.read_turns([str(entries[i]) for i in batch])
             records.update(zip(batch, found, strict=True))
         if len(records) == len(positions):  # all of it was read after all
-            whole = [
-                dataclasses.replace(e, records=records[i]) if i in records else e
-                for i, e in enumerate(entries)
-            ]
-            view = ConversationView()
-            apply_entries(view, cid, whole, skipped)
-            return read.version, view
+            whole = ConversationView()
+            apply_entries(whole, cid, _entries(entries, records, 0), skipped)
+            return index.version, whole
         # The oldest turn read whose checkpoint can be trusted: it names its own position (a
         # copied or rewritten index, or turns written before checkpoints, are read whole).
         start = next((i for i in sorted(records) if _point(records[i], i)), None)
-        resumed = await _resumed(store, cid, entries, records, start, skipped) if start is not None else None
-        enough = resumed is not None and (len(resumed.history) >= tail or not resumed.partial)
-        if resumed is not None and enough and (through is None or through not in resumed.prefix_ids):
-            return read.version, resumed
+        view = (
+            await _resumed(store, cid, entries, markers, records, start, skipped)
+            if start is not None
+            else None
+        )
+        enough = view is not None and (len(view.history) >= tail or not view.partial)
+        if view is not None and enough and (through is None or through not in view.prefix_ids):
+            return index.version, view
         want *= 2
+
+
+def _entries(entries: list[str | Record], records: dict[int, list[Record]], start: int) -> list[IndexEntry]:
+    return [
+        IndexEntry(e, None, records[i]) if isinstance(e, str) else IndexEntry(None, e, [])
+        for i, e in enumerate(entries[start:], start)
+    ]
 
 
 def _point(records: list[Record], position: int) -> JSONObject | None:
@@ -93,7 +104,8 @@ def _point(records: list[Record], position: int) -> JSONObject | None:
 async def _resumed(
     store: Store,
     cid: str,
-    entries: list[IndexEntry],
+    entries: list[str | Record],
+    markers: list[int],
     records: dict[int, list[Record]],
     start: int,
     skipped: Skipped,
@@ -115,21 +127,18 @@ async def _resumed(
             if owner is None or getattr(owner, field) is None:
                 return None
         owners.append(owner)
-    reset = max((i for i in range(start) if (entries[i].marker or {}).get("type") == "reset"), default=-1)
-    prefix = frozenset(str(e.response_id) for e in entries[reset + 1 : start] if e.response_id is not None)
+    before = [i for i in markers if i < start]
+    reset = max((i for i in before if as_object(entries[i]).get("type") == "reset"), default=-1)
+    ids = entries[reset + 1 : start]
+    prefix = frozenset(cast(list[str], ids) if not before else (e for e in ids if isinstance(e, str)))
     view = resume(point, prefix, *owners)
-    for entry in entries[:start]:  # the metadata in force comes from the index's markers
-        marker = entry.marker or {}
+    for i in before:  # the metadata in force comes from the index's markers
+        marker = as_object(entries[i])
         metadata = marker.get("metadata")
         if marker.get("type") in ("conversation", "metadata") and isinstance(metadata, dict):
             view.metadata = {str(k): str(v) for k, v in metadata.items()}
-    rest = [
-        dataclasses.replace(e, records=records[i]) if e.response_id else e
-        for i, e in enumerate(entries)
-        if i >= start
-    ]
     try:
-        apply_entries(view, cid, rest, skipped, resumed=True)
+        apply_entries(view, cid, _entries(entries, records, start), skipped, resumed=True)
     except NotLoaded:
         return None
     return view

@@ -119,6 +119,15 @@ class IndexRead:
 
 
 @dataclass(frozen=True, slots=True)
+class IndexList:
+    """A whole index as `read_entries` gives it: response ids and marker records, in order,
+    and the version it is at (None: there is no such conversation)."""
+
+    entries: list[str | Record]
+    version: Version | None
+
+
+@dataclass(frozen=True, slots=True)
 class Damage:
     """What `Store.check` found (`gateway fsck`): where (a file relative to the store's root
     and its line, or a table and row), what is wrong, and what repairing does or did about it."""
@@ -196,11 +205,13 @@ class Store(ABC):
         """The index entries after `after` (all of them when None, or when the index was
         replaced since). A torn last line is repaired only by a holder of the lock."""
 
-    async def read_entries(self, conversation_id: str) -> IndexRead:
-        """All the index entries, as `read_conversation` gives them, except that a response's
-        records may be left out (read the ones needed with `read_turns`): the index alone,
-        whatever the conversation's size. (This default reads them all.)"""
-        return await self.read_conversation(conversation_id)
+    async def read_entries(self, conversation_id: str) -> IndexList:
+        """The whole index alone, whatever the conversation's size, at the version
+        `read_conversation` would give (read the responses needed with `read_turns`). This
+        default reads every response: backends override it."""
+        read = await self.read_conversation(conversation_id)
+        entries = [e.marker if e.marker is not None else str(e.response_id) for e in read.entries]
+        return IndexList(entries, read.version)
 
     async def read_turns(self, response_ids: Sequence[str]) -> list[list[Record]]:
         """The records of these responses, in order, context snapshots left out (as

@@ -8,7 +8,17 @@ from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 
 from gateway.exceptions import ConversationBusy, NotFound
-from gateway.store.base import Appended, IndexEntry, IndexRead, ResponseLog, SideLog, Store, Version, now
+from gateway.store.base import (
+    Appended,
+    IndexEntry,
+    IndexList,
+    IndexRead,
+    ResponseLog,
+    SideLog,
+    Store,
+    Version,
+    now,
+)
 from gateway.types import JSONObject, Record
 
 
@@ -81,13 +91,12 @@ class MemoryStore(Store):
         finally:
             lock.release()
 
-    async def read_entries(self, conversation_id: str) -> IndexRead:
-        return self._read(conversation_id, None, records=False)
+    async def read_entries(self, conversation_id: str) -> IndexList:
+        if conversation_id not in self.indexes:
+            return IndexList([], None)
+        return IndexList(copy.deepcopy(self.indexes[conversation_id]), self._version(conversation_id))
 
     async def read_conversation(self, conversation_id: str, after: Version | None = None) -> IndexRead:
-        return self._read(conversation_id, after, records=True)
-
-    def _read(self, conversation_id: str, after: Version | None, *, records: bool) -> IndexRead:
         if conversation_id not in self.indexes:
             return IndexRead([], None, True)
         version = self._version(conversation_id)
@@ -99,12 +108,8 @@ class MemoryStore(Store):
             if isinstance(entry, dict):
                 entries.append(IndexEntry(None, copy.deepcopy(entry), []))
             else:
-                kept = (
-                    [r for r in self.responses.get(entry, []) if r.get("type") != "context"]
-                    if records
-                    else []
-                )
-                entries.append(IndexEntry(entry, None, kept))
+                records = [r for r in self.responses.get(entry, []) if r.get("type") != "context"]
+                entries.append(IndexEntry(entry, None, records))
         return IndexRead(entries, version, restarted)
 
     def start(self, response_id: str, request: Record) -> ResponseLog:

@@ -24,6 +24,7 @@ from gateway.exceptions import (
 from gateway.ids import mint_response_id
 from gateway.store.base import Store, Version, now
 from gateway.store.jsonl import JsonlStore, parse_index, parse_jsonl
+from gateway.store.jsonl.files import read_index_lines, read_records, read_turn_records
 from gateway.store.memory import MemoryStore
 from gateway.store.postgres import PostgresStore
 from tests.helpers import commit_turn, reply, request_record, user
@@ -262,10 +263,9 @@ async def test_the_index_alone_and_the_turns_it_names_read_apart(store: Store) -
     rids = [await commit_turn(store, "split", f"turn {n}") for n in range(3)]
     whole = await store.read_conversation("split")
     alone = await store.read_entries("split")
-    assert alone.version == whole.version and alone.restarted
-    assert [(e.response_id, e.marker) for e in alone.entries] == [
-        (e.response_id, e.marker) for e in whole.entries
-    ]
+    assert alone.version == whole.version
+    assert alone.entries == [e.marker if e.marker is not None else e.response_id for e in whole.entries]
+    assert alone.entries == await store.read_index("split")
     missing = mint_response_id("test/model")
     turns = await store.read_turns([rids[2], missing, rids[0]])
     assert turns == [whole.entries[3].records, [], whole.entries[1].records]
@@ -801,6 +801,73 @@ def test_parsers_raise_only_corrupt_record(data: bytes) -> None:
         # Only whole lines are consumed: a torn tail is left for repair.
         assert consumed == data.rfind(b"\n") + 1
         assert isinstance(values, list)
+
+
+_index_lines = st.sampled_from(
+    [
+        b"m-0123456789ab\n",
+        b"gpt-4o.mini_x-00112233aabb\n",
+        b"a" * 100 + b"-0123456789ab\n",
+        b"a" * 101 + b"-0123456789ab\n",  # a prefix too long
+        b".m-0123456789ab\n",  # a leading dot
+        b"m-0123456789AB\n",  # not lower-case hex
+        b"m-0123456789a\n",
+        b"-0123456789ab\n",
+        b" m-0123456789ab \n",
+        b"\n",
+        b'{"type":"reset","at":1}\n',
+        b' {"type":"metadata","metadata":{"k":"v"}}\n',
+        b"{not json\n",
+        b"[1]\n",
+        b"m-0123456789ab",  # a torn last line
+        b"m\xff-0123456789ab\n",
+    ]
+)
+
+
+@settings(max_examples=300, deadline=None)
+@given(st.lists(_index_lines, max_size=12).map(b"".join))
+def test_the_fast_index_reader_reads_what_parse_index_reads(data: bytes) -> None:
+    """`read_index_lines` (runs of ids checked at once) gives parse_index's entries, or its
+    error with the same line."""
+    try:
+        expected: Any = parse_index(data, path="x.jsonl")
+    except CorruptRecord as exc:
+        expected = (exc.path, exc.lineno)
+    try:
+        got: Any = read_index_lines(data, path="x.jsonl")
+    except CorruptRecord as exc:
+        got = (exc.path, exc.lineno)
+    assert got == expected
+
+
+@pytest.mark.parametrize(
+    "shape", ["big context", "refit", "big reply", "big request", "tombstoned", "small", "torn", "no context"]
+)
+def test_a_turn_read_from_its_head_and_tail_is_the_whole_log_without_context(
+    shape: str, tmp_path: Path
+) -> None:
+    """`read_turn_records` skips the context snapshot by reading around it; every other shape
+    is read whole: the records are those of read_records(skip_context=True)."""
+    big = "x" * 40_000
+    request = {"type": "request", "input": [user(big if shape == "big request" else "hi")]}
+    context = {"type": "context", "messages": [user(big if shape != "small" else "s")]}
+    response = {"type": "response", "message": reply(big if shape == "big reply" else "ok")}
+    records: list[dict[str, Any]] = [request, context]
+    records += [context] if shape == "refit" else []
+    records += [response, {"type": "commit"}]
+    if shape == "no context":
+        records = [request, {"type": "note", "pad": big}, response, {"type": "commit"}]
+    if shape == "tombstoned":
+        records.append({"type": "deleted", "at": 1.0})
+    data = b"".join(json.dumps(r, separators=(",", ":")).encode() + b"\n" for r in records)
+    if shape == "torn":
+        data += b'{"type":"dele'
+    path = tmp_path / "r.jsonl"
+    path.write_bytes(data)
+    expected = read_records(path, "r.jsonl", skip_context=True)
+    assert read_turn_records(path, "r.jsonl") == expected
+    assert all(r["type"] != "context" for r in expected) and expected[0] == request
 
 
 def test_parsers_reject_deep_nesting_as_corrupt() -> None:

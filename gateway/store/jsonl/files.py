@@ -4,6 +4,7 @@ without leaving a short write unnoticed."""
 from __future__ import annotations
 
 import os
+import re
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
@@ -11,7 +12,7 @@ from pathlib import Path
 import orjson
 
 from gateway.exceptions import CorruptRecord, StorageError
-from gateway.ids import is_valid_conversation_id, is_valid_response_id
+from gateway.ids import RESPONSE_ID_RE, is_valid_conversation_id, is_valid_response_id
 from gateway.types import Record
 
 CONTEXT_PREFIX = b'{"type":"context"'
@@ -58,6 +59,50 @@ def parse_index(data: bytes, *, path: str = "") -> tuple[list[str | Record], int
         if not is_valid_response_id(text):
             raise CorruptRecord("index line is not a response id", path=path, lineno=lineno)
         entries.append(text)
+    return entries, end
+
+
+# Index lines that are response ids (RESPONSE_ID_RE, not starting with a dot), checked a run
+# of lines at a time: only allowed bytes, every line ending in "-" and 12 hex digits, no line
+# starting with a dot, every line 14 to 113 bytes long.
+_ID_BYTES = b"ABCDEFGHIJKLMNOPQRSTUVWXYZabcdefghijklmnopqrstuvwxyz0123456789._-\n"
+_ID_ENDS = re.compile(rb"-[0-9a-f]{12}\n")
+_MARKER_LINE = re.compile(rb"^\{.*\n", re.MULTILINE)
+assert RESPONSE_ID_RE.pattern == r"[A-Za-z0-9._-]{1,100}-[0-9a-f]{12}", "update the checks above"
+
+
+def _plain_ids(run: bytes) -> list[str] | None:
+    """The response ids of a run of index lines (ending in a newline), if that is all it is."""
+    lines = run[:-1].split(b"\n")
+    if run[:1] == b"." or b"\n." in run or run.translate(None, _ID_BYTES):
+        return None
+    if len(_ID_ENDS.findall(run)) != len(lines) or max(map(len, lines)) > 113 or min(map(len, lines)) < 14:
+        return None
+    return run[:-1].decode("ascii").split("\n")
+
+
+def read_index_lines(data: bytes, *, path: str = "") -> tuple[list[str | Record], int]:
+    """`parse_index`, at C speed for what indexes hold: runs of plain id lines between
+    marker lines (anything else is left to `parse_index`, which also says where it is)."""
+    end = data.rfind(b"\n") + 1
+    entries: list[str | Record] = []
+    at = 0
+    for found in [*(_MARKER_LINE.finditer(data, 0, end) if b"{" in data else ()), None]:
+        stop = found.start() if found is not None else end
+        if stop > at:
+            ids = _plain_ids(data[at:stop])
+            if ids is None:
+                return parse_index(data, path=path)
+            entries.extend(ids)
+        if found is not None:
+            try:
+                marker = orjson.loads(found.group())
+            except orjson.JSONDecodeError:
+                return parse_index(data, path=path)
+            if not isinstance(marker, dict):
+                return parse_index(data, path=path)
+            entries.append(marker)
+            at = found.end()
     return entries, end
 
 
@@ -131,3 +176,47 @@ def file_size(path: Path) -> int:
         return os.stat(path).st_size
     except FileNotFoundError:
         return 0
+
+
+def read_records(path: Path, shown: str, *, skip_context: bool = False) -> list[Record]:
+    """The records of a JSONL file (none if it is missing); `skip_context`: without context
+    snapshot lines (the bulk of a response log, not needed to rebuild history)."""
+    try:
+        data = path.read_bytes()
+    except FileNotFoundError:
+        return []
+    if skip_context and CONTEXT_PREFIX in data:
+        lines = data.split(b"\n")
+        data = b"\n".join(line for line in lines if not line.startswith(CONTEXT_PREFIX))
+    records, _ = parse_jsonl(data, path=shown)
+    return [r for r in records if isinstance(r, dict)]
+
+
+# A response log is written request, context snapshot(s), response, commit: when the snapshot
+# is big, its head and tail hold everything else.
+_CHUNK = 8192
+_RESPONSE_PREFIX = b'{"type":"response"'
+
+
+def read_turn_records(path: Path, shown: str) -> list[Record]:
+    """`read_records(skip_context=True)`, reading only the head (the request line) and the tail
+    (the response record on) of a log whose context snapshot lies between them: a turn costs
+    the same to read whatever window it sent. Any other shape is read whole."""
+    try:
+        fd = os.open(path, os.O_RDONLY)
+    except FileNotFoundError:
+        return []
+    try:
+        size = os.fstat(fd).st_size
+        head = os.pread(fd, _CHUNK, 0) if size > 2 * _CHUNK else b""
+        tail = os.pread(fd, _CHUNK, size - _CHUNK) if head else b""
+    finally:
+        os.close(fd)
+    first, cut = head.find(b"\n") + 1, tail.find(b"\n") + 1
+    if first and head.startswith(CONTEXT_PREFIX, first) and tail.startswith(_RESPONSE_PREFIX, cut):
+        try:
+            records, _ = parse_jsonl(head[:first] + tail[cut:], path=shown)
+            return [r for r in records if isinstance(r, dict)]
+        except CorruptRecord:
+            pass  # read whole, to say on which line
+    return read_records(path, shown, skip_context=True)

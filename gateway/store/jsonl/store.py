@@ -36,6 +36,7 @@ from gateway.store.base import (
     Appended,
     Damage,
     IndexEntry,
+    IndexList,
     IndexRead,
     ResponseLog,
     SideLog,
@@ -46,14 +47,15 @@ from gateway.store.base import (
 from gateway.store.jsonl import branches, fsck, recovery
 from gateway.store.jsonl.catalog import Catalog, index_times
 from gateway.store.jsonl.files import (
-    CONTEXT_PREFIX,
     append_file,
     file_size,
     fsync_dir,
     index_generation,
     os_errors,
     parse_index,
-    parse_jsonl,
+    read_index_lines,
+    read_records,
+    read_turn_records,
     write_all,
 )
 from gateway.store.jsonl.journal import Writer
@@ -232,19 +234,13 @@ class JsonlStore(Store):
 
     # -- reading ----------------------------------------------------------------------------
     def _read_records(self, path: Path, *, skip_context: bool = False) -> list[Record]:
-        try:
-            data = path.read_bytes()
-        except FileNotFoundError:
-            return []
-        if skip_context and CONTEXT_PREFIX in data:
-            lines = data.split(b"\n")
-            data = b"\n".join(line for line in lines if not line.startswith(CONTEXT_PREFIX))
-        records, _ = parse_jsonl(data, path=self.shown(path))
-        return [r for r in records if isinstance(r, dict)]
+        shown = self.shown(path)
+        return read_turn_records(path, shown) if skip_context else read_records(path, shown)
 
-    def _read_sync(
-        self, conversation_id: str, after: Version | None, repair: bool, records: bool = True
-    ) -> IndexRead:
+    def _read_raw(
+        self, conversation_id: str, after: Version | None, repair: bool
+    ) -> tuple[list[str | Record], Version, bool] | None:
+        """The index lines after `after`: (entries, version, restarted); None if no index."""
         path = self.index_path(conversation_id)
         try:
             with open(path, "rb") as f:
@@ -253,33 +249,37 @@ class JsonlStore(Store):
                 restarted = after is None or after.generation != generation or stat.st_size < after.position
                 start = 0 if restarted or after is None else after.position
                 if not restarted and after is not None and stat.st_size == start:
-                    return IndexRead([], after, False)
+                    return [], after, False
                 f.seek(start)
                 data = f.read()
         except FileNotFoundError:
             self._sizes.pop(conversation_id, None)
-            return IndexRead([], None, True)
-        raw, consumed = parse_index(data, path=self.shown(path))
+            return None
+        raw, consumed = read_index_lines(data, path=self.shown(path))
         if consumed < len(data) and repair:
             # A torn last line: the crash happened before its fsync, so it was never acknowledged.
             log.warning("repairing torn last line of %s", path)
             os.truncate(path, start + consumed)
+        self._sizes[conversation_id] = start + consumed
+        return raw, Version(generation, start + consumed), restarted
+
+    def _read_sync(self, conversation_id: str, after: Version | None, repair: bool) -> IndexRead:
+        found = self._read_raw(conversation_id, after, repair)
+        if found is None:
+            return IndexRead([], None, True)
+        raw, version, restarted = found
         entries = [
             IndexEntry(None, entry, [])
             if isinstance(entry, dict)
-            else IndexEntry(
-                entry,
-                None,
-                self._read_records(self.response_path(entry), skip_context=True) if records else [],
-            )
+            else IndexEntry(entry, None, self._read_records(self.response_path(entry), skip_context=True))
             for entry in raw
         ]
-        self._sizes[conversation_id] = start + consumed
-        return IndexRead(entries, Version(generation, start + consumed), restarted)
+        return IndexRead(entries, version, restarted)
 
-    async def read_entries(self, conversation_id: str) -> IndexRead:
+    async def read_entries(self, conversation_id: str) -> IndexList:
         with os_errors("read the conversation"):
-            return self._read_sync(conversation_id, None, self.holds_lock(conversation_id), records=False)
+            found = self._read_raw(conversation_id, None, self.holds_lock(conversation_id))
+        return IndexList([], None) if found is None else IndexList(found[0], found[1])
 
     async def read_conversation(self, conversation_id: str, after: Version | None = None) -> IndexRead:
         # A torn last line is cut only by a holder of the lock: without it, the "torn" line may

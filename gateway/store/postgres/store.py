@@ -15,7 +15,7 @@ are written in one transaction, so the index never names an incomplete response.
 conversation are serialized across replicas by a session advisory lock held on one dedicated
 connection per process (released by PostgreSQL if the process dies), and every append checks
 the tail the turn was built on, so even a lost lock can never fork a history (409 instead).
-A reader gets the entries after a `Version` (incarnation, last seq): one query, one round trip.
+A reader gets the entries after a `Version` (incarnation, last seq) in one query.
 """
 
 from __future__ import annotations
@@ -34,6 +34,7 @@ from gateway.store.base import (
     LRU,
     Appended,
     Damage,
+    IndexList,
     IndexRead,
     ResponseLog,
     SideLog,
@@ -223,9 +224,10 @@ class PostgresStore(Store):
         hold = self._holds.get(cid)
         return hold.expected if hold is not None else None
 
-    # -- reading ------------------------------------------------------------------------------------
-    async def read_entries(self, conversation_id: str) -> IndexRead:
-        return await self.read_conversation(conversation_id, records=False)
+    async def read_entries(self, conversation_id: str) -> IndexList:
+        read = await self.read_conversation(conversation_id, records=False)
+        entries = [e.marker if e.marker is not None else str(e.response_id) for e in read.entries]
+        return IndexList(entries, read.version)
 
     async def read_conversation(
         self, conversation_id: str, after: Version | None = None, *, records: bool = True
@@ -256,8 +258,7 @@ class PostgresStore(Store):
         return await sides.read_sides(self, kind, keys)
 
     def _forget(self, conversation_id: str | None) -> None:
-        """Nothing is cached here (the services cache views); kept as the one place to drop
-        per-conversation state after a failed or foreign write."""
+        """Nothing is cached here (the services cache views): the place to drop it if ever."""
 
     def start(self, response_id: str, request: Record) -> ResponseLog:
         if not is_valid_response_id(response_id):
