@@ -77,8 +77,9 @@ def data_files(root: Path) -> dict[str, bytes]:
     return {
         str(p.relative_to(root)): p.read_bytes()
         for p in sorted(root.rglob("*"))
-        # Locks and the conversation catalog are derived state, not data: never exported.
-        if p.is_file() and not {"locks", "catalog"} & set(p.relative_to(root).parts)
+        # Locks, the conversation catalog and the write-ahead journals are derived or recovery
+        # state, not data: never exported.
+        if p.is_file() and not {"locks", "catalog", "journal"} & set(p.relative_to(root).parts)
     }
 
 
