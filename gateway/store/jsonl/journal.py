@@ -16,10 +16,10 @@ import asyncio
 import ctypes
 import logging
 import os
-import queue
 import secrets
 import threading
 import time
+from collections import deque
 from collections.abc import Callable
 from typing import TYPE_CHECKING
 
@@ -39,6 +39,7 @@ log = logging.getLogger("gateway.store")
 ROTATE_SECONDS = 1.0
 ROTATE_BYTES = 8 << 20
 IDLE_EXIT_SECONDS = 5.0
+LAZY_SECONDS = 0.02  # the longest a job queued without waking the thread waits
 
 _syncfs: Callable[[int], int] | None = getattr(ctypes.CDLL(None, use_errno=True), "syncfs", None)
 
@@ -89,7 +90,8 @@ class Writer:
 
     def __init__(self, store: JsonlStore) -> None:
         self.store = store
-        self._queue: queue.SimpleQueue[Job | None] = queue.SimpleQueue()
+        self._jobs: deque[Job | None] = deque()
+        self._wake = threading.Event()
         self._guard = threading.Lock()
         self._running = False
         self._thread: threading.Thread | None = None
@@ -99,8 +101,12 @@ class Writer:
         self._checkpoint: threading.Thread | None = None
 
     # -- submitting (event loop side) -------------------------------------------------------
-    def submit(self, job: Job) -> None:
-        self._queue.put(job)
+    def submit(self, job: Job, *, wake: bool = True) -> None:
+        """Queue a job; `wake=False` for work nobody waits on yet (a response file to create):
+        the thread takes it with the next woken batch, or within LAZY_SECONDS."""
+        self._jobs.append(job)
+        if wake:
+            self._wake.set()
         if not self._running:
             with self._guard:
                 if not self._running:
@@ -120,7 +126,7 @@ class Writer:
         """Finish the queued work, then make the journal's turns durable and remove it."""
         thread = self._thread
         if thread is not None and self._running:
-            self._queue.put(None)
+            self.submit(None)  # type: ignore[arg-type]
             thread.join()
         if self._checkpoint is not None:
             self._checkpoint.join()
@@ -140,19 +146,17 @@ class Writer:
     def _run(self) -> None:
         idle_since = time.monotonic()
         while True:
-            try:
-                first = self._queue.get(timeout=ROTATE_SECONDS)
-            except queue.Empty:
-                self._rotate(idle=True)
-                if time.monotonic() - idle_since > IDLE_EXIT_SECONDS and self._exit_if_idle():
-                    return
+            self._wake.wait(timeout=LAZY_SECONDS)
+            self._wake.clear()
+            jobs: list[Job | None] = []
+            while self._jobs:
+                jobs.append(self._jobs.popleft())
+            if not jobs:
+                if time.monotonic() - idle_since >= ROTATE_SECONDS:
+                    self._rotate(idle=True)
+                    if time.monotonic() - idle_since > IDLE_EXIT_SECONDS and self._exit_if_idle():
+                        return
                 continue
-            jobs = [first]
-            while True:
-                try:
-                    jobs.append(self._queue.get_nowait())
-                except queue.Empty:
-                    break
             stop = None in jobs
             self._process([job for job in jobs if job is not None])
             if stop:
@@ -164,7 +168,7 @@ class Writer:
 
     def _exit_if_idle(self) -> bool:
         with self._guard:
-            if self._queue.empty() and (self.current is None or not self.current.size):
+            if not self._jobs and (self.current is None or not self.current.size):
                 self._running = False
                 return True
         return False

@@ -36,7 +36,7 @@ class JsonlLog(ResponseLog):
         self.create_error: str | None = None
         # Created in the writer thread while the provider works (file creation is slow and
         # erratic on some disks); nothing waits for it until the commit, queued behind it.
-        store.writer.submit(Job("create", self))
+        store.writer.submit(Job("create", self), wake=False)
 
     def create(self) -> None:
         try:
