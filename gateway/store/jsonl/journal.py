@@ -103,7 +103,7 @@ class Writer:
     # -- submitting (event loop side) -------------------------------------------------------
     def submit(self, job: Job, *, wake: bool = True) -> None:
         """Queue a job; `wake=False` for work nobody waits on yet (a response file to create):
-        the thread takes it with the next woken batch, or within LAZY_SECONDS."""
+        the thread takes it with the next woken batch (or within LAZY_SECONDS when busy)."""
         self._jobs.append(job)
         if wake:
             self._wake.set()
@@ -146,7 +146,9 @@ class Writer:
     def _run(self) -> None:
         idle_since = time.monotonic()
         while True:
-            self._wake.wait(timeout=LAZY_SECONDS)
+            # Queued work nobody waits on yet is taken within LAZY_SECONDS; an idle thread
+            # sleeps until woken (a commit then takes the queued creations along).
+            self._wake.wait(timeout=LAZY_SECONDS if self._jobs else ROTATE_SECONDS)
             self._wake.clear()
             jobs: list[Job | None] = []
             while self._jobs:
