@@ -53,7 +53,7 @@ from gateway.store.jsonl.files import (
     parse_jsonl,
     write_all,
 )
-from gateway.store.jsonl.journal import Writer
+from gateway.store.jsonl.journal import Journal
 from gateway.store.jsonl.locks import CrossProcessLock
 from gateway.store.jsonl.log import JsonlLog
 from gateway.types import Record
@@ -97,7 +97,7 @@ class JsonlStore(Store):
         # Set by the first failed fsync: the kernel may have dropped the dirty pages, and a
         # later fsync could succeed without them, so no write is acknowledged after it.
         self.sync_failed: str | None = None
-        self.writer = Writer(self)  # the file work of turns: one thread, one journal
+        self.journal = Journal(self)  # commits' one shared fdatasync (durability fsync)
 
     @property
     def refusing_writes(self) -> str | None:
@@ -220,7 +220,7 @@ class JsonlStore(Store):
             raise StorageError(f"the data dir cannot be written: {exc.strerror or exc}") from exc
 
     async def close(self) -> None:
-        await asyncio.to_thread(self.writer.stop)
+        await asyncio.to_thread(self.journal.stop)
         if self._lock_fd >= 0:
             os.close(self._lock_fd)
             self._lock_fd = -1
