@@ -44,7 +44,7 @@ class Plan:
     throughput_stateless: int = 3_000
     conversations_total: int = 10_000  # served before the idle RSS reading
     # requests per (target, clients) cell of the scaling table, after a warmup of a fifth
-    scaling: tuple[int, ...] = (300, 1_500, 2_000, 2_000)
+    scaling: tuple[int, ...] = (200, 600, 1_000, 1_000)
 
     @classmethod
     def quick(cls) -> Plan:
