@@ -108,3 +108,15 @@ def append_file(path: Path, data: bytes, *, sync: Callable[[int], None] | None, 
     finally:
         os.close(fd)
     return before
+
+
+def probe_file(path: Path, sync: bool) -> None:
+    """Create, write (and sync) and remove a small file: fails as a turn's write would."""
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+    try:
+        write_all(fd, b"probe\n")
+        if sync:
+            os.fdatasync(fd)
+    finally:
+        os.close(fd)
+    os.unlink(path)

@@ -51,6 +51,7 @@ from gateway.store.jsonl.files import (
     os_errors,
     parse_index,
     parse_jsonl,
+    probe_file,
     write_all,
 )
 from gateway.store.jsonl.journal import Journal
@@ -63,10 +64,7 @@ log = logging.getLogger("gateway.store")
 # Conversations bigger than this (index bytes) are loaded in a worker thread.
 _THREAD_LOAD_BYTES = 4096
 # The conversations whose lock the running task holds (readers without it never repair).
-_HELD: contextvars.ContextVar[frozenset[str]] = contextvars.ContextVar(
-    "gateway_held_locks", default=frozenset()
-)
-# Context snapshots are the bulk of a response log and are not needed to rebuild history.
+_HELD: contextvars.ContextVar[frozenset[str]] = contextvars.ContextVar("gateway_held", default=frozenset())
 
 
 class JsonlStore(Store):
@@ -202,20 +200,8 @@ class JsonlStore(Store):
     async def probe(self) -> None:
         """Create, write, sync and remove a small file in the data dir (a full or read-only
         disk, or a vanished folder, fails here before a turn does)."""
-        path = self.locks_dir / f".probe-{os.getpid()}"
-
-        def write() -> None:
-            fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
-            try:
-                write_all(fd, b"probe\n")
-                if self.fsync:
-                    os.fdatasync(fd)
-            finally:
-                os.close(fd)
-            os.unlink(path)
-
         try:
-            await asyncio.to_thread(write)
+            await asyncio.to_thread(probe_file, self.locks_dir / f".probe-{os.getpid()}", self.fsync)
         except OSError as exc:
             raise StorageError(f"the data dir cannot be written: {exc.strerror or exc}") from exc
 
