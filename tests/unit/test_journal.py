@@ -204,3 +204,19 @@ async def test_without_durability_there_is_no_journal(tmp_path: Path) -> None:
     with pytest.raises(NotFound):
         await store.read_index("other")
     await store.close()
+
+
+async def test_the_record_of_deletions_goes_with_the_last_journal(tmp_path: Path) -> None:
+    first, second = JsonlStore(tmp_path / "var"), JsonlStore(tmp_path / "var")
+    await first.open()
+    await second.open()
+    await commit_turn(first, "conv", "one")
+    await commit_turn(second, "other", "two")
+    async with first.lock("conv", 5):
+        await first.delete_conversation("conv")
+    forgotten = first.journal_dir / "forgotten.jsonl"
+    assert forgotten.exists()
+    await first.close()
+    assert forgotten.exists()  # the second process's journal may still hold older entries
+    await second.close()
+    assert not forgotten.exists() and journals(first.root) == []

@@ -97,6 +97,7 @@ class Journal:
         self._thread: threading.Thread | None = None
         self._checkpoints: list[threading.Thread] = []
         self._loop: asyncio.AbstractEventLoop | None = None
+        self._stopped = False  # by `stop`: nothing is switched or emptied in the background
 
     # -- the event loop's side --------------------------------------------------------------
     async def append(self, data: bytes) -> JournalFile:
@@ -104,6 +105,7 @@ class Journal:
         and calls `done`."""
         if self.current is None:
             await self._open()
+            self._stopped = False
         self._maybe_rotate()
         journal = self.current
         assert journal is not None
@@ -177,7 +179,7 @@ class Journal:
         """Switch to the other journal (every ROTATE_SECONDS, or ROTATE_BYTES, or when idle);
         the old one is emptied once its commits' files are written and synced."""
         current, spare = self.current, self.spare
-        if current is None or spare is None or not current.size or not spare.ready:
+        if self._stopped or current is None or spare is None or not current.size or not spare.ready:
             return
         if not (idle or current.size >= ROTATE_BYTES or time.monotonic() - self._since >= ROTATE_SECONDS):
             return
@@ -188,6 +190,8 @@ class Journal:
             self._empty_later(current)
 
     def _empty_later(self, journal: JournalFile) -> None:
+        if self._stopped:
+            return  # `stop` syncs and removes it
         journal.retired = False
         journal.ready = False
         thread = threading.Thread(target=self._empty, args=(journal,), name="gateway-journal-checkpoint")
@@ -250,7 +254,9 @@ class Journal:
                     pass
 
     def stop(self) -> None:
-        """After the last commit: make the journal's turns durable and remove it."""
+        """After the last commit: make the journal's turns durable and remove it (and the
+        record of deletions, when no journal is left that it could concern)."""
+        self._stopped = True
         with self._guard:
             thread = self._thread if self._running else None
         if thread is not None:
@@ -267,6 +273,11 @@ class Journal:
             except OSError as exc:
                 log.warning("journal %s left for recovery: %s", journal.path, exc)
             os.close(journal.fd)
+        folder = self.store.journal_dir
+        if folder.is_dir():
+            with file_lock(self.store.locks_dir / "journal.lock"):
+                if not any(folder.glob("*.wal")):
+                    (folder / "forgotten.jsonl").unlink(missing_ok=True)
         self.current = self.spare = None
         self._opening = None
 
