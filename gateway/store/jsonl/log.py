@@ -61,6 +61,7 @@ class JsonlLog(ResponseLog):
                 except OSError as exc:
                     reason = exc.strerror or str(exc)
                     self.mark_failed(records, reason, None, -1)
+                    journal.abort(self.response_id)  # a failed sync may have written it
                     raise StorageError(f"could not record the response durably: {reason}") from exc
                 try:
                     appended = self.finish(tail, conversation_id)
