@@ -81,6 +81,28 @@ def rss_kib(pid: int) -> int:
     return total
 
 
+def cpu_seconds(pid: int) -> float:
+    """User + system CPU time of `pid` plus all its live descendants, in seconds (0 if gone):
+    CPU per request stays meaningful when other work shares the cores, unlike req/s."""
+    tick = os.sysconf("SC_CLK_TCK")
+    total = 0
+    todo = [pid]
+    seen: set[int] = set()
+    while todo and len(seen) < 10_000:
+        p = todo.pop()
+        if p in seen:
+            continue
+        seen.add(p)
+        try:
+            fields = Path(f"/proc/{p}/stat").read_text().rsplit(")", 1)[1].split()
+            total += int(fields[11]) + int(fields[12])  # utime, stime (fields 14 and 15)
+            for task in Path(f"/proc/{p}/task").iterdir():
+                todo.extend(int(c) for c in (task / "children").read_text().split())
+        except (OSError, ValueError, IndexError):
+            continue
+    return total / tick
+
+
 class Server:
     def __init__(
         self, name: str, argv: Sequence[str], port: int, log_path: Path, env: Mapping[str, str]

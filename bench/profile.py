@@ -151,7 +151,7 @@ def main(argv: list[str] | None = None) -> int:
         )
         gateway_bin = REPO / ".venv" / "bin" / "gateway"
         argv_gw = [
-            str(gateway_bin),
+            *([str(gateway_bin)] if gateway_bin.exists() else [sys.executable, "-m", "gateway"]),
             "serve",
             "--config",
             str(cfg),

@@ -189,6 +189,44 @@ def _throughput_rows(result: dict[str, Any]) -> list[dict[str, Any]]:
     return rows
 
 
+def _scaling_rows(result: dict[str, Any]) -> list[dict[str, Any]]:
+    """One row per target: req/s and p99 at each client count, and the ratio of req/s to the
+    aiohttp forwarder's at the same count (same run)."""
+    cells: dict[str, dict[int, dict[str, float]]] = {}
+    for r in result.get("scaling", []):
+        st = stats_ms(r.pop("samples"))
+        cells.setdefault(r["target"], {})[r["clients"]] = {
+            "req_per_s": round(r["requests"] / r["seconds"], 1),
+            "cpu_ms_per_request": round(r.get("cpu_seconds", 0.0) * 1000 / max(1, r["requests"]), 3),
+            "p50_ms": st["p50"],
+            "p99_ms": st["p99"],
+        }
+    fwd = cells.get("forwarder_aiohttp", {})
+    one = cells.get("gateway", {})
+    rows = []
+    for target, by_clients in cells.items():
+        label = SCALING_LABELS.get(target, target)
+        row: dict[str, Any] = {"scenario": label, "target": target, "clients": {}}
+        for clients, cell in sorted(by_clients.items()):
+            fcpu = fwd.get(clients, {}).get("cpu_ms_per_request")
+            cell["x_forwarder_cpu"] = round(cell["cpu_ms_per_request"] / fcpu, 2) if fcpu else None
+            base = fwd.get(clients, {}).get("req_per_s")
+            cell["x_aiohttp_forwarder"] = round(cell["req_per_s"] / base, 3) if base else None
+            if target == "gateway_2w" and one.get(clients):
+                cell["x_one_worker"] = round(cell["req_per_s"] / one[clients]["req_per_s"], 3)
+            row["clients"][str(clients)] = cell
+        rows.append(row)
+    return rows
+
+
+SCALING_LABELS = {
+    "forwarder_aiohttp": "bare forwarder, aiohttp client",
+    "gateway": "gateway, 1 worker",
+    "gateway_2w": "gateway, 2 workers",
+    "gateway_base": "gateway (baseline checkout), 1 worker",
+}
+
+
 def _row(label: str, width: int, *cells: tuple[object, int], tail: str = "") -> str:
     """`label` padded to `width`, then each (text, right-aligned width) cell, then `tail`."""
     return f"{label:<{width}}" + "".join(f"{str(text):>{w}}" for text, w in cells) + tail
@@ -286,6 +324,49 @@ def print_report(result: dict[str, Any]) -> dict[str, Any]:
         )
         print(_row(r["scenario"], width, *tp_cells))
 
+    scaling = _scaling_rows(result)
+    if scaling:
+        counts = sorted({c for r in scaling for c in r["clients"]}, key=int)
+        print(
+            "\nThroughput by concurrent clients, 1 message, non-streaming, new conversation per request:"
+            " req/s (x aiohttp forwarder) p99 ms"
+        )
+        print(_row("scenario", width, *((f"{c} clients", 26) for c in counts)))
+        print(rule)
+        for r in scaling:
+            texts = []
+            for c in counts:
+                cell = r["clients"].get(c)
+                if cell is None:
+                    texts.append(("-", 26))
+                    continue
+                ratio = cell["x_aiohttp_forwarder"]
+                shown = f"{cell['req_per_s']:.0f}"
+                if ratio:
+                    shown += f" (x{ratio:.2f}) {cell['p99_ms']:.0f}"
+                texts.append((shown, 26))
+            print(_row(r["scenario"], width, *texts))
+        two = next((r for r in scaling if r["target"] == "gateway_2w"), None)
+        if two:
+            gains = ", ".join(
+                f"{c}: x{cell['x_one_worker']:.2f}"
+                for c, cell in two["clients"].items()
+                if "x_one_worker" in cell
+            )
+            print(f"2 workers / 1 worker req/s: {gains}")
+        print(
+            _row("CPU ms per request (x forwarder's)", width),
+        )
+        for r in scaling:
+            texts = []
+            for c in counts:
+                cell = r["clients"].get(c)
+                cpu = "-" if cell is None else f"{cell['cpu_ms_per_request']:.2f}"
+                if cell is not None and cell.get("x_forwarder_cpu"):
+                    cpu += f" (x{cell['x_forwarder_cpu']:.1f})"
+                texts.append((cpu, 26))
+            print(_row(r["scenario"], width, *texts))
+
     fs = result.get("filesystem") or {}
     served = format(gw["conversations_served"], ",")
     facts = [
@@ -298,6 +379,10 @@ def print_report(result: dict[str, Any]) -> dict[str, Any]:
     if fs:
         facts.append(("data dir filesystem: create+write file p50", f"{fs['create_write_p50_ms']:.3f} ms"))
         facts.append(("data dir filesystem: fsync file+dir p50", f"{fs['fsync_file_and_dir_p50_ms']:.3f} ms"))
+        if "append_fdatasync_p50_ms" in fs:
+            floor = fs["append_fdatasync_p50_ms"]
+            facts.append(("raw disk floor: one append + fdatasync p50", f"{floor:.3f} ms"))
+            facts.append(("  = one writer, one sync per write", f"{1000 / floor:.0f} /s" if floor else "-"))
     if result.get("litellm") != "measured":
         facts.append(("LiteLLM proxy column", str(result.get("litellm"))))
     if result.get("postgres"):
@@ -316,5 +401,6 @@ def print_report(result: dict[str, Any]) -> dict[str, Any]:
         "cold": cold_rows,
         "streaming": stream,
         "throughput": throughput,
+        "scaling": scaling,
         "gateway": gw,
     }

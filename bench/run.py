@@ -209,6 +209,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--keep", action="store_true", help="keep the temporary data dirs and logs")
     parser.add_argument("--no-nosync", action="store_true", help="skip the durability=none gateway row")
     parser.add_argument(
+        "--no-workers", action="store_true", help="skip the --workers 2 gateway (scaling table)"
+    )
+    parser.add_argument(
         "--no-postgres",
         action="store_true",
         help="skip the postgres gateway row (it runs when initdb/pg_ctl are installed)",
@@ -324,6 +327,9 @@ def run(args: argparse.Namespace) -> int:
                 dsns["gateway_pg"] = cluster.create_database("bench")
                 gateways["gateway_pg"] = "fsync"
                 data_dirs["gateway_pg"] = tmp / "data-pg"
+        if not args.no_workers:
+            gateways["gateway_2w"] = "fsync"  # the same, with --workers 2 on one data dir
+            data_dirs["gateway_2w"] = tmp / "data-2w"
         if args.baseline:
             gateways["gateway_base"] = "fsync"
             data_dirs["gateway_base"] = tmp / "data-base"
@@ -350,6 +356,7 @@ def run(args: argparse.Namespace) -> int:
                 str(data_dirs[name]),
                 "--port",
                 str(ports[name]),
+                *(["--workers", "2"] if name == "gateway_2w" else []),
             ]
             gw_env = {**env, "PYTHONPATH": str(base)} if base else env
             servers[name] = procs.start(
@@ -384,6 +391,8 @@ def run(args: argparse.Namespace) -> int:
                 clone_conversation(data_dirs[name], cid, cold_size, template)
         bench = Bench(plan, ports, data_dirs, litellm_key)
         bench.served_conversations = 2  # the first request and the template
+        bench.pids = {name: server.pid for name, server in servers.items()}
+        bench.pids["forwarder_aiohttp"] = forwarders[1].pid
         steps: dict[str, float] = {}
 
         async def run_all() -> None:
@@ -398,6 +407,7 @@ def run(args: argparse.Namespace) -> int:
                 ("cold", lambda: bench.cold(cold_size, cold_ids)),
                 ("streaming", bench.streaming),
                 ("throughput", bench.throughput),
+                ("scaling", bench.scaling),
             ):
                 t0 = time.perf_counter()
                 print(f"  {name} ...", flush=True)

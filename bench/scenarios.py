@@ -14,12 +14,15 @@ from typing import Any
 
 import orjson
 from client import Connection, Response
-from procs import HOST
+from procs import HOST, cpu_seconds
 from seed import user_text
 
 MODEL = "bench-model"
 CHAT = "/v1/chat/completions"
 CONCURRENCY = 32
+SCALING_CLIENTS = (1, 8, 32, 128)
+# The targets of the scaling table, in its order (those the run started).
+SCALING_TARGETS = ("forwarder_aiohttp", "gateway", "gateway_2w", "gateway_base")
 
 
 @dataclass(frozen=True)
@@ -40,13 +43,26 @@ class Plan:
     throughput_warmup: int = 500
     throughput_stateless: int = 3_000
     conversations_total: int = 10_000  # served before the idle RSS reading
+    # requests per (target, clients) cell of the scaling table, after a warmup of a fifth
+    scaling: tuple[int, ...] = (200, 600, 1_000, 1_000)
     # (stored messages, conversations per gateway): the cold-load comparison (`Bench.cold`).
     cold: tuple[int, int] = (10_000, 5)
 
     @classmethod
     def quick(cls) -> Plan:
         grown = ((200, 3, 1, 10), (1_000, 2, 1, 10), (10_000, 1, 1, 10))
-        return cls((20, 200), (20, 100), grown, (10, 100), 150, 50, 500, 1_000, cold=(10_000, 2))
+        return cls(
+            (20, 200),
+            (20, 100),
+            grown,
+            (10, 100),
+            150,
+            50,
+            500,
+            1_000,
+            (100, 300, 500, 500),
+            cold=(10_000, 2),
+        )
 
 
 def _body(payload: dict[str, Any]) -> bytes:
@@ -65,7 +81,14 @@ class Bench:
         self.ports = ports
         self.data_dirs = data_dirs
         self.litellm_key = litellm_key
-        self.results: dict[str, Any] = {"latency": [], "stream": [], "throughput": [], "cold": []}
+        self.results: dict[str, Any] = {
+            "latency": [],
+            "stream": [],
+            "throughput": [],
+            "scaling": [],
+            "cold": [],
+        }
+        self.pids: dict[str, int] = {}  # target -> server pid, for CPU per request
         self.served_conversations = 0
         self._seq = 0
         self._control: Connection | None = None
@@ -261,8 +284,10 @@ class Bench:
                 self.served_conversations += warmup + n
             self.record("stream", target=target, samples=ttfc, total_samples=total)
 
-    async def _burst(self, target: str, total: int, make_body: Any) -> tuple[float, list[float]]:
-        conns = [self.conn(target) for _ in range(CONCURRENCY)]
+    async def _burst(
+        self, target: str, total: int, make_body: Any, clients: int = CONCURRENCY
+    ) -> tuple[float, list[float]]:
+        conns = [self.conn(target) for _ in range(clients)]
         for c in conns:  # connect before the clock starts
             await c.request("GET", "/readyz" if target != "litellm" else "/health/liveliness")
         counter = 0
@@ -306,3 +331,33 @@ class Bench:
             seconds=elapsed,
             samples=lat,
         )
+
+    async def scaling(self) -> None:
+        """Throughput at 1/8/32/128 clients, target after target at each count (so the ones
+        compared ran minutes apart at most); gateways get a new conversation per request."""
+        targets = [t for t in SCALING_TARGETS if t in self.ports]
+        for clients, total in zip(SCALING_CLIENTS, self.plan.scaling, strict=True):
+            for target in targets:
+                if target.startswith("gateway"):
+
+                    def body(i: int, target: str = target) -> bytes:
+                        return one_message(i, conversation_id=self.new_cid(f"bench-sc-{target}"))
+
+                else:
+                    body = one_message
+                await self._burst(target, max(clients, total // 5), body, clients)
+                pid = self.pids.get(target)
+                cpu = cpu_seconds(pid) if pid else 0.0
+                elapsed, lat = await self._burst(target, total, body, clients)
+                cpu = cpu_seconds(pid) - cpu if pid else 0.0
+                if target == "gateway":
+                    self.served_conversations += len(lat) + max(clients, total // 5)
+                self.record(
+                    "scaling",
+                    target=target,
+                    clients=clients,
+                    requests=len(lat),
+                    seconds=elapsed,
+                    cpu_seconds=cpu,
+                    samples=lat,
+                )

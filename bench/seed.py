@@ -148,7 +148,8 @@ def clone_conversation(
 
 def probe_filesystem(folder: Path, files: int = 200, syncs: int = 50) -> dict[str, float]:
     """What the data dir's filesystem costs: p50 ms of creating a small file (open O_CREAT|O_EXCL,
-    write, close, as the gateway's response log does) and of fsync(file) + fsync(dir)."""
+    write, close, as the gateway's response log does), of fsync(file) + fsync(dir), and of one
+    small append + fdatasync (the floor of a durable turn: what the journal does per batch)."""
     folder.mkdir(parents=True, exist_ok=True)
     creates: list[float] = []
     fsyncs: list[float] = []
@@ -169,12 +170,26 @@ def probe_filesystem(folder: Path, files: int = 200, syncs: int = 50) -> dict[st
                 fsyncs.append(time.perf_counter() - t)
         finally:
             os.close(fd)
+    # The floor of a durable turn: one small append to one file, then fdatasync.
+    appends: list[float] = []
+    fd = os.open(folder / "floor.log", os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
+    try:
+        for _ in range(syncs * 2):
+            t = time.perf_counter()
+            os.write(fd, b"x" * 600 + b"\n")
+            os.fdatasync(fd)
+            appends.append(time.perf_counter() - t)
+    finally:
+        os.close(fd)
+        (folder / "floor.log").unlink()
     for i in range(files):
         (folder / f"probe-{i}.jsonl").unlink()
     folder.rmdir()
     creates.sort()
     fsyncs.sort()
+    appends.sort()
     return {
+        "append_fdatasync_p50_ms": round(appends[len(appends) // 2] * 1000, 3),
         "create_write_p50_ms": round(creates[len(creates) // 2] * 1000, 3),
         "fsync_file_and_dir_p50_ms": round(fsyncs[len(fsyncs) // 2] * 1000, 3),
     }

@@ -5,8 +5,10 @@ Both end up as file names, so both are checked against strict patterns here and 
 
 from __future__ import annotations
 
+import os
 import re
 import secrets
+import threading
 
 from gateway.exceptions import InvalidRequest
 
@@ -39,9 +41,32 @@ def model_slug(model: str) -> str:
     return re.sub(r"^\.+", lambda m: "-" * len(m.group()), slug) or "model"
 
 
+class _RandomPool:
+    """Random bytes from the OS fetched 4 KiB at a time: one getrandom() per 680 ids instead
+    of one each (a system call that also hands the GIL to whichever thread waits for it)."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._data = b""
+        self._at = 0
+
+    def take(self, n: int) -> bytes:
+        with self._lock:
+            if self._at + n > len(self._data):
+                self._data, self._at = secrets.token_bytes(4096), 0
+            out = self._data[self._at : self._at + n]
+            self._at += n
+            return out
+
+
+_POOL = _RandomPool()
+# A forked worker must not mint the ids its parent's leftover bytes would give.
+os.register_at_fork(after_in_child=lambda: setattr(_POOL, "_data", b""))
+
+
 def mint_response_id(model: str) -> str:
     """A new `{model-slug}-{12 hex}` response id."""
-    return f"{model_slug(model)}-{secrets.token_hex(6)}"
+    return f"{model_slug(model)}-{_POOL.take(6).hex()}"
 
 
 def is_valid_response_id(value: object) -> bool:

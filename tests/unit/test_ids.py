@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import re
 
 import pytest
@@ -179,3 +180,19 @@ def test_any_model_mints_a_valid_safe_response_id(model: str) -> None:
 )
 def test_invalid_response_ids(rid: object) -> None:
     assert not is_valid_response_id(rid)
+
+
+def test_a_forked_worker_mints_other_ids_than_its_parent() -> None:
+    """Ids come from a pool of random bytes: a forked child must not reuse its parent's."""
+    mint_response_id("m")  # the pool is filled
+    read, write = os.pipe()
+    pid = os.fork()
+    if pid == 0:  # the child
+        os.write(write, mint_response_id("m").encode())
+        os._exit(0)
+    os.close(write)
+    child = os.read(read, 200).decode()
+    os.close(read)
+    os.waitpid(pid, 0)
+    assert is_valid_response_id(child)
+    assert child != mint_response_id("m")

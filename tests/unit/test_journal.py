@@ -204,3 +204,41 @@ async def test_without_durability_there_is_no_journal(tmp_path: Path) -> None:
     with pytest.raises(NotFound):
         await store.read_index("other")
     await store.close()
+
+
+async def test_the_record_of_deletions_goes_with_the_last_journal(tmp_path: Path) -> None:
+    first, second = JsonlStore(tmp_path / "var"), JsonlStore(tmp_path / "var")
+    await first.open()
+    await second.open()
+    await commit_turn(first, "conv", "one")
+    await commit_turn(second, "other", "two")
+    async with first.lock("conv", 5):
+        await first.delete_conversation("conv")
+    forgotten = first.journal_dir / "forgotten.jsonl"
+    assert forgotten.exists()
+    await first.close()
+    assert forgotten.exists()  # the second process's journal may still hold older entries
+    await second.close()
+    assert not forgotten.exists() and journals(first.root) == []
+
+
+async def test_a_commit_whose_journal_sync_failed_is_not_replayed(
+    jstore: JsonlStore, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    r1 = await commit_turn(jstore, "conv", "one")
+    real: Callable[[int], None] = os.fdatasync
+
+    def failing(fd: int) -> None:
+        if "/logs/journal/" in os.readlink(f"/proc/self/fd/{fd}"):
+            raise OSError(errno.EIO, "Input/output error")
+        real(fd)
+
+    monkeypatch.setattr(os, "fdatasync", failing)
+    with pytest.raises(StorageError):
+        await commit_turn(jstore, "conv", "two")  # written to the journal, its sync failed
+    monkeypatch.undo()
+    image = crash_image(jstore, tmp_path)
+    restarted = JsonlStore(image)
+    await restarted.open()
+    assert await restarted.read_index("conv") == [r1]
+    await restarted.close()

@@ -220,3 +220,15 @@ def read_turn_records(path: Path, shown: str) -> list[Record]:
         except CorruptRecord:
             pass  # read whole, to say on which line
     return read_records(path, shown, skip_context=True)
+
+
+def probe_file(path: Path, sync: bool) -> None:
+    """Create, write (and sync) and remove a small file: fails as a turn's write would."""
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+    try:
+        write_all(fd, b"probe\n")
+        if sync:
+            os.fdatasync(fd)
+    finally:
+        os.close(fd)
+    os.unlink(path)

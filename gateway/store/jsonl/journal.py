@@ -1,22 +1,24 @@
-"""The store's file work in one writer thread, and the write-ahead journal that makes a turn
-durable with one fdatasync shared by every turn committing at the same time (group commit).
+"""The write-ahead journal: a turn's commit is durable once its records are in this process's
+journal and one fdatasync covers them, shared by every turn committing at the same time
+(group commit).
 
     {data_dir}/logs/journal/{pid}-{token}-{a|b}.wal   this process's journal (two, in turn)
 
 A commit is a header line (`response_id`, `conversation_id`, the index size `before` the
-line, `at` in ns, `size`) then the response file's whole content. Once the journal is synced,
-the rest of the response file and the index line are written without a sync of their own; the
-turn is acknowledged after both. Every second (or 8 MiB) the writer switches to the other
-journal, and the old one is emptied once a syncfs() has made its turns' files durable.
-`recovery.py` replays a dead process's journal."""
+line, `at` in ns, `size`) then the response file's whole content. The event loop appends it
+(page cache only: no thread hop) and waits for the sync thread, which runs one fdatasync for
+every commit waiting; the rest of the response file and the index line are then written on the
+loop without a sync of their own, and the turn is acknowledged. Every second (or 8 MiB) the
+loop switches to the other journal, and the old one is emptied once a syncfs() has made its
+turns' files durable. `recovery.py` replays a dead process's journal."""
 
 from __future__ import annotations
 
 import asyncio
 import ctypes
+import functools
 import logging
 import os
-import queue
 import secrets
 import threading
 import time
@@ -25,13 +27,10 @@ from typing import TYPE_CHECKING
 
 import orjson
 
-from gateway.exceptions import StorageError
-from gateway.store.base import Appended
 from gateway.store.jsonl.files import fsync_dir, write_all
 from gateway.store.jsonl.locks import file_lock, try_lock_file
 
 if TYPE_CHECKING:
-    from gateway.store.jsonl.log import JsonlLog
     from gateway.store.jsonl.store import JsonlStore
 
 log = logging.getLogger("gateway.store")
@@ -57,23 +56,15 @@ def commit_line() -> bytes:
     return orjson.dumps({"type": "commit", "status": "complete", "committed": time.time()}) + b"\n"
 
 
-class Job:
-    """One piece of file work for the writer: create a response log, commit it, or abandon it."""
-
-    __slots__ = ("kind", "log", "data", "conversation_id", "loop", "future", "result", "error", "commit")
-
-    def __init__(
-        self, kind: str, log: JsonlLog, data: bytes = b"", conversation_id: str | None = None
-    ) -> None:
-        self.kind = kind
-        self.log = log
-        self.data = data
-        self.conversation_id = conversation_id
-        self.loop: asyncio.AbstractEventLoop | None = None
-        self.future: asyncio.Future[Appended | None] | None = None
-        self.result: Appended | None = None
-        self.error: BaseException | None = None
-        self.commit = b""
+def entry(response_id: str, conversation_id: str | None, before: int, content: bytes) -> bytes:
+    head = {
+        "response_id": response_id,
+        "conversation_id": conversation_id,
+        "before": before,
+        "at": time.time_ns(),
+        "size": len(content),
+    }
+    return orjson.dumps(head) + b"\n" + content
 
 
 class JournalFile:
@@ -81,185 +72,92 @@ class JournalFile:
         self.fd = fd
         self.path = path
         self.size = 0
+        self.pending = 0  # commits appended whose files are not written yet
+        self.retired = False  # switched away from: to be emptied once nothing is pending
+        self.ready = True  # empty and usable (not being checkpointed)
 
 
-class Writer:
-    """The store's writer thread: jobs are taken in order, commits waiting together share
-    one journal append and one fdatasync (durability "fsync")."""
+Waiter = tuple[JournalFile, "asyncio.Future[None]"]
+
+
+class Journal:
+    """This process's journal for one store: appended on the event loop, synced by one
+    thread for every commit waiting."""
 
     def __init__(self, store: JsonlStore) -> None:
         self.store = store
-        self._queue: queue.SimpleQueue[Job | None] = queue.SimpleQueue()
-        self._guard = threading.Lock()
-        self._running = False
-        self._thread: threading.Thread | None = None
         self.current: JournalFile | None = None
         self.spare: JournalFile | None = None
+        self._opening: asyncio.Future[None] | None = None
         self._since = 0.0
-        self._checkpoint: threading.Thread | None = None
+        self._waiters: list[Waiter] = []
+        self._guard = threading.Lock()
+        self._wake = threading.Event()
+        self._running = False
+        self._thread: threading.Thread | None = None
+        self._checkpoints: list[threading.Thread] = []
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._stopped = False  # by `stop`: nothing is switched or emptied in the background
 
-    # -- submitting (event loop side) -------------------------------------------------------
-    def submit(self, job: Job) -> None:
-        self._queue.put(job)
-        if not self._running:
-            with self._guard:
-                if not self._running:
-                    self._running = True
-                    thread = threading.Thread(target=self._run, name="gateway-store-writer", daemon=True)
-                    self._thread = thread
-                    thread.start()
-
-    async def run(self, job: Job) -> Appended | None:
-        loop = asyncio.get_running_loop()
-        job.loop = loop
-        job.future = loop.create_future()
-        self.submit(job)
-        return await job.future
-
-    def stop(self) -> None:
-        """Finish the queued work, then make the journal's turns durable and remove it."""
-        thread = self._thread
-        if thread is not None and self._running:
-            self._queue.put(None)
-            thread.join()
-        if self._checkpoint is not None:
-            self._checkpoint.join()
-        for journal in (self.current, self.spare):
-            if journal is None:
-                continue
-            try:
-                if journal.size:
-                    self.store._sync(syncfs, journal.fd)
-                os.unlink(journal.path)
-            except OSError as exc:
-                log.warning("journal %s left for recovery: %s", journal.path, exc)
-            os.close(journal.fd)
-        self.current = self.spare = None
-
-    # -- the thread -------------------------------------------------------------------------
-    def _run(self) -> None:
-        idle_since = time.monotonic()
-        while True:
-            try:
-                first = self._queue.get(timeout=ROTATE_SECONDS)
-            except queue.Empty:
-                self._rotate(idle=True)
-                if time.monotonic() - idle_since > IDLE_EXIT_SECONDS and self._exit_if_idle():
-                    return
-                continue
-            jobs = [first]
-            while True:
-                try:
-                    jobs.append(self._queue.get_nowait())
-                except queue.Empty:
-                    break
-            stop = None in jobs
-            self._process([job for job in jobs if job is not None])
-            if stop:
-                with self._guard:
-                    self._running = False
-                return
-            self._rotate(idle=False)
-            idle_since = time.monotonic()
-
-    def _exit_if_idle(self) -> bool:
-        with self._guard:
-            if self._queue.empty() and (self.current is None or not self.current.size):
-                self._running = False
-                return True
-        return False
-
-    def _process(self, jobs: list[Job]) -> None:
-        commits: list[Job] = []
-        for job in jobs:
-            try:
-                if job.kind == "create":
-                    job.log.create()
-                elif job.kind == "abandon":
-                    job.log.write_abandoned(job.data)
-                else:
-                    commits.append(job)
-                    continue
-            except BaseException as exc:  # noqa: BLE001 - handed to the waiting task
-                job.error = exc
-        if commits:
-            self._commit(commits)
-        by_loop: dict[asyncio.AbstractEventLoop, list[Job]] = {}
-        for job in jobs:
-            if job.loop is not None:
-                by_loop.setdefault(job.loop, []).append(job)
-        for loop, done in by_loop.items():
-            try:
-                loop.call_soon_threadsafe(_deliver, done)
-            except RuntimeError:  # the loop was closed meanwhile: nobody waits any more
-                pass
-
-    def _commit(self, jobs: list[Job]) -> None:
-        store = self.store
-        ready: list[Job] = []
-        parts: list[bytes] = []
-        for job in jobs:
-            job.commit = commit_line()
-            try:
-                before = job.log.check_commit(job.data, job.conversation_id)
-            except StorageError as exc:
-                job.error = exc
-                continue
-            if store.fsync:
-                content = job.log.first + job.data + job.commit
-                head = {
-                    "response_id": job.log.response_id,
-                    "conversation_id": job.conversation_id,
-                    "before": before,
-                    "at": time.time_ns(),
-                    "size": len(content),
-                }
-                parts += (orjson.dumps(head) + b"\n", content)
-            ready.append(job)
-        if parts:
-            try:
-                self._append(b"".join(parts))
-            except OSError as exc:
-                reason = exc.strerror or str(exc)
-                for job in ready:
-                    job.log.mark_failed(job.data, reason, None, -1)
-                    job.error = StorageError(f"could not record the response durably: {reason}")
-                self._abort(ready)  # a sync that failed may still have written them
-                return
-        for job in ready:
-            try:
-                job.result = job.log.finish(job.data + job.commit, job.conversation_id)
-            except StorageError as exc:
-                job.error = exc
-                self._abort([job])
-
-    # -- the journal ------------------------------------------------------------------------
-    def _append(self, data: bytes) -> None:
-        store = self.store
+    # -- the event loop's side --------------------------------------------------------------
+    async def append(self, data: bytes) -> JournalFile:
+        """Append one commit and wait until it is durable; the caller then writes the files
+        and calls `done`."""
         if self.current is None:
-            self.current, self.spare = self._open_pair()
-            self._since = time.monotonic()
+            await self._open()
+            self._stopped = False
+        self._maybe_rotate()
         journal = self.current
+        assert journal is not None
         try:
             write_all(journal.fd, data)
         except OSError:
             os.ftruncate(journal.fd, journal.size)  # a torn entry must not hide the next ones
             raise
         journal.size += len(data)
-        store._sync(os.fdatasync, journal.fd)
-
-    def _abort(self, jobs: list[Job]) -> None:
-        """Recovery must not replay a commit the client was told failed."""
-        if self.current is None or not self.current.size:
-            return
-        lines = b"".join(orjson.dumps({"abort": job.log.response_id}) + b"\n" for job in jobs)
+        journal.pending += 1
+        loop = asyncio.get_running_loop()
+        self._loop = loop
+        future: asyncio.Future[None] = loop.create_future()
+        with self._guard:
+            self._waiters.append((journal, future))
+        self._wake.set()
+        self._ensure_thread()
         try:
-            write_all(self.current.fd, lines)
-            self.current.size += len(lines)
-        except OSError as exc:
-            log.error("could not write journal abort records: %s", exc)
+            await future
+        except BaseException:
+            self.done(journal)
+            raise
+        return journal
 
-    def _open_pair(self) -> tuple[JournalFile, JournalFile]:
+    def done(self, journal: JournalFile) -> None:
+        journal.pending -= 1
+        if journal.retired and not journal.pending:
+            self._empty_later(journal)
+
+    def abort(self, response_id: str) -> None:
+        """Recovery must not replay a commit the client was told failed."""
+        journal = self.current
+        if journal is None or not journal.size:
+            return
+        line = orjson.dumps({"abort": response_id}) + b"\n"
+        try:
+            write_all(journal.fd, line)
+            journal.size += len(line)
+        except OSError as exc:
+            log.error("could not write a journal abort record: %s", exc)
+
+    async def _open(self) -> None:
+        if self._opening is None:
+            self._opening = asyncio.ensure_future(asyncio.to_thread(self._open_pair))
+        try:
+            await asyncio.shield(self._opening)
+        except BaseException:
+            if self._opening.done():
+                self._opening = None
+            raise
+
+    def _open_pair(self) -> None:
         store = self.store
         folder = store.journal_dir
         folder.mkdir(parents=True, exist_ok=True)
@@ -274,41 +172,121 @@ class Writer:
                     raise OSError(f"cannot lock the new journal {path.name}")
                 files.append(JournalFile(fd, str(path)))
         store._sync(fsync_dir, folder)
-        return files[0], files[1]
+        self.current, self.spare = files
+        self._since = time.monotonic()
 
-    def _rotate(self, *, idle: bool) -> None:
-        """Switch to the other journal and empty this one in the background once its turns'
-        files are durable (every ROTATE_SECONDS, or ROTATE_BYTES, or when idle)."""
+    def _maybe_rotate(self, *, idle: bool = False) -> None:
+        """Switch to the other journal (every ROTATE_SECONDS, or ROTATE_BYTES, or when idle);
+        the old one is emptied once its commits' files are written and synced."""
         current, spare = self.current, self.spare
-        if current is None or spare is None or not current.size:
+        if self._stopped or current is None or spare is None or not current.size or not spare.ready:
             return
-        if self._checkpoint is not None and self._checkpoint.is_alive():
-            return
-        due = idle or current.size >= ROTATE_BYTES or time.monotonic() - self._since >= ROTATE_SECONDS
-        if not due:
+        if not (idle or current.size >= ROTATE_BYTES or time.monotonic() - self._since >= ROTATE_SECONDS):
             return
         self.current, self.spare = spare, current
         self._since = time.monotonic()
-        self._checkpoint = threading.Thread(
-            target=self._empty, args=(current,), name="gateway-store-checkpoint", daemon=True
-        )
-        self._checkpoint.start()
+        current.retired = True
+        if not current.pending:
+            self._empty_later(current)
+
+    def _empty_later(self, journal: JournalFile) -> None:
+        if self._stopped:
+            return  # `stop` syncs and removes it
+        journal.retired = False
+        journal.ready = False
+        thread = threading.Thread(target=self._empty, args=(journal,), name="gateway-journal-checkpoint")
+        thread.daemon = True
+        self._checkpoints = [t for t in self._checkpoints if t.is_alive()] + [thread]
+        thread.start()
 
     def _empty(self, journal: JournalFile) -> None:
         try:
             self.store._sync(syncfs, journal.fd)
             os.ftruncate(journal.fd, 0)
             journal.size = 0
+            journal.ready = True
         except OSError as exc:
-            log.error("could not checkpoint journal %s: %s", journal.path, exc)
+            log.error("could not empty journal %s: %s", journal.path, exc)
+
+    # -- the sync thread --------------------------------------------------------------------
+    def _ensure_thread(self) -> None:
+        if self._running:
+            return
+        with self._guard:
+            if not self._running:
+                self._running = True
+                thread = threading.Thread(target=self._run, name="gateway-journal-sync", daemon=True)
+                self._thread = thread
+                thread.start()
+
+    def _run(self) -> None:
+        idle_since = time.monotonic()
+        while True:
+            self._wake.wait(timeout=ROTATE_SECONDS)
+            self._wake.clear()
+            with self._guard:
+                waiters, self._waiters = self._waiters, []
+                if not waiters and time.monotonic() - idle_since > IDLE_EXIT_SECONDS:
+                    self._running = False
+                    return
+            if not waiters:
+                loop = self._loop
+                if loop is not None and self.current is not None and self.current.size:
+                    try:  # idle: have the loop switch journals, so this one is emptied
+                        loop.call_soon_threadsafe(functools.partial(self._maybe_rotate, idle=True))
+                    except RuntimeError:
+                        pass
+                continue
+            idle_since = time.monotonic()
+            error: OSError | None = None
+            for journal in {id(j): j for j, _ in waiters}.values():  # two right after a switch
+                try:
+                    self.store._sync(os.fdatasync, journal.fd)
+                except OSError as exc:
+                    error = exc
+            by_loop: dict[asyncio.AbstractEventLoop, list[asyncio.Future[None]]] = {}
+            for _, future in waiters:
+                by_loop.setdefault(future.get_loop(), []).append(future)
+            for loop, futures in by_loop.items():
+                try:
+                    loop.call_soon_threadsafe(_resolve, futures, error)
+                except RuntimeError:  # the loop was closed meanwhile: nobody waits any more
+                    pass
+
+    def stop(self) -> None:
+        """After the last commit: make the journal's turns durable and remove it (and the
+        record of deletions, when no journal is left that it could concern)."""
+        self._stopped = True
+        with self._guard:
+            thread = self._thread if self._running else None
+        if thread is not None:
+            self._wake.set()
+        for checkpoint in self._checkpoints:
+            checkpoint.join()
+        for journal in (self.current, self.spare):
+            if journal is None:
+                continue
+            try:
+                if journal.size:
+                    self.store._sync(syncfs, journal.fd)
+                os.unlink(journal.path)
+            except OSError as exc:
+                log.warning("journal %s left for recovery: %s", journal.path, exc)
+            os.close(journal.fd)
+        folder = self.store.journal_dir
+        if folder.is_dir():
+            with file_lock(self.store.locks_dir / "journal.lock"):
+                if not any(folder.glob("*.wal")):
+                    (folder / "forgotten.jsonl").unlink(missing_ok=True)
+        self.current = self.spare = None
+        self._opening = None
 
 
-def _deliver(jobs: list[Job]) -> None:
-    for job in jobs:
-        future = job.future
-        if future is None or future.done():
+def _resolve(futures: list[asyncio.Future[None]], error: OSError | None) -> None:
+    for future in futures:
+        if future.done():
             continue
-        if job.error is not None:
-            future.set_exception(job.error)
+        if error is not None:
+            future.set_exception(OSError(error.errno, error.strerror))
         else:
-            future.set_result(job.result)
+            future.set_result(None)

@@ -53,14 +53,15 @@ from gateway.store.jsonl.files import (
     index_generation,
     os_errors,
     parse_index,
-    read_index_lines,
+    probe_file,
     read_records,
     read_turn_records,
     write_all,
 )
-from gateway.store.jsonl.journal import Writer
+from gateway.store.jsonl.journal import Journal
 from gateway.store.jsonl.locks import CrossProcessLock
 from gateway.store.jsonl.log import JsonlLog
+from gateway.store.jsonl.reading import read_index_after
 from gateway.types import Record
 
 log = logging.getLogger("gateway.store")
@@ -70,9 +71,7 @@ log = logging.getLogger("gateway.store")
 _THREAD_LOAD_BYTES = 4096
 _THREAD_LOAD_FILES = 16
 # The conversations whose lock the running task holds (readers without it never repair).
-_HELD: contextvars.ContextVar[frozenset[str]] = contextvars.ContextVar(
-    "gateway_held_locks", default=frozenset()
-)
+_HELD: contextvars.ContextVar[frozenset[str]] = contextvars.ContextVar("gateway_held", default=frozenset())
 
 
 class JsonlStore(Store):
@@ -104,7 +103,7 @@ class JsonlStore(Store):
         # Set by the first failed fsync: the kernel may have dropped the dirty pages, and a
         # later fsync could succeed without them, so no write is acknowledged after it.
         self.sync_failed: str | None = None
-        self.writer = Writer(self)  # the file work of turns: one thread, one journal
+        self.journal = Journal(self)  # commits' one shared fdatasync (durability fsync)
 
     @property
     def refusing_writes(self) -> str | None:
@@ -209,25 +208,13 @@ class JsonlStore(Store):
     async def probe(self) -> None:
         """Create, write, sync and remove a small file in the data dir (a full or read-only
         disk, or a vanished folder, fails here before a turn does)."""
-        path = self.locks_dir / f".probe-{os.getpid()}"
-
-        def write() -> None:
-            fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
-            try:
-                write_all(fd, b"probe\n")
-                if self.fsync:
-                    os.fdatasync(fd)
-            finally:
-                os.close(fd)
-            os.unlink(path)
-
         try:
-            await asyncio.to_thread(write)
+            await asyncio.to_thread(probe_file, self.locks_dir / f".probe-{os.getpid()}", self.fsync)
         except OSError as exc:
             raise StorageError(f"the data dir cannot be written: {exc.strerror or exc}") from exc
 
     async def close(self) -> None:
-        await asyncio.to_thread(self.writer.stop)
+        await asyncio.to_thread(self.journal.stop)
         if self._lock_fd >= 0:
             os.close(self._lock_fd)
             self._lock_fd = -1
@@ -241,27 +228,7 @@ class JsonlStore(Store):
         self, conversation_id: str, after: Version | None, repair: bool
     ) -> tuple[list[str | Record], Version, bool] | None:
         """The index lines after `after`: (entries, version, restarted); None if no index."""
-        path = self.index_path(conversation_id)
-        try:
-            with open(path, "rb") as f:
-                stat = os.fstat(f.fileno())
-                generation = index_generation(f.fileno(), stat)
-                restarted = after is None or after.generation != generation or stat.st_size < after.position
-                start = 0 if restarted or after is None else after.position
-                if not restarted and after is not None and stat.st_size == start:
-                    return [], after, False
-                f.seek(start)
-                data = f.read()
-        except FileNotFoundError:
-            self._sizes.pop(conversation_id, None)
-            return None
-        raw, consumed = read_index_lines(data, path=self.shown(path))
-        if consumed < len(data) and repair:
-            # A torn last line: the crash happened before its fsync, so it was never acknowledged.
-            log.warning("repairing torn last line of %s", path)
-            os.truncate(path, start + consumed)
-        self._sizes[conversation_id] = start + consumed
-        return raw, Version(generation, start + consumed), restarted
+        return read_index_after(self, conversation_id, after, repair)
 
     def _read_sync(self, conversation_id: str, after: Version | None, repair: bool) -> IndexRead:
         found = self._read_raw(conversation_id, after, repair)

@@ -1,0 +1,44 @@
+"""Reading a JSONL conversation index from a `Version` on: the lines appended since (all of
+them when the index was replaced), a torn last line cut only by a holder of the lock."""
+
+from __future__ import annotations
+
+import logging
+import os
+from typing import TYPE_CHECKING
+
+from gateway.store.base import Version
+from gateway.store.jsonl.files import index_generation, read_index_lines
+from gateway.types import Record
+
+if TYPE_CHECKING:
+    from gateway.store.jsonl.store import JsonlStore
+
+log = logging.getLogger("gateway.store")
+
+
+def read_index_after(
+    store: JsonlStore, conversation_id: str, after: Version | None, repair: bool
+) -> tuple[list[str | Record], Version, bool] | None:
+    """The index lines after `after`: (entries, version, restarted); None if no index."""
+    path = store.index_path(conversation_id)
+    try:
+        with open(path, "rb") as f:
+            stat = os.fstat(f.fileno())
+            generation = index_generation(f.fileno(), stat)
+            restarted = after is None or after.generation != generation or stat.st_size < after.position
+            start = 0 if restarted or after is None else after.position
+            if not restarted and after is not None and stat.st_size == start:
+                return [], after, False
+            f.seek(start)
+            data = f.read()
+    except FileNotFoundError:
+        store._sizes.pop(conversation_id, None)
+        return None
+    raw, consumed = read_index_lines(data, path=store.shown(path))
+    if consumed < len(data) and repair:
+        # A torn last line: the crash happened before its fsync, so it was never acknowledged.
+        log.warning("repairing torn last line of %s", path)
+        os.truncate(path, start + consumed)
+    store._sizes[conversation_id] = start + consumed
+    return raw, Version(generation, start + consumed), restarted
