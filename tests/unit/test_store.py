@@ -393,7 +393,7 @@ async def test_list_pages_newest_first_with_a_cursor(store: Store, second: Store
     assert await store.list_conversations(5) == ([], False)
     for cid in ("c1", "c2", "c3", "c4", "c5"):
         await commit_turn(store, cid, "hi")
-        await asyncio.sleep(0.002)
+        await asyncio.sleep(0.02)  # beyond the file system's timestamp granularity (a few ms)
     await commit_turn(store, "c2", "again")  # a change moves it to the front
     page, more = await second.list_conversations(2)
     assert [cid for cid, _ in page] == ["c2", "c5"] and more
