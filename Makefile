@@ -33,7 +33,7 @@ run: install
 #   app       the whole app in-process over the store and provider twins
 #   e2e       `gateway` processes: the official SDK, the CLI, the inspector, reliability
 #   postgres  PostgreSQL-only behaviour, replicas, export/import
-#   realmodel llama.cpp's server with a real model (3-5 min on one core)
+#   realmodel llama.cpp's server with a real model (about 2 min on one core)
 test-unit: install-dev
 	$(PY) -m pytest -q -p no:cacheprovider tests/unit
 test-app: install-dev
