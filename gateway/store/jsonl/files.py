@@ -12,7 +12,7 @@ from pathlib import Path
 import orjson
 
 from gateway.exceptions import CorruptRecord, StorageError
-from gateway.ids import RESPONSE_ID_RE, is_valid_conversation_id, is_valid_response_id
+from gateway.ids import RESPONSE_ID_RE, is_valid_response_id
 from gateway.types import Record
 
 CONTEXT_PREFIX = b'{"type":"context"'
@@ -153,21 +153,6 @@ def append_file(path: Path, data: bytes, *, sync: Callable[[int], None] | None, 
     finally:
         os.close(fd)
     return before
-
-
-def index_times(conversations_dir: Path) -> list[tuple[str, float]]:
-    """(conversation id, the index's mtime) of every index file in the folder."""
-    out = []
-    if conversations_dir.is_dir():
-        with os.scandir(conversations_dir) as entries:
-            for entry in entries:
-                name = entry.name
-                if name.endswith(".jsonl") and is_valid_conversation_id(name[:-6]):
-                    try:
-                        out.append((name[:-6], entry.stat().st_mtime))
-                    except FileNotFoundError:
-                        continue
-    return out
 
 
 def file_size(path: Path) -> int:
