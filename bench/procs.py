@@ -13,7 +13,7 @@ import signal
 import socket
 import subprocess
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from pathlib import Path
 
 HOST = "127.0.0.1"
@@ -58,9 +58,8 @@ def http_status(port: int, path: str, timeout: float = 0.5) -> int | None:
     return int(parts[1])
 
 
-def rss_kib(pid: int) -> int:
-    """VmRSS of `pid` plus all its descendants, in KiB (0 if gone)."""
-    total = 0
+def process_tree(pid: int) -> Iterator[int]:
+    """`pid` and all its live descendants (at most 10,000), each once."""
     todo = [pid]
     seen: set[int] = set()
     while todo and len(seen) < 10_000:
@@ -68,14 +67,23 @@ def rss_kib(pid: int) -> int:
         if p in seen:
             continue
         seen.add(p)
+        yield p
+        try:
+            for task in Path(f"/proc/{p}/task").iterdir():
+                todo.extend(int(c) for c in (task / "children").read_text().split())
+        except (OSError, ValueError):
+            continue
+
+
+def rss_kib(pid: int) -> int:
+    """VmRSS of `pid` plus all its descendants, in KiB (0 if gone)."""
+    total = 0
+    for p in process_tree(pid):
         try:
             for line in Path(f"/proc/{p}/status").read_text().splitlines():
                 if line.startswith("VmRSS:"):
                     total += int(line.split()[1])
                     break
-            for task in Path(f"/proc/{p}/task").iterdir():
-                children = (task / "children").read_text().split()
-                todo.extend(int(c) for c in children)
         except (OSError, ValueError):
             continue
     return total
@@ -86,18 +94,10 @@ def cpu_seconds(pid: int) -> float:
     CPU per request stays meaningful when other work shares the cores, unlike req/s."""
     tick = os.sysconf("SC_CLK_TCK")
     total = 0
-    todo = [pid]
-    seen: set[int] = set()
-    while todo and len(seen) < 10_000:
-        p = todo.pop()
-        if p in seen:
-            continue
-        seen.add(p)
+    for p in process_tree(pid):
         try:
             fields = Path(f"/proc/{p}/stat").read_text().rsplit(")", 1)[1].split()
             total += int(fields[11]) + int(fields[12])  # utime, stime (fields 14 and 15)
-            for task in Path(f"/proc/{p}/task").iterdir():
-                todo.extend(int(c) for c in (task / "children").read_text().split())
         except (OSError, ValueError, IndexError):
             continue
     return total / tick
