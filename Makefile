@@ -49,6 +49,9 @@ test-real: install-dev
 # side by side with the others, which two xdist workers share file by file (a file's
 # module-scoped gateway or cluster is started once). TEST_WORKERS=0 runs them in one process.
 TEST_WORKERS ?= 2
+# Bytecode is cached even where the environment says not to: every gateway subprocess and xdist
+# worker would otherwise compile gateway/ and re-run pytest's assertion rewriting from source.
+test test-unit test-app test-e2e test-postgres test-real coverage: export PYTHONDONTWRITEBYTECODE =
 test: install-dev
 	@tmp=$$(mktemp -d); \
 	$(PY) -m pytest -q -p no:cacheprovider --basetemp="$$tmp/base" tests/realmodel >"$$tmp/real.log" 2>&1 & real=$$!; \

@@ -1,7 +1,7 @@
 """The core promise on a real 512-token model: every turn of a long conversation fits the
 server's real window, with no window configured, with a wrong one, and with rolling summaries.
 
-Messages are ~100 tokens and answers 16 tokens, so the history outgrows the window by turn 4.
+Messages are ~100 tokens and answers 16 tokens, so the history outgrows the window by turn 5.
 """
 
 from __future__ import annotations
@@ -104,10 +104,10 @@ def context_records(data_dir: Path, response_id: str) -> list[dict[str, Any]]:
     return [r for r in records if r.get("type") == "context"]
 
 
-def test_no_window_configured_10_turns_fit_and_fill_the_window(tmp_path: Path, llama: LlamaServer) -> None:
+def test_no_window_configured_8_turns_fit_and_fill_the_window(tmp_path: Path, llama: LlamaServer) -> None:
     gateway = gateway_for(tmp_path, llama)
     try:
-        results = converse(gateway.url, "auto-window", 10, seed=1)
+        results = converse(gateway.url, "auto-window", 8, seed=1)
     finally:
         gateway.stop()
     failed = [r for r in results if "error" in r]
@@ -140,14 +140,14 @@ def test_a_declared_window_four_times_too_large_is_learned_from_the_first_refusa
     assert "exceed" in gateway.log() or "context_refused" in gateway.log()
 
 
-def test_summarize_with_the_same_model_10_turns(tmp_path: Path, llama: LlamaServer) -> None:
+def test_summarize_with_the_same_model_8_turns(tmp_path: Path, llama: LlamaServer) -> None:
     gateway = gateway_for(
         tmp_path,
         llama,
         '[context]\nstrategy = "summarize"\nsummary_model = "llama/smollm2"\nsummary_max_tokens = 64\n',
     )
     try:
-        results = converse(gateway.url, "summarized", 10, seed=3)
+        results = converse(gateway.url, "summarized", 8, seed=3)
         deadline = time.monotonic() + 60
         summaries = tmp_path / "var" / "logs" / "summaries" / "summarized.jsonl"
         while time.monotonic() < deadline and not summaries.exists():
