@@ -33,7 +33,7 @@ run: install
 #   app       the whole app in-process over the store and provider twins
 #   e2e       `gateway` processes: the official SDK, the CLI, the inspector, reliability
 #   postgres  PostgreSQL-only behaviour, replicas, export/import
-#   realmodel llama.cpp's server with a real model (about 2 min on one core)
+#   realmodel llama.cpp's server with a real model (about 80 s on one core)
 test-unit: install-dev
 	$(PY) -m pytest -q -p no:cacheprovider tests/unit
 test-app: install-dev
@@ -48,6 +48,8 @@ test-real: install-dev
 # Every tier: the real-model tier (one core, mostly the model) in a pytest process of its own,
 # side by side with the others, which two xdist workers share file by file (a file's
 # module-scoped gateway or cluster is started once). TEST_WORKERS=0 runs them in one process.
+# The long files (processes, the PostgreSQL cluster) are handed out first, the many short ones
+# last, so neither worker is left with a long file at the end.
 TEST_WORKERS ?= 2
 # Bytecode is cached even where the environment says not to: every gateway subprocess and xdist
 # worker would otherwise compile gateway/ and re-run pytest's assertion rewriting from source.
@@ -55,7 +57,7 @@ test test-unit test-app test-e2e test-postgres test-real coverage: export PYTHON
 test: install-dev
 	@tmp=$$(mktemp -d); \
 	$(PY) -m pytest -q -p no:cacheprovider --basetemp="$$tmp/base" tests/realmodel >"$$tmp/real.log" 2>&1 & real=$$!; \
-	$(PY) -m pytest -q -p no:cacheprovider -n $(TEST_WORKERS) --dist loadfile tests/unit tests/app tests/e2e tests/postgres; rest=$$?; \
+	$(PY) -m pytest -q -p no:cacheprovider -n $(TEST_WORKERS) --dist loadfile tests/postgres tests/e2e tests/app tests/unit; rest=$$?; \
 	wait $$real; realrc=$$?; echo "--- tests/realmodel:"; cat "$$tmp/real.log"; rm -rf "$$tmp"; \
 	exit $$(( rest || realrc ))
 

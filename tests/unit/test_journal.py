@@ -11,6 +11,7 @@ import asyncio
 import errno
 import os
 import shutil
+import time
 from collections.abc import AsyncIterator, Callable
 from pathlib import Path
 from typing import Any
@@ -183,8 +184,9 @@ async def test_commits_waiting_together_share_fdatasyncs(
     real: Callable[[int], None] = os.fdatasync
     syncs: list[int] = []
 
-    def counting(fd: int) -> None:
+    def counting(fd: int) -> None:  # on the sync thread: a slow disk lets the others queue up
         syncs.append(fd)
+        time.sleep(0.02)
         real(fd)
 
     monkeypatch.setattr(os, "fdatasync", counting)
