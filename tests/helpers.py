@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 from collections.abc import Mapping, Sequence
 from typing import Any
 
@@ -73,5 +74,6 @@ async def commit_turn(
     log = store.start(rid, request_record(rid, cid, inputs, system))
     log.append({"type": "context", "stored_messages": 0, "sent_messages": len(inputs)})
     log.append({"type": "response", "message": output, "finish_reason": "stop", "usage": None})
+    await asyncio.sleep(0)  # the provider call: other turns run meanwhile
     await log.commit(cid)
     return rid

@@ -38,7 +38,7 @@ def test_demo_shows_recall_on_a_fresh_dir(tmp_path: Path) -> None:
     assert len(list((tmp_path / "var" / "logs" / "responses").glob("demo-*.jsonl"))) == 6
 
 
-def _seed(gateway: GatewayProcess) -> list[str]:
+def _seed(gateway: GatewayProcess, conversation_id: str = "cli-1") -> list[str]:
     client = OpenAI(base_url=f"{gateway.url}/v1", api_key="x", max_retries=0)
     ids = []
     for text in ["my name is Cli", "what is my name?"]:
@@ -46,7 +46,7 @@ def _seed(gateway: GatewayProcess) -> list[str]:
             client.chat.completions.create(
                 model="mock/tiny",
                 messages=[{"role": "user", "content": text}],
-                extra_body={"conversation_id": "cli-1"},
+                extra_body={"conversation_id": conversation_id},
             ).id
         )
     return ids
@@ -95,7 +95,7 @@ def test_tail_follows_new_turns(gateway: GatewayProcess, upstream: MockServer) -
                 "-m",
                 "gateway",
                 "tail",
-                "cli-1",
+                "cli-tail",  # its own conversation: the module's gateway is shared
                 "--poll",
                 "0.1",
                 "--data-dir",
@@ -115,7 +115,7 @@ def test_tail_follows_new_turns(gateway: GatewayProcess, upstream: MockServer) -
             time.sleep(0.3)  # a few polls of the missing index
             assert "following" in out_path.read_text() and "Cli" not in out_path.read_text()
             assert proc.poll() is None
-            _seed(gateway)
+            _seed(gateway, "cli-tail")
             deadline = time.monotonic() + 15
             while time.monotonic() < deadline and "Your name is Cli." not in out_path.read_text():
                 time.sleep(0.1)

@@ -11,6 +11,7 @@ import asyncio
 import errno
 import os
 import shutil
+import threading
 import time
 from collections.abc import AsyncIterator, Callable
 from pathlib import Path
@@ -194,6 +195,26 @@ async def test_commits_waiting_together_share_fdatasyncs(
     assert 1 <= len(syncs) < len(rids)
     for i, rid in enumerate(rids):
         assert await jstore.read_index(f"c{i}") == [rid]
+
+
+async def test_a_turn_committing_alone_is_synced_on_the_loop(
+    jstore: JsonlStore, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    await commit_turn(jstore, "warm", "up")
+    real: Callable[[int], None] = os.fdatasync
+    threads: list[str] = []
+
+    def recording(fd: int) -> None:
+        threads.append(threading.current_thread().name)
+        real(fd)
+
+    monkeypatch.setattr(os, "fdatasync", recording)
+    rid = await commit_turn(jstore, "alone", "hi")  # no other turn in progress: no hand-off
+    assert threads == [threading.main_thread().name]
+    assert await jstore.read_index("alone") == [rid]
+    threads.clear()
+    await asyncio.gather(*(commit_turn(jstore, f"many{i}", "hi") for i in range(8)))
+    assert threads and threading.main_thread().name not in threads  # shared, on the sync thread
 
 
 async def test_without_durability_there_is_no_journal(tmp_path: Path) -> None:

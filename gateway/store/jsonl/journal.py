@@ -98,11 +98,15 @@ class Journal:
         self._checkpoints: list[threading.Thread] = []
         self._loop: asyncio.AbstractEventLoop | None = None
         self._stopped = False  # by `stop`: nothing is switched or emptied in the background
+        self.open_logs = 0  # response logs started and not committed or abandoned yet
 
     # -- the event loop's side --------------------------------------------------------------
     async def append(self, data: bytes) -> JournalFile:
         """Append one commit and wait until it is durable; the caller then writes the files
-        and calls `done`."""
+        and calls `done`.
+
+        When this is the only turn in progress, the loop syncs the journal itself: nobody
+        could share the sync, and the two thread hand-offs (about 0.1-0.3 ms) are saved."""
         if self.current is None:
             await self._open()
             self._stopped = False
@@ -116,6 +120,14 @@ class Journal:
             raise
         journal.size += len(data)
         journal.pending += 1
+        if self.open_logs <= 1:
+            try:
+                self.store._sync(os.fdatasync, journal.fd)
+            except BaseException:
+                self.done(journal)
+                raise
+            self._ensure_thread()  # it switches and empties the journal once the turns stop
+            return journal
         loop = asyncio.get_running_loop()
         self._loop = loop
         future: asyncio.Future[None] = loop.create_future()

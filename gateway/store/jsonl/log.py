@@ -30,6 +30,8 @@ class JsonlLog(ResponseLog):
         self._pending: list[bytes] = []
         self._closed = False
         self._fd = -1
+        self._counted = True
+        store.journal.open_logs += 1
         self.create_error: str | None = None
         # Created here, on the event loop: a page-cache write, cheaper than a thread hop (and
         # the GIL passing to and from that thread). Nothing here is synced: see `commit`.
@@ -40,6 +42,11 @@ class JsonlLog(ResponseLog):
             self.create_error = exc.strerror or str(exc)
             log.error("cannot create response log %s: %s", self.path.name, self.create_error)
 
+    def _uncount(self) -> None:
+        if self._counted:
+            self._counted = False
+            self.store.journal.open_logs -= 1
+
     def append(self, record: Record) -> None:
         self._pending.append(orjson.dumps(record) + b"\n")
 
@@ -47,6 +54,12 @@ class JsonlLog(ResponseLog):
         records = b"".join(self._pending)
         self._pending.clear()
         self._closed = True
+        try:
+            return await self._commit(records, conversation_id)
+        finally:
+            self._uncount()
+
+    async def _commit(self, records: bytes, conversation_id: str | None) -> Appended | None:
         store = self.store
         try:
             before = self.check_commit(records, conversation_id)
@@ -164,6 +177,7 @@ class JsonlLog(ResponseLog):
         if self._closed:
             return
         self._closed = True
+        self._uncount()
         if self._fd < 0:
             log.warning("could not mark %s incomplete: %s", self.response_id, self.create_error)
             return
