@@ -217,3 +217,22 @@ def probe_file(path: Path, sync: bool) -> None:
     finally:
         os.close(fd)
     os.unlink(path)
+
+
+class NamedFiles:
+    """`folder/{name}.jsonl` for names `check`ed once: a turn asks for its index's path several
+    times, and building a Path costs more than the rest of the lookup. At most `limit` kept."""
+
+    def __init__(self, folder: Path, check: Callable[[str], str], limit: int) -> None:
+        self.folder = folder
+        self.check = check
+        self.limit = limit
+        self._paths: dict[str, Path] = {}
+
+    def __call__(self, name: str) -> Path:
+        path = self._paths.get(name)
+        if path is None:
+            if len(self._paths) >= self.limit:
+                self._paths.clear()
+            path = self._paths[name] = self.folder / f"{self.check(name)}.jsonl"
+        return path

@@ -47,6 +47,7 @@ from gateway.store.base import (
 from gateway.store.jsonl import branches, fsck, recovery
 from gateway.store.jsonl.catalog import Catalog, index_times
 from gateway.store.jsonl.files import (
+    NamedFiles,
     append_file,
     file_size,
     fsync_dir,
@@ -97,6 +98,7 @@ class JsonlStore(Store):
         self.cache_size = cache_size
         # Index sizes last seen: only to know whether an index file exists yet (no views here).
         self._sizes: LRU[str, int] = LRU(cache_size)
+        self._index_paths = NamedFiles(self.conversations_dir, check_conversation_id, 4 * cache_size)
         self.catalog = Catalog(self)
         self._lock_fd = -1  # locks/conversations.lock, for this store's byte-range locks
         self._locks: weakref.WeakValueDictionary[str, asyncio.Lock] = weakref.WeakValueDictionary()
@@ -147,7 +149,7 @@ class JsonlStore(Store):
             return path.name
 
     def index_path(self, conversation_id: str) -> Path:
-        return self.conversations_dir / f"{check_conversation_id(conversation_id)}.jsonl"
+        return self._index_paths(conversation_id)
 
     def response_path(self, response_id: str) -> Path:
         if not is_valid_response_id(response_id):
