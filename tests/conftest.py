@@ -28,6 +28,22 @@ from tests.mockserver import MockServer, mock_server
 REPO = Path(__file__).resolve().parent.parent
 
 
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    """Every test gets a node id of its own. Schemathesis names its items per API operation but,
+    under pytest 9, gives them all the function's node id; xdist keys its schedule by node id,
+    so all but one operation would silently not run. The operation goes into the id here, and
+    any other duplicate stops the run."""
+    for item in items:
+        label = getattr(item, "operation_label", None)
+        node_id = getattr(item, "_id", None)  # pytest 9's structured node id
+        if label and node_id is not None and getattr(node_id, "params", "") is None:
+            item._id = node_id.with_params(label)
+    seen: set[str] = set()
+    dupes = sorted({item.nodeid for item in items if item.nodeid in seen or seen.add(item.nodeid)})
+    if dupes:
+        raise pytest.UsageError(f"tests with the same node id (xdist would run one of each): {dupes[:5]}")
+
+
 def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))

@@ -57,6 +57,14 @@ kind = "demo"
     proc.stop()
 
 
+def test_each_operation_is_a_test_of_its_own(request: pytest.FixtureRequest) -> None:
+    """Under xdist only distinct node ids are scheduled: one per operation, or most never run."""
+    fuzzed = [i.nodeid for i in request.session.items if "test_no_5xx_and_documented_responses" in i.nodeid]
+    operations = list(schema.get_all_operations())
+    assert len(operations) >= 20
+    assert len(set(fuzzed)) == len(fuzzed) == len(operations)
+
+
 def test_the_served_schema_is_the_one_fuzzed(gateway: GatewayProcess) -> None:
     served = httpx.get(f"{gateway.url}/openapi.json")
     assert served.status_code == 200
