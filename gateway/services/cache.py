@@ -71,10 +71,11 @@ class ConversationCache:
             cached = None  # all of it is asked for
         if cached is None and tail:
             found = await tail_view(store, cid, tail, through, self.skipped)
-            if found is not None:
-                if keep:
-                    self._views[key] = _Cached(*found)
-                return found[1]
+            if found is None:  # no such conversation: what reading all of it would find too
+                return ConversationView()
+            if keep:
+                self._views[key] = _Cached(*found)
+            return found[1]
         read = await store.read_conversation(cid, cached.version if cached is not None else None)
         view = self._apply(key, cached, read, keep)
         return view if view is not None else await self.load(store, cid, keep=keep)

@@ -14,6 +14,7 @@ import orjson
 import pytest
 
 from gateway.config import Settings
+from gateway.services.cache import ConversationCache
 from gateway.store.jsonl import JsonlStore
 from gateway.upstream.mock import MockUpstream
 from tests.conftest import app_of, build_client, make_settings
@@ -258,6 +259,23 @@ async def test_a_cold_turn_sends_what_a_whole_load_sends(shape: str, tmp_path: P
     assert partial.body == whole.body
     assert partial.context == whole.context
     assert partial.reply == whole.reply
+
+
+async def test_a_new_conversation_reads_its_missing_index_once(tmp_path: Path) -> None:
+    store = JsonlStore(tmp_path / "var")
+    await store.open()
+    real = store._read_raw
+    reads: list[str] = []
+
+    def counting(cid: str, after: Any, repair: bool) -> Any:
+        reads.append(cid)
+        return real(cid, after, repair)
+
+    store._read_raw = counting  # type: ignore[method-assign]
+    view = await ConversationCache().load(store, "brand-new", tail=10)
+    assert view.turns == 0 and view.history == [] and not view.partial
+    assert reads == ["brand-new"]
+    await store.close()
 
 
 @pytest.mark.parametrize("shape", ["plain", "tools", "system_prompts", "forks"])
