@@ -47,6 +47,16 @@ def journals(root: Path) -> list[Path]:
     return sorted((root / "logs" / "journal").glob("*.wal"))
 
 
+async def index_after_restart(image: Path, cid: str = "conv") -> list[Any]:
+    """The index of `cid` as a store started on `image` holds it (its recovery included)."""
+    restarted = JsonlStore(image)
+    await restarted.open()
+    try:
+        return await restarted.read_index(cid)
+    finally:
+        await restarted.close()
+
+
 async def test_writes_lost_after_the_acknowledgement_are_replayed(jstore: JsonlStore, tmp_path: Path) -> None:
     r1 = await commit_turn(jstore, "conv", "one")
     r2 = await commit_turn(jstore, "conv", "two")
@@ -77,10 +87,7 @@ async def test_a_lost_index_tail_is_refilled_in_commit_order(jstore: JsonlStore,
     index = image / "logs" / "conversations" / "conv.jsonl"
     keep = len(rids[0]) + 1
     index.write_bytes(index.read_bytes()[:keep] + b"\0" * 7)  # a lost page reads as zeros
-    restarted = JsonlStore(image)
-    await restarted.open()
-    assert await restarted.read_index("conv") == rids
-    await restarted.close()
+    assert await index_after_restart(image) == rids
 
 
 async def test_a_clean_crash_replays_nothing_and_removes_the_journal(
@@ -108,10 +115,7 @@ async def test_a_conversation_that_went_on_without_a_commit_keeps_its_index(
     image = crash_image(jstore, tmp_path)
     index = image / "logs" / "conversations" / "conv.jsonl"
     index.write_bytes(f"{other}\n".encode())  # where "one" was to go, another turn now stands
-    restarted = JsonlStore(image)
-    await restarted.open()
-    assert await restarted.read_index("conv") == [other]
-    await restarted.close()
+    assert await index_after_restart(image) == [other]
 
 
 @pytest.mark.parametrize("archive", [False, True])
@@ -124,11 +128,8 @@ async def test_a_deleted_conversation_is_not_brought_back(
     kept = await commit_turn(jstore, "conv", "after")  # the id used again after the deletion
     image = crash_image(jstore, tmp_path)
     (image / "logs" / "conversations" / "conv.jsonl").unlink()
-    restarted = JsonlStore(image)
-    await restarted.open()
-    assert await restarted.read_index("conv") == [kept]
+    assert await index_after_restart(image) == [kept]
     assert not (image / "logs" / "responses" / f"{r1}.jsonl").exists()
-    await restarted.close()
 
 
 async def test_a_commit_the_client_was_told_failed_is_not_replayed(
@@ -147,10 +148,7 @@ async def test_a_commit_the_client_was_told_failed_is_not_replayed(
         await commit_turn(jstore, "conv", "two")  # in the journal, then the index append failed
     monkeypatch.undo()
     image = crash_image(jstore, tmp_path)
-    restarted = JsonlStore(image)
-    await restarted.open()
-    assert await restarted.read_index("conv") == [r1]
-    await restarted.close()
+    assert await index_after_restart(image) == [r1]
 
 
 async def test_a_torn_journal_tail_is_ignored(jstore: JsonlStore, tmp_path: Path) -> None:
@@ -159,10 +157,7 @@ async def test_a_torn_journal_tail_is_ignored(jstore: JsonlStore, tmp_path: Path
     (image / "logs" / "conversations" / "conv.jsonl").unlink()
     with open(journals(image)[0], "ab") as f:  # a crash during the next append, before its sync
         f.write(b'{"response_id":"resp_x","conversation_id":"conv","before":37,"at":1,"size":900}\n{"ty')
-    restarted = JsonlStore(image)
-    await restarted.open()
-    assert await restarted.read_index("conv") == [r1]
-    await restarted.close()
+    assert await index_after_restart(image) == [r1]
 
 
 async def test_a_live_process_journal_is_left_alone(jstore: JsonlStore, tmp_path: Path) -> None:
@@ -261,7 +256,4 @@ async def test_a_commit_whose_journal_sync_failed_is_not_replayed(
         await commit_turn(jstore, "conv", "two")  # written to the journal, its sync failed
     monkeypatch.undo()
     image = crash_image(jstore, tmp_path)
-    restarted = JsonlStore(image)
-    await restarted.open()
-    assert await restarted.read_index("conv") == [r1]
-    await restarted.close()
+    assert await index_after_restart(image) == [r1]
