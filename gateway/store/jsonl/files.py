@@ -13,6 +13,7 @@ import orjson
 
 from gateway.exceptions import CorruptRecord, StorageError
 from gateway.ids import RESPONSE_ID_RE, is_valid_response_id
+from gateway.store.base import LRU
 from gateway.types import Record
 
 CONTEXT_PREFIX = b'{"type":"context"'
@@ -226,13 +227,10 @@ class NamedFiles:
     def __init__(self, folder: Path, check: Callable[[str], str], limit: int) -> None:
         self.folder = folder
         self.check = check
-        self.limit = limit
-        self._paths: dict[str, Path] = {}
+        self._paths: LRU[str, Path] = LRU(limit)
 
     def __call__(self, name: str) -> Path:
         path = self._paths.get(name)
         if path is None:
-            if len(self._paths) >= self.limit:
-                self._paths.clear()
             path = self._paths[name] = self.folder / f"{self.check(name)}.jsonl"
         return path
