@@ -9,6 +9,7 @@ import socket
 import subprocess
 import sys
 import time
+from collections import Counter
 from collections.abc import AsyncIterator, Iterator
 from pathlib import Path
 from typing import Any
@@ -38,8 +39,7 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
         node_id = getattr(item, "_id", None)  # pytest 9's structured node id
         if label and node_id is not None and getattr(node_id, "params", "") is None:
             item._id = node_id.with_params(label)
-    seen: set[str] = set()
-    dupes = sorted({item.nodeid for item in items if item.nodeid in seen or seen.add(item.nodeid)})
+    dupes = sorted(nodeid for nodeid, n in Counter(item.nodeid for item in items).items() if n > 1)
     if dupes:
         raise pytest.UsageError(f"tests with the same node id (xdist would run one of each): {dupes[:5]}")
 
