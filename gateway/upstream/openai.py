@@ -1,8 +1,11 @@
 """The direct HTTP fast path for OpenAI-compatible providers (OpenAI, Ollama /v1, vLLM, ...).
 
-One pooled aiohttp session per provider (measured faster than httpx here, notably under
-concurrency: see bench/); the body is serialized once with orjson; aiohttp exceptions are
-translated to gateway errors in exactly one place, `map_upstream_errors`. A failed attempt is
+Non-streaming calls to an `http://` provider go through `http1.Pool`, a small keep-alive
+client of our own (measured three times cheaper in CPU than aiohttp: docs/performance.md);
+streams, `https://` providers and discovery use one pooled aiohttp session per provider
+(measured faster than httpx here, notably under concurrency: see bench/). The body is
+serialized once with orjson; client exceptions are translated to gateway errors in exactly
+one place, `map_upstream_errors`. A failed attempt is
 retried (`retries`, default 1) only when nothing of its answer has been produced yet: after a
 connection failure or a 502/503/504, never after the first chunk of a stream, never on a 429.
 """
@@ -27,6 +30,7 @@ from gateway.exceptions import (
     UpstreamUnreachable,
 )
 from gateway.types import as_list, as_object
+from gateway.upstream import http1
 from gateway.upstream.base import (
     RETRY_STATUSES,
     Body,
@@ -41,9 +45,13 @@ from gateway.upstream.refusal import parse_refusal
 
 log = logging.getLogger("gateway.upstream")
 
-# Every aiohttp client exception class, mapped (tests/test_upstreams.py enumerates them).
+# Every aiohttp and http1 exception class, mapped (tests/test_upstreams.py enumerates them).
 _TIMEOUTS: tuple[type[BaseException], ...] = (TimeoutError, asyncio.TimeoutError, aiohttp.ServerTimeoutError)
-_UNREACHABLE: tuple[type[BaseException], ...] = (aiohttp.ClientConnectionError,)
+_UNREACHABLE: tuple[type[BaseException], ...] = (
+    aiohttp.ClientConnectionError,
+    http1.ConnectFailed,
+    http1.Disconnected,
+)
 _PROTOCOL: tuple[type[BaseException], ...] = (aiohttp.ClientError, ValueError)
 
 # Provider statuses worth another attempt (a 429 is the client's to handle: passed through).
@@ -55,6 +63,9 @@ _RETRY_CAUSES: tuple[type[BaseException], ...] = (
     aiohttp.ServerDisconnectedError,
     aiohttp.ClientOSError,
     aiohttp.ClientPayloadError,
+    http1.ConnectFailed,
+    http1.ConnectTimedOut,
+    http1.Disconnected,
 )
 # Once every choice has its finish_reason, a provider that neither sends `[DONE]` nor ends the
 # body gets this long (5x while an asked-for usage chunk is due) before the answer is taken as done.
@@ -79,7 +90,7 @@ def map_upstream_errors(name: str, url: str) -> Iterator[None]:
         yield
     except UpstreamError:
         raise
-    except aiohttp.ConnectionTimeoutError as exc:
+    except (aiohttp.ConnectionTimeoutError, http1.ConnectTimedOut) as exc:
         raise UpstreamTimeout(f"Provider {name!r} at {url} timed out while connecting") from exc
     except _TIMEOUTS as exc:
         raise UpstreamTimeout(f"Provider {name!r} at {url} timed out ({type(exc).__name__})") from exc
@@ -210,6 +221,14 @@ class OpenAIUpstream(Upstream):
         self.max_response_bytes = settings.max_response_bytes
         self._session: aiohttp.ClientSession | None = None
         self.retries = settings.retries
+        self._pool: http1.Pool | None = None
+        if self._endpoint.startswith("http://"):
+            self._pool = http1.Pool(
+                self._endpoint,
+                self._headers,
+                connect_timeout=settings.connect_timeout or None,
+                read_timeout=settings.timeout or None,
+            )
 
     def _client(self) -> aiohttp.ClientSession:
         # Created lazily: a session belongs to the event loop that first uses it.
@@ -223,6 +242,8 @@ class OpenAIUpstream(Upstream):
         return self._session
 
     async def aclose(self) -> None:
+        if self._pool is not None:
+            self._pool.close()
         if self._session is not None and not self._session.closed:
             await self._session.close()
 
@@ -240,12 +261,22 @@ class OpenAIUpstream(Upstream):
 
     async def _complete_once(self, data: bytes) -> Body:
         with map_upstream_errors(self.name, self.url):
-            async with self._client().post(self._endpoint, data=data) as response:
-                status = response.status
-                headers = response.headers
-                # An error body is only quoted: its start is enough.
-                limit = self.max_response_bytes if status < 400 else _ERROR_BODY_BYTES
-                content = await self._read_limited(response, limit, truncate=status >= 400)
+            if self._pool is not None:
+                try:
+                    answer = await self._pool.post(
+                        data, limit=self.max_response_bytes, error_limit=_ERROR_BODY_BYTES
+                    )
+                except http1.TooLarge:
+                    raise self._too_large() from None
+                status, content = answer.status, answer.body
+                headers: Mapping[str, str] = answer.headers
+            else:
+                async with self._client().post(self._endpoint, data=data) as response:
+                    status = response.status
+                    headers = response.headers
+                    # An error body is only quoted: its start is enough.
+                    limit = self.max_response_bytes if status < 400 else _ERROR_BODY_BYTES
+                    content = await self._read_limited(response, limit, truncate=status >= 400)
         if status >= 400:
             raise status_error(self.name, status, content, headers)
         try:

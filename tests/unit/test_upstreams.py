@@ -20,7 +20,7 @@ from gateway.exceptions import (
     UpstreamTimeout,
     UpstreamUnreachable,
 )
-from gateway.upstream import Router
+from gateway.upstream import Router, http1
 from gateway.upstream.demo import DemoUpstream
 from gateway.upstream.openai import OpenAIUpstream, map_upstream_errors, parse_sse_line
 from tests.conftest import free_port
@@ -35,7 +35,8 @@ def _all_client_exceptions() -> list[type[BaseException]]:
         for _, obj in inspect.getmembers(aiohttp)
         if inspect.isclass(obj) and issubclass(obj, aiohttp.ClientError)
     ]
-    return [*classes, TimeoutError]
+    ours = [obj for _, obj in inspect.getmembers(http1) if inspect.isclass(obj) and issubclass(obj, Exception)]
+    return [*classes, *(c for c in ours if not c.__name__.startswith("_")), TimeoutError]
 
 
 def _instance(exc_class: type[BaseException]) -> BaseException:
@@ -67,7 +68,7 @@ def test_every_client_exception_is_mapped(exc_class: type[BaseException]) -> Non
     # Each kind of failure has its own class (and so its own status and code).
     if isinstance(exc, TimeoutError):
         expected: type[UpstreamError] = UpstreamTimeout
-    elif isinstance(exc, aiohttp.ClientConnectionError):
+    elif isinstance(exc, aiohttp.ClientConnectionError | http1.ConnectFailed | http1.Disconnected):
         expected = UpstreamUnreachable
     else:
         expected = UpstreamProtocolError

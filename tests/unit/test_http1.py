@@ -1,0 +1,235 @@
+"""The keep-alive HTTP/1.1 client for `http://` providers, against a scripted loopback server:
+framing (length, chunked, until close, gzip), limits, reuse, and every failure it maps."""
+
+from __future__ import annotations
+
+import asyncio
+import gzip
+from collections.abc import AsyncIterator, Awaitable, Callable
+
+import pytest
+
+from gateway.config import ProviderSettings
+from gateway.exceptions import UpstreamProtocolError, UpstreamTimeout, UpstreamUnreachable
+from gateway.upstream import http1
+from gateway.upstream.openai import OpenAIUpstream, is_retryable, map_upstream_errors
+from tests.conftest import free_port
+
+# Written after an answer: the server then closes the connection (not said in the answer).
+CLOSE_AFTER = b"<close>"
+# Answers the script writes back for a request: raw bytes, or None to close without answering.
+Script = Callable[[int, bytes], Awaitable[bytes | None]]
+
+
+def ok(body: bytes, *extra: str) -> bytes:
+    head = ["HTTP/1.1 200 OK", "content-type: application/json", f"content-length: {len(body)}", *extra]
+    return ("\r\n".join(head) + "\r\n\r\n").encode() + body
+
+
+class Scripted:
+    """A loopback HTTP server answering each request with `script(n, request)`; counts the
+    connections it accepted and keeps the raw requests."""
+
+    def __init__(self, script: Script) -> None:
+        self.script = script
+        self.connections = 0
+        self.requests: list[bytes] = []
+        self.readers: list[asyncio.StreamReader] = []
+        self.server: asyncio.Server | None = None
+        self.port = 0
+
+    async def _serve(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        self.connections += 1
+        self.readers.append(reader)
+        try:
+            while True:
+                head = await reader.readuntil(b"\r\n\r\n")
+                length = next(
+                    int(line.split(b":", 1)[1])
+                    for line in head.split(b"\r\n")
+                    if line.lower().startswith(b"content-length:")
+                )
+                request = head + await reader.readexactly(length)
+                self.requests.append(request)
+                answer = await self.script(len(self.requests), request)
+                if answer is None:
+                    break
+                writer.write(answer.removesuffix(CLOSE_AFTER))
+                await writer.drain()
+                if answer.endswith(CLOSE_AFTER):
+                    break
+        except (asyncio.IncompleteReadError, ConnectionError):
+            pass
+        finally:
+            writer.close()
+
+    @property
+    def url(self) -> str:
+        return f"http://127.0.0.1:{self.port}/v1/chat/completions"
+
+
+@pytest.fixture
+async def serve() -> AsyncIterator[Callable[[Script], Awaitable[Scripted]]]:
+    servers: list[Scripted] = []
+
+    async def start(script: Script) -> Scripted:
+        scripted = Scripted(script)
+        scripted.server = await asyncio.start_server(scripted._serve, "127.0.0.1", 0)
+        scripted.port = scripted.server.sockets[0].getsockname()[1]
+        servers.append(scripted)
+        return scripted
+
+    yield start
+    for scripted in servers:
+        assert scripted.server is not None
+        scripted.server.close()
+
+
+def pool(url: str, *, read_timeout: float | None = 5.0) -> http1.Pool:
+    return http1.Pool(
+        url,
+        {"content-type": "application/json", "authorization": "Bearer k"},
+        connect_timeout=2.0,
+        read_timeout=read_timeout,
+    )
+
+
+async def test_one_connection_carries_many_requests(serve: Callable[[Script], Awaitable[Scripted]]) -> None:
+    async def script(n: int, request: bytes) -> bytes:
+        return ok(b'{"n": %d}' % n)
+
+    server = await serve(script)
+    client = pool(server.url)
+    answers = [await client.post(b'{"q": 1}', limit=1000, error_limit=100) for _ in range(3)]
+    client.close()
+    assert [a.body for a in answers] == [b'{"n": 1}', b'{"n": 2}', b'{"n": 3}']
+    assert answers[0].status == 200 and answers[0].headers["content-type"] == "application/json"
+    assert server.connections == 1
+    first = server.requests[0]
+    assert first.startswith(b"POST /v1/chat/completions HTTP/1.1\r\n")
+    assert b"\r\nauthorization: Bearer k\r\n" in first and first.endswith(b'\r\n\r\n{"q": 1}')
+    assert f"\r\nhost: 127.0.0.1:{server.port}\r\n".encode() in first
+
+
+async def test_chunked_until_close_and_gzip_bodies_are_read_whole(
+    serve: Callable[[Script], Awaitable[Scripted]],
+) -> None:
+    packed = gzip.compress(b'{"zipped": true}')
+    answers = {
+        1: b'HTTP/1.1 200 OK\r\ntransfer-encoding: chunked\r\n\r\n5\r\n{"a":\r\n3\r\n 1}\r\n0\r\n\r\n',
+        2: ok(packed, "content-encoding: gzip"),
+        3: b'HTTP/1.1 200 OK\r\nconnection: close\r\n\r\n{"until": "close"}' + CLOSE_AFTER,
+    }
+
+    async def script(n: int, request: bytes) -> bytes:
+        return answers[n]
+
+    server = await serve(script)
+    client = pool(server.url)
+    bodies = [(await client.post(b"{}", limit=1000, error_limit=100)).body for _ in range(3)]
+    # After a `connection: close` answer, the next request opens a new connection.
+    answers[4] = ok(b"{}")
+    await client.post(b"{}", limit=1000, error_limit=100)
+    client.close()
+    assert bodies == [b'{"a": 1}', b'{"zipped": true}', b'{"until": "close"}']
+    assert server.connections == 2
+
+
+async def test_bodies_over_the_limit_are_refused_and_error_bodies_cut(
+    serve: Callable[[Script], Awaitable[Scripted]],
+) -> None:
+    big = b"x" * 5000
+    answers = {
+        1: ok(big),  # declared too large
+        2: b"HTTP/1.1 200 OK\r\ntransfer-encoding: chunked\r\n\r\n1388\r\n" + big + b"\r\n0\r\n\r\n",
+        3: ok(gzip.compress(big), "content-encoding: gzip"),  # small on the wire, large decoded
+        4: b"HTTP/1.1 500 Oops\r\ncontent-length: 5000\r\nretry-after: 3\r\n\r\n" + big,
+    }
+
+    async def script(n: int, request: bytes) -> bytes:
+        return answers[n]
+
+    server = await serve(script)
+    client = pool(server.url)
+    for _ in range(3):
+        with pytest.raises(http1.TooLarge):
+            await client.post(b"{}", limit=1000, error_limit=100)
+    error = await client.post(b"{}", limit=1000, error_limit=100)
+    client.close()
+    assert error.status == 500 and error.body == b"x" * 100 and error.headers["retry-after"] == "3"
+
+
+async def test_a_connection_closed_while_idle_is_not_reused(
+    serve: Callable[[Script], Awaitable[Scripted]],
+) -> None:
+    async def script(n: int, request: bytes) -> bytes | None:
+        return ok(b'{"n": %d}' % n) + CLOSE_AFTER
+
+    server = await serve(script)
+    client = pool(server.url)
+    await client.post(b"{}", limit=100, error_limit=100)
+    await asyncio.sleep(0.1)  # the server's close (a keep-alive timeout) reaches the client
+    answer = await client.post(b"{}", limit=100, error_limit=100)
+    client.close()
+    assert answer.body == b'{"n": 2}' and server.connections == 2
+
+
+async def test_failures_map_to_gateway_errors_and_say_whether_to_retry(
+    serve: Callable[[Script], Awaitable[Scripted]],
+) -> None:
+    async def script(n: int, request: bytes) -> bytes | None:
+        if n == 1:
+            return None  # closes without answering
+        if n == 2:
+            return b'HTTP/1.1 200 OK\r\ncontent-length: 100\r\n\r\n{"cut'  # then hangs
+        return b"NOT HTTP AT ALL\r\n\r\n"
+
+    server = await serve(script)
+    client = pool(server.url, read_timeout=0.3)
+    raised: list[BaseException] = []
+    for _ in range(3):
+        with pytest.raises(Exception) as info, map_upstream_errors("p", server.url):
+            await client.post(b"{}", limit=1000, error_limit=100)
+        raised.append(info.value)
+    refused = pool(f"http://127.0.0.1:{free_port()}/v1/chat/completions")
+    with pytest.raises(UpstreamUnreachable) as unreachable, map_upstream_errors("p", "u"):
+        await refused.post(b"{}", limit=1000, error_limit=100)
+    client.close()
+    disconnected, timed_out, malformed = raised
+    assert isinstance(disconnected, UpstreamUnreachable) and is_retryable(disconnected)
+    assert isinstance(timed_out, UpstreamTimeout) and not is_retryable(timed_out)
+    assert isinstance(timed_out.__cause__, http1.ReadTimedOut)
+    assert isinstance(malformed, UpstreamProtocolError) and not is_retryable(malformed)
+    assert is_retryable(unreachable.value)
+
+
+async def test_a_cancelled_call_closes_its_connection(serve: Callable[[Script], Awaitable[Scripted]]) -> None:
+    release = asyncio.Event()
+
+    async def script(n: int, request: bytes) -> bytes:
+        if n == 1:
+            await release.wait()
+        return ok(b'{"n": %d}' % n)
+
+    server = await serve(script)
+    client = pool(server.url)
+    call = asyncio.ensure_future(client.post(b"{}", limit=100, error_limit=100))
+    while not server.requests:
+        await asyncio.sleep(0.01)
+    call.cancel()
+    with pytest.raises(asyncio.CancelledError):
+        await call
+    # The provider sees the connection close at once (llama.cpp, for one, stops generating).
+    assert await asyncio.wait_for(server.readers[0].read(), 2) == b""
+    release.set()
+    # The late answer to the cancelled call must not be read as the next call's answer.
+    answer = await client.post(b"{}", limit=100, error_limit=100)
+    client.close()
+    assert answer.body == b'{"n": 2}' and server.connections == 2
+
+
+async def test_plain_http_providers_use_the_pool_and_https_ones_do_not() -> None:
+    plain = OpenAIUpstream("a", ProviderSettings(kind="openai", base_url="http://127.0.0.1:9/v1"))
+    secure = OpenAIUpstream("b", ProviderSettings(kind="openai", base_url="https://example.invalid/v1"))
+    assert plain._pool is not None and plain._pool.target == "/v1/chat/completions"
+    assert secure._pool is None
