@@ -76,7 +76,19 @@ class Metrics:
         # Keyed by the id's hash (an int, not the id): bounded by ACTIVE_LIMIT and the window.
         self._last_turn: dict[int, float] = {}
         self._touches = 0
+        self._children: dict[tuple[int, tuple[str, ...]], Any] = {}
         self.active_window = active_window
+
+    def child(self, metric: Any, *values: str) -> Any:
+        """`metric.labels(*values)`, looked up once (label sets here are few: routes, statuses,
+        providers) instead of validated and locked on every request."""
+        key = (id(metric), values)
+        found = self._children.get(key)
+        if found is None:
+            found = metric.labels(*values)
+            if len(self._children) < 4096:
+                self._children[key] = found
+        return found
 
     def conversation_touched(self, key: str) -> None:
         hashed = hash(key)
@@ -124,7 +136,7 @@ class MetricsMiddleware:
         finally:
             endpoint: Any = scope.get("endpoint")
             route = getattr(endpoint, "__name__", None) or "unmatched"
-            self.metrics.requests.labels(route, str(status[0])).inc()
+            self.metrics.child(self.metrics.requests, route, str(status[0])).inc()
 
 
 async def metrics_endpoint(request: Request) -> Response:

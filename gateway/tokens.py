@@ -61,16 +61,40 @@ def count_text(text: str, model: str = "") -> int:
 
 def count_message(message: Mapping[str, object], model: str = "") -> int:
     """Tokens a message costs in a chat request: its text fields plus framing."""
-    enc = get_encoding(encoding_name_for(model))
-    total = TOKENS_PER_MESSAGE
-    for key, value in message.items():
-        if key == "is_feedback" or value is None:
-            continue
-        text = value if isinstance(value, str) else orjson.dumps(value).decode()
-        total += len(enc.encode(text, disallowed_special=()))
-        if key == "name":
-            total += 1
-    return total
+    return _message_counter(encoding_name_for(model))(message)
+
+
+# Short strings (roles, names, one-word answers) are counted once per encoding.
+_SHORT = 32
+_SHORT_KEPT = 4096
+
+
+@lru_cache(maxsize=4)
+def _message_counter(name: str) -> Callable[[Mapping[str, object]], int]:
+    encode = get_encoding(name).encode_ordinary  # = encode(text, disallowed_special=())
+    short: dict[str, int] = {}
+
+    def count(message: Mapping[str, object]) -> int:
+        total = TOKENS_PER_MESSAGE
+        for key, value in message.items():
+            if key == "is_feedback" or value is None:
+                continue
+            if not isinstance(value, str):
+                total += len(encode(orjson.dumps(value).decode()))
+            elif len(value) > _SHORT:
+                total += len(encode(value))
+            else:
+                tokens = short.get(value)
+                if tokens is None:
+                    tokens = len(encode(value))
+                    if len(short) < _SHORT_KEPT:
+                        short[value] = tokens
+                total += tokens
+            if key == "name":
+                total += 1
+        return total
+
+    return count
 
 
 def truncate_text(text: str, max_tokens: int, model: str = "") -> str:
@@ -83,13 +107,10 @@ def truncate_text(text: str, max_tokens: int, model: str = "") -> str:
 
 
 def counter_for(model: str) -> tuple[str, Callable[[Mapping[str, object]], int]]:
-    """(encoding name, count_message bound to it) for a model."""
+    """(encoding name, count_message bound to it) for a model (loads the encoding: call it
+    once the tokenizers are warm, never on the event loop before)."""
     name = encoding_name_for(model)
-
-    def count(message: Mapping[str, object]) -> int:
-        return count_message(message, model)
-
-    return name, count
+    return name, _message_counter(name)
 
 
 def release_free_memory() -> None:

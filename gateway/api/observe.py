@@ -22,16 +22,16 @@ access_log = logging.getLogger("gateway.access")
 def observe(metrics: Metrics, outcome: TurnOutcome) -> None:
     timings = outcome.timings
     if timings is not None:
-        metrics.upstream.labels(outcome.provider).observe(timings["upstream_ms"] / 1000)
+        metrics.child(metrics.upstream, outcome.provider).observe(timings["upstream_ms"] / 1000)
         metrics.overhead.observe(max(0.0, timings["total_ms"] - timings["upstream_ms"]) / 1000)
     usage = outcome.usage or {}
     prompt = usage.get("prompt_tokens")
     if not isinstance(prompt, int):
         prompt = (outcome.window_tokens or {}).get("total", 0)
-    metrics.tokens.labels("in").inc(prompt)
+    metrics.child(metrics.tokens, "in").inc(prompt)
     completion = usage.get("completion_tokens")
     if isinstance(completion, int):
-        metrics.tokens.labels("out").inc(completion)
+        metrics.child(metrics.tokens, "out").inc(completion)
     if outcome.truncated:
         metrics.truncations.inc()
         metrics.truncated_messages.inc(outcome.truncated)

@@ -76,6 +76,20 @@ def test_active_conversations_gauge_remembers_at_most_its_limit() -> None:
     assert len(metrics._last_turn) == ACTIVE_LIMIT
 
 
+def test_labelled_metric_children_are_looked_up_once_and_bounded() -> None:
+    metrics = Metrics()
+    first = metrics.child(metrics.requests, "chat_completions", "200")
+    assert metrics.child(metrics.requests, "chat_completions", "200") is first
+    first.inc()
+    metrics.child(metrics.requests, "chat_completions", "200").inc()
+    assert b'route="chat_completions",status="200"} 2.0' in metrics.render()
+    for n in range(5000):  # label values a client could choose: the lookup table stops growing
+        metrics.child(metrics.upstream, f"provider-{n}")
+    assert len(metrics._children) == 4096
+    metrics.child(metrics.upstream, "provider-4999").observe(1.0)
+    assert b'gateway_upstream_seconds_count{provider="provider-4999"} 1.0' in metrics.render()
+
+
 def test_model_facts_of_client_chosen_models_are_bounded() -> None:
     facts = ModelFacts(make_settings())
     upstream = MockUpstream()

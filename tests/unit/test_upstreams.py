@@ -35,7 +35,9 @@ def _all_client_exceptions() -> list[type[BaseException]]:
         for _, obj in inspect.getmembers(aiohttp)
         if inspect.isclass(obj) and issubclass(obj, aiohttp.ClientError)
     ]
-    ours = [obj for _, obj in inspect.getmembers(http1) if inspect.isclass(obj) and issubclass(obj, Exception)]
+    ours = [
+        obj for _, obj in inspect.getmembers(http1) if inspect.isclass(obj) and issubclass(obj, Exception)
+    ]
     return [*classes, *(c for c in ours if not c.__name__.startswith("_")), TimeoutError]
 
 

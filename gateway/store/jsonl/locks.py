@@ -13,12 +13,16 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from gateway.exceptions import StorageError
+from gateway.exceptions import ConversationBusy, StorageError
 
 if TYPE_CHECKING:
     from gateway.store.jsonl.store import JsonlStore
 
 _OFD_SETLK: int | None = getattr(fcntl, "F_OFD_SETLK", None)
+
+
+def busy(conversation_id: str) -> ConversationBusy:
+    return ConversationBusy(f"Conversation {conversation_id!r} is busy with another request; retry later")
 
 
 class CrossProcessLock:

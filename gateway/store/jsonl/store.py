@@ -28,7 +28,7 @@ from typing import Any
 
 import orjson
 
-from gateway.exceptions import ConversationBusy, NotFound, StorageError
+from gateway.exceptions import NotFound, StorageError
 from gateway.ids import check_conversation_id, is_valid_response_id
 from gateway.store.base import (
     LRU,
@@ -60,7 +60,7 @@ from gateway.store.jsonl.files import (
     write_all,
 )
 from gateway.store.jsonl.journal import Journal
-from gateway.store.jsonl.locks import CrossProcessLock
+from gateway.store.jsonl.locks import CrossProcessLock, busy
 from gateway.store.jsonl.log import JsonlLog
 from gateway.store.jsonl.reading import read_index_after
 from gateway.types import Record
@@ -165,25 +165,25 @@ class JsonlStore(Store):
         descriptor), so an unrelated conversation never waits for it and no file is created per
         conversation. Without such locks (not Linux), an flock() on `locks/{id}.lock`."""
         check_conversation_id(conversation_id)
-        lock = self._locks.get(conversation_id)
-        if lock is None:
-            lock = asyncio.Lock()
-            self._locks[conversation_id] = lock
-        busy = ConversationBusy(f"Conversation {conversation_id!r} is busy with another request; retry later")
         loop = asyncio.get_running_loop()
         deadline = loop.time() + timeout
-        try:
-            async with asyncio.timeout(timeout):
-                await lock.acquire()
-        except TimeoutError:
-            raise busy from None
+        lock = self._locks.get(conversation_id)
+        if lock is None:  # nobody else can hold or wait for it: no timer to set up
+            lock = self._locks[conversation_id] = asyncio.Lock()
+            await lock.acquire()
+        else:
+            try:
+                async with asyncio.timeout(timeout):
+                    await lock.acquire()
+            except TimeoutError:
+                raise busy(conversation_id) from None
         held: CrossProcessLock | None = None
         try:
             held = CrossProcessLock(self, conversation_id)
             delay = 0.0005
             while not held.try_acquire():
                 if loop.time() >= deadline:
-                    raise busy from None
+                    raise busy(conversation_id) from None
                 await asyncio.sleep(delay)
                 delay = min(delay * 2, 0.02)
             _HELD.set(_HELD.get() | {conversation_id})
