@@ -27,6 +27,13 @@ def configure_logging(level: str = "info") -> None:
     root.handlers[:] = [handler]
     root.setLevel(level.upper())
     root.propagate = False
+    # Our lines are "%(message)s" (JSON built by the caller): skip what each log record would
+    # otherwise look up (the caller's frame, the process id, the thread and process names), as
+    # the logging HOWTO's "Optimization" section describes. One record per request costs less.
+    logging._srcfile = None
+    logging.logThreads = False
+    logging.logProcesses = False
+    logging.logMultiprocessing = False
 
 
 def set_head_timeout(settings: Settings) -> None:

@@ -219,15 +219,17 @@ class Pool:
     async def post(self, body: bytes, *, limit: int, error_limit: int) -> Answer:
         """POST `body`; the answer, whose body may be at most `limit` bytes (an error status's
         body is cut to `error_limit`)."""
+        loop = asyncio.get_running_loop()
         connection = None
         while self._idle:
             candidate = self._idle.pop()
-            if not candidate.closed:
+            if not candidate.closed and candidate.loop is loop:
                 connection = candidate
                 break
+            # Else closed by the provider, or left by another event loop: dropped (a transport
+            # belongs to its own loop, which may be gone).
         if connection is None:
             connection = await self._connect()
-        loop = connection.loop
         waiter: asyncio.Future[Answer] = loop.create_future()
         connection._reset(waiter, limit, error_limit)
         assert connection.transport is not None
@@ -260,5 +262,6 @@ class Pool:
 
     def close(self) -> None:
         for connection in self._idle:
-            connection.close()
+            if not connection.loop.is_closed():  # else its transport went with its loop
+                connection.close()
         self._idle.clear()

@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import asyncio
 import gzip
+import http.server
+import threading
 from collections.abc import AsyncIterator, Awaitable, Callable
 
 import pytest
@@ -233,3 +235,40 @@ async def test_plain_http_providers_use_the_pool_and_https_ones_do_not() -> None
     secure = OpenAIUpstream("b", ProviderSettings(kind="openai", base_url="https://example.invalid/v1"))
     assert plain._pool is not None and plain._pool.target == "/v1/chat/completions"
     assert secure._pool is None
+
+
+def test_a_pool_used_from_a_new_event_loop_opens_its_own_connection() -> None:
+    """An app started twice in one process (tests, `gateway demo`) runs on a new loop each time;
+    a keep-alive connection of the first loop is not used from the second."""
+    connections: list[object] = []
+
+    class Handler(http.server.BaseHTTPRequestHandler):
+        protocol_version = "HTTP/1.1"  # keep-alive: the server holds the connection open
+
+        def setup(self) -> None:
+            super().setup()
+            connections.append(self.connection)
+
+        def do_POST(self) -> None:  # noqa: N802 - the standard library's name
+            self.rfile.read(int(self.headers["content-length"]))
+            body = b'{"n": %d}' % len(connections)
+            self.send_response(200)
+            self.send_header("content-length", str(len(body)))
+            self.end_headers()
+            self.wfile.write(body)
+
+        def log_message(self, *args: object) -> None:
+            pass
+
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+    server.daemon_threads = True
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    client = pool(f"http://127.0.0.1:{server.server_address[1]}/v1/chat/completions")
+    try:
+        first = asyncio.run(asyncio.wait_for(client.post(b"{}", limit=100, error_limit=100), 5))
+        second = asyncio.run(asyncio.wait_for(client.post(b"{}", limit=100, error_limit=100), 5))
+    finally:
+        client.close()
+        server.shutdown()
+        server.server_close()
+    assert (first.body, second.body) == (b'{"n": 1}', b'{"n": 2}')
