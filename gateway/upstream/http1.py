@@ -15,6 +15,8 @@ from urllib.parse import urlsplit
 
 import httptools
 
+from gateway import __version__
+
 
 class ConnectFailed(ConnectionError):
     """The connection could not be made (refused, no route, name not found)."""
@@ -200,8 +202,11 @@ class Pool:
         self.target = (parts.path or "/") + (f"?{parts.query}" if parts.query else "")
         self.connect_timeout = connect_timeout
         self.read_timeout = read_timeout
-        lines = [f"POST {self.target} HTTP/1.1", f"host: {parts.netloc}"]
-        lines += [f"{name}: {value}" for name, value in headers.items() if name.lower() != "content-length"]
+        given = {name.lower(): value for name, value in headers.items()}
+        given.pop("content-length", None)  # ours, per request
+        given.setdefault("host", parts.netloc)
+        given.setdefault("user-agent", f"llm-continuity-gateway/{__version__}")
+        lines = [f"POST {self.target} HTTP/1.1", *(f"{name}: {value}" for name, value in given.items())]
         self._head = ("\r\n".join(lines) + "\r\ncontent-length: ").encode("latin-1")
         self._idle: list[_Connection] = []
 

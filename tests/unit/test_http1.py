@@ -111,6 +111,28 @@ async def test_one_connection_carries_many_requests(serve: Callable[[Script], Aw
     assert first.startswith(b"POST /v1/chat/completions HTTP/1.1\r\n")
     assert b"\r\nauthorization: Bearer k\r\n" in first and first.endswith(b'\r\n\r\n{"q": 1}')
     assert f"\r\nhost: 127.0.0.1:{server.port}\r\n".encode() in first
+    assert b"\r\nuser-agent: llm-continuity-gateway/" in first
+
+
+async def test_configured_headers_replace_the_defaults(
+    serve: Callable[[Script], Awaitable[Scripted]],
+) -> None:
+    async def script(n: int, request: bytes) -> bytes:
+        return ok(b"{}")
+
+    server = await serve(script)
+    client = http1.Pool(
+        server.url,
+        {"Host": "models.internal", "User-Agent": "mine/1", "Content-Length": "999"},
+        connect_timeout=2.0,
+        read_timeout=5.0,
+    )
+    await client.post(b'{"q": 1}', limit=100, error_limit=100)
+    client.close()
+    head = server.requests[0].lower()
+    assert head.count(b"\r\nhost: ") == 1 and b"\r\nhost: models.internal\r\n" in head
+    assert head.count(b"user-agent: ") == 1 and b"user-agent: mine/1" in head
+    assert head.count(b"content-length: ") == 1 and b"content-length: 8\r\n" in head
 
 
 async def test_chunked_until_close_and_gzip_bodies_are_read_whole(
