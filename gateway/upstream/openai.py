@@ -1,8 +1,8 @@
 """The direct HTTP fast path for OpenAI-compatible providers (OpenAI, Ollama /v1, vLLM, ...).
 
-Non-streaming calls to an `http://` provider go through `http1.Pool`, a small keep-alive
-client of our own (measured three times cheaper in CPU than aiohttp: docs/performance.md);
-streams, `https://` providers and discovery use one pooled aiohttp session per provider
+Calls to an `http://` provider go through `http1.Pool`, a small keep-alive client of our own
+(measured three times cheaper in CPU than aiohttp: docs/performance.md); `https://`
+providers and discovery use one pooled aiohttp session per provider
 (measured faster than httpx here, notably under concurrency: see bench/). The body is
 serialized once with orjson; client exceptions are translated to gateway errors in exactly
 one place, `map_upstream_errors`. A failed attempt is
@@ -15,7 +15,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import os
-from collections.abc import AsyncGenerator, AsyncIterator, Iterator, Mapping
+from collections.abc import AsyncGenerator, AsyncIterator, Awaitable, Callable, Iterator, Mapping
 from contextlib import contextmanager
 
 import aiohttp
@@ -66,6 +66,7 @@ _RETRY_CAUSES: tuple[type[BaseException], ...] = (
     http1.ConnectFailed,
     http1.ConnectTimedOut,
     http1.Disconnected,
+    http1.BodyCut,
 )
 # Once every choice has its finish_reason, a provider that neither sends `[DONE]` nor ends the
 # body gets this long (5x while an asked-for usage chunk is due) before the answer is taken as done.
@@ -144,6 +145,16 @@ def status_error(
         retry_after=headers.get("retry-after"),
         refusal=refusal,
     )
+
+
+async def _read_cut(read: Callable[[], Awaitable[bytes]], limit: int) -> bytes:
+    """At most `limit` bytes of a body (an error body is only quoted)."""
+    parts: list[bytes] = []
+    size = 0
+    while size < limit and (piece := await read()):
+        parts.append(piece)
+        size += len(piece)
+    return b"".join(parts)[:limit]
 
 
 def parse_sse_line(line: str) -> Chunk | None | bool:
@@ -307,53 +318,68 @@ class OpenAIUpstream(Upstream):
 
     async def _stream_once(self, data: bytes, wants_usage: bool) -> AsyncGenerator[Chunk, None]:
         with map_upstream_errors(self.name, self.url):
+            if self._pool is not None:
+                async with self._pool.stream(data) as answer:
+                    if answer.status >= 400:
+                        content = await _read_cut(answer.read, _ERROR_BODY_BYTES)
+                        raise status_error(self.name, answer.status, content, answer.headers)
+                    async for chunk in self._events(answer.read, answer.headers, wants_usage):
+                        yield chunk
+                return
             async with self._client().post(self._endpoint, data=data) as response:
                 if response.status >= 400:
                     content = await self._read_limited(response, _ERROR_BODY_BYTES, truncate=True)
                     raise status_error(self.name, response.status, content, response.headers)
-                buffer = b""
-                received_bytes = 0
-                unfinished: set[object] = set()  # choice indexes still without a finish_reason
-                seen_usage = False
-                finished = False
-                ended = False
-                while not ended:
-                    if finished and not unfinished:
-                        # Waiting for a usage chunk that was asked for gets longer.
-                        grace = TAIL_GRACE if seen_usage or not wants_usage else 5 * TAIL_GRACE
-                        try:
-                            async with asyncio.timeout(grace):
-                                received = await response.content.readany()
-                        except TimeoutError:
-                            return  # a complete answer without `[DONE]`
+                async for chunk in self._events(response.content.readany, response.headers, wants_usage):
+                    yield chunk
+
+    async def _events(
+        self, read: Callable[[], Awaitable[bytes]], headers: Mapping[str, str], wants_usage: bool
+    ) -> AsyncGenerator[Chunk, None]:
+        """The checked chunks of an SSE body read with `read` (b"" at its end)."""
+        buffer = b""
+        received_bytes = 0
+        unfinished: set[object] = set()  # choice indexes still without a finish_reason
+        seen_usage = False
+        finished = False
+        ended = False
+        while not ended:
+            if finished and not unfinished:
+                # Waiting for a usage chunk that was asked for gets longer.
+                grace = TAIL_GRACE if seen_usage or not wants_usage else 5 * TAIL_GRACE
+                try:
+                    async with asyncio.timeout(grace):
+                        received = await read()
+                except TimeoutError:
+                    return  # a complete answer without `[DONE]`
+            else:
+                received = await read()
+            received_bytes += len(received)
+            if received_bytes > self.max_response_bytes:
+                raise self._too_large()
+            if not received:
+                ended = True
+                received = b"\n"  # a last event without its line end still counts
+            buffer += received
+            while (cut := buffer.find(b"\n")) >= 0:
+                line = buffer[:cut].rstrip(b"\r").decode("utf-8", "replace")
+                buffer = buffer[cut + 1 :]
+                chunk = self._decode(line, headers)
+                if chunk is True:
+                    return
+                if not isinstance(chunk, dict):
+                    continue
+                for item in as_list(chunk.get("choices")):
+                    choice = as_object(item)
+                    index = choice.get("index", 0)
+                    if choice.get("finish_reason"):
+                        unfinished.discard(index)
+                        finished = True
                     else:
-                        received = await response.content.readany()
-                    received_bytes += len(received)
-                    if received_bytes > self.max_response_bytes:
-                        raise self._too_large()
-                    if not received:
-                        ended = True
-                        received = b"\n"  # a last event without its line end still counts
-                    buffer += received
-                    while (cut := buffer.find(b"\n")) >= 0:
-                        line = buffer[:cut].rstrip(b"\r").decode("utf-8", "replace")
-                        buffer = buffer[cut + 1 :]
-                        chunk = self._decode(line, response.headers)
-                        if chunk is True:
-                            return
-                        if not isinstance(chunk, dict):
-                            continue
-                        for item in as_list(chunk.get("choices")):
-                            choice = as_object(item)
-                            index = choice.get("index", 0)
-                            if choice.get("finish_reason"):
-                                unfinished.discard(index)
-                                finished = True
-                            else:
-                                unfinished.add(index)
-                        if isinstance(chunk.get("usage"), dict):
-                            seen_usage = True
-                        yield chunk
+                        unfinished.add(index)
+                if isinstance(chunk.get("usage"), dict):
+                    seen_usage = True
+                yield chunk
 
     def _too_large(self) -> UpstreamProtocolError:
         return UpstreamProtocolError(

@@ -20,7 +20,9 @@ from tests.conftest import free_port
 # Written after an answer: the server then closes the connection (not said in the answer).
 CLOSE_AFTER = b"<close>"
 # Answers the script writes back for a request: raw bytes, or None to close without answering.
-Script = Callable[[int, bytes], Awaitable[bytes | None]]
+# A list of parts is written part by part, PAUSE apart (a stream).
+Script = Callable[[int, bytes], Awaitable[bytes | list[bytes] | None]]
+PAUSE = 0.02
 
 
 def ok(body: bytes, *extra: str) -> bytes:
@@ -56,9 +58,13 @@ class Scripted:
                 answer = await self.script(len(self.requests), request)
                 if answer is None:
                     break
-                writer.write(answer.removesuffix(CLOSE_AFTER))
-                await writer.drain()
-                if answer.endswith(CLOSE_AFTER):
+                parts = answer if isinstance(answer, list) else [answer]
+                for i, part in enumerate(parts):
+                    if i:
+                        await asyncio.sleep(PAUSE)
+                    writer.write(part.removesuffix(CLOSE_AFTER))
+                    await writer.drain()
+                if parts[-1].endswith(CLOSE_AFTER):
                     break
         except (asyncio.IncompleteReadError, ConnectionError):
             pass
@@ -294,3 +300,101 @@ def test_a_pool_used_from_a_new_event_loop_opens_its_own_connection() -> None:
         server.shutdown()
         server.server_close()
     assert (first.body, second.body) == (b'{"n": 1}', b'{"n": 2}')
+
+
+def chunk(data: bytes) -> bytes:
+    return b"%x\r\n%s\r\n" % (len(data), data)
+
+
+STREAM_HEAD = b"HTTP/1.1 200 OK\r\ncontent-type: text/event-stream\r\ntransfer-encoding: chunked\r\n\r\n"
+
+
+async def test_a_stream_arrives_as_it_is_sent_and_frees_its_connection(
+    serve: Callable[[Script], Awaitable[Scripted]],
+) -> None:
+    async def script(n: int, request: bytes) -> list[bytes]:
+        return [STREAM_HEAD + chunk(b"data: 1\n\n"), chunk(b"data: 2\n\n"), chunk(b"") + b"\r\n"]
+
+    server = await serve(script)
+    client = pool(server.url)
+    loop = asyncio.get_running_loop()
+    for _ in range(2):
+        pieces: list[tuple[bytes, float]] = []
+        async with client.stream(b"{}") as answer:
+            assert answer.status == 200 and answer.headers["content-type"] == "text/event-stream"
+            while piece := await answer.read():
+                pieces.append((piece, loop.time()))
+        assert [p for p, _ in pieces] == [b"data: 1\n\n", b"data: 2\n\n"]
+        assert pieces[1][1] - pieces[0][1] >= PAUSE / 2  # handed over when it came, not at the end
+    client.close()
+    assert server.connections == 1
+
+
+async def test_leaving_a_stream_early_closes_its_connection(
+    serve: Callable[[Script], Awaitable[Scripted]],
+) -> None:
+    async def script(n: int, request: bytes) -> list[bytes]:
+        return [STREAM_HEAD + chunk(b"data: 1\n\n"), chunk(b"data: 2\n\n"), chunk(b"") + b"\r\n"]
+
+    server = await serve(script)
+    client = pool(server.url)
+    async with client.stream(b"{}") as answer:
+        assert await answer.read() == b"data: 1\n\n"
+    assert not client._idle
+    async with client.stream(b"{}") as answer:
+        assert await answer.read() == b"data: 1\n\n"
+    client.close()
+    assert server.connections == 2
+
+
+async def test_a_stream_cut_short_or_gone_quiet_fails_its_reader(
+    serve: Callable[[Script], Awaitable[Scripted]],
+) -> None:
+    async def script(n: int, request: bytes) -> list[bytes]:
+        if n == 1:
+            return [STREAM_HEAD + chunk(b"data: 1\n\n") + CLOSE_AFTER]
+        return [STREAM_HEAD + chunk(b"data: 1\n\n")]  # then nothing
+
+    server = await serve(script)
+    client = pool(server.url, read_timeout=0.3)
+    for expected in (http1.BodyCut, http1.ReadTimedOut):
+        async with client.stream(b"{}") as answer:
+            assert await answer.read() == b"data: 1\n\n"
+            with pytest.raises(expected):
+                await answer.read()
+    client.close()
+
+
+async def test_a_stream_read_slowly_is_paused_and_arrives_whole(
+    serve: Callable[[Script], Awaitable[Scripted]],
+) -> None:
+    events = [b"data: " + bytes([65 + i % 26]) * 1000 + b"\n\n" for i in range(1000)]
+
+    async def script(n: int, request: bytes) -> bytes:
+        return STREAM_HEAD + b"".join(chunk(e) for e in events) + chunk(b"") + b"\r\n"
+
+    server = await serve(script)
+    client = pool(server.url)
+    received: list[bytes] = []
+    async with client.stream(b"{}") as answer:
+        await asyncio.sleep(0.2)  # the provider writes ~1 MB meanwhile: reading stops past 256 KiB
+        while piece := await answer.read():
+            received.append(piece)
+    client.close()
+    whole = b"".join(events)
+    assert 262144 <= len(received[0]) < len(whole) / 2  # buffered up to the bound, then paused
+    assert b"".join(received) == whole
+
+
+async def test_an_answer_cut_mid_body_is_a_bad_response_worth_retrying(
+    serve: Callable[[Script], Awaitable[Scripted]],
+) -> None:
+    async def script(n: int, request: bytes) -> bytes:
+        return b'HTTP/1.1 200 OK\r\ncontent-length: 100\r\n\r\n{"cut' + CLOSE_AFTER
+
+    server = await serve(script)
+    client = pool(server.url)
+    with pytest.raises(UpstreamProtocolError) as info, map_upstream_errors("p", server.url):
+        await client.post(b"{}", limit=1000, error_limit=100)
+    client.close()
+    assert isinstance(info.value.__cause__, http1.BodyCut) and is_retryable(info.value)
