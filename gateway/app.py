@@ -141,8 +141,9 @@ def create_app(
 
 def app_from_env() -> Starlette:
     """Factory for `uvicorn --factory` (and worker processes): settings from the environment."""
-    from gateway.server import set_head_timeout
+    from gateway.server import configure_worker_logging, set_head_timeout
 
+    configure_worker_logging()
     settings = load_settings()
     set_head_timeout(settings)
     return create_app(settings)

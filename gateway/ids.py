@@ -5,6 +5,7 @@ Both end up as file names, so both are checked against strict patterns here and 
 
 from __future__ import annotations
 
+import functools
 import os
 import re
 import secrets
@@ -34,6 +35,7 @@ def check_conversation_id(value: object, *, param: str = "conversation_id") -> s
     return value  # type: ignore[return-value]
 
 
+@functools.lru_cache(maxsize=256)
 def model_slug(model: str) -> str:
     """The model name with every character outside [A-Za-z0-9._-] replaced by '-'."""
     slug = _SLUG_UNSAFE.sub("-", model)[:MAX_SLUG]

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import errno
 import logging
+import os
 import socket
 import sys
 import threading
@@ -18,6 +19,15 @@ from gateway.config import Settings
 from gateway.exceptions import GatewayError
 
 STARTUP_FAILURE = 3  # uvicorn's exit status when the app's startup fails
+# `serve --log-level`, for worker processes (each starts a fresh interpreter).
+LOG_LEVEL_ENV = "GATEWAY_SERVE_LOG_LEVEL"
+
+
+def configure_worker_logging() -> None:
+    """In a worker process of `serve --workers N`: the same logging as a single process."""
+    level = os.environ.get(LOG_LEVEL_ENV)
+    if level and not logging.getLogger("gateway").handlers:
+        configure_logging(level)
 
 
 def configure_logging(level: str = "info") -> None:
@@ -95,6 +105,7 @@ def serve(settings: Settings, *, workers: int = 1, log_level: str = "info") -> N
         **_loop_and_http(),
     }
     if workers > 1:
+        os.environ[LOG_LEVEL_ENV] = log_level  # worker processes configure their own logging
         # uvicorn's supervisor binds the socket itself (its API for a given socket is
         # internal): ours only proved the port free, so the line below may precede it by a moment.
         sock.close()

@@ -13,6 +13,7 @@ from pathlib import Path
 from typing import Any
 
 import httpx
+import orjson
 
 from tests.conftest import GatewayProcess
 from tests.e2e.reliability.conftest import SOAK, gateway_config, index_ids, send
@@ -75,6 +76,13 @@ def test_concurrent_clients_on_two_workers(tmp_path: Path, fault_server: FaultSe
 
     assert errors == []
     assert sum(len(v) for v in acks.values()) == CLIENTS * TURNS  # 0 lost
+    # Each worker writes its access lines like a single process does: one per answered turn.
+    logged = {
+        line["response_id"]
+        for line in map(orjson.loads, (x for x in proc.log().splitlines() if x.startswith("{")))
+        if line.get("event") == "chat.completion" and line.get("outcome") == "complete"
+    }
+    assert logged == {rid for turns in acks.values() for rid, _, _ in turns}
     by_text: dict[str, list[FaultRequest]] = defaultdict(list)
     for req in fault_server.requests:
         by_text[req.messages[-1]["content"]].append(req)
