@@ -291,6 +291,8 @@ class Pool:
         given.pop("content-length", None)  # ours, per request
         given.setdefault("host", parts.netloc)
         given.setdefault("user-agent", f"llm-continuity-gateway/{__version__}")
+        # Without it a provider may compress (RFC 9110 12.5.3), and a stream must not be.
+        given.setdefault("accept-encoding", "identity")
         lines = [f"POST {self.target} HTTP/1.1", *(f"{name}: {value}" for name, value in given.items())]
         self._head = ("\r\n".join(lines) + "\r\ncontent-length: ").encode("latin-1")
         self._idle: list[_Connection] = []

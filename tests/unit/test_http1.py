@@ -118,6 +118,8 @@ async def test_one_connection_carries_many_requests(serve: Callable[[Script], Aw
     assert b"\r\nauthorization: Bearer k\r\n" in first and first.endswith(b'\r\n\r\n{"q": 1}')
     assert f"\r\nhost: 127.0.0.1:{server.port}\r\n".encode() in first
     assert b"\r\nuser-agent: llm-continuity-gateway/" in first
+    # No Accept-Encoding would let a provider compress (RFC 9110 12.5.3); streams must not be.
+    assert b"\r\naccept-encoding: identity\r\n" in first
 
 
 async def test_configured_headers_replace_the_defaults(
