@@ -311,13 +311,15 @@ def chunk(data: bytes) -> bytes:
 STREAM_HEAD = b"HTTP/1.1 200 OK\r\ncontent-type: text/event-stream\r\ntransfer-encoding: chunked\r\n\r\n"
 
 
+async def two_events(n: int, request: bytes) -> list[bytes]:
+    """A chunked stream of two events, PAUSE apart."""
+    return [STREAM_HEAD + chunk(b"data: 1\n\n"), chunk(b"data: 2\n\n"), chunk(b"") + b"\r\n"]
+
+
 async def test_a_stream_arrives_as_it_is_sent_and_frees_its_connection(
     serve: Callable[[Script], Awaitable[Scripted]],
 ) -> None:
-    async def script(n: int, request: bytes) -> list[bytes]:
-        return [STREAM_HEAD + chunk(b"data: 1\n\n"), chunk(b"data: 2\n\n"), chunk(b"") + b"\r\n"]
-
-    server = await serve(script)
+    server = await serve(two_events)
     client = pool(server.url)
     loop = asyncio.get_running_loop()
     for _ in range(2):
@@ -335,10 +337,7 @@ async def test_a_stream_arrives_as_it_is_sent_and_frees_its_connection(
 async def test_leaving_a_stream_early_closes_its_connection(
     serve: Callable[[Script], Awaitable[Scripted]],
 ) -> None:
-    async def script(n: int, request: bytes) -> list[bytes]:
-        return [STREAM_HEAD + chunk(b"data: 1\n\n"), chunk(b"data: 2\n\n"), chunk(b"") + b"\r\n"]
-
-    server = await serve(script)
+    server = await serve(two_events)
     client = pool(server.url)
     async with client.stream(b"{}") as answer:
         assert await answer.read() == b"data: 1\n\n"
