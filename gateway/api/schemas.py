@@ -124,6 +124,7 @@ class ChatCompletionRequest(BaseModel):
     session_id: SkipValidation[ConversationId | None] = Field(None, description="Without conversation_id")
     agent_id: SkipValidation[ConversationId | None] = Field(None, description="Without session_id")
     user_timezone: SkipValidation[str | None] = Field(None, description="IANA zone for the recap's 'today'")
+    is_feedback: bool | None = Field(None, description="Gateway extension: the request's last message is feedback")
     # Passed on to the provider.
     user: SkipValidation[str | None] = None
     temperature: SkipValidation[float | None] = None
@@ -145,6 +146,7 @@ class ChatCompletionRequest(BaseModel):
         "max_tokens": f"'max_tokens' {TOKENS}",
         "max_completion_tokens": f"'max_completion_tokens' {TOKENS}",
         "stream": "'stream' must be a boolean",
+        "is_feedback": "'is_feedback' must be a boolean",
         "stream_options": "'stream_options' must be an object",
     }
 

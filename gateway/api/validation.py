@@ -90,5 +90,9 @@ def parse_chat(body: object, *, header_conversation_id: str | None = None) -> Ch
         cid = check_conversation_id(request.session_id, param="session_id")
     elif request.agent_id is not None:
         cid = check_conversation_id(request.agent_id, param="agent_id")
+    if request.is_feedback:
+        # `extra_body={"is_feedback": True}`: the SDK's way to flag a turn; it marks the
+        # request's last message (the new input of a resending client as of one sending only it).
+        body["messages"][-1] = {**body["messages"][-1], "is_feedback": True}
     include_usage = bool((request.stream_options or {}).get("include_usage"))
     return ChatRequest(body, request.model, body["messages"], bool(request.stream), include_usage, cid)

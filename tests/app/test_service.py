@@ -62,6 +62,26 @@ async def test_feedback_only_turn_forwarded_once_never_replayed(
     assert [r for r, _ in msgs] == ["user", "assistant", "user"]
 
 
+async def test_top_level_is_feedback_marks_the_last_message_and_is_stripped(
+    app_client: httpx.AsyncClient, mock_upstream: MockUpstream
+) -> None:
+    await chat(app_client, [user("my name is Ada")])
+    r = await app_client.post(
+        "/v1/chat/completions",
+        json={"model": "mock/m", "conversation_id": "c1", "is_feedback": True, "messages": [user("great answer")]},
+    )
+    assert r.status_code == 200, r.text
+    assert "is_feedback" not in mock_upstream.requests[-1]  # extra_body={"is_feedback": True}
+    assert mock_upstream.requests[-1]["messages"][-1] == {"role": "user", "content": "great answer"}
+    await chat(app_client, [user("what is my name?")])
+    assert [c for r, c in sent(mock_upstream) if r == "user"] == ["my name is Ada", "what is my name?"]
+    bad = await app_client.post(
+        "/v1/chat/completions",
+        json={"model": "mock/m", "conversation_id": "c1", "is_feedback": "yes", "messages": [user("x")]},
+    )
+    assert bad.status_code == 400 and bad.json()["error"]["param"] == "is_feedback"
+
+
 async def test_feedback_beside_ordinary_message_left_out_alone(
     app_client: httpx.AsyncClient, mock_upstream: MockUpstream
 ) -> None:
@@ -180,6 +200,7 @@ async def test_session_id_is_a_conversation_id_and_gateway_fields_never_reach_th
             "agent_id": "ignored-when-session-id-is-sent",
             "response_id": "client-chosen-id",
             "user_timezone": "Europe/Berlin",
+            "is_feedback": False,  # a message field; at the top level it is stripped too
             "temperature": 0.2,
         },
     )

@@ -40,6 +40,7 @@ def test_gateway_fields_never_reach_a_strict_provider(
         "session_id": "ignored-when-conversation_id-is-set",
         "response_id": "resp-from-the-client",
         "user_timezone": "Europe/Paris",
+        "is_feedback": False,  # a message field; sent at the top level, it is stripped as well
         "user": "end-user-1",
     }
     for text in ["my name is Strict", "what is my name?"]:
