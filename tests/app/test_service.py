@@ -68,7 +68,7 @@ async def test_top_level_is_feedback_marks_the_last_message_and_is_stripped(
     await chat(app_client, [user("my name is Ada")])
     r = await app_client.post(
         "/v1/chat/completions",
-        json={"model": "mock/m", "conversation_id": "c1", "is_feedback": True, "messages": [user("great answer")]},
+        json={"model": "mock/m", "conversation_id": "c", "is_feedback": True, "messages": [user("great answer")]},
     )
     assert r.status_code == 200, r.text
     assert "is_feedback" not in mock_upstream.requests[-1]  # extra_body={"is_feedback": True}
@@ -77,7 +77,7 @@ async def test_top_level_is_feedback_marks_the_last_message_and_is_stripped(
     assert [c for r, c in sent(mock_upstream) if r == "user"] == ["my name is Ada", "what is my name?"]
     bad = await app_client.post(
         "/v1/chat/completions",
-        json={"model": "mock/m", "conversation_id": "c1", "is_feedback": "yes", "messages": [user("x")]},
+        json={"model": "mock/m", "conversation_id": "c", "is_feedback": "yes", "messages": [user("x")]},
     )
     assert bad.status_code == 400 and bad.json()["error"]["param"] == "is_feedback"
 
