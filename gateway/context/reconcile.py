@@ -37,6 +37,8 @@ def reconcile(incoming: Sequence[Message], view: ConversationView) -> Reconciled
       that resends history resends answers; one that sends only new messages never does);
     - starts with the stored history's last messages (a client that trims its history): the
       overlap is dropped;
+    - starts with a stored run that is not the tail, an answer among it (a trimmed history that
+      was edited or regenerated): a branch after that run;
     - else every message is new. The last message is always new.
     """
     n = len(incoming)
@@ -58,7 +60,31 @@ def reconcile(incoming: Sequence[Message], view: ConversationView) -> Reconciled
     for k in range(min(n - 1, m), 0, -1):  # the longest overlap with the stored tail
         if [message_key(msg) for msg in incoming[:k]] == history[m - k :]:
             return Reconciled(list(incoming[k:]))
+    if any(msg.get("role") == "assistant" for msg in incoming[: n - 1]):
+        trimmed = _trimmed_divergence(incoming, history)
+        if trimmed is not None:
+            shared, branch_at = trimmed
+            return Reconciled(list(incoming[shared:]), branch_at=branch_at)
     return Reconciled(list(incoming))
+
+
+def _trimmed_divergence(incoming: Sequence[Message], history: Sequence[bytes]) -> tuple[int, int] | None:
+    """A trimmed history that diverges (an edit or a regenerate from a client that resends only
+    its newest messages): the request's first messages match a stored run that is not the tail,
+    an answer among them. Returns (messages matched, history kept), the longest run winning,
+    then the newest; None when no run holds an answer."""
+    keys = [message_key(msg) for msg in incoming[: len(incoming) - 1]]
+    best: tuple[int, int] | None = None
+    for start in range(len(history) - 1, -1, -1):
+        if history[start] != keys[0]:
+            continue
+        run = 1
+        while run < len(keys) and start + run < len(history) and history[start + run] == keys[run]:
+            run += 1
+        answered = any(msg.get("role") == "assistant" for msg in incoming[:run])
+        if answered and (best is None or run > best[0]):
+            best = (run, start + run)
+    return best
 
 
 def new_messages(incoming: Sequence[Message], view: ConversationView) -> list[Message]:

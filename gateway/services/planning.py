@@ -19,6 +19,7 @@ from gateway.context import (
     repair_tool_calls,
 )
 from gateway.context.lifecycle import zone
+from gateway.exceptions import InvalidRequest
 from gateway.context.summary import Summary, current_summary, snap_to_turn_end
 from gateway.context.window import REQUEST_OVERHEAD_TOKENS, Window, fit_window, omitted_marker
 from gateway.services.models import ModelFacts, WindowFacts
@@ -196,6 +197,8 @@ class Planner:
             conversation_tokens = [known[id(m)] if id(m) in known else count(m) for m in conversation]
             new_ids = {id(m) for m in clean_new}
             first_new = next((i for i, m in enumerate(conversation) if id(m) in new_ids), len(conversation))
+            if clean_new and first_new == len(conversation):
+                raise orphan_results(clean_new)
         else:  # no tool calls anywhere: nothing to repair
             conversation = combined
             conversation_tokens = [*hist_tokens, *new_tokens]
@@ -338,3 +341,14 @@ class Planner:
             ).decode()
         )
         return True
+
+
+def orphan_results(new: list[Message]) -> InvalidRequest:
+    """The request's new input was only `tool` results that answer no pending call: there is
+    nothing to send (providers refuse an orphan result, and an empty list)."""
+    ids = ", ".join(repr(m.get("tool_call_id")) for m in new)
+    return InvalidRequest(
+        f"The request's new messages are only tool results that answer no tool call (tool_call_id {ids}): "
+        "a 'tool' message must follow the assistant message whose tool_calls it answers",
+        param="messages",
+    )

@@ -46,6 +46,13 @@ def test_the_rules_with_examples() -> None:
     # a regenerate of the last answer: the question again, after the same branch point
     regenerated = reconcile([u("q1"), a("a1"), u("q2")], view)
     assert regenerated.new == [u("q2")] and regenerated.branch_at == 2
+    # a trimmed history, edited or regenerated: a branch after the stored run it starts with
+    trimmed_edit = reconcile([a("a1"), u("q2, better")], view)
+    assert trimmed_edit.new == [u("q2, better")] and trimmed_edit.branch_at == 2
+    trimmed_regenerate = reconcile([a("a1"), u("q2")], view)
+    assert trimmed_regenerate.new == [u("q2")] and trimmed_regenerate.branch_at == 2
+    # the same text as an earlier question, no answer in the request: new, not a regenerate
+    assert reconcile([u("q1")], view).new == [u("q1")] and reconcile([u("q1")], view).branch_at is None
     # two new messages, the first equal to the conversation's first: not an edit (no answer shared)
     assert reconcile([u("q1"), u("more")], view) == type(edited)([u("q1"), u("more")], None)
 
@@ -60,7 +67,10 @@ def test_a_branch_cuts_the_view_where_the_client_diverged() -> None:
 
 
 ACTIONS = st.lists(
-    st.tuples(st.sampled_from(["full", "new", "trim", "edit", "regenerate"]), st.integers(0, 1000)),
+    st.tuples(
+        st.sampled_from(["full", "new", "trim", "edit", "regenerate", "trimmed edit", "trimmed regenerate"]),
+        st.integers(0, 1000),
+    ),
     min_size=1,
     max_size=12,
 )
@@ -99,6 +109,15 @@ async def test_what_reaches_the_provider_is_what_a_careful_client_would_send(
             elif action == "regenerate" and len(history) >= 4:
                 history = history[:-1]
                 sent = history
+            elif action == "trimmed edit" and users:
+                # resends its newest messages only, from an answer on, with a question edited
+                j = users[pick % len(users)]
+                history = [*history[:j], u(f"edited {step}")]
+                first = max(i for i in range(j) if history[i]["role"] == "assistant")
+                sent = history[first - 2 * (pick % (first // 2 + 1)) :] if first >= 2 else history[first:]
+            elif action == "trimmed regenerate" and len(history) >= 4:
+                history = history[:-1]
+                sent = history[-2 - 2 * (pick % (len(history) // 2)) :]
             else:
                 history = [*history, question]
                 sent = history

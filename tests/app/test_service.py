@@ -158,6 +158,21 @@ async def test_abandoned_tool_call_is_repaired_before_forwarding() -> None:
     assert msgs[3]["content"] == "no, stop"
 
 
+@pytest.mark.parametrize("stored", [False, True])
+async def test_a_request_of_only_orphan_tool_results_is_refused_before_the_provider(
+    app_client: httpx.AsyncClient, memory_store: MemoryStore, mock_upstream: MockUpstream, stored: bool
+) -> None:
+    if stored:
+        await chat(app_client, [user("hello")])
+    before = len(mock_upstream.requests)
+    r = await chat(app_client, [{"role": "tool", "tool_call_id": "zz", "content": "orphan only"}])
+    assert r.status_code == 400, r.text
+    error = r.json()["error"]
+    assert error["param"] == "messages" and "'zz'" in error["message"]
+    assert len(mock_upstream.requests) == before  # nothing (an empty list) went upstream
+    assert len(memory_store.indexes.get("c", [])) == (1 if stored else 0)  # and nothing was stored
+
+
 async def test_stateless_pass_through_is_logged_not_indexed(
     tmp_path: Path, mock_upstream: MockUpstream
 ) -> None:
