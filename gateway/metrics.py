@@ -3,9 +3,12 @@ summaries and active conversations. One registry per app (per worker process).""
 
 from __future__ import annotations
 
+import logging
 import time
+from contextvars import ContextVar
 from typing import Any
 
+import orjson
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 from prometheus_client.exposition import CONTENT_TYPE_LATEST
 from starlette.requests import Request
@@ -16,6 +19,11 @@ _FAST = (0.0005, 0.001, 0.002, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0)
 # The active-conversations gauge remembers at most this many (a busy gateway's new conversations
 # must not grow memory): past it, it reads ACTIVE_LIMIT.
 ACTIVE_LIMIT = 16_384
+# One JSON line per HTTP request (`gateway.access`): a turn writes its own, richer line and marks
+# this request's flag; every other request gets the middleware's line.
+access_log = logging.getLogger("gateway.access")
+access_logged: ContextVar[list[bool] | None] = ContextVar("gateway_access_logged", default=None)
+
 _SLOW = (0.01, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0)
 
 
@@ -114,7 +122,8 @@ class Metrics:
 
 
 class MetricsMiddleware:
-    """Counts every HTTP request by route (the endpoint's name) and status."""
+    """Counts every HTTP request by route (the endpoint's name) and status, and logs one JSON
+    line for each request that did not log its own (every request but a turn's)."""
 
     def __init__(self, app: ASGIApp, metrics: Metrics) -> None:
         self.app = app
@@ -125,6 +134,9 @@ class MetricsMiddleware:
             await self.app(scope, receive, send)
             return
         status = [500]
+        logged = [False]
+        token = access_logged.set(logged)
+        started = time.perf_counter()
 
         async def send_wrapper(message: Message) -> None:
             if message["type"] == "http.response.start":
@@ -134,9 +146,29 @@ class MetricsMiddleware:
         try:
             await self.app(scope, receive, send_wrapper)
         finally:
+            access_logged.reset(token)
             endpoint: Any = scope.get("endpoint")
             route = getattr(endpoint, "__name__", None) or "unmatched"
             self.metrics.child(self.metrics.requests, route, str(status[0])).inc()
+            if not logged[0] and access_log.isEnabledFor(logging.INFO):
+                access_log.info(request_line(scope, route, status[0], started))
+
+
+def request_line(scope: Scope, route: str, status: int, started: float) -> str:
+    """The JSON log line of a request that is not a turn (a turn logs `chat.completion`)."""
+    line: dict[str, Any] = {
+        "event": "http.request",
+        "method": scope.get("method"),
+        "path": scope.get("path"),
+        "route": route,
+        "status": status,
+        "ms": round((time.perf_counter() - started) * 1000, 3),
+    }
+    params = scope.get("path_params") or {}
+    for key in ("conversation_id", "response_id", "item_id"):
+        if isinstance(params.get(key), str):
+            line[key] = params[key]
+    return orjson.dumps(line).decode()
 
 
 async def metrics_endpoint(request: Request) -> Response:

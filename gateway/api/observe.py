@@ -1,5 +1,6 @@
 """What every turn leaves behind, whichever API carried it: one JSON log line (`gateway.access`)
-and the same metrics; also for requests refused before any provider was asked."""
+and the same metrics; also for requests refused before any provider was asked. Requests that
+are not turns get the metrics middleware's line (`http.request`)."""
 
 from __future__ import annotations
 
@@ -12,11 +13,17 @@ from starlette.requests import Request
 
 from gateway.api.http import ClientDisconnected
 from gateway.exceptions import GatewayError
-from gateway.metrics import Metrics
+from gateway.metrics import Metrics, access_log, access_logged
 from gateway.services.turn import TurnOutcome
 from gateway.types import JSONObject
 
-access_log = logging.getLogger("gateway.access")
+
+
+def _mark_logged() -> None:
+    """This request has its line: the middleware does not add a generic one."""
+    flag = access_logged.get()
+    if flag is not None:
+        flag[0] = True
 
 
 def observe(metrics: Metrics, outcome: TurnOutcome) -> None:
@@ -51,6 +58,7 @@ def log_line(
 ) -> None:
     if metrics is not None and result == "complete":
         observe(metrics, outcome)
+    _mark_logged()
     if not access_log.isEnabledFor(logging.INFO):
         return
     line: JSONObject = {
@@ -79,6 +87,7 @@ def refused(
 ) -> None:
     """The log line and metric of a request the gateway refused before asking any provider."""
     request.app.state.metrics.refusals.labels(exc.code or exc.error_type).inc()
+    _mark_logged()
     if not access_log.isEnabledFor(logging.INFO):
         return
     body = body if isinstance(body, dict) else {}

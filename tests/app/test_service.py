@@ -549,3 +549,32 @@ async def test_a_closed_turn_gives_one_frozen_outcome(memory_store: MemoryStore)
     failed = await services.turns.prepare(parse_chat({**body, "messages": [user("again")]}))
     outcome = await services.turns.close(failed, UpstreamTimeout("slow"))
     assert not outcome.committed and outcome.message is None and outcome.finish_reason is None
+
+
+async def test_every_request_whichever_api_gets_exactly_one_json_log_line(
+    app_client: httpx.AsyncClient, caplog: pytest.LogCaptureFixture
+) -> None:
+    import logging
+
+    with caplog.at_level(logging.INFO, logger="gateway.access"):
+        calls = [
+            ("chat.completion", 200, await chat(app_client, [user("hi")])),
+            ("chat.completion", 200, await chat(app_client, [user("hi")], stream=True)),
+            ("chat.completion", 400, await chat(app_client, [user("hi")], cid="bad id")),
+            ("http.request", 200, await app_client.get("/v1/conversations/c")),
+            ("http.request", 200, await app_client.get("/v1/conversations/c/items")),
+            ("http.request", 200, await app_client.get("/v1/conversations")),
+            ("http.request", 404, await app_client.get("/v1/conversations/nope")),
+            ("http.request", 200, await app_client.post("/v1/conversations", json={})),
+            ("http.request", 200, await app_client.get("/v1/models")),
+            ("http.request", 200, await app_client.get("/healthz")),
+            ("http.request", 404, await app_client.get("/no/such/path")),
+            ("response", 200, await app_client.post("/v1/responses", json={"model": "mock/m", "input": "hi"})),
+        ]
+    lines = [json.loads(r.getMessage()) for r in caplog.records if r.name == "gateway.access"]
+    assert [(line["event"], line["status"]) for line in lines] == [(e, s) for e, s, _ in calls]
+    assert [r.status_code for _, _, r in calls] == [s for _, s, _ in calls]
+    conversation = lines[3]
+    assert conversation["method"] == "GET" and conversation["path"] == "/v1/conversations/c"
+    assert conversation["route"] == "get_conversation" and conversation["conversation_id"] == "c"
+    assert isinstance(conversation["ms"], float)
