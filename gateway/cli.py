@@ -95,7 +95,28 @@ def _run(settings: Settings, work: Callable[[Services], Awaitable[T]], *, writes
     return asyncio.run(main())
 
 
-@click.group(context_settings={"help_option_names": ["-h", "--help"]})
+class _Gateway(click.Group):
+    """Click's group, with its usage errors as one line (`gateway: …`) instead of a usage block."""
+
+    def main(self, *args: Any, standalone_mode: bool = True, **kwargs: Any) -> Any:
+        if not standalone_mode:
+            return super().main(*args, standalone_mode=False, **kwargs)
+        try:
+            code = super().main(*args, standalone_mode=False, **kwargs)
+        except click.UsageError as exc:
+            where = exc.ctx.command_path if exc.ctx is not None else "gateway"
+            click.echo(f"gateway: {exc.format_message()} (see '{where} --help')", err=True)
+            sys.exit(exc.exit_code)
+        except click.ClickException as exc:
+            click.echo(f"gateway: {exc.format_message()}", err=True)
+            sys.exit(exc.exit_code)
+        except click.Abort:
+            click.echo("gateway: aborted", err=True)
+            sys.exit(1)
+        sys.exit(code if isinstance(code, int) else 0)
+
+
+@click.group(cls=_Gateway, context_settings={"help_option_names": ["-h", "--help"]})
 @click.version_option(package_name="llm-continuity-gateway")
 def main() -> None:
     """A conversation-continuity gateway for LLM providers (OpenAI-compatible proxy)."""
@@ -119,6 +140,9 @@ def serve(
     """Run the gateway."""
     from gateway.server import serve as run
 
+    # Checked first, so that a bad value is blamed on its flag (not on the variable below).
+    flags = {k: v for k, v in (("host", host), ("port", port)) if v is not None}
+    load_settings(config_path, overrides={"server": flags, "storage": {"data_dir": settings.storage.data_dir}})
     # Workers build their own app from the environment, so flags travel as env overrides.
     if config_path is not None:
         os.environ["GATEWAY_CONFIG"] = config_path
@@ -158,7 +182,7 @@ def demo(settings: Settings, *, config_path: str | None, port: int) -> None:
 
 @main.command()
 @_common
-@click.option("--limit", type=int, default=50, show_default=True)
+@click.option("--limit", type=click.IntRange(min=1), default=50, show_default=True)
 def conversations(settings: Settings, *, config_path: str | None, limit: int) -> None:
     """Table of conversations, most recently active first."""
 

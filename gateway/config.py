@@ -212,8 +212,11 @@ def _error_line(
     more = f" (+{len(exc.errors()) - 1} more)" if len(exc.errors()) > 1 else ""
     # A missing key is blamed on whoever made the table it is missing from; a flag on nobody.
     blamed = loc[:-1] if err["type"] == "missing" else loc
+    flag = _sets(overrides, blamed) and err["type"] != "missing"
     variable = None if _sets(overrides, blamed) else env.variable_for(blamed)
-    if variable is not None:
+    if flag:
+        source = "command-line flag"
+    elif variable is not None:
         source = f"environment variable {variable}"
     else:
         source = file.label + (" + environment" if env.variables else "")

@@ -84,6 +84,20 @@ def test_errors_are_one_line_and_nonzero(tmp_path: Path) -> None:
     assert result.returncode != 0 and "storage.durability" in result.stderr
     result = gw("context", "../../etc/passwd", "--data-dir", str(tmp_path))
     assert result.returncode != 0
+    # Usage mistakes too: one line naming the problem and where help is, not a usage block.
+    for args, names in (
+        (["show", "c1", "--bogus"], ["--bogus", "gateway show --help"]),
+        (["bogus"], ["bogus", "gateway --help"]),
+        (["conversations", "--limit", "0", "--data-dir", str(tmp_path)], ["--limit"]),
+        (["show"], ["CONVERSATION_ID"]),
+    ):
+        result = gw(*args)
+        assert result.returncode == 2 and len(result.stderr.strip().splitlines()) == 1, (args, result.stderr)
+        assert all(name in result.stderr for name in names), result.stderr
+    # A bad flag value is blamed on the flag, not on the variable it travels in to the workers.
+    result = gw("serve", "--port", "99999", "--data-dir", str(tmp_path))
+    assert result.returncode == 1 and "server.port" in result.stderr
+    assert "[command-line flag]" in result.stderr and "GATEWAY_SERVER__PORT" not in result.stderr
 
 
 def test_tail_follows_new_turns(gateway: GatewayProcess, upstream: MockServer) -> None:

@@ -263,7 +263,9 @@ def test_gateway_variables_that_are_not_keys_are_left_alone() -> None:
     s = load_settings(SHIPPED, environ={"GATEWAY_KEYS": "k1,k2", "GATEWAY_TEST_CACHE": "/tmp/x"})
     assert s.server.port == 8080
     message = config_error(path=SHIPPED, environ={"GATEWAY_KEYS": "k1"}, overrides={"server": {"port": -1}})
-    assert message.endswith(f"[{SHIPPED}]")
+    assert message.endswith("[command-line flag]")  # the value came from a flag: not the file, not a variable
+    message = config_error(path=SHIPPED, environ={"GATEWAY_KEYS": "k1", "GATEWAY_SERVER__PORT": "-1"})
+    assert message.endswith("[environment variable GATEWAY_SERVER__PORT]")
 
 
 def test_settings_class_reads_the_same_sources(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
