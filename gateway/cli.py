@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import os
+import re
 import sys
 from collections.abc import Awaitable, Callable
 from functools import wraps
@@ -19,6 +20,7 @@ from gateway.config_sources import CONFIG_ENV, DEFAULT_CONFIG_PATH
 from gateway.context import Turn
 from gateway.exceptions import GatewayError, NotFound
 from gateway.services import Services
+from gateway.types import Record
 
 F = TypeVar("F", bound=Callable[..., Any])
 T = TypeVar("T")
@@ -85,6 +87,68 @@ def _no_conversation(settings: Settings, conversation_id: str) -> GatewayError:
     return GatewayError(f"no conversation {conversation_id!r} in {settings.storage.data_dir}")
 
 
+_TENANT = re.compile(r"^t[0-9a-f]{16}$")
+
+
+def _tenant_option(func: F) -> F:
+    """--tenant on the commands that read or change one conversation or response."""
+    return click.option(
+        "--tenant",
+        default=None,
+        help="With [auth] keys: the tenant (its t… folder, as `gateway conversations` shows it; "
+        "'default' for data written without a key). Default: wherever the id is found.",
+    )(func)
+
+
+def _checked_tenant(tenant: str | None) -> str | None:
+    if tenant is None:
+        return None
+    if tenant == "default":
+        return ""
+    if not _TENANT.match(tenant):
+        raise GatewayError(f"invalid --tenant {tenant!r}: a t… folder name (t + 16 hex digits) or 'default'")
+    return tenant
+
+
+def _shown_tenant(tenant: str) -> str:
+    return tenant or "default"
+
+
+async def _find_tenant(
+    services: Services, tenant: str | None, has: Callable[[str], Awaitable[bool]], what: str
+) -> str:
+    """The tenant named by --tenant, else the one holding `what` (the default one when none
+    does); several: an error asking for --tenant."""
+    chosen = _checked_tenant(tenant)
+    if chosen is not None:
+        return chosen
+    found = [t for t in await services.sessions.tenants() if await has(t)]
+    if len(found) > 1:
+        shown = ", ".join(_shown_tenant(t) for t in found)
+        raise GatewayError(f"{what} exists under several tenants ({shown}): name one with --tenant")
+    return found[0] if found else ""
+
+
+def _has_conversation(services: Services, cid: str) -> Callable[[str], Awaitable[bool]]:
+    async def has(tenant: str) -> bool:
+        try:
+            return bool(await services.queries.index(tenant, cid))
+        except NotFound:
+            return False
+
+    return has
+
+
+def _has_response(services: Services, rid: str) -> Callable[[str], Awaitable[bool]]:
+    async def has(tenant: str) -> bool:
+        try:
+            return bool(await services.queries.records(tenant, rid))
+        except NotFound:
+            return False
+
+    return has
+
+
 def _run(settings: Settings, work: Callable[[Services], Awaitable[T]], *, writes: bool = False) -> T:
     """Run `work` with the services of the configured store (jsonl or postgres), then close it."""
 
@@ -142,7 +206,8 @@ def serve(
 
     # Checked first, so that a bad value is blamed on its flag (not on the variable below).
     flags = {k: v for k, v in (("host", host), ("port", port)) if v is not None}
-    load_settings(config_path, overrides={"server": flags, "storage": {"data_dir": settings.storage.data_dir}})
+    storage = {"data_dir": settings.storage.data_dir}
+    load_settings(config_path, overrides={"server": flags, "storage": storage})
     # Workers build their own app from the environment, so flags travel as env overrides.
     if config_path is not None:
         os.environ["GATEWAY_CONFIG"] = config_path
@@ -183,39 +248,53 @@ def demo(settings: Settings, *, config_path: str | None, port: int) -> None:
 @main.command()
 @_common
 @click.option("--limit", type=click.IntRange(min=1), default=50, show_default=True)
-def conversations(settings: Settings, *, config_path: str | None, limit: int) -> None:
-    """Table of conversations, most recently active first."""
+@_tenant_option
+def conversations(settings: Settings, *, config_path: str | None, limit: int, tenant: str | None) -> None:
+    """Table of conversations, most recently active first (every tenant's, unless --tenant)."""
+    chosen = _checked_tenant(tenant)
 
-    async def collect(services: Services) -> list[tuple[Any, str, float | None, int]]:
-        rows, _ = await services.queries.conversations("", limit=limit)
-        return [(row.summary, row.state.state, row.view.last_activity, row.state.attempts) for row in rows]
+    async def collect(services: Services) -> tuple[list[tuple[str, Any, str, float | None, int]], bool]:
+        tenants = [chosen] if chosen is not None else await services.sessions.tenants()
+        rows = []
+        for name in tenants:
+            page, _ = await services.queries.conversations(name, limit=limit)
+            for row in page:
+                rows.append((name, row.summary, row.state.state, row.view.last_activity, row.state.attempts))
+        rows.sort(key=lambda r: r[3] or r[1].last_activity or 0.0, reverse=True)
+        return rows[:limit], len(tenants) > 1 or bool(chosen)
 
-    rows = _run(settings, collect)
+    rows, by_tenant = _run(settings, collect)
     if not rows:
         click.echo(f"no conversations in {settings.storage.data_dir}")
         return
+    head = f"{'tenant':<18} " if by_tenant else ""
     click.echo(
-        f"{'conversation':<32} {'turns':>6} {'messages':>9} {'tokens':>8}  {'last activity':<19}  state"
+        f"{head}{'conversation':<32} {'turns':>6} {'messages':>9} {'tokens':>8}  {'last activity':<19}  state"
     )
-    for row, state, last, attempts in rows:
+    for name, row, state, last, attempts in rows:
         at = when(last or row.last_activity)
         shown = state if not attempts else f"{state} (attempts {attempts})"
-        click.echo(
-            f"{row.conversation_id:<32} {row.turns:>6} {row.messages:>9} {row.tokens:>8}  {at:<19}  {shown}"
-        )
+        lead = f"{_shown_tenant(name):<18} " if by_tenant else ""
+        counts = f"{row.turns:>6} {row.messages:>9} {row.tokens:>8}"
+        click.echo(f"{lead}{row.conversation_id:<32} {counts}  {at:<19}  {shown}")
 
 
 @main.command()
 @_common
 @click.argument("conversation_id")
 @click.option("--json", "as_json", is_flag=True, help="Print the history as JSON.")
-def show(settings: Settings, *, config_path: str | None, conversation_id: str, as_json: bool) -> None:
+@_tenant_option
+def show(
+    settings: Settings, *, config_path: str | None, conversation_id: str, as_json: bool, tenant: str | None
+) -> None:
     """The conversation's history as the model will see it."""
     from gateway.tokens import count_message
 
     async def read(services: Services) -> tuple[Any, list[Turn]]:
-        view = await services.queries.view("", conversation_id)
-        return view, await services.queries.turns("", conversation_id) if view.turns else []
+        what = f"conversation {conversation_id!r}"
+        name = await _find_tenant(services, tenant, _has_conversation(services, conversation_id), what)
+        view = await services.queries.view(name, conversation_id)
+        return view, await services.queries.turns(name, conversation_id) if view.turns else []
 
     view, turns = _run(settings, read)
     if not view.turns:
@@ -268,20 +347,28 @@ def show(settings: Settings, *, config_path: str | None, conversation_id: str, a
 @_common
 @click.argument("conversation_id")
 @click.option("--poll", type=float, default=0.5, show_default=True, help="Seconds between checks.")
-def tail(settings: Settings, *, config_path: str | None, conversation_id: str, poll: float) -> None:
-    """Follow a conversation live, rendered (Ctrl-C to stop)."""
+@_tenant_option
+def tail(
+    settings: Settings, *, config_path: str | None, conversation_id: str, poll: float, tenant: str | None
+) -> None:
+    """Follow a conversation live, rendered (Ctrl-C to stop); one that does not exist yet is
+    waited for."""
     from gateway.ids import check_conversation_id
 
     check_conversation_id(conversation_id)
 
     async def follow(services: Services) -> None:
-        async for turn in services.queries.follow("", conversation_id, poll):
+        has = _has_conversation(services, conversation_id)
+        name = await _find_tenant(services, tenant, has, f"conversation {conversation_id!r}")
+        folder = Path(settings.storage.data_dir) / ("tenants/" + name if name else "")
+        where = f"{folder / 'logs' / 'conversations' / conversation_id}.jsonl"
+        if settings.storage.backend != "jsonl":
+            where = f"conversation {conversation_id} ({settings.storage.backend})"
+        waiting = "" if await has(name) else "; it does not exist yet: waiting for its first turn"
+        click.echo(click.style(f"following {where} (Ctrl-C to stop{waiting})", dim=True))
+        async for turn in services.queries.follow(name, conversation_id, poll):
             click.echo(render_turn(turn))
 
-    where = f"{settings.storage.data_dir}/logs/conversations/{conversation_id}.jsonl"
-    if settings.storage.backend != "jsonl":
-        where = f"conversation {conversation_id} ({settings.storage.backend})"
-    click.echo(click.style(f"following {where} (Ctrl-C to stop)", dim=True))
     try:
         _run(settings, follow)
     except KeyboardInterrupt:
@@ -293,11 +380,24 @@ def tail(settings: Settings, *, config_path: str | None, conversation_id: str, p
 @click.argument("response_id")
 @click.option("--json", "as_json", is_flag=True, help="Print the raw response log records.")
 @click.option("--brief", is_flag=True, help="Leave out the exact list of messages sent.")
+@_tenant_option
 def context(
-    settings: Settings, *, config_path: str | None, response_id: str, as_json: bool, brief: bool
+    settings: Settings,
+    *,
+    config_path: str | None,
+    response_id: str,
+    as_json: bool,
+    brief: bool,
+    tenant: str | None,
 ) -> None:
     """What was recorded for one response: request, context snapshot, reply, outcome."""
-    records = _run(settings, lambda services: services.queries.records("", response_id))
+
+    async def read(services: Services) -> list[Record]:
+        what = f"response {response_id!r}"
+        name = await _find_tenant(services, tenant, _has_response(services, response_id), what)
+        return await services.queries.records(name, response_id)
+
+    records = _run(settings, read)
     if as_json:
         for record in records:
             click.echo(orjson.dumps(record).decode())
@@ -309,7 +409,10 @@ def context(
 @_common
 @click.argument("conversation_id")
 @click.option("--yes", is_flag=True, help="Do not ask for confirmation.")
-def delete(settings: Settings, *, config_path: str | None, conversation_id: str, yes: bool) -> None:
+@_tenant_option
+def delete(
+    settings: Settings, *, config_path: str | None, conversation_id: str, yes: bool, tenant: str | None
+) -> None:
     """Delete a conversation: its index, responses and summaries (or archive them if
     storage.archive_deleted is set). Safe while a gateway is running on the same data dir."""
     from gateway.ids import check_conversation_id
@@ -319,8 +422,10 @@ def delete(settings: Settings, *, config_path: str | None, conversation_id: str,
         raise GatewayError("not deleted")
 
     async def run(services: Services) -> None:
+        what = f"conversation {conversation_id!r}"
+        name = await _find_tenant(services, tenant, _has_conversation(services, conversation_id), what)
         try:
-            await services.conversations.delete("", conversation_id)
+            await services.conversations.delete(name, conversation_id)
         except NotFound:
             raise _no_conversation(settings, conversation_id) from None
 
@@ -333,14 +438,22 @@ def delete(settings: Settings, *, config_path: str | None, conversation_id: str,
 @_common
 @click.argument("conversation_id")
 @click.option("--keep-system-message", is_flag=True, help="Keep the system prompt.")
+@_tenant_option
 def reset(
-    settings: Settings, *, config_path: str | None, conversation_id: str, keep_system_message: bool
+    settings: Settings,
+    *,
+    config_path: str | None,
+    conversation_id: str,
+    keep_system_message: bool,
+    tenant: str | None,
 ) -> None:
     """Start a conversation afresh: appends a reset marker to its index (nothing is rewritten)."""
 
     async def run(services: Services) -> None:
+        what = f"conversation {conversation_id!r}"
+        name = await _find_tenant(services, tenant, _has_conversation(services, conversation_id), what)
         try:
-            await services.conversations.reset("", conversation_id, keep_system_message=keep_system_message)
+            await services.conversations.reset(name, conversation_id, keep_system_message=keep_system_message)
         except NotFound:
             raise _no_conversation(settings, conversation_id) from None
 

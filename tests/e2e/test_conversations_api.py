@@ -218,3 +218,47 @@ def test_tenants_are_isolated_and_secrets_never_stored(
     texts.append(gw.log().encode())
     for canary in (CANARY_A, CANARY_B, PROVIDER_CANARY):
         assert not any(canary.encode() in t for t in texts), canary
+
+
+def test_the_cli_reads_every_tenants_data(tenant_gateway: GatewayProcess, upstream: MockServer) -> None:
+    """With [auth] keys, conversations live under tenants/t…: the operator's commands find them
+    (listing every tenant's, or the one named by --tenant) and never mix two tenants up."""
+    import subprocess
+    import sys
+
+    from gateway.tenants import tenant_id
+    from tests.conftest import REPO
+
+    def cli(*args: str) -> subprocess.CompletedProcess[str]:
+        return subprocess.run(
+            [sys.executable, "-m", "gateway", *args, "--config", str(gw.config), "--data-dir", str(gw.data_dir)],
+            cwd=REPO,
+            capture_output=True,
+            text=True,
+            timeout=60,
+        )
+
+    gw = tenant_gateway
+    a, b = sdk(gw, CANARY_A), sdk(gw, CANARY_B)
+    for client, cid, text in ((a, "both", "I am Alice"), (b, "both", "I am Bob"), (a, "alone", "only Alice")):
+        rid = client.chat.completions.create(
+            model="mock/m", messages=[{"role": "user", "content": text}], extra_body={"conversation_id": cid}
+        ).id
+    ta, tb = tenant_id(CANARY_A), tenant_id(CANARY_B)
+    listing = cli("conversations")
+    assert listing.returncode == 0, listing.stderr
+    rows = [line.split()[:2] for line in listing.stdout.splitlines()[1:]]
+    assert sorted(rows) == sorted([[ta, "both"], [tb, "both"], [ta, "alone"]])
+    assert [r.split()[:2] for r in cli("conversations", "--tenant", tb).stdout.splitlines()[1:]] == [[tb, "both"]]
+    shown = cli("show", "alone")  # in one tenant only: found there
+    assert shown.returncode == 0 and "only Alice" in shown.stdout, shown.stderr
+    ambiguous = cli("show", "both")
+    assert ambiguous.returncode == 1 and ta in ambiguous.stderr and "--tenant" in ambiguous.stderr
+    assert len(ambiguous.stderr.strip().splitlines()) == 1
+    named = cli("show", "both", "--tenant", tb)
+    assert named.returncode == 0 and "I am Bob" in named.stdout and "Alice" not in named.stdout
+    context = cli("context", rid)  # the last response, Alice's
+    assert context.returncode == 0 and "only Alice" in context.stdout, context.stderr
+    assert cli("context", rid, "--tenant", tb).returncode == 1  # not Bob's
+    assert cli("show", "alone", "--tenant", "default").returncode == 1  # nothing without a key
+    assert cli("show", "alone", "--tenant", "../x").returncode == 1
