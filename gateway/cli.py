@@ -3,10 +3,11 @@
 from __future__ import annotations
 
 import asyncio
+import functools
 import os
 import re
 import sys
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Sequence
 from functools import wraps
 from pathlib import Path
 from typing import Any, TypeVar
@@ -162,11 +163,19 @@ def _run(settings: Settings, work: Callable[[Services], Awaitable[T]], *, writes
 class _Gateway(click.Group):
     """Click's group, with its usage errors as one line (`gateway: …`) instead of a usage block."""
 
-    def main(self, *args: Any, standalone_mode: bool = True, **kwargs: Any) -> Any:
+    def main(
+        self,
+        args: Sequence[str] | None = None,
+        prog_name: str | None = None,
+        complete_var: str | None = None,
+        standalone_mode: bool = True,
+        **extra: Any,
+    ) -> Any:
+        run = functools.partial(super().main, args, prog_name, complete_var, standalone_mode=False, **extra)
         if not standalone_mode:
-            return super().main(*args, standalone_mode=False, **kwargs)
+            return run()
         try:
-            code = super().main(*args, standalone_mode=False, **kwargs)
+            code: Any = run()
         except click.UsageError as exc:
             where = exc.ctx.command_path if exc.ctx is not None else "gateway"
             click.echo(f"gateway: {exc.format_message()} (see '{where} --help')", err=True)

@@ -18,7 +18,6 @@ from gateway.services.turn import TurnOutcome
 from gateway.types import JSONObject
 
 
-
 def _mark_logged() -> None:
     """This request has its line: the middleware does not add a generic one."""
     flag = access_logged.get()

@@ -124,7 +124,7 @@ class ChatCompletionRequest(BaseModel):
     session_id: SkipValidation[ConversationId | None] = Field(None, description="Without conversation_id")
     agent_id: SkipValidation[ConversationId | None] = Field(None, description="Without session_id")
     user_timezone: SkipValidation[str | None] = Field(None, description="IANA zone for the recap's 'today'")
-    is_feedback: bool | None = Field(None, description="Gateway extension: the request's last message is feedback")
+    is_feedback: bool | None = Field(None, description="Gateway extension: the last message is feedback")
     # Passed on to the provider.
     user: SkipValidation[str | None] = None
     temperature: SkipValidation[float | None] = None

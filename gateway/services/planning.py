@@ -19,9 +19,9 @@ from gateway.context import (
     repair_tool_calls,
 )
 from gateway.context.lifecycle import zone
-from gateway.exceptions import InvalidRequest
 from gateway.context.summary import Summary, current_summary, snap_to_turn_end
 from gateway.context.window import REQUEST_OVERHEAD_TOKENS, Window, fit_window, omitted_marker
+from gateway.exceptions import InvalidRequest
 from gateway.services.models import ModelFacts, WindowFacts
 from gateway.services.recap import build_recap
 from gateway.services.requests import ChatRequest

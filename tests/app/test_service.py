@@ -68,11 +68,11 @@ async def test_top_level_is_feedback_marks_the_last_message_and_is_stripped(
     await chat(app_client, [user("my name is Ada")])
     r = await app_client.post(
         "/v1/chat/completions",
-        json={"model": "mock/m", "conversation_id": "c", "is_feedback": True, "messages": [user("great answer")]},
+        json={"model": "mock/m", "conversation_id": "c", "is_feedback": True, "messages": [user("great")]},
     )
     assert r.status_code == 200, r.text
     assert "is_feedback" not in mock_upstream.requests[-1]  # extra_body={"is_feedback": True}
-    assert mock_upstream.requests[-1]["messages"][-1] == {"role": "user", "content": "great answer"}
+    assert mock_upstream.requests[-1]["messages"][-1] == {"role": "user", "content": "great"}
     await chat(app_client, [user("what is my name?")])
     assert [c for r, c in sent(mock_upstream) if r == "user"] == ["my name is Ada", "what is my name?"]
     bad = await app_client.post(
@@ -569,7 +569,7 @@ async def test_every_request_whichever_api_gets_exactly_one_json_log_line(
             ("http.request", 200, await app_client.get("/v1/models")),
             ("http.request", 200, await app_client.get("/healthz")),
             ("http.request", 404, await app_client.get("/no/such/path")),
-            ("response", 200, await app_client.post("/v1/responses", json={"model": "mock/m", "input": "hi"})),
+            ("response", 200, await app_client.post("/v1/responses", json={"model": "mock/m", "input": "x"})),
         ]
     lines = [json.loads(r.getMessage()) for r in caplog.records if r.name == "gateway.access"]
     assert [(line["event"], line["status"]) for line in lines] == [(e, s) for e, s, _ in calls]

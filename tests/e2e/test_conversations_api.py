@@ -231,7 +231,7 @@ def test_the_cli_reads_every_tenants_data(tenant_gateway: GatewayProcess, upstre
 
     def cli(*args: str) -> subprocess.CompletedProcess[str]:
         return subprocess.run(
-            [sys.executable, "-m", "gateway", *args, "--config", str(gw.config), "--data-dir", str(gw.data_dir)],
+            [sys.executable, "-m", "gateway", *args, "--config", str(gw.config), "--data-dir", str(data)],
             cwd=REPO,
             capture_output=True,
             text=True,
@@ -239,6 +239,7 @@ def test_the_cli_reads_every_tenants_data(tenant_gateway: GatewayProcess, upstre
         )
 
     gw = tenant_gateway
+    data = gw.data_dir
     a, b = sdk(gw, CANARY_A), sdk(gw, CANARY_B)
     for client, cid, text in ((a, "both", "I am Alice"), (b, "both", "I am Bob"), (a, "alone", "only Alice")):
         rid = client.chat.completions.create(
@@ -249,7 +250,8 @@ def test_the_cli_reads_every_tenants_data(tenant_gateway: GatewayProcess, upstre
     assert listing.returncode == 0, listing.stderr
     rows = [line.split()[:2] for line in listing.stdout.splitlines()[1:]]
     assert sorted(rows) == sorted([[ta, "both"], [tb, "both"], [ta, "alone"]])
-    assert [r.split()[:2] for r in cli("conversations", "--tenant", tb).stdout.splitlines()[1:]] == [[tb, "both"]]
+    only_b = cli("conversations", "--tenant", tb).stdout.splitlines()[1:]
+    assert [r.split()[:2] for r in only_b] == [[tb, "both"]]
     shown = cli("show", "alone")  # in one tenant only: found there
     assert shown.returncode == 0 and "only Alice" in shown.stdout, shown.stderr
     ambiguous = cli("show", "both")
