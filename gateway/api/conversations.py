@@ -138,7 +138,11 @@ async def reset_conversation(request: Request) -> Response:
     services = services_of(request)
     cid = _cid(request)
     body = await read_json(request, services.settings.server.max_body_bytes, allow_empty=True)
-    keep = bool(body.get("keep_system_message", False)) if isinstance(body, dict) else False
+    if not isinstance(body, dict):
+        raise InvalidRequest("The request body must be a JSON object")
+    keep = body.get("keep_system_message", False)
+    if not isinstance(keep, bool):
+        raise InvalidRequest("'keep_system_message' must be a boolean", param="keep_system_message")
     view = await services.conversations.reset(tenant_of(request), cid, keep_system_message=keep)
     return JSONBody(conversation_object(cid, view, _ttl(request), reset=True, keep_system_message=keep))
 

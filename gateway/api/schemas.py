@@ -39,9 +39,10 @@ NOT_AN_OBJECT = "The request body must be a JSON object"
 
 @with_config(MESSAGE)
 class ContentPart(TypedDict, total=False):
-    """A content part (text, image_url, ...): an object; what is in it is the provider's to check."""
+    """A content part (text, image_url, ...): an object with a string `type`; what else is in it
+    is the provider's to check."""
 
-    type: SkipValidation[str]
+    type: str
     text: SkipValidation[str]
 
 

@@ -122,6 +122,22 @@ def test_every_reference_in_the_document_resolves() -> None:
             None,
         ),
         ({"model": "m", "messages": [{"role": "user", "content": [{}, "x"]}]}, "messages[0].content", None),
+        # A content part's type is a string (what else a part holds is the provider's to check).
+        (
+            {"model": "m", "messages": [{"role": "user", "content": [{"type": {"x": 1}}]}]},
+            "messages[0].content",
+            None,
+        ),
+        (
+            {"model": "m", "messages": [{"role": "user", "content": [{"type": 3}]}]},
+            "messages[0].content",
+            None,
+        ),
+        (
+            {"model": "m", "messages": [U], "is_feedback": "yes"},
+            "is_feedback",
+            "'is_feedback' must be a boolean",
+        ),
         ({"model": "m", "messages": [U], "max_completion_tokens": 0}, "max_completion_tokens", None),
         ({"model": "m", "messages": [U], "stream_options": []}, "stream_options", None),
         ({"model": "m", "messages": [U], "session_id": "a b"}, "session_id", None),

@@ -100,6 +100,11 @@ def test_list_reset_and_responses_lookup(gateway: GatewayProcess, upstream: Mock
     assert looked_up["gateway"]["response"]["message"]["content"] == r.choices[0].message.content
     assert httpx.get(f"{gateway.url}/v1/responses/nope-000000000000").status_code == 404
 
+    for bad in ({"keep_system_message": "yes"}, {"keep_system_message": 1}, []):
+        refused = httpx.post(f"{gateway.url}/v1/conversations/a3/reset", json=bad)
+        assert refused.status_code == 400, (bad, refused.text)  # not taken for true: nothing reset
+    index_path = gateway.data_dir / "logs" / "conversations" / "a3.jsonl"
+    assert len(index_path.read_text().splitlines()) == 1
     reset = httpx.post(f"{gateway.url}/v1/conversations/a3/reset", json={"keep_system_message": True})
     assert reset.status_code == 200
     client.chat.completions.create(
