@@ -50,6 +50,11 @@ def _common(func: F) -> F:
             overrides: dict[str, Any] = {}
             if data_dir is not None:
                 overrides["storage"] = {"data_dir": data_dir}
+            # `serve --host/--port`: part of the settings from the start, so that the notice
+            # below shows them and a bad value is blamed on its flag.
+            server = {k: kwargs[k] for k in ("host", "port") if kwargs.get(k) is not None}
+            if server:
+                overrides["server"] = server
             settings = load_settings(config_path, overrides=overrides)
             if config_path is None and CONFIG_ENV not in os.environ:
                 _notice_if_no_config_file(settings)
@@ -213,10 +218,6 @@ def serve(
     """Run the gateway."""
     from gateway.server import serve as run
 
-    # Checked first, so that a bad value is blamed on its flag (not on the variable below).
-    flags = {k: v for k, v in (("host", host), ("port", port)) if v is not None}
-    storage = {"data_dir": settings.storage.data_dir}
-    load_settings(config_path, overrides={"server": flags, "storage": storage})
     # Workers build their own app from the environment, so flags travel as env overrides.
     if config_path is not None:
         os.environ["GATEWAY_CONFIG"] = config_path
