@@ -53,7 +53,7 @@ def _common(func: F) -> F:
             # `serve --host/--port`: part of the settings from the start, so that the notice
             # below shows them and a bad value is blamed on its flag.
             server = {k: kwargs[k] for k in ("host", "port") if kwargs.get(k) is not None}
-            if server:
+            if server and func.__name__ == "serve":  # (demo's --port is its own server's)
                 overrides["server"] = server
             settings = load_settings(config_path, overrides=overrides)
             if config_path is None and CONFIG_ENV not in os.environ:
