@@ -27,6 +27,7 @@ from gateway.store.jsonl import JsonlStore, parse_index, parse_jsonl
 from gateway.store.jsonl.files import read_index_lines, read_records, read_turn_records
 from gateway.store.memory import MemoryStore
 from gateway.store.postgres import PostgresStore
+from tests.conftest import REPO
 from tests.helpers import commit_turn, reply, request_record, user
 from tests.postgres.cluster import postgres_cluster  # noqa: F401 - the session's PostgreSQL, for "postgres"
 from tests.views import list_conversations, load
@@ -1016,3 +1017,64 @@ async def test_os_failures_are_storage_errors_without_paths(
             assert str(tmp_path) not in exc.message, (name, exc.message)
         except Exception as exc:  # noqa: BLE001 - the point: nothing else may escape
             raise AssertionError(f"{name} with broken {folder}: {type(exc).__name__}: {exc}") from exc
+
+
+# A waiter in another process (another worker, another replica): it asks for the conversation,
+# reports when it has it, holds it a moment.
+_OTHER_PROCESS = """
+import asyncio, sys, time
+from gateway.store.jsonl import JsonlStore
+from gateway.store.postgres import PostgresStore
+
+async def main():
+    kind, where, namespace = sys.argv[1:4]
+    store = JsonlStore(where) if kind == "jsonl" else PostgresStore(where, namespace=namespace)
+    await store.open()
+    print("asking", flush=True)
+    async with store.lock("conv", timeout=10):
+        print("acquired", time.monotonic(), flush=True)
+        await asyncio.sleep(0.2)
+    await store.close()
+
+asyncio.run(main())
+"""
+
+
+async def test_a_waiter_in_another_process_keeps_its_place_in_line(store: Store) -> None:
+    """SPEC 5.1: serialized in arrival order, also across worker processes and replicas. A
+    request that arrives in this process after another process's waiter must not take the
+    conversation first when it is released (this process's own queue used to hand it over at
+    once, while the other process was polling)."""
+    import subprocess
+    import sys
+    import time
+
+    if isinstance(store, MemoryStore):
+        pytest.skip("one process only")
+    if isinstance(store, JsonlStore):
+        args = ["jsonl", str(store.root), ""]
+    else:
+        args = ["postgres", store.dsn, store.namespace]  # type: ignore[attr-defined]
+    other = await asyncio.create_subprocess_exec(
+        sys.executable, "-c", _OTHER_PROCESS, *args, cwd=REPO, stdout=subprocess.PIPE
+    )
+    assert other.stdout is not None
+    try:
+        async with store.lock("conv", timeout=5):
+            assert (await asyncio.wait_for(other.stdout.readline(), 30)).strip() == b"asking"
+            await asyncio.sleep(0.3)  # the other process is waiting (and polling) by now
+
+            async def later() -> float:
+                async with store.lock("conv", timeout=10):
+                    return time.monotonic()
+
+            mine = asyncio.create_task(later())  # arrives after the other process's waiter
+            await asyncio.sleep(0.05)
+        line = (await asyncio.wait_for(other.stdout.readline(), 30)).split()
+        assert line[0] == b"acquired"
+        acquired_later = await asyncio.wait_for(mine, 10)
+        assert float(line[1]) < acquired_later, "the later arrival took the conversation first"
+    finally:
+        if other.returncode is None:
+            other.kill()
+        await other.wait()

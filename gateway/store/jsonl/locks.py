@@ -1,6 +1,15 @@
 """A conversation's lock across worker processes: one byte of `locks/conversations.lock` at an
 offset hashed from the id over 2^62 (a Linux open-file-description lock, kept by the store's file
-descriptor: no file per conversation); without such locks, an flock() on `locks/{id}.lock`."""
+descriptor: no file per conversation); without such locks, an flock() on `locks/{id}.lock`.
+
+Arrival order across processes: a process's oldest waiter for a conversation (its asyncio queue
+keeps the others in order) stands in line by holding a read lock on one byte of the
+conversation's queue region, above 2^62, at its arrival time (CLOCK_MONOTONIC microseconds, the
+same clock in every process, modulo 2^42: 51 days). Before trying the lock, a waiter asks the
+kernel whether another process holds a byte of that region below its own arrival (F_OFD_GETLK
+over the range): if one does, that earlier waiter goes first. A process that dies leaves no
+place in line (its locks go with its file descriptor).
+"""
 
 from __future__ import annotations
 
@@ -8,6 +17,7 @@ import fcntl
 import hashlib
 import os
 import struct
+import time
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
@@ -19,6 +29,16 @@ if TYPE_CHECKING:
     from gateway.store.jsonl.store import JsonlStore
 
 _OFD_SETLK: int | None = getattr(fcntl, "F_OFD_SETLK", None)
+_OFD_GETLK: int | None = getattr(fcntl, "F_OFD_GETLK", None)
+_FLOCK = "hhqqi4x"  # struct flock: type, whence, start, len, pid
+# The queue regions: 2^19 buckets of 2^42 bytes from 2^62 (the lock bytes stay below 2^62).
+_QUEUE_BASE = 1 << 62
+_QUEUE_SPAN = 1 << 42
+
+
+def arrival() -> int:
+    """Now, as a place in line: CLOCK_MONOTONIC microseconds (shared by the machine's processes)."""
+    return time.monotonic_ns() // 1000
 
 
 def busy(conversation_id: str) -> ConversationBusy:
@@ -28,13 +48,16 @@ def busy(conversation_id: str) -> ConversationBusy:
 class CrossProcessLock:
     """One conversation's lock across worker processes (see `JsonlStore.lock`)."""
 
-    def __init__(self, store: JsonlStore, conversation_id: str) -> None:
+    def __init__(self, store: JsonlStore, conversation_id: str, arrived: int | None = None) -> None:
         self.acquired = False
         self._file_fd = -1
+        self._in_line = False
+        self._place = (arrival() if arrived is None else arrived) % _QUEUE_SPAN
         if _OFD_SETLK is not None:
             self._fd = store._range_fd()
             digest = hashlib.blake2b(conversation_id.encode(), digest_size=8).digest()
             self._offset = int.from_bytes(digest, "big") >> 2
+            self._queue = _QUEUE_BASE + (int.from_bytes(digest, "big") >> 45) * _QUEUE_SPAN
         else:
             path = store.locks_dir / f"{conversation_id}.lock"
             try:
@@ -44,12 +67,34 @@ class CrossProcessLock:
                     f"Cannot open the lock of conversation {conversation_id!r}: {exc.strerror}"
                 ) from exc
 
-    def _range(self, kind: int) -> None:
+    def _range(self, kind: int, start: int | None = None) -> None:
         assert _OFD_SETLK is not None
-        fcntl.fcntl(self._fd, _OFD_SETLK, struct.pack("hhqqi4x", kind, os.SEEK_SET, self._offset, 1, 0))
+        at = self._offset if start is None else start
+        fcntl.fcntl(self._fd, _OFD_SETLK, struct.pack(_FLOCK, kind, os.SEEK_SET, at, 1, 0))
+
+    def _someone_earlier(self) -> bool:
+        """Does another process have a waiter for this conversation that arrived before ours?"""
+        if _OFD_GETLK is None or self._file_fd >= 0 or self._place == 0:
+            return False
+        query = struct.pack(_FLOCK, fcntl.F_WRLCK, os.SEEK_SET, self._queue, self._place, 0)
+        kind: int = struct.unpack(_FLOCK, fcntl.fcntl(self._fd, _OFD_GETLK, query))[0]
+        return kind != fcntl.F_UNLCK
+
+    def wait_in_line(self) -> None:
+        """Stand in line (once): later arrivals in other processes let this waiter go first."""
+        if not self._in_line and _OFD_GETLK is not None and self._file_fd < 0:
+            self._range(fcntl.F_RDLCK, self._queue + self._place)
+            self._in_line = True
+
+    def leave_line(self) -> None:
+        if self._in_line:
+            self._in_line = False
+            self._range(fcntl.F_UNLCK, self._queue + self._place)
 
     def try_acquire(self) -> bool:
         try:
+            if self._someone_earlier():
+                return False
             if _OFD_SETLK is not None:
                 self._range(fcntl.F_WRLCK)
             else:
@@ -57,9 +102,11 @@ class CrossProcessLock:
         except (BlockingIOError, PermissionError):
             return False
         self.acquired = True
+        self.leave_line()
         return True
 
     def release(self) -> None:
+        self.leave_line()
         if self._file_fd >= 0:
             os.close(self._file_fd)  # releases the flock
         elif self.acquired:

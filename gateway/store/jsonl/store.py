@@ -60,7 +60,7 @@ from gateway.store.jsonl.files import (
     write_all,
 )
 from gateway.store.jsonl.journal import Journal
-from gateway.store.jsonl.locks import CrossProcessLock, busy
+from gateway.store.jsonl.locks import CrossProcessLock, arrival, busy
 from gateway.store.jsonl.log import JsonlLog
 from gateway.store.jsonl.reading import read_index_after
 from gateway.types import Record
@@ -165,6 +165,7 @@ class JsonlStore(Store):
         descriptor), so an unrelated conversation never waits for it and no file is created per
         conversation. Without such locks (not Linux), an flock() on `locks/{id}.lock`."""
         check_conversation_id(conversation_id)
+        arrived = arrival()  # this request's place in line, across processes too
         loop = asyncio.get_running_loop()
         deadline = loop.time() + timeout
         lock = self._locks.get(conversation_id)
@@ -179,13 +180,14 @@ class JsonlStore(Store):
                 raise busy(conversation_id) from None
         held: CrossProcessLock | None = None
         try:
-            held = CrossProcessLock(self, conversation_id)
+            held = CrossProcessLock(self, conversation_id, arrived)
             delay = 0.0005
             while not held.try_acquire():
+                held.wait_in_line()
                 if loop.time() >= deadline:
                     raise busy(conversation_id) from None
                 await asyncio.sleep(delay)
-                delay = min(delay * 2, 0.02)
+                delay = min(delay * 2, 0.01)
             _HELD.set(_HELD.get() | {conversation_id})
             yield
         finally:

@@ -107,7 +107,7 @@ class _Backend:
         task.add_done_callback(lambda t: None if t.cancelled() else t.exception())
         return task
 
-    async def _lock_call(self, sql: str, key: int) -> bool:
+    async def _lock_call(self, sql: str, *args: int) -> bool:
         async with self._lock_mutex:
             conn = self._lock_conn
             if conn is None or conn.is_closed():
@@ -120,10 +120,16 @@ class _Backend:
                         server_settings={"application_name": "gateway-locks"},
                     )
             with map_errors("conversation lock"):
-                return bool(await conn.fetchval(sql, key))
+                return bool(await conn.fetchval(sql, *args))
 
-    async def try_lock(self, key: int) -> bool:
-        task = self.spawn(self._lock_call("SELECT pg_try_advisory_lock($1)", key))
+    async def try_lock(self, key: int, line: tuple[int, int] | None = None) -> bool:
+        """The conversation's lock, unless (with `line`: its queue, this waiter's place) a
+        waiter of another replica stands in line before this one."""
+        if line is None:
+            call = self._lock_call("SELECT pg_try_advisory_lock($1)", key)
+        else:
+            call = self._lock_call(_TRY_IN_TURN, key, *line)
+        task = self.spawn(call)
         try:
             return await asyncio.shield(task)
         except asyncio.CancelledError:
@@ -135,11 +141,36 @@ class _Backend:
             task.add_done_callback(undo)
             raise
 
+    async def stand_in_line(self, line: tuple[int, int]) -> None:
+        """Hold a shared advisory lock (queue, place): replicas' later waiters let this one first."""
+        await self._lock_call("SELECT pg_advisory_lock_shared($1::int4, $2::int4)", *line)
+
+    async def leave_line(self, line: tuple[int, int]) -> None:
+        try:
+            await self._lock_call("SELECT pg_advisory_unlock_shared($1::int4, $2::int4)", *line)
+        except StorageError as exc:  # the session is gone, and with it the place in line
+            log.warning("could not leave a conversation's line: %s", exc.message)
+
     async def unlock(self, key: int) -> None:
         try:
             await self._lock_call("SELECT pg_advisory_unlock($1)", key)
         except StorageError as exc:  # the session is gone, and with it the lock
             log.warning("could not release a conversation lock: %s", exc.message)
+
+
+# Arrival order across replicas: a replica's oldest waiter for a conversation holds a shared
+# advisory lock (queue, place) in the two-int4 key space (apart from the conversations' int8 keys):
+# queue = 31 bits of the conversation's key, place = its arrival in wall-clock milliseconds modulo
+# 2^31 (24.8 days; replicas on several hosts share that clock). The lock is taken only when no
+# other session holds a place in the same queue before it.
+_TRY_IN_TURN = """
+SELECT CASE WHEN EXISTS (
+    SELECT 1 FROM pg_locks
+    WHERE locktype = 'advisory' AND objsubid = 2 AND granted AND pid <> pg_backend_pid()
+      AND database = (SELECT oid FROM pg_database WHERE datname = current_database())
+      AND classid = $2::int4::oid AND objid < $3::int4::oid
+) THEN false ELSE pg_try_advisory_lock($1) END
+"""
 
 
 _BACKENDS: weakref.WeakKeyDictionary[asyncio.AbstractEventLoop, dict[tuple[str, str], _Backend]] = (

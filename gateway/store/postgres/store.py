@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import time
 from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
 from contextlib import asynccontextmanager
 from typing import TypeVar
@@ -181,13 +182,16 @@ class PostgresStore(Store):
     @asynccontextmanager
     async def lock(self, conversation_id: str, timeout: float) -> AsyncIterator[None]:
         """In this process, one asyncio.Lock per conversation (FIFO); across replicas, a session
-        advisory lock on the backend's lock connection, polled until `timeout`."""
+        advisory lock on the backend's lock connection, polled until `timeout`, in arrival
+        order (a waiter stands in line: see `_TRY_IN_TURN` in backend.py)."""
         check_conversation_id(conversation_id)
         busy = ConversationBusy(f"Conversation {conversation_id!r} is busy with another request; retry later")
         loop = asyncio.get_running_loop()
         deadline = loop.time() + timeout
+        arrived = int(time.time() * 1000) % (1 << 31)  # this request's place in line
         candidate = await self._open_backend()
         key = advisory_key(self.namespace, conversation_id)
+        line = ((key & 0x7FFFFFFF), arrived)
         # Per backend, not per store: two stores of one tenant in a process share the session,
         # and session advisory locks are reentrant, so only this lock keeps them apart.
         lock = candidate.local_lock(key)
@@ -197,19 +201,28 @@ class PostgresStore(Store):
         except TimeoutError:
             raise busy from None
         backend: _Backend | None = None
+        in_line = False
         try:
             delay = 0.001
-            while not await candidate.try_lock(key):
+            while not await candidate.try_lock(key, line):
+                if not in_line:
+                    await candidate.stand_in_line(line)
+                    in_line = True
                 if loop.time() >= deadline:
                     raise busy
                 await asyncio.sleep(min(delay, max(0.0, deadline - loop.time())))
-                delay = min(delay * 2, 0.025)
+                delay = min(delay * 2, 0.01)
             backend = candidate
+            if in_line:
+                in_line = False
+                await asyncio.shield(candidate.spawn(candidate.leave_line(line)))
             self._holds[conversation_id] = _Hold(asyncio.current_task())
             yield
         finally:
             self._holds.pop(conversation_id, None)
             try:
+                if in_line:
+                    await asyncio.shield(candidate.spawn(candidate.leave_line(line)))
                 if backend is not None:
                     await asyncio.shield(backend.spawn(backend.unlock(key)))
             finally:
