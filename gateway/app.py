@@ -85,6 +85,7 @@ def create_app(
         Route("/v1/chat/completions", chat_completions, methods=["POST"]),
         Route("/chat/completions", chat_completions, methods=["POST"]),
         Route("/v1/models", health.models, methods=["GET"]),
+        Route("/v1/models/{model:path}", health.model, methods=["GET"]),
         Route("/v1/conversations", conv.create_conversation, methods=["POST"]),
         Route("/v1/conversations", conv.list_conversations, methods=["GET"]),
         Route("/v1/conversations/{conversation_id}", conv.get_conversation, methods=["GET"]),

@@ -24,6 +24,16 @@ async def models(request: Request) -> Response:
     return JSONBody({"object": "list", "data": data})
 
 
+async def model(request: Request) -> Response:
+    """`GET /v1/models/{model}` (the SDK's `models.retrieve`): one entry of the list, or 404."""
+    wanted = request.path_params["model"]
+    for e in await services_of(request).catalog.models():
+        if e.id == wanted:
+            created = int(request.app.state.started)
+            return JSONBody({"id": e.id, "object": "model", "created": created, "owned_by": e.owned_by})
+    raise NotFound(f"The model {wanted!r} does not exist", param="model", code="model_not_found")
+
+
 async def openapi(request: Request) -> Response:
     schema = getattr(request.app.state, "openapi", None)
     if schema is None:

@@ -51,6 +51,7 @@ Operation = tuple[str, str, str | None, str, tuple[int, ...], str]
 OPERATIONS: list[Operation] = [
     ("post", "/v1/chat/completions", "ChatCompletionRequest", "ChatCompletion", TURN, "Chat completion"),
     ("get", "/v1/models", None, "ModelList", (401,), "Configured models"),
+    ("get", "/v1/models/{model}", None, "The model, as listed", (401, 404), "Retrieve a model"),
     ("post", "/v1/conversations", "ConversationCreate?", "Conversation", CREATE, "Create a conversation"),
     ("get", "/v1/conversations", None, "Page", READ, "List conversations (extension)"),
     ("get", CONVERSATION, None, "Conversation", READ, "Retrieve a conversation"),
@@ -74,7 +75,7 @@ OPERATIONS: list[Operation] = [
 STREAMS = {"/v1/chat/completions": "chat.completion.chunk", "/v1/responses": "response events"}
 PATH_PARAMETERS: dict[str, Schema] = {
     name: {"name": name, "in": "path", "required": True, "schema": {"type": "string"}}
-    for name in ("conversation_id", "response_id", "item_id")
+    for name in ("conversation_id", "response_id", "item_id", "model")
 }
 PATH_PARAMETERS["conversation_id"]["description"] = f"Matches ^{CONVERSATION_ID_RE.pattern}$, else a 400"
 PAGE: list[Schema] = [

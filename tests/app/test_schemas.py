@@ -34,6 +34,7 @@ OPERATIONS = {
     ("post", "/v1/conversations/{conversation_id}/reset"),
     ("get", "/v1/conversations/{conversation_id}/context"),
     ("get", "/v1/responses/{response_id}"),
+    ("get", "/v1/models/{model}"),
     ("get", "/healthz"),
     ("get", "/readyz"),
     ("get", "/metrics"),

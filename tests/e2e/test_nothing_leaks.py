@@ -11,6 +11,7 @@ import time
 from pathlib import Path
 
 import httpx
+import openai
 import pytest
 
 from tests.conftest import GatewayProcess, sdk, write_config
@@ -75,6 +76,12 @@ def test_a_trimmed_history_is_not_sent_twice(gateway: GatewayProcess, upstream: 
 def test_models_lists_the_providers_own_models(gateway: GatewayProcess, upstream: MockServer) -> None:
     ids = [m.id for m in sdk(gateway).models.list()]
     assert {"mock/tiny", "mock/m", "mock/big"} <= set(ids)
+    # models.retrieve: one entry of the list (a model id holds a slash), or a 404
+    one = sdk(gateway).models.retrieve("mock/tiny")
+    assert (one.id, one.object) == ("mock/tiny", "model")
+    with pytest.raises(openai.NotFoundError) as info:
+        sdk(gateway).models.retrieve("mock/no-such-model")
+    assert info.value.body["code"] == "model_not_found"  # type: ignore[index]
 
 
 def test_each_responses_turn_is_one_log_line_and_one_upstream_observation(
