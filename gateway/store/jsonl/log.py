@@ -41,6 +41,13 @@ class JsonlLog(ResponseLog):
         except OSError as exc:
             self.create_error = exc.strerror or str(exc)
             log.error("cannot create response log %s: %s", self.path.name, self.create_error)
+            if self._fd >= 0:  # created, but its first record did not fit (a full disk)
+                os.close(self._fd)
+                self._fd = -1
+                try:  # no empty or torn file left behind to name a response that never was
+                    os.unlink(self.path)
+                except OSError:
+                    pass
 
     def _uncount(self) -> None:
         if self._counted:

@@ -143,6 +143,32 @@ async def test_write_error_is_503_and_not_sticky(tmp_path: Path, monkeypatch: py
         assert index_ids(tmp_path / "var", CID) == [first.json()["id"], ok.json()["id"]]
 
 
+async def test_a_full_disk_leaves_no_empty_response_file(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The response file is created, then its first record does not fit: the turn is refused,
+    and no empty (or torn) file is left to name a response that never was."""
+    store = JsonlStore(tmp_path / "var")
+    responses = tmp_path / "var" / "logs" / "responses"
+    async with build_client(make_settings(tmp_path), store, MockUpstream()) as client:
+        first = await chat(client, "Hello, my name is Ada.")
+        real_write = os.write
+
+        def full(fd: int, data: bytes) -> int:
+            if data.startswith(b'{"type":"request"'):
+                real_write(fd, data[:7])  # part of it fits
+                raise OSError(errno.ENOSPC, "No space left on device")
+            return real_write(fd, data)
+
+        monkeypatch.setattr(os, "write", full)
+        refused = await chat(client, "I like trains.")
+        monkeypatch.undo()
+        assert_unavailable(refused)
+        assert sorted(p.stem for p in responses.iterdir()) == [first.json()["id"]]
+        assert index_ids(tmp_path / "var", CID) == [first.json()["id"]]
+        assert (await chat(client, "What is my name?")).status_code == 200
+
+
 async def test_conversation_over_the_size_cap_is_a_clear_400(tmp_path: Path) -> None:
     """`storage.max_conversation_messages`: the turn that would pass the cap gets a 400
     `conversation_too_large` before the provider is called; a reset makes room again."""
