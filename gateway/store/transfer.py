@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import logging
 import os
+import re
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -191,11 +192,25 @@ async def import_jsonl(dsn: str, source: Path) -> TransferStats:
                     await _import_namespace(conn, ns, root, stats)
         except asyncpg.UniqueViolationError as exc:
             raise StorageError(
-                f"import refused: {exc.detail or exc} already exists in the database"
+                f"import refused: {_existing(exc.detail)}; nothing of its tenant was imported"
             ) from None
         finally:
             await conn.close()
     return stats
+
+
+def _existing(detail: str | None) -> str:
+    """What already exists, from PostgreSQL's `Key (namespace, response_id, seq)=(, r1, 0) already
+    exists.`: "response 'r1' (tenant default) is already in the database"."""
+    found = re.match(r"Key \((.*?)\)=\((.*?)\) already exists", detail or "")
+    if found is None:
+        return f"{detail or 'a record'} (already in the database)"
+    key = dict(zip(found.group(1).split(", "), found.group(2).split(", "), strict=False))
+    tenant = key.get("namespace") or "default"
+    for column, what in (("conversation_id", "conversation"), ("response_id", "response")):
+        if key.get(column):
+            return f"{what} {key[column]!r} (tenant {tenant}) is already in the database"
+    return f"{found.group(2)} is already in the database"
 
 
 async def _import_namespace(conn: Conn, ns: str, root: Path, stats: TransferStats) -> None:

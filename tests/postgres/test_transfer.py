@@ -4,6 +4,7 @@ for byte, and the conversations read the same from either backend."""
 from __future__ import annotations
 
 import asyncio
+import re
 from pathlib import Path
 from typing import Any
 
@@ -141,7 +142,12 @@ def test_jsonl_to_postgres_to_jsonl_gives_back_every_file(tmp_path: Path, pg_dsn
     # A second import finds the conversations already there and changes nothing.
     result = CliRunner().invoke(main, ["import", "--config", config, "--from", str(source)], env=env)
     assert result.exit_code == 1
-    assert "already exists" in result.output and result.output.count("\n") == 1
+    assert result.output.count("\n") == 1
+    # It names what is there (not the database's key) and says nothing was imported.
+    assert re.search(
+        r"(response|conversation) '[^']+' \(tenant \w+\) is already in the database", result.output
+    )
+    assert "nothing of its tenant was imported" in result.output and "Key (" not in result.output
     again = tmp_path / "again"
     run_cli(["export", "--config", config, "--to", str(again)], env)
     assert data_files(again) == after
