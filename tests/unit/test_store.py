@@ -1026,11 +1026,29 @@ import asyncio, sys, time
 from gateway.store.jsonl import JsonlStore
 from gateway.store.postgres import PostgresStore
 
+from gateway.store.jsonl.locks import CrossProcessLock
+from gateway.store.postgres.backend import _Backend
+
+def in_line(real):  # says when this process's waiter stands in line (once)
+    def wrapped(*args):
+        result = real(*args)
+        if not getattr(wrapped, "said", False):
+            wrapped.said = True
+            print("in line", flush=True)
+        return result
+    return wrapped
+
+async def stand(self, line, real=_Backend.stand_in_line):
+    await real(self, line)
+    print("in line", flush=True)
+
+CrossProcessLock.wait_in_line = in_line(CrossProcessLock.wait_in_line)
+_Backend.stand_in_line = stand
+
 async def main():
     kind, where, namespace = sys.argv[1:4]
     store = JsonlStore(where) if kind == "jsonl" else PostgresStore(where, namespace=namespace)
     await store.open()
-    print("asking", flush=True)
     async with store.lock("conv", timeout=10):
         print("acquired", time.monotonic(), flush=True)
         await asyncio.sleep(0.2)
@@ -1060,9 +1078,9 @@ async def test_a_waiter_in_another_process_keeps_its_place_in_line(store: Store)
     )
     assert other.stdout is not None
     try:
-        async with store.lock("conv", timeout=5):
-            assert (await asyncio.wait_for(other.stdout.readline(), 30)).strip() == b"asking"
-            await asyncio.sleep(0.3)  # the other process is waiting (and polling) by now
+        async with store.lock("conv", timeout=30):
+            # the other process's waiter stands in line (and polls)
+            assert (await asyncio.wait_for(other.stdout.readline(), 30)).strip() == b"in line"
 
             async def later() -> float:
                 async with store.lock("conv", timeout=10):
