@@ -9,6 +9,8 @@ from gateway.config import Settings
 from gateway.context.records import StoredResponse
 from gateway.exceptions import InvalidRequest, NotFound
 from gateway.store import StoreRegistry
+from gateway.store.base import Store
+from gateway.types import Record
 
 
 class StoredResponses:
@@ -18,10 +20,27 @@ class StoredResponses:
 
     async def get(self, tenant: str, rid: str) -> StoredResponse:
         """The response's log, read; NotFound when absent or deleted."""
-        records = await (await self.stores.get(tenant)).read_response(rid)
+        store = await self.stores.get(tenant)
+        records = await store.read_response(rid)
         if not records or records[-1].get("type") == "deleted":
             raise NotFound(f"No response found with id {rid!r}", param="response_id")
-        return StoredResponse.of(rid, records)
+        stored = StoredResponse.of(rid, records)
+        cid = stored.conversation_id
+        if stored.status == "in_progress" and cid is not None and rid in await self._index(store, cid):
+            # An index names only committed responses: this log lost its end (a damaged file),
+            # as every reader of the conversation treats it (README "Damaged files").
+            raise NotFound(
+                f"No response found with id {rid!r}: its log is not complete (gateway fsck reports it)",
+                param="response_id",
+            )
+        return stored
+
+    @staticmethod
+    async def _index(store: Store, cid: str) -> list[str | Record]:
+        try:
+            return await store.read_index(cid)
+        except NotFound:  # the conversation is gone: its responses are no longer indexed
+            return []
 
     async def delete(self, tenant: str, rid: str) -> None:
         store = await self.stores.get(tenant)

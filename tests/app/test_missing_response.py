@@ -34,7 +34,7 @@ async def _seed(tmp_path: Path) -> list[str]:
     return ids
 
 
-@pytest.mark.parametrize("damage", ["missing", "empty"])
+@pytest.mark.parametrize("damage", ["missing", "empty", "uncommitted"])
 async def test_every_reader_skips_the_turn_and_a_direct_read_is_404(
     tmp_path: Path, damage: str, caplog: pytest.LogCaptureFixture
 ) -> None:
@@ -42,8 +42,12 @@ async def test_every_reader_skips_the_turn_and_a_direct_read_is_404(
     path = tmp_path / "var" / "logs" / "responses" / f"{second}.jsonl"
     if damage == "missing":
         path.unlink()
-    else:
+    elif damage == "empty":
         path.write_bytes(b"")
+    else:  # the commit record lost (a damaged file): not "in progress" for ever
+        lines = path.read_bytes().splitlines(keepends=True)
+        assert b'"type":"commit"' in lines[-1]
+        path.write_bytes(b"".join(lines[:-1]))
     store = JsonlStore(tmp_path / "var", durability="none")  # a fresh process: nothing cached
     await store.open()
     upstream = MockUpstream()
@@ -65,8 +69,11 @@ async def test_every_reader_skips_the_turn_and_a_direct_read_is_404(
             )
             queries = app_of(client).state.services.queries
             shown = [turn.response_id for turn in await queries.turns("", "c")]  # gateway show
-            with pytest.raises(NotFound):
-                await queries.records("", second)  # gateway context RESPONSE_ID
+            if damage == "uncommitted":  # gateway context RESPONSE_ID: what the file still holds
+                assert [r["type"] for r in await queries.records("", second)][0] == "request"
+            else:
+                with pytest.raises(NotFound):
+                    await queries.records("", second)
             again = await client.get("/ui/api/conversations/c")
 
     assert items.status_code == 200
@@ -74,8 +81,11 @@ async def test_every_reader_skips_the_turn_and_a_direct_read_is_404(
     assert "message 0" in texts and "message 2" in texts and "message 1" not in texts
     assert inspector.status_code == 200 and again.status_code == 200
     turns = inspector.json()["turns"]
-    assert [t["response_id"] for t in turns] == [first, third]
-    assert [t["index"] for t in turns] == [0, 2]  # positions in the index are kept
+    if damage == "uncommitted":  # the inspector shows it, marked (README "Damaged files")
+        assert [t["response_id"] for t in turns] == [first, second, third]
+    else:
+        assert [t["response_id"] for t in turns] == [first, third]
+        assert [t["index"] for t in turns] == [0, 2]  # positions in the index are kept
     assert context.status_code == 200 and context.json()["response_id"] == third
     for reply in (direct, input_items):
         assert reply.status_code == 404 and reply.json()["error"]["code"] == "not_found", reply.text
@@ -85,7 +95,8 @@ async def test_every_reader_skips_the_turn_and_a_direct_read_is_404(
     assert shown == [first, third, chat.json()["id"]]
     warnings = [r.getMessage() for r in caplog.records if second in r.getMessage()]
     assert len(warnings) == 1, warnings  # once per process, however many readers
-    assert "missing or empty: skipped" in warnings[0]
+    why = "not a committed turn" if damage == "uncommitted" else "missing or empty"
+    assert f"{why}: skipped" in warnings[0]
 
 
 def test_the_warned_set_stays_bounded() -> None:
