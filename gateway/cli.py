@@ -135,24 +135,24 @@ async def _find_tenant(
     return found[0] if found else ""
 
 
-def _has_conversation(services: Services, cid: str) -> Callable[[str], Awaitable[bool]]:
+def _found(read: Callable[[str], Awaitable[list[Any]]]) -> Callable[[str], Awaitable[bool]]:
+    """Whether a tenant holds something, by reading it there (nothing, or NotFound: no)."""
+
     async def has(tenant: str) -> bool:
         try:
-            return bool(await services.queries.index(tenant, cid))
+            return bool(await read(tenant))
         except NotFound:
             return False
 
     return has
+
+
+def _has_conversation(services: Services, cid: str) -> Callable[[str], Awaitable[bool]]:
+    return _found(lambda tenant: services.queries.index(tenant, cid))
 
 
 def _has_response(services: Services, rid: str) -> Callable[[str], Awaitable[bool]]:
-    async def has(tenant: str) -> bool:
-        try:
-            return bool(await services.queries.records(tenant, rid))
-        except NotFound:
-            return False
-
-    return has
+    return _found(lambda tenant: services.queries.records(tenant, rid))
 
 
 def _run(settings: Settings, work: Callable[[Services], Awaitable[T]], *, writes: bool = False) -> T:
