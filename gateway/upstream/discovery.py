@@ -34,11 +34,23 @@ def window_from_models(listing: object, model: str) -> int | None:
     return None
 
 
+def _ollama_name(name: object) -> object:
+    """Ollama's own rule: a model named without a tag is its `:latest` (`/api/ps` lists
+    `llama3.2:latest` for a request that said `llama3.2`)."""
+    if isinstance(name, str) and ":" not in name.rsplit("/", 1)[-1]:
+        return f"{name}:latest"
+    return name
+
+
 def window_from_ollama_ps(ps: object, model: str) -> int | None:
     """Ollama `GET /api/ps`: `context_length` of the loaded model (its runtime num_ctx)."""
     models = ps.get("models") if isinstance(ps, dict) else None
+    wanted = _ollama_name(model)
     for entry in models if isinstance(models, list) else ():
-        if isinstance(entry, dict) and model in (entry.get("name"), entry.get("model")):
+        if isinstance(entry, dict) and wanted in (
+            _ollama_name(entry.get("name")),
+            _ollama_name(entry.get("model")),
+        ):
             return _positive(entry.get("context_length"))
     return None
 

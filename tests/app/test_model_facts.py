@@ -69,6 +69,13 @@ def test_each_servers_answer_gives_its_runtime_window() -> None:
     assert window_from_models(VLLM_MODELS, "unknown") is None  # two models, none of that name
     assert window_from_ollama_ps(OLLAMA_PS, "qwen2.5:7b") == 8192
     assert window_from_ollama_ps(OLLAMA_PS, "llama3") is None  # not loaded
+    # A name without a tag is Ollama's ":latest", as /api/ps lists it.
+    loaded = {"models": [{"name": "llama3.2:latest", "model": "llama3.2:latest", "context_length": 8192}]}
+    assert window_from_ollama_ps(loaded, "llama3.2") == 8192
+    assert window_from_ollama_ps(loaded, "llama3.2:latest") == 8192
+    assert window_from_ollama_ps(loaded, "llama3.2:1b") is None
+    untagged = {"models": [{"name": "me/tuned", "context_length": 2048}]}
+    assert window_from_ollama_ps(untagged, "me/tuned:latest") == 2048
     assert window_from_ollama_show(OLLAMA_SHOW) == 6144  # the Modelfile's num_ctx
     assert window_from_ollama_show(OLLAMA_SHOW_DEFAULT) == 4096  # Ollama's default runtime window
     assert window_from_models(OPENAI_MODELS, "gpt-4o") is None
