@@ -300,15 +300,19 @@ def show(
     """The conversation's history as the model will see it."""
     from gateway.tokens import count_message
 
-    async def read(services: Services) -> tuple[Any, list[Turn]]:
+    async def read(services: Services) -> tuple[Any, list[Turn]] | None:
         what = f"conversation {conversation_id!r}"
-        name = await _find_tenant(services, tenant, _has_conversation(services, conversation_id), what)
+        has = _has_conversation(services, conversation_id)
+        name = await _find_tenant(services, tenant, has, what)
+        if not await has(name):  # (a conversation just reset has no turn, but it exists)
+            return None
         view = await services.queries.view(name, conversation_id)
-        return view, await services.queries.turns(name, conversation_id) if view.turns else []
+        return view, await services.queries.turns(name, conversation_id)
 
-    view, turns = _run(settings, read)
-    if not view.turns:
+    found = _run(settings, read)
+    if found is None:
         raise GatewayError(f"no conversation {conversation_id!r} in {settings.storage.data_dir}")
+    view, turns = found
     if as_json:
         out = {
             "conversation_id": conversation_id,

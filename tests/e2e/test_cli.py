@@ -164,6 +164,9 @@ def test_reset_and_delete_from_the_cli_while_serving(gateway: GatewayProcess, up
     data = ["--data-dir", str(gateway.data_dir)]
     result = gw("reset", "cli-1", "--keep-system-message", *data)
     assert result.returncode == 0, result.stderr
+    shown = gw("show", "cli-1", *data)  # a conversation just reset still exists: no turn yet
+    assert shown.returncode == 0, shown.stderr
+    assert "no longer sent to the model" in shown.stdout and "0 turns, 0 messages" in shown.stdout
     client = OpenAI(base_url=f"{gateway.url}/v1", api_key="x", max_retries=0)
     r = client.chat.completions.create(
         model="mock/t",
