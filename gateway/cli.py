@@ -300,25 +300,43 @@ def show(
     """The conversation's history as the model will see it."""
     from gateway.tokens import count_message
 
-    async def read(services: Services) -> tuple[Any, list[Turn]] | None:
+    async def read(services: Services) -> tuple[Any, list[Turn], tuple[str, Record] | None] | None:
         what = f"conversation {conversation_id!r}"
         has = _has_conversation(services, conversation_id)
         name = await _find_tenant(services, tenant, has, what)
         if not await has(name):  # (a conversation just reset has no turn, but it exists)
             return None
         view = await services.queries.view(name, conversation_id)
-        return view, await services.queries.turns(name, conversation_id)
+        try:
+            last = await services.queries.latest_context(name, conversation_id)
+        except NotFound:
+            last = None
+        return view, await services.queries.turns(name, conversation_id), last
 
     found = _run(settings, read)
     if found is None:
         raise GatewayError(f"no conversation {conversation_id!r} in {settings.storage.data_dir}")
-    view, turns = found
+    view, turns, last = found
+    # The window of the last turn: which turns it left out (cut, or folded into the summary).
+    window: dict[str, Any] | None = None
+    cut = last[1].get("truncated") if last is not None else None
+    if last is not None and isinstance(cut, int) and cut > 0:
+        ids = last[1].get("included_response_ids")
+        included = {*(ids if isinstance(ids, list) else []), last[0]}
+        window = {"response_id": last[0], "omitted_messages": cut, "included": included}
     if as_json:
         out = {
             "conversation_id": conversation_id,
             "system": view.system,
             "messages": [*(view.system or []), *view.history],
             "turns": [t.to_dict() for t in turns],
+            "last_window": None
+            if window is None
+            else {
+                "response_id": window["response_id"],
+                "omitted_messages": window["omitted_messages"],
+                "included_response_ids": sorted(window["included"]),
+            },
         }
         click.echo(orjson.dumps(out, option=orjson.OPT_INDENT_2).decode())
         return
@@ -328,6 +346,7 @@ def show(
         total += n
         click.echo(render_message(m, tokens=n, note="system prompt"))
     live = set(view.history_owner)  # turns whose messages the model still gets
+    marked = False
     for turn in turns:
         if turn.is_feedback_only:
             click.echo(click.style(f"── {turn.response_id} (feedback turn: not replayed)", dim=True))
@@ -338,6 +357,17 @@ def show(
             for m in [*turn.input, *([turn.output] if turn.output is not None else [])]:
                 click.echo(click.style(render_message(m), dim=True))
             continue
+        if window is not None and turn.response_id not in window["included"]:
+            note = f"outside the last turn's window ({window['response_id']}): left out or summarized"
+            click.echo(click.style(f"── {turn.response_id} ({note})", dim=True))
+            for m in [*turn.input, *([turn.output] if turn.output is not None else [])]:
+                click.echo(click.style(render_message(m), dim=True))
+            continue
+        if window is not None and not marked:
+            marked = True
+            omitted = f"[{window['omitted_messages']} earlier messages omitted]"
+            where = f"gateway context {window['response_id']} shows exactly what was sent"
+            click.echo(click.style(f"── {omitted} (the last turn's window; {where})", dim=True))
         if turn.branch_at is not None:
             branch = f"── {turn.response_id} (the client's edit: continues after message {turn.branch_at})"
             click.echo(click.style(branch, dim=True))

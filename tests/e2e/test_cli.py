@@ -203,3 +203,56 @@ def test_serve_with_a_store_it_cannot_open_is_one_line_and_exit_1(tmp_path: Path
     lines = result.stderr.strip().splitlines()
     assert len(lines) == 1 and "Traceback" not in result.stderr, result.stderr
     assert ("storage" in lines[0] or "store" in lines[0]) and "s3cret" not in lines[0]
+
+
+def test_show_marks_what_the_last_window_left_out(tmp_path: Path) -> None:
+    """`gateway show`: the history as the model sees it. When the last turn's window cut older
+    turns, they are shown apart (dimmed, named) and the marker the model got stands where the
+    window began; --json says the same under `last_window`."""
+    import asyncio
+    import json
+
+    from gateway.config import load_settings
+    from gateway.store.jsonl import JsonlStore
+    from gateway.upstream.mock import MockUpstream
+    from tests.conftest import build_client
+
+    settings = load_settings(
+        REPO / "tests" / "empty.toml",
+        environ={},
+        overrides={
+            "default_provider": "mock",
+            "providers": {"mock": {"kind": "openai", "base_url": "http://mock.invalid/v1"}},
+            "storage": {"backend": "jsonl", "data_dir": str(tmp_path / "var"), "durability": "none"},
+            "context": {"max_history_messages": 4},
+        },
+    )
+
+    async def seed() -> list[str]:
+        store = JsonlStore(tmp_path / "var", durability="none")
+        async with build_client(settings, store, MockUpstream()) as client:
+            ids = []
+            for n in range(5):
+                body = {
+                    "model": "mock/m",
+                    "conversation_id": "w",
+                    "messages": [{"role": "user", "content": f"q{n}"}],
+                }
+                ids.append((await client.post("/v1/chat/completions", json=body)).json()["id"])
+            return ids
+
+    ids = asyncio.run(seed())
+    shown = gw("show", "w", "--data-dir", str(tmp_path / "var"))
+    assert shown.returncode == 0, shown.stderr
+    out = shown.stdout
+    # max_history_messages = 4: the last turn was sent q2 a2 q3 a3 (+ q4), after the marker
+    marker = out.index("[4 earlier messages omitted]")
+    for rid in ids[:2]:
+        assert out.index(rid) < marker and f"{rid} (outside the last turn's window ({ids[-1]})" in out
+    assert all(out.index(f"── {rid}\n") > marker for rid in ids[2:])
+    as_json = json.loads(gw("show", "w", "--json", "--data-dir", str(tmp_path / "var")).stdout)
+    assert as_json["last_window"] == {
+        "response_id": ids[-1],
+        "omitted_messages": 4,
+        "included_response_ids": sorted(ids[2:]),
+    }
