@@ -188,7 +188,7 @@ def scan_gateway_log(path: Path) -> dict[str, Any]:
     except OSError:
         return {"access_lines": 0, "other_lines": 0, "examples": []}
     for line in lines:
-        if line.startswith('{"event":"chat.completion"'):
+        if line.startswith(('{"event":"chat.completion"', '{"event":"http.request"')):  # one per request
             access += 1
         elif not line.startswith("gateway listening on"):
             other.append(line)
