@@ -227,6 +227,10 @@ def serve(
         os.environ["GATEWAY_SERVER__PORT"] = str(port)
     os.environ["GATEWAY_STORAGE__DATA_DIR"] = settings.storage.data_dir
     settings = load_settings(config_path)
+    # A taken port is said before the store's folders are made (nothing is left behind).
+    from gateway.server import bind
+
+    bind(settings.server.host, settings.server.port).close()
     asyncio.run(Services.check_store(settings))
     _notice_missing_litellm(settings)
     run(settings, workers=workers, log_level=log_level)

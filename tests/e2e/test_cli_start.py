@@ -85,6 +85,7 @@ def test_serve_on_a_taken_port_says_so_before_any_listening_line(tmp_path: Path)
     assert result.stderr.strip().splitlines() == [
         f"gateway: cannot listen on 127.0.0.1:{port}: address already in use (try another --port)"
     ]
+    assert not (tmp_path / "var").exists()  # a serve that cannot listen leaves no data dir behind
 
 
 def test_serve_says_listening_once_the_port_is_held(tmp_path: Path) -> None:
