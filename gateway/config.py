@@ -66,6 +66,8 @@ class ServerSettings(_Section):
     max_body_bytes: int = Field(10_000_000, gt=0)
     # Seconds a client may take to send its whole request body ("0" = no limit); then 408.
     body_timeout: Duration = 30.0
+    # On SIGTERM: how long requests in flight may still take; then they get 503 `shutting_down`.
+    shutdown_timeout: Duration = 30.0
     access_log: bool = False
 
 

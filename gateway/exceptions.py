@@ -22,6 +22,7 @@ GatewayError
 
 from __future__ import annotations
 
+import asyncio
 from dataclasses import dataclass
 
 from gateway.types import JSONObject
@@ -136,6 +137,14 @@ class BodyTooLarge(GatewayError):
     code = "request_too_large"
 
 
+class ShuttingDown(GatewayError):
+    """The server stopped before this request was done (it outlived `server.shutdown_timeout`)."""
+
+    status_code = 503
+    error_type = "server_error"
+    code = "shutting_down"
+
+
 class StorageError(GatewayError):
     """The store could not durably record a turn; nothing is acknowledged."""
 
@@ -204,3 +213,18 @@ class UpstreamStatusError(UpstreamError):
 
     def headers(self) -> dict[str, str]:
         return {"Retry-After": self.retry_after} if self.retry_after else {}
+
+
+# uvicorn's message when it cancels the requests that outlived the graceful shutdown
+_SHUTDOWN_CANCEL = "graceful shutdown"
+
+
+def shutting_down(exc: BaseException) -> ShuttingDown | None:
+    """A cancellation by the server's shutdown, as the error the client is told (503); None for
+    any other exception. The running task is un-cancelled: it still answers and records."""
+    if not isinstance(exc, asyncio.CancelledError) or not any(_SHUTDOWN_CANCEL in str(a) for a in exc.args):
+        return None
+    task = asyncio.current_task()
+    if task is not None:
+        task.uncancel()
+    return ShuttingDown("The gateway is shutting down: this request was not completed; retry it")

@@ -3,6 +3,7 @@ summaries and active conversations. One registry per app (per worker process).""
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import time
 from contextvars import ContextVar
@@ -14,6 +15,8 @@ from prometheus_client.exposition import CONTENT_TYPE_LATEST
 from starlette.requests import Request
 from starlette.responses import Response
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
+
+from gateway.exceptions import shutting_down
 
 _FAST = (0.0005, 0.001, 0.002, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0)
 # The active-conversations gauge remembers at most this many (a busy gateway's new conversations
@@ -137,14 +140,27 @@ class MetricsMiddleware:
         logged = [False]
         token = access_logged.set(logged)
         started = time.perf_counter()
+        answered = [False]
 
         async def send_wrapper(message: Message) -> None:
             if message["type"] == "http.response.start":
                 status[0] = message["status"]
+                answered[0] = True
             await send(message)
 
         try:
             await self.app(scope, receive, send_wrapper)
+        except asyncio.CancelledError as exc:
+            error = shutting_down(exc)
+            if error is None or answered[0]:
+                raise
+            # Stopped by the server's shutdown before it answered: OpenAI's shape, not a bare 500.
+            body = orjson.dumps(error.to_dict())
+            headers = [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode())]
+            await send_wrapper(
+                {"type": "http.response.start", "status": error.status_code, "headers": headers}
+            )
+            await send_wrapper({"type": "http.response.body", "body": body})
         finally:
             access_logged.reset(token)
             endpoint: Any = scope.get("endpoint")

@@ -101,7 +101,7 @@ def serve(settings: Settings, *, workers: int = 1, log_level: str = "info") -> N
         "factory": True,
         "access_log": settings.server.access_log,
         "log_level": "warning",
-        "timeout_graceful_shutdown": 5,
+        "timeout_graceful_shutdown": settings.server.shutdown_timeout,
         **_loop_and_http(),
     }
     if workers > 1:

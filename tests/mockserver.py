@@ -4,7 +4,7 @@ It records every request body, answers with the demo model's logic (so recall is
 rejects what OpenAI rejects (an argument or a message field it does not know: 400
 "Unrecognized request argument supplied"), lists its models at `/v1/models`, and can be told
 to misbehave: `server.mode = "error500" | "error503_once" | "error429" | "hang"
-| "tool_call"`.
+| "stall" | "tool_call"` ("stall": a whole answer hangs; a stream sends its first chunk, then hangs).
 """
 
 from __future__ import annotations
@@ -107,7 +107,7 @@ class MockServer:
                 status_code=429,
                 headers={"retry-after": "7"},
             )
-        if self.mode == "hang":
+        if self.mode == "hang" or (self.mode == "stall" and not body.get("stream")):
             await asyncio.sleep(self.hang_seconds)
         completion = self.completion(body)
         if not body.get("stream"):
@@ -118,6 +118,8 @@ class MockServer:
         async def events() -> Any:
             for chunk in chunks:
                 yield b"data: " + orjson.dumps(chunk) + b"\n\n"
+                if self.mode == "stall":
+                    await asyncio.sleep(self.hang_seconds)
             yield b"data: [DONE]\n\n"
 
         return StreamingResponse(events(), media_type="text/event-stream")

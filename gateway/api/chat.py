@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import time
 from typing import Any
 
@@ -22,7 +23,7 @@ from gateway.api.http import (
 from gateway.api.observe import log_failure, log_line, refused
 from gateway.api.sse import chat_events
 from gateway.api.validation import parse_chat
-from gateway.exceptions import GatewayError
+from gateway.exceptions import GatewayError, shutting_down
 from gateway.services.turn import PreparedTurn, TurnOutcome
 
 
@@ -51,9 +52,12 @@ async def chat_completions(request: Request) -> Response:
     started = time.perf_counter()
     body: Any = None
     try:
-        body = await read_json(request, service.settings.server.max_body_bytes)
-        chat = parse_chat(body, header_conversation_id=request.headers.get("x-conversation-id"))
-        turn = await service.prepare(chat, tenant_of(request))
+        try:
+            body = await read_json(request, service.settings.server.max_body_bytes)
+            chat = parse_chat(body, header_conversation_id=request.headers.get("x-conversation-id"))
+            turn = await service.prepare(chat, tenant_of(request))
+        except asyncio.CancelledError as exc:
+            raise shutting_down(exc) or exc from None
     except GatewayError as exc:
         refused(request, body, exc, started)
         raise
@@ -61,6 +65,7 @@ async def chat_completions(request: Request) -> Response:
         try:
             result = await until_disconnect(service.complete(turn), request.receive)
         except BaseException as exc:
+            exc = shutting_down(exc) or exc
             return _failed(turn, await service.close(turn, turn_outcome(exc)), exc)
         log_line(await service.close(turn), 200, "complete", request.app.state.metrics)
         return JSONBody(result, headers=_headers(turn))
@@ -68,6 +73,7 @@ async def chat_completions(request: Request) -> Response:
     try:
         chunks = await until_disconnect(service.open_chunks(turn), request.receive)
     except BaseException as exc:
+        exc = shutting_down(exc) or exc
         return _failed(turn, await service.close(turn, turn_outcome(exc)), exc)
 
     async def on_close(exc: BaseException | None) -> None:

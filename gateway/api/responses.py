@@ -33,7 +33,7 @@ from gateway.api.schemas import ResponseCreate
 from gateway.api.validation import parse_chat, validate
 from gateway.context import Message
 from gateway.context.items import Item, items_to_messages, message_to_items
-from gateway.exceptions import GatewayError, InvalidRequest
+from gateway.exceptions import GatewayError, InvalidRequest, shutting_down
 from gateway.ids import check_conversation_id
 from gateway.services import Services
 from gateway.types import Record
@@ -153,10 +153,11 @@ async def create_response(request: Request) -> Response:
         try:
             await until_disconnect(service.complete(turn), request.receive)
         except BaseException as exc:
+            exc = shutting_down(exc) or exc
             log_failure(await service.close(turn, turn_outcome(exc)), exc, event="response")
             if isinstance(exc, ClientDisconnected):
                 return Response(status_code=499)
-            raise
+            raise exc from None
         outcome = await service.close(turn)
         log_line(outcome, 200, "complete", metrics, event="response")
         return JSONBody(
@@ -172,10 +173,11 @@ async def create_response(request: Request) -> Response:
     try:
         chunks = await until_disconnect(service.open_chunks(turn), request.receive)
     except BaseException as exc:
+        exc = shutting_down(exc) or exc
         log_failure(await service.close(turn, turn_outcome(exc)), exc, event="response")
         if isinstance(exc, ClientDisconnected):
             return Response(status_code=499)
-        raise
+        raise exc from None
 
     async def on_close(exc: BaseException | None) -> None:
         outcome = await service.close(turn, None if exc is None else turn_outcome(exc))

@@ -2,12 +2,13 @@
 
 from __future__ import annotations
 
+import asyncio
 import logging
 from collections.abc import AsyncIterator, Mapping
 
 import orjson
 
-from gateway.exceptions import GatewayError, UpstreamProtocolError
+from gateway.exceptions import GatewayError, UpstreamProtocolError, shutting_down
 from gateway.services.turn import PreparedTurn
 from gateway.services.turns import ChatService
 from gateway.types import JSONObject
@@ -28,9 +29,12 @@ async def chat_events(
     any failure becomes an in-band error event (as OpenAI does: no `[DONE]` after it)."""
     include_usage = turn.request.include_usage
     try:
-        async for chunk in chunks:
-            if chunk.get("choices") or include_usage:
-                yield sse(chunk)
+        try:
+            async for chunk in chunks:
+                if chunk.get("choices") or include_usage:
+                    yield sse(chunk)
+        except asyncio.CancelledError as cancelled:  # the server's shutdown: said in-band too
+            raise shutting_down(cancelled) or cancelled from None
     except Exception as exc:  # noqa: BLE001 - headers are sent: every failure is reported in-band
         error = (
             exc

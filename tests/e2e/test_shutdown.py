@@ -1,0 +1,81 @@
+"""SIGTERM with requests still in flight: those that finish within `server.shutdown_timeout`
+are answered and recorded; those that outlive it get 503 `shutting_down` in OpenAI's error shape
+(in-band for a stream that has begun), never a bare 500, and nothing enters history."""
+
+from __future__ import annotations
+
+import json
+import signal
+import threading
+import time
+from pathlib import Path
+from typing import Any
+
+import httpx
+
+from tests.conftest import GatewayProcess, write_config
+from tests.mockserver import MockServer
+
+
+def test_requests_that_outlive_the_shutdown_get_503_shutting_down(
+    tmp_path: Path, upstream: MockServer
+) -> None:
+    config = write_config(tmp_path / "g.toml", upstream.url)
+    config.write_text(
+        config.read_text().replace("[storage]\n", '[server]\nshutdown_timeout = "1s"\n\n[storage]\n')
+    )
+    gw = GatewayProcess(config, tmp_path / "var").start()
+    upstream.mode, upstream.hang_seconds = "stall", 4.0  # answers hang; a stream after its first chunk
+    got: dict[str, Any] = {}
+
+    def whole() -> None:
+        body = {"model": "mock/m", "conversation_id": "sd-1", "messages": [{"role": "user", "content": "hi"}]}
+        got["whole"] = httpx.post(f"{gw.url}/v1/chat/completions", json=body, timeout=20)
+
+    def stream() -> None:
+        body = {
+            "model": "mock/m",
+            "conversation_id": "sd-2",
+            "stream": True,
+            "messages": [{"role": "user", "content": "hi"}],
+        }
+        with httpx.stream("POST", f"{gw.url}/v1/chat/completions", json=body, timeout=20) as r:
+            got["stream_headers"] = r.headers
+            got["stream"] = [line[6:] for line in r.iter_lines() if line.startswith("data: ")]
+
+    threads = [threading.Thread(target=whole), threading.Thread(target=stream)]
+    try:
+        for t in threads:
+            t.start()
+        deadline = time.monotonic() + 10
+        while len(upstream.requests) < 2 and time.monotonic() < deadline:
+            time.sleep(0.02)
+        time.sleep(0.2)  # the stream's first chunk is through
+        assert gw.proc is not None
+        began = time.monotonic()
+        gw.proc.send_signal(signal.SIGTERM)
+        gw.proc.wait(timeout=15)
+        stopped = time.monotonic() - began
+        for t in threads:
+            t.join(timeout=15)
+    finally:
+        gw.stop()
+    assert stopped < 5, stopped  # the drain (1 s), then the cancelled requests' answers
+
+    whole_reply = got["whole"]
+    assert whole_reply.status_code == 503, whole_reply.text
+    error = whole_reply.json()["error"]
+    assert error["code"] == "shutting_down" and set(error) == {"message", "type", "param", "code"}
+    assert whole_reply.headers["x-response-id"].startswith("mock-m-")
+
+    events = got["stream"]
+    assert json.loads(events[0])["choices"], events  # the first chunk reached the client
+    assert json.loads(events[-1])["error"]["code"] == "shutting_down" and "[DONE]" not in events
+
+    conversations = tmp_path / "var" / "logs" / "conversations"
+    assert not any(p.read_text().strip() for p in conversations.glob("*.jsonl"))  # nothing acknowledged
+    lines = [
+        json.loads(line) for line in gw.log().splitlines() if line.startswith('{"event":"chat.completion"')
+    ]
+    assert sorted(line["status"] for line in lines) == [200, 503]  # the stream's headers said 200
+    assert "Traceback" not in gw.log()
