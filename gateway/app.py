@@ -142,9 +142,10 @@ def create_app(
 
 def app_from_env() -> Starlette:
     """Factory for `uvicorn --factory` (and worker processes): settings from the environment."""
-    from gateway.server import configure_worker_logging, set_head_timeout
+    from gateway.server import configure_worker_logging, follow_supervisor, set_head_timeout
 
     configure_worker_logging()
+    follow_supervisor()
     settings = load_settings()
     set_head_timeout(settings)
     return create_app(settings)

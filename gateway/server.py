@@ -5,6 +5,7 @@ from __future__ import annotations
 import errno
 import logging
 import os
+import signal
 import socket
 import sys
 import threading
@@ -28,6 +29,22 @@ def configure_worker_logging() -> None:
     level = os.environ.get(LOG_LEVEL_ENV)
     if level and not logging.getLogger("gateway").handlers:
         configure_logging(level)
+
+
+def follow_supervisor() -> None:
+    """In a worker process of `serve --workers N`: stop (as on SIGTERM) when the supervisor is
+    gone, e.g. killed with SIGKILL, instead of serving on as an orphan that holds the port."""
+    if not os.environ.get(LOG_LEVEL_ENV):
+        return
+    parent = os.getppid()
+
+    def watch() -> None:
+        while os.getppid() == parent:
+            time.sleep(1.0)
+        logging.getLogger("gateway").warning("the serve process is gone: this worker stops")
+        os.kill(os.getpid(), signal.SIGTERM)
+
+    threading.Thread(target=watch, name="supervisor-watch", daemon=True).start()
 
 
 def configure_logging(level: str = "info") -> None:
@@ -104,6 +121,7 @@ def serve(settings: Settings, *, workers: int = 1, log_level: str = "info") -> N
         "timeout_graceful_shutdown": settings.server.shutdown_timeout,
         **_loop_and_http(),
     }
+    os.environ.pop(LOG_LEVEL_ENV, None)  # only the workers of this serve are told they are
     if workers > 1:
         os.environ[LOG_LEVEL_ENV] = log_level  # worker processes configure their own logging
         # uvicorn's supervisor binds the socket itself (its API for a given socket is

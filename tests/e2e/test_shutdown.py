@@ -79,3 +79,50 @@ def test_requests_that_outlive_the_shutdown_get_503_shutting_down(
     ]
     assert sorted(line["status"] for line in lines) == [200, 503]  # the stream's headers said 200
     assert "Traceback" not in gw.log()
+
+
+def test_workers_stop_when_the_serve_process_is_killed(tmp_path: Path, upstream: MockServer) -> None:
+    """`serve --workers 2` killed with SIGKILL (no chance to stop its workers): the workers notice
+    and stop, so the port is free for the restart instead of held by orphans."""
+    import os
+
+    config = write_config(tmp_path / "g.toml", upstream.url)
+    gw = GatewayProcess(config, tmp_path / "var", workers=2).start()
+    assert gw.proc is not None
+    try:
+        supervisor = gw.proc.pid
+
+        def children() -> list[int]:
+            found = []
+            for entry in Path("/proc").iterdir():
+                if entry.name.isdigit():
+                    try:
+                        fields = (entry / "stat").read_text().rsplit(")", 1)[1].split()
+                    except OSError:
+                        continue
+                    if int(fields[1]) == supervisor:
+                        found.append(int(entry.name))
+            return found
+
+        workers = children()
+        assert len(workers) >= 2, workers
+        os.kill(supervisor, signal.SIGKILL)
+        gw.proc.wait(timeout=10)
+        deadline = time.monotonic() + 15
+        alive = workers
+        while alive and time.monotonic() < deadline:
+            time.sleep(0.2)
+            alive = [pid for pid in alive if Path(f"/proc/{pid}").exists() and "Z" not in _state(pid)]
+        assert alive == [], "workers kept serving after their supervisor was killed"
+        again = GatewayProcess(config, tmp_path / "var")
+        again.start()  # a fresh serve (any free port) on the same data dir
+        again.stop()
+    finally:
+        gw.stop(signal.SIGKILL)
+
+
+def _state(pid: int) -> str:
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+    except OSError:
+        return "Z"
