@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import time
+from dataclasses import replace
 
 from gateway.config import Settings
 from gateway.context.records import StoredResponse
@@ -11,6 +12,7 @@ from gateway.exceptions import InvalidRequest, NotFound
 from gateway.store import StoreRegistry
 from gateway.store.base import Store
 from gateway.types import Record
+from gateway.writers import gone
 
 
 class StoredResponses:
@@ -33,6 +35,11 @@ class StoredResponses:
                 f"No response found with id {rid!r}: its log is not complete (gateway fsck reports it)",
                 param="response_id",
             )
+        if stored.status == "in_progress" and gone(stored.request.get("writer")):
+            # Its process stopped (killed) before the attempt ended: incomplete, not in progress.
+            message = "The gateway process handling this request stopped before it finished"
+            error = {"message": message, "type": "server_error", "param": None, "code": "interrupted"}
+            stored = replace(stored, outcome={"type": "incomplete", "reason": "interrupted", "error": error})
         return stored
 
     @staticmethod

@@ -57,6 +57,7 @@ from gateway.tokens import counter_for
 from gateway.types import Record, first_choice
 from gateway.upstream import Router
 from gateway.upstream.base import Chunk
+from gateway.writers import writer
 
 log = logging.getLogger("gateway.services")
 
@@ -181,6 +182,7 @@ class ChatService:
                 "response_id": response_id,
                 "conversation_id": cid,
                 "created": created,
+                "writer": writer(),  # host/pid/start: a reader can tell an attempt whose process died
                 "model": request.model,
                 "provider": route.provider,
                 "upstream_model": route.model,

@@ -126,3 +126,45 @@ def _state(pid: int) -> str:
         return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
     except OSError:
         return "Z"
+
+
+def test_an_attempt_whose_process_was_killed_reads_as_incomplete(
+    tmp_path: Path, upstream: MockServer
+) -> None:
+    """SPEC 5.1: a failed attempt stays in its response log, marked incomplete. A process killed
+    mid-request cannot write that mark; its request record names the process, so once that
+    process is gone the attempt reads as failed (`interrupted`), not "in progress" for ever."""
+    config = write_config(tmp_path / "g.toml", upstream.url)
+    gw = GatewayProcess(config, tmp_path / "var").start()
+    upstream.mode, upstream.hang_seconds = "hang", 4.0
+    body = {"model": "mock/m", "conversation_id": "killed", "messages": [{"role": "user", "content": "hi"}]}
+    asker = threading.Thread(
+        target=lambda: _quietly(lambda: httpx.post(f"{gw.url}/v1/chat/completions", json=body, timeout=10))
+    )
+    asker.start()
+    responses = tmp_path / "var" / "logs" / "responses"
+    deadline = time.monotonic() + 10
+    while not upstream.requests and time.monotonic() < deadline:
+        time.sleep(0.02)
+    (log,) = list(responses.glob("*.jsonl"))
+    gw.stop(signal.SIGKILL)
+    asker.join(timeout=15)
+    again = GatewayProcess(config, tmp_path / "var").start()
+    try:
+        r = httpx.get(f"{again.url}/v1/responses/{log.stem}")
+        assert r.status_code == 200, r.text
+        assert r.json()["status"] == "failed" and r.json()["error"]["code"] == "interrupted"
+        assert not (tmp_path / "var" / "logs" / "conversations" / "killed.jsonl").exists()  # nothing indexed
+        upstream.mode = "normal"
+        live = httpx.post(f"{again.url}/v1/chat/completions", json=body, timeout=10)
+        assert live.status_code == 200  # and the conversation goes on from nothing
+        assert [m["content"] for m in upstream.requests[-1]["messages"]] == ["hi"]
+    finally:
+        again.stop()
+
+
+def _quietly(call: Any) -> None:
+    try:
+        call()
+    except httpx.HTTPError:
+        pass
