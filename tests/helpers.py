@@ -77,3 +77,14 @@ async def commit_turn(
     await asyncio.sleep(0)  # the provider call: other turns run meanwhile
     await log.commit(cid)
     return rid
+
+
+async def say_each(client: Any, cid: str, texts: Sequence[str], model: str = "mock/m") -> list[str]:
+    """One turn per text on conversation `cid` through an app client; the response ids."""
+    ids = []
+    for text in texts:
+        body = {"model": model, "conversation_id": cid, "messages": [{"role": "user", "content": text}]}
+        reply = await client.post("/v1/chat/completions", json=body)
+        assert reply.status_code == 200, reply.text
+        ids.append(reply.json()["id"])
+    return ids

@@ -14,6 +14,7 @@ from gateway.services.cache import WARNED_LIMIT, ConversationCache
 from gateway.store.jsonl import JsonlStore
 from gateway.upstream.mock import MockUpstream
 from tests.conftest import app_of, build_client, make_settings
+from tests.helpers import say_each
 
 
 async def _seed(tmp_path: Path) -> list[str]:
@@ -21,17 +22,7 @@ async def _seed(tmp_path: Path) -> list[str]:
     store = JsonlStore(tmp_path / "var", durability="none")
     await store.open()
     async with build_client(settings, store, MockUpstream()) as client:
-        ids = []
-        for n in range(3):
-            body = {
-                "model": "mock/m",
-                "conversation_id": "c",
-                "messages": [{"role": "user", "content": f"message {n}"}],
-            }
-            reply = await client.post("/v1/chat/completions", json=body)
-            assert reply.status_code == 200
-            ids.append(reply.json()["id"])
-    return ids
+        return await say_each(client, "c", [f"message {n}" for n in range(3)])
 
 
 @pytest.mark.parametrize("damage", ["missing", "empty", "uncommitted"])

@@ -216,6 +216,7 @@ def test_show_marks_what_the_last_window_left_out(tmp_path: Path) -> None:
     from gateway.store.jsonl import JsonlStore
     from gateway.upstream.mock import MockUpstream
     from tests.conftest import build_client
+    from tests.helpers import say_each
 
     settings = load_settings(
         REPO / "tests" / "empty.toml",
@@ -231,15 +232,7 @@ def test_show_marks_what_the_last_window_left_out(tmp_path: Path) -> None:
     async def seed() -> list[str]:
         store = JsonlStore(tmp_path / "var", durability="none")
         async with build_client(settings, store, MockUpstream()) as client:
-            ids = []
-            for n in range(5):
-                body = {
-                    "model": "mock/m",
-                    "conversation_id": "w",
-                    "messages": [{"role": "user", "content": f"q{n}"}],
-                }
-                ids.append((await client.post("/v1/chat/completions", json=body)).json()["id"])
-            return ids
+            return await say_each(client, "w", [f"q{n}" for n in range(5)])
 
     ids = asyncio.run(seed())
     shown = gw("show", "w", "--data-dir", str(tmp_path / "var"))
