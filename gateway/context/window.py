@@ -5,7 +5,9 @@ tool-call unit it answers); then the conversation's first unit when asked (`firs
 history is kept newest first, whole units at a time — an assistant `tool_calls` message travels
 with its `tool` results — until the token budget or `max_history_messages` is reached (the
 newest `keep_recent` messages ignore the latter). So the answer before the newest question is
-dropped only with everything older. Where history was cut, a marker system message says so.
+dropped only with everything older. A cut drops whole turns: the kept history does not begin
+with an answer whose question was left out (but for the answer before the current request).
+Where history was cut, a marker system message says so.
 """
 
 from __future__ import annotations
@@ -139,6 +141,17 @@ def fit_window(
         kept_messages += size
         kept_from = start
         end = start
+    # Whole turns: a cut never leaves an answer whose question was left out at the head of the
+    # history (chat templates that require user/assistant alternation reject it); the window
+    # starts at the next question, unless that answer is the one before the current request
+    # or among the newest keep_recent messages.
+    while (omitted_before or kept_from) and conversation[kept_from].get("role") == "assistant":
+        head_end = kept_from + 1
+        while head_end < pinned_from and conversation[head_end].get("role") == "tool":
+            head_end += 1
+        if head_end >= pinned_from or pinned_from - head_end < keep_recent:
+            break
+        kept_from = head_end
     omitted = omitted_before + kept_from + dropped_first
     marker_cost = marker_tokens(omitted) if omitted else 0
     if omitted and fixed + marker_cost > budget:

@@ -442,6 +442,21 @@ def test_the_answer_before_the_newest_question_goes_only_with_everything_older()
             assert "assistant 4" in sent
 
 
+def test_a_cut_drops_whole_turns() -> None:
+    """After the marker comes a question, never an answer whose question was left out (chat
+    templates that require user/assistant alternation refuse that); the one exception is the
+    answer before the current request, which goes only with everything older."""
+    for budget in range(18, 120):
+        for limit in (200, 3, 4, 5):
+            w = _fit(_turns(5), budget, max_history_messages=limit)
+            sent = w.messages
+            if w.omitted:
+                after = sent[
+                    [m["content"] for m in sent].index(f"[{w.omitted} earlier messages omitted]") + 1
+                ]
+                assert after["role"] == "user" or after["content"] == "assistant 4", (budget, limit, sent)
+
+
 def test_keep_recent_messages_passes_max_history_messages() -> None:
     w = _fit(_turns(5), 1000, max_history_messages=0, keep_recent=2)
     assert [m["content"] for m in w.messages][-3:] == ["user 4", "assistant 4", "newest question"]
@@ -458,7 +473,8 @@ def test_keep_first_keeps_the_first_message_ahead_of_the_marker_when_it_fits() -
         and sent[1].startswith("[")
         and sent[-3:] == ["user 4", "assistant 4", "newest question"]
     )
-    assert w.omitted == 6
+    assert w.omitted == 7  # "assistant 3" fitted too, but its question did not: whole turns only
+    assert sent[2] == "user 4"
     # No room for it beside the newest question and the answer before it: it goes first.
     w = _fit(rest, 40, first=first, first_tokens=[10], keep_recent=2)
     assert "user 0" not in [m["content"] for m in w.messages] and w.omitted == 8
