@@ -52,6 +52,7 @@ def unknown_fields(body: dict[str, Any]) -> list[str]:
 class MockServer:
     def __init__(self) -> None:
         self.requests: list[dict[str, Any]] = []
+        self.headers: list[dict[str, str]] = []  # each request's headers, lower-case names
         self.mode = "normal"
         self.hang_seconds = 30.0
         self.url = ""
@@ -60,6 +61,7 @@ class MockServer:
     def reset(self) -> None:
         with self._lock:
             self.requests.clear()
+            self.headers.clear()
         self.mode = "normal"
 
     def completion(self, body: dict[str, Any]) -> dict[str, Any]:
@@ -89,6 +91,7 @@ class MockServer:
         body = orjson.loads(await request.body())
         with self._lock:
             self.requests.append(copy.deepcopy(body))
+            self.headers.append({k.lower(): v for k, v in request.headers.items()})
         unknown = unknown_fields(body)
         if unknown:
             message = f"Unrecognized request argument supplied: {', '.join(unknown)}"

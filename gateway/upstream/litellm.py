@@ -56,6 +56,28 @@ def import_litellm(provider: str = "") -> Any:
     return _litellm
 
 
+# What a litellm provider is given of the client's body: the OpenAI chat parameters, nothing else.
+# litellm reads many other keys as its own options (`fallbacks` with their own `api_base`,
+# `headers`, `organization`, `custom_llm_provider`, `mock_response`, `extra_body`, credentials,
+# ...): a client must never choose where the provider key goes, nor what the model "answered".
+OPENAI_CHAT_PARAMS = frozenset(
+    {
+        "model", "messages", "stream", "stream_options", "temperature", "top_p", "n", "stop",
+        "max_tokens", "max_completion_tokens", "presence_penalty", "frequency_penalty",
+        "logit_bias", "logprobs", "top_logprobs", "user", "response_format", "seed", "tools",
+        "tool_choice", "parallel_tool_calls", "reasoning_effort", "modalities", "audio",
+        "prediction", "service_tier", "web_search_options", "functions", "function_call",
+    }
+)  # fmt: skip
+
+
+def _retry_after(exc: BaseException) -> str | None:
+    response = getattr(exc, "response", None)
+    headers = getattr(response, "headers", None)
+    value = headers.get("retry-after") if headers is not None else None
+    return value if isinstance(value, str) else None
+
+
 @contextmanager
 def map_litellm_errors(name: str, url: str) -> Iterator[None]:
     """Translate litellm's exceptions (which mirror OpenAI's) into gateway upstream errors."""
@@ -68,18 +90,22 @@ def map_litellm_errors(name: str, url: str) -> Iterator[None]:
         where = f"Provider {name!r}" + (f" at {url}" if url else "")
         if isinstance(exc, litellm.exceptions.Timeout):
             raise UpstreamTimeout(f"{where} timed out") from exc
-        if isinstance(exc, litellm.exceptions.APIConnectionError):
-            raise UpstreamUnreachable(f"{where} is unreachable: {exc}") from exc
+        if isinstance(exc, litellm.exceptions.APIConnectionError) or "Connection error" in str(exc):
+            # (litellm may report a refused connection as a 500 "Connection error.")
+            raise UpstreamUnreachable(f"{where} is unreachable: {type(exc).__name__}") from exc
         status = getattr(exc, "status_code", None)
         if isinstance(status, int) and status >= 400:
             text = str(getattr(exc, "message", exc))
             refusal = parse_refusal(status, None, text)
             if refusal is None and isinstance(exc, litellm.exceptions.ContextWindowExceededError):
                 refusal = Refusal(message=text)
+            kinds = {401: "authentication_error", 403: "permission_error", 429: "rate_limit_error"}
             raise UpstreamStatusError(
                 f"{where} returned HTTP {status}: {text}",
                 upstream_status=status,
+                error_type=kinds.get(status),
                 code="context_length_exceeded" if refusal is not None else None,
+                retry_after=_retry_after(exc) if status == 429 else None,
                 refusal=refusal,
             ) from exc
         raise UpstreamProtocolError(f"{where} failed: {type(exc).__name__}: {exc}") from exc
@@ -108,12 +134,19 @@ class LitellmUpstream(Upstream):
         self.settings = settings
 
     def _kwargs(self, body: Body) -> dict[str, Any]:
-        kwargs = dict(body)
+        kwargs = {k: v for k, v in body.items() if k in OPENAI_CHAT_PARAMS}
         kwargs["model"] = f"{self.prefix}/{body['model']}"
         if self.url:
             kwargs["api_base"] = self.url
-        key = os.environ.get(self.settings.api_key_env, "") if self.settings.api_key_env else ""
-        if key:
+        if self.settings.api_key_env:
+            key = os.environ.get(self.settings.api_key_env, "")
+            if not key:  # never litellm's fallback to the machine's own OPENAI_API_KEY & co.
+                where = f"Provider {self.name!r}" + (f" at {self.url}" if self.url else "")
+                raise UpstreamError(
+                    f"{where} was not called: its key's environment variable "
+                    f"{self.settings.api_key_env} (providers.{self.name}.api_key_env) is not set",
+                    code="upstream_key_missing",
+                )
             kwargs["api_key"] = key
         kwargs["timeout"] = self.settings.timeout
         # Only the gateway's retry policy applies (before the first byte, never a 429).
@@ -134,9 +167,8 @@ class LitellmUpstream(Upstream):
         return await complete_with_retries(self.name, self.settings.retries, is_retryable, once)
 
     def stream(self, body: Body) -> AsyncIterator[Chunk]:
-        kwargs = self._kwargs({**body, "stream": True})
-
         async def once() -> AsyncGenerator[Chunk, None]:
+            kwargs = self._kwargs({**body, "stream": True})
             litellm = import_litellm(self.name)
             with map_litellm_errors(self.name, self.url):
                 response = await litellm.acompletion(**kwargs)

@@ -215,7 +215,56 @@ async def test_litellm_path_retries_like_the_fast_path(
     assert len(upstream.requests) == 1
     upstream.reset()
     upstream.mode = "error429"
-    with pytest.raises(UpstreamError) as info:
+    with pytest.raises(UpstreamStatusError) as info:
         await lite(2).complete(dict(BODY))
     assert info.value.status_code == 429
     assert len(upstream.requests) == 1
+    # passed through as the fast path does: its Retry-After and OpenAI's error type
+    assert info.value.headers() == {"Retry-After": "7"} and info.value.error_type == "rate_limit_error"
+    dead = ProviderSettings(
+        kind="litellm",
+        litellm_provider="openai",
+        base_url=f"http://127.0.0.1:{free_port()}/v1",
+        api_key_env="LITE_TEST_KEY",
+    )
+    with pytest.raises(UpstreamUnreachable):  # not "returned HTTP 500"
+        await LitellmUpstream("dead", dead).complete(dict(BODY))
+
+
+async def test_litellm_path_takes_only_openai_parameters_from_the_client(
+    upstream: MockServer, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """litellm reads many body keys as its own options: a client must not send the provider's
+    key elsewhere (`fallbacks` with an `api_base`), replace its headers, or make up the answer
+    (`mock_response`). And a provider whose key variable is unset is not called with the
+    machine's own OPENAI_API_KEY."""
+    from gateway.upstream.litellm import LitellmUpstream
+
+    monkeypatch.setenv("LITE_TEST_KEY", "sk-provider")
+    monkeypatch.setenv("OPENAI_API_KEY", "sk-machine-global")
+    settings = ProviderSettings(
+        kind="litellm", litellm_provider="openai", base_url=f"{upstream.url}/v1", api_key_env="LITE_TEST_KEY"
+    )
+    hostile = {
+        **BODY,
+        "fallbacks": [{"model": "openai/stolen", "api_base": f"http://127.0.0.1:{free_port()}/v1"}],
+        "headers": {"Authorization": "Bearer attacker-key"},
+        "extra_headers": {"X-Injected": "1"},
+        "organization": "org-attacker",
+        "mock_response": "made up",
+        "temperature": 0.5,
+    }
+    result = await LitellmUpstream("lite", settings).complete(hostile)
+    assert result["choices"][0]["message"]["content"] == "Nice to meet you, Kim! (turn 1)"  # the provider's
+    assert upstream.headers[-1]["authorization"] == "Bearer sk-provider"
+    assert "x-injected" not in upstream.headers[-1] and "openai-organization" not in upstream.headers[-1]
+    assert upstream.requests[-1]["temperature"] == 0.5  # OpenAI's own parameters go on
+    keyless = ProviderSettings(
+        kind="litellm", litellm_provider="openai", base_url=f"{upstream.url}/v1", api_key_env="UNSET_TEST_KEY"
+    )
+    monkeypatch.delenv("UNSET_TEST_KEY", raising=False)
+    before = len(upstream.requests)
+    with pytest.raises(UpstreamError) as info:
+        await LitellmUpstream("keyless", keyless).complete(dict(BODY))
+    assert info.value.code == "upstream_key_missing" and "UNSET_TEST_KEY" in info.value.message
+    assert len(upstream.requests) == before  # not called at all
