@@ -26,6 +26,7 @@ _WINDOW = (
     re.compile(r"maximum context length is (\d+)", re.IGNORECASE),
     re.compile(r"available context size \((\d+) tokens?\)", re.IGNORECASE),
     re.compile(r"context (?:length|size|window) (?:of|is) (\d+)", re.IGNORECASE),
+    re.compile(r"\d+ tokens? > (\d+) maximum", re.IGNORECASE),  # Anthropic: "762 tokens > 600 maximum"
 )
 _PROMPT = (
     re.compile(r"\((\d+) in the messages", re.IGNORECASE),

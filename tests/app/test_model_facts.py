@@ -244,6 +244,8 @@ def test_refusals_of_each_provider_are_recognised_with_their_numbers() -> None:
     )
     refusal = parse_refusal(400, None, newer_vllm)
     assert refusal is not None and (refusal.window, refusal.prompt_tokens) == (2048, 3000)
+    anthropic = parse_refusal(400, None, "prompt is too long: 762 tokens > 600 maximum")
+    assert anthropic is not None and (anthropic.window, anthropic.prompt_tokens) == (600, 762)
     ollama = parse_refusal(
         400, {"error": "the input length exceeds the context length"}, "input length exceeds"
     )
