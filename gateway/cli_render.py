@@ -65,6 +65,7 @@ LAYERS = [
     ("recap", "R", "blue"),
     ("history", "h", "cyan"),
     ("marker", "m", "white"),
+    ("tools", "T", "red"),
     ("new", "N", "green"),
 ]
 

@@ -21,6 +21,10 @@ MAX_OBSERVATIONS = 64
 _MIN_SPREAD = 32
 # Added to the worst miss seen: rounding, and prompts a little unlike the ones observed.
 _EXTRA_MARGIN = 2
+# No tokenizer counts text 5x another (nor a fifth): a pair outside is not a count of the same
+# prompt (a provider error's made-up figure, a prompt with parts we did not count) and is left
+# out, so that one such pair cannot shrink a model's window to nothing for good.
+_MIN_RATIO, _MAX_RATIO = 0.2, 5.0
 
 
 @dataclass(frozen=True, slots=True)
@@ -60,13 +64,17 @@ EXACT = Calibration(ratio=1.0, overhead=8.0, margin=0, samples=0)
 def fit(observations: Sequence[tuple[int, int]], prior: Calibration = UNCALIBRATED) -> Calibration:
     """The calibration explaining `observations` (ours, theirs), conservative: the margin is
     the largest amount by which the fitted line undercounted any of them."""
-    obs = [(float(o), float(t)) for o, t in observations[-MAX_OBSERVATIONS:] if o > 0 and t > 0]
+    obs = [
+        (float(o), float(t))
+        for o, t in observations[-MAX_OBSERVATIONS:]
+        if o > 0 and t > 0 and _MIN_RATIO <= t / o <= _MAX_RATIO
+    ]
     if not obs:
         return prior
     xs = [o for o, _ in obs]
     ys = [t for _, t in obs]
     ratio, overhead = _line(xs, ys) if len(obs) >= 3 and max(xs) - min(xs) >= _MIN_SPREAD else (0.0, 0.0)
-    if not 0.2 <= ratio <= 5.0 or overhead < 0:
+    if not _MIN_RATIO <= ratio <= _MAX_RATIO or overhead < 0:
         # Through the origin: every observation's own ratio bounds it; take the largest.
         ratio, overhead = max(t / o for o, t in obs), 0.0
     worst = max(t - (ratio * o + overhead) for o, t in obs)

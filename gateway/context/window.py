@@ -88,13 +88,15 @@ def fit_window(
     first: Sequence[Message] = (),
     first_tokens: Sequence[int] = (),
     keep_recent: int = 0,
+    tools_tokens: int = 0,
 ) -> Window:
     """Choose the messages to send.
 
     `conversation` is the stored history (after any summary's coverage) followed by the new
     messages, starting at `first_new`; `conversation_tokens` are their counts;
     `omitted_before` history messages were already left out before `conversation`; `first` is
-    the conversation's first unit, sent ahead of the marker when it fits (`keep_first`). Raises
+    the conversation's first unit, sent ahead of the marker when it fits (`keep_first`);
+    `tools_tokens` is what the request's tool definitions cost (fixed, like the request). Raises
     ContextLengthExceeded when even the fixed part (system, summary, recap, current request)
     does not fit the budget.
     """
@@ -104,7 +106,14 @@ def fit_window(
     while 0 < pinned_from < n and conversation[pinned_from].get("role") == "tool":
         pinned_from -= 1
     pinned_tokens = sum(conversation_tokens[pinned_from:])
-    fixed = REQUEST_OVERHEAD_TOKENS + sum(system_tokens) + summary_tokens + recap_tokens + pinned_tokens
+    fixed = (
+        REQUEST_OVERHEAD_TOKENS
+        + tools_tokens
+        + sum(system_tokens)
+        + summary_tokens
+        + recap_tokens
+        + pinned_tokens
+    )
     if fixed > budget:
         raise ContextLengthExceeded(
             f"This request needs {fixed} tokens before any history, more than the {budget} the "
@@ -180,5 +189,7 @@ def fit_window(
         "marker": marker_cost,
         "overhead": REQUEST_OVERHEAD_TOKENS,
     }
+    if tools_tokens:  # the request's tool definitions: the provider counts them in the prompt
+        tokens["tools"] = tools_tokens
     tokens["total"] = sum(tokens.values())
     return Window(messages=messages, budget=budget, history_start=kept_from, omitted=omitted, tokens=tokens)

@@ -26,7 +26,7 @@ from gateway.services.models import ModelFacts, WindowFacts
 from gateway.services.recap import build_recap
 from gateway.services.requests import ChatRequest
 from gateway.store.base import LRU, Store
-from gateway.tokens import count_message, truncate_text
+from gateway.tokens import count_message, count_text, truncate_text
 from gateway.types import Record
 from gateway.upstream import Route
 
@@ -219,7 +219,10 @@ class Planner:
         )
         recap, recap_tokens = self.sized(recap, free // 6, request.model, count)
         first = [clean_message(m) for m in history[:first_end]] if first_end and lower > 0 else []
+        tools = request.body.get("tools")
+        tools_tokens = count_text(orjson.dumps(tools).decode(), request.model) if tools else 0
         window = fit_window(
+            tools_tokens=tools_tokens,
             system=system_msgs,
             system_tokens=system_tokens,
             conversation=conversation,

@@ -194,6 +194,35 @@ def test_calibration_with_too_little_spread_uses_the_largest_ratio() -> None:
     assert fit([(0, 10), (10, 0)]) == UNCALIBRATED  # nothing usable
 
 
+def test_one_pair_that_is_not_a_count_of_the_same_prompt_cannot_shrink_the_window_for_good() -> None:
+    """A refusal's made-up figure (ours 8, theirs 5000) or a prompt with parts we did not count
+    once made the through-origin ratio 625: every later turn was refused before being sent."""
+    calibration = fit([(100, 130), (101, 125), (8, 5000)])
+    assert calibration.ratio == pytest.approx(1.3) and calibration.margin < 10
+    assert fit([(8, 5000)]) == UNCALIBRATED
+
+
+async def test_the_request_tools_are_part_of_the_window() -> None:
+    """Tool definitions take room in the prompt (the provider counts them): planned as a fixed
+    layer, and part of the total the provider's prompt_tokens are calibrated against."""
+    upstream = MockUpstream()
+    tools = [
+        {"type": "function", "function": {"name": f"tool_{i}", "description": "does a thing " * 20}}
+        for i in range(8)
+    ]
+    async with build_client(make_settings(), MemoryStore(), upstream) as client:
+        body = {"model": "mock/m", "conversation_id": "t", "messages": [{"role": "user", "content": "hi"}]}
+        plain = (await client.get("/v1/conversations/t/context")).status_code
+        await client.post("/v1/chat/completions", json=body)
+        without = (await client.get("/v1/conversations/t/context")).json()
+        await client.post("/v1/chat/completions", json={**body, "tools": tools})
+        with_tools = (await client.get("/v1/conversations/t/context")).json()
+    assert plain == 404
+    assert "tools" not in without["tokens"]
+    assert with_tools["tokens"]["tools"] > 200
+    assert with_tools["tokens"]["total"] >= with_tools["tokens"]["tools"] + with_tools["tokens"]["new"]
+
+
 async def test_calibration_is_persisted_and_loaded_by_the_next_process() -> None:
     store = MemoryStore()
     upstream = MockUpstream()

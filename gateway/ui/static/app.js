@@ -81,7 +81,7 @@ let current = { id: null, count: 0 };
 function bar(context) {
   const windowSize = context.context_window || 1;
   const tokens = context.tokens || {};
-  const layers = ["system", "summary", "recap", "history", "marker", "new"];
+  const layers = ["system", "summary", "recap", "history", "marker", "tools", "new"];
   const used = layers.reduce((s, l) => s + (tokens[l] || 0), 0);
   const node = el("div", { class: "bar", title: `${used} of ${windowSize} tokens; budget ${context.budget}` });
   for (const layer of layers) {
