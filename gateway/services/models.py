@@ -177,7 +177,15 @@ class ModelFacts:
             if server is not None:
                 tokens, source = server.tokens, server.source
             else:
-                known = litellm_context_window(model, f"{route.provider}/{route.model}", route.model)
+                prefix = (
+                    self.settings.providers[route.provider].litellm_provider
+                    if route.provider in self.settings.providers
+                    else ""
+                )
+                names = [model, f"{route.provider}/{route.model}", route.model]
+                if prefix:  # e.g. provider "mis" with litellm_provider = "mistral": mistral/NAME
+                    names.insert(1, f"{prefix}/{route.model}")
+                known = litellm_context_window(*names)
                 found = (known, "litellm model map") if known else (DEFAULT_CONTEXT_WINDOW, "default")
                 tokens, source = found
         if entry.learned is not None and entry.learned < tokens:

@@ -14,7 +14,7 @@ import orjson
 import pytest
 from aiohttp import web
 
-from gateway.config import ModelSettings
+from gateway.config import ModelSettings, ProviderSettings
 from gateway.context.calibration import UNCALIBRATED, Calibration, fit
 from gateway.context.summary import chunk_budget, summary_cap
 from gateway.context.window import fit_window
@@ -167,6 +167,13 @@ async def test_window_precedence_and_the_server_is_asked_once() -> None:
     assert (await ModelFacts(make_settings()).window(silent, "mock/gpt-4o")).source == "litellm model map"
     unknown = Route("mock", MockUpstream(), "no-such-model")
     assert (await ModelFacts(make_settings()).window(unknown, "mock/no-such-model")).tokens == 8192
+    # A litellm provider named otherwise than litellm's prefix: the map is keyed by the prefix.
+    lite = make_settings().model_copy(
+        update={"providers": {"mis": ProviderSettings(kind="litellm", litellm_provider="mistral")}}
+    )
+    mistral = Route("mis", MockUpstream(), "mistral-large-latest")
+    found = await ModelFacts(lite).window(mistral, "mis/mistral-large-latest")
+    assert (found.tokens, found.source) == (262144, "litellm model map")
 
 
 # -- calibration ---------------------------------------------------------------------------------------
