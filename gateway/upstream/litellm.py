@@ -67,6 +67,7 @@ OPENAI_CHAT_PARAMS = frozenset(
         "logit_bias", "logprobs", "top_logprobs", "user", "response_format", "seed", "tools",
         "tool_choice", "parallel_tool_calls", "reasoning_effort", "modalities", "audio",
         "prediction", "service_tier", "web_search_options", "functions", "function_call",
+        "top_k", "thinking",  # model parameters litellm maps for Anthropic, Gemini, ...
     }
 )  # fmt: skip
 
