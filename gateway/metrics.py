@@ -164,7 +164,10 @@ class MetricsMiddleware:
         finally:
             access_logged.reset(token)
             endpoint: Any = scope.get("endpoint")
-            route = getattr(endpoint, "__name__", None) or "unmatched"
+            # A request refused before routing (a missing or wrong key) has no endpoint.
+            route = getattr(endpoint, "__name__", None) or (
+                "unauthenticated" if status[0] == 401 else "unmatched"
+            )
             self.metrics.child(self.metrics.requests, route, str(status[0])).inc()
             if not logged[0] and access_log.isEnabledFor(logging.INFO):
                 access_log.info(request_line(scope, route, status[0], started))

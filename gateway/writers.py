@@ -18,6 +18,8 @@ def _start(pid: int) -> str | None:
             fields = f.read().rsplit(b")", 1)[1].split()
     except (OSError, IndexError):
         return None
+    if not fields or fields[0] in (b"Z", b"X"):  # a zombie: it has stopped, not yet reaped
+        return None
     return fields[19].decode() if len(fields) > 19 else None
 
 

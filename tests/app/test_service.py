@@ -578,3 +578,24 @@ async def test_every_request_whichever_api_gets_exactly_one_json_log_line(
     assert conversation["method"] == "GET" and conversation["path"] == "/v1/conversations/c"
     assert conversation["route"] == "get_conversation" and conversation["conversation_id"] == "c"
     assert isinstance(conversation["ms"], float)
+
+
+async def test_a_request_refused_for_its_key_is_counted_and_logged_as_unauthenticated(
+    monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    import logging
+
+    monkeypatch.setenv("SERVICE_TEST_KEYS", "k1")
+    settings = make_settings().model_copy(
+        update={"auth": make_settings().auth.model_copy(update={"keys_env": "SERVICE_TEST_KEYS"})}
+    )
+    async with build_client(settings, MemoryStore(), MockUpstream()) as client:
+        with caplog.at_level(logging.INFO, logger="gateway.access"):
+            refused = await client.post(
+                "/v1/chat/completions", json={"model": "mock/m", "messages": [user("x")]}
+            )
+        metrics = (await client.get("/metrics", headers={"Authorization": "Bearer k1"})).text
+    assert refused.status_code == 401
+    line = json.loads(next(r.getMessage() for r in caplog.records if r.name == "gateway.access"))
+    assert line["route"] == "unauthenticated" and line["status"] == 401  # not "unmatched": it had a route
+    assert 'gateway_requests_total{route="unauthenticated",status="401"} 1.0' in metrics
