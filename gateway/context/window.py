@@ -154,7 +154,11 @@ def fit_window(
     # history (chat templates that require user/assistant alternation reject it); the window
     # starts at the next question, unless that answer is the one before the current request
     # or among the newest keep_recent messages.
-    while (omitted_before or kept_from) and conversation[kept_from].get("role") == "assistant":
+    while (
+        (omitted_before or kept_from)
+        and kept_from < pinned_from
+        and conversation[kept_from].get("role") == "assistant"
+    ):
         head_end = kept_from + 1
         while head_end < pinned_from and conversation[head_end].get("role") == "tool":
             head_end += 1

@@ -495,6 +495,23 @@ def test_a_cut_drops_whole_turns() -> None:
                 assert after["role"] == "user" or after["content"] == "assistant 4", (budget, limit, sent)
 
 
+def test_a_request_adding_nothing_with_no_room_for_history_is_only_the_marker() -> None:
+    """A client resending exactly what is stored adds no new message; with no room for any
+    history the window is the marker alone (the whole-turn rule once read past the end: a 500)."""
+    conversation = [{"role": "user", "content": "a"}, {"role": "assistant", "content": "b"}]
+    w = fit_window(
+        system=[],
+        system_tokens=[],
+        conversation=conversation,
+        conversation_tokens=[10, 10],
+        first_new=2,
+        budget=12,
+        max_history_messages=100,
+        marker_tokens=lambda n: 2,
+    )
+    assert [m["content"] for m in w.messages] == ["[2 earlier messages omitted]"] and w.omitted == 2
+
+
 def test_keep_recent_messages_passes_max_history_messages() -> None:
     w = _fit(_turns(5), 1000, max_history_messages=0, keep_recent=2)
     assert [m["content"] for m in w.messages][-3:] == ["user 4", "assistant 4", "newest question"]
