@@ -1095,3 +1095,43 @@ async def test_a_waiter_in_another_process_keeps_its_place_in_line(durable_store
         if other.returncode is None:
             other.kill()
         await other.wait()
+
+
+async def test_a_waiter_queued_behind_its_own_process_keeps_its_place_too(durable_store: Store) -> None:
+    """A request queued behind another turn of its own process stands in line at once: when the
+    conversation is released, another process's later waiter must not slip in before it (even
+    while this process is too busy to run the queued request at once)."""
+    import subprocess
+    import sys
+    import time
+
+    store = durable_store
+    if isinstance(store, JsonlStore):
+        args = ["jsonl", str(store.root), ""]
+    else:
+        args = ["postgres", store.dsn, store.namespace]  # type: ignore[attr-defined]
+
+    async def queued() -> float:
+        async with store.lock("conv", timeout=30):
+            return time.monotonic()
+
+    other = None
+    try:
+        async with store.lock("conv", timeout=30):
+            mine = asyncio.create_task(queued())  # behind this turn, in this process
+            await asyncio.sleep(0.1)
+            other = await asyncio.create_subprocess_exec(
+                sys.executable, "-c", _OTHER_PROCESS, *args, cwd=REPO, stdout=subprocess.PIPE
+            )
+            assert other.stdout is not None
+            assert (await asyncio.wait_for(other.stdout.readline(), 30)).strip() == b"in line"
+        time.sleep(0.3)  # released, and this process is busy: the queued request cannot run yet
+        acquired_here = await asyncio.wait_for(mine, 10)
+        line = (await asyncio.wait_for(other.stdout.readline(), 30)).split()
+        assert line[0] == b"acquired"
+        assert acquired_here < float(line[1]), "the other process's later waiter went first"
+    finally:
+        if other is not None:
+            if other.returncode is None:
+                other.kill()
+            await other.wait()

@@ -2,9 +2,10 @@
 offset hashed from the id over 2^62 (a Linux open-file-description lock, kept by the store's file
 descriptor: no file per conversation); without such locks, an flock() on `locks/{id}.lock`.
 
-Arrival order across processes: a process's oldest waiter for a conversation (its asyncio queue
-keeps the others in order) stands in line by holding a read lock on one byte of the
-conversation's queue region, above 2^62, at its arrival time (CLOCK_MONOTONIC microseconds, the
+Arrival order across processes: every request that has to wait for a conversation (behind
+another process, or behind a turn of its own process, whose asyncio queue keeps those in order)
+stands in line by holding a read lock on one byte of the conversation's queue region, above 2^62,
+at its arrival time (CLOCK_MONOTONIC microseconds, the
 same clock in every process, modulo 2^42: 51 days). Before trying the lock, a waiter asks the
 kernel whether another process holds a byte of that region below its own arrival (F_OFD_GETLK
 over the range): if one does, that earlier waiter goes first. A process that dies leaves no

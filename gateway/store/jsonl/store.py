@@ -168,19 +168,24 @@ class JsonlStore(Store):
         arrived = arrival()  # this request's place in line, across processes too
         loop = asyncio.get_running_loop()
         deadline = loop.time() + timeout
+        held = CrossProcessLock(self, conversation_id, arrived)
         lock = self._locks.get(conversation_id)
-        if lock is None:  # nobody else can hold or wait for it: no timer to set up
-            lock = self._locks[conversation_id] = asyncio.Lock()
-            await lock.acquire()
-        else:
-            try:
-                async with asyncio.timeout(timeout):
-                    await lock.acquire()
-            except TimeoutError:
-                raise busy(conversation_id) from None
-        held: CrossProcessLock | None = None
         try:
-            held = CrossProcessLock(self, conversation_id, arrived)
+            if lock is None:  # nobody else can hold or wait for it: no timer to set up
+                lock = self._locks[conversation_id] = asyncio.Lock()
+                await lock.acquire()
+            else:
+                if lock.locked():  # behind this process's own turns: in line for the others now
+                    held.wait_in_line()
+                try:
+                    async with asyncio.timeout(timeout):
+                        await lock.acquire()
+                except TimeoutError:
+                    raise busy(conversation_id) from None
+        except BaseException:
+            held.release()  # (leaves the line)
+            raise
+        try:
             delay = 0.0005
             while not held.try_acquire():
                 held.wait_in_line()
@@ -191,10 +196,9 @@ class JsonlStore(Store):
             _HELD.set(_HELD.get() | {conversation_id})
             yield
         finally:
-            if held is not None and held.acquired:  # not a token reset: released in any order
+            if held.acquired:  # not a token reset: released in any order
                 _HELD.set(_HELD.get() - {conversation_id})
-            if held is not None:
-                held.release()
+            held.release()
             lock.release()
 
     def _range_fd(self) -> int:

@@ -195,19 +195,27 @@ class PostgresStore(Store):
         # Per backend, not per store: two stores of one tenant in a process share the session,
         # and session advisory locks are reentrant, so only this lock keeps them apart.
         lock = candidate.local_lock(key)
-        try:
-            async with asyncio.timeout(max(0.0, deadline - loop.time())):
-                await lock.acquire()
-        except TimeoutError:
-            raise busy from None
         backend: _Backend | None = None
         in_line = False
+        try:
+            if lock.locked():  # behind this process's own turns: in line for the other replicas now
+                in_line = True  # (first: a cancellation during the call still leaves the line)
+                await asyncio.shield(candidate.spawn(candidate.stand_in_line(line)))
+            try:
+                async with asyncio.timeout(max(0.0, deadline - loop.time())):
+                    await lock.acquire()
+            except TimeoutError:
+                raise busy from None
+        except BaseException:
+            if in_line:
+                await asyncio.shield(candidate.spawn(candidate.leave_line(line)))
+            raise
         try:
             delay = 0.001
             while not await candidate.try_lock(key, line):
                 if not in_line:
-                    await candidate.stand_in_line(line)
                     in_line = True
+                    await asyncio.shield(candidate.spawn(candidate.stand_in_line(line)))
                 if loop.time() >= deadline:
                     raise busy
                 await asyncio.sleep(min(delay, max(0.0, deadline - loop.time())))
