@@ -22,6 +22,8 @@ from gateway.exceptions import GatewayError
 STARTUP_FAILURE = 3  # uvicorn's exit status when the app's startup fails
 # `serve --log-level`, for worker processes (each starts a fresh interpreter).
 LOG_LEVEL_ENV = "GATEWAY_SERVE_LOG_LEVEL"
+# The `serve` process's pid, for its workers: they stop when it is gone.
+SERVE_PID_ENV = "GATEWAY_SERVE_PID"
 
 
 def configure_worker_logging() -> None:
@@ -34,9 +36,10 @@ def configure_worker_logging() -> None:
 def follow_supervisor() -> None:
     """In a worker process of `serve --workers N`: stop (as on SIGTERM) when the supervisor is
     gone, e.g. killed with SIGKILL, instead of serving on as an orphan that holds the port."""
-    if not os.environ.get(LOG_LEVEL_ENV):
+    serve_pid = os.environ.get(SERVE_PID_ENV, "")
+    if not os.environ.get(LOG_LEVEL_ENV) or not serve_pid.isdigit():
         return
-    parent = os.getppid()
+    parent = int(serve_pid)  # (a worker that starts after its serve process died sees pid 1 here)
 
     def watch() -> None:
         while os.getppid() == parent:
@@ -122,8 +125,10 @@ def serve(settings: Settings, *, workers: int = 1, log_level: str = "info") -> N
         **_loop_and_http(),
     }
     os.environ.pop(LOG_LEVEL_ENV, None)  # only the workers of this serve are told they are
+    os.environ.pop(SERVE_PID_ENV, None)
     if workers > 1:
         os.environ[LOG_LEVEL_ENV] = log_level  # worker processes configure their own logging
+        os.environ[SERVE_PID_ENV] = str(os.getpid())
         # uvicorn's supervisor binds the socket itself (its API for a given socket is
         # internal): ours only proved the port free, so the line below may precede it by a moment.
         sock.close()

@@ -8,7 +8,6 @@ import signal
 import socket
 import subprocess
 import sys
-import time
 from collections import Counter
 from collections.abc import AsyncIterator, Iterator
 from pathlib import Path
@@ -89,6 +88,17 @@ class GatewayProcess:
         return f"http://127.0.0.1:{self.port}"
 
     def start(self, timeout: float = 20.0) -> GatewayProcess:
+        """Spawn `gateway serve` and wait until it is ready."""
+        from tests.helpers import wait_healthy
+
+        self.spawn()
+        if wait_healthy(self.proc, f"{self.url}/readyz", timeout, "gateway", self.log):
+            return self
+        self.stop()
+        raise RuntimeError(f"gateway did not become ready: {self.log()}")
+
+    def spawn(self) -> GatewayProcess:
+        """Start `gateway serve` (in a session of its own) without waiting for it."""
         self.port = free_port()
         cmd = [
             sys.executable,
@@ -108,18 +118,7 @@ class GatewayProcess:
         self.proc = subprocess.Popen(
             cmd, cwd=REPO, env=self.env, stdout=self._log, stderr=subprocess.STDOUT, start_new_session=True
         )
-        deadline = time.monotonic() + timeout
-        while time.monotonic() < deadline:
-            if self.proc.poll() is not None:
-                raise RuntimeError(f"gateway exited with {self.proc.returncode}: {self.log()}")
-            try:
-                if httpx.get(f"{self.url}/readyz", timeout=0.5).status_code == 200:
-                    return self
-            except httpx.HTTPError:
-                pass
-            time.sleep(0.05)
-        self.stop()
-        raise RuntimeError(f"gateway did not become ready: {self.log()}")
+        return self
 
     def log(self) -> str:
         return self.log_path.read_text(errors="replace") if self.log_path.exists() else ""

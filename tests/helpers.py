@@ -88,3 +88,23 @@ async def say_each(client: Any, cid: str, texts: Sequence[str], model: str = "mo
         assert reply.status_code == 200, reply.text
         ids.append(reply.json()["id"])
     return ids
+
+
+def wait_healthy(proc: Any, url: str, timeout: float, what: str, log: Any, poll: float = 0.05) -> bool:
+    """Poll `url` until it answers 200 (True) or `timeout` passes (False); a process that
+    exits meanwhile is an error naming `what` with the tail of `log()`."""
+    import time
+
+    import httpx
+
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if proc.poll() is not None:
+            raise RuntimeError(f"{what} exited with {proc.returncode}:\n{log()[-4000:]}")
+        try:
+            if httpx.get(url, timeout=1.0).status_code == 200:
+                return True
+        except httpx.HTTPError:
+            pass
+        time.sleep(poll)
+    return False

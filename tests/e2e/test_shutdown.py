@@ -92,33 +92,63 @@ def test_workers_stop_when_the_serve_process_is_killed(tmp_path: Path, upstream:
     try:
         supervisor = gw.proc.pid
 
-        def children() -> list[int]:
-            found = []
-            for entry in Path("/proc").iterdir():
-                if entry.name.isdigit():
-                    try:
-                        fields = (entry / "stat").read_text().rsplit(")", 1)[1].split()
-                    except OSError:
-                        continue
-                    if int(fields[1]) == supervisor:
-                        found.append(int(entry.name))
-            return found
-
-        workers = children()
+        workers = _children(supervisor)
         assert len(workers) >= 2, workers
         os.kill(supervisor, signal.SIGKILL)
         gw.proc.wait(timeout=10)
-        deadline = time.monotonic() + 15
-        alive = workers
-        while alive and time.monotonic() < deadline:
-            time.sleep(0.2)
-            alive = [pid for pid in alive if Path(f"/proc/{pid}").exists() and "Z" not in _state(pid)]
-        assert alive == [], "workers kept serving after their supervisor was killed"
+        assert _running_after(workers, 15) == [], "workers kept serving after their supervisor was killed"
         again = GatewayProcess(config, tmp_path / "var")
         again.start()  # a fresh serve (any free port) on the same data dir
         again.stop()
     finally:
         gw.stop(signal.SIGKILL)
+
+
+def test_workers_that_start_after_their_serve_process_died_stop_too(
+    tmp_path: Path, upstream: MockServer
+) -> None:
+    """A worker still starting when its `serve` process is killed finds itself an orphan at
+    once (its parent is no longer the pid it was given) and stops."""
+    import os
+
+    config = write_config(tmp_path / "g.toml", upstream.url)
+    gw = GatewayProcess(config, tmp_path / "var", workers=2).spawn()
+    assert gw.proc is not None
+    proc = gw.proc
+    try:
+        deadline = time.monotonic() + 20
+        workers: list[int] = []
+        while len(workers) < 2 and time.monotonic() < deadline:  # spawned, not yet serving
+            time.sleep(0.02)
+            workers = _children(proc.pid)
+        os.kill(proc.pid, signal.SIGKILL)
+        proc.wait(timeout=10)
+        assert _running_after(workers, 20) == [], "workers that started after their serve died kept running"
+    finally:
+        gw.stop(signal.SIGKILL)
+
+
+def _running_after(pids: list[int], seconds: float) -> list[int]:
+    """Those of `pids` still running (not zombies) after up to `seconds`."""
+    deadline = time.monotonic() + seconds
+    alive = pids
+    while alive and time.monotonic() < deadline:
+        time.sleep(0.2)
+        alive = [pid for pid in alive if Path(f"/proc/{pid}").exists() and "Z" not in _state(pid)]
+    return alive
+
+
+def _children(parent: int) -> list[int]:
+    found = []
+    for entry in Path("/proc").iterdir():
+        if entry.name.isdigit():
+            try:
+                fields = (entry / "stat").read_text().rsplit(")", 1)[1].split()
+            except OSError:
+                continue
+            if int(fields[1]) == parent:
+                found.append(int(entry.name))
+    return found
 
 
 def _state(pid: int) -> str:

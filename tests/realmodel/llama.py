@@ -14,12 +14,9 @@ import socket
 import subprocess
 import sys
 import tempfile
-import time
 import zipfile
 from pathlib import Path
 from types import TracebackType
-
-import httpx
 
 REPO = Path(__file__).resolve().parents[2]
 MODEL_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
@@ -112,16 +109,10 @@ class LlamaServer:
             self.proc = subprocess.Popen(
                 cmd, cwd=REPO, stdout=log, stderr=subprocess.STDOUT, start_new_session=True
             )
-        deadline = time.monotonic() + timeout
-        while time.monotonic() < deadline:
-            if self.proc.poll() is not None:
-                raise RuntimeError(f"llama server exited with {self.proc.returncode}:\n{self.log()[-4000:]}")
-            try:
-                if httpx.get(f"{self.url}/health", timeout=1.0).status_code == 200:
-                    return self
-            except httpx.HTTPError:
-                pass
-            time.sleep(0.1)
+        from tests.helpers import wait_healthy
+
+        if wait_healthy(self.proc, f"{self.url}/health", timeout, "llama server", self.log, poll=0.1):
+            return self
         self.stop()
         raise RuntimeError(f"llama server not healthy after {timeout:.0f}s:\n{self.log()[-4000:]}")
 
