@@ -121,38 +121,33 @@ def _shown_tenant(tenant: str) -> str:
 
 
 async def _find_tenant(
-    services: Services, tenant: str | None, has: Callable[[str], Awaitable[bool]], what: str
-) -> str:
-    """The tenant named by --tenant, else the one holding `what` (the default one when none
-    does); several: an error asking for --tenant."""
-    chosen = _checked_tenant(tenant)
-    if chosen is not None:
-        return chosen
-    found = [t for t in await services.sessions.tenants() if await has(t)]
-    if len(found) > 1:
-        shown = ", ".join(_shown_tenant(t) for t in found)
-        raise GatewayError(f"{what} exists under several tenants ({shown}): name one with --tenant")
-    return found[0] if found else ""
+    services: Services, tenant: str | None, read: Callable[[str], Awaitable[list[Any]]], what: str
+) -> tuple[str, bool]:
+    """(the tenant, whether `what` is there): the one named by --tenant, else the one holding
+    `what` (found by `read`ing it: nothing, or NotFound, is not there), the default one when
+    none does; several: an error asking for --tenant."""
 
-
-def _found(read: Callable[[str], Awaitable[list[Any]]]) -> Callable[[str], Awaitable[bool]]:
-    """Whether a tenant holds something, by reading it there (nothing, or NotFound: no)."""
-
-    async def has(tenant: str) -> bool:
+    async def holds(name: str) -> bool:
         try:
-            return bool(await read(tenant))
+            return bool(await read(name))
         except NotFound:
             return False
 
-    return has
+    chosen = _checked_tenant(tenant)
+    if chosen is not None:
+        return chosen, await holds(chosen)
+    found = [t for t in await services.sessions.tenants() if await holds(t)]
+    if len(found) > 1:
+        shown = ", ".join(_shown_tenant(t) for t in found)
+        raise GatewayError(f"{what} exists under several tenants ({shown}): name one with --tenant")
+    return (found[0], True) if found else ("", False)
 
 
-def _has_conversation(services: Services, cid: str) -> Callable[[str], Awaitable[bool]]:
-    return _found(lambda tenant: services.queries.index(tenant, cid))
-
-
-def _has_response(services: Services, rid: str) -> Callable[[str], Awaitable[bool]]:
-    return _found(lambda tenant: services.queries.records(tenant, rid))
+async def _conversation_tenant(services: Services, tenant: str | None, cid: str) -> tuple[str, bool]:
+    """Where conversation `cid` is (see `_find_tenant`); a conversation just reset counts."""
+    return await _find_tenant(
+        services, tenant, lambda name: services.queries.index(name, cid), f"conversation {cid!r}"
+    )
 
 
 def _run(settings: Settings, work: Callable[[Services], Awaitable[T]], *, writes: bool = False) -> T:
@@ -305,10 +300,8 @@ def show(
     from gateway.tokens import count_message
 
     async def read(services: Services) -> tuple[Any, list[Turn], tuple[str, Record] | None] | None:
-        what = f"conversation {conversation_id!r}"
-        has = _has_conversation(services, conversation_id)
-        name = await _find_tenant(services, tenant, has, what)
-        if not await has(name):  # (a conversation just reset has no turn, but it exists)
+        name, exists = await _conversation_tenant(services, tenant, conversation_id)
+        if not exists:
             return None
         view = await services.queries.view(name, conversation_id)
         try:
@@ -355,15 +348,13 @@ def show(
         if turn.is_feedback_only:
             click.echo(click.style(f"── {turn.response_id} (feedback turn: not replayed)", dim=True))
             continue
+        aside = None  # why the model is not given this turn
         if turn.response_id not in live:
-            note = "no longer sent to the model: edited away, reset or deleted"
-            click.echo(click.style(f"── {turn.response_id} ({note})", dim=True))
-            for m in [*turn.input, *([turn.output] if turn.output is not None else [])]:
-                click.echo(click.style(render_message(m), dim=True))
-            continue
-        if window is not None and turn.response_id not in window["included"]:
-            note = f"outside the last turn's window ({window['response_id']}): left out or summarized"
-            click.echo(click.style(f"── {turn.response_id} ({note})", dim=True))
+            aside = "no longer sent to the model: edited away, reset or deleted"
+        elif window is not None and turn.response_id not in window["included"]:
+            aside = f"outside the last turn's window ({window['response_id']}): left out or summarized"
+        if aside is not None:
+            click.echo(click.style(f"── {turn.response_id} ({aside})", dim=True))
             for m in [*turn.input, *([turn.output] if turn.output is not None else [])]:
                 click.echo(click.style(render_message(m), dim=True))
             continue
@@ -406,13 +397,12 @@ def tail(
     check_conversation_id(conversation_id)
 
     async def follow(services: Services) -> None:
-        has = _has_conversation(services, conversation_id)
-        name = await _find_tenant(services, tenant, has, f"conversation {conversation_id!r}")
+        name, exists = await _conversation_tenant(services, tenant, conversation_id)
         folder = Path(settings.storage.data_dir) / ("tenants/" + name if name else "")
         where = f"{folder / 'logs' / 'conversations' / conversation_id}.jsonl"
         if settings.storage.backend != "jsonl":
             where = f"conversation {conversation_id} ({settings.storage.backend})"
-        waiting = "" if await has(name) else "; it does not exist yet: waiting for its first turn"
+        waiting = "" if exists else "; it does not exist yet: waiting for its first turn"
         click.echo(click.style(f"following {where} (Ctrl-C to stop{waiting})", dim=True))
         async for turn in services.queries.follow(name, conversation_id, poll):
             click.echo(render_turn(turn))
@@ -441,8 +431,10 @@ def context(
     """What was recorded for one response: request, context snapshot, reply, outcome."""
 
     async def read(services: Services) -> list[Record]:
-        what = f"response {response_id!r}"
-        name = await _find_tenant(services, tenant, _has_response(services, response_id), what)
+        def read(name: str) -> Awaitable[list[Record]]:
+            return services.queries.records(name, response_id)
+
+        name, _ = await _find_tenant(services, tenant, read, f"response {response_id!r}")
         return await services.queries.records(name, response_id)
 
     records = _run(settings, read)
@@ -470,8 +462,7 @@ def delete(
         raise GatewayError("not deleted")
 
     async def run(services: Services) -> None:
-        what = f"conversation {conversation_id!r}"
-        name = await _find_tenant(services, tenant, _has_conversation(services, conversation_id), what)
+        name, _ = await _conversation_tenant(services, tenant, conversation_id)
         try:
             await services.conversations.delete(name, conversation_id)
         except NotFound:
@@ -498,8 +489,7 @@ def reset(
     """Start a conversation afresh: appends a reset marker to its index (nothing is rewritten)."""
 
     async def run(services: Services) -> None:
-        what = f"conversation {conversation_id!r}"
-        name = await _find_tenant(services, tenant, _has_conversation(services, conversation_id), what)
+        name, _ = await _conversation_tenant(services, tenant, conversation_id)
         try:
             await services.conversations.reset(name, conversation_id, keep_system_message=keep_system_message)
         except NotFound:
