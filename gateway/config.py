@@ -214,9 +214,9 @@ def _error_line(
     more = f" (+{len(exc.errors()) - 1} more)" if len(exc.errors()) > 1 else ""
     # A missing key is blamed on whoever made the table it is missing from; a flag on nobody.
     blamed = loc[:-1] if err["type"] == "missing" else loc
-    flag = _sets(overrides, blamed) and err["type"] != "missing"
-    variable = None if _sets(overrides, blamed) else env.variable_for(blamed)
-    if flag:
+    by_flag = _sets(overrides, blamed)
+    variable = None if by_flag else env.variable_for(blamed)
+    if by_flag and err["type"] != "missing":
         source = "command-line flag"
     elif variable is not None:
         source = f"environment variable {variable}"

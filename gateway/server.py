@@ -36,8 +36,8 @@ def configure_worker_logging() -> None:
 def follow_supervisor() -> None:
     """In a worker process of `serve --workers N`: stop (as on SIGTERM) when the supervisor is
     gone, e.g. killed with SIGKILL, instead of serving on as an orphan that holds the port."""
-    serve_pid = os.environ.get(SERVE_PID_ENV, "")
-    if not os.environ.get(LOG_LEVEL_ENV) or not serve_pid.isdigit():
+    serve_pid = os.environ.get(SERVE_PID_ENV, "")  # (set by `serve` for its workers only)
+    if not serve_pid.isdigit():
         return
     parent = int(serve_pid)  # (a worker that starts after its serve process died sees pid 1 here)
 

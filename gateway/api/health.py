@@ -17,20 +17,23 @@ from gateway.exceptions import GatewayError, NotFound, StorageError
 log = logging.getLogger("gateway")
 
 
-async def models(request: Request) -> Response:
+async def _model_objects(request: Request) -> list[dict[str, object]]:
+    """The `/v1/models` entries, in OpenAI's model object shape."""
     created = int(request.app.state.started)
     entries = await services_of(request).catalog.models()
-    data = [{"id": e.id, "object": "model", "created": created, "owned_by": e.owned_by} for e in entries]
-    return JSONBody({"object": "list", "data": data})
+    return [{"id": e.id, "object": "model", "created": created, "owned_by": e.owned_by} for e in entries]
+
+
+async def models(request: Request) -> Response:
+    return JSONBody({"object": "list", "data": await _model_objects(request)})
 
 
 async def model(request: Request) -> Response:
     """`GET /v1/models/{model}` (the SDK's `models.retrieve`): one entry of the list, or 404."""
     wanted = request.path_params["model"]
-    for e in await services_of(request).catalog.models():
-        if e.id == wanted:
-            created = int(request.app.state.started)
-            return JSONBody({"id": e.id, "object": "model", "created": created, "owned_by": e.owned_by})
+    for entry in await _model_objects(request):
+        if entry["id"] == wanted:
+            return JSONBody(entry)
     raise NotFound(f"The model {wanted!r} does not exist", param="model", code="model_not_found")
 
 

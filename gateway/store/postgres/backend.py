@@ -158,7 +158,7 @@ class _Backend:
             log.warning("could not release a conversation lock: %s", exc.message)
 
 
-# Arrival order across replicas: a replica's oldest waiter for a conversation holds a shared
+# Arrival order across replicas: every request waiting for a conversation holds a shared
 # advisory lock (queue, place) in the two-int4 key space (apart from the conversations' int8 keys):
 # queue = 31 bits of the conversation's key, place = its arrival in wall-clock milliseconds modulo
 # 2^31 (24.8 days; replicas on several hosts share that clock). The lock is taken only when no
