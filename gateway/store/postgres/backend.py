@@ -142,14 +142,21 @@ class _Backend:
             raise
 
     async def stand_in_line(self, line: tuple[int, int]) -> None:
-        """Hold a shared advisory lock (queue, place): replicas' later waiters let this one first."""
-        await self._lock_call("SELECT pg_advisory_lock_shared($1::int4, $2::int4)", *line)
+        """Hold a shared advisory lock (queue, place): replicas' later waiters let this one first.
+        Runs to completion even if the caller is cancelled (who then leaves the line)."""
+        call = self._lock_call("SELECT pg_advisory_lock_shared($1::int4, $2::int4)", *line)
+        await asyncio.shield(self.spawn(call))
 
     async def leave_line(self, line: tuple[int, int]) -> None:
-        try:
-            await self._lock_call("SELECT pg_advisory_unlock_shared($1::int4, $2::int4)", *line)
-        except StorageError as exc:  # the session is gone, and with it the place in line
-            log.warning("could not leave a conversation's line: %s", exc.message)
+        """Give the place back; runs to completion even if the caller is cancelled."""
+
+        async def leave() -> None:
+            try:
+                await self._lock_call("SELECT pg_advisory_unlock_shared($1::int4, $2::int4)", *line)
+            except StorageError as exc:  # the session is gone, and with it the place in line
+                log.warning("could not leave a conversation's line: %s", exc.message)
+
+        await asyncio.shield(self.spawn(leave()))
 
     async def unlock(self, key: int) -> None:
         try:

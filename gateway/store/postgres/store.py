@@ -200,7 +200,7 @@ class PostgresStore(Store):
         try:
             if lock.locked():  # behind this process's own turns: in line for the other replicas now
                 in_line = True  # (first: a cancellation during the call still leaves the line)
-                await asyncio.shield(candidate.spawn(candidate.stand_in_line(line)))
+                await candidate.stand_in_line(line)
             try:
                 async with asyncio.timeout(max(0.0, deadline - loop.time())):
                     await lock.acquire()
@@ -208,14 +208,14 @@ class PostgresStore(Store):
                 raise busy from None
         except BaseException:
             if in_line:
-                await asyncio.shield(candidate.spawn(candidate.leave_line(line)))
+                await candidate.leave_line(line)
             raise
         try:
             delay = 0.001
             while not await candidate.try_lock(key, line):
                 if not in_line:
                     in_line = True
-                    await asyncio.shield(candidate.spawn(candidate.stand_in_line(line)))
+                    await candidate.stand_in_line(line)
                 if loop.time() >= deadline:
                     raise busy
                 await asyncio.sleep(min(delay, max(0.0, deadline - loop.time())))
@@ -223,14 +223,14 @@ class PostgresStore(Store):
             backend = candidate
             if in_line:
                 in_line = False
-                await asyncio.shield(candidate.spawn(candidate.leave_line(line)))
+                await candidate.leave_line(line)
             self._holds[conversation_id] = _Hold(asyncio.current_task())
             yield
         finally:
             self._holds.pop(conversation_id, None)
             try:
                 if in_line:
-                    await asyncio.shield(candidate.spawn(candidate.leave_line(line)))
+                    await candidate.leave_line(line)
                 if backend is not None:
                     await asyncio.shield(backend.spawn(backend.unlock(key)))
             finally:
