@@ -177,11 +177,8 @@ class ModelFacts:
             if server is not None:
                 tokens, source = server.tokens, server.source
             else:
-                prefix = (
-                    self.settings.providers[route.provider].litellm_provider
-                    if route.provider in self.settings.providers
-                    else ""
-                )
+                provider = self.settings.providers.get(route.provider)
+                prefix = provider.litellm_provider if provider is not None else ""
                 names = [model, f"{route.provider}/{route.model}", route.model]
                 if prefix:  # e.g. provider "mis" with litellm_provider = "mistral": mistral/NAME
                     names.insert(1, f"{prefix}/{route.model}")

@@ -4,6 +4,7 @@ sized from the model's window and calibration; and learning from what the provid
 from __future__ import annotations
 
 import asyncio
+import functools
 import logging
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
@@ -26,7 +27,7 @@ from gateway.services.models import ModelFacts, WindowFacts
 from gateway.services.recap import build_recap
 from gateway.services.requests import ChatRequest
 from gateway.store.base import LRU, Store
-from gateway.tokens import count_message, count_text, truncate_text
+from gateway.tokens import count_message, get_encoding, truncate_text
 from gateway.types import Record
 from gateway.upstream import Route
 
@@ -220,7 +221,7 @@ class Planner:
         recap, recap_tokens = self.sized(recap, free // 6, request.model, count)
         first = [clean_message(m) for m in history[:first_end]] if first_end and lower > 0 else []
         tools = request.body.get("tools")
-        tools_tokens = count_text(orjson.dumps(tools).decode(), request.model) if tools else 0
+        tools_tokens = tools_cost(orjson.dumps(tools).decode(), encoding) if tools else 0
         window = fit_window(
             tools_tokens=tools_tokens,
             system=system_msgs,
@@ -344,6 +345,13 @@ class Planner:
             ).decode()
         )
         return True
+
+
+@functools.lru_cache(maxsize=64)
+def tools_cost(tools_json: str, encoding: str) -> int:
+    """Tokens of a request's tool definitions: counted once, as a client sends the same
+    definitions with every turn."""
+    return len(get_encoding(encoding).encode(tools_json, disallowed_special=()))
 
 
 def orphan_results(new: list[Message]) -> InvalidRequest:
