@@ -155,9 +155,45 @@ async def test_a_torn_journal_tail_is_ignored(jstore: JsonlStore, tmp_path: Path
     r1 = await commit_turn(jstore, "conv", "one")
     image = crash_image(jstore, tmp_path)
     (image / "logs" / "conversations" / "conv.jsonl").unlink()
-    with open(journals(image)[0], "ab") as f:  # a crash during the next append, before its sync
+    path = journals(image)[0]
+    end = path.read_bytes().index(b"\0")  # the journal is written from its start, then zeros
+    with open(path, "r+b") as f:  # a crash during the next append, before its sync
+        f.seek(end)
         f.write(b'{"response_id":"resp_x","conversation_id":"conv","before":37,"at":1,"size":900}\n{"ty')
     assert await index_after_restart(image) == [r1]
+
+
+async def test_an_entry_torn_over_the_zeros_is_ignored(jstore: JsonlStore, tmp_path: Path) -> None:
+    """The file is longer than its entries (zeros), so a torn entry's size alone cannot tell
+    it: its content's crc does. A power cut kept its header and part of its content."""
+    r1 = await commit_turn(jstore, "conv", "one")
+    r2 = await commit_turn(jstore, "conv", "two")
+    image = crash_image(jstore, tmp_path)
+    path = journals(image)[0]
+    data = bytearray(path.read_bytes())
+    second = data.index(b'{"response_id":"' + r2.encode())
+    content = data.index(b"\n", second) + 1
+    data[content + 40 : content + 200] = bytes(160)  # those pages never reached the disk
+    path.write_bytes(bytes(data))
+    (image / "logs" / "responses" / f"{r2}.jsonl").unlink()
+    (image / "logs" / "conversations" / "conv.jsonl").write_text(r1 + "\n")
+    assert await index_after_restart(image) == [r1]
+    assert not (image / "logs" / "responses" / f"{r2}.jsonl").exists()
+
+
+async def test_an_emptied_journal_is_zeros_of_the_same_size(
+    jstore: JsonlStore, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Emptying overwrites with zeros and keeps the file's blocks (a sync then writes no size
+    or block map); nothing in it is replayed again."""
+    await commit_turn(jstore, "conv", "one")
+    journal = jstore.journal.current
+    assert journal is not None
+    size = os.fstat(journal.fd).st_size
+    assert size >= journal_module.PREALLOCATE and journal.size > 0
+    jstore.journal._empty(journal)
+    assert journal.size == 0 and os.pread(journal.fd, size, 0) == bytes(size)
+    assert os.fstat(journal.fd).st_size == size
 
 
 async def test_a_live_process_journal_is_left_alone(jstore: JsonlStore, tmp_path: Path) -> None:

@@ -5,12 +5,18 @@ journal and one fdatasync covers them, shared by every turn committing at the sa
     {data_dir}/logs/journal/{pid}-{token}-{a|b}.wal   this process's journal (two, in turn)
 
 A commit is a header line (`response_id`, `conversation_id`, the index size `before` the
-line, `at` in ns, `size`) then the response file's whole content. The event loop appends it
-(page cache only: no thread hop) and waits for the sync thread, which runs one fdatasync for
-every commit waiting; the rest of the response file and the index line are then written on the
-loop without a sync of their own, and the turn is acknowledged. Every second (or 8 MiB) the
-loop switches to the other journal, and the old one is emptied once a syncfs() has made its
-turns' files durable. `recovery.py` replays a dead process's journal."""
+line, `at` in ns, `size`, the content's `crc` 32) then the response file's whole content. The
+event loop writes it (page cache only: no thread hop) and waits for the sync thread, which runs
+one fdatasync for every commit waiting; the rest of the response file and the index line are
+then written on the loop without a sync of their own, and the turn is acknowledged. Every
+second (or 8 MiB) the loop switches to the other journal, and the old one is emptied once a
+syncfs() has made its turns' files durable. `recovery.py` replays a dead process's journal.
+
+A journal file is written from its start and emptied by overwriting what was written with
+zeros, never shortened: it is made PREALLOCATE bytes of zeros when opened, so an fdatasync
+writes the commit's blocks only, not the file's size and block map as a growing file needs
+(0.09 ms against 0.13 ms per sync here). A reader stops at the first zero byte, and at an
+entry whose crc does not match (a torn write over older zeros)."""
 
 from __future__ import annotations
 
@@ -22,12 +28,13 @@ import os
 import secrets
 import threading
 import time
+import zlib
 from collections.abc import Callable
 from typing import TYPE_CHECKING
 
 import orjson
 
-from gateway.store.jsonl.files import fsync_dir, write_all
+from gateway.store.jsonl.files import fsync_dir
 from gateway.store.jsonl.locks import file_lock, try_lock_file
 
 if TYPE_CHECKING:
@@ -37,6 +44,7 @@ log = logging.getLogger("gateway.store")
 
 ROTATE_SECONDS = 1.0
 ROTATE_BYTES = 8 << 20
+PREALLOCATE = 1 << 20
 IDLE_EXIT_SECONDS = 5.0
 
 _syncfs: Callable[[int], int] | None = getattr(ctypes.CDLL(None, use_errno=True), "syncfs", None)
@@ -63,18 +71,39 @@ def entry(response_id: str, conversation_id: str | None, before: int, content: b
         "before": before,
         "at": time.time_ns(),
         "size": len(content),
+        "crc": zlib.crc32(content),
     }
     return orjson.dumps(head) + b"\n" + content
+
+
+def zero(fd: int, start: int, end: int) -> None:
+    block = bytes(min(end - start, 1 << 20))
+    while start < end:
+        start += os.pwrite(fd, block[: end - start], start)
 
 
 class JournalFile:
     def __init__(self, fd: int, path: str) -> None:
         self.fd = fd
         self.path = path
-        self.size = 0
+        self.size = 0  # written from the start; the rest of the file is zeros
         self.pending = 0  # commits appended whose files are not written yet
         self.retired = False  # switched away from: to be emptied once nothing is pending
         self.ready = True  # empty and usable (not being checkpointed)
+
+    def write(self, data: bytes) -> None:
+        """Write at the end of what is written; a failed write leaves zeros, as before it."""
+        written = 0
+        try:
+            while written < len(data):
+                written += os.pwrite(self.fd, data[written:], self.size + written)
+        except OSError:
+            try:
+                zero(self.fd, self.size, self.size + written)  # a torn entry must not hide the next ones
+            except OSError:
+                pass
+            raise
+        self.size += len(data)
 
 
 Waiter = tuple[JournalFile, "asyncio.Future[None]"]
@@ -113,12 +142,7 @@ class Journal:
         self._maybe_rotate()
         journal = self.current
         assert journal is not None
-        try:
-            write_all(journal.fd, data)
-        except OSError:
-            os.ftruncate(journal.fd, journal.size)  # a torn entry must not hide the next ones
-            raise
-        journal.size += len(data)
+        journal.write(data)
         journal.pending += 1
         if self.open_logs <= 1:
             try:
@@ -152,10 +176,8 @@ class Journal:
         journal = self.current
         if journal is None or not journal.size:
             return
-        line = orjson.dumps({"abort": response_id}) + b"\n"
         try:
-            write_all(journal.fd, line)
-            journal.size += len(line)
+            journal.write(orjson.dumps({"abort": response_id}) + b"\n")
         except OSError as exc:
             log.error("could not write a journal abort record: %s", exc)
 
@@ -178,11 +200,13 @@ class Journal:
         with file_lock(store.locks_dir / "journal.lock"):  # not while a recovery lists journals
             for part in ("a", "b"):
                 path = folder / f"{name}-{part}.wal"
-                fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_APPEND, 0o644)
+                fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o644)
                 if not try_lock_file(fd):
                     os.close(fd)
                     raise OSError(f"cannot lock the new journal {path.name}")
                 files.append(JournalFile(fd, str(path)))
+                zero(fd, 0, PREALLOCATE)
+                store._sync(os.fsync, fd)
         store._sync(fsync_dir, folder)
         self.current, self.spare = files
         self._since = time.monotonic()
@@ -214,7 +238,7 @@ class Journal:
     def _empty(self, journal: JournalFile) -> None:
         try:
             self.store._sync(syncfs, journal.fd)
-            os.ftruncate(journal.fd, 0)
+            zero(journal.fd, 0, journal.size)  # synced with the next commit's fdatasync
             journal.size = 0
             journal.ready = True
         except OSError as exc:

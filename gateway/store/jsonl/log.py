@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import logging
 import os
+from pathlib import Path
 from typing import TYPE_CHECKING
 
 import orjson
@@ -33,10 +34,11 @@ class JsonlLog(ResponseLog):
         self._counted = True
         store.journal.open_logs += 1
         self.create_error: str | None = None
+        self._new_index = False  # the commit found no index: it takes a spare file for it
         # Created here, on the event loop: a page-cache write, cheaper than a thread hop (and
         # the GIL passing to and from that thread). Nothing here is synced: see `commit`.
         try:
-            self._fd = os.open(self.path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_APPEND, 0o644)
+            self._fd = store.spares.create(self.path, os.O_WRONLY | os.O_APPEND)
             write_all(self._fd, self.first)
         except OSError as exc:
             self.create_error = exc.strerror or str(exc)
@@ -110,6 +112,7 @@ class JsonlLog(ResponseLog):
         try:
             return os.stat(store.index_path(conversation_id)).st_size
         except FileNotFoundError:
+            self._new_index = True
             return 0
         except OSError as exc:
             reason = exc.strerror or str(exc)
@@ -136,7 +139,7 @@ class JsonlLog(ResponseLog):
                 return None
             index = self.store.index_path(conversation_id)
             line = self.response_id.encode() + b"\n"
-            fd = os.open(index, os.O_RDWR | os.O_CREAT | os.O_APPEND, 0o644)
+            fd = self._open_index(index)
             try:
                 stat = os.fstat(fd)
                 before = stat.st_size
@@ -151,6 +154,14 @@ class JsonlLog(ResponseLog):
             if not (written and before < 0):  # else: complete, not indexed (as a crash leaves it)
                 self.mark_failed(b"", reason, conversation_id, before)
             raise StorageError(f"could not record the response durably: {reason}") from exc
+
+    def _open_index(self, index: Path) -> int:
+        if self._new_index:
+            try:
+                return self.store.spares.create(index, os.O_RDWR | os.O_APPEND)
+            except FileExistsError:
+                pass
+        return os.open(index, os.O_RDWR | os.O_CREAT | os.O_APPEND, 0o644)
 
     def mark_failed(self, records: bytes, reason: str, conversation_id: str | None, before: int) -> None:
         """Best effort after a failed commit: take our index line back (we hold the

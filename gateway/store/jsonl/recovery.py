@@ -13,6 +13,7 @@ from __future__ import annotations
 import logging
 import os
 import time
+import zlib
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -20,6 +21,7 @@ from typing import TYPE_CHECKING
 import orjson
 
 from gateway.exceptions import CorruptRecord
+from gateway.ids import is_valid_response_id
 from gateway.store.jsonl.files import fsync_dir, parse_index, write_all
 from gateway.store.jsonl.journal import syncfs
 from gateway.store.jsonl.locks import CrossProcessLock, file_lock, try_lock_file
@@ -43,7 +45,7 @@ class Entry:
 
 def parse_journal(data: bytes) -> tuple[list[Entry], set[str]]:
     """The complete entries of a journal and the response ids aborted after; a torn tail (a
-    crash before its sync: never acknowledged) ends it."""
+    crash before its sync: never acknowledged) or the zeros after the last entry end it."""
     entries: list[Entry] = []
     aborted: set[str] = set()
     pos = 0
@@ -65,9 +67,16 @@ def parse_journal(data: bytes) -> tuple[list[Entry], set[str]]:
         rid, cid = head.get("response_id"), head.get("conversation_id")
         if not isinstance(size, int) or not isinstance(rid, str) or len(data) < pos + size:
             break
+        content = data[pos : pos + size]
+        crc = head.get("crc")
+        # Torn (never synced, so never acknowledged): JSON lines hold no zero byte.
+        if (crc is not None and crc != zlib.crc32(content)) or b"\0" in content:
+            break
+        if not is_valid_response_id(rid):
+            break
         cid = cid if isinstance(cid, str) else None
         before, at = int(head.get("before", 0)), int(head.get("at", 0))
-        entries.append(Entry(rid, cid, before, at, data[pos : pos + size]))
+        entries.append(Entry(rid, cid, before, at, content))
         pos += size
     return entries, aborted
 

@@ -63,6 +63,7 @@ from gateway.store.jsonl.journal import Journal
 from gateway.store.jsonl.locks import CrossProcessLock, arrival, busy
 from gateway.store.jsonl.log import JsonlLog
 from gateway.store.jsonl.reading import read_index_after
+from gateway.store.jsonl.spares import Spares, sweep
 from gateway.types import Record
 
 log = logging.getLogger("gateway.store")
@@ -106,6 +107,7 @@ class JsonlStore(Store):
         # later fsync could succeed without them, so no write is acknowledged after it.
         self.sync_failed: str | None = None
         self.journal = Journal(self)  # commits' one shared fdatasync (durability fsync)
+        self.spares = Spares(self.root / "spare")  # new files renamed into place
 
     @property
     def refusing_writes(self) -> str | None:
@@ -131,6 +133,7 @@ class JsonlStore(Store):
     async def open(self) -> None:
         for d in (self.responses_dir, self.conversations_dir, self.locks_dir, self.summaries_dir):
             d.mkdir(parents=True, exist_ok=True)
+        await asyncio.to_thread(sweep, self.spares.folder)
         await self.recover()
 
     async def recover(self) -> int:
@@ -223,6 +226,7 @@ class JsonlStore(Store):
 
     async def close(self) -> None:
         await asyncio.to_thread(self.journal.stop)
+        await asyncio.to_thread(self.spares.close)
         if self._lock_fd >= 0:
             os.close(self._lock_fd)
             self._lock_fd = -1
