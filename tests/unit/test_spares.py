@@ -32,6 +32,12 @@ def spare_inodes(store: JsonlStore) -> dict[int, str]:
     return {os.stat(folder / n).st_ino: n for n in os.listdir(folder)} if folder.is_dir() else {}
 
 
+def slow(spares: Spares) -> None:
+    """Creations are slow here (ext4 without a journal after many deletions), for a while."""
+    spares.creation = 1.0
+    spares.slow = True
+
+
 async def until_ready(spares: Spares, count: int) -> None:
     for _ in range(500):
         if len(spares._ready) >= count:
@@ -41,6 +47,7 @@ async def until_ready(spares: Spares, count: int) -> None:
 
 
 async def test_a_new_conversations_files_are_spares_renamed_into_place(jstore: JsonlStore) -> None:
+    slow(jstore.spares)
     await commit_turn(jstore, "first", "hello")  # the first turn wakes the thread
     await until_ready(jstore.spares, spares_module.TARGET - 1)  # (its index may have taken one)
     await asyncio.sleep(0.05)  # the thread is done filling
@@ -56,8 +63,29 @@ async def test_a_new_conversations_files_are_spares_renamed_into_place(jstore: J
     assert [r["type"] for r in records] == ["request", "context", "response", "commit"]
 
 
+async def test_creations_are_timed_and_spares_used_only_while_they_are_slow(tmp_path: Path) -> None:
+    spares = Spares(tmp_path / "spare")
+    for n in range(5):  # fast creations: files are created in place, no spares are made
+        os.close(spares.create(tmp_path / f"fast{n}", os.O_WRONLY))
+    assert not spares.slow and not spares._ready and not (tmp_path / "spare").exists()
+    for _ in range(30):
+        spares._seen(0.6e-3)  # what creations cost on ext4 without a journal after deletions
+    assert spares.slow
+    os.close(spares.create(tmp_path / "slow0", os.O_WRONLY))  # none ready yet: made in place
+    await until_ready(spares, 1)
+    inodes = {os.stat(tmp_path / "spare" / n).st_ino for n in os.listdir(tmp_path / "spare")}
+    fd = spares.create(tmp_path / "slow1", os.O_WRONLY)
+    os.close(fd)
+    assert os.stat(tmp_path / "slow1").st_ino in inodes
+    for _ in range(40):
+        spares._seen(0.015e-3)
+    assert not spares.slow  # at ease again: in place
+    spares.close()
+
+
 async def test_a_spare_never_replaces_an_existing_file(tmp_path: Path) -> None:
     spares = Spares(tmp_path / "spare")
+    slow(spares)
     spares._start()
     await until_ready(spares, 1)
     target = tmp_path / "taken.jsonl"
@@ -75,6 +103,7 @@ async def test_without_renameat2_files_are_created_on_the_spot(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     spares = Spares(tmp_path / "spare")
+    slow(spares)
     spares._start()
     await until_ready(spares, 1)
 
@@ -99,6 +128,7 @@ async def test_without_renameat2_files_are_created_on_the_spot(
 async def test_the_store_removes_its_spares_on_close_and_a_dead_processs_at_open(tmp_path: Path) -> None:
     store = JsonlStore(tmp_path / "var")
     await store.open()
+    slow(store.spares)
     await commit_turn(store, "c", "hello")
     await until_ready(store.spares, 1)
     folder = store.spares.folder

@@ -120,6 +120,9 @@ class Catalog:
         self.loaded = False
         self._quick = False  # a first page was read from the file's end (`newest`)
         self._mutex = threading.RLock()
+        # Appends take the lock through a descriptor kept open (two system calls fewer a turn).
+        self._appending = threading.Lock()
+        self._append_fd = -1
 
     # -- writing ----------------------------------------------------------------------------------
     @contextmanager
@@ -136,17 +139,29 @@ class Catalog:
         the folder). A failure is logged, never raised: the turn it follows is already durable."""
         line = orjson.dumps(record) + b"\n"
         try:
-            with self._flock(fcntl.LOCK_SH):
+            with self._appending:  # one thread at a time on the kept descriptor's flock
+                if self._append_fd < 0:
+                    self._append_fd = os.open(self.lock_path, os.O_RDWR | os.O_CREAT, 0o644)
+                fcntl.flock(self._append_fd, fcntl.LOCK_SH)
                 try:
-                    fd = os.open(self.path, os.O_WRONLY | os.O_APPEND)
-                except FileNotFoundError:
-                    return
-                try:
-                    os.write(fd, line)
+                    try:
+                        fd = os.open(self.path, os.O_WRONLY | os.O_APPEND)
+                    except FileNotFoundError:
+                        return
+                    try:
+                        os.write(fd, line)
+                    finally:
+                        os.close(fd)
                 finally:
-                    os.close(fd)
+                    fcntl.flock(self._append_fd, fcntl.LOCK_UN)
         except OSError as exc:
             log.warning("could not add to the conversation catalog (rebuilt at next start): %s", exc)
+
+    def close(self) -> None:
+        with self._appending:
+            if self._append_fd >= 0:
+                os.close(self._append_fd)
+                self._append_fd = -1
 
     def changed(self, conversation_id: str, at: float) -> None:
         self._append({"id": conversation_id, "at": at})

@@ -17,24 +17,38 @@ if TYPE_CHECKING:
 log = logging.getLogger("gateway.store")
 
 
+def read_from(fd: int, start: int, size: int) -> bytes:
+    """The file's bytes from `start` to its end (`size` as last seen: more if it grew since)."""
+    parts = []
+    while True:
+        want = max(size - start, 0) + 4096
+        chunk = os.pread(fd, want, start)
+        parts.append(chunk)
+        if len(chunk) < want:  # the end
+            return b"".join(parts)
+        start += len(chunk)
+
+
 def read_index_after(
     store: JsonlStore, conversation_id: str, after: Version | None, repair: bool
 ) -> tuple[list[str | Record], Version, bool] | None:
     """The index lines after `after`: (entries, version, restarted); None if no index."""
     path = store.index_path(conversation_id)
     try:
-        with open(path, "rb") as f:
-            stat = os.fstat(f.fileno())
-            generation = index_generation(f.fileno(), stat)
-            restarted = after is None or after.generation != generation or stat.st_size < after.position
-            start = 0 if restarted or after is None else after.position
-            if not restarted and after is not None and stat.st_size == start:
-                return [], after, False
-            f.seek(start)
-            data = f.read()
+        fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)  # (no buffered file: four system calls fewer)
     except FileNotFoundError:
         store._sizes.pop(conversation_id, None)
         return None
+    try:
+        stat = os.fstat(fd)
+        generation = index_generation(fd, stat)
+        restarted = after is None or after.generation != generation or stat.st_size < after.position
+        start = 0 if restarted or after is None else after.position
+        if not restarted and after is not None and stat.st_size == start:
+            return [], after, False
+        data = read_from(fd, start, stat.st_size)
+    finally:
+        os.close(fd)
     raw, consumed = read_index_lines(data, path=store.shown(path))
     if consumed < len(data) and repair:
         # A torn last line: the crash happened before its fsync, so it was never acknowledged.

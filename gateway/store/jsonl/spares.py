@@ -5,10 +5,13 @@
 A new conversation's turn creates two files (its response log and its index). Creating a file
 is the dearest system call of a turn on some filesystems: ext4 without a journal, for minutes
 after files were deleted, spends 0.1-0.8 ms of kernel time per creation skipping the freed
-inodes (docs/performance.md). A background thread keeps a few empty files ready here; a turn
-takes one with `renameat2(RENAME_NOREPLACE)`, which never replaces an existing file (the same
-guarantee as `O_EXCL`) and allocates no inode. When none is ready (a burst, a full disk, a
-filesystem without that call) the turn creates its file itself, as before.
+inodes (docs/performance.md). Then a background thread keeps a few empty files ready here,
+and a turn takes one with `renameat2(RENAME_NOREPLACE)`, which never replaces an existing file
+(the same guarantee as `O_EXCL`) and allocates no inode. A rename costs about what a creation
+costs on a filesystem at ease (0.02 ms), so spares are used only while creations are seen to
+be slow (their time, averaged, above SLOW; the turns time their own creations, the thread its
+own). When none is ready (a burst, a full disk, a filesystem without that call) the turn
+creates its file itself, as before.
 
 The files are never synced on their own: a turn's durability is the journal's, and the
 checkpoint's syncfs() covers a renamed file as it covers a created one. A process removes its
@@ -23,6 +26,7 @@ import logging
 import os
 import secrets
 import threading
+import time
 from pathlib import Path
 
 log = logging.getLogger("gateway.store")
@@ -30,6 +34,9 @@ log = logging.getLogger("gateway.store")
 TARGET = 32  # spares kept ready
 LOW = 16  # the thread is woken when fewer are left
 IDLE_EXIT_SECONDS = 30.0
+SLOW = 40e-6  # a creation slower than this, on average: use spares
+FAST = 25e-6  # faster than this: create in place again
+_WEIGHT = 0.1  # of the newest creation time in the average
 
 _AT_FDCWD = -100
 _RENAME_NOREPLACE = 1
@@ -89,10 +96,18 @@ class Spares:
         self._thread: threading.Thread | None = None
         self._closed = False
         self.usable = _renameat2 is not None  # False after a filesystem refused the rename
+        self.creation = 0.0  # seconds a creation takes here, averaged
+        self.slow = False  # creations are slow: turns take spares
+
+    def _seen(self, seconds: float) -> None:
+        self.creation += _WEIGHT * (seconds - self.creation)
+        if self.slow != (self.creation > (FAST if self.slow else SLOW)):
+            self.slow = not self.slow
+            log.debug("file creation %.3f ms: spare files %s", self.creation * 1e3, "on" if self.slow else "off")
 
     def create(self, path: Path, flags: int) -> int:
         """A new empty file at `path`, opened with `flags`; FileExistsError if `path` exists."""
-        spare = self._take()
+        spare = self._take() if self.slow else None
         if spare is not None:
             try:
                 fd = os.open(spare, flags)
@@ -112,7 +127,10 @@ class Spares:
                         self.usable = False  # this filesystem cannot: stop making spares
                         log.info("spare files disabled: %s", exc.strerror)
                     self._discard(spare)
-        return os.open(path, flags | os.O_CREAT | os.O_EXCL, 0o644)
+        started = time.perf_counter()
+        fd = os.open(path, flags | os.O_CREAT | os.O_EXCL, 0o644)
+        self._seen(time.perf_counter() - started)
+        return fd
 
     def _take(self) -> str | None:
         if not self.usable or self._closed:
@@ -169,7 +187,9 @@ class Spares:
                 self._made += 1
                 name = f"{self._prefix}{self._made}"
             try:
+                started = time.thread_time()  # kernel time too, not waits for the GIL
                 os.close(os.open(name, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644))
+                self._seen(time.thread_time() - started)
             except OSError as exc:  # a full disk, a read-only dir: turns create their own files
                 log.debug("could not make a spare file: %s", exc)
                 return

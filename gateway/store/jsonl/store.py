@@ -227,6 +227,7 @@ class JsonlStore(Store):
     async def close(self) -> None:
         await asyncio.to_thread(self.journal.stop)
         await asyncio.to_thread(self.spares.close)
+        self.catalog.close()
         if self._lock_fd >= 0:
             os.close(self._lock_fd)
             self._lock_fd = -1
