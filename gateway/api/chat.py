@@ -67,6 +67,7 @@ async def chat_completions(request: Request) -> Response:
         except BaseException as exc:
             exc = shutting_down(exc) or exc
             return _failed(turn, await service.close(turn, turn_outcome(exc)), exc)
+        await service.release(turn)  # (the client's next turn must not find it busy)
 
         async def close() -> None:
             log_line(await service.close(turn), 200, "complete", request.app.state.metrics)

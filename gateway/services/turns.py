@@ -267,12 +267,18 @@ class ChatService:
         appended = await turn.log.commit(cid)
         if cid is not None and turn.store is not None:
             self.cache.appended(turn.store, cid, appended, lambda view: view.extend(stored))
+            if turn.first_of_user:  # before the answer: the user's next turn may recap it
+                with contextlib.suppress(GatewayError):  # the turn is safe; only recaps would miss it
+                    await turn.store.append_side(
+                        "users", user_key(turn.first_of_user), {"conversation_id": cid, "at": turn.created}
+                    )
 
-    async def close(self, turn: PreparedTurn, exc: BaseException | None = None) -> TurnOutcome:
-        """Abandon the turn unless it was committed, then release the conversation. Closing
-        again gives the first close's outcome."""
-        if turn.outcome is not None:
-            return turn.outcome
+    async def release(self, turn: PreparedTurn, exc: BaseException | None = None) -> None:
+        """Abandon the turn unless it was committed, then release the conversation: what the
+        client's next request must find done (`close` does it too, once)."""
+        if turn.released:
+            return
+        turn.released = True
         try:
             if turn.commit_task is not None:
                 await settle(turn.commit_task)
@@ -288,18 +294,18 @@ class ChatService:
                 await asyncio.shield(turn.log.abandon(reason, error))
         finally:
             await turn.stack.aclose()
+
+    async def close(self, turn: PreparedTurn, exc: BaseException | None = None) -> TurnOutcome:
+        """`release`, then the turn's bookkeeping (model facts, a summary's scheduling) and its
+        outcome. Closing again gives the first close's outcome."""
+        if turn.outcome is not None:
+            return turn.outcome
+        await self.release(turn, exc)
         plan = turn.plan
         task = turn.commit_task
         committed = task is not None and task.done() and not task.cancelled() and task.exception() is None
         if turn.store is not None:
             await self.facts.save(turn.route, turn.store)
-        if committed and turn.first_of_user and turn.conversation_id and turn.store is not None:
-            with contextlib.suppress(GatewayError):  # the turn is safe; only recaps would miss it
-                await turn.store.append_side(
-                    "users",
-                    user_key(turn.first_of_user),
-                    {"conversation_id": turn.conversation_id, "at": turn.created},
-                )
         if plan is not None and plan.summary_target and turn.conversation_id and committed and turn.store:
             self.schedule_summary(turn.tenant, turn.conversation_id, plan.summary_target, turn.request.model)
         turn.outcome = turn.close_outcome(committed)

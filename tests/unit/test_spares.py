@@ -135,7 +135,9 @@ async def test_the_store_removes_its_spares_on_close_and_a_dead_processs_at_open
     await store.close()
     assert os.listdir(folder) == []
 
-    dead = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True)
+    dead = subprocess.run(
+        [sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True
+    )
     (folder / f"{dead.stdout.strip()}-deadbeef-1").touch()  # its process is gone
     (folder / f"{os.getppid()}-cafecafe-1").touch()  # a running process's
     assert sweep(folder) == 1

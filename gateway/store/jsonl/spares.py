@@ -103,7 +103,8 @@ class Spares:
         self.creation += _WEIGHT * (seconds - self.creation)
         if self.slow != (self.creation > (FAST if self.slow else SLOW)):
             self.slow = not self.slow
-            log.debug("file creation %.3f ms: spare files %s", self.creation * 1e3, "on" if self.slow else "off")
+            state = "on" if self.slow else "off"
+            log.debug("file creation %.3f ms: spare files %s", self.creation * 1e3, state)
 
     def create(self, path: Path, flags: int) -> int:
         """A new empty file at `path`, opened with `flags`; FileExistsError if `path` exists."""
