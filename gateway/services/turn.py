@@ -5,13 +5,14 @@ conversation's lock (and forking for `previous_response_id`), settling a commit,
 from __future__ import annotations
 
 import asyncio
+import functools
 import logging
 import secrets
 import time
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Coroutine
 from contextlib import AsyncExitStack
 from dataclasses import dataclass, field
-from typing import cast
+from typing import Any, cast
 
 import orjson
 
@@ -121,6 +122,49 @@ class PreparedTurn:
     @property
     def conversation_id(self) -> str | None:
         return self.request.conversation_id
+
+
+def run_to_end(work: Coroutine[Any, Any, None]) -> asyncio.Future[None]:
+    """Start `work`, which must run to its end whatever becomes of the caller (a commit); the
+    future of that end. It runs in the calling task as far as it goes without waiting, which
+    is all of it for a turn committing alone (no task, no loop iteration: a coroutine that
+    does not wait cannot be cancelled); what is left after its first wait goes on in a task of
+    its own, which the caller's cancellation does not reach."""
+    loop = asyncio.get_running_loop()
+    try:
+        waits_for = work.send(None)
+    except StopIteration:
+        done: asyncio.Future[None] = loop.create_future()
+        done.set_result(None)
+        return done
+    except BaseException as exc:  # noqa: BLE001 - handed to whoever awaits the future
+        failed: asyncio.Future[None] = loop.create_future()
+        failed.set_exception(exc)
+        return failed
+    return asyncio.ensure_future(_go_on(work, waits_for))
+
+
+async def _go_on(work: Coroutine[Any, Any, None], waits_for: Any) -> None:
+    """Drive `work` on from where it first waited, as a Task would (`waits_for`: the future it
+    waits on, or None for a bare yield)."""
+    loop = asyncio.get_running_loop()
+    while True:
+        if waits_for is None:
+            await asyncio.sleep(0)
+        elif not waits_for.done():
+            waits_for._asyncio_future_blocking = False
+            woken: asyncio.Future[None] = loop.create_future()
+            waits_for.add_done_callback(functools.partial(_wake, woken))
+            await woken  # its outcome is work's to take, below
+        try:
+            waits_for = work.send(None)
+        except StopIteration:
+            return
+
+
+def _wake(woken: asyncio.Future[None], _: object) -> None:
+    if not woken.done():
+        woken.set_result(None)
 
 
 async def settle(task: asyncio.Future[None]) -> None:

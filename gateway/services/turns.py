@@ -49,6 +49,7 @@ from gateway.services.turn import (
     lock_conversation,
     refit,
     response_record,
+    run_to_end,
     settle,
     stored_turn,
 )
@@ -258,7 +259,7 @@ class ChatService:
         turn.log.append(record)
         stored = stored_turn(turn, message, output_tokens)
         # Shielded: a client disconnect must never interrupt the write of an answered turn.
-        turn.commit_task = asyncio.ensure_future(self._commit_and_note(turn, stored))
+        turn.commit_task = run_to_end(self._commit_and_note(turn, stored))
         await asyncio.shield(turn.commit_task)
         turn.done = True
 
