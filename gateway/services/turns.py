@@ -259,7 +259,8 @@ class ChatService:
         turn.log.append(record)
         stored = stored_turn(turn, message, output_tokens)
         # Shielded: a client disconnect must never interrupt the write of an answered turn.
-        turn.commit_task = run_to_end(self._commit_and_note(turn, stored))
+        work = self._commit_and_note(turn, stored)
+        turn.commit_task = asyncio.ensure_future(work) if turn.log.commit_waits else run_to_end(work)
         await asyncio.shield(turn.commit_task)
         turn.done = True
 

@@ -170,6 +170,12 @@ class ResponseLog(ABC):
     async def abandon(self, reason: str, error: JSONObject | None = None) -> None:
         """Close the log marked incomplete; nothing enters any index."""
 
+    @property
+    def commit_waits(self) -> bool:
+        """Would `commit` wait (for a database, or a sync shared with other turns)? When it
+        would not, the service runs it in the turn's own task (see `run_to_end`)."""
+        return True
+
 
 class Store(ABC):
     """Where conversations live. Every method is safe to call from the event loop."""

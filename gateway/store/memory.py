@@ -30,6 +30,10 @@ class _MemoryLog(ResponseLog):
         self.closed = False
         store.responses[response_id] = self.records
 
+    @property
+    def commit_waits(self) -> bool:
+        return False
+
     def append(self, record: Record) -> None:
         self.records.append(copy.deepcopy(record))
 

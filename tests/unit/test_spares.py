@@ -49,8 +49,8 @@ async def until_ready(spares: Spares, count: int) -> None:
 async def test_a_new_conversations_files_are_spares_renamed_into_place(jstore: JsonlStore) -> None:
     slow(jstore.spares)
     await commit_turn(jstore, "first", "hello")  # the first turn wakes the thread
-    await until_ready(jstore.spares, spares_module.TARGET - 1)  # (its index may have taken one)
-    await asyncio.sleep(0.05)  # the thread is done filling
+    jstore.spares._start()  # filled up again (its index may have taken one)
+    await until_ready(jstore.spares, spares_module.TARGET)  # (all made: none is made after the look)
     before = spare_inodes(jstore)
     rid = await commit_turn(jstore, "second", "hi there")
     response = os.stat(jstore.response_path(rid)).st_ino
@@ -72,7 +72,7 @@ async def test_creations_are_timed_and_spares_used_only_while_they_are_slow(tmp_
         spares._seen(0.6e-3)  # what creations cost on ext4 without a journal after deletions
     assert spares.slow
     os.close(spares.create(tmp_path / "slow0", os.O_WRONLY))  # none ready yet: made in place
-    await until_ready(spares, 1)
+    await until_ready(spares, spares_module.TARGET)  # (all made: none is made after the look)
     inodes = {os.stat(tmp_path / "spare" / n).st_ino for n in os.listdir(tmp_path / "spare")}
     fd = spares.create(tmp_path / "slow1", os.O_WRONLY)
     os.close(fd)
@@ -87,7 +87,7 @@ async def test_a_spare_never_replaces_an_existing_file(tmp_path: Path) -> None:
     spares = Spares(tmp_path / "spare")
     slow(spares)
     spares._start()
-    await until_ready(spares, 1)
+    await until_ready(spares, spares_module.TARGET)
     target = tmp_path / "taken.jsonl"
     target.write_bytes(b"kept\n")
     ready = len(spares._ready)

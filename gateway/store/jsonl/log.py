@@ -51,6 +51,13 @@ class JsonlLog(ResponseLog):
                 except OSError:
                     pass
 
+    @property
+    def commit_waits(self) -> bool:
+        # With other turns open, the sync is the journal thread's, shared: a task of its own
+        # lets the turns ending in this loop iteration join the same fdatasync.
+        journal = self.store.journal
+        return self.store.fsync and (journal.current is None or journal.open_logs > 1)
+
     def _uncount(self) -> None:
         if self._counted:
             self._counted = False

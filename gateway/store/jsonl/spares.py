@@ -8,7 +8,7 @@ after files were deleted, spends 0.1-0.8 ms of kernel time per creation skipping
 inodes (docs/performance.md). Then a background thread keeps a few empty files ready here,
 and a turn takes one with `renameat2(RENAME_NOREPLACE)`, which never replaces an existing file
 (the same guarantee as `O_EXCL`) and allocates no inode. A rename costs about what a creation
-costs on a filesystem at ease (0.02 ms), so spares are used only while creations are seen to
+costs on a filesystem at ease (0.02-0.04 ms), so spares are used only while creations are seen to
 be slow (their time, averaged, above SLOW; the turns time their own creations, the thread its
 own). When none is ready (a burst, a full disk, a filesystem without that call) the turn
 creates its file itself, as before.
@@ -34,8 +34,8 @@ log = logging.getLogger("gateway.store")
 TARGET = 32  # spares kept ready
 LOW = 16  # the thread is woken when fewer are left
 IDLE_EXIT_SECONDS = 30.0
-SLOW = 40e-6  # a creation slower than this, on average: use spares
-FAST = 25e-6  # faster than this: create in place again
+SLOW = 100e-6  # a creation slower than this, on average: use spares (a rename costs 0.02-0.04 ms)
+FAST = 50e-6  # faster than this: create in place again
 _WEIGHT = 0.1  # of the newest creation time in the average
 
 _AT_FDCWD = -100
@@ -128,9 +128,9 @@ class Spares:
                         self.usable = False  # this filesystem cannot: stop making spares
                         log.info("spare files disabled: %s", exc.strerror)
                     self._discard(spare)
-        started = time.perf_counter()
+        started = time.thread_time()  # kernel time too, not waits for the GIL
         fd = os.open(path, flags | os.O_CREAT | os.O_EXCL, 0o644)
-        self._seen(time.perf_counter() - started)
+        self._seen(time.thread_time() - started)
         return fd
 
     def _take(self) -> str | None:
