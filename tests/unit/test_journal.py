@@ -17,6 +17,7 @@ from collections.abc import AsyncIterator, Callable
 from pathlib import Path
 from typing import Any
 
+import orjson
 import pytest
 
 from gateway.exceptions import NotFound, StorageError
@@ -179,6 +180,38 @@ async def test_an_entry_torn_over_the_zeros_is_ignored(jstore: JsonlStore, tmp_p
     (image / "logs" / "conversations" / "conv.jsonl").write_text(r1 + "\n")
     assert await index_after_restart(image) == [r1]
     assert not (image / "logs" / "responses" / f"{r2}.jsonl").exists()
+
+
+async def test_a_journal_written_before_crcs_and_zeros_is_replayed(
+    jstore: JsonlStore, tmp_path: Path
+) -> None:
+    """A process of an earlier version appended entries without a crc to a journal that ends
+    with its last entry (no zeros); a start of this version replays them."""
+    r1 = await commit_turn(jstore, "conv", "one")
+    r2 = await commit_turn(jstore, "conv", "two")
+    image = crash_image(jstore, tmp_path)
+    path = journals(image)[0]
+    data = path.read_bytes()
+    entries, _ = recovery.parse_journal(data)
+    old = b"".join(
+        orjson.dumps(
+            {
+                "response_id": e.response_id,
+                "conversation_id": e.conversation_id,
+                "before": e.before,
+                "at": e.at,
+                "size": len(e.content),
+            }
+        )
+        + b"\n"
+        + e.content
+        for e in entries
+    )
+    path.write_bytes(old)
+    (image / "logs" / "conversations" / "conv.jsonl").unlink()
+    (image / "logs" / "responses" / f"{r2}.jsonl").unlink()
+    assert await index_after_restart(image) == [r1, r2]
+    assert (image / "logs" / "responses" / f"{r2}.jsonl").read_bytes() == entries[1].content
 
 
 async def test_an_emptied_journal_is_zeros_of_the_same_size(
