@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import asyncio
 import os
-from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import Any
 
@@ -19,14 +18,6 @@ from gateway.store import StoreRegistry
 from gateway.store.jsonl import JsonlStore
 from tests.conftest import make_settings
 from tests.helpers import commit_turn
-
-
-@pytest.fixture
-async def jstore(tmp_path: Path) -> AsyncIterator[JsonlStore]:
-    s = JsonlStore(tmp_path / "var")
-    await s.open()
-    yield s
-    await s.close()
 
 
 async def fresh(root: Path) -> JsonlStore:

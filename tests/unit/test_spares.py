@@ -8,7 +8,6 @@ import asyncio
 import os
 import subprocess
 import sys
-from collections.abc import AsyncIterator
 from pathlib import Path
 
 import pytest
@@ -17,14 +16,6 @@ from gateway.store.jsonl import JsonlStore
 from gateway.store.jsonl import spares as spares_module
 from gateway.store.jsonl.spares import Spares, sweep
 from tests.helpers import commit_turn
-
-
-@pytest.fixture
-async def jstore(tmp_path: Path) -> AsyncIterator[JsonlStore]:
-    s = JsonlStore(tmp_path / "var")
-    await s.open()
-    yield s
-    await s.close()
 
 
 def spare_inodes(store: JsonlStore) -> dict[int, str]:

@@ -81,14 +81,6 @@ async def durable_store(request: pytest.FixtureRequest, tmp_path: Path) -> Async
     await s.close()
 
 
-@pytest.fixture
-async def jstore(tmp_path: Path) -> AsyncIterator[JsonlStore]:
-    s = JsonlStore(tmp_path / "var")
-    await s.open()
-    yield s
-    await s.close()
-
-
 def on_index_append(
     monkeypatch: pytest.MonkeyPatch, store: JsonlStore, action: Callable[[Path], None]
 ) -> None:
