@@ -8,6 +8,7 @@ import asyncio
 import os
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -133,5 +134,13 @@ async def test_the_store_removes_its_spares_on_close_and_a_dead_processs_at_open
     )
     (folder / f"{dead.stdout.strip()}-deadbeef-1").touch()  # its process is gone
     (folder / f"{os.getppid()}-cafecafe-1").touch()  # a running process's
-    assert sweep(folder) == 1
+    zombie = subprocess.Popen([sys.executable, "-c", "pass"])  # killed, not yet reaped
+    for _ in range(500):
+        with open(f"/proc/{zombie.pid}/stat", "rb") as f:
+            if f.read().rsplit(b")", 1)[1].split()[0] == b"Z":
+                break
+        time.sleep(0.01)
+    (folder / f"{zombie.pid}-0badf00d-1").touch()
+    assert sweep(folder) == 2
     assert os.listdir(folder) == [f"{os.getppid()}-cafecafe-1"]
+    zombie.wait()

@@ -54,13 +54,19 @@ def rename_noreplace(source: str, target: str) -> None:
 
 
 def _alive(pid: int) -> bool:
+    """Does process `pid` run (a zombie, killed and not yet reaped, does not)?"""
     try:
         os.kill(pid, 0)
     except ProcessLookupError:
         return False
     except PermissionError:
-        return True
-    return True
+        pass
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as f:
+            state = f.read().rsplit(b")", 1)[1].split()[0]
+    except (OSError, IndexError):
+        return True  # cannot tell: keep its files
+    return state not in (b"Z", b"X")
 
 
 def sweep(folder: Path) -> int:
