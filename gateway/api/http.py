@@ -26,9 +26,9 @@ class JSONBody(Response):
 
 
 class AnsweredTurn(JSONBody):
-    """A turn's answer, sent before `after` runs (closing the turn: releasing its conversation,
-    its log line and metrics), which runs whatever became of the sending. The client waits for
-    the answer, not for the bookkeeping; the turn was committed before."""
+    """A turn's answer, sent before `after` runs (the turn's bookkeeping: its log line and
+    metrics), which runs whatever became of the sending. The client waits for the answer, not
+    for the bookkeeping; the turn was committed, and its conversation released, before."""
 
     def __init__(
         self, content: Any, *, headers: dict[str, str], after: Callable[[], Awaitable[None]]

@@ -9,7 +9,6 @@ response log marked incomplete and never enters history.
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import functools
 import logging
 import time
@@ -270,10 +269,12 @@ class ChatService:
         if cid is not None and turn.store is not None:
             self.cache.appended(turn.store, cid, appended, lambda view: view.extend(stored))
             if turn.first_of_user:  # before the answer: the user's next turn may recap it
-                with contextlib.suppress(GatewayError):  # the turn is safe; only recaps would miss it
+                try:
                     await turn.store.append_side(
                         "users", user_key(turn.first_of_user), {"conversation_id": cid, "at": turn.created}
                     )
+                except Exception as exc:  # noqa: BLE001 - the turn is committed: only recaps miss it
+                    log.warning("could not note %s among its user's conversations: %s", cid, exc)
 
     async def release(self, turn: PreparedTurn, exc: BaseException | None = None) -> None:
         """Abandon the turn unless it was committed, then release the conversation: what the

@@ -317,3 +317,31 @@ async def test_the_recap_carries_both_sides_of_the_users_local_today_only(tmp_pa
     assert "assistant: " in recap  # what the assistant said (and promised) comes along
     assert "Eagle" not in recap  # yesterday's turn of the same conversation is not today
     await client.aclose()
+
+
+async def test_a_failed_recap_note_does_not_fail_the_committed_turn(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A user's first conversation is noted for recaps after the turn's commit, before its
+    answer; a failure there (any kind) costs the recap, never the turn."""
+    app, store, _, _, client = await make(tmp_path)
+    real = store.append_side
+
+    async def broken(kind: str, key: str, record: dict[str, Any]) -> None:
+        if kind == "users":
+            raise RuntimeError("the users folder is gone")
+        await real(kind, key, record)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(store, "append_side", broken)
+    r = await client.post(
+        "/v1/chat/completions",
+        json={
+            "model": "mock/m",
+            "messages": [{"role": "user", "content": "hi"}],
+            "conversation_id": "c",
+            "user": "u1",
+        },
+    )
+    assert r.status_code == 200, r.text
+    assert await store.read_index("c") == [r.json()["id"]]
+    await client.aclose()
