@@ -238,7 +238,9 @@ class Journal:
     def _empty(self, journal: JournalFile) -> None:
         try:
             self.store._sync(syncfs, journal.fd)
-            zero(journal.fd, 0, journal.size)  # synced with the next commit's fdatasync
+            zero(journal.fd, 0, journal.size)
+            # Synced here, not by the next commit's fdatasync (which would write them all).
+            self.store._sync(os.fdatasync, journal.fd)
             journal.size = 0
             journal.ready = True
         except OSError as exc:
