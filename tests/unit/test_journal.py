@@ -214,6 +214,21 @@ async def test_a_journal_written_before_crcs_and_zeros_is_replayed(
     assert (image / "logs" / "responses" / f"{r2}.jsonl").read_bytes() == entries[1].content
 
 
+async def test_an_entry_naming_no_valid_response_is_not_replayed(jstore: JsonlStore, tmp_path: Path) -> None:
+    """A damaged journal must not stop the next start: an entry whose response id is not one
+    the gateway mints (and so names no file it may write) ends the replay there."""
+    r1 = await commit_turn(jstore, "conv", "one")
+    image = crash_image(jstore, tmp_path)
+    path = journals(image)[0]
+    data = path.read_bytes()
+    end = data.index(b"\0")
+    content = b'{"type":"request"}\n'
+    bad = journal_module.entry("../../escape", "conv", 37, content)
+    path.write_bytes(data[:end] + bad + data[end + len(bad) :])
+    assert await index_after_restart(image) == [r1]
+    assert not (image / "escape.jsonl").exists()
+
+
 async def test_an_emptied_journal_is_zeros_of_the_same_size(
     jstore: JsonlStore, monkeypatch: pytest.MonkeyPatch
 ) -> None:
