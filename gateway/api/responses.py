@@ -18,6 +18,7 @@ from starlette.responses import Response
 
 from gateway.api.conversations import paginate
 from gateway.api.http import (
+    AnsweredTurn,
     ClientDisconnected,
     JSONBody,
     SSEResponse,
@@ -158,17 +159,21 @@ async def create_response(request: Request) -> Response:
             if isinstance(exc, ClientDisconnected):
                 return Response(status_code=499)
             raise exc from None
-        outcome = await service.close(turn)
-        log_line(outcome, 200, "complete", metrics, event="response")
-        return JSONBody(
+        await service.release(turn)  # (the client's next turn must not find it busy)
+
+        async def close() -> None:
+            log_line(await service.close(turn), 200, "complete", metrics, event="response")
+
+        return AnsweredTurn(
             response_object(
-                created=outcome.created or time.time(),
-                message=outcome.message,
-                finish_reason=outcome.finish_reason,
-                usage=outcome.usage,
+                created=turn.created or time.time(),
+                message=turn.final_message,
+                finish_reason=turn.finish_reason,
+                usage=turn.usage,
                 **common,
             ),
             headers=headers,
+            after=close,
         )
     try:
         chunks = await until_disconnect(service.open_chunks(turn), request.receive)
