@@ -10,8 +10,8 @@ from starlette.requests import Request
 from starlette.responses import Response
 
 from gateway.api.http import (
-    AnsweredTurn,
     ClientDisconnected,
+    JSONBody,
     SSEResponse,
     error_response,
     read_json,
@@ -67,12 +67,9 @@ async def chat_completions(request: Request) -> Response:
         except BaseException as exc:
             exc = shutting_down(exc) or exc
             return _failed(turn, await service.close(turn, turn_outcome(exc)), exc)
-        await service.release(turn)  # (the client's next turn must not find it busy)
-
-        async def close() -> None:
-            log_line(await service.close(turn), 200, "complete", request.app.state.metrics)
-
-        return AnsweredTurn(result, headers=_headers(turn), after=close)
+        # The log line before the answer: whoever has the answer finds its line written.
+        log_line(await service.close(turn), 200, "complete", request.app.state.metrics)
+        return JSONBody(result, headers=_headers(turn))
 
     try:
         chunks = await until_disconnect(service.open_chunks(turn), request.receive)

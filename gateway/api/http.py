@@ -25,24 +25,6 @@ class JSONBody(Response):
         return orjson.dumps(content)
 
 
-class AnsweredTurn(JSONBody):
-    """A turn's answer, sent before `after` runs (the turn's bookkeeping: its log line and
-    metrics), which runs whatever became of the sending. The client waits for the answer, not
-    for the bookkeeping; the turn was committed, and its conversation released, before."""
-
-    def __init__(
-        self, content: Any, *, headers: dict[str, str], after: Callable[[], Awaitable[None]]
-    ) -> None:
-        super().__init__(content, headers=headers)
-        self.after = after
-
-    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        try:
-            await super().__call__(scope, receive, send)
-        finally:
-            await self.after()
-
-
 def error_response(exc: GatewayError) -> Response:
     return JSONBody(exc.to_dict(), status_code=exc.status_code, headers=exc.headers())
 

@@ -18,7 +18,6 @@ from starlette.responses import Response
 
 from gateway.api.conversations import paginate
 from gateway.api.http import (
-    AnsweredTurn,
     ClientDisconnected,
     JSONBody,
     SSEResponse,
@@ -159,21 +158,17 @@ async def create_response(request: Request) -> Response:
             if isinstance(exc, ClientDisconnected):
                 return Response(status_code=499)
             raise exc from None
-        await service.release(turn)  # (the client's next turn must not find it busy)
-
-        async def close() -> None:
-            log_line(await service.close(turn), 200, "complete", metrics, event="response")
-
-        return AnsweredTurn(
+        outcome = await service.close(turn)
+        log_line(outcome, 200, "complete", metrics, event="response")
+        return JSONBody(
             response_object(
-                created=turn.created or time.time(),
-                message=turn.final_message,
-                finish_reason=turn.finish_reason,
-                usage=turn.usage,
+                created=outcome.created or time.time(),
+                message=outcome.message,
+                finish_reason=outcome.finish_reason,
+                usage=outcome.usage,
                 **common,
             ),
             headers=headers,
-            after=close,
         )
     try:
         chunks = await until_disconnect(service.open_chunks(turn), request.receive)

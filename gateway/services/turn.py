@@ -91,7 +91,6 @@ class PreparedTurn:
     tenant: str = ""
     branch_at: int | None = None  # history cut back here first (the client's version diverged)
     view: ConversationView | None = None
-    released: bool = False  # the conversation was let go (by `release` or the first close)
     outcome: TurnOutcome | None = None  # set by the first close
 
     def close_outcome(self, committed: bool) -> TurnOutcome:

@@ -276,12 +276,11 @@ class ChatService:
                 except Exception as exc:  # noqa: BLE001 - the turn is committed: only recaps miss it
                     log.warning("could not note %s among its user's conversations: %s", cid, exc)
 
-    async def release(self, turn: PreparedTurn, exc: BaseException | None = None) -> None:
-        """Abandon the turn unless it was committed, then release the conversation: what the
-        client's next request must find done (`close` does it too, once)."""
-        if turn.released:
-            return
-        turn.released = True
+    async def close(self, turn: PreparedTurn, exc: BaseException | None = None) -> TurnOutcome:
+        """Abandon the turn unless it was committed, then release the conversation. Closing
+        again gives the first close's outcome."""
+        if turn.outcome is not None:
+            return turn.outcome
         try:
             if turn.commit_task is not None:
                 await settle(turn.commit_task)
@@ -297,13 +296,6 @@ class ChatService:
                 await asyncio.shield(turn.log.abandon(reason, error))
         finally:
             await turn.stack.aclose()
-
-    async def close(self, turn: PreparedTurn, exc: BaseException | None = None) -> TurnOutcome:
-        """`release`, then the turn's bookkeeping (model facts, a summary's scheduling) and its
-        outcome. Closing again gives the first close's outcome."""
-        if turn.outcome is not None:
-            return turn.outcome
-        await self.release(turn, exc)
         plan = turn.plan
         task = turn.commit_task
         committed = task is not None and task.done() and not task.cancelled() and task.exception() is None
