@@ -11,7 +11,7 @@ _HOST = socket.gethostname()
 _mine: tuple[int, str] | None = None
 
 
-def _start(pid: int) -> str | None:
+def start_time(pid: int) -> str | None:
     """The process's start time in clock ticks since boot (/proc/PID/stat field 22), or None."""
     try:
         with open(f"/proc/{pid}/stat", "rb") as f:
@@ -28,7 +28,7 @@ def writer() -> str:
     global _mine
     pid = os.getpid()
     if _mine is None or _mine[0] != pid:  # (a forked worker is another process)
-        _mine = (pid, f"{_HOST}/{pid}/{_start(pid) or '?'}")
+        _mine = (pid, f"{_HOST}/{pid}/{start_time(pid) or '?'}")
     return _mine[1]
 
 
@@ -43,4 +43,4 @@ def gone(name: object) -> bool:
         return False
     if not os.path.isdir("/proc/self"):
         return False
-    return _start(int(pid)) != start
+    return start_time(int(pid)) != start

@@ -29,6 +29,8 @@ import threading
 import time
 from pathlib import Path
 
+from gateway.writers import start_time
+
 log = logging.getLogger("gateway.store")
 
 TARGET = 32  # spares kept ready
@@ -61,12 +63,8 @@ def _alive(pid: int) -> bool:
         return False
     except PermissionError:
         pass
-    try:
-        with open(f"/proc/{pid}/stat", "rb") as f:
-            state = f.read().rsplit(b")", 1)[1].split()[0]
-    except (OSError, IndexError):
-        return True  # cannot tell: keep its files
-    return state not in (b"Z", b"X")
+    # `start_time` is None for a zombie; without /proc it cannot be told: its files are kept.
+    return start_time(pid) is not None or not os.path.isdir(f"/proc/{pid}")
 
 
 def sweep(folder: Path) -> int:
