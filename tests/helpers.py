@@ -75,6 +75,7 @@ async def commit_turn(
     log.append({"type": "context", "stored_messages": 0, "sent_messages": len(inputs)})
     log.append({"type": "response", "message": output, "finish_reason": "stop", "usage": None})
     await asyncio.sleep(0)  # the provider call: other turns run meanwhile
+    log.meanwhile()  # as the service does while the provider works
     await log.commit(cid)
     return rid
 

@@ -12,7 +12,7 @@ import time
 from collections.abc import Awaitable, Callable, Coroutine
 from contextlib import AsyncExitStack
 from dataclasses import dataclass, field
-from typing import Any, cast
+from typing import Any, TypeVar, cast
 
 import orjson
 
@@ -26,6 +26,7 @@ from gateway.store.base import ResponseLog, Store
 from gateway.types import JSONObject, Message, Record, Timings, Usage
 from gateway.upstream import Route
 
+T = TypeVar("T")
 log = logging.getLogger("gateway.services")
 
 
@@ -159,6 +160,39 @@ async def _go_on(work: Coroutine[Any, Any, None], waits_for: Any) -> None:
             waits_for = work.send(None)
         except StopIteration:
             return
+
+
+async def while_waiting(call: Awaitable[T], meanwhile: Callable[[], None]) -> T:
+    """Await `call` (a provider call) and run `meanwhile` as soon as the call first waits (its
+    request written): work done then costs the client nothing, the provider is busy anyway.
+    No task is made: the call is driven here, in the calling task, step by step as that task
+    would drive it (what it waits on, cancellations and timeouts reach it as usual)."""
+    steps = call.__await__()
+    try:
+        waits_for = steps.send(None)
+    except StopIteration as stop:
+        meanwhile()
+        return cast(T, stop.value)
+    meanwhile()
+    while True:
+        try:
+            if waits_for is None:
+                await asyncio.sleep(0)  # a bare yield
+            else:
+                waits_for._asyncio_future_blocking = False  # as a task takes it from the call
+                await waits_for
+        except BaseException as exc:  # noqa: BLE001 - handed to the call, as its task would
+            if waits_for is None or not waits_for.done():
+                # Thrown at this task (a cancellation), not the outcome of what the call waits on.
+                try:
+                    waits_for = steps.throw(exc)
+                except StopIteration as stop:
+                    return cast(T, stop.value)
+                continue
+        try:
+            waits_for = steps.send(None)  # the call takes the outcome of what it waited on
+        except StopIteration as stop:
+            return cast(T, stop.value)
 
 
 def _wake(woken: asyncio.Future[None], _: object) -> None:

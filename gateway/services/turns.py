@@ -51,6 +51,7 @@ from gateway.services.turn import (
     run_to_end,
     settle,
     stored_turn,
+    while_waiting,
 )
 from gateway.store import StoreRegistry
 from gateway.tokens import counter_for
@@ -311,7 +312,10 @@ class ChatService:
         turn.upstream_started = time.perf_counter()
         while True:
             try:
-                completion = await turn.route.upstream.complete(turn.upstream_body)
+                # The log's file work is done once the request is on its way.
+                completion = await while_waiting(
+                    turn.route.upstream.complete(turn.upstream_body), turn.log.meanwhile
+                )
                 break
             except UpstreamStatusError as exc:
                 if exc.refusal is None:
@@ -340,7 +344,7 @@ class ChatService:
         while True:
             chunks = turn.route.upstream.stream(turn.upstream_body).__aiter__()
             try:
-                first: Chunk | None = await chunks.__anext__()
+                first: Chunk | None = await while_waiting(chunks.__anext__(), turn.log.meanwhile)
                 break
             except StopAsyncIteration:
                 first = None

@@ -170,6 +170,11 @@ class ResponseLog(ABC):
     async def abandon(self, reason: str, error: JSONObject | None = None) -> None:
         """Close the log marked incomplete; nothing enters any index."""
 
+    def meanwhile(self) -> None:  # noqa: B027 - optional hook
+        """Called once the provider has the request (or its answer has begun): work the log
+        can do while the provider answers, off the client's wait (the JSONL file's creation).
+        Never raises; `commit` and `abandon` do it themselves when it was not called."""
+
     @property
     def commit_waits(self) -> bool:
         """Would `commit` wait (for a database, or a sync shared with other turns)? When it

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import json
 from pathlib import Path
 from typing import Any
@@ -185,6 +186,33 @@ async def test_stateless_pass_through_is_logged_not_indexed(
     assert mock_upstream.requests[-1]["messages"] == [{"role": "user", "content": "hi"}]
     assert (tmp_path / "var" / "logs" / "responses" / f"{r.json()['id']}.jsonl").exists()
     assert list((tmp_path / "var" / "logs" / "conversations").iterdir()) == []
+
+
+@pytest.mark.parametrize("stream", [False, True])
+async def test_the_response_log_is_on_disk_while_the_provider_answers(tmp_path: Path, stream: bool) -> None:
+    """The log's file is made once the provider has the request (or its answer has begun),
+    not before the request goes: an operator still sees every turn in flight."""
+    store = JsonlStore(tmp_path / "var")
+    await store.open()
+    responses = tmp_path / "var" / "logs" / "responses"
+    seen: list[list[str]] = []
+
+    class Watching(MockUpstream):
+        async def complete(self, body: dict[str, Any]) -> dict[str, Any]:
+            await asyncio.sleep(0.05)  # the provider at work
+            seen.append([json.loads(p.read_text().splitlines()[0])["type"] for p in responses.iterdir()])
+            return await super().complete(body)
+
+    upstream = Watching(name="mock")
+    async with build_client(make_settings(tmp_path), store, upstream) as client:
+        r = await chat(client, [user("hi")], cid="c", stream=stream)
+        assert r.status_code == 200
+        r = await chat(client, [user("again")], cid="c", stream=stream)
+    await store.close()
+    assert seen == [["request"], ["request", "request"]]
+    rid = r.headers["x-response-id"]
+    records = [json.loads(line) for line in (responses / f"{rid}.jsonl").read_text().splitlines()]
+    assert [x["type"] for x in records] == ["request", "context", "response", "commit"]
 
 
 async def test_agent_id_and_header_are_conversation_ids(

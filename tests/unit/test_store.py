@@ -616,6 +616,37 @@ async def test_failure_before_index_append_leaves_complete_but_unindexed_respons
     assert (await load(JsonlStore(tmp_path / "var"), "conv")).response_ids == [r1]
 
 
+async def test_a_response_file_is_made_while_the_provider_works(jstore: JsonlStore, tmp_path: Path) -> None:
+    """`start` writes nothing: the file and its request record are made by `meanwhile` (called
+    once the provider has the request), and by a commit or an abandon that came without it."""
+    responses = tmp_path / "var" / "logs" / "responses"
+
+    def types(rid: str) -> list[str]:
+        return [json.loads(line)["type"] for line in (responses / f"{rid}.jsonl").read_text().splitlines()]
+
+    answer = {"type": "response", "message": reply("a"), "finish_reason": "stop", "usage": None}
+    rid = mint_response_id("test/model")
+    log = jstore.start(rid, request_record(rid, "conv", [user("q")]))
+    assert not (responses / f"{rid}.jsonl").exists()
+    log.meanwhile()
+    assert types(rid) == ["request"]
+    log.meanwhile()  # once only
+    log.append(answer)
+    await log.commit("conv")
+    assert types(rid) == ["request", "response", "commit"]
+
+    committed = mint_response_id("test/model")  # the conversations API: no provider call
+    log = jstore.start(committed, request_record(committed, "conv", [user("q2")]))
+    log.append(answer)
+    await log.commit("conv")
+    abandoned = mint_response_id("test/model")  # the provider failed before it had the request
+    await jstore.start(abandoned, request_record(abandoned, "conv", [user("q3")])).abandon("error")
+    assert types(committed) == ["request", "response", "commit"]
+    assert types(abandoned) == ["request", "incomplete"]
+    assert await jstore.read_index("conv") == [rid, committed]
+    assert (await load(JsonlStore(tmp_path / "var"), "conv")).response_ids == [rid, committed]
+
+
 # -- JSONL: several processes on one data dir ---------------------------------------------------------
 
 

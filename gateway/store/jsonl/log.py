@@ -1,5 +1,5 @@
-"""An open response log on disk: created when the request is recorded, committed (durable in
-the journal, then the rest of the file, then the index line) or marked incomplete."""
+"""An open response log on disk: created while the provider works on the request, committed
+(durable in the journal, then the rest of the file, then the index line) or marked incomplete."""
 
 from __future__ import annotations
 
@@ -35,10 +35,27 @@ class JsonlLog(ResponseLog):
         store.journal.open_logs += 1
         self.create_error: str | None = None
         self._new_index = False  # the commit found no index: it takes a spare file for it
-        # Created here, on the event loop: a page-cache write, cheaper than a thread hop (and
-        # the GIL passing to and from that thread). Nothing here is synced: see `commit`.
+        self._opened = False
+        self._conversation = request.get("conversation_id")
+        self._before: int | None = None  # the index's size, read ahead by `meanwhile`
+
+    def meanwhile(self) -> None:
+        if not self._opened:
+            self._open()
+            if isinstance(self._conversation, str):
+                # Exact until the commit: this turn holds the conversation's lock.
+                try:
+                    self._before = self._index_size(self._conversation)
+                except OSError:
+                    pass  # read again, and reported, by the commit
+
+    def _open(self) -> None:
+        """Create the file with its first record: on the event loop (a page-cache write,
+        cheaper than a thread hop and the GIL passing to and from that thread), while the
+        provider works on the request. Nothing here is synced: see `commit`."""
+        self._opened = True
         try:
-            self._fd = store.spares.create(self.path, os.O_WRONLY | os.O_APPEND)
+            self._fd = self.store.spares.create(self.path, os.O_WRONLY | os.O_APPEND)
             write_all(self._fd, self.first)
         except OSError as exc:
             self.create_error = exc.strerror or str(exc)
@@ -112,19 +129,27 @@ class JsonlLog(ResponseLog):
         if store.sync_failed is not None:
             self.mark_failed(records, store.sync_failed, None, -1)
             store.refuse_if_failed()
+        if not self._opened:
+            self._open()
         if self._fd < 0:
             raise StorageError(f"the response log could not be created: {self.create_error}")
         if conversation_id is None:
             return 0
+        if self._before is not None and conversation_id == self._conversation:
+            return self._before
         try:
-            return os.stat(store.index_path(conversation_id)).st_size
-        except FileNotFoundError:
-            self._new_index = True
-            return 0
+            return self._index_size(conversation_id)
         except OSError as exc:
             reason = exc.strerror or str(exc)
             self.mark_failed(records, reason, None, -1)
             raise StorageError(f"could not record the response durably: {reason}") from exc
+
+    def _index_size(self, conversation_id: str) -> int:
+        try:
+            return os.stat(self.store.index_path(conversation_id)).st_size
+        except FileNotFoundError:
+            self._new_index = True
+            return 0
 
     def finish(self, tail: bytes, conversation_id: str | None) -> Appended | None:
         """Write the rest of the response file, then the index line (no sync of their own:
@@ -203,6 +228,8 @@ class JsonlLog(ResponseLog):
             return
         self._closed = True
         self._uncount()
+        if not self._opened:
+            self._open()
         if self._fd < 0:
             log.warning("could not mark %s incomplete: %s", self.response_id, self.create_error)
             return
