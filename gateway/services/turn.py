@@ -173,7 +173,11 @@ async def while_waiting(call: Awaitable[T], meanwhile: Callable[[], None]) -> T:
     except StopIteration as stop:
         meanwhile()
         return cast(T, stop.value)
-    meanwhile()
+    try:
+        meanwhile()
+    except BaseException:
+        steps.close()  # the call's own cleanup runs (its connection is released), then this
+        raise
     while True:
         try:
             if waits_for is None:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import inspect
 from collections.abc import AsyncIterator
 
 import pytest
@@ -152,3 +153,23 @@ async def test_a_stream_s_first_chunk_and_its_end() -> None:
 
     with pytest.raises(StopAsyncIteration):
         await while_waiting(empty().__aiter__().__anext__(), Steps().meanwhile)
+
+
+async def test_work_that_fails_ends_the_call_with_its_cleanup() -> None:
+    cleaned: list[bool] = []
+
+    async def call() -> int:
+        try:
+            await asyncio.sleep(10)
+        finally:
+            cleaned.append(True)
+        return 1
+
+    def broken() -> None:
+        raise RuntimeError("a bug in the work")
+
+    running = call()  # held here: only the fix can end it, not the garbage collector
+    with pytest.raises(RuntimeError, match="a bug"):
+        await while_waiting(running, broken)
+    assert cleaned == [True]
+    assert inspect.getcoroutinestate(running) == inspect.CORO_CLOSED
