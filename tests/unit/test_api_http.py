@@ -1,0 +1,124 @@
+"""The HTTP layer's helpers. `read_json`: a body is read within the deadline and the limit
+(the server side is a twin of uvicorn's request cycle; the e2e limits tests run the real one).
+`until_disconnect`: a client that goes away cancels the work, and only while it runs."""
+
+from __future__ import annotations
+
+import asyncio
+from types import SimpleNamespace
+from typing import Any
+
+import orjson
+import pytest
+from starlette.requests import Request
+
+from gateway.api.http import ClientDisconnected, read_json, until_disconnect
+from gateway.exceptions import BodyTimeout, BodyTooLarge, ClientGone
+
+
+class Cycle:
+    """uvicorn's request cycle as `read_json` sees it: `message_event` is set when a body
+    message is ready; `more_body` says whether more follows. `parts` are what arrives, in order
+    (None: nothing more ever arrives)."""
+
+    def __init__(self, parts: list[bytes | None], *, whole: bool) -> None:
+        self.parts = parts
+        self.message_event = asyncio.Event()
+        if whole:
+            self.message_event.set()
+        self.more_body = not whole
+        self.received = 0
+
+    async def receive(self) -> dict[str, Any]:
+        self.received += 1
+        if not self.parts:
+            return {"type": "http.disconnect"}
+        part = self.parts.pop(0)
+        if part is None:
+            await asyncio.Event().wait()  # a client that stalls
+        return {"type": "http.request", "body": part, "more_body": bool(self.parts)}
+
+
+def request_of(cycle: Cycle, body_timeout: float = 5.0) -> Request:
+    settings = SimpleNamespace(server=SimpleNamespace(body_timeout=body_timeout))
+    app = SimpleNamespace(state=SimpleNamespace(settings=settings))
+    return Request({"type": "http", "headers": [], "app": app}, cycle.receive)
+
+
+BODY = orjson.dumps({"model": "m", "messages": [{"role": "user", "content": "hi"}]})
+
+
+async def test_a_body_that_came_whole_is_read_with_one_receive() -> None:
+    cycle = Cycle([BODY], whole=True)
+    assert await read_json(request_of(cycle), 1000) == orjson.loads(BODY)
+    assert cycle.received == 1
+
+
+async def test_a_body_that_came_whole_still_keeps_to_the_limit() -> None:
+    with pytest.raises(BodyTooLarge):
+        await read_json(request_of(Cycle([BODY], whole=True)), len(BODY) - 1)
+
+
+async def test_a_client_gone_before_its_body_is_not_taken_for_one() -> None:
+    with pytest.raises(ClientGone):
+        await read_json(request_of(Cycle([], whole=True)), 1000)
+
+
+async def test_a_body_still_arriving_is_streamed_in_its_parts() -> None:
+    cycle = Cycle([BODY[:10], BODY[10:]], whole=False)
+    assert await read_json(request_of(cycle), 1000) == orjson.loads(BODY)
+    assert cycle.received == 2
+    with pytest.raises(BodyTooLarge):
+        await read_json(request_of(Cycle([BODY[:10], BODY[10:]], whole=False)), len(BODY) - 1)
+
+
+async def test_a_body_that_stalls_gets_the_deadline() -> None:
+    with pytest.raises(BodyTimeout):
+        await read_json(request_of(Cycle([BODY[:10], None], whole=False), body_timeout=0.05), 1000)
+
+
+class Client:
+    """An ASGI `receive` after the body: it answers `http.disconnect` once `leave()` is called."""
+
+    def __init__(self) -> None:
+        self.gone = asyncio.Event()
+        self.listening = 0
+
+    def leave(self) -> None:
+        self.gone.set()
+
+    async def receive(self) -> dict[str, Any]:
+        self.listening += 1
+        await self.gone.wait()
+        return {"type": "http.disconnect"}
+
+
+async def test_a_client_that_leaves_cancels_the_work() -> None:
+    client = Client()
+    cleaned: list[bool] = []
+
+    async def work() -> str:
+        try:
+            await asyncio.sleep(10)
+        finally:
+            cleaned.append(True)
+        return "not reached"
+
+    asyncio.get_running_loop().call_later(0.02, client.leave)
+    with pytest.raises(ClientDisconnected):
+        await until_disconnect(work(), client.receive)
+    assert cleaned == [True]
+
+
+async def test_work_that_ends_stops_watching() -> None:
+    client = Client()
+
+    async def waits() -> str:
+        await asyncio.sleep(0.01)
+        return "answer"
+
+    assert await until_disconnect(waits(), client.receive) == "answer"
+    assert client.listening == 1
+    await asyncio.sleep(0.01)
+    client.leave()  # after the answer: nothing is cancelled any more
+    await asyncio.sleep(0.01)
