@@ -21,9 +21,10 @@ import orjson
 import pytest
 
 from gateway.exceptions import NotFound, StorageError
+from gateway.ids import mint_response_id
 from gateway.store.jsonl import JsonlStore, recovery
 from gateway.store.jsonl import journal as journal_module
-from tests.helpers import commit_turn
+from tests.helpers import commit_turn, reply, request_record, user
 from tests.views import load
 
 
@@ -322,6 +323,23 @@ async def test_the_record_of_deletions_goes_with_the_last_journal(tmp_path: Path
     assert forgotten.exists()  # the second process's journal may still hold older entries
     await second.close()
     assert not forgotten.exists() and journals(first.root) == []
+
+
+async def test_after_a_failed_sync_a_commit_is_refused_and_its_log_says_so(
+    jstore: JsonlStore, tmp_path: Path
+) -> None:
+    """Also for a log whose file was not made yet (no provider call: the conversations API)."""
+    jstore.sync_failed = "fdatasync: Input/output error"
+    rid = mint_response_id("test/model")
+    log = jstore.start(rid, request_record(rid, "conv", [user("q")]))
+    log.append({"type": "response", "message": reply("a"), "finish_reason": "stop", "usage": None})
+    with pytest.raises(StorageError, match="refuses writes"):
+        await log.commit("conv")
+    path = tmp_path / "var" / "logs" / "responses" / f"{rid}.jsonl"
+    records = [orjson.loads(line) for line in path.read_text().splitlines() if line]
+    assert [r["type"] for r in records] == ["request", "response", "incomplete"]
+    assert records[-1]["reason"] == "storage_error"
+    assert not (tmp_path / "var" / "logs" / "conversations" / "conv.jsonl").exists()
 
 
 async def test_a_commit_whose_journal_sync_failed_is_not_replayed(

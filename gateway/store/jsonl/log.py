@@ -126,11 +126,11 @@ class JsonlLog(ResponseLog):
     def check_commit(self, records: bytes, conversation_id: str | None) -> int:
         """Before the journal: refuse a commit that cannot be made; the index's size now."""
         store = self.store
+        if not self._opened:
+            self._open()
         if store.sync_failed is not None:
             self.mark_failed(records, store.sync_failed, None, -1)
             store.refuse_if_failed()
-        if not self._opened:
-            self._open()
         if self._fd < 0:
             raise StorageError(f"the response log could not be created: {self.create_error}")
         if conversation_id is None:
