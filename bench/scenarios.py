@@ -136,46 +136,66 @@ class Bench:
         conn.close()
         return out
 
+    async def interleaved(
+        self, cells: list[tuple[str, Any, int, int]], rounds: int = 10
+    ) -> list[list[float]]:
+        """Sequential requests to several targets, measured in turns: each cell (target, body
+        maker, warmup, measured) runs its warmup, then its measured requests are spread over
+        `rounds` rounds, the order of the cells reversed every other round. Drift on the
+        machine (other load, the disk) then falls on every target alike, and so does the edge
+        of being first in a round (about 0.03 ms here). The samples, per cell."""
+        conns = [self.conn(target) for target, _, _, _ in cells]
+        counters = [0] * len(cells)
+
+        async def run(k: int, count: int, out: list[float] | None) -> None:
+            target, make_body = cells[k][0], cells[k][1]
+            for _ in range(count):
+                r = await self.post(conns[k], target, make_body(counters[k]))
+                counters[k] += 1
+                if out is not None:
+                    out.append(r.latency)
+
+        for k, cell in enumerate(cells):
+            await run(k, cell[2], None)
+        samples: list[list[float]] = [[] for _ in cells]
+        order = list(range(len(cells)))
+        for r in range(rounds):
+            for k in order if r % 2 == 0 else order[::-1]:
+                n = cells[k][3]
+                await run(k, n // rounds + (1 if r < n % rounds else 0), samples[k])
+        for conn in conns:
+            conn.close()
+        return samples
+
     async def single_message(self) -> None:
         warmup, n = self.plan.single
-        for target in self.stateless_targets():
-            lat = await self.sequential(target, one_message, warmup, n)
-            self.record("latency", group="1 message", target=target, sent_messages=1, samples=lat)
 
         def new_conversation(prefix: str) -> Any:
             return lambda i: one_message(i, conversation_id=self.new_cid(prefix))
 
-        lat = await self.sequential("gateway", new_conversation("bench-new"), warmup, n)
-        self.served_conversations += warmup + n
-        self.record(
-            "latency",
-            group="1 message",
-            target="gateway",
-            label="gateway, new conversation",
-            sent_messages=1,
-            samples=lat,
-        )
+        cells: list[tuple[str, Any, int, int]] = [
+            (t, one_message, warmup, n) for t in self.stateless_targets()
+        ]
+        labels: list[str | None] = [None] * len(cells)
+        cells.append(("gateway", new_conversation("bench-new"), warmup, n))
+        labels.append("gateway, new conversation")
         if "gateway_base" in self.ports:  # another version, same iterations: before/after
-            lat = await self.sequential("gateway_base", new_conversation("bench-base"), warmup, n)
-            self.record(
-                "latency",
-                group="1 message",
-                target="gateway_base",
-                label="gateway (baseline checkout), new conversation",
-                sent_messages=1,
-                samples=lat,
-            )
+            cells.append(("gateway_base", new_conversation("bench-base"), warmup, n))
+            labels.append("gateway (baseline checkout), new conversation")
         # The other gateways (when started): the same scenario, fewer iterations.
+        w, n2 = self.plan.nosync
         for target, label in (
             ("gateway_nosync", "gateway, new conversation, durability=none"),
             ("gateway_pg", "gateway, new conversation, postgres (fsync on)"),
         ):
             if target in self.ports:
-                w, n2 = self.plan.nosync
-                lat = await self.sequential(target, new_conversation(f"bench-{target}"), w, n2)
-                self.record(
-                    "latency", group="1 message", target=target, label=label, sent_messages=1, samples=lat
-                )
+                cells.append((target, new_conversation(f"bench-{target}"), w, n2))
+                labels.append(label)
+        samples = await self.interleaved(cells)
+        self.served_conversations += warmup + n
+        for (target, _, _, _), label, lat in zip(cells, labels, samples, strict=True):
+            extra = {"label": label} if label is not None else {}
+            self.record("latency", group="1 message", target=target, sent_messages=1, samples=lat, **extra)
 
     async def cold(self, size: int, cids: dict[str, list[str]]) -> None:
         """The first request on stored conversations of `size` messages that the gateway has
