@@ -11,6 +11,20 @@ from gateway.ids import mint_response_id
 from gateway.store.base import Store, now
 
 
+class LongWait:
+    """A call that waits long enough to be cut short, and counts how often its cleanup ran."""
+
+    def __init__(self) -> None:
+        self.cleanups = 0
+
+    async def __call__(self) -> str:
+        try:
+            await asyncio.sleep(10)
+        finally:
+            self.cleanups += 1
+        return "not reached"
+
+
 def assert_openai_tool_order(messages: Sequence[Mapping[str, object]]) -> None:
     """OpenAI's rules for tool messages: each answers a call of the assistant message just
     before its block, once; every call is answered before the next non-tool message."""

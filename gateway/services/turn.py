@@ -162,6 +162,11 @@ async def _go_on(work: Coroutine[Any, Any, None], waits_for: Any) -> None:
             return
 
 
+def _wake(woken: asyncio.Future[None], _: object) -> None:
+    if not woken.done():
+        woken.set_result(None)
+
+
 async def while_waiting(call: Awaitable[T], meanwhile: Callable[[], None]) -> T:
     """Await `call` (a provider call) and run `meanwhile` as soon as the call first waits (its
     request written): work done then costs the client nothing, the provider is busy anyway.
@@ -197,11 +202,6 @@ async def while_waiting(call: Awaitable[T], meanwhile: Callable[[], None]) -> T:
             waits_for = steps.send(None)  # the call takes the outcome of what it waited on
         except StopIteration as stop:
             return cast(T, stop.value)
-
-
-def _wake(woken: asyncio.Future[None], _: object) -> None:
-    if not woken.done():
-        woken.set_result(None)
 
 
 async def settle(task: asyncio.Future[None]) -> None:

@@ -14,6 +14,7 @@ from starlette.requests import Request
 
 from gateway.api.http import ClientDisconnected, read_json, until_disconnect
 from gateway.exceptions import BodyTimeout, BodyTooLarge, ClientGone
+from tests.helpers import LongWait
 
 
 class Cycle:
@@ -95,19 +96,11 @@ class Client:
 
 async def test_a_client_that_leaves_cancels_the_work() -> None:
     client = Client()
-    cleaned: list[bool] = []
-
-    async def work() -> str:
-        try:
-            await asyncio.sleep(10)
-        finally:
-            cleaned.append(True)
-        return "not reached"
-
+    work = LongWait()
     asyncio.get_running_loop().call_later(0.02, client.leave)
     with pytest.raises(ClientDisconnected):
         await until_disconnect(work(), client.receive)
-    assert cleaned == [True]
+    assert work.cleanups == 1
 
 
 async def test_work_that_ends_stops_watching() -> None:

@@ -9,6 +9,7 @@ from collections.abc import AsyncIterator
 import pytest
 
 from gateway.services.turn import while_waiting
+from tests.helpers import LongWait
 
 
 class Steps:
@@ -117,19 +118,11 @@ async def test_timeouts_inside_and_around_the_call_work() -> None:
     assert await while_waiting(slow_connect(), Steps().meanwhile) == "connect timed out"
     assert asyncio.current_task().cancelling() == 0  # type: ignore[union-attr]
 
-    cleaned: list[bool] = []
-
-    async def slow_answer() -> str:
-        try:
-            await asyncio.sleep(10)
-        finally:
-            cleaned.append(True)
-        return "not reached"
-
+    slow_answer = LongWait()
     with pytest.raises(TimeoutError):
         async with asyncio.timeout(0.01):
             await while_waiting(slow_answer(), Steps().meanwhile)
-    assert cleaned == [True]
+    assert slow_answer.cleanups == 1
     assert asyncio.current_task().cancelling() == 0  # type: ignore[union-attr]
 
 
@@ -156,14 +149,7 @@ async def test_a_stream_s_first_chunk_and_its_end() -> None:
 
 
 async def test_work_that_fails_ends_the_call_with_its_cleanup() -> None:
-    cleaned: list[bool] = []
-
-    async def call() -> int:
-        try:
-            await asyncio.sleep(10)
-        finally:
-            cleaned.append(True)
-        return 1
+    call = LongWait()
 
     def broken() -> None:
         raise RuntimeError("a bug in the work")
@@ -171,5 +157,5 @@ async def test_work_that_fails_ends_the_call_with_its_cleanup() -> None:
     running = call()  # held here: only the fix can end it, not the garbage collector
     with pytest.raises(RuntimeError, match="a bug"):
         await while_waiting(running, broken)
-    assert cleaned == [True]
+    assert call.cleanups == 1
     assert inspect.getcoroutinestate(running) == inspect.CORO_CLOSED

@@ -34,7 +34,7 @@ class JsonlLog(ResponseLog):
         self._counted = True
         store.journal.open_logs += 1
         self.create_error: str | None = None
-        self._new_index = False  # the commit found no index: it takes a spare file for it
+        self._new_index = False  # no index yet (seen by `meanwhile` or the commit): a spare file for it
         self._opened = False
         self._conversation = request.get("conversation_id")
         self._before: int | None = None  # the index's size, read ahead by `meanwhile`
