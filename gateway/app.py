@@ -23,7 +23,7 @@ from gateway.api import responses as resp
 from gateway.api.chat import chat_completions
 from gateway.config import Settings, load_settings
 from gateway.exceptions import GatewayError
-from gateway.jobs.heap import HeapTrimmer
+from gateway.jobs.heap import HeapTrimmer, settle_gc
 from gateway.jobs.processor import Processor
 from gateway.jobs.summarizer import Summarizer
 from gateway.metrics import Metrics, MetricsMiddleware, metrics_endpoint
@@ -36,11 +36,14 @@ from gateway.upstream import Router
 log = logging.getLogger("gateway")
 
 
-def warm_up() -> None:
-    """Load what the first request would otherwise load on the event loop."""
+def warm_up(settle: bool = False) -> None:
+    """Load what the first request would otherwise load on the event loop; then, in a serving
+    process (`settle`), settle the garbage collector over what is loaded."""
     get_encoding("cl100k_base")
     _litellm_windows()
     release_free_memory()
+    if settle:
+        settle_gc()
 
 
 def create_app(
@@ -48,7 +51,10 @@ def create_app(
     *,
     store: StoreBackend | None = None,
     router: Router | None = None,
+    settle: bool = False,
 ) -> Starlette:
+    """`settle`: this process serves only this app (`gateway serve`): once started, its garbage
+    collector is settled (gateway.jobs.heap.settle_gc). Tests and embedders leave it off."""
     settings = settings or load_settings()
     services = Services.from_settings(settings, store=store, router=router)
     stores, router, service = services.stores, services.router, services.turns
@@ -66,7 +72,7 @@ def create_app(
         await services.open()
         await services.warm()
         # Load the default tokenizer in the background: the first request need not pay for it.
-        warm = asyncio.get_running_loop().run_in_executor(None, warm_up)
+        warm = asyncio.get_running_loop().run_in_executor(None, warm_up, settle)
         warm.add_done_callback(lambda f: None if f.cancelled() else f.exception())
         service.warm_up = warm
         processor.start()
@@ -148,4 +154,4 @@ def app_from_env() -> Starlette:
     follow_supervisor()
     settings = load_settings()
     set_head_timeout(settings)
-    return create_app(settings)
+    return create_app(settings, settle=True)

@@ -1,10 +1,16 @@
-"""The heap trimmer: gives freed memory back every period, in a worker thread, and stops."""
+"""The heap trimmer gives freed memory back every period, in a worker thread, and stops; a
+serving app settles the garbage collector once started, and only a serving app."""
 
 from __future__ import annotations
 
 import asyncio
+import gc
+from collections.abc import Iterator
+from contextlib import contextmanager
 
-from gateway.jobs.heap import HeapTrimmer, _malloc_trim
+from gateway.app import create_app
+from gateway.jobs.heap import GC_YOUNG, HeapTrimmer, _malloc_trim, settle_gc
+from gateway.upstream import Router
 from gateway.upstream.mock import MockUpstream
 from tests.conftest import app_of, build_client, make_settings
 
@@ -56,3 +62,47 @@ async def test_the_app_runs_one_on_glibc() -> None:
             trimmer = app.state.trimmer
             assert (trimmer._task is not None) == (_malloc_trim() is not None)
         assert trimmer._task is None or trimmer._task.done()
+
+
+@contextmanager
+def collector_restored() -> Iterator[None]:
+    threshold = gc.get_threshold()
+    try:
+        yield
+    finally:
+        gc.unfreeze()
+        gc.set_threshold(*threshold)
+
+
+class Cycle:
+    def __init__(self) -> None:
+        self.me = self
+
+
+def test_settle_gc_freezes_what_exists_and_raises_the_young_threshold() -> None:
+    with collector_restored():
+        assert gc.get_threshold()[0] != GC_YOUNG
+        _, middle, old = gc.get_threshold()
+        settle_gc()
+        assert gc.get_threshold() == (GC_YOUNG, middle, old)
+        assert gc.get_freeze_count() > 1000  # the modules loaded so far
+        frozen = gc.get_freeze_count()
+        Cycle()  # garbage made after settling is still collected
+        assert gc.collect() >= 1 and gc.get_freeze_count() == frozen
+
+
+async def test_a_serving_app_settles_the_collector_once_warmed_up() -> None:
+    with collector_restored():
+        app = create_app(make_settings(), router=Router({"mock": MockUpstream()}, "mock"), settle=True)
+        async with app.router.lifespan_context(app):
+            await app.state.service.warm_up
+            assert gc.get_threshold()[0] == GC_YOUNG and gc.get_freeze_count() > 1000
+
+
+async def test_an_app_not_serving_leaves_the_collector_alone() -> None:
+    with collector_restored():
+        threshold = gc.get_threshold()
+        app = create_app(make_settings(), router=Router({"mock": MockUpstream()}, "mock"))
+        async with app.router.lifespan_context(app):
+            await app.state.service.warm_up
+        assert gc.get_threshold() == threshold and gc.get_freeze_count() == 0
