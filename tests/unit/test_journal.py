@@ -258,9 +258,15 @@ async def test_a_live_process_journal_is_left_alone(jstore: JsonlStore, tmp_path
     assert journals(jstore.root) == []  # a clean stop leaves no journal
 
 
-async def test_commits_waiting_together_share_fdatasyncs(
+def without_aio(monkeypatch: pytest.MonkeyPatch) -> None:
+    """As on a system without native AIO: commits waiting together go to the sync thread."""
+    monkeypatch.setattr(journal_module.AioSync, "open", classmethod(lambda cls, loop: None))
+
+
+async def test_commits_waiting_together_share_fdatasyncs_in_the_sync_thread(
     jstore: JsonlStore, monkeypatch: pytest.MonkeyPatch
 ) -> None:
+    without_aio(monkeypatch)
     await commit_turn(jstore, "warm", "up")  # the journal exists
     real: Callable[[int], None] = os.fdatasync
     syncs: list[int] = []
@@ -277,9 +283,28 @@ async def test_commits_waiting_together_share_fdatasyncs(
         assert await jstore.read_index(f"c{i}") == [rid]
 
 
-async def test_a_turn_committing_alone_is_synced_on_the_loop(
+async def test_commits_waiting_together_share_native_aio_fdatasyncs(
     jstore: JsonlStore, monkeypatch: pytest.MonkeyPatch
 ) -> None:
+    await commit_turn(jstore, "warm", "up")
+    called: list[int] = []
+    monkeypatch.setattr(os, "fdatasync", called.append)  # the loop's own sync: not used here
+    rids = await asyncio.gather(*(commit_turn(jstore, f"c{i}", "hi") for i in range(20)))
+    aio = jstore.journal._aio
+    assert aio is not None, "this Linux has native AIO: the journal must use it"
+    assert called == [] and 1 <= aio.submitted < len(rids)
+    for i, rid in enumerate(rids):
+        assert await jstore.read_index(f"c{i}") == [rid]
+    image = crash_image(jstore, tmp_path=jstore.root.parent)
+    assert await index_after_restart(image, "c7") == [rids[7]]
+
+
+@pytest.mark.parametrize("aio", [True, False], ids=["aio", "thread"])
+async def test_a_turn_committing_alone_is_synced_on_the_loop(
+    jstore: JsonlStore, monkeypatch: pytest.MonkeyPatch, aio: bool
+) -> None:
+    if not aio:
+        without_aio(monkeypatch)
     await commit_turn(jstore, "warm", "up")
     real: Callable[[int], None] = os.fdatasync
     threads: list[str] = []
@@ -294,7 +319,39 @@ async def test_a_turn_committing_alone_is_synced_on_the_loop(
     assert await jstore.read_index("alone") == [rid]
     threads.clear()
     await asyncio.gather(*(commit_turn(jstore, f"many{i}", "hi") for i in range(8)))
-    assert threads and threading.main_thread().name not in threads  # shared, on the sync thread
+    if aio:  # submitted to the kernel by the loop: no fdatasync call of ours at all
+        assert threads == [] and jstore.journal._aio is not None and jstore.journal._aio.submitted >= 1
+    else:  # shared, on the sync thread
+        assert threads and threading.main_thread().name not in threads
+
+
+async def test_a_failed_native_aio_sync_refuses_the_commit_and_the_next_ones(
+    jstore: JsonlStore, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    r1 = await commit_turn(jstore, "conv", "one")
+    journal = jstore.journal
+    read, write = os.pipe()  # fdatasync of a pipe fails (EINVAL), as a failing disk would (EIO)
+
+    await asyncio.gather(commit_turn(jstore, "warm", "up"), commit_turn(jstore, "warm2", "up"))
+    aio = journal._aio
+    assert aio is not None
+    real_sync = aio.sync
+    monkeypatch.setattr(aio, "sync", lambda fd: real_sync(read))
+    try:
+        results = await asyncio.gather(
+            *(commit_turn(jstore, "conv" if i == 0 else f"other{i}", "two") for i in range(3)),
+            return_exceptions=True,
+        )
+    finally:
+        os.close(read)
+        os.close(write)
+    assert all(isinstance(r, StorageError) for r in results), results
+    assert jstore.sync_failed is not None and "fdatasync" in jstore.sync_failed
+    monkeypatch.undo()
+    with pytest.raises(StorageError, match="refuses writes"):
+        await commit_turn(jstore, "conv", "three")
+    image = crash_image(jstore, tmp_path)
+    assert await index_after_restart(image) == [r1]
 
 
 async def test_without_durability_there_is_no_journal(tmp_path: Path) -> None:

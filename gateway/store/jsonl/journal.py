@@ -6,11 +6,13 @@ journal and one fdatasync covers them, shared by every turn committing at the sa
 
 A commit is a header line (`response_id`, `conversation_id`, the index size `before` the
 line, `at` in ns, `size`, the content's `crc` 32) then the response file's whole content. The
-event loop writes it (page cache only: no thread hop) and waits for the sync thread, which runs
-one fdatasync for every commit waiting; the rest of the response file and the index line are
-then written on the loop without a sync of their own, and the turn is acknowledged. Every
-second (or 8 MiB) the loop switches to the other journal, and the old one is emptied once a
-syncfs() has made its turns' files durable. `recovery.py` replays a dead process's journal.
+event loop writes it (page cache only: no thread hop) and has it synced: a turn committing
+alone syncs on the loop; turns committing together share one fdatasync, submitted by the loop
+to the kernel's native AIO (aio.py), or run by this journal's sync thread where AIO is not
+available. The rest of the response file and the index line are then written on the loop
+without a sync of their own, and the turn is acknowledged. Every second (or 8 MiB) the loop
+switches to the other journal, and the old one is emptied once a syncfs() has made its turns'
+files durable. `recovery.py` replays a dead process's journal.
 
 A journal file is written from its start and emptied by overwriting what was written with
 zeros, never shortened: it is made PREALLOCATE bytes of zeros when opened, so an fdatasync
@@ -34,6 +36,7 @@ from typing import TYPE_CHECKING
 
 import orjson
 
+from gateway.store.jsonl.aio import AioSync
 from gateway.store.jsonl.files import fsync_dir
 from gateway.store.jsonl.locks import file_lock, try_lock_file
 
@@ -127,6 +130,9 @@ class Journal:
         self._checkpoints: list[threading.Thread] = []
         self._loop: asyncio.AbstractEventLoop | None = None
         self._stopped = False  # by `stop`: nothing is switched or emptied in the background
+        self._aio: AioSync | None = None  # the shared syncs of the loop below, if it has AIO
+        self._aio_loop: asyncio.AbstractEventLoop | None = None
+        self._appended = 0.0  # monotonic time of the last append
         self.open_logs = 0  # response logs started and not committed or abandoned yet
 
     # -- the event loop's side --------------------------------------------------------------
@@ -144,6 +150,7 @@ class Journal:
         assert journal is not None
         journal.write(data)
         journal.pending += 1
+        self._appended = time.monotonic()
         if self.open_logs <= 1:
             try:
                 self.store._sync(os.fdatasync, journal.fd)
@@ -154,6 +161,19 @@ class Journal:
             return journal
         loop = asyncio.get_running_loop()
         self._loop = loop
+        aio = self._aio_of(loop)
+        if aio is not None:
+            try:
+                await aio.sync(journal.fd)
+            except OSError as exc:
+                self.store.sync_failure("fdatasync", exc)
+                self.done(journal)
+                raise
+            except BaseException:
+                self.done(journal)
+                raise
+            self._ensure_thread()
+            return journal
         future: asyncio.Future[None] = loop.create_future()
         with self._guard:
             self._waiters.append((journal, future))
@@ -165,6 +185,26 @@ class Journal:
             self.done(journal)
             raise
         return journal
+
+    def _aio_of(self, loop: asyncio.AbstractEventLoop) -> AioSync | None:
+        """This loop's AIO syncs, opened on first use (None: the sync thread it is)."""
+        aio = self._aio
+        if aio is not None and aio.loop is loop and not aio.closed:
+            return aio
+        if self._aio_loop is loop and aio is None:
+            return None  # tried on this loop: not available
+        if aio is not None:
+            aio.close()
+        self._aio_loop = loop
+        self._aio = AioSync.open(loop)
+        return self._aio
+
+    def release(self) -> None:
+        """On the loop, before `stop`: end the AIO context (its reader is the loop's)."""
+        if self._aio is not None:
+            self._aio.close()
+            self._aio = None
+        self._aio_loop = None
 
     def done(self, journal: JournalFile) -> None:
         journal.pending -= 1
@@ -264,6 +304,7 @@ class Journal:
             self._wake.clear()
             with self._guard:
                 waiters, self._waiters = self._waiters, []
+                idle_since = max(idle_since, self._appended)
                 if not waiters and time.monotonic() - idle_since > IDLE_EXIT_SECONDS:
                     self._running = False
                     return

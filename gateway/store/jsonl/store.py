@@ -125,10 +125,14 @@ class JsonlStore(Store):
         try:
             sync(target)
         except OSError as exc:
-            if self.sync_failed is None:
-                self.sync_failed = f"{getattr(sync, '__name__', 'fsync')}: {exc.strerror or exc}"
-                log.error("fsync failed, refusing further writes: %s", self.sync_failed)
+            self.sync_failure(getattr(sync, "__name__", "fsync"), exc)
             raise
+
+    def sync_failure(self, name: str, exc: OSError) -> None:
+        """A sync failed: from now on this store refuses writes (see `sync_failed`)."""
+        if self.sync_failed is None:
+            self.sync_failed = f"{name}: {exc.strerror or exc}"
+            log.error("fsync failed, refusing further writes: %s", self.sync_failed)
 
     async def open(self) -> None:
         for d in (self.responses_dir, self.conversations_dir, self.locks_dir, self.summaries_dir):
@@ -225,6 +229,7 @@ class JsonlStore(Store):
             raise StorageError(f"the data dir cannot be written: {exc.strerror or exc}") from exc
 
     async def close(self) -> None:
+        self.journal.release()
         await asyncio.to_thread(self.journal.stop)
         await asyncio.to_thread(self.spares.close)
         self.catalog.close()
