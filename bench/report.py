@@ -200,7 +200,8 @@ def _scaling_rows(result: dict[str, Any]) -> list[dict[str, Any]]:
     for r in result.get("scaling", []):
         st = stats_ms(r.pop("samples"))
         cells.setdefault(r["target"], {})[r["clients"]] = {
-            "req_per_s": round(r["requests"] / r["seconds"], 1),
+            "req_per_s": round(r.get("req_per_s") or r["requests"] / r["seconds"], 1),
+            "round_req_per_s": r.get("round_req_per_s"),
             "cpu_ms_per_request": round(r.get("cpu_seconds", 0.0) * 1000 / max(1, r["requests"]), 3),
             "p50_ms": st["p50"],
             "p99_ms": st["p99"],
@@ -333,7 +334,8 @@ def print_report(result: dict[str, Any]) -> dict[str, Any]:
         counts = sorted({c for r in scaling for c in r["clients"]}, key=int)
         print(
             "\nThroughput by concurrent clients, 1 message, non-streaming, new conversation per request:"
-            " req/s (x aiohttp forwarder) p99 ms"
+            " req/s (x aiohttp forwarder) p99 ms\n(targets in interleaved rounds; req/s = the median"
+            " round's steady rate, between the 10th and 90th percentile of its completion times)"
         )
         print(_row("scenario", width, *((f"{c} clients", 26) for c in counts)))
         print(rule)

@@ -7,8 +7,9 @@ bench/report.py turns into statistics and tables.
 from __future__ import annotations
 
 import asyncio
+import statistics
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -21,6 +22,7 @@ MODEL = "bench-model"
 CHAT = "/v1/chat/completions"
 CONCURRENCY = 32
 SCALING_CLIENTS = (1, 8, 32, 128)
+SCALING_ROUNDS = 4
 # The targets of the scaling table, in its order (those the run started).
 SCALING_TARGETS = ("forwarder_aiohttp", "gateway", "gateway_2w", "gateway_base")
 
@@ -44,7 +46,7 @@ class Plan:
     throughput_stateless: int = 3_000
     conversations_total: int = 10_000  # served before the idle RSS reading
     # requests per (target, clients) cell of the scaling table, after a warmup of a fifth
-    scaling: tuple[int, ...] = (200, 600, 1_000, 1_000)
+    scaling: tuple[int, ...] = (200, 1_200, 2_400, 4_000)
     # (stored messages, conversations per gateway): the cold-load comparison (`Bench.cold`).
     cold: tuple[int, int] = (10_000, 5)
 
@@ -63,6 +65,16 @@ class Plan:
             (100, 300, 500, 500),
             cold=(10_000, 2),
         )
+
+
+@dataclass
+class _Cell:
+    """One (target, clients) cell of the scaling table, over its rounds."""
+
+    seconds: float = 0.0
+    cpu: float = 0.0
+    rates: list[float] = field(default_factory=list)
+    samples: list[float] = field(default_factory=list)
 
 
 def _body(payload: dict[str, Any]) -> bytes:
@@ -307,11 +319,22 @@ class Bench:
     async def _burst(
         self, target: str, total: int, make_body: Any, clients: int = CONCURRENCY
     ) -> tuple[float, list[float]]:
+        elapsed, lat, _ = await self._timed_burst(target, total, make_body, clients)
+        return elapsed, lat
+
+    async def _timed_burst(
+        self, target: str, total: int, make_body: Any, clients: int = CONCURRENCY
+    ) -> tuple[float, list[float], float]:
+        """`total` requests from `clients` concurrent clients: the seconds taken, the
+        latencies, and the steady rate (req/s between the 10th and the 90th percentile of the
+        completion times: the clients' start and the last stragglers left out; with fewer than
+        4 requests per client, the whole burst's rate)."""
         conns = [self.conn(target) for _ in range(clients)]
         for c in conns:  # connect before the clock starts
             await c.request("GET", "/readyz" if target != "litellm" else "/health/liveliness")
         counter = 0
         lat: list[float] = []
+        ends: list[float] = []
 
         async def worker(conn: Connection) -> None:
             nonlocal counter
@@ -320,13 +343,19 @@ class Bench:
                 counter += 1
                 r = await self.post(conn, target, make_body(i))
                 lat.append(r.latency)
+                ends.append(time.perf_counter())
 
         start = time.perf_counter()
         await asyncio.gather(*(worker(c) for c in conns))
         elapsed = time.perf_counter() - start
         for c in conns:
             c.close()
-        return elapsed, lat
+        overall = len(lat) / elapsed if elapsed else 0.0
+        if len(ends) < 4 * clients:  # too few per client for a steady part: the whole burst
+            return elapsed, lat, overall
+        low, high = len(ends) // 10, len(ends) - 1 - len(ends) // 10
+        steady = (high - low) / (ends[high] - ends[low]) if ends[high] > ends[low] else 0.0
+        return elapsed, lat, steady or overall
 
     async def throughput(self) -> None:
         plan = self.plan
@@ -353,31 +382,50 @@ class Bench:
         )
 
     async def scaling(self) -> None:
-        """Throughput at 1/8/32/128 clients, target after target at each count (so the ones
-        compared ran minutes apart at most); gateways get a new conversation per request."""
+        """Throughput at 1/8/32/128 clients; gateways get a new conversation per request. At
+        each count every target runs a warmup, then its requests in SCALING_ROUNDS rounds, the
+        order of the targets reversed every other round (as `interleaved` does), so that drift
+        on the machine falls on every target alike. A cell's req/s is the median of its rounds'
+        steady rates; its CPU per request, all its rounds' CPU over all their requests."""
         targets = [t for t in SCALING_TARGETS if t in self.ports]
         for clients, total in zip(SCALING_CLIENTS, self.plan.scaling, strict=True):
+            bodies: dict[str, Any] = {}
             for target in targets:
                 if target.startswith("gateway"):
 
                     def body(i: int, target: str = target) -> bytes:
                         return one_message(i, conversation_id=self.new_cid(f"bench-sc-{target}"))
 
+                    bodies[target] = body
                 else:
-                    body = one_message
-                await self._burst(target, max(clients, total // 5), body, clients)
-                pid = self.pids.get(target)
-                cpu = cpu_seconds(pid) if pid else 0.0
-                elapsed, lat = await self._burst(target, total, body, clients)
-                cpu = cpu_seconds(pid) - cpu if pid else 0.0
+                    bodies[target] = one_message
+                warmup = max(clients, total // 5)
+                await self._burst(target, warmup, bodies[target], clients)
                 if target == "gateway":
-                    self.served_conversations += len(lat) + max(clients, total // 5)
+                    self.served_conversations += warmup
+            cells = {t: _Cell() for t in targets}
+            per_round = max(clients, total // SCALING_ROUNDS)
+            for r in range(SCALING_ROUNDS):
+                for target in targets if r % 2 == 0 else targets[::-1]:
+                    cell = cells[target]
+                    pid = self.pids.get(target)
+                    cpu = cpu_seconds(pid) if pid else 0.0
+                    elapsed, lat, rate = await self._timed_burst(target, per_round, bodies[target], clients)
+                    cell.cpu += cpu_seconds(pid) - cpu if pid else 0.0
+                    cell.seconds += elapsed
+                    cell.rates.append(rate)
+                    cell.samples.extend(lat)
+                    if target == "gateway":
+                        self.served_conversations += len(lat)
+            for target, cell in cells.items():
                 self.record(
                     "scaling",
                     target=target,
                     clients=clients,
-                    requests=len(lat),
-                    seconds=elapsed,
-                    cpu_seconds=cpu,
-                    samples=lat,
+                    requests=len(cell.samples),
+                    seconds=cell.seconds,
+                    cpu_seconds=cell.cpu,
+                    req_per_s=statistics.median(cell.rates),
+                    round_req_per_s=[round(x, 1) for x in cell.rates],
+                    samples=cell.samples,
                 )
