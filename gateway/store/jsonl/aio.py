@@ -38,7 +38,9 @@ _IOCB_FLAG_RESFD = 1
 _IOCB = struct.Struct("<QIIHhIQQqQII")  # struct iocb (linux/aio_abi.h), 64 bytes
 _EVENT = struct.Struct("<QQqq")  # struct io_event: data, obj, res, res2
 _EVENTS = 64
-_SLOTS = 256  # syncs in flight at once, at most (one per file, so a handful)
+# Syncs in flight at once, at most: one per file, and a journal has two. Each context takes
+# this many of the system-wide fs.aio-max-nr (65,536 by default), one context per store.
+_SLOTS = 16
 
 
 def _syscall() -> Callable[..., int] | None:
