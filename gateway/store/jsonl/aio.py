@@ -109,7 +109,7 @@ class AioSync:
         )
         if self._call(self._submit_nr, self._context, 1, self._iocbs) != 1:
             err = ctypes.get_errno()
-            _settle(waiting, OSError(err, os.strerror(err)))
+            settle(waiting, OSError(err, os.strerror(err)))
             return
         self.submitted += 1
         self._flight[fd] = waiting
@@ -128,7 +128,7 @@ class AioSync:
         got = self._call(self._getevents, self._context, at_least, _EVENTS, self._events, None)
         for i in range(max(got, 0)):
             fd, _, result, _ = _EVENT.unpack_from(self._events, i * _EVENT.size)
-            _settle(self._flight.pop(fd, []), OSError(-result, os.strerror(-result)) if result < 0 else None)
+            settle(self._flight.pop(fd, []), OSError(-result, os.strerror(-result)) if result < 0 else None)
             if restart and fd in self._pending:
                 self._start(fd)
         return got
@@ -148,10 +148,11 @@ class AioSync:
         left = [f for waiting in (*self._flight.values(), *self._pending.values()) for f in waiting]
         self._flight.clear()
         self._pending.clear()
-        _settle(left, OSError(errno.ESHUTDOWN, "the store closed before its sync began"))
+        settle(left, OSError(errno.ESHUTDOWN, "the store closed before its sync began"))
 
 
-def _settle(futures: list[asyncio.Future[None]], error: OSError | None) -> None:
+def settle(futures: list[asyncio.Future[None]], error: OSError | None) -> None:
+    """Give each waiter not gone yet the sync's outcome (a fresh exception each)."""
     for future in futures:
         if future.done():
             continue

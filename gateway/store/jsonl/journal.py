@@ -36,7 +36,7 @@ from typing import TYPE_CHECKING
 
 import orjson
 
-from gateway.store.jsonl.aio import AioSync
+from gateway.store.jsonl.aio import AioSync, settle
 from gateway.store.jsonl.files import fsync_dir
 from gateway.store.jsonl.locks import file_lock, try_lock_file
 
@@ -328,7 +328,7 @@ class Journal:
                 by_loop.setdefault(future.get_loop(), []).append(future)
             for loop, futures in by_loop.items():
                 try:
-                    loop.call_soon_threadsafe(_resolve, futures, error)
+                    loop.call_soon_threadsafe(settle, futures, error)
                 except RuntimeError:  # the loop was closed meanwhile: nobody waits any more
                     pass
 
@@ -360,12 +360,3 @@ class Journal:
         self.current = self.spare = None
         self._opening = None
 
-
-def _resolve(futures: list[asyncio.Future[None]], error: OSError | None) -> None:
-    for future in futures:
-        if future.done():
-            continue
-        if error is not None:
-            future.set_exception(OSError(error.errno, error.strerror))
-        else:
-            future.set_result(None)
