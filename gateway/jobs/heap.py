@@ -41,7 +41,6 @@ def settle_gc(young: int = GC_YOUNG) -> None:
     gc.set_threshold(young, middle, old)
 
 
-
 def _malloc_trim() -> Callable[[], object] | None:
     try:
         trim = ctypes.CDLL("libc.so.6").malloc_trim

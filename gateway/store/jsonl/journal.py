@@ -359,4 +359,3 @@ class Journal:
                     (folder / "forgotten.jsonl").unlink(missing_ok=True)
         self.current = self.spare = None
         self._opening = None
-
