@@ -3,12 +3,15 @@
 from __future__ import annotations
 
 import asyncio
+import errno
 from collections.abc import Mapping, Sequence
 from typing import Any
 
 from gateway.context import Message
 from gateway.ids import mint_response_id
 from gateway.store.base import Store, now
+from gateway.store.jsonl.aio import _EVENT as _AIO_EVENT
+from gateway.store.jsonl.aio import AioSync
 
 
 class LongWait:
@@ -123,3 +126,20 @@ def wait_healthy(proc: Any, url: str, timeout: float, what: str, log: Any, poll:
             pass
         time.sleep(poll)
     return False
+
+
+def failing_syncs_of(aio: AioSync, fd: int, err: int = errno.EIO) -> None:
+    """The kernel reports `err` for every sync of `fd` that ends (a failing disk): the
+    submission is real, its result is rewritten as io_getevents hands it over."""
+    real = aio._call
+
+    def call(number: int, *args: object) -> int:
+        got = real(number, *args)
+        if number == aio._getevents:
+            for i in range(max(got, 0)):
+                data, obj, _, res2 = _AIO_EVENT.unpack_from(aio._events, i * _AIO_EVENT.size)
+                if data == fd:
+                    _AIO_EVENT.pack_into(aio._events, i * _AIO_EVENT.size, data, obj, -err, res2)
+        return got
+
+    aio._call = call  # type: ignore[method-assign]

@@ -12,7 +12,8 @@ from pathlib import Path
 import pytest
 
 from gateway.store.jsonl import aio as aio_module
-from gateway.store.jsonl.aio import AioSync
+from gateway.store.jsonl.aio import AioSync, NotSubmitted
+from tests.helpers import failing_syncs_of
 
 
 @pytest.fixture
@@ -53,16 +54,29 @@ async def test_files_are_synced_apart(aio: AioSync, tmp_path: Path, file_fd: int
     assert aio.submitted == 3  # one per file, then the file asked for again during its sync
 
 
-async def test_a_failed_sync_fails_every_caller_that_shared_it(aio: AioSync, file_fd: int) -> None:
-    read, write = os.pipe()  # a pipe cannot be synced: EINVAL
+async def test_a_failed_sync_fails_every_caller_that_shared_it(
+    aio: AioSync, tmp_path: Path, file_fd: int
+) -> None:
+    failing = os.open(tmp_path / "failing", os.O_RDWR | os.O_CREAT, 0o644)
+    failing_syncs_of(aio, failing)
     try:
-        futures = [aio.sync(read), aio.sync(read), aio.sync(file_fd)]
+        futures = [aio.sync(failing), aio.sync(failing), aio.sync(file_fd)]
         results = await asyncio.wait_for(asyncio.gather(*futures, return_exceptions=True), 10)
+    finally:
+        os.close(failing)
+    assert [type(r) for r in results] == [OSError, OSError, type(None)]
+    assert all(isinstance(r, OSError) and r.errno == errno.EIO for r in results[:2])
+
+
+async def test_a_sync_the_kernel_will_not_take_is_not_submitted(aio: AioSync) -> None:
+    read, write = os.pipe()  # a pipe cannot be synced: io_submit itself refuses (EINVAL)
+    try:
+        results = await asyncio.gather(aio.sync(read), aio.sync(read), return_exceptions=True)
     finally:
         os.close(read)
         os.close(write)
-    assert [type(r) for r in results] == [OSError, OSError, type(None)]
-    assert all(isinstance(r, OSError) and r.errno == errno.EINVAL for r in results[:2])
+    assert all(isinstance(r, NotSubmitted) and r.errno == errno.EINVAL for r in results), results
+    assert aio.submitted == 0
 
 
 async def test_close_ends_the_sync_in_flight_and_refuses_new_ones(file_fd: int) -> None:

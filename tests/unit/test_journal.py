@@ -23,8 +23,9 @@ import pytest
 from gateway.exceptions import NotFound, StorageError
 from gateway.ids import mint_response_id
 from gateway.store.jsonl import JsonlStore, recovery
+from gateway.store.jsonl import aio as aio_module
 from gateway.store.jsonl import journal as journal_module
-from tests.helpers import commit_turn, reply, request_record, user
+from tests.helpers import commit_turn, failing_syncs_of, reply, request_record, user
 from tests.views import load
 
 
@@ -325,26 +326,51 @@ async def test_a_turn_committing_alone_is_synced_on_the_loop(
         assert threads and threading.main_thread().name not in threads
 
 
+async def test_a_sync_native_aio_refuses_to_take_is_made_by_the_thread(
+    jstore: JsonlStore, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """io_submit failing (EAGAIN, a seccomp change) is no lost write: the thread syncs instead,
+    and the store keeps taking writes."""
+    await asyncio.gather(commit_turn(jstore, "warm", "up"), commit_turn(jstore, "warm2", "up"))
+    aio = jstore.journal._aio
+    assert aio is not None
+    real_call = aio._call
+
+    def refusing_submit(number: int, *args: object) -> int:
+        if number == aio._submit_nr:
+            aio_module.ctypes.set_errno(errno.EAGAIN)
+            return -1
+        return real_call(number, *args)
+
+    monkeypatch.setattr(aio, "_call", refusing_submit)
+    real: Callable[[int], None] = os.fdatasync
+    threads: list[str] = []
+
+    def recording(fd: int) -> None:
+        threads.append(threading.current_thread().name)
+        real(fd)
+
+    monkeypatch.setattr(os, "fdatasync", recording)
+    rids = await asyncio.gather(*(commit_turn(jstore, f"c{i}", "hi") for i in range(6)))
+    assert jstore.sync_failed is None and jstore.journal._aio is None
+    assert any(name != threading.main_thread().name for name in threads)  # the sync thread's
+    for i, rid in enumerate(rids):
+        assert await jstore.read_index(f"c{i}") == [rid]
+
+
 async def test_a_failed_native_aio_sync_refuses_the_commit_and_the_next_ones(
     jstore: JsonlStore, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     r1 = await commit_turn(jstore, "conv", "one")
     journal = jstore.journal
-    read, write = os.pipe()  # fdatasync of a pipe fails (EINVAL), as a failing disk would (EIO)
-
     await asyncio.gather(commit_turn(jstore, "warm", "up"), commit_turn(jstore, "warm2", "up"))
     aio = journal._aio
-    assert aio is not None
-    real_sync = aio.sync
-    monkeypatch.setattr(aio, "sync", lambda fd: real_sync(read))
-    try:
-        results = await asyncio.gather(
-            *(commit_turn(jstore, "conv" if i == 0 else f"other{i}", "two") for i in range(3)),
-            return_exceptions=True,
-        )
-    finally:
-        os.close(read)
-        os.close(write)
+    assert aio is not None and journal.current is not None
+    failing_syncs_of(aio, journal.current.fd)  # the disk fails the journal's syncs (EIO)
+    results = await asyncio.gather(
+        *(commit_turn(jstore, "conv" if i == 0 else f"other{i}", "two") for i in range(3)),
+        return_exceptions=True,
+    )
     assert all(isinstance(r, StorageError) for r in results), results
     assert jstore.sync_failed is not None and "fdatasync" in jstore.sync_failed
     monkeypatch.undo()

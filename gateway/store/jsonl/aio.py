@@ -77,7 +77,12 @@ class AioSync:
         self._flight: dict[int, list[asyncio.Future[None]]] = {}  # fd -> the sync under way
         self.submitted = 0  # syncs submitted (tests count them)
         self.closed = False
-        loop.add_reader(self._eventfd, self._ready)
+        try:
+            loop.add_reader(self._eventfd, self._ready)
+        except BaseException:
+            call(self._destroy, self._context)
+            os.close(self._eventfd)
+            raise
 
     @classmethod
     def open(cls, loop: asyncio.AbstractEventLoop) -> AioSync | None:
@@ -109,7 +114,7 @@ class AioSync:
         )
         if self._call(self._submit_nr, self._context, 1, self._iocbs) != 1:
             err = ctypes.get_errno()
-            settle(waiting, OSError(err, os.strerror(err)))
+            settle(waiting, NotSubmitted(err, os.strerror(err)))
             return
         self.submitted += 1
         self._flight[fd] = waiting
@@ -135,7 +140,8 @@ class AioSync:
 
     def close(self) -> None:
         """On the loop: end the syncs in flight (their waiters get their outcome), then release
-        the context. Waiters of syncs not begun get an error: nothing waits at a clean close."""
+        the context. Waiters of syncs not begun get NotSubmitted (nothing waits at a clean
+        close)."""
         if self.closed:
             return
         self.closed = True
@@ -148,7 +154,12 @@ class AioSync:
         left = [f for waiting in (*self._flight.values(), *self._pending.values()) for f in waiting]
         self._flight.clear()
         self._pending.clear()
-        settle(left, OSError(errno.ESHUTDOWN, "the store closed before its sync began"))
+        settle(left, NotSubmitted(errno.ESHUTDOWN, "closed before the sync began"))
+
+
+class NotSubmitted(OSError):
+    """`io_submit` refused the sync: nothing was synced, and nothing is known to be lost (the
+    caller syncs another way)."""
 
 
 def settle(futures: list[asyncio.Future[None]], error: OSError | None) -> None:
@@ -157,6 +168,6 @@ def settle(futures: list[asyncio.Future[None]], error: OSError | None) -> None:
         if future.done():
             continue
         if error is not None:
-            future.set_exception(OSError(error.errno, error.strerror))
+            future.set_exception(type(error)(error.errno, error.strerror))
         else:
             future.set_result(None)

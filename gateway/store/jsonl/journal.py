@@ -36,7 +36,7 @@ from typing import TYPE_CHECKING
 
 import orjson
 
-from gateway.store.jsonl.aio import AioSync, settle
+from gateway.store.jsonl.aio import AioSync, NotSubmitted, settle
 from gateway.store.jsonl.files import fsync_dir
 from gateway.store.jsonl.locks import file_lock, try_lock_file
 
@@ -165,6 +165,11 @@ class Journal:
         if aio is not None:
             try:
                 await aio.sync(journal.fd)
+            except NotSubmitted as exc:  # no sync was made: the thread's, from now on
+                log.warning("native AIO refused a journal sync (%s): syncing in a thread", exc.strerror)
+                if self._aio is aio:
+                    self._aio = None
+                    aio.close()
             except OSError as exc:
                 self.store.sync_failure("fdatasync", exc)
                 self.done(journal)
@@ -172,8 +177,9 @@ class Journal:
             except BaseException:
                 self.done(journal)
                 raise
-            self._ensure_thread()
-            return journal
+            else:
+                self._ensure_thread()
+                return journal
         future: asyncio.Future[None] = loop.create_future()
         with self._guard:
             self._waiters.append((journal, future))

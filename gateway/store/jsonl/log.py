@@ -70,8 +70,8 @@ class JsonlLog(ResponseLog):
 
     @property
     def commit_waits(self) -> bool:
-        # With other turns open, the sync is the journal thread's, shared: a task of its own
-        # lets the turns ending in this loop iteration join the same fdatasync.
+        # With other turns open, the sync is shared (native AIO, or the journal's thread): a
+        # task of its own lets the turns ending in this loop iteration join the same fdatasync.
         journal = self.store.journal
         return self.store.fsync and (journal.current is None or journal.open_logs > 1)
 
