@@ -113,12 +113,14 @@ def counter_for(model: str) -> tuple[str, Callable[[Mapping[str, object]], int]]
     return name, _message_counter(name)
 
 
-def release_free_memory() -> None:
-    """Give freed heap back to the OS after loading tokenizers (glibc only; else a no-op)."""
+def release_free_memory(*, collect: bool = True) -> None:
+    """Give freed heap back to the OS after loading tokenizers (glibc only; else a no-op);
+    `collect=False` when a full collection has just run."""
     import ctypes
     import gc
 
-    gc.collect()
+    if collect:
+        gc.collect()
     try:
         ctypes.CDLL("libc.so.6").malloc_trim(0)
     except (OSError, AttributeError):

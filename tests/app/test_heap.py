@@ -8,7 +8,7 @@ import gc
 from collections.abc import Iterator
 from contextlib import contextmanager
 
-from gateway.app import create_app
+from gateway.app import create_app, warm_up
 from gateway.jobs.heap import GC_YOUNG, HeapTrimmer, _malloc_trim, settle_gc
 from gateway.upstream import Router
 from gateway.upstream.mock import MockUpstream
@@ -106,3 +106,21 @@ async def test_an_app_not_serving_leaves_the_collector_alone() -> None:
         async with app.router.lifespan_context(app):
             await app.state.service.warm_up
         assert gc.get_threshold() == threshold and gc.get_freeze_count() == 0
+
+
+def test_warming_up_a_serving_process_runs_one_full_collection() -> None:
+    """The collector's settling and the memory release share one full collection: each holds
+    the GIL for about 20 ms while the first requests may be arriving."""
+    full: list[int] = []
+
+    def seen(phase: str, info: dict[str, int]) -> None:
+        if phase == "start" and info["generation"] == 2:
+            full.append(1)
+
+    with collector_restored():
+        gc.callbacks.append(seen)
+        try:
+            warm_up(settle=True)
+        finally:
+            gc.callbacks.remove(seen)
+    assert len(full) == 1
