@@ -109,3 +109,21 @@ async def test_a_refused_io_setup_gives_none(monkeypatch: pytest.MonkeyPatch) ->
 
     monkeypatch.setattr(aio_module, "_syscall", lambda: refusing)
     assert AioSync.open(asyncio.get_running_loop()) is None
+
+
+async def test_an_interrupted_collection_is_retried(aio: AioSync, file_fd: int) -> None:
+    """io_getevents cut by a signal (EINTR) leaves the events in the ring, and the eventfd was
+    already read: without a retry the sync's waiters would wait forever."""
+    real = aio._call
+    interrupted = [0]
+
+    def call(number: int, *args: object) -> int:
+        if number == aio._getevents and not interrupted[0]:
+            interrupted[0] += 1
+            aio_module.ctypes.set_errno(errno.EINTR)
+            return -1
+        return real(number, *args)
+
+    aio._call = call  # type: ignore[method-assign]
+    await asyncio.wait_for(aio.sync(file_fd), 10)
+    assert interrupted[0] == 1

@@ -131,6 +131,8 @@ class AioSync:
         """Settle the syncs that ended (waiting for `at_least` of them); with `restart`, start
         the next sync of a file someone asked for meanwhile. How many ended."""
         got = self._call(self._getevents, self._context, at_least, _EVENTS, self._events, None)
+        while got < 0 and ctypes.get_errno() == errno.EINTR:  # a signal: the events are still there
+            got = self._call(self._getevents, self._context, at_least, _EVENTS, self._events, None)
         for i in range(max(got, 0)):
             fd, _, result, _ = _EVENT.unpack_from(self._events, i * _EVENT.size)
             settle(self._flight.pop(fd, []), OSError(-result, os.strerror(-result)) if result < 0 else None)
