@@ -300,13 +300,8 @@ async def test_commits_waiting_together_share_native_aio_fdatasyncs(
     assert await index_after_restart(image, "c7") == [rids[7]]
 
 
-@pytest.mark.parametrize("aio", [True, False], ids=["aio", "thread"])
-async def test_a_turn_committing_alone_is_synced_on_the_loop(
-    jstore: JsonlStore, monkeypatch: pytest.MonkeyPatch, aio: bool
-) -> None:
-    if not aio:
-        without_aio(monkeypatch)
-    await commit_turn(jstore, "warm", "up")
+def fdatasync_threads(monkeypatch: pytest.MonkeyPatch) -> list[str]:
+    """The names of the threads that call os.fdatasync from now on, in order."""
     real: Callable[[int], None] = os.fdatasync
     threads: list[str] = []
 
@@ -315,6 +310,17 @@ async def test_a_turn_committing_alone_is_synced_on_the_loop(
         real(fd)
 
     monkeypatch.setattr(os, "fdatasync", recording)
+    return threads
+
+
+@pytest.mark.parametrize("aio", [True, False], ids=["aio", "thread"])
+async def test_a_turn_committing_alone_is_synced_on_the_loop(
+    jstore: JsonlStore, monkeypatch: pytest.MonkeyPatch, aio: bool
+) -> None:
+    if not aio:
+        without_aio(monkeypatch)
+    await commit_turn(jstore, "warm", "up")
+    threads = fdatasync_threads(monkeypatch)
     rid = await commit_turn(jstore, "alone", "hi")  # no other turn in progress: no hand-off
     assert threads == [threading.main_thread().name]
     assert await jstore.read_index("alone") == [rid]
@@ -343,14 +349,7 @@ async def test_a_sync_native_aio_refuses_to_take_is_made_by_the_thread(
         return real_call(number, *args)
 
     monkeypatch.setattr(aio, "_call", refusing_submit)
-    real: Callable[[int], None] = os.fdatasync
-    threads: list[str] = []
-
-    def recording(fd: int) -> None:
-        threads.append(threading.current_thread().name)
-        real(fd)
-
-    monkeypatch.setattr(os, "fdatasync", recording)
+    threads = fdatasync_threads(monkeypatch)
     rids = await asyncio.gather(*(commit_turn(jstore, f"c{i}", "hi") for i in range(6)))
     assert jstore.sync_failed is None and jstore.journal._aio is None
     assert any(name != threading.main_thread().name for name in threads)  # the sync thread's

@@ -40,19 +40,23 @@ class JsonlLog(ResponseLog):
         self._before: int | None = None  # the index's size, read ahead by `meanwhile`
 
     def meanwhile(self) -> None:
-        if not self._opened:
-            self._open()
-            if isinstance(self._conversation, str):
-                # Exact until the commit: this turn holds the conversation's lock.
-                try:
-                    self._before = self._index_size(self._conversation)
-                except OSError:
-                    pass  # read again, and reported, by the commit
+        if self._opened:
+            return
+        self._open()
+        if isinstance(self._conversation, str):
+            # Exact until the commit: this turn holds the conversation's lock.
+            try:
+                self._before = self._index_size(self._conversation)
+            except OSError:
+                pass  # read again, and reported, by the commit
 
     def _open(self) -> None:
-        """Create the file with its first record: on the event loop (a page-cache write,
-        cheaper than a thread hop and the GIL passing to and from that thread), while the
-        provider works on the request. Nothing here is synced: see `commit`."""
+        """Create the file with its first record, once: on the event loop (a page-cache
+        write, cheaper than a thread hop and the GIL passing to and from that thread), while
+        the provider works on the request, else at the commit or abandon. Nothing here is
+        synced: see `commit`."""
+        if self._opened:
+            return
         self._opened = True
         try:
             self._fd = self.store.spares.create(self.path, os.O_WRONLY | os.O_APPEND)
@@ -126,8 +130,7 @@ class JsonlLog(ResponseLog):
     def check_commit(self, records: bytes, conversation_id: str | None) -> int:
         """Before the journal: refuse a commit that cannot be made; the index's size now."""
         store = self.store
-        if not self._opened:
-            self._open()
+        self._open()
         if store.sync_failed is not None:
             self.mark_failed(records, store.sync_failed, None, -1)
             store.refuse_if_failed()
@@ -228,8 +231,7 @@ class JsonlLog(ResponseLog):
             return
         self._closed = True
         self._uncount()
-        if not self._opened:
-            self._open()
+        self._open()
         if self._fd < 0:
             log.warning("could not mark %s incomplete: %s", self.response_id, self.create_error)
             return
