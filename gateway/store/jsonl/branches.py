@@ -24,7 +24,6 @@ if TYPE_CHECKING:
 async def delete_conversation(store: JsonlStore, conversation_id: str, *, archive: bool = False) -> bool:
     index = store.index_path(conversation_id)
     summaries = store.summary_path(conversation_id)
-    store._forget(conversation_id)
     for kind in ("summaries", "lifecycle"):
         store._side.pop((kind, conversation_id), None)
     lifecycle = store.side_path("lifecycle", conversation_id)
@@ -123,7 +122,6 @@ async def fork(store: JsonlStore, source: str, target: str, through: str) -> Non
         raise InvalidRequest(f"Conversation {target!r} already exists") from None
     except OSError as exc:
         raise StorageError(f"could not branch the conversation: {exc.strerror or exc}") from exc
-    store._forget(target)
 
 
 async def tombstone(store: JsonlStore, response_id: str) -> None:

@@ -300,7 +300,6 @@ def repair_conversation(q: Quarantine, cid: str, files: list[Path]) -> list[Dama
             problem = response_problem(scan(q.store.response_path(entry)))
             if problem is not None:
                 drop[lineno] = f"{found.get(entry) or problem} ({entry})"
-    q.store._forget(cid)
     return done + (q.move_lines(index, scanned, drop) if drop else [])
 
 

@@ -98,34 +98,26 @@ class JsonlLog(ResponseLog):
 
     async def _commit(self, records: bytes, conversation_id: str | None) -> Appended | None:
         store = self.store
+        before = self.check_commit(records, conversation_id)
+        tail = records + commit_line()
+        if not store.fsync:
+            return self.finish(tail, conversation_id)
+        journal = store.journal
+        data = entry(self.response_id, conversation_id, before, self.first + tail)
         try:
-            before = self.check_commit(records, conversation_id)
-            tail = records + commit_line()
-            if not store.fsync:
-                appended = self.finish(tail, conversation_id)
-            else:
-                journal = store.journal
-                data = entry(self.response_id, conversation_id, before, self.first + tail)
-                try:
-                    held = await journal.append(data)
-                except OSError as exc:
-                    reason = exc.strerror or str(exc)
-                    self.mark_failed(records, reason, None, -1)
-                    journal.abort(self.response_id)  # a failed sync may have written it
-                    raise StorageError(f"could not record the response durably: {reason}") from exc
-                try:
-                    appended = self.finish(tail, conversation_id)
-                except StorageError:
-                    journal.abort(self.response_id)
-                    raise
-                finally:
-                    journal.done(held)
+            held = await journal.append(data)
+        except OSError as exc:
+            reason = exc.strerror or str(exc)
+            self.mark_failed(records, reason, None, -1)
+            journal.abort(self.response_id)  # a failed sync may have written it
+            raise StorageError(f"could not record the response durably: {reason}") from exc
+        try:
+            return self.finish(tail, conversation_id)
         except StorageError:
-            store._forget(conversation_id)
+            journal.abort(self.response_id)
             raise
-        if appended is not None and conversation_id is not None:
-            store._sizes[conversation_id] = appended.after.position
-        return appended
+        finally:
+            journal.done(held)
 
     def check_commit(self, records: bytes, conversation_id: str | None) -> int:
         """Before the journal: refuse a commit that cannot be made; the index's size now."""

@@ -37,7 +37,6 @@ def read_index_after(
     try:
         fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)  # (no buffered file: four system calls fewer)
     except FileNotFoundError:
-        store._sizes.pop(conversation_id, None)
         return None
     try:
         stat = os.fstat(fd)
@@ -54,5 +53,4 @@ def read_index_after(
         # A torn last line: the crash happened before its fsync, so it was never acknowledged.
         log.warning("repairing torn last line of %s", path)
         os.truncate(path, start + consumed)
-    store._sizes[conversation_id] = start + consumed
     return raw, Version(generation, start + consumed), restarted

@@ -98,7 +98,6 @@ class JsonlStore(Store):
         self.fsync = durability == "fsync"
         self.cache_size = cache_size
         # Index sizes last seen: only to know whether an index file exists yet (no views here).
-        self._sizes: LRU[str, int] = LRU(cache_size)
         self._index_paths = NamedFiles(self.conversations_dir, check_conversation_id, 4 * cache_size)
         self.catalog = Catalog(self)
         self._lock_fd = -1  # locks/conversations.lock, for this store's byte-range locks
@@ -287,10 +286,6 @@ class JsonlStore(Store):
                 return await asyncio.to_thread(read)
             return read()
 
-    def _forget(self, conversation_id: str | None) -> None:
-        if conversation_id is not None:
-            self._sizes.pop(conversation_id, None)
-
     def start(self, response_id: str, request: Record) -> ResponseLog:
         return JsonlLog(self, response_id, request)
 
@@ -329,14 +324,12 @@ class JsonlStore(Store):
             if stat.st_size == 0 and self.fsync:
                 self._sync(fsync_dir, self.conversations_dir)
             after = stat.st_size + len(line)
-            self._sizes[conversation_id] = after
             self.catalog.changed(conversation_id, now())
             return Appended(Version(generation, stat.st_size), Version(generation, after))
 
         try:
             return await asyncio.to_thread(write)
         except OSError as exc:
-            self._forget(conversation_id)
             raise StorageError(f"could not record the change durably: {exc.strerror or exc}") from exc
 
     async def delete_conversation(self, conversation_id: str, *, archive: bool = False) -> bool:
