@@ -47,23 +47,67 @@ class Summary:
 
 
 def current_summary(records: list[Record], view: ConversationView) -> Summary | None:
-    """The newest summary that applies to this view (a reset makes older ones inapplicable)."""
+    """The newest summary that applies to this view: the last response it covers is in the
+    view's history (a reset or a branch makes the others inapplicable), and no withdrawal
+    recorded after it (a deletion of a message it covers, `withdrawal`) rules it out."""
+    bound: int | None = None  # history messages a summary older than the withdrawals may cover
     for record in reversed(records):
-        if record.get("type") != "summary":
+        kind = record.get("type")
+        if kind == "withdrawn":
+            end = _end_of(record.get("keep_through"), view)
+            bound = end if bound is None else min(bound, end)
+            continue
+        if kind != "summary":
             continue
         rid = record.get("covers_through")
         if not isinstance(rid, str) or rid not in view.history_end:
             if rid in view.prefix_ids:
                 raise NotLoaded(f"the summary covers through {rid}, which is not loaded")
             continue
+        covered = view.history_end[rid]
+        if bound is not None and covered > bound:
+            continue  # it folded in a message deleted since
         return Summary(
             version=int(number(record.get("version")) or 0),
             covers_through=rid,
-            covered=view.history_end[rid],
+            covered=covered,
             text=str(record.get("text", "")),
             model=str(record.get("model", "")),
         )
     return None
+
+
+def _end_of(response_id: object, view: ConversationView) -> int:
+    """Where `response_id`'s messages end in history; 0 when it is not in it (deleted or reset)."""
+    if not isinstance(response_id, str):
+        return 0
+    if response_id in view.history_end:
+        return view.history_end[response_id]
+    if response_id in view.prefix_ids:
+        raise NotLoaded(f"a summary withdrawal keeps through {response_id}, which is not loaded")
+    return 0
+
+
+def withdrawal(view: ConversationView, response_id: str, at: float) -> Record | None:
+    """The summaries log's record for a deletion of `response_id`'s messages (all of them, or
+    one): every summary version that covers one of them, or was folded from one that did, is
+    withdrawn; those covering only the turns before it still apply. None when none of its
+    messages is in history (a summary never sees the system prompt or feedback)."""
+    first = next((i for i, owner in enumerate(view.history_owner) if owner == response_id), None)
+    if first is None:
+        if response_id in view.prefix_ids:
+            raise NotLoaded(f"{response_id} is not loaded")
+        return None
+    if first == 0 and view.history_base:
+        raise NotLoaded(f"the turn before {response_id} is not loaded")
+    keep = view.history_owner[first - 1] if first else None
+    return {"type": "withdrawn", "keep_through": keep, "response_id": response_id, "created": at}
+
+
+def last_version(records: list[Record]) -> int:
+    """The highest summary version recorded (withdrawn ones included: numbers never repeat)."""
+    versions = [int(number(r.get("version")) or 0) for r in records if r.get("type") == "summary"]
+    return max(versions, default=0)
 
 
 def render_for_summary(messages: list[Message]) -> str:

@@ -48,7 +48,7 @@ class Services:
         self.summaries = Summaries(settings, router, stores, self.facts, self.cache)
         self.sessions = Sessions(settings, stores, self.summaries, self.cache)
         self.conversations = Conversations(settings, stores, self.cache)
-        self.responses = StoredResponses(settings, stores)
+        self.responses = StoredResponses(settings, stores, self.cache)
         self.queries = Queries(stores, self.cache)
         self.catalog = Catalog(settings, router)
         self.fsck = Fsck(settings, stores)

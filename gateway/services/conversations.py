@@ -16,6 +16,7 @@ from gateway.exceptions import InvalidRequest, NotFound
 from gateway.ids import check_conversation_id, mint_response_id
 from gateway.services.cache import ConversationCache
 from gateway.services.requests import check_size
+from gateway.services.summaries import withdraw
 from gateway.store import Store, StoreRegistry
 from gateway.store.base import now
 from gateway.types import Record
@@ -162,10 +163,12 @@ class Conversations:
     async def delete_item(self, tenant: str, cid: str, item_id: str) -> ConversationView:
         store = await self.stores.get(tenant)
         async with store.lock(cid, self.lock_timeout):
-            find_item(await self._existing(store, cid), item_id)
+            view = await self._existing(store, cid)
+            find_item(view, item_id)
             named = parse_item_id(item_id)
             assert named is not None  # find_item only finds ids we made
             rid, position = named
+            await withdraw(store, cid, view, rid)
             await store.append_marker(
                 cid, {"type": "delete_item", "response_id": rid, "position": position, "at": now()}
             )

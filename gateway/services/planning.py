@@ -134,7 +134,8 @@ class Planner:
         through = None
         if ctx.strategy == "summarize":
             summaries = await store.read_side("summaries", cid)
-            last = summaries[-1].get("covers_through") if summaries else None
+            versions = (r.get("covers_through") for r in reversed(summaries) if r.get("type") == "summary")
+            last = next(versions, None)
             through = last if isinstance(last, str) else None
         return {
             "tail": history_needed(ctx.max_history_messages, ctx.keep_recent_messages) + 16,

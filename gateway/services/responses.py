@@ -9,6 +9,8 @@ from dataclasses import replace
 from gateway.config import Settings
 from gateway.context.records import StoredResponse
 from gateway.exceptions import InvalidRequest, NotFound
+from gateway.services.cache import ConversationCache
+from gateway.services.summaries import withdraw
 from gateway.store import StoreRegistry
 from gateway.store.base import Store
 from gateway.types import Record
@@ -16,9 +18,10 @@ from gateway.writers import gone
 
 
 class StoredResponses:
-    def __init__(self, settings: Settings, stores: StoreRegistry) -> None:
+    def __init__(self, settings: Settings, stores: StoreRegistry, cache: ConversationCache) -> None:
         self.settings = settings
         self.stores = stores
+        self.cache = cache
 
     async def get(self, tenant: str, rid: str) -> StoredResponse:
         """The response's log, read; NotFound when absent or deleted."""
@@ -56,8 +59,11 @@ class StoredResponses:
             await store.tombstone(rid)
             return
         async with store.lock(cid, self.settings.storage.lock_timeout):
+            exists = await store.exists(cid)
+            if exists:
+                await withdraw(store, cid, await self.cache.load(store, cid), rid)
             await store.tombstone(rid)
-            if await store.exists(cid):
+            if exists:
                 await store.append_marker(
                     cid, {"type": "delete_response", "response_id": rid, "at": time.time()}
                 )

@@ -11,22 +11,38 @@ from __future__ import annotations
 import time
 
 from gateway.config import Settings
+from gateway.context.history import ConversationView, item_key
 from gateway.context.summary import (
     SUMMARY_INSTRUCTIONS,
     chunk_budget,
     current_summary,
+    last_version,
     render_for_summary,
     summary_cap,
+    withdrawal,
 )
 from gateway.exceptions import UpstreamStatusError
 from gateway.services.cache import ConversationCache
 from gateway.services.models import ModelFacts
 from gateway.store import StoreRegistry
-from gateway.store.base import now
+from gateway.store.base import Store, now
 from gateway.tokens import count_message, count_text, encoding_name_for, truncate_text
 from gateway.types import as_object, first_choice
 from gateway.upstream import Router
 from gateway.upstream.base import Body
+
+
+async def withdraw(store: Store, cid: str, view: ConversationView, response_id: str) -> None:
+    """Before messages of `response_id` are deleted (the conversation's lock held, `view` whole
+    and from before the deletion): the summary versions that drew on them stop applying, so the
+    model never sees a deleted message again, not even summarized. Recorded first: a crash
+    between the two leaves summaries withdrawn for nothing, never a deleted message in one."""
+    records = await store.read_side("summaries", cid)
+    if not any(r.get("type") == "summary" for r in records):
+        return
+    record = withdrawal(view, response_id, now())
+    if record is not None:
+        await store.append_side("summaries", cid, record)
 
 
 class Summaries:
@@ -85,8 +101,9 @@ class Summaries:
                 return
             messages = list(view.history[start:end])
             owners = list(view.history_owner[start:end])
+            positions = list(view.history_pos[start:end])
         text = summary.text if summary else ""
-        version = summary.version if summary else 0
+        base = summary.version if summary else 0
         route = self.router.resolve(model)
         facts = await self.facts.window(route, model, store)
         cap = summary_cap(self.settings.context.summary_max_tokens, facts.tokens)
@@ -130,22 +147,32 @@ class Summaries:
                 raise
             reply = as_object(first_choice(completion).get("message")).get("content") or ""
             text = truncate_text(str(reply).strip(), cap, model)
-            version += 1
-            await store.append_side(
-                "summaries",
-                cid,
-                {
-                    "type": "summary",
-                    "version": version,
-                    "covers_through": owners[j - 1],
-                    "covered_response_ids": sorted(set(owners[i:j]), key=owners.index),
-                    "covered_messages": start + j,
-                    "text": text,
-                    "tokens": count_text(text, model),
-                    "encoding": encoding,
-                    "model": model,
-                    "created": now(),
-                    "ms": round((time.perf_counter() - started) * 1000, 1),
-                },
-            )
+            folded = [item_key(owner, pos) for owner, pos in zip(owners[i:j], positions[i:j], strict=True)]
+            async with store.lock(cid, self.settings.storage.lock_timeout):
+                # What was deleted, reset or summarized meanwhile is not folded in (or over).
+                view = await self.cache.load(store, cid, keep=keep)
+                records = await store.read_side("summaries", cid, keep=keep)
+                now_current = current_summary(records, view)
+                if (now_current.version if now_current else 0) != base or any(
+                    key in view.deleted_items for key in folded
+                ):
+                    return
+                base = last_version(records) + 1
+                await store.append_side(
+                    "summaries",
+                    cid,
+                    {
+                        "type": "summary",
+                        "version": base,
+                        "covers_through": owners[j - 1],
+                        "covered_response_ids": sorted(set(owners[i:j]), key=owners.index),
+                        "covered_messages": start + j,
+                        "text": text,
+                        "tokens": count_text(text, model),
+                        "encoding": encoding,
+                        "model": model,
+                        "created": now(),
+                        "ms": round((time.perf_counter() - started) * 1000, 1),
+                    },
+                )
             i = j

@@ -1,0 +1,165 @@
+"""A deleted item or response leaves the model's view for good, rolling summary included: the
+summary versions that folded it in are withdrawn, the summarizer starts again from a clean
+version, and a fold that was under way while the deletion happened is not kept."""
+
+from __future__ import annotations
+
+import asyncio
+import re
+from pathlib import Path
+from typing import Any
+
+import httpx
+import pytest
+
+from gateway.store.memory import MemoryStore
+from gateway.upstream.mock import MockUpstream
+from tests.conftest import app_of, build_client, make_settings
+
+CID = "sumdel"
+
+
+def summarizing(body: dict[str, Any]) -> bool:
+    return str(body["messages"][0].get("content", "")).startswith("You maintain the running summary")
+
+
+class Model(MockUpstream):
+    """Answers "noted." to turns; as the summarizer, lists every secret it was shown (in the
+    current summary and the new messages), so a summary's text tells what it drew on."""
+
+    def __init__(self) -> None:
+        super().__init__(self.reply)
+        self.turns: list[dict[str, Any]] = []  # the bodies of the turns (not the summarizer's)
+        self.hold: asyncio.Event | None = None  # set: the summarizer waits for it
+        self.holding = asyncio.Event()
+
+    def reply(self, body: dict[str, Any]) -> str:
+        if summarizing(body):
+            shown = str(body["messages"][1]["content"])
+            return "facts: " + " ".join(sorted(set(re.findall(r"secret-\d+", shown))))
+        self.turns.append(body)
+        return "noted."
+
+    async def complete(self, body: dict[str, Any]) -> dict[str, Any]:
+        if summarizing(body) and self.hold is not None:
+            self.holding.set()
+            await self.hold.wait()
+        return await super().complete(body)
+
+
+def settings(tmp_path: Path | None = None) -> Any:
+    base = make_settings(tmp_path)
+    context = base.context.model_copy(
+        update={"strategy": "summarize", "max_history_messages": 4, "keep_recent_messages": 2}
+    )
+    return base.model_copy(update={"context": context})
+
+
+async def turn(client: httpx.AsyncClient, text: str) -> str:
+    body = {"model": "mock/m", "conversation_id": CID, "messages": [{"role": "user", "content": text}]}
+    r = await client.post("/v1/chat/completions", json=body)
+    assert r.status_code == 200, r.text
+    return str(r.json()["id"])
+
+
+def sent_text(body: dict[str, Any]) -> str:
+    return " ".join(str(m.get("content")) for m in body["messages"])
+
+
+async def grown(client: httpx.AsyncClient, model: Model, n: int = 8) -> list[str]:
+    """`n` turns, each telling a secret, with the summarizer done after each."""
+    ids = []
+    for i in range(n):
+        ids.append(await turn(client, f"remember secret-{i}"))
+        await app_of(client).state.summarizer.wait_idle()
+    return ids
+
+
+async def summary_of_next_turn(client: httpx.AsyncClient, model: Model, text: str) -> str:
+    await turn(client, text)
+    system = [m for m in model.turns[-1]["messages"] if m["role"] == "system"]
+    return " ".join(str(m["content"]) for m in system)
+
+
+async def items_saying(client: httpx.AsyncClient, needle: str) -> list[str]:
+    r = await client.get(f"/v1/conversations/{CID}/items", params={"limit": 100, "order": "asc"})
+    assert r.status_code == 200, r.text
+    found = []
+    for item in r.json()["data"]:
+        text = " ".join(str(part.get("text", "")) for part in item.get("content") or [])
+        if needle in text:
+            found.append(item["id"])
+    return found
+
+
+@pytest.mark.parametrize("backend", ["memory", "jsonl"])
+async def test_a_deleted_item_leaves_the_summary_and_later_summaries(backend: str, tmp_path: Path) -> None:
+    model = Model()
+    memory = MemoryStore() if backend == "memory" else None
+    async with build_client(settings(None if memory else tmp_path), memory, model) as client:
+        store = app_of(client).state.services.stores
+        store = memory or await store.get("")
+        await grown(client, model)
+        assert "secret-0" in await summary_of_next_turn(client, model, "probe-1")  # summarized
+
+        (item,) = await items_saying(client, "secret-0")
+        r = await client.delete(f"/v1/conversations/{CID}/items/{item}")
+        assert r.status_code == 200, r.text
+
+        await turn(client, "probe-2")
+        assert "secret-0" not in sent_text(model.turns[-1])
+        # The summarizer starts again from what is left, and its summaries are used again.
+        for i in range(3):
+            await turn(client, f"more secret-{100 + i}")
+            await app_of(client).state.summarizer.wait_idle()
+        summary = await summary_of_next_turn(client, model, "probe-3")
+        assert "secret-1" in summary and "secret-0" not in summary
+        assert "secret-0" not in sent_text(model.turns[-1])
+        versions = [r["version"] for r in await store.read_side("summaries", CID) if r["type"] == "summary"]
+        assert len(versions) == len(set(versions))  # numbering goes on, never repeats
+
+
+async def test_a_deleted_response_leaves_the_summary() -> None:
+    model = Model()
+    async with build_client(settings(), MemoryStore(), model) as client:
+        ids = await grown(client, model)
+        assert "secret-0" in await summary_of_next_turn(client, model, "probe-1")
+        r = await client.delete(f"/v1/responses/{ids[0]}")
+        assert r.status_code == 200, r.text
+        await turn(client, "probe-2")
+        assert "secret-0" not in sent_text(model.turns[-1])
+
+
+async def test_a_summary_that_does_not_cover_the_deleted_item_is_still_used() -> None:
+    model = Model()
+    async with build_client(settings(), MemoryStore(), model) as client:
+        await grown(client, model)
+        (item,) = await items_saying(client, "secret-7")  # the newest: in the window, not summarized
+        assert (await client.delete(f"/v1/conversations/{CID}/items/{item}")).status_code == 200
+        summary = await summary_of_next_turn(client, model, "probe")
+        assert "secret-0" in summary  # the summary of the older turns still applies
+        assert "secret-7" not in sent_text(model.turns[-1])
+
+
+@pytest.mark.parametrize("what", ["item", "response"])
+async def test_a_fold_under_way_during_a_deletion_is_not_kept(what: str) -> None:
+    model = Model()
+    async with build_client(settings(), MemoryStore(), model) as client:
+        ids = await grown(client, model, 3)  # nothing summarized yet
+        model.hold = asyncio.Event()
+        await turn(client, "remember secret-3")  # the window cuts: the first fold starts
+        await asyncio.wait_for(model.holding.wait(), 5)
+        if what == "item":
+            (item,) = await items_saying(client, "secret-0")
+            r = await client.delete(f"/v1/conversations/{CID}/items/{item}")
+        else:
+            r = await client.delete(f"/v1/responses/{ids[0]}")
+        assert r.status_code == 200, r.text
+        model.hold.set()
+        await app_of(client).state.summarizer.wait_idle()
+        for i in range(4, 8):
+            await turn(client, f"remember secret-{i}")
+            await app_of(client).state.summarizer.wait_idle()
+        await turn(client, "probe")
+        assert "secret-0" not in sent_text(model.turns[-1])
+        assert "secret-1" in sent_text(model.turns[-1])  # summarized again, without it
