@@ -22,7 +22,7 @@ from gateway.context import (
 from gateway.context.lifecycle import zone
 from gateway.context.summary import Summary, current_summary, snap_to_turn_end
 from gateway.context.window import REQUEST_OVERHEAD_TOKENS, Window, fit_window, omitted_marker
-from gateway.exceptions import InvalidRequest
+from gateway.exceptions import ContextLengthExceeded, InvalidRequest
 from gateway.services.models import ModelFacts, WindowFacts
 from gateway.services.recap import build_recap
 from gateway.services.requests import ChatRequest
@@ -72,6 +72,14 @@ def _size(messages: list[Message]) -> int:
         content = m.get("content")
         total += len(content) if isinstance(content, str) else len(orjson.dumps(content))
     return total
+
+
+def newest_user_message(conversation: list[Message], first_new: int) -> int | None:
+    """Where the newest user message is, when the new messages have others before it."""
+    for i in range(len(conversation) - 1, first_new, -1):
+        if conversation[i].get("role") == "user":
+            return i
+    return None
 
 
 async def off_loop_if_large(messages: list[Message], work: Callable[[], Any]) -> Any:
@@ -213,35 +221,50 @@ class Planner:
         reserve = requested or min(ctx.reserve_tokens, window_size // 4)
         budget = facts.calibration.our_budget(window_size - reserve)
         system_msgs = [clean_message(m) for m in system]
-        # Summary and recap are sized from the window: together at most half of what the
-        # system prompt and the current request leave (the rest is for the newest turns).
-        free = budget - REQUEST_OVERHEAD_TOKENS - sum(system_tokens) - sum(conversation_tokens[first_new:])
-        summary_message, summary_tokens = self.sized(
-            summary.message() if summary else None, free // 3, request.model, count
-        )
-        recap, recap_tokens = self.sized(recap, free // 6, request.model, count)
         first = [clean_message(m) for m in history[:first_end]] if first_end and lower > 0 else []
         tools = request.body.get("tools")
         tools_tokens = tools_cost(orjson.dumps(tools).decode(), encoding) if tools else 0
-        window = fit_window(
-            tools_tokens=tools_tokens,
-            system=system_msgs,
-            system_tokens=system_tokens,
-            conversation=conversation,
-            conversation_tokens=conversation_tokens,
-            first_new=first_new,
-            budget=budget,
-            max_history_messages=ctx.max_history_messages,
-            marker_tokens=lambda n: marker_cost(encoding, n),
-            summary=summary_message,
-            summary_tokens=summary_tokens,
-            recap=recap,
-            recap_tokens=recap_tokens,
-            omitted_before=lower - covered - (first_end if first else 0),
-            first=first,
-            first_tokens=[count(m) for m in first],
-            keep_recent=ctx.keep_recent_messages,
-        )
+
+        def fit(first_new: int) -> Window:
+            # Summary and recap are sized from the window: together at most half of what the
+            # system prompt and the current request leave (the rest is for the newest turns).
+            request_tokens = sum(conversation_tokens[first_new:])
+            free = budget - REQUEST_OVERHEAD_TOKENS - sum(system_tokens) - request_tokens
+            summary_message, summary_tokens = self.sized(
+                summary.message() if summary else None, free // 3, request.model, count
+            )
+            recap_message, recap_tokens = self.sized(recap, free // 6, request.model, count)
+            return fit_window(
+                tools_tokens=tools_tokens,
+                system=system_msgs,
+                system_tokens=system_tokens,
+                conversation=conversation,
+                conversation_tokens=conversation_tokens,
+                first_new=first_new,
+                budget=budget,
+                max_history_messages=ctx.max_history_messages,
+                marker_tokens=lambda n: marker_cost(encoding, n),
+                summary=summary_message,
+                summary_tokens=summary_tokens,
+                recap=recap_message,
+                recap_tokens=recap_tokens,
+                omitted_before=lower - covered - (first_end if first else 0),
+                first=first,
+                first_tokens=[count(m) for m in first],
+                keep_recent=ctx.keep_recent_messages,
+            )
+
+        try:
+            window = fit(first_new)
+        except ContextLengthExceeded:
+            # What the client sent before its newest user message (a chat moved onto the
+            # gateway in one request, or everything after an edited message) is history it
+            # resent: cut oldest first, as stored history is. Only the newest user message
+            # and what follows it are the request proper.
+            request_from = newest_user_message(conversation, first_new)
+            if request_from is None:
+                raise
+            window = fit(request_from)
         if repaired:
             positions = {id(m): lower + i for i, m in enumerate(hist)}
             kept_abs = next(

@@ -346,3 +346,61 @@ async def test_truncation_warning_once_per_conversation_and_cache_hits_count(
     assert ours == [408, 408]
     assert flagged == [True, True, True, True, False, True]
     assert caplog.text.count("upstream_truncation_suspected") == 2  # once per conversation
+
+
+@pytest.mark.parametrize("stored", [0, 2])
+async def test_a_long_history_sent_at_once_is_cut_like_a_stored_one(stored: int) -> None:
+    """A client moving a long chat onto the gateway sends it whole in one request (or edits an
+    early message, which makes everything after it new): what it sent before its newest user
+    message is cut oldest first with the marker, as stored history is, instead of a 400. The
+    newest user message alone too big is still a 400 (`test_request_too_big_is_400_before_upstream`)."""
+    upstream = MockUpstream()
+    settings = make_settings()
+    settings = settings.model_copy(
+        update={"context": settings.context.model_copy(update={"max_context_tokens": 1000})}
+    )
+    pairs = [
+        [
+            {"role": "user", "content": f"question {i}: " + "word " * 40},
+            {"role": "assistant", "content": f"answer {i}"},
+        ]
+        for i in range(60)
+    ]
+    history = [m for pair in pairs for m in pair]
+    async with build_client(settings, MemoryStore(), upstream) as client:
+        for k in range(stored):  # a stored beginning, resent and then edited after it
+            r = await client.post(
+                "/v1/chat/completions",
+                json={"model": "mock/m", "messages": history[: 2 * k + 1], "conversation_id": "moved"},
+            )
+            assert r.status_code == 200, r.text
+        sent = [*history, {"role": "user", "content": "and the newest question?"}]
+        if stored:
+            sent[2 * stored + 1] = {"role": "assistant", "content": "an edited answer"}
+        r = await client.post(
+            "/v1/chat/completions", json={"model": "mock/m", "messages": sent, "conversation_id": "moved"}
+        )
+        assert r.status_code == 200, r.text
+        answer = r.json()["choices"][0]["message"]["content"]
+        body = upstream.requests[-1]["messages"]
+        assert body[-1] == {"role": "user", "content": "and the newest question?"}
+        assert body[-2] == {"role": "assistant", "content": "answer 59"}  # the answer before it
+        assert re.fullmatch(r"\[\d+ earlier messages omitted\]", str(body[0]["content"]))
+        assert len(body) < len(sent)
+        context = (await client.get("/v1/conversations/moved/context")).json()
+        assert context["truncated"] > 0
+        # All of it is stored: the next turn sees the same conversation, cut the same way.
+        r = await client.post(
+            "/v1/chat/completions",
+            json={
+                "model": "mock/m",
+                "messages": [{"role": "user", "content": "next"}],
+                "conversation_id": "moved",
+            },
+        )
+        assert r.status_code == 200, r.text
+        assert upstream.requests[-1]["messages"][-3:] == [
+            body[-1],
+            {"role": "assistant", "content": answer},
+            {"role": "user", "content": "next"},
+        ]
