@@ -20,6 +20,7 @@ from gateway.config import Settings, load_settings
 from gateway.config_sources import CONFIG_ENV, DEFAULT_CONFIG_PATH
 from gateway.context import Turn
 from gateway.exceptions import GatewayError, NotFound
+from gateway.ids import is_valid_response_id
 from gateway.services import Services
 from gateway.types import Record
 
@@ -160,6 +161,17 @@ def _run(settings: Settings, work: Callable[[Services], Awaitable[T]], *, writes
     return asyncio.run(main())
 
 
+def ids_as_arguments(args: list[str]) -> list[str]:
+    """A response id can begin with `-` (the model `/m` mints `-m-…`): such an argument is moved
+    after `--`, so that it is read as the id it is, not as an option."""
+    if "--" in args:
+        return args
+    ids = [a for a in args if a.startswith("-") and is_valid_response_id(a)]
+    if not ids:
+        return args
+    return [a for a in args if a not in ids] + ["--", *ids]
+
+
 class _Gateway(click.Group):
     """Click's group, with its usage errors as one line (`gateway: …`) instead of a usage block."""
 
@@ -171,6 +183,7 @@ class _Gateway(click.Group):
         standalone_mode: bool = True,
         **extra: Any,
     ) -> Any:
+        args = ids_as_arguments(sys.argv[1:] if args is None else list(args))
         run = functools.partial(super().main, args, prog_name, complete_var, standalone_mode=False, **extra)
         if not standalone_mode:
             return run()

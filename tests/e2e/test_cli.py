@@ -72,6 +72,21 @@ def test_conversations_show_context(gateway: GatewayProcess, upstream: MockServe
     assert "Your name is Cli." in ctx.stdout and "sent (exact):" in ctx.stdout
 
 
+def test_a_response_id_that_begins_with_a_dash_is_an_argument(
+    gateway: GatewayProcess, upstream: MockServer
+) -> None:
+    """The model `/m` mints `-m-…`: `gateway context` takes it as the id, not as options."""
+    client = OpenAI(base_url=f"{gateway.url}/v1", api_key="x", max_retries=0)
+    rid = client.chat.completions.create(
+        model="/m", messages=[{"role": "user", "content": "hi"}], extra_body={"conversation_id": "dash"}
+    ).id
+    assert rid.startswith("-m-")
+    for args in (["context", rid], ["context", "--brief", rid], ["context", rid, "--json"]):
+        result = gw(*args, "--data-dir", str(gateway.data_dir))
+        assert result.returncode == 0, (args, result.stderr)
+        assert rid in result.stdout
+
+
 def test_errors_are_one_line_and_nonzero(tmp_path: Path) -> None:
     result = gw("show", "nope", "--data-dir", str(tmp_path))
     assert result.returncode != 0 and len(result.stderr.strip().splitlines()) == 1
