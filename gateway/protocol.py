@@ -1,10 +1,17 @@
-"""uvicorn's httptools protocol with a deadline on the request head.
+"""uvicorn's httptools protocol with a deadline on the request head, a mark on requests whose
+body came whole, and answers of known length written in one piece.
 
 uvicorn times out idle keep-alive connections, but a client that opens a connection and sends
 nothing, or sends part of a header block and stalls ("slowloris"), would hold its connection
 and file descriptor forever. Here the head of every request must be complete within
 `server.body_timeout` of the connection opening (or of its first byte, on a kept-alive
 connection); otherwise the gateway answers 408 and closes the connection.
+
+uvicorn writes a response's head as soon as the app starts the response, then its body: two
+sends, each a trip through the network stack and a wake-up of the client. An answer with a
+Content-Length of at most 64 KiB (every JSON answer of a turn) goes out in one send here: its head
+is held until the body part that ASGI sends next. Streams (chunked: server-sent events), HEAD
+answers and larger bodies are written as uvicorn writes them.
 """
 
 from __future__ import annotations
@@ -15,6 +22,7 @@ from typing import Any
 import orjson
 from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
 
+from gateway.api.http import BODY_COMPLETE
 from gateway.exceptions import BodyTimeout
 
 _BODY = orjson.dumps(BodyTimeout("The request head did not arrive within server.body_timeout").to_dict())
@@ -22,6 +30,44 @@ TIMEOUT_RESPONSE = (
     b"HTTP/1.1 408 Request Timeout\r\ncontent-type: application/json\r\nconnection: close\r\n"
     b"content-length: " + str(len(_BODY)).encode() + b"\r\n\r\n" + _BODY
 )
+
+
+_JOIN_LIMIT = 1 << 16
+
+
+class OneSendTransport:
+    """A request cycle's transport: holds the head of an answer with a Content-Length (at most
+    _JOIN_LIMIT) and sends it with the body part that follows; everything else passes through."""
+
+    __slots__ = ("_transport", "_cycle", "_held", "_head_seen")
+
+    def __init__(self, transport: asyncio.Transport, cycle: Any) -> None:
+        self._transport = transport
+        self._cycle = cycle
+        self._held: bytes | None = None
+        self._head_seen = False
+
+    def write(self, data: bytes) -> None:
+        held = self._held
+        if held is not None:
+            self._held = None
+            self._transport.write(held + data)
+            return
+        cycle = self._cycle
+        if not self._head_seen and cycle.response_started:  # the first write once started: the head
+            self._head_seen = True
+            # With a Content-Length a body write follows (none for HEAD).
+            if (
+                getattr(cycle, "chunked_encoding", None) is False
+                and cycle.scope["method"] != "HEAD"
+                and getattr(cycle, "expected_content_length", _JOIN_LIMIT + 1) <= _JOIN_LIMIT
+            ):
+                self._held = data
+                return
+        self._transport.write(data)
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._transport, name)
 
 
 class HeadDeadlineProtocol(HttpToolsProtocol):
@@ -59,7 +105,18 @@ class HeadDeadlineProtocol(HttpToolsProtocol):
 
     def on_headers_complete(self) -> None:
         self._disarm()
+        before = self.cycle
         super().on_headers_complete()
+        cycle = self.cycle
+        if cycle is not None and cycle is not before:  # a new request (its task has not run yet)
+            cycle.transport = OneSendTransport(self.transport, cycle)  # type: ignore[assignment]
+
+    def on_message_complete(self) -> None:
+        super().on_message_complete()
+        if self.cycle is not None:
+            # The whole body is in: reading it cannot stall (see `gateway.api.http.read_body`).
+            scope: dict[str, Any] = self.cycle.scope  # type: ignore[assignment]
+            scope[BODY_COMPLETE] = True
 
     def connection_lost(self, exc: Exception | None) -> None:
         self._disarm()

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import os
 from pathlib import Path
 from typing import Any
 
@@ -627,3 +628,31 @@ async def test_a_request_refused_for_its_key_is_counted_and_logged_as_unauthenti
     line = json.loads(next(r.getMessage() for r in caplog.records if r.name == "gateway.access"))
     assert line["route"] == "unauthenticated" and line["status"] == 401  # not "unmatched": it had a route
     assert 'gateway_requests_total{route="unauthenticated",status="401"} 1.0' in metrics
+
+
+async def test_a_new_conversation_s_turn_does_not_look_for_its_index_twice(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Loading found no index (under the lock the turn holds): the response log's work while
+    the provider answers does not look again; a conversation with turns is looked at, and the
+    sizes the journal records are right either way (the next turn reads them back whole)."""
+    import gateway.store.jsonl.log as log_module
+
+    looked: list[str] = []
+    real_stat = os.stat
+
+    def stat(path: Any, *args: Any, **kwargs: Any) -> os.stat_result:
+        looked.append(Path(path).name)
+        return real_stat(path, *args, **kwargs)
+
+    monkeypatch.setattr(log_module.os, "stat", stat)
+    settings = make_settings(tmp_path)
+    async with build_client(settings, None, MockUpstream()) as client:
+        r = await chat(client, [user("first")], cid="fresh")
+        assert r.status_code == 200, r.text
+        assert "fresh.jsonl" not in looked
+        r = await chat(client, [user("second")], cid="fresh")
+        assert r.status_code == 200, r.text
+        assert looked.count("fresh.jsonl") == 1
+    index = (tmp_path / "var" / "logs" / "conversations" / "fresh.jsonl").read_text().split()
+    assert len(index) == 2

@@ -115,3 +115,27 @@ async def test_work_that_ends_stops_watching() -> None:
     await asyncio.sleep(0.01)
     client.leave()  # after the answer: nothing is cancelled any more
     await asyncio.sleep(0.01)
+
+
+async def test_a_body_the_server_has_whole_is_taken_without_arming_the_deadline(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    import gateway.api.http as http
+
+    def no_deadline(delay: float | None) -> Any:
+        raise AssertionError("the body deadline was armed for a body already received")
+
+    monkeypatch.setattr(http.asyncio, "timeout", no_deadline)
+    cycle = Cycle([BODY], whole=True)
+    request = request_of(cycle)
+    request.scope[http.BODY_COMPLETE] = True
+    assert await read_json(request, 1000) == orjson.loads(BODY)
+    assert cycle.received == 1
+    request = request_of(Cycle([BODY], whole=True))
+    request.scope[http.BODY_COMPLETE] = True
+    with pytest.raises(BodyTooLarge):
+        await read_json(request, len(BODY) - 1)
+    request = request_of(Cycle([], whole=True))  # the client left: a disconnect
+    request.scope[http.BODY_COMPLETE] = True
+    with pytest.raises(ClientGone):
+        await read_json(request, 1000)

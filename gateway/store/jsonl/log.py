@@ -38,12 +38,19 @@ class JsonlLog(ResponseLog):
         self._opened = False
         self._conversation = request.get("conversation_id")
         self._before: int | None = None  # the index's size, read ahead by `meanwhile`
+        # A turn that found no index entry (the lock held since) knows the index is empty or
+        # absent: `meanwhile` need not look (one path lookup less for a new conversation).
+        before = request.get("before")
+        self._known_empty = isinstance(before, dict) and before.get("entries") == 0
 
     def meanwhile(self) -> None:
         if self._opened:
             return
         self._open()
         if isinstance(self._conversation, str):
+            if self._known_empty:
+                self._before, self._new_index = 0, True
+                return
             # Exact until the commit: this turn holds the conversation's lock.
             try:
                 self._before = self._index_size(self._conversation)
