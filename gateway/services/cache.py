@@ -76,8 +76,9 @@ class ConversationCache:
             if keep:
                 self._views[key] = _Cached(*found)
             return found[1]
-        read = await store.read_conversation(cid, cached.version if cached is not None else None)
-        view = self._apply(key, cached, read, keep)
+        since = cached.version if cached is not None else None
+        read = await store.read_conversation(cid, since)
+        view = self._apply(key, cached, since, read, keep)
         return view if view is not None else await self.load(store, cid, keep=keep)
 
     async def load_many(self, store: Store, cids: list[str], *, keep: bool = True) -> list[ConversationView]:
@@ -86,21 +87,29 @@ class ConversationCache:
         keys = [(id(store), cid) for cid in cids]
         cached = [self._views.get(key) for key in keys]
         cached = [c if c is not None and not c.view.partial else None for c in cached]  # all of it
-        reads = await store.read_many(
-            [(cid, c.version if c else None) for cid, c in zip(cids, cached, strict=True)]
-        )
-        views = [self._apply(*args, keep) for args in zip(keys, cached, reads, strict=True)]
+        since = [c.version if c else None for c in cached]
+        reads = await store.read_many(list(zip(cids, since, strict=True)))
+        views = [self._apply(*args, keep) for args in zip(keys, cached, since, reads, strict=True)]
         return [
             view if view is not None else await self.load(store, cid, keep=keep)
             for cid, view in zip(cids, views, strict=True)
         ]
 
     def _apply(
-        self, key: tuple[int, str], cached: _Cached | None, read: IndexRead, keep: bool
+        self,
+        key: tuple[int, str],
+        cached: _Cached | None,
+        since: Version | None,
+        read: IndexRead,
+        keep: bool,
     ) -> ConversationView | None:
-        """A cached view (or a new one) brought up to date with what was read; None when what
-        changed is outside what a partial view holds (then the caller loads all of it)."""
+        """A cached view (or a new one) brought up to date with what was read since `since`;
+        None when the caller must load again: what changed is outside what a partial view holds,
+        or the cached view moved on while the read was under way (a turn of this process, or
+        another reader, applied entries the read has too: applying them again would repeat them)."""
         cid = key[1]
+        if cached is not None and (cached.version != since or self._views.get(key) is not cached):
+            return None
         if read.version is None:
             self._views.pop(key, None)
             return ConversationView()
