@@ -29,13 +29,16 @@ def observe(metrics: Metrics, outcome: TurnOutcome) -> None:
     timings = outcome.timings
     if timings is not None:
         metrics.child(metrics.upstream, outcome.provider).observe(timings["upstream_ms"] / 1000)
-        metrics.overhead.observe(max(0.0, timings["total_ms"] - timings["upstream_ms"]) / 1000)
+        # The turn's whole time (preparing, the commit and closing included) less the provider's.
+        metrics.overhead.observe(max(0.0, outcome.elapsed_ms - timings["upstream_ms"]) / 1000)
     usage = outcome.usage or {}
     prompt = usage.get("prompt_tokens")
     if not isinstance(prompt, int):
         prompt = (outcome.window_tokens or {}).get("total", 0)
     metrics.child(metrics.tokens, "in").inc(prompt)
     completion = usage.get("completion_tokens")
+    if not isinstance(completion, int):
+        completion = outcome.output_tokens
     if isinstance(completion, int):
         metrics.child(metrics.tokens, "out").inc(completion)
     if outcome.truncated:

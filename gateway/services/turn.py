@@ -54,6 +54,7 @@ class TurnOutcome:
     truncated: int | None  # messages left out of the window
     summary_version: int | None
     upstream_truncated: bool  # the provider counted far fewer prompt tokens than were sent
+    output_tokens: int | None = None  # our count of the answer (None: not counted)
 
 
 @dataclass(slots=True)
@@ -85,6 +86,7 @@ class PreparedTurn:
     upstream_truncated: bool = False
     recap: Message | None = None
     final_message: Message | None = None
+    output_tokens: int | None = None
     finish_reason: str | None = None
     first_of_user: str | None = None  # a new conversation of this end user: index it for recaps
     replan: Callable[[], Awaitable[ContextPlan]] | None = None  # after a provider's refusal
@@ -117,6 +119,7 @@ class PreparedTurn:
             truncated=plan.window.omitted if plan is not None else None,
             summary_version=plan.summary.version if plan is not None and plan.summary else None,
             upstream_truncated=self.upstream_truncated,
+            output_tokens=self.output_tokens,
         )
 
     @property

@@ -91,6 +91,7 @@ class ChatService:
     async def prepare(self, request: ChatRequest, tenant: str = "") -> PreparedTurn:
         """Lock and load the conversation, fit the window, and open the response log.
         The caller must `close` the returned turn."""
+        started = time.perf_counter()  # the gateway's own time starts here (lock, load, plan)
         store = await self.stores.get(tenant)
         store.refuse_if_failed()  # before the provider is asked for an answer nobody could keep
         route = self.router.resolve(request.model)
@@ -223,7 +224,7 @@ class ChatService:
                     }
                 )
             turn = PreparedTurn(
-                request, response_id, route, upstream_body, response_log, new, stored_system, stack
+                request, response_id, route, upstream_body, response_log, new, stored_system, stack, started
             )
             turn.encoding = encoding
             turn.new_tokens = new_tokens
@@ -252,7 +253,7 @@ class ChatService:
         if turn.encoding is not None and turn.new_tokens is not None:
             _, count = counter_for(turn.request.model)
             output_tokens = await off_loop_if_large([message], lambda: count(message))
-            record["message_tokens"] = output_tokens
+            record["message_tokens"] = turn.output_tokens = output_tokens
         turn.upstream_truncated = self.planner.learn_from_usage(
             turn.plan, turn.route, record, turn.conversation_id, turn.response_id
         )

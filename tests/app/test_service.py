@@ -656,3 +656,59 @@ async def test_a_new_conversation_s_turn_does_not_look_for_its_index_twice(
         assert looked.count("fresh.jsonl") == 1
     index = (tmp_path / "var" / "logs" / "conversations" / "fresh.jsonl").read_text().split()
     assert len(index) == 2
+
+
+class SlowLoads(MemoryStore):
+    """Loading a conversation takes `delay` seconds: gateway time, not the provider's."""
+
+    def __init__(self, delay: float) -> None:
+        super().__init__()
+        self.delay = delay
+
+    async def read_conversation(self, conversation_id: str, after: Any = None) -> Any:
+        await asyncio.sleep(self.delay)
+        return await super().read_conversation(conversation_id, after)
+
+    async def read_entries(self, conversation_id: str) -> Any:
+        await asyncio.sleep(self.delay)
+        return await super().read_entries(conversation_id)
+
+
+@pytest.mark.parametrize("stream", [False, True])
+async def test_the_overhead_metric_counts_the_gateway_s_own_time(stream: bool) -> None:
+    """`gateway_overhead_seconds` is the turn's time less the provider's: loading the
+    conversation is part of it (it counted only from the end of the preparation on)."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    store, upstream = SlowLoads(0.05), MockUpstream(delay=0.02)
+    async with build_client(make_settings(), store, upstream) as client:
+        r = await chat(client, [user("hello")], stream=stream)
+        assert r.status_code == 200
+        metrics = (await client.get("/metrics")).text
+        stored = (await client.get(f"/v1/responses/{r.headers['x-response-id']}")).json()["gateway"]
+    samples = {
+        s.name: s.value for f in text_string_to_metric_families(metrics) for s in f.samples if not s.labels
+    }
+    assert samples["gateway_overhead_seconds_count"] == 1
+    assert 0.05 <= samples["gateway_overhead_seconds_sum"] < 1.0
+    timings = stored["response"]["timings"]
+    assert timings["upstream_ms"] >= 20 and timings["total_ms"] >= timings["upstream_ms"] + 50
+
+
+async def test_completion_tokens_are_counted_when_the_provider_reports_none(
+    app_client: httpx.AsyncClient,
+) -> None:
+    """`gateway_tokens_total{direction="out"}`: the provider's count, else ours (a stream
+    without a usage chunk), as for prompt tokens."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    def out() -> float:
+        samples = [s for f in text_string_to_metric_families(metrics) for s in f.samples]
+        return next((s.value for s in samples if s.labels == {"direction": "out"}), 0.0)
+
+    metrics = (await app_client.get("/metrics")).text
+    before = out()
+    r = await chat(app_client, [user("count my answer")], stream=True)  # no include_usage: no usage
+    assert r.status_code == 200 and '"usage"' not in r.text
+    metrics = (await app_client.get("/metrics")).text
+    assert out() > before
