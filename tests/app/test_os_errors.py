@@ -13,7 +13,7 @@ from gateway.store.jsonl import JsonlStore
 from gateway.store.memory import MemoryStore
 from gateway.types import Record
 from gateway.upstream.mock import MockUpstream
-from tests.conftest import build_client, make_settings
+from tests.conftest import app_of, build_client, make_settings
 
 
 class RefusingStore(MemoryStore):
@@ -75,3 +75,38 @@ async def test_a_corrupt_record_is_a_503_naming_the_file_and_line_not_the_server
         message = r.json()["error"]["message"]
         assert f"logs/responses/{first}.jsonl:2" in message, message
         assert str(tmp_path) not in message
+
+
+async def test_an_attempt_the_full_disk_kept_from_marking_is_marked_once_space_returns(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The disk fills while the provider answers: the client gets 503, and even the log's
+    `incomplete` ending cannot be written. Once writes succeed again (the readiness probe, or
+    the next commit), that ending is written: the response reads as failed, not in progress."""
+    import gateway.store.jsonl.log as log_module
+
+    settings = make_settings(tmp_path, durability="none")
+    store = JsonlStore(tmp_path / "var", durability="none")
+    await store.open()
+    real_write_all = log_module.write_all
+    full = [True]
+
+    def write_all(fd: int, data: bytes) -> None:
+        if full[0] and (b'"type":"response"' in data or b'"incomplete"' in data):
+            raise OSError(errno.ENOSPC, "No space left on device")
+        real_write_all(fd, data)
+
+    monkeypatch.setattr(log_module, "write_all", write_all)
+    body = {"model": "mock/m", "conversation_id": "full", "messages": [{"role": "user", "content": "hi"}]}
+    async with build_client(settings, store, MockUpstream()) as client:
+        r = await client.post("/v1/chat/completions", json=body)
+        assert r.status_code == 503, r.text
+        rid = r.headers["x-response-id"]
+        assert (await client.get(f"/v1/responses/{rid}")).json()["status"] == "in_progress"
+        full[0] = False  # space again
+        assert await app_of(client).state.services.readiness() is None  # (what /readyz asks)
+        answer = (await client.get(f"/v1/responses/{rid}")).json()
+        assert answer["status"] == "failed", answer
+        lines = (tmp_path / "var" / "logs" / "responses" / f"{rid}.jsonl").read_text().splitlines()
+        assert '"storage_error"' in lines[-1]
+        assert (await client.get("/v1/conversations/full/items")).status_code == 404  # no turn

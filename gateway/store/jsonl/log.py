@@ -182,6 +182,8 @@ class JsonlLog(ResponseLog):
             finally:
                 os.close(fd)
             self.store.catalog.changed(conversation_id, now())
+            if self.store.unmarked:
+                self.store.mark_unmarked()
             return Appended(Version(generation, before), Version(generation, before + len(line)))
         except OSError as exc:
             reason = exc.strerror or str(exc)
@@ -223,7 +225,8 @@ class JsonlLog(ResponseLog):
                 os.close(fd)
                 self._fd = -1
         except OSError as exc:
-            log.error("could not mark %s incomplete: %s", self.response_id, exc)
+            log.error("could not mark %s incomplete (again once writes succeed): %s", self.response_id, exc)
+            self.store.mark_later(self.path, line)
 
     async def abandon(self, reason: str, error: JSONObject | None = None) -> None:
         if self._closed:
@@ -236,9 +239,10 @@ class JsonlLog(ResponseLog):
             return
         self._pending.append(orjson.dumps({"type": "incomplete", "reason": reason, "error": error}) + b"\n")
         try:
-            os.write(self._fd, b"".join(self._pending))
+            write_all(self._fd, b"".join(self._pending))
         except OSError as exc:
-            log.warning("could not mark %s incomplete: %s", self.response_id, exc)
+            log.warning("could not mark %s incomplete (again once writes succeed): %s", self.response_id, exc)
+            self.store.mark_later(self.path, b"\n" + self._pending[-1])
         finally:
             os.close(self._fd)
             self._fd = -1

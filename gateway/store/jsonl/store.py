@@ -107,6 +107,8 @@ class JsonlStore(Store):
         self.sync_failed: str | None = None
         self.journal = Journal(self)  # commits' one shared fdatasync (durability fsync)
         self.spares = Spares(self.root / "spare")  # new files renamed into place
+        # Response logs whose `incomplete` ending could not be written (a full disk): path -> line.
+        self.unmarked: LRU[Path, bytes] = LRU(1024)
 
     @property
     def refusing_writes(self) -> str | None:
@@ -226,6 +228,28 @@ class JsonlStore(Store):
             await asyncio.to_thread(probe_file, self.locks_dir / f".probe-{os.getpid()}", self.fsync)
         except OSError as exc:
             raise StorageError(f"the data dir cannot be written: {exc.strerror or exc}") from exc
+        self.mark_unmarked()
+
+    def mark_later(self, path: Path, line: bytes) -> None:
+        """A response log's ending that could not be written now: written by `mark_unmarked`."""
+        self.unmarked[path] = line
+
+    def mark_unmarked(self) -> None:
+        """Write the endings that could not be written (after a write succeeded again: the
+        readiness probe, a commit), so that those attempts read as failed, not in progress."""
+        for path, line in list(self.unmarked.items()):
+            try:
+                fd = os.open(path, os.O_WRONLY | os.O_APPEND)
+                try:
+                    write_all(fd, line)
+                finally:
+                    os.close(fd)
+            except FileNotFoundError:
+                pass  # removed since (its conversation deleted)
+            except OSError:
+                return  # not yet: the next success tries again
+            self.unmarked.pop(path, None)
+            log.info("marked %s incomplete", path.name)
 
     async def close(self) -> None:
         self.journal.release()
