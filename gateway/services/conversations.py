@@ -5,6 +5,7 @@ and is an append (a marker, or a response log for added items); only deletion re
 from __future__ import annotations
 
 import contextlib
+import functools
 import secrets
 import time
 
@@ -163,12 +164,11 @@ class Conversations:
     async def delete_item(self, tenant: str, cid: str, item_id: str) -> ConversationView:
         store = await self.stores.get(tenant)
         async with store.lock(cid, self.lock_timeout):
-            view = await self._existing(store, cid)
-            find_item(view, item_id)
+            find_item(await self._existing(store, cid), item_id)
             named = parse_item_id(item_id)
             assert named is not None  # find_item only finds ids we made
             rid, position = named
-            await withdraw(store, cid, view, rid)
+            await withdraw(store, cid, rid, functools.partial(self.cache.load, store, cid))
             await store.append_marker(
                 cid, {"type": "delete_item", "response_id": rid, "position": position, "at": now()}
             )

@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import functools
 import time
 from dataclasses import replace
 
@@ -61,7 +62,7 @@ class StoredResponses:
         async with store.lock(cid, self.settings.storage.lock_timeout):
             exists = await store.exists(cid)
             if exists:
-                await withdraw(store, cid, await self.cache.load(store, cid), rid)
+                await withdraw(store, cid, rid, functools.partial(self.cache.load, store, cid))
             await store.tombstone(rid)
             if exists:
                 await store.append_marker(

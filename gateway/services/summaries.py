@@ -9,6 +9,7 @@ retries are the background job's (`gateway.jobs.summarizer`); this never runs on
 from __future__ import annotations
 
 import time
+from collections.abc import Awaitable, Callable
 
 from gateway.config import Settings
 from gateway.context.history import ConversationView, item_key
@@ -32,15 +33,18 @@ from gateway.upstream import Router
 from gateway.upstream.base import Body
 
 
-async def withdraw(store: Store, cid: str, view: ConversationView, response_id: str) -> None:
-    """Before messages of `response_id` are deleted (the conversation's lock held, `view` whole
-    and from before the deletion): the summary versions that drew on them stop applying, so the
-    model never sees a deleted message again, not even summarized. Recorded first: a crash
-    between the two leaves summaries withdrawn for nothing, never a deleted message in one."""
+async def withdraw(
+    store: Store, cid: str, response_id: str, load: Callable[[], Awaitable[ConversationView]]
+) -> None:
+    """Before messages of `response_id` are deleted (the conversation's lock held; `load` gives
+    the whole conversation as it is before the deletion, read only when it has summaries): the
+    summary versions that drew on them stop applying, so the model never sees a deleted message
+    again, not even summarized. Recorded first: a crash between the two leaves summaries
+    withdrawn for nothing, never a deleted message in one."""
     records = await store.read_side("summaries", cid)
     if not any(r.get("type") == "summary" for r in records):
         return
-    record = withdrawal(view, response_id, now())
+    record = withdrawal(await load(), response_id, now())
     if record is not None:
         await store.append_side("summaries", cid, record)
 
