@@ -4,6 +4,7 @@ a store that raises a bare OSError (EMFILE, EACCES) still gives the OpenAI-shape
 from __future__ import annotations
 
 import errno
+import json
 from pathlib import Path
 
 import pytest
@@ -83,20 +84,28 @@ async def test_an_attempt_the_full_disk_kept_from_marking_is_marked_once_space_r
     """The disk fills while the provider answers: the client gets 503, and even the log's
     `incomplete` ending cannot be written. Once writes succeed again (the readiness probe, or
     the next commit), that ending is written: the response reads as failed, not in progress."""
+    import gateway.store.jsonl.files as files_module
     import gateway.store.jsonl.log as log_module
 
     settings = make_settings(tmp_path, durability="none")
     store = JsonlStore(tmp_path / "var", durability="none")
     await store.open()
-    real_write_all = log_module.write_all
+    real_write_all, real_pwrite = log_module.write_all, files_module.os.pwrite
     full = [True]
 
     def write_all(fd: int, data: bytes) -> None:
-        if full[0] and (b'"type":"response"' in data or b'"incomplete"' in data):
-            raise OSError(errno.ENOSPC, "No space left on device")
+        if full[0] and b'"type":"response"' in data:  # the disk fills half-way through
+            real_write_all(fd, data[: len(data) // 2])
+            raise OSError(errno.ENOSPC, "short write")
         real_write_all(fd, data)
 
+    def pwrite(fd: int, data: bytes, offset: int) -> int:
+        if full[0]:
+            raise OSError(errno.ENOSPC, "No space left on device")
+        return real_pwrite(fd, data, offset)
+
     monkeypatch.setattr(log_module, "write_all", write_all)
+    monkeypatch.setattr(files_module.os, "pwrite", pwrite)
     body = {"model": "mock/m", "conversation_id": "full", "messages": [{"role": "user", "content": "hi"}]}
     async with build_client(settings, store, MockUpstream()) as client:
         r = await client.post("/v1/chat/completions", json=body)
@@ -109,4 +118,5 @@ async def test_an_attempt_the_full_disk_kept_from_marking_is_marked_once_space_r
         assert answer["status"] == "failed", answer
         lines = (tmp_path / "var" / "logs" / "responses" / f"{rid}.jsonl").read_text().splitlines()
         assert '"storage_error"' in lines[-1]
+        assert [json.loads(line)["type"] for line in lines] == ["request", "incomplete"]  # none torn
         assert (await client.get("/v1/conversations/full/items")).status_code == 404  # no turn

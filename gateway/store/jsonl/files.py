@@ -114,6 +114,25 @@ def write_all(fd: int, data: bytes) -> None:
         raise OSError(28, f"short write ({written} of {len(data)} bytes)")
 
 
+def end_log(path: Path | str, start: int, data: bytes) -> None:
+    """Append `data` (whole lines) to a response log, first cutting what a failed write left
+    torn after offset `start` (the end of the log's first record): every line stays whole and
+    the log ends with `data` (a torn line in the middle would make the log unreadable)."""
+    fd = os.open(path, os.O_RDWR)
+    try:
+        size = os.fstat(fd).st_size
+        end = size
+        if size > start:
+            end = start + os.pread(fd, size - start, start).rfind(b"\n") + 1
+        if end < size:
+            os.ftruncate(fd, end)
+        written = os.pwrite(fd, data, end)
+        if written != len(data):
+            raise OSError(28, f"short write ({written} of {len(data)} bytes)")
+    finally:
+        os.close(fd)
+
+
 def index_generation(fd: int, stat: os.stat_result, first_line: bytes = b"") -> str:
     """An index file's identity across appends: its inode and its first line. A deleted file's
     inode is soon reused, so a reader that saw a deleted index could take a new one at the same

@@ -12,7 +12,7 @@ import orjson
 
 from gateway.exceptions import StorageError
 from gateway.store.base import Appended, ResponseLog, Version, now
-from gateway.store.jsonl.files import index_generation, write_all
+from gateway.store.jsonl.files import end_log, index_generation, write_all
 from gateway.store.jsonl.journal import commit_line, entry
 from gateway.types import JSONObject, Record
 
@@ -211,22 +211,15 @@ class JsonlLog(ResponseLog):
                     os.truncate(index, before)
             except OSError as exc:
                 log.error("could not take %s back out of %s: %s", self.response_id, index, exc)
-        # A leading newline ends a line the failed write may have torn.
-        line = (
-            b"\n"
-            + orjson.dumps({"type": "incomplete", "reason": "storage_error", "error": {"message": reason}})
-            + b"\n"
-        )
+        line = orjson.dumps({"type": "incomplete", "reason": "storage_error", "error": {"message": reason}})
+        if self._fd >= 0:
+            os.close(self._fd)
+            self._fd = -1
         try:
-            fd = self._fd if self._fd >= 0 else os.open(self.path, os.O_WRONLY | os.O_APPEND)
-            try:
-                write_all(fd, records + line)
-            finally:
-                os.close(fd)
-                self._fd = -1
+            end_log(self.path, len(self.first), records + line + b"\n")
         except OSError as exc:
             log.error("could not mark %s incomplete (again once writes succeed): %s", self.response_id, exc)
-            self.store.mark_later(self.path, line)
+            self.store.mark_later(self.path, len(self.first), line + b"\n")
 
     async def abandon(self, reason: str, error: JSONObject | None = None) -> None:
         if self._closed:
@@ -238,11 +231,10 @@ class JsonlLog(ResponseLog):
             log.warning("could not mark %s incomplete: %s", self.response_id, self.create_error)
             return
         self._pending.append(orjson.dumps({"type": "incomplete", "reason": reason, "error": error}) + b"\n")
+        os.close(self._fd)
+        self._fd = -1
         try:
-            write_all(self._fd, b"".join(self._pending))
+            end_log(self.path, len(self.first), b"".join(self._pending))
         except OSError as exc:
             log.warning("could not mark %s incomplete (again once writes succeed): %s", self.response_id, exc)
-            self.store.mark_later(self.path, b"\n" + self._pending[-1])
-        finally:
-            os.close(self._fd)
-            self._fd = -1
+            self.store.mark_later(self.path, len(self.first), self._pending[-1])

@@ -49,6 +49,7 @@ from gateway.store.jsonl.catalog import Catalog, index_times
 from gateway.store.jsonl.files import (
     NamedFiles,
     append_file,
+    end_log,
     file_size,
     fsync_dir,
     index_generation,
@@ -107,8 +108,9 @@ class JsonlStore(Store):
         self.sync_failed: str | None = None
         self.journal = Journal(self)  # commits' one shared fdatasync (durability fsync)
         self.spares = Spares(self.root / "spare")  # new files renamed into place
-        # Response logs whose `incomplete` ending could not be written (a full disk): path -> line.
-        self.unmarked: LRU[Path, bytes] = LRU(1024)
+        # Response logs whose `incomplete` ending could not be written (a full disk): path ->
+        # (the end of its first record, the ending).
+        self.unmarked: LRU[Path, tuple[int, bytes]] = LRU(1024)
 
     @property
     def refusing_writes(self) -> str | None:
@@ -230,20 +232,16 @@ class JsonlStore(Store):
             raise StorageError(f"the data dir cannot be written: {exc.strerror or exc}") from exc
         self.mark_unmarked()
 
-    def mark_later(self, path: Path, line: bytes) -> None:
+    def mark_later(self, path: Path, start: int, line: bytes) -> None:
         """A response log's ending that could not be written now: written by `mark_unmarked`."""
-        self.unmarked[path] = line
+        self.unmarked[path] = (start, line)
 
     def mark_unmarked(self) -> None:
         """Write the endings that could not be written (after a write succeeded again: the
         readiness probe, a commit), so that those attempts read as failed, not in progress."""
-        for path, line in list(self.unmarked.items()):
+        for path, (start, line) in list(self.unmarked.items()):
             try:
-                fd = os.open(path, os.O_WRONLY | os.O_APPEND)
-                try:
-                    write_all(fd, line)
-                finally:
-                    os.close(fd)
+                end_log(path, start, line)
             except FileNotFoundError:
                 pass  # removed since (its conversation deleted)
             except OSError:
