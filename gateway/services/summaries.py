@@ -28,8 +28,8 @@ from gateway.services.models import ModelFacts
 from gateway.store import StoreRegistry
 from gateway.store.base import Store, now
 from gateway.tokens import count_message, count_text, encoding_name_for, truncate_text
-from gateway.types import as_object, first_choice
-from gateway.upstream import Router
+from gateway.types import Message, as_object, first_choice
+from gateway.upstream import Route, Router
 from gateway.upstream.base import Body
 
 
@@ -47,6 +47,20 @@ async def withdraw(
     record = withdrawal(await load(), response_id, now())
     if record is not None:
         await store.append_side("summaries", cid, record)
+
+
+def _parts(messages: list[Message], costs: list[int], limit: int) -> list[list[Message]]:
+    """`messages` in consecutive parts of at most `limit` tokens each (a single message larger
+    than that is a part of its own, cut when rendered)."""
+    parts: list[list[Message]] = [[]]
+    used = 0
+    for message, cost in zip(messages, costs, strict=True):
+        if parts[-1] and used + cost > limit:
+            parts.append([])
+            used = 0
+        parts[-1].append(message)
+        used += cost
+    return parts
 
 
 class Summaries:
@@ -78,6 +92,32 @@ class Summaries:
         records = await store.read_side("summaries", cid, keep=False)
         summary = current_summary(records, await self.cache.load(store, cid, keep=False))
         return summary.text if summary else ""
+
+    async def _fold_text(
+        self, route: Route, window: int, cap: int, limit: int, model: str, text: str, chunk: list[Message]
+    ) -> str:
+        """The summary `text` with `chunk` folded in: one call to the summarizer model."""
+        rendered = truncate_text(render_for_summary(chunk), limit, model)
+        body: Body = {
+            "model": route.model,
+            "messages": [
+                {"role": "system", "content": SUMMARY_INSTRUCTIONS.format(max_tokens=cap)},
+                {
+                    "role": "user",
+                    "content": f"Current summary:\n{text or '(none yet)'}\n\nNew messages:\n" + rendered,
+                },
+            ],
+            "max_tokens": cap,
+            "stream": False,
+        }
+        try:
+            completion = await route.upstream.complete(body)
+        except UpstreamStatusError as exc:
+            if exc.refusal is not None:  # learned from; the retry plans smaller chunks
+                self.facts.refused(route, 0, exc.refusal, window)
+            raise
+        reply = as_object(first_choice(completion).get("message")).get("content") or ""
+        return truncate_text(str(reply).strip(), cap, model)
 
     async def record_failure(self, tenant: str, cid: str, attempt: int, message: str) -> None:
         store = await self.stores.get(tenant)
@@ -119,38 +159,22 @@ class Summaries:
             # Whole turns, about CHUNK_TOKENS at a time.
             j = i
             used = 0
+            costs: list[int] = []
             while j < len(messages):
                 k = j + 1
                 while k < len(messages) and owners[k] == owners[j]:
                     k += 1
-                cost = sum(count_message(m, model) for m in messages[j:k])
-                if j > i and used + cost > limit:
+                cost = [count_message(m, model) for m in messages[j:k]]
+                if j > i and used + sum(cost) > limit:
                     break
-                used += cost
+                used += sum(cost)
+                costs += cost
                 j = k
-            chunk = messages[i:j]
-            rendered = truncate_text(render_for_summary(chunk), limit, model)
-            body: Body = {
-                "model": route.model,
-                "messages": [
-                    {"role": "system", "content": SUMMARY_INSTRUCTIONS.format(max_tokens=cap)},
-                    {
-                        "role": "user",
-                        "content": f"Current summary:\n{text or '(none yet)'}\n\nNew messages:\n" + rendered,
-                    },
-                ],
-                "max_tokens": cap,
-                "stream": False,
-            }
             started = time.perf_counter()
-            try:
-                completion = await route.upstream.complete(body)
-            except UpstreamStatusError as exc:
-                if exc.refusal is not None:  # learned from; the retry plans smaller chunks
-                    self.facts.refused(route, 0, exc.refusal, facts.tokens)
-                raise
-            reply = as_object(first_choice(completion).get("message")).get("content") or ""
-            text = truncate_text(str(reply).strip(), cap, model)
+            # A turn larger than one call (a long chat sent in one request) goes in several
+            # calls; its version is recorded once all of it is folded in.
+            for part in _parts(messages[i:j], costs, limit):
+                text = await self._fold_text(route, facts.tokens, cap, limit, model, text, part)
             folded = [item_key(owner, pos) for owner, pos in zip(owners[i:j], positions[i:j], strict=True)]
             async with store.lock(cid, self.settings.storage.lock_timeout):
                 # What was deleted, reset or summarized meanwhile is not folded in (or over).

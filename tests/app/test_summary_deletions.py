@@ -163,3 +163,34 @@ async def test_a_fold_under_way_during_a_deletion_is_not_kept(what: str) -> None
         await turn(client, "probe")
         assert "secret-0" not in sent_text(model.turns[-1])
         assert "secret-1" in sent_text(model.turns[-1])  # summarized again, without it
+
+
+async def test_a_turn_larger_than_a_summarizer_call_is_folded_whole() -> None:
+    """A chat moved in with one request is one stored turn; when it falls out of the window,
+    all of it reaches the summary (in several summarizer calls), not just its beginning:
+    a turn is either in the window or in a summary, never lost in between."""
+    import gateway.context.summary as summary_module
+
+    model = Model()
+    base = settings()
+    context = base.context.model_copy(update={"max_history_messages": 4, "keep_recent_messages": 2})
+    async with build_client(base.model_copy(update={"context": context}), MemoryStore(), model) as client:
+        moved = []
+        for i in range(30):
+            moved += [
+                {"role": "user", "content": f"remember secret-{i} " + "filler words " * 20},
+                {"role": "assistant", "content": f"noted {i}."},
+            ]
+        messages = [*moved, {"role": "user", "content": "hi"}]
+        body = {"model": "mock/m", "conversation_id": CID, "messages": messages}
+        assert (await client.post("/v1/chat/completions", json=body)).status_code == 200
+        original = summary_module.CHUNK_TOKENS
+        summary_module.CHUNK_TOKENS = 400  # a summarizer call takes far less than the moved chat
+        try:
+            for i in range(3):
+                await turn(client, f"after {i}")
+                await app_of(client).state.summarizer.wait_idle()
+            summary = await summary_of_next_turn(client, model, "probe")
+        finally:
+            summary_module.CHUNK_TOKENS = original
+        assert all(f"secret-{i}" in summary for i in range(30)), summary
