@@ -222,6 +222,9 @@ async def settle(task: asyncio.Future[None]) -> None:
         raise asyncio.CancelledError()
 
 
+DELETIONS = ("delete_item", "delete_response")
+
+
 async def lock_conversation(request: ChatRequest, store: Store, stack: AsyncExitStack, timeout: float) -> str:
     """Lock the request's conversation (held until the turn closes) and return its id. With
     `previous_response_id`: when that response is no longer the newest, the turn moves to a
@@ -234,7 +237,8 @@ async def lock_conversation(request: ChatRequest, store: Store, stack: AsyncExit
         return cid
     async with AsyncExitStack() as source:
         await source.enter_async_context(store.lock(cid, timeout))
-        ids = [e for e in await store.read_index(cid) if isinstance(e, str)]
+        index = await store.read_index(cid)
+        ids = [e for e in index if isinstance(e, str)]
         if ids and ids[-1] == previous:
             stack.push_async_exit(source.pop_all())
             return cid
@@ -245,6 +249,12 @@ async def lock_conversation(request: ChatRequest, store: Store, stack: AsyncExit
         fork = f"{cid[:100]}.fork-{secrets.token_hex(6)}"
         await stack.enter_async_context(store.lock(fork, timeout))
         await store.fork(cid, fork, previous)
+        # Deletions made since of what the fork shares: the fork keeps them.
+        shared = set(ids[: ids.index(previous) + 1])
+        later = [m for m in index[index.index(previous) + 1 :] if isinstance(m, dict)]
+        for marker in later:
+            if marker.get("type") in DELETIONS and marker.get("response_id") in shared:
+                await store.append_marker(fork, marker)
     request.conversation_id = fork
     return fork
 

@@ -194,3 +194,36 @@ async def test_a_turn_larger_than_a_summarizer_call_is_folded_whole() -> None:
         finally:
             summary_module.CHUNK_TOKENS = original
         assert all(f"secret-{i}" in summary for i in range(30)), summary
+
+
+@pytest.mark.parametrize("backend", ["memory", "jsonl"])
+async def test_a_fork_made_after_a_deletion_keeps_the_deletion(backend: str, tmp_path: Path) -> None:
+    """Items deleted after the response a fork is made at (`previous_response_id` of an older
+    response) stay deleted in the fork: the deletion marker comes after that response in the
+    source's index, and the fork takes it along."""
+    model = Model()
+    memory = MemoryStore() if backend == "memory" else None
+    async with build_client(make_settings(None if memory else tmp_path), memory, model) as client:
+        ids = []
+        previous = None
+        for i in range(4):
+            body = {"model": "mock/m", "input": f"remember secret-{i}"}
+            if previous:
+                body["previous_response_id"] = previous
+            r = await client.post("/v1/responses", json=body)
+            assert r.status_code == 200, r.text
+            previous = r.json()["id"]
+            ids.append(previous)
+        cid = r.headers["x-conversation-id"]
+        r = await client.get(f"/v1/conversations/{cid}/items", params={"limit": 100, "order": "asc"})
+        deleted = [i["id"] for i in r.json()["data"] if ids[1] in i["id"]]
+        assert len(deleted) == 2
+        for item in deleted:
+            assert (await client.delete(f"/v1/conversations/{cid}/items/{item}")).status_code == 200
+        r = await client.post(
+            "/v1/responses", json={"model": "mock/m", "input": "a fork", "previous_response_id": ids[2]}
+        )
+        assert r.status_code == 200, r.text
+        assert r.headers["x-conversation-id"] != cid  # a fork
+        sent = sent_text(model.turns[-1])
+        assert "secret-0" in sent and "secret-2" in sent and "secret-1" not in sent
