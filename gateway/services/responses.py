@@ -59,6 +59,11 @@ class StoredResponses:
         if cid is None:
             await store.tombstone(rid)
             return
+        # Branches sharing it first, each under its own lock (never two at once): a crash in
+        # between leaves summaries withdrawn for nothing, never a deleted message in one.
+        for other in await store.sharing(cid, rid):
+            async with store.lock(other, self.settings.storage.lock_timeout):
+                await withdraw(store, other, rid, functools.partial(self.cache.load, store, other))
         async with store.lock(cid, self.settings.storage.lock_timeout):
             exists = await store.exists(cid)
             if exists:

@@ -263,6 +263,11 @@ class Store(ABC):
         `through` (ids only: the response files are shared, not copied). Call under both locks."""
         raise InvalidRequest("Branching from an earlier response is not supported by this storage backend")
 
+    async def sharing(self, conversation_id: str, response_id: str) -> list[str]:
+        """The other conversations whose index names `response_id` too (branches made with
+        `fork` share their prefix's responses). A backend without `fork` has none."""
+        return []
+
     async def tombstone(self, response_id: str) -> None:
         """Mark a response deleted: a final `deleted` record; loaders then skip it."""
         raise InvalidRequest("Deleting responses is not supported by this storage backend")

@@ -159,6 +159,10 @@ class MemoryStore(Store):
         self.indexes[target] = copy.deepcopy(entries[: entries.index(through) + 1])
         self.activity[target] = now()
 
+    async def sharing(self, conversation_id: str, response_id: str) -> list[str]:
+        named = (c for c, entries in self.indexes.items() if response_id in entries)
+        return sorted(c for c in named if c != conversation_id)
+
     async def tombstone(self, response_id: str) -> None:
         if response_id not in self.responses:
             raise NotFound(f"No response {response_id!r}")

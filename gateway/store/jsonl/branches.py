@@ -91,6 +91,20 @@ def named_by_relatives(store: JsonlStore, conversation_id: str) -> set[str]:
     return named
 
 
+def sharing(store: JsonlStore, conversation_id: str, response_id: str) -> list[str]:
+    """The other conversations of the fork family whose index names `response_id`."""
+    store.catalog.refresh()
+    found = []
+    for other in sorted(store.catalog.family(conversation_id)):
+        try:
+            listed, _ = parse_index(store.index_path(other).read_bytes())
+        except (FileNotFoundError, CorruptRecord):
+            continue
+        if response_id in listed:
+            found.append(other)
+    return found
+
+
 async def fork(store: JsonlStore, source: str, target: str, through: str) -> None:
     src, dst = store.index_path(source), store.index_path(target)
 

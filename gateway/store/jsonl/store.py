@@ -400,6 +400,10 @@ class JsonlStore(Store):
             self._side[(kind, key)] = (size, records)
         return records
 
+    async def sharing(self, conversation_id: str, response_id: str) -> list[str]:
+        with os_errors("read the conversation"):
+            return await asyncio.to_thread(branches.sharing, self, conversation_id, response_id)
+
     async def tombstone(self, response_id: str) -> None:
         await branches.tombstone(self, response_id)
 

@@ -365,6 +365,17 @@ class PostgresStore(Store):
     async def check(self, *, repair: bool = False, lock_timeout: float = 30.0) -> list[Damage]:
         return await fsck.check(self, repair=repair, lock_timeout=lock_timeout)
 
+    async def sharing(self, conversation_id: str, response_id: str) -> list[str]:
+        rows = await self._fetch(
+            "could not read the conversation",
+            "SELECT DISTINCT conversation_id FROM gateway_index WHERE namespace = $1 AND response_id = $2 "
+            "AND conversation_id <> $3 ORDER BY conversation_id",
+            self.namespace,
+            response_id,
+            conversation_id,
+        )
+        return [str(row["conversation_id"]) for row in rows]
+
     async def tombstone(self, response_id: str) -> None:
         if not is_valid_response_id(response_id):
             raise NotFound(f"No response {response_id!r}", param="response_id")
