@@ -55,7 +55,14 @@ def reconcile(incoming: Sequence[Message], view: ConversationView) -> Reconciled
     shared = min(_common_prefix(incoming, history), n - 1)
     if shared >= m:
         return Reconciled(list(incoming[shared:]))
-    if shared > 0 and any(msg.get("role") == "assistant" for msg in incoming[: n - 1]):
+    answered = any(msg.get("role") == "assistant" for msg in incoming[: n - 1])
+    common = min(common, n - 1)
+    if common > shared and answered:
+        # The client's copy still holds messages left out of history (deleted since, or
+        # feedback): it diverges where it leaves the transcript, and what it resends before
+        # that is not new.
+        return Reconciled(list(incoming[common:]), branch_at=_in_history(transcript[:common], history))
+    if shared > 0 and answered:
         return Reconciled(list(incoming[shared:]), branch_at=shared)
     for k in range(min(n - 1, m), 0, -1):  # the longest overlap with the stored tail
         if [message_key(msg) for msg in incoming[:k]] == history[m - k :]:
@@ -66,6 +73,16 @@ def reconcile(incoming: Sequence[Message], view: ConversationView) -> Reconciled
             shared, branch_at = trimmed
             return Reconciled(list(incoming[shared:]), branch_at=branch_at)
     return Reconciled(list(incoming))
+
+
+def _in_history(transcript: Sequence[bytes], history: Sequence[bytes]) -> int:
+    """How many history messages are among these first transcript messages (history is the
+    transcript less deleted and feedback messages, in the same order)."""
+    h = 0
+    for key in transcript:
+        if h < len(history) and history[h] == key:
+            h += 1
+    return h
 
 
 def _trimmed_divergence(incoming: Sequence[Message], history: Sequence[bytes]) -> tuple[int, int] | None:

@@ -193,3 +193,20 @@ def test_gateway_show_marks_the_abandoned_branch(tmp_path: Any) -> None:
     assert "second question" in rest.split("the client's edit")[0]  # shown under the abandoned turn
     assert "continues after message 2" in out and "second, edited" in out
     assert "3 turns, 4 messages" in out
+
+
+def test_an_edit_after_a_deletion_branches_where_the_client_edited() -> None:
+    """The client still has the messages deleted since (or feedback it sent): its copy matches
+    the transcript, not the history, up to its edit. The branch is made there, and what it
+    resends before the edit is not stored again (a deleted message would come back)."""
+    view = view_of(("q1", "a1"), ("q2", "a2"), ("q3", "a3"), ("q4", "a4"))
+    view.apply_marker({"type": "delete_response", "response_id": "r1"})  # q2 and a2
+    # the plain resend is an echo, as before
+    assert reconcile(
+        [u("q1"), a("a1"), u("q2"), a("a2"), u("q3"), a("a3"), u("q4"), a("a4"), u("q5")], view
+    ).new == [u("q5")]
+    edited = reconcile([u("q1"), a("a1"), u("q2"), a("a2"), u("q3"), a("a3"), u("q4, better")], view)
+    assert edited.new == [u("q4, better")]
+    assert edited.branch_at == 4  # history q1 a1 q3 a3: the deleted pair is not counted
+    cut = view.branched(edited.branch_at)
+    assert [m["content"] for m in cut.history] == ["q1", "a1", "q3", "a3"]
