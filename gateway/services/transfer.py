@@ -15,14 +15,19 @@ from gateway.store.jsonl.catalog import forget_catalogs
 
 
 def _data_files(root: Path) -> list[Path]:
-    """Every data file of a JSONL data dir, relative to it (tenants included, lock files not)."""
+    """Every data file of a JSONL data dir, relative to it (tenants included; lock files and the
+    write-ahead journals of a running gateway not: recovery state, its turns already in files)."""
     tenants = root / "tenants"
     bases = [root, *sorted(p for p in tenants.iterdir() if p.is_dir())] if tenants.is_dir() else [root]
     found: list[Path] = []
     for base in bases:
         for folder in (base / "logs", base / "archive"):
             if folder.is_dir():
-                found += [p.relative_to(root) for p in sorted(folder.rglob("*")) if p.is_file()]
+                found += [
+                    p.relative_to(root)
+                    for p in sorted(folder.rglob("*"))
+                    if p.is_file() and "journal" not in p.relative_to(folder).parts[:1]
+                ]
     return found
 
 

@@ -174,12 +174,16 @@ def test_jsonl_backend_copies_files(tmp_path: Path, direction: str) -> None:
     asyncio.run(build_jsonl_data(source))
     config = str(Path(__file__).resolve().parents[1] / "empty.toml")
     other = tmp_path / "other"
+    journal = source / "logs" / "journal" / "4242-abcd-a.wal"  # as a running gateway has one
+    journal.parent.mkdir(parents=True, exist_ok=True)
+    journal.write_bytes(bytes(64))
     if direction == "export":
         args = ["export", "--config", config, "--data-dir", str(source), "--to", str(other)]
     else:
         args = ["import", "--config", config, "--data-dir", str(other), "--from", str(source)]
     run_cli(args, {})
     assert data_files(other) == data_files(source)
+    assert not (other / "logs" / "journal").exists()  # recovery state, never copied
     if direction == "import":
         result = CliRunner().invoke(main, args, env={})
         assert result.exit_code == 1 and "already exist" in result.output
