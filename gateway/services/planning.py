@@ -74,6 +74,15 @@ def _size(messages: list[Message]) -> int:
     return total
 
 
+def first_unit(conversation: list[Message]) -> int:
+    """How many messages the conversation's first unit holds (its first message, with the tool
+    results that follow it)."""
+    end = 1 if conversation else 0
+    while end < len(conversation) and conversation[end].get("role") == "tool":
+        end += 1
+    return end
+
+
 def newest_user_message(conversation: list[Message], first_new: int) -> int | None:
     """Where the newest user message is, when the new messages have others before it."""
     for i in range(len(conversation) - 1, first_new, -1):
@@ -222,10 +231,17 @@ class Planner:
         budget = facts.calibration.our_budget(window_size - reserve)
         system_msgs = [clean_message(m) for m in system]
         first = [clean_message(m) for m in history[:first_end]] if first_end and lower > 0 else []
+        first_tokens = [count(m) for m in first]
         tools = request.body.get("tools")
         tools_tokens = tools_cost(orjson.dumps(tools).decode(), encoding) if tools else 0
 
-        def fit(first_new: int) -> Window:
+        def fit(
+            first_new: int,
+            conversation: list[Message] = conversation,
+            conversation_tokens: list[int] = conversation_tokens,
+            first: list[Message] = first,
+            first_tokens: list[int] = first_tokens,
+        ) -> Window:
             # Summary and recap are sized from the window: together at most half of what the
             # system prompt and the current request leave (the rest is for the newest turns).
             request_tokens = sum(conversation_tokens[first_new:])
@@ -248,9 +264,9 @@ class Planner:
                 summary_tokens=summary_tokens,
                 recap=recap_message,
                 recap_tokens=recap_tokens,
-                omitted_before=lower - covered - (first_end if first else 0),
+                omitted_before=lower - covered - (first_end if first_end and lower > 0 else 0),
                 first=first,
-                first_tokens=[count(m) for m in first],
+                first_tokens=first_tokens,
                 keep_recent=ctx.keep_recent_messages,
             )
 
@@ -264,7 +280,17 @@ class Planner:
             request_from = newest_user_message(conversation, first_new)
             if request_from is None:
                 raise
-            window = fit(request_from)
+            unit = first_unit(conversation) if ctx.keep_first and not total and not covered else 0
+            if 0 < unit < request_from:  # the conversation's first message came in this request
+                window = fit(
+                    request_from - unit,
+                    conversation[unit:],
+                    conversation_tokens[unit:],
+                    conversation[:unit],
+                    conversation_tokens[:unit],
+                )
+            else:
+                window = fit(request_from)
         if repaired:
             positions = {id(m): lower + i for i, m in enumerate(hist)}
             kept_abs = next(

@@ -404,3 +404,33 @@ async def test_a_long_history_sent_at_once_is_cut_like_a_stored_one(stored: int)
             {"role": "assistant", "content": answer},
             {"role": "user", "content": "next"},
         ]
+
+
+async def test_keep_first_holds_on_the_turn_that_moves_a_chat_in() -> None:
+    """With `keep_first`, the conversation's first message is kept ahead of the cut on the turn
+    that brings a long chat in one request, as on every later turn."""
+    upstream = MockUpstream()
+    settings = make_settings()
+    settings = settings.model_copy(
+        update={
+            "context": settings.context.model_copy(update={"max_context_tokens": 1000, "keep_first": True})
+        }
+    )
+    first = {"role": "user", "content": "INSTRUCTIONS: answer in French."}
+    rest = []
+    for i in range(40):
+        rest += [
+            {"role": "user", "content": f"question {i}: " + "word " * 40},
+            {"role": "assistant", "content": f"answer {i}"},
+        ]
+    sent = [first, {"role": "assistant", "content": "d'accord"}, *rest, {"role": "user", "content": "last?"}]
+    async with build_client(settings, MemoryStore(), upstream) as client:
+        for messages in (sent, [{"role": "user", "content": "next"}]):
+            r = await client.post(
+                "/v1/chat/completions",
+                json={"model": "mock/m", "messages": messages, "conversation_id": "kf"},
+            )
+            assert r.status_code == 200, r.text
+            body = upstream.requests[-1]["messages"]
+            assert body[0] == first, body[:2]
+            assert re.fullmatch(r"\[\d+ earlier messages omitted\]", str(body[1]["content"]))
