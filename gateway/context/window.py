@@ -117,7 +117,8 @@ def fit_window(
     if fixed > budget:
         raise ContextLengthExceeded(
             f"This request needs {fixed} tokens before any history, more than the {budget} the "
-            "model's context window allows (context window minus reserve_tokens); shorten it",
+            "model's context window allows (the window less reserve_tokens and the calibration's "
+            "margin, in the gateway's count); shorten it",
             param="messages",
         )
     # Walk back from the newest stored message, a whole unit at a time (tool results belong
