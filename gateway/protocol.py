@@ -54,7 +54,9 @@ class OneSendTransport:
             self._transport.write(held + data)
             return
         cycle = self._cycle
-        if not self._head_seen and cycle.response_started:  # the first write once started: the head
+        # The first write once the response started is its head (attributes of uvicorn's cycle;
+        # were they ever renamed, every write would simply pass through).
+        if not self._head_seen and getattr(cycle, "response_started", False):
             self._head_seen = True
             # With a Content-Length a body write follows (none for HEAD).
             if (
