@@ -59,20 +59,22 @@ class StoredResponses:
         if cid is None:
             await store.tombstone(rid)
             return
-        # Branches sharing it first, each under its own lock (never two at once): a crash in
-        # between leaves summaries withdrawn for nothing, never a deleted message in one.
+        # Branches sharing it first, each under its own lock (never two at once): its summaries
+        # withdrawn, and a marker in its index, so that every process's cached view of the
+        # branch leaves it out too (the response file's tombstone alone is seen only by a
+        # process that reads the branch anew).
+        marker = {"type": "delete_response", "response_id": rid, "at": time.time()}
         for other in await store.sharing(cid, rid):
             async with store.lock(other, self.settings.storage.lock_timeout):
                 await withdraw(store, other, rid, functools.partial(self.cache.load, store, other))
+                await store.append_marker(other, marker)
         async with store.lock(cid, self.settings.storage.lock_timeout):
             exists = await store.exists(cid)
             if exists:
                 await withdraw(store, cid, rid, functools.partial(self.cache.load, store, cid))
             await store.tombstone(rid)
             if exists:
-                await store.append_marker(
-                    cid, {"type": "delete_response", "response_id": rid, "at": time.time()}
-                )
+                await store.append_marker(cid, marker)
 
     async def continued_conversation(self, tenant: str, previous: object) -> str:
         """The conversation a `previous_response_id` belongs to. Whether the turn continues on

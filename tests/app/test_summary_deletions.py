@@ -261,3 +261,33 @@ async def test_a_deleted_response_leaves_the_summaries_of_branches_that_share_it
         assert (await client.delete(f"/v1/responses/{ids[1]}")).status_code == 200
         await respond("probe-2", last)
         assert "secret-1" not in sent_text(model.turns[-1])
+
+
+@pytest.mark.parametrize("backend", ["memory", "jsonl"])
+async def test_a_deleted_response_leaves_a_branch_this_process_has_loaded(
+    backend: str, tmp_path: Path
+) -> None:
+    """The branch's view is cached (it was just talked on): the deletion reaches it too."""
+    model = Model()
+    memory = MemoryStore() if backend == "memory" else None
+    async with build_client(make_settings(None if memory else tmp_path), memory, model) as client:
+
+        async def respond(text: str, previous: str | None = None) -> Any:
+            body = {"model": "mock/m", "input": text}
+            if previous:
+                body["previous_response_id"] = previous
+            r = await client.post("/v1/responses", json=body)
+            assert r.status_code == 200, r.text
+            return r
+
+        r1 = (await respond("remember secret-1")).json()["id"]
+        r2 = (await respond("remember secret-2", r1)).json()["id"]
+        fork = await respond("a branch", r1)
+        branch, f1 = fork.headers["x-conversation-id"], fork.json()["id"]
+        assert (await client.delete(f"/v1/responses/{r1}")).status_code == 200
+        await respond("the source goes on", r2)
+        assert "secret-1" not in sent_text(model.turns[-1])
+        await respond("the branch goes on", f1)
+        assert "secret-1" not in sent_text(model.turns[-1]) and "a branch" in sent_text(model.turns[-1])
+        items = (await client.get(f"/v1/conversations/{branch}/items", params={"limit": 100})).json()["data"]
+        assert not any(r1 in item["id"] for item in items)
