@@ -64,10 +64,18 @@ def reconcile(incoming: Sequence[Message], view: ConversationView) -> Reconciled
         return Reconciled(list(incoming[common:]), branch_at=_in_history(transcript[:common], history))
     if shared > 0 and answered:
         return Reconciled(list(incoming[shared:]), branch_at=shared)
-    for k in range(min(n - 1, m), 0, -1):  # the longest overlap with the stored tail
-        if [message_key(msg) for msg in incoming[:k]] == history[m - k :]:
-            return Reconciled(list(incoming[k:]))
-    if any(msg.get("role") == "assistant" for msg in incoming[: n - 1]):
+    keys = [message_key(msg) for msg in incoming[: n - 1]]
+    # The longest overlap with the stored tail: the transcript's (a copy that still holds
+    # messages left out of history since), else the history's (a copy without them).
+    for stored in (transcript, history):
+        for k in range(min(n - 1, len(stored)), 0, -1):
+            if keys[:k] == stored[len(stored) - k :]:
+                return Reconciled(list(incoming[k:]))
+    if answered:
+        trimmed = _trimmed_divergence(incoming, transcript)
+        if trimmed is not None:  # a run of the transcript: branch after its history messages
+            shared, end = trimmed
+            return Reconciled(list(incoming[shared:]), branch_at=_in_history(transcript[:end], history))
         trimmed = _trimmed_divergence(incoming, history)
         if trimmed is not None:
             shared, branch_at = trimmed

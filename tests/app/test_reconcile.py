@@ -210,3 +210,17 @@ def test_an_edit_after_a_deletion_branches_where_the_client_edited() -> None:
     assert edited.branch_at == 4  # history q1 a1 q3 a3: the deleted pair is not counted
     cut = view.branched(edited.branch_at)
     assert [m["content"] for m in cut.history] == ["q1", "a1", "q3", "a3"]
+
+
+def test_a_trimmed_resend_that_still_holds_a_deleted_message_is_an_overlap() -> None:
+    """A client that resends only its newest messages may still hold one deleted since (or its
+    feedback): the overlap with the stored transcript is dropped, nothing comes back, nothing
+    is stored twice; an edit in such a copy branches after the run it starts with."""
+    view = view_of(("q1", "a1"), ("q2", "a2"), ("q3", "a3"), ("q4", "a4"))
+    view.apply_marker({"type": "delete_item", "response_id": "r2", "position": 1})  # a3
+    assert reconcile([u("q3"), a("a3"), u("q4"), a("a4"), u("q5")], view).new == [u("q5")]
+    assert reconcile([a("a3"), u("q4"), a("a4"), u("q5")], view).new == [u("q5")]
+    # the client drops the deleted answer itself: still an overlap
+    assert reconcile([u("q3"), u("q4"), a("a4"), u("q5")], view).new == [u("q5")]
+    edited = reconcile([u("q3"), a("a3"), u("q4, better")], view)
+    assert edited.new == [u("q4, better")] and edited.branch_at == 5  # q1 a1 q2 a2 q3
