@@ -229,6 +229,34 @@ async def test_a_fork_made_after_a_deletion_keeps_the_deletion(backend: str, tmp
         assert "secret-0" in sent and "secret-2" in sent and "secret-1" not in sent
 
 
+async def branch_summary_deletion(client: httpx.AsyncClient, model: Model) -> list[str]:
+    """A source of four responses and a branch at the fourth, with its own summary of the shared
+    ones; then the second response deleted. The response ids of the source."""
+
+    async def respond(text: str, previous: str | None) -> str:
+        body = {"model": "mock/m", "input": text}
+        if previous:
+            body["previous_response_id"] = previous
+        r = await client.post("/v1/responses", json=body)
+        assert r.status_code == 200, r.text
+        await app_of(client).state.summarizer.wait_idle()
+        return str(r.json()["id"])
+
+    ids: list[str] = []
+    for i in range(4):
+        ids.append(await respond(f"remember secret-{i}", ids[-1] if ids else None))
+    await respond("the source goes on", ids[-1])
+    branch = ids[-1]  # the branch starts at the 4th response, sharing the first four
+    for i in range(4, 9):
+        branch = await respond(f"remember secret-{i}", branch)
+    last = await respond("probe-1", branch)
+    assert "secret-1" in sent_text(model.turns[-1])  # summarized in the branch
+    assert (await client.delete(f"/v1/responses/{ids[1]}")).status_code == 200
+    await respond("probe-2", last)
+    assert "secret-1" not in sent_text(model.turns[-1])
+    return ids
+
+
 @pytest.mark.parametrize("backend", ["memory", "jsonl"])
 async def test_a_deleted_response_leaves_the_summaries_of_branches_that_share_it(
     backend: str, tmp_path: Path
@@ -239,28 +267,7 @@ async def test_a_deleted_response_leaves_the_summaries_of_branches_that_share_it
     model = Model()
     memory = MemoryStore() if backend == "memory" else None
     async with build_client(settings(None if memory else tmp_path), memory, model) as client:
-
-        async def respond(text: str, previous: str | None) -> str:
-            body = {"model": "mock/m", "input": text}
-            if previous:
-                body["previous_response_id"] = previous
-            r = await client.post("/v1/responses", json=body)
-            assert r.status_code == 200, r.text
-            await app_of(client).state.summarizer.wait_idle()
-            return str(r.json()["id"])
-
-        ids: list[str] = []
-        for i in range(4):
-            ids.append(await respond(f"remember secret-{i}", ids[-1] if ids else None))
-        await respond("the source goes on", ids[-1])
-        branch = ids[-1]  # the branch starts at the 4th response, sharing the first four
-        for i in range(4, 9):
-            branch = await respond(f"remember secret-{i}", branch)
-        last = await respond("probe-1", branch)
-        assert "secret-1" in sent_text(model.turns[-1])  # summarized in the branch
-        assert (await client.delete(f"/v1/responses/{ids[1]}")).status_code == 200
-        await respond("probe-2", last)
-        assert "secret-1" not in sent_text(model.turns[-1])
+        await branch_summary_deletion(client, model)
 
 
 @pytest.mark.parametrize("backend", ["memory", "jsonl"])

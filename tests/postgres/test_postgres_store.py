@@ -280,31 +280,11 @@ async def test_a_deleted_response_leaves_the_summaries_of_branches_on_postgres(
 ) -> None:
     """As `test_a_deleted_response_leaves_the_summaries_of_branches_that_share_it` (the JSONL
     and memory twins): the branches sharing a response are found with one query."""
-    from tests.app.test_summary_deletions import Model, sent_text, settings
-    from tests.conftest import app_of, build_client
+    from tests.app.test_summary_deletions import Model, branch_summary_deletion, settings
+    from tests.conftest import build_client
 
     model = Model()
     async with build_client(settings(), pg_store, model) as client:
-
-        async def respond(text: str, previous: str | None) -> str:
-            body = {"model": "mock/m", "input": text}
-            if previous:
-                body["previous_response_id"] = previous
-            r = await client.post("/v1/responses", json=body)
-            assert r.status_code == 200, r.text
-            await app_of(client).state.summarizer.wait_idle()
-            return str(r.json()["id"])
-
-        ids: list[str] = []
-        for i in range(4):
-            ids.append(await respond(f"remember secret-{i}", ids[-1] if ids else None))
-        await respond("the source goes on", ids[-1])
-        branch = ids[-1]
-        for i in range(4, 9):
-            branch = await respond(f"remember secret-{i}", branch)
-        last = await respond("probe-1", branch)
-        assert "secret-1" in sent_text(model.turns[-1])
-        assert await pg_store.sharing("x", ids[1]) != []
-        assert (await client.delete(f"/v1/responses/{ids[1]}")).status_code == 200
-        await respond("probe-2", last)
-        assert "secret-1" not in sent_text(model.turns[-1])
+        ids = await branch_summary_deletion(client, model)
+    named = await pg_store.sharing("nobody", ids[2])
+    assert len(named) == 2 and named[1] == f"{named[0]}.fork-{named[1].rsplit('-', 1)[1]}"  # source, branch
