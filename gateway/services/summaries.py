@@ -49,6 +49,10 @@ async def withdraw(
         await store.append_side("summaries", cid, record)
 
 
+def _calls_tools(message: Message) -> bool:
+    return message.get("role") == "assistant" and bool(message.get("tool_calls"))
+
+
 def _parts(messages: list[Message], costs: list[int], limit: int) -> list[list[Message]]:
     """`messages` in consecutive parts of at most `limit` tokens each (a single message larger
     than that is a part of its own, cut when rendered)."""
@@ -165,11 +169,18 @@ class Summaries:
                 while k < len(messages) and owners[k] == owners[j]:
                     k += 1
                 cost = [count_message(m, model) for m in messages[j:k]]
-                if j > i and used + sum(cost) > limit:
+                # A version never ends between a tool call and its results (the next turn's):
+                # the results would be orphans beside the summary, dropped from every window.
+                if j > i and used + sum(cost) > limit and not _calls_tools(messages[j - 1]):
                     break
                 used += sum(cost)
                 costs += cost
                 j = k
+            while j > i and _calls_tools(messages[j - 1]):  # its results are not stored yet
+                j = next(x for x in range(j - 1, i - 1, -1) if x == i or owners[x - 1] != owners[j - 1])
+                costs = costs[: j - i]
+            if j == i:
+                return
             started = time.perf_counter()
             # A turn larger than one call (a long chat sent in one request) goes in several
             # calls; its version is recorded once all of it is folded in.

@@ -298,3 +298,65 @@ async def test_a_deleted_response_leaves_a_branch_this_process_has_loaded(
         assert "secret-1" not in sent_text(model.turns[-1]) and "a branch" in sent_text(model.turns[-1])
         items = (await client.get(f"/v1/conversations/{branch}/items", params={"limit": 100})).json()["data"]
         assert not any(r1 in item["id"] for item in items)
+
+
+class ToolModel(Model):
+    """Asks for a tool when a user message mentions the weather; reports the tool's result."""
+
+    def reply(self, body: dict[str, Any]) -> Any:
+        if summarizing(body):
+            shown = str(body["messages"][1]["content"])
+            return "facts: " + " ".join(sorted(set(re.findall(r"(?:secret|result)-\d+", shown))))
+        self.turns.append(body)
+        last = body["messages"][-1]
+        if last["role"] == "user" and "weather" in str(last["content"]):
+            n = len(self.turns)
+            return {
+                "role": "assistant",
+                "content": None,
+                "tool_calls": [
+                    {
+                        "id": f"call_{n}",
+                        "type": "function",
+                        "function": {"name": "weather", "arguments": "{}"},
+                    }
+                ],
+            }
+        return "noted."
+
+
+async def test_a_summary_never_ends_between_a_tool_call_and_its_result(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """The tool results come in the turn after the one whose answer called the tool: a summary
+    version may not cover the call and leave the results out (they would be orphans, dropped
+    from the window without a marker), however small the summarizer's calls."""
+    import gateway.context.summary as summary_module
+
+    monkeypatch.setattr(summary_module, "CHUNK_TOKENS", 40)  # a version per turn or so
+    model = ToolModel()
+    store = MemoryStore()
+    async with build_client(settings(), store, model) as client:
+
+        async def say(message: dict[str, Any]) -> Any:
+            body = {"model": "mock/m", "conversation_id": CID, "messages": [message]}
+            r = await client.post("/v1/chat/completions", json=body)
+            assert r.status_code == 200, r.text
+            await app_of(client).state.summarizer.wait_idle()
+            return r.json()["choices"][0]["message"]
+
+        for i in range(8):
+            call = (await say({"role": "user", "content": f"weather secret-{i}?"}))["tool_calls"][0]
+            await say({"role": "tool", "tool_call_id": call["id"], "content": f"sunny result-{i}"})
+            sent = model.turns[-1]["messages"]
+            marker = next((m for m in sent if str(m.get("content", "")).endswith("messages omitted]")), None)
+            summary = " ".join(str(m["content"]) for m in sent if m["role"] == "system")
+            if marker is None:  # nothing cut: every result sent or summarized
+                for k in range(i + 1):
+                    assert f"result-{k}" in sent_text(model.turns[-1]) or f"result-{k}" in summary, (k, sent)
+        view = await app_of(client).state.services.cache.load(store, CID)
+        versions = [r for r in await store.read_side("summaries", CID) if r["type"] == "summary"]
+        assert len(versions) > 2
+        for version in versions:
+            last = view.history[view.history_end[version["covers_through"]] - 1]
+            assert not last.get("tool_calls"), version  # a call covered without its result
