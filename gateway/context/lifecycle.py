@@ -104,8 +104,17 @@ def recap_message(
         when = datetime.fromtimestamp(last, tz).strftime("%H:%M")
         block = "\n".join([f"- [{when}, {cid}]", *(f"  {line}" for line in lines)])
         cost = count({"role": "system", "content": block}) - 3
-        if cost > budget:
-            continue
+        if cost > budget:  # its newest lines that fit, after a mark that older ones are left out
+            kept: list[str] = []
+            for line in reversed(lines):
+                trial = "\n".join([f"- [{when}, {cid}]", "  …", *(f"  {x}" for x in [line, *kept])])
+                if count({"role": "system", "content": trial}) - 3 > budget:
+                    break
+                kept.insert(0, line)
+            if not kept:
+                continue
+            block = "\n".join([f"- [{when}, {cid}]", "  …", *(f"  {x}" for x in kept)])
+            cost = count({"role": "system", "content": block}) - 3
         budget -= cost
         body.append(block)
         used.append(cid)
