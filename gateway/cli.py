@@ -19,6 +19,7 @@ from gateway.cli_render import render_log, render_message, render_turn, when
 from gateway.config import Settings, load_settings
 from gateway.config_sources import CONFIG_ENV, DEFAULT_CONFIG_PATH
 from gateway.context import Turn
+from gateway.context.history import item_key, repair_tool_calls
 from gateway.exceptions import GatewayError, NotFound
 from gateway.ids import is_valid_response_id
 from gateway.services import Services
@@ -338,7 +339,7 @@ def show(
         out = {
             "conversation_id": conversation_id,
             "system": view.system,
-            "messages": [*(view.system or []), *view.history],
+            "messages": [*(view.system or []), *repair_tool_calls(view.history)],
             "turns": [t.to_dict() for t in turns],
             "last_window": None
             if window is None
@@ -356,6 +357,15 @@ def show(
         total += n
         click.echo(render_message(m, tokens=n, note="system prompt"))
     live = set(view.history_owner)  # turns whose messages the model still gets
+    # Which of their messages: not those deleted or edited away, nor a tool result whose call
+    # was deleted (the window's repair drops it).
+    kept = {id(m) for m in repair_tool_calls(view.history)}
+    in_history = set(zip(view.history_owner, view.history_pos, strict=True))
+    sent = {
+        (owner, pos)
+        for m, owner, pos in zip(view.history, view.history_owner, view.history_pos, strict=True)
+        if id(m) in kept
+    }
     marked = False
     for turn in turns:
         if turn.is_feedback_only:
@@ -381,9 +391,18 @@ def show(
             click.echo(click.style(branch, dim=True))
         else:
             click.echo(click.style(f"── {turn.response_id}", dim=True))
-        for m in [*turn.input, *([turn.output] if turn.output is not None else [])]:
+        for pos, m in enumerate([*turn.input, *([turn.output] if turn.output is not None else [])]):
             if m.get("is_feedback"):
                 click.echo(render_message(m, note="not replayed"))
+                continue
+            if (turn.response_id, pos) not in sent:  # deleted, cut by a later edit, or an orphan
+                if item_key(turn.response_id, pos) in view.deleted_items:
+                    why = "deleted"
+                elif (turn.response_id, pos) in in_history:
+                    why = "its tool call deleted"
+                else:
+                    why = "edited away"
+                click.echo(click.style(render_message(m, note=f"{why}: no longer sent"), dim=True))
                 continue
             n = count_message(m)
             total += n

@@ -264,3 +264,30 @@ def test_show_marks_what_the_last_window_left_out(tmp_path: Path) -> None:
         "omitted_messages": 4,
         "included_response_ids": sorted(ids[2:]),
     }
+
+
+def test_show_marks_what_is_no_longer_sent(gateway: GatewayProcess, upstream: MockServer) -> None:
+    """`gateway show` is the history as the model will see it: a deleted item, and a tool
+    result whose call was deleted, are shown dimmed with why, and left out of `--json`."""
+    client = OpenAI(base_url=f"{gateway.url}/v1", api_key="x", max_retries=0)
+    conv = client.conversations.create(
+        items=[
+            {"type": "message", "role": "user", "content": "first question"},
+            {"type": "function_call", "call_id": "call_1", "name": "weather", "arguments": "{}"},
+            {"type": "function_call_output", "call_id": "call_1", "output": "sunny and warm"},
+            {"type": "message", "role": "user", "content": "second question"},
+        ]
+    )
+    items = client.conversations.items.list(conv.id, order="asc").data
+    by_text = {getattr(i, "content", None) and i.content[0].text: i.id for i in items if i.type == "message"}
+    client.conversations.items.delete(by_text["first question"], conversation_id=conv.id)
+    call = next(i.id for i in items if i.type == "function_call")
+    client.conversations.items.delete(call, conversation_id=conv.id)
+    data = ["--data-dir", str(gateway.data_dir)]
+    out = gw("show", conv.id, *data).stdout
+    assert "first question" in out and "deleted: no longer sent" in out
+    assert "sunny and warm" in out and "its tool call deleted: no longer sent" in out
+    import json
+
+    doc = json.loads(gw("show", conv.id, "--json", *data).stdout)
+    assert [m.get("content") for m in doc["messages"]] == ["second question"]
