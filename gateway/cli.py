@@ -357,15 +357,8 @@ def show(
         total += n
         click.echo(render_message(m, tokens=n, note="system prompt"))
     live = set(view.history_owner)  # turns whose messages the model still gets
-    # Which of their messages: not those deleted or edited away, nor a tool result whose call
-    # was deleted (the window's repair drops it).
-    kept = {id(m) for m in repair_tool_calls(view.history)}
+    sent = view.sent_items()  # and which of their messages
     in_history = set(zip(view.history_owner, view.history_pos, strict=True))
-    sent = {
-        (owner, pos)
-        for m, owner, pos in zip(view.history, view.history_owner, view.history_pos, strict=True)
-        if id(m) in kept
-    }
     marked = False
     for turn in turns:
         if turn.is_feedback_only:

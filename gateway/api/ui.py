@@ -104,21 +104,31 @@ async def conversation(request: Request) -> Response:
     since = int(raw_since)
     entries = await queries.index(tenant, cid)
     view = await queries.view(tenant, cid)
+    sent = view.sent_items()
     turns = []
     index = 0
     for entry in entries:
         if isinstance(entry, dict):
-            if entry.get("type") == "reset" and index >= since:
-                turns.append({"index": index, "marker": "reset", "at": entry.get("at")})
+            kind = entry.get("type")
+            if kind in ("reset", "delete_item", "delete_response") and index >= since:
+                marker: JSONObject = {"index": index, "marker": kind, "at": entry.get("at")}
+                for key in ("response_id", "position"):  # what a deletion names
+                    if key in entry:
+                        marker[key] = entry[key]
+                turns.append(marker)
             continue
         if index >= since:
             # A response file that is missing or empty is left out, as in chat.
             records = await queries.logged_turn(tenant, cid, entry)
             turn = _turn(records, entry, index) if records is not None else None
             if turn is not None:
+                # Positions (input, then the answer) of its messages the model no longer gets.
+                given = turn["input"]
+                count = (len(given) if isinstance(given, list) else 0) + (turn["output"] is not None)
+                turn["not_sent"] = [p for p in range(count) if (entry, p) not in sent]
                 turns.append(turn)
         index += 1
-    summaries = await queries.summaries(tenant, cid)
+    summaries = await queries.summaries(tenant, cid, view)
     state = await queries.state(tenant, cid, view)
     return JSONBody(
         {
@@ -128,7 +138,10 @@ async def conversation(request: Request) -> Response:
             "metadata": view.metadata,
             "system": view.system,
             "summaries": [
-                {k: s.get(k) for k in ("version", "covers_through", "covered_messages", "text", "created")}
+                {
+                    k: s.get(k)
+                    for k in ("version", "covers_through", "covered_messages", "text", "created", "applies")
+                }
                 for s in summaries
             ],
             "count": index,

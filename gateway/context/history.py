@@ -276,6 +276,14 @@ class ConversationView:
                 self._ends()
                 return
 
+    def sent_items(self) -> set[tuple[str, int]]:
+        """(response id, position) of every stored message the model still gets: not deleted,
+        not cut by a later edit, not a tool result whose call was deleted (the window's repair
+        drops it)."""
+        kept = {id(m) for m in repair_tool_calls(self.history)}
+        pairs = zip(self.history, self.history_owner, self.history_pos, strict=True)
+        return {(owner, pos) for m, owner, pos in pairs if id(m) in kept}
+
     def cut_history(self, keep: int) -> None:
         """Keep only the first `keep` history messages (a branch: the client's version of the
         conversation continues from there); the transcript becomes that history."""

@@ -3,6 +3,7 @@ summarizer prompt is rendered, and how big summaries and summarizer chunks may b
 
 from __future__ import annotations
 
+from collections.abc import Iterator
 from dataclasses import dataclass
 
 from gateway.context.history import ConversationView, NotLoaded
@@ -50,6 +51,16 @@ def current_summary(records: list[Record], view: ConversationView) -> Summary | 
     """The newest summary that applies to this view: the last response it covers is in the
     view's history (a reset or a branch makes the others inapplicable), and no withdrawal
     recorded after it (a deletion of a message it covers, `withdrawal`) rules it out."""
+    return next(_applicable(records, view), None)
+
+
+def applicable_versions(records: list[Record], view: ConversationView) -> set[int]:
+    """The versions that still apply to this view (see `current_summary`), for the inspector."""
+    return {summary.version for summary in _applicable(records, view)}
+
+
+def _applicable(records: list[Record], view: ConversationView) -> Iterator[Summary]:
+    """The summaries that apply to this view, newest first."""
     bound: int | None = None  # history messages a summary older than the withdrawals may cover
     for record in reversed(records):
         kind = record.get("type")
@@ -67,14 +78,13 @@ def current_summary(records: list[Record], view: ConversationView) -> Summary | 
         covered = view.history_end[rid]
         if bound is not None and covered > bound:
             continue  # it folded in a message deleted since
-        return Summary(
+        yield Summary(
             version=int(number(record.get("version")) or 0),
             covers_through=rid,
             covered=covered,
             text=str(record.get("text", "")),
             model=str(record.get("model", "")),
         )
-    return None
 
 
 def _end_of(response_id: object, view: ConversationView) -> int:

@@ -11,7 +11,8 @@ from dataclasses import dataclass
 
 from gateway.context import ConversationView, Turn
 from gateway.context.lifecycle import State, derive_state
-from gateway.context.records import latest, turn_from_records
+from gateway.context.records import latest, number, turn_from_records
+from gateway.context.summary import applicable_versions
 from gateway.exceptions import CorruptRecord, NotFound
 from gateway.services.cache import ConversationCache
 from gateway.store import Store, StoreRegistry
@@ -172,10 +173,14 @@ class Queries:
                 return None
         return records
 
-    async def summaries(self, tenant: str, cid: str) -> list[Record]:
+    async def summaries(self, tenant: str, cid: str, view: ConversationView) -> list[Record]:
+        """The summary versions, oldest first, each with `applies`: whether it may still be
+        sent for `view` (not withdrawn by a deletion, not of an abandoned branch or reset)."""
+        records = await (await self.stores.get(tenant)).read_side("summaries", cid)
+        applying = applicable_versions(records, view)
         return [
-            r
-            for r in await (await self.stores.get(tenant)).read_side("summaries", cid)
+            {**r, "applies": int(number(r.get("version")) or 0) in applying}
+            for r in records
             if r.get("type") == "summary"
         ]
 

@@ -108,6 +108,8 @@ async def test_a_deleted_item_leaves_the_summary_and_later_summaries(backend: st
 
         await turn(client, "probe-2")
         assert "secret-0" not in sent_text(model.turns[-1])
+        inspector = (await client.get(f"/ui/api/conversations/{CID}")).json()["summaries"]
+        assert inspector and not any(s["applies"] for s in inspector)  # all folded secret-0 in
         # The summarizer starts again from what is left, and its summaries are used again.
         for i in range(3):
             await turn(client, f"more secret-{100 + i}")

@@ -132,3 +132,21 @@ def test_inspector_disabled_and_behind_auth(tmp_path: Path, upstream: MockServer
         assert ok.status_code == 200 and ok.json() == {"data": []}
     finally:
         proc.stop()
+
+
+def test_inspector_shows_what_was_deleted(inspector: GatewayProcess, browser: Any) -> None:
+    """A deleted item is struck through (no longer sent), with a line where it was deleted."""
+    chat(inspector, "gone", "keep this question")
+    chat(inspector, "gone", "delete this question")
+    items = httpx.get(f"{inspector.url}/v1/conversations/gone/items", params={"order": "asc"}).json()["data"]
+    item = next(i for i in items if "delete this" in str(i["content"]))
+    assert httpx.delete(f"{inspector.url}/v1/conversations/gone/items/{item['id']}").status_code == 200
+    api = httpx.get(f"{inspector.url}/ui/api/conversations/gone").json()
+    assert [t.get("not_sent") for t in api["turns"] if "response_id" in t and "marker" not in t] == [[], [0]]
+    assert api["turns"][-1]["marker"] == "delete_item"
+    page = browser.new_page(viewport={"width": 1200, "height": 900})
+    page.goto(f"{inspector.url}/ui#/c/gone")
+    page.wait_for_selector(".msg.not-sent")
+    assert "delete this question" in page.locator(".msg.not-sent").inner_text()
+    assert page.locator(".msg.not-sent").count() == 1
+    assert "deleted" in page.locator(".marker-reset").last.inner_text()

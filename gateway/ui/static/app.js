@@ -95,14 +95,19 @@ function bar(context) {
 
 function turnCard(turn, isNew) {
   if (turn.marker === "reset") return el("div", { class: "marker-reset", text: `— conversation reset ${when(turn.at)} —` });
+  if (turn.marker === "delete_item") return el("div", { class: "marker-reset", text: `— item ${turn.position} of ${turn.response_id} deleted ${when(turn.at)} —` });
+  if (turn.marker === "delete_response") return el("div", { class: "marker-reset", text: `— response ${turn.response_id} deleted ${when(turn.at)} —` });
   const card = el("div", { class: "turn" + (isNew ? " new-turn" : ""), "data-response-id": turn.response_id });
   const ctx = turn.context || {};
   card.append(el("div", { class: "turn-head" },
     el("span", { text: `#${turn.index + 1} · ${turn.response_id} · ${turn.model || turn.kind}` }),
     el("span", { text: when(turn.created) + (turn.outcome !== "commit" ? " · " + turn.outcome : "") })));
+  // Messages the model no longer gets (deleted, edited away, a tool result whose call was deleted).
+  const notSent = new Set(turn.not_sent || []);
+  const mark = (m, pos) => { const b = bubble(m, notSent.has(pos) ? "not-sent" : ""); if (notSent.has(pos)) b.title = "no longer sent to the model"; return b; };
   for (const m of turn.system || []) card.append(bubble(m, "new-system"));
-  for (const m of turn.input) card.append(bubble(m));
-  if (turn.output) card.append(bubble(turn.output));
+  turn.input.forEach((m, i) => card.append(mark(m, i)));
+  if (turn.output) card.append(mark(turn.output, turn.input.length));
   if (ctx.tokens) {
     card.append(bar(ctx));
     const facts = el("div", { class: "facts" });
@@ -145,8 +150,13 @@ function renderHead(data) {
   head.replaceChildren(el("h1", { text: data.id }),
     el("div", { class: "muted" }, `state `, el("span", { class: "state " + data.state, text: data.state }),
       data.user ? ` · user ${data.user}` : "", Object.keys(data.metadata || {}).length ? ` · metadata ${JSON.stringify(data.metadata)}` : ""));
-  for (const s of (data.summaries || []).slice(-1)) {
+  // The summary the next turn would send: the newest that still applies (deletions withdraw some).
+  const applying = (data.summaries || []).filter(s => s.applies !== false).slice(-1);
+  for (const s of applying) {
     head.append(el("div", { class: "summary-box" }, el("b", { text: `Summary v${s.version} (covers ${s.covered_messages} messages, through ${s.covers_through}): ` }), s.text));
+  }
+  if (!applying.length && (data.summaries || []).length) {
+    head.append(el("div", { class: "summary-box muted", text: "No summary applies now (withdrawn after a deletion, or of an abandoned branch); truncation applies until a new one is made." }));
   }
 }
 
