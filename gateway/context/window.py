@@ -15,6 +15,7 @@ from __future__ import annotations
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
+from gateway.context.tools import UNANSWERED_TOOL_RESULT
 from gateway.exceptions import ContextLengthExceeded
 from gateway.types import Message
 
@@ -166,7 +167,9 @@ def fit_window(
         if head_end >= pinned_from or pinned_from - head_end < keep_recent:
             break
         kept_from = head_end
-    omitted = omitted_before + kept_from + dropped_first
+    # Stored messages left out: a result the repair added for an unanswered call is not one.
+    added = sum(1 for m in conversation[:kept_from] if m.get("content") == UNANSWERED_TOOL_RESULT)
+    omitted = omitted_before + kept_from - added + dropped_first
     marker_cost = marker_tokens(omitted) if omitted else 0
     if omitted and fixed + marker_cost > budget:
         raise ContextLengthExceeded(

@@ -9,6 +9,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from gateway.context import repair_tool_calls
+from gateway.context.tools import UNANSWERED_TOOL_RESULT
 from gateway.context.window import REQUEST_OVERHEAD_TOKENS, fit_window, omitted_marker, tool_units
 from gateway.exceptions import ContextLengthExceeded
 from tests.helpers import assert_openai_tool_order
@@ -222,8 +223,10 @@ def test_window_properties(history: list[Message], budget: int, max_msgs: int, n
     # Suffix-preserving: what is kept is exactly the newest part of the repaired conversation.
     repaired = repair_tool_calls([*history, *new])
     assert body == repaired[len(repaired) - len(body) :]
-    # Marker iff something was left out, and it counts exactly that.
-    omitted = len(repaired) - len(body)
+    # Marker iff something was left out, and it counts exactly the stored messages left out
+    # (not a result the repair added for an unanswered call).
+    cut = repaired[: len(repaired) - len(body)]
+    omitted = sum(1 for m in cut if m.get("content") != UNANSWERED_TOOL_RESULT)
     has_marker = any(m["role"] == "system" and "omitted" in m["content"] for m in w.messages)
     assert has_marker == (omitted > 0)
     if omitted:
@@ -235,3 +238,14 @@ def test_window_properties(history: list[Message], budget: int, max_msgs: int, n
 def test_tool_units() -> None:
     msgs = [u("a"), call("c"), result("c"), a("b"), result("zz")]
     assert tool_units(msgs) == [(0, 1), (1, 3), (3, 4), (4, 5)]
+
+
+def test_the_marker_counts_stored_messages_not_the_results_repair_adds() -> None:
+    """An unanswered tool call in the cut part gets a synthetic result from the repair: left
+    out with it, it is not counted among the earlier messages omitted (it was never stored)."""
+    history = [u("q0"), call("c1"), u("no, stop"), a("ok"), *[u(f"old {i}") for i in range(6)]]
+    w = fit(SYSTEM, history, [u("now")], budget=50)
+    kept = [m for m in w.messages[2:-1]]
+    assert kept == history[len(history) - len(kept) :]
+    assert w.omitted == len(history) - len(kept)  # stored messages only
+    assert w.messages[1]["content"] == f"[{w.omitted} earlier messages omitted]"
