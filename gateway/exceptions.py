@@ -112,6 +112,11 @@ class BodyTimeout(GatewayError):
     error_type = "invalid_request_error"
     code = "request_timeout"
 
+    def headers(self) -> dict[str, str]:
+        # The rest of the body may still come: the connection ends with this answer, or those
+        # bytes would be read as the client's next request.
+        return {"connection": "close"}
+
 
 class ClientGone(GatewayError):
     """The client closed the connection while sending its request (nobody reads the answer)."""
@@ -135,6 +140,9 @@ class BodyTooLarge(GatewayError):
     status_code = 413
     error_type = "invalid_request_error"
     code = "request_too_large"
+
+    def headers(self) -> dict[str, str]:
+        return {"connection": "close"}  # the rest of the body is not read (see BodyTimeout)
 
 
 class ShuttingDown(GatewayError):

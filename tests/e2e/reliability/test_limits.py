@@ -181,3 +181,20 @@ def test_a_slow_but_steady_client_within_the_deadline_is_served(
             time.sleep(0.25)
         status, _, payload = read_response(sock)
     assert status == 200 and payload == {"status": "ok"}
+
+
+@pytest.mark.parametrize("case", ["slow body", "declared too large"])
+def test_a_body_refused_unread_closes_the_connection(
+    gw: GatewayProcess, fault: FaultServer, case: str
+) -> None:
+    """408 for a body that did not arrive in time, 413 for one declared too large: the rest of
+    that body may still come, so the connection is closed (`connection: close`) instead of
+    reading the client's next request as the end of this body."""
+    length = "100" if case == "slow body" else str(50_000_000)
+    with connect(gw) as sock:
+        sock.sendall(head("/v1/chat/completions", {"Content-Length": length}) + b'{"model":')
+        status, headers, _ = read_response(sock)
+        assert status == (408 if case == "slow body" else 413)
+        assert headers.get("connection") == "close"
+        elapsed, rest = wait_closed(sock, limit=3.0)
+    assert rest == b"" and elapsed < 1.0
