@@ -10,7 +10,7 @@ import sys
 from collections.abc import Awaitable, Callable, Sequence
 from functools import wraps
 from pathlib import Path
-from typing import Any, TypeVar
+from typing import Any, TypeVar, cast
 
 import click
 import orjson
@@ -19,11 +19,11 @@ from gateway.cli_render import render_log, render_message, render_turn, when
 from gateway.config import Settings, load_settings
 from gateway.config_sources import CONFIG_ENV, DEFAULT_CONFIG_PATH
 from gateway.context import Turn
-from gateway.context.history import item_key, repair_tool_calls
+from gateway.context.history import clean_message, item_key, message_key, repair_tool_calls
 from gateway.exceptions import GatewayError, NotFound
 from gateway.ids import is_valid_response_id
 from gateway.services import Services
-from gateway.types import Record
+from gateway.types import Message, Record
 
 F = TypeVar("F", bound=Callable[..., Any])
 T = TypeVar("T")
@@ -356,6 +356,13 @@ def show(
         n = count_message(m)
         total += n
         click.echo(render_message(m, tokens=n, note="system prompt"))
+    # What the last turn sent (its snapshot is a full copy): a cut may fall inside a turn.
+    sent_list = last[1].get("messages") if window is not None and last is not None else None
+    window_keys = (
+        {message_key(cast(Message, m)) for m in sent_list if isinstance(m, dict)}
+        if isinstance(sent_list, list)
+        else None
+    )
     live = set(view.history_owner)  # turns whose messages the model still gets
     sent = view.sent_items()  # and which of their messages
     in_history = set(zip(view.history_owner, view.history_pos, strict=True))
@@ -374,17 +381,25 @@ def show(
             for m in [*turn.input, *([turn.output] if turn.output is not None else [])]:
                 click.echo(click.style(render_message(m), dim=True))
             continue
-        if window is not None and not marked:
+        messages = [*turn.input, *([turn.output] if turn.output is not None else [])]
+
+        def in_window(m: Message, pos: int, turn: Turn = turn) -> bool:
+            """Was it in the last turn's window (or is it that turn's answer)?"""
+            if window_keys is None or window is None:
+                return True
+            if turn.response_id == window["response_id"] and pos == len(turn.input):
+                return True
+            return message_key(clean_message(m)) in window_keys
+
+        if window is not None and not marked and messages and in_window(messages[0], 0):
             marked = True
-            omitted = f"[{window['omitted_messages']} earlier messages omitted]"
-            where = f"gateway context {window['response_id']} shows exactly what was sent"
-            click.echo(click.style(f"── {omitted} (the last turn's window; {where})", dim=True))
+            _window_marker(window)
         if turn.branch_at is not None:
             branch = f"── {turn.response_id} (the client's edit: continues after message {turn.branch_at})"
             click.echo(click.style(branch, dim=True))
         else:
             click.echo(click.style(f"── {turn.response_id}", dim=True))
-        for pos, m in enumerate([*turn.input, *([turn.output] if turn.output is not None else [])]):
+        for pos, m in enumerate(messages):
             if m.get("is_feedback"):
                 click.echo(render_message(m, note="not replayed"))
                 continue
@@ -399,12 +414,26 @@ def show(
                 continue
             n = count_message(m)
             total += n
+            if not in_window(m, pos):
+                note = "outside the last turn's window: left out or summarized"
+                click.echo(click.style(render_message(m, tokens=n, note=note), dim=True))
+                continue
+            if window is not None and not marked:  # the window begins inside this turn
+                marked = True
+                _window_marker(window)
             click.echo(render_message(m, tokens=n))
     click.echo(
         click.style(
             f"{view.turns} turns, {len(view.history)} messages, {total} tokens (cl100k_base)", dim=True
         )
     )
+
+
+def _window_marker(window: dict[str, Any]) -> None:
+    """The marker the model got, where the last turn's window begins."""
+    omitted = f"[{window['omitted_messages']} earlier messages omitted]"
+    where = f"gateway context {window['response_id']} shows exactly what was sent"
+    click.echo(click.style(f"── {omitted} (the last turn's window; {where})", dim=True))
 
 
 @main.command()

@@ -291,3 +291,50 @@ def test_show_marks_what_is_no_longer_sent(gateway: GatewayProcess, upstream: Mo
 
     doc = json.loads(gw("show", conv.id, "--json", *data).stdout)
     assert [m.get("content") for m in doc["messages"]] == ["second question"]
+
+
+def test_show_marks_a_cut_inside_one_turn(tmp_path: Path) -> None:
+    """A long chat moved in with one request is one turn; the window cut inside it: the
+    messages it left out are dimmed one by one, the rest shown as sent."""
+    import asyncio
+
+    from gateway.config import load_settings
+    from gateway.store.jsonl import JsonlStore
+    from gateway.upstream.mock import MockUpstream
+    from tests.conftest import build_client
+
+    settings = load_settings(
+        REPO / "tests" / "empty.toml",
+        environ={},
+        overrides={
+            "default_provider": "mock",
+            "providers": {"mock": {"kind": "openai", "base_url": "http://mock.invalid/v1"}},
+            "storage": {"backend": "jsonl", "data_dir": str(tmp_path / "var"), "durability": "none"},
+            "context": {"max_context_tokens": 600},
+        },
+    )
+    moved = []
+    for i in range(20):
+        moved += [
+            {"role": "user", "content": f"question {i}: " + "word " * 30},
+            {"role": "assistant", "content": f"answer {i}"},
+        ]
+
+    async def seed() -> None:
+        store = JsonlStore(tmp_path / "var", durability="none")
+        async with build_client(settings, store, MockUpstream()) as client:
+            body = {
+                "model": "mock/m",
+                "conversation_id": "moved",
+                "messages": [*moved, {"role": "user", "content": "now?"}],
+            }
+            r = await client.post("/v1/chat/completions", json=body)
+            assert r.status_code == 200, r.text
+
+    asyncio.run(seed())
+    out = gw("show", "moved", "--data-dir", str(tmp_path / "var")).stdout
+    left_out = [line for line in out.splitlines() if "outside the last turn's window" in line]
+    assert left_out and "question 0:" in left_out[0]
+    assert not any("question 19:" in line for line in left_out)  # the newest were sent
+    marker = out.index("earlier messages omitted]")
+    assert out.index("question 0:") < marker < out.index("question 19:")
