@@ -6,13 +6,17 @@ import os
 import subprocess
 import sys
 import time
+from collections.abc import Awaitable, Callable
 from pathlib import Path
+from typing import Any, TypeVar
 
 import pytest
 from openai import OpenAI
 
 from tests.conftest import REPO, GatewayProcess
 from tests.mockserver import MockServer
+
+T = TypeVar("T")
 
 
 def gw(
@@ -26,6 +30,35 @@ def gw(
         text=True,
         timeout=timeout,
     )
+
+
+def seed_offline(tmp_path: Path, context: dict[str, Any], work: Callable[[Any], Awaitable[T]]) -> T:
+    """Run `work(client)` against the app in this process on the JSONL data dir
+    `tmp_path/var` (no server, no fsync), with these `[context]` settings; its result."""
+    import asyncio
+
+    from gateway.config import load_settings
+    from gateway.store.jsonl import JsonlStore
+    from gateway.upstream.mock import MockUpstream
+    from tests.conftest import build_client
+
+    settings = load_settings(
+        REPO / "tests" / "empty.toml",
+        environ={},
+        overrides={
+            "default_provider": "mock",
+            "providers": {"mock": {"kind": "openai", "base_url": "http://mock.invalid/v1"}},
+            "storage": {"backend": "jsonl", "data_dir": str(tmp_path / "var"), "durability": "none"},
+            "context": context,
+        },
+    )
+
+    async def run() -> T:
+        store = JsonlStore(tmp_path / "var", durability="none")
+        async with build_client(settings, store, MockUpstream()) as client:
+            return await work(client)
+
+    return asyncio.run(run())
 
 
 def test_demo_shows_recall_on_a_fresh_dir(tmp_path: Path) -> None:
@@ -224,32 +257,15 @@ def test_show_marks_what_the_last_window_left_out(tmp_path: Path) -> None:
     """`gateway show`: the history as the model sees it. When the last turn's window cut older
     turns, they are shown apart (dimmed, named) and the marker the model got stands where the
     window began; --json says the same under `last_window`."""
-    import asyncio
     import json
 
-    from gateway.config import load_settings
-    from gateway.store.jsonl import JsonlStore
-    from gateway.upstream.mock import MockUpstream
-    from tests.conftest import build_client
     from tests.helpers import say_each
 
-    settings = load_settings(
-        REPO / "tests" / "empty.toml",
-        environ={},
-        overrides={
-            "default_provider": "mock",
-            "providers": {"mock": {"kind": "openai", "base_url": "http://mock.invalid/v1"}},
-            "storage": {"backend": "jsonl", "data_dir": str(tmp_path / "var"), "durability": "none"},
-            "context": {"max_history_messages": 4},
-        },
+    ids = seed_offline(
+        tmp_path,
+        {"max_history_messages": 4},
+        lambda client: say_each(client, "w", [f"q{n}" for n in range(5)]),
     )
-
-    async def seed() -> list[str]:
-        store = JsonlStore(tmp_path / "var", durability="none")
-        async with build_client(settings, store, MockUpstream()) as client:
-            return await say_each(client, "w", [f"q{n}" for n in range(5)])
-
-    ids = asyncio.run(seed())
     shown = gw("show", "w", "--data-dir", str(tmp_path / "var"))
     assert shown.returncode == 0, shown.stderr
     out = shown.stdout
@@ -296,23 +312,6 @@ def test_show_marks_what_is_no_longer_sent(gateway: GatewayProcess, upstream: Mo
 def test_show_marks_a_cut_inside_one_turn(tmp_path: Path) -> None:
     """A long chat moved in with one request is one turn; the window cut inside it: the
     messages it left out are dimmed one by one, the rest shown as sent."""
-    import asyncio
-
-    from gateway.config import load_settings
-    from gateway.store.jsonl import JsonlStore
-    from gateway.upstream.mock import MockUpstream
-    from tests.conftest import build_client
-
-    settings = load_settings(
-        REPO / "tests" / "empty.toml",
-        environ={},
-        overrides={
-            "default_provider": "mock",
-            "providers": {"mock": {"kind": "openai", "base_url": "http://mock.invalid/v1"}},
-            "storage": {"backend": "jsonl", "data_dir": str(tmp_path / "var"), "durability": "none"},
-            "context": {"max_context_tokens": 600},
-        },
-    )
     moved = []
     for i in range(20):
         moved += [
@@ -320,18 +319,16 @@ def test_show_marks_a_cut_inside_one_turn(tmp_path: Path) -> None:
             {"role": "assistant", "content": f"answer {i}"},
         ]
 
-    async def seed() -> None:
-        store = JsonlStore(tmp_path / "var", durability="none")
-        async with build_client(settings, store, MockUpstream()) as client:
-            body = {
-                "model": "mock/m",
-                "conversation_id": "moved",
-                "messages": [*moved, {"role": "user", "content": "now?"}],
-            }
-            r = await client.post("/v1/chat/completions", json=body)
-            assert r.status_code == 200, r.text
+    async def move_in(client: Any) -> None:
+        body = {
+            "model": "mock/m",
+            "conversation_id": "moved",
+            "messages": [*moved, {"role": "user", "content": "now?"}],
+        }
+        r = await client.post("/v1/chat/completions", json=body)
+        assert r.status_code == 200, r.text
 
-    asyncio.run(seed())
+    seed_offline(tmp_path, {"max_context_tokens": 600}, move_in)
     out = gw("show", "moved", "--data-dir", str(tmp_path / "var")).stdout
     left_out = [line for line in out.splitlines() if "outside the last turn's window" in line]
     assert left_out and "question 0:" in left_out[0]
