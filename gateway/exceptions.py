@@ -25,6 +25,7 @@ from __future__ import annotations
 import asyncio
 from dataclasses import dataclass
 
+from gateway.redact import redact
 from gateway.types import JSONObject
 
 
@@ -46,6 +47,7 @@ class GatewayError(Exception):
     code: str | None = None
 
     def __init__(self, message: str, *, param: str | None = None, code: str | None = None) -> None:
+        message = redact(message)  # a provider's error may quote the key it was sent
         super().__init__(message)
         self.message = message
         self.param = param

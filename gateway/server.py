@@ -18,6 +18,7 @@ import uvicorn
 
 from gateway.config import Settings
 from gateway.exceptions import GatewayError
+from gateway.redact import RedactingFormatter
 
 STARTUP_FAILURE = 3  # uvicorn's exit status when the app's startup fails
 # `serve --log-level`, for worker processes (each starts a fresh interpreter).
@@ -52,7 +53,7 @@ def follow_supervisor() -> None:
 
 def configure_logging(level: str = "info") -> None:
     handler = logging.StreamHandler(sys.stderr)
-    handler.setFormatter(logging.Formatter("%(message)s"))
+    handler.setFormatter(RedactingFormatter("%(message)s"))
     root = logging.getLogger("gateway")
     root.handlers[:] = [handler]
     root.setLevel(level.upper())

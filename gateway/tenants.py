@@ -15,6 +15,7 @@ from starlette.types import ASGIApp, Receive, Scope, Send
 
 from gateway.config import Settings
 from gateway.exceptions import AuthenticationError
+from gateway.redact import keep_secret
 
 DEFAULT_TENANT = ""  # auth off: everything lives at the top of the data dir
 OPEN_PATHS = frozenset({"/healthz", "/readyz", "/openapi.json"})
@@ -33,7 +34,10 @@ class Tenants:
         environ = os.environ if environ is None else environ
         name = settings.auth.keys_env
         raw = environ.get(name, "") if name else ""
-        return cls([k.strip() for k in raw.split(",") if k.strip()])
+        keys = [k.strip() for k in raw.split(",") if k.strip()]
+        for key in keys:
+            keep_secret(key)
+        return cls(keys)
 
     @property
     def enabled(self) -> bool:

@@ -102,6 +102,14 @@ class MockServer:
         if self.mode == "error503_once":
             self.mode = "normal"
             return Response(b'{"error": {"message": "warming up", "type": "server_error"}}', status_code=503)
+        if self.mode == "echo_key":  # as some servers do: the key it was sent, quoted back
+            sent = request.headers.get("authorization", "")
+            message = f"Incorrect API key provided: {sent}"
+            error = {
+                "error": {"message": message, "type": "invalid_request_error", "code": "invalid_api_key"}
+            }
+            status = 500 if "[500]" in str(body.get("messages")) else 401
+            return Response(orjson.dumps(error), status_code=status, media_type="application/json")
         if self.mode == "error500":
             return Response(b'{"error": {"message": "boom", "type": "server_error"}}', status_code=500)
         if self.mode == "error429":

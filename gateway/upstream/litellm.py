@@ -21,6 +21,7 @@ from gateway.exceptions import (
     UpstreamTimeout,
     UpstreamUnreachable,
 )
+from gateway.redact import keep_secret, keep_secret_headers
 from gateway.upstream.base import (
     RETRY_STATUSES,
     Body,
@@ -133,6 +134,9 @@ class LitellmUpstream(Upstream):
         self.url = settings.base_url.rstrip("/")
         self.prefix = settings.litellm_provider or name
         self.settings = settings
+        if settings.api_key_env:
+            keep_secret(os.environ.get(settings.api_key_env))
+        keep_secret_headers(settings.headers)
 
     def _kwargs(self, body: Body) -> dict[str, Any]:
         kwargs = {k: v for k, v in body.items() if k in OPENAI_CHAT_PARAMS}

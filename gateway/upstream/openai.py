@@ -29,6 +29,7 @@ from gateway.exceptions import (
     UpstreamTimeout,
     UpstreamUnreachable,
 )
+from gateway.redact import keep_secret, keep_secret_headers
 from gateway.types import as_list, as_object
 from gateway.upstream import http1
 from gateway.upstream.base import (
@@ -220,6 +221,8 @@ class OpenAIUpstream(Upstream):
         self.url = settings.base_url.rstrip("/")
         self._headers = {"content-type": "application/json", **settings.headers}
         key = os.environ.get(settings.api_key_env, "") if settings.api_key_env else ""
+        keep_secret(key)
+        keep_secret_headers(settings.headers)
         if key:
             self._headers["authorization"] = f"Bearer {key}"
         self._timeout = aiohttp.ClientTimeout(

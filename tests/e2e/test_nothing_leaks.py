@@ -144,3 +144,38 @@ def test_an_expired_conversation_starts_afresh_on_its_next_request(
         assert list((tmp_path / "var" / "archive").iterdir())  # the expired one was archived
     finally:
         proc.stop()
+
+
+def test_a_provider_key_quoted_back_by_the_provider_is_never_passed_on(
+    tmp_path: Path, upstream: MockServer
+) -> None:
+    """A provider's error may quote the key it was sent ("Incorrect API key provided: …"): the
+    client, the response log and the log lines get the text with the key replaced."""
+    key = "sk-provider-secret-7f3a9c"
+    config = write_config(tmp_path / "gateway.toml", upstream.url)
+    config.write_text(
+        config.read_text().replace("timeout = 5\n", 'timeout = 5\napi_key_env = "QUOTED_KEY"\n', 1)
+    )
+    proc = GatewayProcess(config, tmp_path / "var", env={"QUOTED_KEY": key}).start()
+    try:
+        upstream.mode = "echo_key"
+        said = []
+        for text, stream in (("hello", False), ("hello", True), ("[500] hello", False)):
+            r = httpx.post(
+                f"{proc.url}/v1/chat/completions",
+                json={"model": "mock/tiny", "messages": [user(text)], "stream": stream},
+                headers={"x-conversation-id": "quoted-key"},
+                timeout=30,
+            )
+            assert r.status_code in (401, 502), r.text
+            said.append(r.text)
+        assert upstream.headers[-1]["authorization"] == f"Bearer {key}"  # it was sent, and quoted
+        assert all("Incorrect API key provided: Bearer [redacted]" in text for text in said), said
+        rid = r.headers["x-response-id"]
+        logged = httpx.get(f"{proc.url}/v1/responses/{rid}", timeout=10).text
+        assert "[redacted]" in logged
+    finally:
+        proc.stop()
+    files = [p for p in (tmp_path / "var").rglob("*") if p.is_file()]
+    assert files and not [p for p in files if key.encode() in p.read_bytes()]
+    assert key not in proc.log()

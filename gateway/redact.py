@@ -1,0 +1,54 @@
+"""The secrets this process holds (provider keys, gateway keys), kept out of everything it says:
+error messages (to clients, and in response logs) and log lines.
+
+A provider may quote the key it was sent in its error ("Incorrect API key provided: Bearer
+sk-…"), and a library may put it in an exception's text; the gateway knows each value, so it
+replaces it wherever it would pass such text on."""
+
+from __future__ import annotations
+
+import logging
+
+REDACTED = "[redacted]"
+# Shorter values are not treated as secrets: replacing them would mangle ordinary text.
+MIN_SECRET_CHARS = 6
+# Header names whose values are secrets (a provider's `headers` may carry its key).
+_SECRET_HEADER_WORDS = ("auth", "key", "token", "secret", "cookie")
+
+_secrets: tuple[str, ...] = ()
+
+
+def keep_secret(value: str | None) -> None:
+    """From now on, `redact` replaces `value` (longest first: a key inside another is not left
+    half shown)."""
+    global _secrets
+    if value is None:
+        return
+    value = value.strip()
+    if len(value) < MIN_SECRET_CHARS or value in _secrets:
+        return
+    _secrets = tuple(sorted((*_secrets, value), key=len, reverse=True))
+
+
+def keep_secret_headers(headers: dict[str, str]) -> None:
+    """The values of headers that carry credentials (by their names)."""
+    for name, value in headers.items():
+        if any(word in name.lower() for word in _SECRET_HEADER_WORDS):
+            keep_secret(value.removeprefix("Bearer ").removeprefix("bearer "))
+
+
+def redact(text: str) -> str:
+    """`text` with every secret this process holds replaced by REDACTED."""
+    for secret in _secrets:
+        if secret in text:
+            text = text.replace(secret, REDACTED)
+    return text
+
+
+class RedactingFormatter(logging.Formatter):
+    """Log lines with the process's secrets replaced (a last line of defence: an exception's
+    text logged as it is)."""
+
+    def format(self, record: logging.LogRecord) -> str:
+        line = super().format(record)
+        return redact(line) if _secrets else line

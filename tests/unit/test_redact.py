@@ -1,0 +1,38 @@
+"""Secrets the process holds are replaced in error messages and log lines."""
+
+from __future__ import annotations
+
+import logging
+
+from gateway.config import Settings
+from gateway.exceptions import UpstreamStatusError
+from gateway.redact import REDACTED, RedactingFormatter, keep_secret, keep_secret_headers, redact
+from gateway.tenants import Tenants
+
+
+def test_kept_secrets_are_replaced_wherever_they_appear() -> None:
+    keep_secret("sk-unit-secret-0001")
+    keep_secret("sk-unit-secret-0001-longer")  # one key inside another: the longer first
+    keep_secret("abc")  # too short to be told from ordinary text: left alone
+    text = "key sk-unit-secret-0001-longer then sk-unit-secret-0001, abc"
+    assert redact(text) == f"key {REDACTED} then {REDACTED}, abc"
+
+
+def test_provider_headers_and_gateway_keys_are_secrets() -> None:
+    keep_secret_headers({"x-api-key": "hdr-secret-value-42", "x-title": "My App Title"})
+    settings = Settings.model_validate({"auth": {"keys_env": "K"}})
+    Tenants.from_settings(settings, {"K": "gw-key-one-1234, gw-key-two-5678"})
+    assert redact("hdr-secret-value-42 gw-key-one-1234 gw-key-two-5678 My App Title") == (
+        f"{REDACTED} {REDACTED} {REDACTED} My App Title"
+    )
+
+
+def test_errors_and_log_lines_carry_no_secret() -> None:
+    keep_secret("sk-unit-secret-0002")
+    error = UpstreamStatusError("Incorrect API key provided: Bearer sk-unit-secret-0002", upstream_status=401)
+    assert error.message == f"Incorrect API key provided: Bearer {REDACTED}"
+    assert "sk-unit-secret-0002" not in str(error) and "sk-unit" not in str(error.to_dict())
+    record = logging.LogRecord(
+        "gateway", logging.ERROR, __file__, 1, "failed: %s", ("sk-unit-secret-0002",), None
+    )
+    assert RedactingFormatter("%(message)s").format(record) == f"failed: {REDACTED}"
