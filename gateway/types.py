@@ -42,11 +42,13 @@ class ImageURL(TypedDict, total=False):
 
 
 class ContentPart(TypedDict, total=False):
-    """A part of a message's content: text, or an image (`image_url`)."""
+    """A part of a message's content: text, an image (`image_url`), audio or a file."""
 
     type: Required[str]
     text: str
     image_url: ImageURL | str
+    input_audio: JSONObject  # {"data", "format"}
+    file: JSONObject  # {"file_id" | "file_data", "filename"}
 
 
 class Message(TypedDict, total=False):

@@ -226,6 +226,21 @@ def item_errors(field: str) -> ErrorMessages:
     }
 
 
+MAX_METADATA = 16
+Metadata = Annotated[
+    dict[Annotated[str, Field(max_length=64)], Annotated[str, Field(max_length=512)]],
+    Field(max_length=MAX_METADATA),
+]
+
+
+def _metadata(param: str, error: ErrorDetails) -> str:
+    if len(error["loc"]) > 1:
+        return "metadata keys are ≤64 characters and values strings ≤512"
+    if error["type"] == "missing" or error["input"] is None:
+        return "'metadata' is required"
+    return f"'metadata' must be an object of at most {MAX_METADATA} string pairs"
+
+
 # -- the Responses API ---------------------------------------------------------------------------
 
 
@@ -269,8 +284,8 @@ class ResponseCreate(BaseModel):
     # Checked where they are used: the conversation's id, the response's existence.
     conversation: SkipValidation[ConversationId | ConversationRef | None] = None
     previous_response_id: SkipValidation[str | None] = Field(None, description="404 unless a stored response")
-    store: SkipValidation[bool] = True
-    metadata: SkipValidation[dict[str, str] | None] = None
+    store: bool = True
+    metadata: Metadata | None = None
     # Passed on to the provider.
     temperature: SkipValidation[float | None] = None
     top_p: SkipValidation[float | None] = None
@@ -289,25 +304,12 @@ class ResponseCreate(BaseModel):
         "tools[]": "{param}: only function tools are supported",
         "stream": "'stream' must be a boolean",
         "max_output_tokens": f"'max_output_tokens' {TOKENS}",
+        "store": "'store' must be a boolean",
+        "metadata": _metadata,
     }
 
 
 # -- the Conversations API -----------------------------------------------------------------------
-
-MAX_METADATA = 16
-Metadata = Annotated[
-    dict[Annotated[str, Field(max_length=64)], Annotated[str, Field(max_length=512)]],
-    Field(max_length=MAX_METADATA),
-]
-
-
-def _metadata(param: str, error: ErrorDetails) -> str:
-    if len(error["loc"]) > 1:
-        return "metadata keys are ≤64 characters and values strings ≤512"
-    if error["type"] == "missing" or error["input"] is None:
-        return "'metadata' is required"
-    return f"'metadata' must be an object of at most {MAX_METADATA} string pairs"
-
 
 def _items(param: str, error: ErrorDetails) -> str:
     return "'items' is required" if error["type"] == "missing" else "'items' must be an array"

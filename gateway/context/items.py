@@ -7,6 +7,8 @@ prompt messages: `sys_{response_id}_{k}`).
 
 from __future__ import annotations
 
+from typing import cast
+
 from gateway.exceptions import InvalidRequest
 from gateway.types import ContentPart, JSONObject, Message, ToolCall
 
@@ -31,6 +33,13 @@ def _text_of(content: object) -> str:
     return ""
 
 
+def _string(value: object, what: str, param: str) -> str:
+    """A field that must be a string (a 400 naming it otherwise: never a repr stored instead)."""
+    if not isinstance(value, str):
+        raise InvalidRequest(f"{what} must be a string", param=param)
+    return value
+
+
 def _chat_content(content: object, where: str) -> str | list[ContentPart]:
     """Responses content (string or parts) as chat content (string, or parts for images)."""
     if isinstance(content, str):
@@ -41,25 +50,53 @@ def _chat_content(content: object, where: str) -> str | list[ContentPart]:
         )
     parts: list[ContentPart] = []
     for k, part in enumerate(content):
+        at = f"{where}.content[{k}]"
         kind = part.get("type") if isinstance(part, dict) else None
-        if _is_text_part(kind):
-            parts.append({"type": "text", "text": str(part.get("text", ""))})
-        elif kind == "input_image" and (part.get("image_url") or part.get("file_id")):
+        if isinstance(part, dict) and _is_text_part(kind):
             parts.append(
-                {"type": "image_url", "image_url": {"url": part.get("image_url") or part.get("file_id")}}
+                {"type": "text", "text": _string(part.get("text"), f"{at}.text", f"{where}.content")}
             )
+        elif isinstance(part, dict) and kind == "input_image":
+            url = part.get("image_url") or part.get("file_id")
+            if not isinstance(url, str) or not url:
+                raise InvalidRequest(
+                    f"{at}: an input_image needs image_url or file_id (a string)", param=f"{where}.content"
+                )
+            parts.append({"type": "image_url", "image_url": {"url": url}})
+        elif isinstance(part, dict) and kind == "input_audio" and isinstance(part.get("input_audio"), dict):
+            parts.append({"type": "input_audio", "input_audio": part["input_audio"]})
+        elif isinstance(part, dict) and kind == "input_file":
+            file = {k: part[k] for k in ("file_id", "file_data", "filename") if isinstance(part.get(k), str)}
+            if not file.get("file_id") and not file.get("file_data"):
+                raise InvalidRequest(
+                    f"{at}: an input_file needs file_id or file_data (a string)", param=f"{where}.content"
+                )
+            parts.append({"type": "file", "file": file})
         else:
-            raise InvalidRequest(
-                f"{where}.content[{k}]: unsupported content part {kind!r}", param=f"{where}.content"
-            )
+            raise InvalidRequest(f"{at}: unsupported content part {kind!r}", param=f"{where}.content")
     if all(p["type"] == "text" for p in parts):
         return "".join(p.get("text", "") for p in parts)
     return parts
 
 
+def _tool_output(output: object, where: str) -> str:
+    """A function_call_output's output: a string, or text parts (joined)."""
+    if isinstance(output, str):
+        return output
+    if isinstance(output, list) and all(
+        isinstance(p, dict) and _is_text_part(p.get("type")) and isinstance(p.get("text"), str)
+        for p in output
+    ):
+        return _text_of(output)
+    raise InvalidRequest(
+        f"{where}.output must be a string or an array of text parts", param=f"{where}.output"
+    )
+
+
 def items_to_messages(items: object, *, param: str = "items") -> list[Message]:
     """Responses-style input items as chat messages (consecutive function calls merge into one
-    assistant message with several tool_calls)."""
+    assistant message with several tool_calls). A field of the wrong type is a 400: what is
+    stored is replayed on every later turn, so it must be what a provider accepts."""
     if not isinstance(items, list):
         raise InvalidRequest(f"'{param}' must be an array", param=param)
     out: list[Message] = []
@@ -74,36 +111,38 @@ def items_to_messages(items: object, *, param: str = "items") -> list[Message]:
                 raise InvalidRequest(
                     f"{where}.role must be user, assistant, system or developer", param=f"{where}.role"
                 )
-            content = _chat_content(item.get("content", ""), where)
+            if "content" not in item:
+                raise InvalidRequest(f"{where}.content is required", param=f"{where}.content")
+            content = _chat_content(item["content"], where)
             if role == "assistant" and not isinstance(content, str):
                 content = _text_of(item.get("content"))
             out.append({"role": role, "content": content})
         elif kind == "function_call":
-            call_id = str(item.get("call_id") or item.get("id") or "")
-            name = str(item.get("name", ""))
+            call_id = item.get("call_id") or item.get("id")
+            name = item.get("name")
+            if not isinstance(call_id, str) or not call_id or not isinstance(name, str) or not name:
+                raise InvalidRequest(
+                    f"{where}: a function_call needs call_id and name (non-empty strings)", param=where
+                )
+            arguments = _string(item.get("arguments", ""), f"{where}.arguments", f"{where}.arguments")
             call: ToolCall = {
                 "id": call_id,
                 "type": "function",
-                "function": {"name": name, "arguments": str(item.get("arguments", ""))},
+                "function": {"name": name, "arguments": arguments},
             }
-            if not call_id or not name:
-                raise InvalidRequest(f"{where}: a function_call needs call_id and name", param=where)
             calls = out[-1].get("tool_calls") if out and out[-1]["role"] == "assistant" else None
             if calls and not out[-1].get("content"):
                 calls.append(call)
             else:
                 out.append({"role": "assistant", "content": None, "tool_calls": [call]})
         elif kind == "function_call_output":
-            if not item.get("call_id"):
-                raise InvalidRequest(f"{where}: a function_call_output needs call_id", param=where)
-            output = item.get("output", "")
-            out.append(
-                {
-                    "role": "tool",
-                    "tool_call_id": str(item["call_id"]),
-                    "content": output if isinstance(output, str) else _text_of(output),
-                }
-            )
+            call_id = item.get("call_id")
+            if not isinstance(call_id, str) or not call_id:
+                raise InvalidRequest(
+                    f"{where}: a function_call_output needs call_id (a non-empty string)", param=where
+                )
+            output = _tool_output(item.get("output", ""), where)
+            out.append({"role": "tool", "tool_call_id": call_id, "content": output})
         else:
             raise InvalidRequest(f"{where}: unsupported item type {kind!r}", param=f"{where}.type")
     return out
@@ -119,18 +158,27 @@ def _content_parts(message: Message, role: str) -> list[JSONObject]:
             else []
         )
     if isinstance(content, list):
-        parts: list[JSONObject] = []
-        for p in content:
-            if not isinstance(p, dict):
-                continue
-            if p.get("type") == "image_url":
-                image = p.get("image_url")
-                url = image.get("url") if isinstance(image, dict) else image
-                parts.append({"type": "input_image", "image_url": url, "detail": "auto", "file_id": None})
-            else:
-                parts.append({"type": "input_text", "text": str(p.get("text", ""))})
-        return parts
+        return [_item_part(cast(JSONObject, p)) for p in content if isinstance(p, dict)]
     return [{"type": "input_text", "text": content if isinstance(content, str) else ""}]
+
+
+def _item_part(part: JSONObject) -> JSONObject:
+    """A chat content part as the Conversations API shows it (a kind it has no name for: as
+    stored, never as made-up text)."""
+    kind = part.get("type")
+    if kind == "image_url":
+        image = part.get("image_url")
+        url = image.get("url") if isinstance(image, dict) else image
+        return {"type": "input_image", "image_url": url, "detail": "auto", "file_id": None}
+    file = part.get("file")
+    if kind == "file" and isinstance(file, dict):
+        return {"type": "input_file", **file}
+    if kind == "input_audio":
+        return {"type": "input_audio", "input_audio": part.get("input_audio")}
+    if kind in (None, "text", "input_text"):
+        text = part.get("text")
+        return {"type": "input_text", "text": text if isinstance(text, str) else ""}
+    return dict(part)
 
 
 def message_to_items(message: Message, response_id: str, position: int) -> list[Item]:

@@ -205,7 +205,10 @@ async def test_responses_and_items_errors_name_the_item(app_client: httpx.AsyncC
     assert err["param"] == "metadata" and "≤512" in err["message"]
     assert (await app_client.post("/v1/conversations", json={"id": "c1"})).status_code == 200
     err = await error("/v1/conversations/c1/items", {"items": [{"type": "function_call", "name": "f"}]})
-    assert (err["param"], err["message"]) == ("items[0]", "items[0]: a function_call needs call_id and name")
+    assert (err["param"], err["message"]) == (
+        "items[0]",
+        "items[0]: a function_call needs call_id and name (non-empty strings)",
+    )
     err = await error("/v1/conversations/c1", {"metadata": None})
     assert (err["param"], err["message"]) == ("metadata", "'metadata' is required")
 

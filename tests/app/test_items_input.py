@@ -1,0 +1,100 @@
+"""Items added through the Conversations and Responses APIs are checked as chat messages are: a
+field of the wrong type is a 400 that stores nothing (what is stored is replayed on every later
+turn), and the items view shows each stored part as what it is."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import httpx
+import pytest
+
+from gateway.context.items import items_to_messages, message_to_items
+from gateway.exceptions import InvalidRequest
+from gateway.store.memory import MemoryStore
+from gateway.upstream.mock import MockUpstream
+
+CALL = {"type": "function_call", "call_id": "c1", "name": "f", "arguments": "{}"}
+
+BAD_ITEMS: dict[str, list[dict[str, Any]]] = {
+    "image_url not a string": [{"role": "user", "content": [{"type": "input_image", "image_url": 5}]}],
+    "text not a string": [{"role": "user", "content": [{"type": "input_text", "text": {"a": [1]}}]}],
+    "text null": [{"role": "user", "content": [{"type": "input_text", "text": None}]}],
+    "message without content": [{"type": "message", "role": "user"}],
+    "call_id not a string": [{**CALL, "call_id": 5}],
+    "arguments not a string": [{**CALL, "arguments": 5}],
+    "name missing": [{"type": "function_call", "call_id": "c1"}],
+    "output an object": [CALL, {"type": "function_call_output", "call_id": "c1", "output": {"temp": 22}}],
+    "output call_id not a string": [CALL, {"type": "function_call_output", "call_id": 1, "output": "x"}],
+    "input_file without a file": [{"role": "user", "content": [{"type": "input_file", "filename": "a.pdf"}]}],
+}
+
+
+@pytest.mark.parametrize("items", BAD_ITEMS.values(), ids=list(BAD_ITEMS))
+def test_a_field_of_the_wrong_type_is_a_400(items: list[dict[str, Any]]) -> None:
+    with pytest.raises(InvalidRequest):
+        items_to_messages(items)
+
+
+@pytest.mark.parametrize("items", BAD_ITEMS.values(), ids=list(BAD_ITEMS))
+async def test_bad_items_store_nothing(
+    app_client: httpx.AsyncClient, memory_store: MemoryStore, mock_upstream: MockUpstream, items: list[Any]
+) -> None:
+    created = await app_client.post("/v1/conversations", json={"id": "bad-items", "items": items})
+    assert created.status_code == 400, created.text
+    assert created.json()["error"]["type"] == "invalid_request_error"
+    await app_client.post("/v1/conversations", json={"id": "bad-items-2"})
+    added = await app_client.post("/v1/conversations/bad-items-2/items", json={"items": items})
+    assert added.status_code == 400, added.text
+    listed = await app_client.get("/v1/conversations/bad-items-2/items")
+    assert listed.json()["data"] == []
+    turn = await app_client.post(
+        "/v1/chat/completions",
+        json={
+            "model": "mock/m",
+            "conversation_id": "bad-items-2",
+            "messages": [{"role": "user", "content": "hi"}],
+        },
+    )
+    assert turn.status_code == 200
+    assert mock_upstream.requests[-1]["messages"] == [{"role": "user", "content": "hi"}]
+
+
+def test_tool_output_may_be_text_parts() -> None:
+    parts = [{"type": "input_text", "text": "22 "}, {"type": "input_text", "text": "degrees"}]
+    out = items_to_messages([CALL, {"type": "function_call_output", "call_id": "c1", "output": parts}])
+    assert out[-1] == {"role": "tool", "tool_call_id": "c1", "content": "22 degrees"}
+
+
+def test_audio_and_file_parts_are_listed_as_what_they_are() -> None:
+    audio = {"data": "UklGRg==", "format": "wav"}
+    message = {
+        "role": "user",
+        "content": [
+            {"type": "text", "text": "transcribe:"},
+            {"type": "input_audio", "input_audio": audio},
+            {"type": "file", "file": {"file_id": "file-1", "filename": "a.pdf"}},
+            {"type": "text", "text": None},
+        ],
+    }
+    [item] = message_to_items(message, "m-0123456789ab", 0)
+    assert item["content"] == [
+        {"type": "input_text", "text": "transcribe:"},
+        {"type": "input_audio", "input_audio": audio},
+        {"type": "input_file", "file_id": "file-1", "filename": "a.pdf"},
+        {"type": "input_text", "text": ""},
+    ]
+    # and the listed parts, added back as items, are the same chat message
+    again = items_to_messages([{"role": "user", "content": item["content"][:3]}])
+    assert again == [{"role": "user", "content": message["content"][:3]}]
+
+
+async def test_responses_store_and_metadata_are_checked(app_client: httpx.AsyncClient) -> None:
+    for field, value in (("store", "no"), ("metadata", 5), ("metadata", {"k": 5})):
+        r = await app_client.post("/v1/responses", json={"model": "mock/m", "input": "hi", field: value})
+        assert r.status_code == 400, (field, value, r.text)
+        assert r.json()["error"]["param"] == field
+    ok = await app_client.post(
+        "/v1/responses", json={"model": "mock/m", "input": "hi", "metadata": {"k": "v"}}
+    )
+    assert ok.status_code == 200, ok.text
