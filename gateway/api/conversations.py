@@ -3,6 +3,7 @@ the conversation use cases (`services/conversations.py`, `services/queries.py`),
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 from starlette.requests import Request
@@ -15,7 +16,7 @@ from gateway.context import ConversationView
 from gateway.context.items import Item
 from gateway.exceptions import InvalidRequest, NotFound
 from gateway.ids import check_conversation_id
-from gateway.services.conversations import find_item, view_items
+from gateway.services.conversations import find_item, item_place, view_items
 from gateway.types import JSONObject
 
 
@@ -58,7 +59,16 @@ def _limit(request: Request) -> int:
     return int(raw)
 
 
-def paginate(items: list[Item], request: Request, *, default_order: str) -> dict[str, Any]:
+def paginate(
+    items: list[Item],
+    request: Request,
+    *,
+    default_order: str,
+    place: Callable[[str], tuple[int, ...] | None] | None = None,
+) -> dict[str, Any]:
+    """A page of `items` (oldest first). `place` gives an item id's place in that order, even
+    for an item no longer listed: a page may go on after a cursor deleted since (the SDK's
+    loop that lists items and deletes each one)."""
     order = request.query_params.get("order", default_order)
     if order not in ("asc", "desc"):
         raise InvalidRequest("'order' must be 'asc' or 'desc'", param="order")
@@ -67,9 +77,18 @@ def paginate(items: list[Item], request: Request, *, default_order: str) -> dict
     after = request.query_params.get("after")
     if after:
         ids = [item["id"] for item in ordered]
-        if after not in ids:
-            raise NotFound(f"No item {after!r} in this list", param="after")
-        ordered = ordered[ids.index(after) + 1 :]
+        if after in ids:
+            ordered = ordered[ids.index(after) + 1 :]
+        else:
+            cursor = place(after) if place is not None else None
+            if place is None or cursor is None:
+                raise NotFound(f"No item {after!r} in this list", param="after")
+            kept = []
+            for item in ordered:
+                at = place(str(item["id"]))
+                if at is not None and (at > cursor if order == "asc" else at < cursor):
+                    kept.append(item)
+            ordered = kept
     page = ordered[:limit]
     result = _page(page)
     result["has_more"] = len(ordered) > limit
@@ -149,7 +168,7 @@ async def reset_conversation(request: Request) -> Response:
 
 async def list_items(request: Request) -> Response:
     view = await services_of(request).conversations.get(tenant_of(request), _cid(request))
-    return JSONBody(paginate(view_items(view), request, default_order="desc"))
+    return JSONBody(paginate(view_items(view), request, default_order="desc", place=item_place(view)))
 
 
 async def create_items(request: Request) -> Response:

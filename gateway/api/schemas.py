@@ -311,6 +311,7 @@ class ResponseCreate(BaseModel):
 
 # -- the Conversations API -----------------------------------------------------------------------
 
+
 def _items(param: str, error: ErrorDetails) -> str:
     return "'items' is required" if error["type"] == "missing" else "'items' must be an array"
 

@@ -8,6 +8,7 @@ import contextlib
 import functools
 import secrets
 import time
+from collections.abc import Callable
 
 from gateway.config import Settings
 from gateway.context import ConversationView, Message, Turn, split_system
@@ -34,6 +35,28 @@ def view_items(view: ConversationView) -> list[Item]:
     for message, owner, pos in zip(view.history, view.history_owner, view.history_pos, strict=True):
         items.extend(message_to_items(message, owner, pos))
     return items
+
+
+def item_place(view: ConversationView) -> Callable[[str], tuple[int, int, int] | None]:
+    """An item id's place in `view_items`' order (system prompt, then turns in order, then
+    positions, then a message's calls), whether or not the item is still listed; None for an id
+    that names no turn of the conversation."""
+    turns = {rid: i for i, rid in enumerate(view.response_ids)}
+
+    def place(item_id: str) -> tuple[int, int, int] | None:
+        named = parse_item_id(item_id)
+        if named is None:
+            return None
+        rid, position = named
+        if position < 0:  # the system prompt's k-th message
+            return (-1, -position, 0) if item_id.startswith("sys_") else None
+        turn = turns.get(rid)
+        if turn is None:
+            return None
+        call = int(item_id.rsplit("_", 1)[1]) if item_id.startswith("fc_") else -1
+        return (turn, position, call)
+
+    return place
 
 
 def find_item(view: ConversationView, item_id: str) -> Item:

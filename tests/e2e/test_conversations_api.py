@@ -269,3 +269,26 @@ def test_the_cli_reads_every_tenants_data(tenant_gateway: GatewayProcess, upstre
     assert cli("context", rid, "--tenant", tb).returncode == 1  # not Bob's
     assert cli("show", "alone", "--tenant", "default").returncode == 1  # nothing without a key
     assert cli("show", "alone", "--tenant", "../x").returncode == 1
+
+
+def test_the_sdks_list_and_delete_loop_clears_a_conversation(
+    gateway: GatewayProcess, upstream: MockServer
+) -> None:
+    """The SDK's auto-pagination asks for the page after the last item it listed, which the
+    loop has deleted meanwhile: the page goes on from where that item was."""
+    client = sdk(gateway)
+    items = [{"type": "message", "role": "user", "content": f"note {i}"} for i in range(6)]
+    conv = client.conversations.create(items=items)  # type: ignore[arg-type]
+    for order in ("asc", "desc"):
+        seen = []
+        for item in client.conversations.items.list(conv.id, limit=2, order=order):
+            seen.append(item.id)
+            client.conversations.items.delete(item.id, conversation_id=conv.id)
+            if order == "asc" and len(seen) == 3:
+                break  # half of them in one order, the rest in the other
+        assert seen
+    assert client.conversations.items.list(conv.id).data == []
+    unknown = httpx.get(
+        f"{gateway.url}/v1/conversations/{conv.id}/items", params={"after": "msg_nope-0123_0"}
+    )
+    assert unknown.status_code == 404 and unknown.json()["error"]["param"] == "after"
