@@ -12,24 +12,67 @@ sends, each a trip through the network stack and a wake-up of the client. An ans
 Content-Length of at most 64 KiB (every JSON answer of a turn) goes out in one send here: its head
 is held until the body part that ASGI sends next. Streams (chunked: server-sent events), HEAD
 answers and larger bodies are written as uvicorn writes them.
+
+A request httptools cannot parse (a request line or header over 64 KiB, bytes that are not
+HTTP/1.1) gets a 400 in OpenAI's error shape and a JSON log line, as every other request does,
+instead of uvicorn's text/plain answer and plain-text warning.
 """
 
 from __future__ import annotations
 
 import asyncio
+import logging
 from typing import Any
 
 import orjson
 from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
 
 from gateway.api.http import BODY_COMPLETE
-from gateway.exceptions import BodyTimeout
+from gateway.exceptions import BodyTimeout, GatewayError, InvalidRequest
+from gateway.metrics import access_log
 
-_BODY = orjson.dumps(BodyTimeout("The request head did not arrive within server.body_timeout").to_dict())
-TIMEOUT_RESPONSE = (
-    b"HTTP/1.1 408 Request Timeout\r\ncontent-type: application/json\r\nconnection: close\r\n"
-    b"content-length: " + str(len(_BODY)).encode() + b"\r\n\r\n" + _BODY
+
+def _closing_answer(status: str, error: GatewayError) -> bytes:
+    """A whole HTTP answer in OpenAI's error shape, after which the connection is closed."""
+    body = orjson.dumps(error.to_dict())
+    return (
+        f"HTTP/1.1 {status}\r\ncontent-type: application/json\r\nconnection: close\r\n".encode()
+        + b"content-length: "
+        + str(len(body)).encode()
+        + b"\r\n\r\n"
+        + body
+    )
+
+
+_HEAD_LATE = BodyTimeout("The request head did not arrive within server.body_timeout")
+TIMEOUT_RESPONSE = _closing_answer("408 Request Timeout", _HEAD_LATE)
+_UNPARSABLE = InvalidRequest(
+    "Invalid HTTP request: the request line or headers could not be parsed "
+    "(a request line or header over 64 KiB, or not HTTP/1.1)",
+    code="invalid_http_request",
 )
+BAD_REQUEST_RESPONSE = _closing_answer("400 Bad Request", _UNPARSABLE)
+_PARSER_WARNING = "Invalid HTTP request received."
+
+
+def _refusal_line(error: GatewayError, route: str) -> None:
+    """The JSON log line of a request refused before it was a request (nothing to route)."""
+    line = {
+        "event": "http.request",
+        "method": None,
+        "path": None,
+        "route": route,
+        "status": error.status_code,
+        "error": {"type": error.error_type, "code": error.code, "message": error.message},
+    }
+    access_log.info(orjson.dumps(line).decode())
+
+
+class _NotParserWarning(logging.Filter):
+    """uvicorn's own plain-text line for a request its parser refused: ours is JSON."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return record.getMessage() != _PARSER_WARNING
 
 
 _JOIN_LIMIT = 1 << 16
@@ -76,9 +119,14 @@ class HeadDeadlineProtocol(HttpToolsProtocol):
     # Set from settings in each worker (gateway.app.app_from_env); 0 disables the deadline.
     head_timeout: float = 30.0
 
+    _quiet = False  # uvicorn's parser warning filtered (once uvicorn has set up its logging)
+
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
         self._head_deadline: asyncio.TimerHandle | None = None
+        if not HeadDeadlineProtocol._quiet:
+            HeadDeadlineProtocol._quiet = True
+            self.logger.addFilter(_NotParserWarning())
 
     def _arm(self) -> None:
         if self._head_deadline is None and self.head_timeout > 0:
@@ -95,7 +143,15 @@ class HeadDeadlineProtocol(HttpToolsProtocol):
             return
         if self.cycle is None or self.cycle.response_complete:
             self.transport.write(TIMEOUT_RESPONSE)
+            _refusal_line(_HEAD_LATE, "head_timeout")
         self.transport.close()
+
+    def send_400_response(self, msg: str) -> None:
+        """A request httptools cannot parse: OpenAI's error shape and a JSON log line, not
+        uvicorn's text/plain answer and plain warning."""
+        self.transport.write(BAD_REQUEST_RESPONSE)
+        self.transport.close()
+        _refusal_line(_UNPARSABLE, "unparsable")
 
     def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
         super().connection_made(transport)

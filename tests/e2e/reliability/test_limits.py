@@ -198,3 +198,29 @@ def test_a_body_refused_unread_closes_the_connection(
         assert headers.get("connection") == "close"
         elapsed, rest = wait_closed(sock, limit=3.0)
     assert rest == b"" and elapsed < 1.0
+
+
+@pytest.mark.parametrize(
+    "raw",
+    [
+        b"GET /v1/models?after=" + b"a" * 70_000 + b" HTTP/1.1\r\nHost: g\r\n\r\n",
+        b"\x16\x03\x01 not http\r\n\r\n",
+    ],
+    ids=["request line over 64 KiB", "not HTTP"],
+)
+def test_a_request_the_parser_refuses_gets_a_json_400_and_a_json_log_line(
+    gw: GatewayProcess, fault: FaultServer, raw: bytes
+) -> None:
+    before = len(gw.log())
+    with connect(gw) as sock:
+        sock.sendall(raw)
+        status, headers, payload = read_response(sock)
+        assert sock.recv(1) == b""  # and the connection is closed
+    assert status == 400 and headers["content-type"] == "application/json"
+    assert payload["error"]["type"] == "invalid_request_error"
+    assert payload["error"]["code"] == "invalid_http_request"
+    time.sleep(0.2)
+    lines = gw.log()[before:].splitlines()
+    assert lines and all(line.startswith("{") for line in lines), lines
+    logged = [json.loads(line) for line in lines]
+    assert [(e["route"], e["status"]) for e in logged] == [("unparsable", 400)]
