@@ -15,7 +15,7 @@ from typing import Any, TypeVar, cast
 import click
 import orjson
 
-from gateway.cli_render import render_log, render_message, render_turn, when
+from gateway.cli_render import render_log, render_marker, render_message, render_turn, when
 from gateway.config import Settings, load_settings
 from gateway.config_sources import CONFIG_ENV, DEFAULT_CONFIG_PATH
 from gateway.context import Turn
@@ -23,6 +23,7 @@ from gateway.context.history import clean_message, item_key, message_key, repair
 from gateway.exceptions import GatewayError, NotFound
 from gateway.ids import is_valid_response_id
 from gateway.services import Services
+from gateway.services.queries import stored_tokens
 from gateway.types import Message, Record
 
 F = TypeVar("F", bound=Callable[..., Any])
@@ -213,8 +214,13 @@ def main() -> None:
 @_common
 @click.option("--host", default=None, help="Bind address (default server.host).")
 @click.option("--port", type=int, default=None, help="Port (default server.port).")
-@click.option("--workers", type=int, default=1, show_default=True, help="Worker processes.")
-@click.option("--log-level", default="info", show_default=True)
+@click.option("--workers", type=click.IntRange(min=1), default=1, show_default=True, help="Worker processes.")
+@click.option(
+    "--log-level",
+    type=click.Choice(["debug", "info", "warning", "error", "critical"], case_sensitive=False),
+    default="info",
+    show_default=True,
+)
 def serve(
     settings: Settings,
     *,
@@ -335,11 +341,21 @@ def show(
         ids = last[1].get("included_response_ids")
         included = {*(ids if isinstance(ids, list) else []), last[0]}
         window = {"response_id": last[0], "omitted_messages": cut, "included": included}
+    # Each message's tokens as `gateway conversations` counts them (its turn's count if any).
+    counts = stored_tokens(view)
+    system_count = len(view.system or [])
+    stored_count = dict(
+        zip(zip(view.history_owner, view.history_pos, strict=True), counts[system_count:], strict=True)
+    )
     if as_json:
+        messages = [*(view.system or []), *repair_tool_calls(view.history)]
+        by_message = {id(m): n for m, n in zip([*(view.system or []), *view.history], counts, strict=True)}
         out = {
             "conversation_id": conversation_id,
             "system": view.system,
-            "messages": [*(view.system or []), *repair_tool_calls(view.history)],
+            "messages": messages,
+            "message_tokens": [by_message.get(id(m)) or count_message(m) for m in messages],
+            "tokens": sum(counts),
             "turns": [t.to_dict() for t in turns],
             "last_window": None
             if window is None
@@ -351,10 +367,9 @@ def show(
         }
         click.echo(orjson.dumps(out, option=orjson.OPT_INDENT_2).decode())
         return
-    total = 0
-    for m in view.system or []:
-        n = count_message(m)
-        total += n
+    in_window_total = 0
+    for m, n in zip(view.system or [], counts, strict=False):
+        in_window_total += n
         click.echo(render_message(m, tokens=n, note="system prompt"))
     # What the last turn sent (its snapshot is a full copy): a cut may fall inside a turn.
     sent_list = last[1].get("messages") if window is not None and last is not None else None
@@ -412,8 +427,7 @@ def show(
                     why = "edited away"
                 click.echo(click.style(render_message(m, note=f"{why}: no longer sent"), dim=True))
                 continue
-            n = count_message(m)
-            total += n
+            n = stored_count.get((turn.response_id, pos)) or count_message(m)
             if not in_window(m, pos):
                 note = "outside the last turn's window: left out or summarized"
                 click.echo(click.style(render_message(m, tokens=n, note=note), dim=True))
@@ -421,12 +435,12 @@ def show(
             if window is not None and not marked:  # the window begins inside this turn
                 marked = True
                 _window_marker(window)
+            in_window_total += n
             click.echo(render_message(m, tokens=n))
-    click.echo(
-        click.style(
-            f"{view.turns} turns, {len(view.history)} messages, {total} tokens (cl100k_base)", dim=True
-        )
-    )
+    footer = f"{view.turns} turns, {len(view.history)} messages, {sum(counts)} tokens"
+    if window is not None:
+        footer += f" ({in_window_total} of them in the last turn's window)"
+    click.echo(click.style(footer, dim=True))
 
 
 def _window_marker(window: dict[str, Any]) -> None:
@@ -436,10 +450,24 @@ def _window_marker(window: dict[str, Any]) -> None:
     click.echo(click.style(f"── {omitted} (the last turn's window; {where})", dim=True))
 
 
+def _poll_seconds(ctx: click.Context, param: click.Parameter, seconds: float) -> float:
+    """0.01 to 3600 seconds: not 0, negative or nan (a busy loop)."""
+    if not 0.01 <= seconds <= 3600:  # (false for nan too)
+        raise click.BadParameter(f"{seconds} is not between 0.01 and 3600 seconds")
+    return seconds
+
+
 @main.command()
 @_common
 @click.argument("conversation_id")
-@click.option("--poll", type=float, default=0.5, show_default=True, help="Seconds between checks.")
+@click.option(
+    "--poll",
+    type=float,
+    callback=_poll_seconds,
+    default=0.5,
+    show_default=True,
+    help="Seconds between checks.",
+)
 @_tenant_option
 def tail(
     settings: Settings, *, config_path: str | None, conversation_id: str, poll: float, tenant: str | None
@@ -458,8 +486,8 @@ def tail(
             where = f"conversation {conversation_id} ({settings.storage.backend})"
         waiting = "" if exists else "; it does not exist yet: waiting for its first turn"
         click.echo(click.style(f"following {where} (Ctrl-C to stop{waiting})", dim=True))
-        async for turn in services.queries.follow(name, conversation_id, poll):
-            click.echo(render_turn(turn))
+        async for entry in services.queries.follow(name, conversation_id, poll):
+            click.echo(render_turn(entry) if isinstance(entry, Turn) else render_marker(entry))
 
     try:
         _run(settings, follow)

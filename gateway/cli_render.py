@@ -7,6 +7,7 @@ import textwrap
 from datetime import datetime
 
 import click
+import orjson
 
 from gateway.context import Message, Turn
 from gateway.context.records import message, messages, number, obj
@@ -44,6 +45,23 @@ def render_message(message: Message, *, tokens: int | None = None, note: str = "
     suffix = click.style(f"  ({', '.join(extra)})", dim=True) if extra else ""
     body = textwrap.indent(text(message), " " * 11).lstrip()
     return f"{head}  {body}{suffix}"
+
+
+def render_marker(marker: Record) -> str:
+    """An index marker as `gateway tail` shows it: what changed for the model from here on."""
+    kind = marker.get("type")
+    if kind == "reset":
+        kept = " (the system prompt kept)" if marker.get("keep_system_message") else ""
+        text = f"conversation reset{kept}: the history before this is no longer sent"
+    elif kind == "delete_item":
+        text = f"message {marker.get('position')} of {marker.get('response_id')} deleted: no longer sent"
+    elif kind == "delete_response":
+        text = f"response {marker.get('response_id')} deleted: no longer sent"
+    elif kind == "metadata":
+        text = f"metadata set: {orjson.dumps(marker.get('metadata')).decode()}"
+    else:
+        text = f"marker {orjson.dumps(marker).decode()}"
+    return click.style(f"── {text}", dim=True)
 
 
 def render_turn(turn: Turn, model: str = "") -> str:

@@ -13,8 +13,17 @@ import re
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Annotated, Literal
+from zoneinfo import ZoneInfo, ZoneInfoNotFoundError
 
-from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, ValidationError
+from pydantic import (
+    BaseModel,
+    BeforeValidator,
+    ConfigDict,
+    Field,
+    ValidationError,
+    ValidationInfo,
+    field_validator,
+)
 from pydantic_core import ErrorDetails
 from pydantic_settings import (
     BaseSettings,
@@ -56,8 +65,38 @@ def parse_duration(value: object) -> float:
 Duration = Annotated[float, BeforeValidator(parse_duration)]
 
 
+def _zone_name(value: object) -> object:
+    """An IANA time zone this machine knows (checked at start, not at the first request)."""
+    if isinstance(value, str):
+        try:
+            ZoneInfo(value)
+        except (ZoneInfoNotFoundError, ValueError):
+            raise ValueError(f"unknown time zone {value!r}: use an IANA name, e.g. 'Europe/Berlin'") from None
+    return value
+
+
+def _window_tokens(value: object) -> object:
+    """ "auto", or a window of at least one token (a number, or its digits from the environment)."""
+    if value == "auto":
+        return value
+    if isinstance(value, str) and value.strip().isdigit():
+        value = int(value)
+    if isinstance(value, int) and not isinstance(value, bool) and value > 0:
+        return value
+    raise ValueError('must be "auto" or a number of tokens above 0')
+
+
 class _Section(BaseModel):
     model_config = ConfigDict(extra="forbid", frozen=True)
+
+    @field_validator("*", mode="before")
+    @classmethod
+    def _no_bool_for_a_number(cls, value: object, info: ValidationInfo) -> object:
+        """TOML's true/false is not a number (pydantic would read `port = true` as 1)."""
+        name = info.field_name
+        if isinstance(value, bool) and name is not None and cls.model_fields[name].annotation is not bool:
+            raise ValueError("must be a value of its own kind, not true/false")
+        return value
 
 
 class ServerSettings(_Section):
@@ -73,7 +112,7 @@ class ServerSettings(_Section):
 
 class StorageSettings(_Section):
     backend: Literal["jsonl", "memory", "postgres"] = "jsonl"
-    data_dir: str = "var"
+    data_dir: str = Field("var", min_length=1, pattern=r"\S")
     durability: Literal["fsync", "none"] = "fsync"
     dsn: str = ""
     lock_timeout: Duration = 30.0
@@ -91,7 +130,7 @@ class StorageSettings(_Section):
 
 
 class ContextSettings(_Section):
-    max_context_tokens: int | Literal["auto"] = "auto"
+    max_context_tokens: Annotated[int | Literal["auto"], BeforeValidator(_window_tokens)] = "auto"
     reserve_tokens: int = Field(4500, ge=0)
     max_history_messages: int = Field(200, ge=0)
     # The newest history messages kept even past max_history_messages (whole tool-call units),
@@ -112,7 +151,7 @@ class SessionsSettings(_Section):
     max_attempts: int = Field(3, ge=1)
     recap: bool = False  # opt-in: `user` is often one shared value (abuse monitoring)
     recap_max_tokens: int = Field(300, gt=0)
-    default_timezone: str = "UTC"
+    default_timezone: Annotated[str, BeforeValidator(_zone_name)] = "UTC"
 
 
 class UISettings(_Section):
@@ -206,7 +245,7 @@ def _error_line(
     while loc and _TYPE_LABEL.match(loc[-1]):
         loc.pop()
     key = ".".join(loc) or "(root)"
-    msg = err["msg"]
+    msg = err["msg"].removeprefix("Value error, ")
     if err["type"] == "extra_forbidden":
         msg = "unknown key"
     got = err.get("input")

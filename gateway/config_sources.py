@@ -53,8 +53,10 @@ class TomlFileSource(PydanticBaseSettingsSource):
         environ: Mapping[str, str],
     ) -> None:
         super().__init__(settings_cls)
-        named = path is not None or CONFIG_ENV in environ
-        self.path = Path(path if path is not None else environ.get(CONFIG_ENV, DEFAULT_CONFIG_PATH))
+        # An empty GATEWAY_CONFIG (`GATEWAY_CONFIG= gateway ...`) is as good as unset.
+        from_env = environ.get(CONFIG_ENV, "").strip() or None
+        named = path is not None or from_env is not None
+        self.path = Path(path if path is not None else from_env or DEFAULT_CONFIG_PATH)
         self.data: dict[str, object] = {}
         self.found = self.path.is_file()
         if self.found:
@@ -64,6 +66,10 @@ class TomlFileSource(PydanticBaseSettingsSource):
                 raise ConfigError(f"config error: {self.path}: invalid TOML: {exc}") from None
             except OSError as exc:
                 raise ConfigError(f"config error: {self.path}: cannot be read: {exc.strerror}") from None
+        elif named and self.path.is_dir():
+            raise ConfigError(
+                f"config error: config file {self.path} is a directory (name the .toml file in it)"
+            )
         elif named:
             raise ConfigError(f"config error: config file {self.path} does not exist")
 

@@ -16,6 +16,7 @@ from gateway.context.summary import applicable_versions
 from gateway.exceptions import CorruptRecord, NotFound
 from gateway.services.cache import ConversationCache
 from gateway.store import Store, StoreRegistry
+from gateway.tokens import count_message
 from gateway.types import Record
 
 log = logging.getLogger("gateway.services")
@@ -34,8 +35,17 @@ class ConversationSummary:
 
     @classmethod
     def of(cls, cid: str, view: ConversationView, changed: float) -> ConversationSummary:
-        tokens = sum(n or 0 for n in view.history_tokens) + sum(n or 0 for n in view.system_tokens or [])
-        return cls(cid, view.turns, len(view.history), changed, tokens=tokens)
+        return cls(cid, view.turns, len(view.history), changed, tokens=sum(stored_tokens(view)))
+
+
+def stored_tokens(view: ConversationView) -> list[int]:
+    """Each message's tokens, system prompt first then history: as counted for its turn, or
+    (a message added through the Conversations API, or counted for another encoding) by
+    cl100k_base now."""
+    system = view.system or []
+    system_counts = view.system_tokens or [None] * len(system)
+    pairs = [*zip(system, system_counts, strict=False), *zip(view.history, view.history_tokens, strict=True)]
+    return [n if n is not None else count_message(m) for m, n in pairs]
 
 
 @dataclass(frozen=True, slots=True)
@@ -207,21 +217,25 @@ class Queries:
                 return rid, context
         raise NotFound(f"Conversation {cid!r} has no recorded context yet", param="conversation_id")
 
-    async def follow(self, tenant: str, cid: str, poll: float) -> AsyncIterator[Turn]:
-        """Turns as they are committed (`gateway tail`), from the first."""
+    async def follow(self, tenant: str, cid: str, poll: float) -> AsyncIterator[Turn | Record]:
+        """Turns as they are committed (`gateway tail`), from the first, and the index's markers
+        (a reset, a deleted item or response, new metadata) where they come."""
         store = await self.stores.get(tenant)
         seen = 0
         while True:
             try:
-                ids = [e for e in await store.read_index(cid) if isinstance(e, str)]
+                entries = await store.read_index(cid)
             except NotFound:
-                ids = []  # not created yet
-            if len(ids) < seen:
+                entries = []  # not created yet (or deleted: it may start again)
+            if len(entries) < seen:
                 seen = 0
-            for rid in ids[seen:]:
-                records = await self._turn_records(store, cid, rid)
+            for entry in entries[seen:]:
+                if not isinstance(entry, str):
+                    yield entry
+                    continue
+                records = await self._turn_records(store, cid, entry)
                 turn = turn_from_records(records) if records is not None else None
                 if turn is not None:
                     yield turn
-            seen = len(ids)
+            seen = len(entries)
             await asyncio.sleep(poll)

@@ -68,7 +68,12 @@ def export_data(settings: Settings, target: Path) -> str:
         stats = asyncio.run(export_jsonl(settings.storage.dsn, target))
         return f"exported {stats.describe()} to {target}"
     if backend == "jsonl":
-        count = _copy_data(Path(settings.storage.data_dir), target)
+        source = Path(settings.storage.data_dir)
+        if not source.is_dir() or not _data_files(source):
+            raise GatewayError(
+                f"{source} holds no gateway data (no logs/ or archive/ folder): nothing to export"
+            )
+        count = _copy_data(source, target)
         return f"exported {count} files from {settings.storage.data_dir} to {target}"
     raise GatewayError(f"cannot export from storage.backend = {backend!r}")
 

@@ -10,6 +10,7 @@ from collections.abc import Awaitable, Callable
 from pathlib import Path
 from typing import Any, TypeVar
 
+import httpx
 import pytest
 from openai import OpenAI
 
@@ -100,6 +101,10 @@ def test_conversations_show_context(gateway: GatewayProcess, upstream: MockServe
 
     doc = json.loads(as_json.stdout)
     assert [m["content"] for m in doc["messages"]][-1] == "Your name is Cli."
+    # Tokens: per message in --json, and the same total as `gateway conversations`
+    assert len(doc["message_tokens"]) == 4 and all(n > 0 for n in doc["message_tokens"])
+    assert doc["tokens"] == sum(doc["message_tokens"]) == int(row.split()[3])
+    assert f"4 messages, {doc['tokens']} tokens" in show.stdout
     ctx = gw("context", ids[1], *data)
     assert ctx.returncode == 0 and "sent 3 messages" in ctx.stdout and "committed" in ctx.stdout
     assert "Your name is Cli." in ctx.stdout and "sent (exact):" in ctx.stdout
@@ -138,6 +143,10 @@ def test_errors_are_one_line_and_nonzero(tmp_path: Path) -> None:
         (["bogus"], ["bogus", "gateway --help"]),
         (["conversations", "--limit", "0", "--data-dir", str(tmp_path)], ["--limit"]),
         (["show"], ["CONVERSATION_ID"]),
+        (["serve", "--log-level", "bogus"], ["--log-level"]),
+        (["serve", "--workers", "0"], ["--workers"]),
+        (["tail", "c1", "--poll", "0"], ["--poll"]),
+        (["tail", "c1", "--poll", "nan"], ["--poll"]),  # (else a busy loop)
     ):
         result = gw(*args)
         assert result.returncode == 2 and len(result.stderr.strip().splitlines()) == 1, (args, result.stderr)
@@ -146,6 +155,14 @@ def test_errors_are_one_line_and_nonzero(tmp_path: Path) -> None:
     result = gw("serve", "--port", "99999", "--data-dir", str(tmp_path))
     assert result.returncode == 1 and "server.port" in result.stderr
     assert "[command-line flag]" in result.stderr and "GATEWAY_SERVER__PORT" not in result.stderr
+    # Nothing to export is not "exported 0 files"; a folder named as the config file is not "missing".
+    result = gw("export", "--data-dir", str(tmp_path / "none"), "--to", str(tmp_path / "dump"))
+    assert result.returncode == 1 and "holds no gateway data" in result.stderr
+    assert not (tmp_path / "dump").exists()
+    result = gw("conversations", "--config", str(tmp_path))
+    assert result.returncode == 1 and "is a directory" in result.stderr
+    result = gw("conversations", "--data-dir", str(tmp_path), env={"GATEWAY_CONFIG": ""})
+    assert result.returncode == 0, result.stderr  # an empty GATEWAY_CONFIG is unset
 
 
 def test_tail_follows_new_turns(gateway: GatewayProcess, upstream: MockServer) -> None:
@@ -183,6 +200,13 @@ def test_tail_follows_new_turns(gateway: GatewayProcess, upstream: MockServer) -
                 time.sleep(0.1)
             out = out_path.read_text()
             assert "my name is Cli" in out and "Your name is Cli." in out
+            # A reset shows where it happened (the next answer knows nothing before it).
+            reset = httpx.post(f"{gateway.url}/v1/conversations/cli-tail/reset", json={}, timeout=10)
+            assert reset.status_code == 200
+            deadline = time.monotonic() + 15
+            while time.monotonic() < deadline and "conversation reset" not in out_path.read_text():
+                time.sleep(0.1)
+            assert "conversation reset: the history before this is no longer sent" in out_path.read_text()
         finally:
             proc.terminate()
             proc.wait(timeout=10)

@@ -301,6 +301,14 @@ def test_overrides_merge_into_tables_without_replacing_them() -> None:
         ({"providers": {"x": {}}}, "providers.x.kind"),
         ({"providers": {"demo": {"kind": "demo", "timeout": "forever"}}}, "providers.demo.timeout"),
         ({"models": {"m": {"context_window": 0}}}, "models.m.context_window"),
+        # (each was accepted: every turn then failed, or ran somewhere unexpected)
+        ({"context": {"max_context_tokens": -100}}, "context.max_context_tokens"),
+        ({"context": {"max_context_tokens": 0}}, "context.max_context_tokens"),
+        ({"context": {"max_context_tokens": True}}, "context.max_context_tokens"),
+        ({"sessions": {"default_timezone": "Mars/Olympus"}}, "sessions.default_timezone"),
+        ({"server": {"port": True}}, "server.port"),
+        ({"storage": {"data_dir": ""}}, "storage.data_dir"),
+        ({"storage": {"data_dir": "  "}}, "storage.data_dir"),
     ],
 )
 def test_bad_value_or_unknown_key_names_the_dotted_key(overrides: dict[str, Any], key: str) -> None:
@@ -423,3 +431,11 @@ def test_duration_from_env_and_file(tmp_path: Path) -> None:
     path = write(tmp_path, '[sessions]\nttl = "7d"\nidle_after = 60\n')
     s = load_settings(path, environ={"GATEWAY_SESSIONS__IDLE_AFTER": "30m"})
     assert (s.sessions.ttl, s.sessions.idle_after) == (604800.0, 1800.0)
+
+
+@pytest.mark.parametrize(("value", "expected"), [("auto", "auto"), ("512", 512), (" 4096", 4096)])
+def test_window_tokens_from_the_environment(value: str, expected: object) -> None:
+    environ = {"GATEWAY_CONTEXT__MAX_CONTEXT_TOKENS": value}
+    assert load_settings(path=SHIPPED, environ=environ).context.max_context_tokens == expected
+    message = config_error(path=SHIPPED, environ={"GATEWAY_CONTEXT__MAX_CONTEXT_TOKENS": "-1"})
+    assert message.startswith('config error: context.max_context_tokens: must be "auto" or a number')
