@@ -247,11 +247,16 @@ class ModelFacts:
             entry.calibration = fit(entry.observations, entry.prior)
 
     def refused(self, route: Route, ours: int, refusal: Refusal, window: int) -> None:
-        """The provider refused a prompt we counted as `ours` while planning with `window`."""
+        """The provider refused a prompt we counted as `ours` while planning with `window`.
+
+        A refusal that names no window still says the window is smaller than that prompt: the
+        next plan fits below it (less SHRINK), so the retry never resends the prompt just
+        refused (a window assumed far too large would otherwise take a refusal per 15%)."""
         entry = self._entry(route)
         if refusal.prompt_tokens:
             self.observe(route, ours, refusal.prompt_tokens)
-        learned = refusal.window or max(MIN_LEARNED_WINDOW, int(window * SHRINK))
+        below = min(window, ours) if ours > 0 else window
+        learned = refusal.window or max(MIN_LEARNED_WINDOW, int(below * SHRINK))
         if learned < window or refusal.window:
             entry.learned, entry.learned_from = min(learned, window), "provider refusal"
         entry.server, entry.asked_at = None, None  # ask the server again

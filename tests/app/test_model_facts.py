@@ -354,6 +354,39 @@ async def test_a_refusal_is_learned_from_and_retried_once_inside_the_request(str
     assert max(llama.prompts[llama.prompts.index(max(llama.prompts)) + 1 :]) <= 512 - 16
 
 
+class MuteLlama(FakeLlama):
+    """Refuses as llama.cpp does when it gives no numbers (Ollama's refusal says none either)."""
+
+    def __call__(self, body: dict[str, Any]) -> Any:
+        try:
+            return super().__call__(body)
+        except Exception:
+            error = {
+                "code": 400,
+                "message": "the request exceeds the available context size, try increasing it",
+                "type": "exceed_context_size_error",
+            }
+            raise status_error("mock", 400, orjson.dumps({"error": error}), {}) from None
+
+
+async def test_a_refusal_without_numbers_is_never_retried_with_the_prompt_it_refused() -> None:
+    """The window assumed (8192) is far above the real one (1500) and the refusal says neither:
+    the retry fits below the refused prompt, so no turn fails (it once took a refusal per 15% of
+    the assumed window, each one a failed turn)."""
+    llama = MuteLlama(n_ctx=1500)
+    settings = make_settings().model_copy(
+        update={"models": {"mock/smol": ModelSettings(context_window=8192)}}
+    )
+    async with build_client(settings, MemoryStore(), real_counting(llama)) as client:
+        statuses = [
+            (await ask(client, f"{i}: " + SENTENCE * 6, max_tokens=16)).status_code for i in range(14)
+        ]
+    assert statuses == [200] * 14
+    assert llama.refused == 1
+    refused = llama.prompts.index(max(llama.prompts))
+    assert llama.prompts[refused + 1] < llama.prompts[refused]  # the retry sent less
+
+
 async def test_a_request_too_long_for_the_real_window_is_a_400_and_the_conversation_goes_on(
     caplog: pytest.LogCaptureFixture,
 ) -> None:
