@@ -13,8 +13,8 @@ Content-Length of at most 64 KiB (every JSON answer of a turn) goes out in one s
 is held until the body part that ASGI sends next. Streams (chunked: server-sent events), HEAD
 answers and larger bodies are written as uvicorn writes them.
 
-A request httptools cannot parse (a request line or header over 64 KiB, bytes that are not
-HTTP/1.1) gets a 400 in OpenAI's error shape and a JSON log line, as every other request does,
+A request httptools cannot parse (a malformed or over-64-KiB request line or header, bytes
+that are not HTTP/1.1) gets a 400 in OpenAI's error shape and a JSON log line, as every other request does,
 instead of uvicorn's text/plain answer and plain-text warning.
 """
 
@@ -47,8 +47,8 @@ def _closing_answer(status: str, error: GatewayError) -> bytes:
 _HEAD_LATE = BodyTimeout("The request head did not arrive within server.body_timeout")
 TIMEOUT_RESPONSE = _closing_answer("408 Request Timeout", _HEAD_LATE)
 _UNPARSABLE = InvalidRequest(
-    "Invalid HTTP request: the request line or headers could not be parsed "
-    "(a request line or header over 64 KiB, or not HTTP/1.1)",
+    "Invalid HTTP request: its request line or headers could not be parsed "
+    "(malformed, such as a Content-Length that is not a number, or over 64 KiB)",
     code="invalid_http_request",
 )
 BAD_REQUEST_RESPONSE = _closing_answer("400 Bad Request", _UNPARSABLE)
