@@ -75,8 +75,11 @@ def fit(observations: Sequence[tuple[int, int]], prior: Calibration = UNCALIBRAT
     ys = [t for _, t in obs]
     ratio, overhead = _line(xs, ys) if len(obs) >= 3 and max(xs) - min(xs) >= _MIN_SPREAD else (0.0, 0.0)
     if not _MIN_RATIO <= ratio <= _MAX_RATIO or overhead < 0:
-        # Through the origin: every observation's own ratio bounds it; take the largest.
-        ratio, overhead = max(t / o for o, t in obs), 0.0
+        # No usable line (prompts too alike to tell a slope from an intercept, or one unlike
+        # the others tilting it): least squares through the origin, the margin covering the
+        # rest. Not the largest single ratio: a short prompt under a template's fixed system
+        # prompt has one of 2-3, and every prompt was then planned at that.
+        ratio, overhead = sum(x * y for x, y in zip(xs, ys, strict=True)) / sum(x * x for x in xs), 0.0
     worst = max(t - (ratio * o + overhead) for o, t in obs)
     margin = math.ceil(max(0.0, worst)) + _EXTRA_MARGIN
     return Calibration(ratio=ratio, overhead=overhead, margin=margin, samples=len(obs))

@@ -114,6 +114,7 @@ class WindowFacts:
     source: str
     calibration: Calibration
     num_ctx_option: bool = False
+    cuts_silently: bool = True  # False for a server known to refuse an over-long prompt instead
 
     def to_dict(self) -> JSONObject:
         return {"tokens": self.tokens, "source": self.source, "calibration": self.calibration.to_dict()}
@@ -192,6 +193,7 @@ class ModelFacts:
             source=source,
             calibration=entry.calibration or entry.prior,
             num_ctx_option=bool(server and server.num_ctx_option),
+            cuts_silently=not (server is not None and server.refuses_overlong),
         )
 
     async def _ask(self, entry: _Entry, route: Route) -> ServerWindow | None:

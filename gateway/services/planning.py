@@ -7,7 +7,7 @@ import asyncio
 import functools
 import logging
 from collections.abc import Awaitable, Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 import orjson
@@ -241,6 +241,7 @@ class Planner:
             conversation_tokens: list[int] = conversation_tokens,
             first: list[Message] = first,
             first_tokens: list[int] = first_tokens,
+            budget: int = budget,
         ) -> Window:
             # Summary and recap are sized from the window: together at most half of what the
             # system prompt and the current request leave (the rest is for the newest turns).
@@ -270,27 +271,39 @@ class Planner:
                 keep_recent=ctx.keep_recent_messages,
             )
 
+        def fit_request(budget: int) -> Window:
+            try:
+                return fit(first_new, budget=budget)
+            except ContextLengthExceeded:
+                # What the client sent before its newest user message (a chat moved onto the
+                # gateway in one request, or everything after an edited message) is history it
+                # resent: cut oldest first, as stored history is. Only the newest user message
+                # and what follows it are the request proper.
+                request_from = newest_user_message(conversation, first_new)
+                if request_from is None:
+                    raise
+                unit = first_unit(conversation) if ctx.keep_first and not total and not covered else 0
+                if 0 < unit < request_from:  # the conversation's first message came in this request
+                    return fit(
+                        request_from - unit,
+                        conversation[unit:],
+                        conversation_tokens[unit:],
+                        conversation[:unit],
+                        conversation_tokens[:unit],
+                        budget=budget,
+                    )
+                return fit(request_from, budget=budget)
+
         try:
-            window = fit(first_new)
+            window = fit_request(budget)
         except ContextLengthExceeded:
-            # What the client sent before its newest user message (a chat moved onto the
-            # gateway in one request, or everything after an edited message) is history it
-            # resent: cut oldest first, as stored history is. Only the newest user message
-            # and what follows it are the request proper.
-            request_from = newest_user_message(conversation, first_new)
-            if request_from is None:
+            # The margin covers the worst count the calibration has seen (one prompt of digits
+            # can make it large): a request that fits the best estimate without it is sent, and
+            # the provider has the last word (a refusal is learned from and retried once).
+            best = replace(facts.calibration, margin=0).our_budget(window_size - reserve)
+            if best <= budget:
                 raise
-            unit = first_unit(conversation) if ctx.keep_first and not total and not covered else 0
-            if 0 < unit < request_from:  # the conversation's first message came in this request
-                window = fit(
-                    request_from - unit,
-                    conversation[unit:],
-                    conversation_tokens[unit:],
-                    conversation[:unit],
-                    conversation_tokens[:unit],
-                )
-            else:
-                window = fit(request_from)
+            window = fit_request(best)
         if repaired:
             positions = {id(m): lower + i for i, m in enumerate(hist)}
             kept_abs = next(
@@ -375,6 +388,10 @@ class Planner:
             expected, ratio = float(ours), _UNCALIBRATED_TRUNCATION_RATIO
         if ours < _TRUNCATION_MIN_TOKENS or theirs >= expected * ratio:
             self.facts.observe(route, ours, theirs)
+            return False
+        if plan.facts is not None and not plan.facts.cuts_silently:
+            # llama.cpp and vLLM refuse what does not fit: a low count is their chat template's
+            # (one that leaves `tools` out), not a cut. Not learned from: it would understate.
             return False
         record["upstream_truncation_suspected"] = {"prompt_tokens": theirs, "our_count": ours}
         if route.upstream.reports_real_usage:

@@ -106,6 +106,9 @@ class ServerWindow:
     tokens: int
     source: str  # e.g. "llama.cpp GET /props"
     num_ctx_option: bool = False  # Ollama: send the decided window as `options.num_ctx`
+    # llama.cpp and vLLM refuse a prompt over their window (a 400): they never cut one silently,
+    # so a count lower than expected is their template's (tools it does not render), not a cut.
+    refuses_overlong: bool = False
 
 
 class Upstream(ABC):

@@ -100,10 +100,10 @@ async def describe_openai_compatible(
 
     found = window_from_llamacpp_props(await get_json("GET", f"{root}/props"))
     if found:
-        return ServerWindow(found, "llama.cpp GET /props")
+        return ServerWindow(found, "llama.cpp GET /props", refuses_overlong=True)
     found = window_from_models(await get_json("GET", f"{base_url}/models"), model)
     if found:
-        return ServerWindow(found, "vLLM GET /v1/models max_model_len")
+        return ServerWindow(found, "vLLM GET /v1/models max_model_len", refuses_overlong=True)
     found = window_from_ollama_ps(await get_json("GET", f"{root}/api/ps"), model)
     if found:
         return ServerWindow(found, "Ollama GET /api/ps", num_ctx_option=True)

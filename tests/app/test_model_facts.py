@@ -124,8 +124,12 @@ async def serving(kind: str) -> AsyncIterator[str]:
 @pytest.mark.parametrize(
     ("kind", "model", "expected"),
     [
-        ("llama.cpp", "smol.gguf", ServerWindow(512, "llama.cpp GET /props")),
-        ("vllm", "Qwen/Qwen2.5-1.5B-Instruct", ServerWindow(32768, "vLLM GET /v1/models max_model_len")),
+        ("llama.cpp", "smol.gguf", ServerWindow(512, "llama.cpp GET /props", refuses_overlong=True)),
+        (
+            "vllm",
+            "Qwen/Qwen2.5-1.5B-Instruct",
+            ServerWindow(32768, "vLLM GET /v1/models max_model_len", refuses_overlong=True),
+        ),
         ("ollama", "qwen2.5:7b", ServerWindow(6144, "Ollama POST /api/show", num_ctx_option=True)),
         ("openai", "gpt-4o", None),
     ],
@@ -194,9 +198,10 @@ def test_calibration_learns_ratio_and_template_overhead_and_never_undercounts() 
     assert calibration.provider_tokens(budget) <= 496 < calibration.provider_tokens(budget + 2)
 
 
-def test_calibration_with_too_little_spread_uses_the_largest_ratio() -> None:
+def test_calibration_with_too_little_spread_goes_through_the_origin() -> None:
     calibration = fit([(100, 130), (101, 125)])
-    assert calibration.overhead == 0 and calibration.ratio == pytest.approx(1.3)
+    assert calibration.overhead == 0 and calibration.ratio == pytest.approx(127.5 / 100.5, rel=0.01)
+    assert calibration.provider_tokens(100) >= 130 and calibration.provider_tokens(101) >= 125
     assert fit([]) == UNCALIBRATED
     assert fit([(0, 10), (10, 0)]) == UNCALIBRATED  # nothing usable
 
@@ -205,7 +210,7 @@ def test_one_pair_that_is_not_a_count_of_the_same_prompt_cannot_shrink_the_windo
     """A refusal's made-up figure (ours 8, theirs 5000) or a prompt with parts we did not count
     once made the through-origin ratio 625: every later turn was refused before being sent."""
     calibration = fit([(100, 130), (101, 125), (8, 5000)])
-    assert calibration.ratio == pytest.approx(1.3) and calibration.margin < 10
+    assert calibration.ratio == pytest.approx(127.5 / 100.5, rel=0.01) and calibration.margin < 10
     assert fit([(8, 5000)]) == UNCALIBRATED
 
 
@@ -634,3 +639,69 @@ async def test_a_provider_that_counts_fewer_tokens_is_not_taken_for_a_truncating
     await turns(upstream, 40, 3)  # a new process meets the provider on a long conversation
     sent = upstream.requests[-1]["messages"]
     assert len(sent) == 85 and sent[0]["content"] == "r0-w0-t0"
+
+
+class ToolBlindLlama(FakeLlama):
+    """SmolLM2's chat template renders neither `tools` nor assistant `tool_calls`: llama.cpp
+    counts such prompts well below ours (and still refuses what does not fit)."""
+
+    def __call__(self, body: dict[str, Any]) -> Any:
+        rendered = [{k: v for k, v in m.items() if k != "tool_calls"} for m in body["messages"]]
+        return super().__call__({**body, "messages": rendered})
+
+
+async def test_a_server_that_refuses_long_prompts_is_never_taken_for_one_that_cuts_them() -> None:
+    """A tool-call history llama.cpp counts low once capped the window at that count for every
+    conversation on the model, until a restart; fitting requests were then refused."""
+    llama = ToolBlindLlama(n_ctx=1024)
+    upstream = real_counting(llama, window=ServerWindow(1024, "llama.cpp GET /props", refuses_overlong=True))
+    tools = [{"type": "function", "function": {"name": f"tool_{i}", "parameters": {}}} for i in range(12)]
+    calls = [
+        {"id": f"call_{i}", "type": "function", "function": {"name": "tool_1", "arguments": '{"x": 1}'}}
+        for i in range(4)
+    ]
+    history = [
+        {"role": "user", "content": "use the tools"},
+        {"role": "assistant", "content": None, "tool_calls": calls},
+        *({"role": "tool", "tool_call_id": c["id"], "content": "done"} for c in calls),
+        {"role": "user", "content": "thanks"},
+    ]
+    async with build_client(make_settings(), MemoryStore(), upstream) as client:
+        r = await client.post(
+            "/v1/chat/completions",
+            json={"model": "mock/smol", "messages": history, "tools": tools, "conversation_id": "tools"},
+        )
+        assert r.status_code == 200, r.text
+        sent = (await client.get("/v1/conversations/tools/context")).json()["tokens"]
+        r = await ask(client, SENTENCE * 14, cid="other", max_tokens=16)  # ~250 of ours: fits 1024
+        assert r.status_code == 200, r.text
+        window = (await client.get("/v1/conversations/other/context")).json()["context_window"]
+    assert sent["total"] > 2 * llama.prompts[0]  # counted well below ours
+    assert window == 1024 and llama.refused == 0
+
+
+def test_a_negative_intercept_falls_back_to_a_least_squares_ratio_not_the_largest_one() -> None:
+    """A prompt of digits (151 of ours, 342 of SmolLM2's) among ordinary ones tilts the fitted
+    line below zero: every prompt was then planned at that one prompt's 2.26x (or a short
+    prompt's 2.77x, under the template's 21-token system prompt), and fitting requests were
+    refused."""
+    observations = [(250, 268), (252, 270), (248, 266), (151, 342)]  # as SmolLM2 counted them
+    calibration = fit(observations)
+    assert calibration.overhead == 0 and 1.1 < calibration.ratio < 1.3
+    assert all(calibration.provider_tokens(o) >= t for o, t in observations)  # still never undercounts
+
+
+async def test_a_request_that_fits_only_without_the_margin_is_sent() -> None:
+    """One prompt the model counted at 2.3x made the margin large: a fitting request was
+    refused by the gateway itself. The best estimate fits, so it goes to the provider."""
+    llama = FakeLlama(n_ctx=512)
+    upstream = real_counting(llama, window=ServerWindow(512, "llama.cpp GET /props", refuses_overlong=True))
+    store = MemoryStore()
+    async with build_client(make_settings(), store, upstream) as client:
+        facts = client._transport.app.state.services.facts  # type: ignore[attr-defined]
+        route = client._transport.app.state.services.router.resolve("mock/smol")  # type: ignore[attr-defined]
+        for ours, theirs in [(250, 268), (252, 270), (248, 266), (151, 342)]:
+            facts.observe(route, ours, theirs)  # margin 163: 183 of ours fit, with it
+        r = await ask(client, SENTENCE * 14)  # 243 of ours, 328 of the model's: fits its 384
+    assert r.status_code == 200, r.text
+    assert llama.refused == 0
