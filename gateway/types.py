@@ -61,6 +61,8 @@ class Message(TypedDict, total=False):
     tool_calls: list[ToolCall]
     tool_call_id: str
     refusal: str | None
+    function_call: FunctionCall  # the legacy single call (functions API)
+    audio: JSONObject  # an audio answer: {"id"} (as it is replayed)
     is_feedback: bool  # a gateway field: stored, never sent to a provider
 
 

@@ -28,7 +28,7 @@ from gateway.services.turn import PreparedTurn, TurnOutcome
 
 
 def _headers(turn: PreparedTurn) -> dict[str, str]:
-    headers = {"x-response-id": turn.response_id}
+    headers = {"x-response-id": turn.response_id, "x-request-id": turn.response_id}
     if turn.conversation_id is not None:
         headers["x-conversation-id"] = turn.conversation_id
     return headers

@@ -55,6 +55,8 @@ def response_object(
 ) -> dict[str, Any]:
     prompt = int((usage or {}).get("prompt_tokens") or 0)
     completion = int((usage or {}).get("completion_tokens") or 0)
+    prompt_details = (usage or {}).get("prompt_tokens_details")
+    completion_details = (usage or {}).get("completion_tokens_details")
     if status is None:
         status = "incomplete" if finish_reason == "length" else "completed"
     return {
@@ -80,16 +82,26 @@ def response_object(
         "conversation": {"id": conversation_id} if conversation_id else None,
         "store": params.get("store", True),
         "truncation": params.get("truncation", "auto"),
-        "text": {"format": {"type": "text"}},
+        "text": params.get("text") or {"format": {"type": "text"}},
+        "reasoning": params.get("reasoning") or {"effort": None, "summary": None},
         "usage": {
             "input_tokens": prompt,
-            "input_tokens_details": {"cached_tokens": 0, "cache_write_tokens": 0},
+            "input_tokens_details": {
+                "cached_tokens": _detail(prompt_details, "cached_tokens"),
+                "cache_write_tokens": _detail(prompt_details, "cache_write_tokens"),
+            },
             "output_tokens": completion,
-            "output_tokens_details": {"reasoning_tokens": 0},
+            "output_tokens_details": {"reasoning_tokens": _detail(completion_details, "reasoning_tokens")},
             "total_tokens": prompt + completion,
         },
         "user": params.get("user"),
     }
+
+
+def _detail(details: object, key: str) -> int:
+    """A count from the provider's usage details (`prompt_tokens_details`, ...), else 0."""
+    value = details.get(key) if isinstance(details, dict) else None
+    return value if isinstance(value, int) and not isinstance(value, bool) else 0
 
 
 def event(kind: str, seq: int, **fields: object) -> bytes:
@@ -201,30 +213,62 @@ async def response_events(
         usage=acc.usage,
         **common,
     )
+    announced = {*calls_seen.values(), *((0,) if text_open else ())}
     for index, item in enumerate(final["output"]):
+        if index not in announced:
+            # No delta announced it (an empty answer, a refusal): added before it is done, as
+            # clients that assemble the stream (the SDK's `responses.stream`) require.
+            empty: JSONObject = {"content": []} if item["type"] == "message" else {"arguments": ""}
+            seq += 1
+            yield event(
+                "response.output_item.added",
+                seq,
+                output_index=index,
+                item={**item, **empty, "status": "in_progress"},
+            )
         if item["type"] == "message":
-            text = item["content"][0]["text"] if item["content"] else ""
-            seq += 1
-            yield event(
-                "response.output_text.done",
-                seq,
-                item_id=item["id"],
-                output_index=index,
-                content_index=0,
-                text=text,
-                logprobs=[],
-            )
-            seq += 1
-            yield event(
-                "response.content_part.done",
-                seq,
-                item_id=item["id"],
-                output_index=index,
-                content_index=0,
-                part=item["content"][0]
-                if item["content"]
-                else {"type": "output_text", "text": "", "annotations": []},
-            )
+            parts = item["content"] or [{"type": "output_text", "text": "", "annotations": []}]
+            for k, part in enumerate(parts):
+                if index not in announced or k > 0:
+                    seq += 1
+                    blank = {**part, "refusal": ""} if part["type"] == "refusal" else {**part, "text": ""}
+                    yield event(
+                        "response.content_part.added",
+                        seq,
+                        item_id=item["id"],
+                        output_index=index,
+                        content_index=k,
+                        part=blank,
+                    )
+                seq += 1
+                if part["type"] == "refusal":
+                    yield event(
+                        "response.refusal.done",
+                        seq,
+                        item_id=item["id"],
+                        output_index=index,
+                        content_index=k,
+                        refusal=part["refusal"],
+                    )
+                else:
+                    yield event(
+                        "response.output_text.done",
+                        seq,
+                        item_id=item["id"],
+                        output_index=index,
+                        content_index=k,
+                        text=part.get("text", ""),
+                        logprobs=[],
+                    )
+                seq += 1
+                yield event(
+                    "response.content_part.done",
+                    seq,
+                    item_id=item["id"],
+                    output_index=index,
+                    content_index=k,
+                    part=part,
+                )
         elif item["type"] == "function_call":
             seq += 1
             yield event(

@@ -99,6 +99,15 @@ def _chat_body(body: dict[str, Any], request: ResponseCreate) -> tuple[dict[str,
         chat["tool_choice"] = _tool_choice(body["tool_choice"])
     if request.max_output_tokens is not None:
         chat["max_tokens"] = request.max_output_tokens
+    if body.get("background"):
+        raise InvalidRequest("'background' responses are not supported: leave it out", param="background")
+    text = body.get("text")
+    response_format = _response_format(text)
+    if response_format is not None:
+        chat["response_format"] = response_format
+    reasoning = body.get("reasoning")
+    if isinstance(reasoning, dict) and isinstance(reasoning.get("effort"), str):
+        chat["reasoning_effort"] = reasoning["effort"]
     if chat["stream"]:
         chat["stream_options"] = {"include_usage": True}
     params = {
@@ -113,8 +122,31 @@ def _chat_body(body: dict[str, Any], request: ResponseCreate) -> tuple[dict[str,
         "store": body.get("store", True),
         "truncation": truncation or "auto",
         "user": body.get("user"),
+        "text": text if response_format is not None else None,
+        "reasoning": reasoning if isinstance(reasoning, dict) else None,
     }
     return chat, params
+
+
+def _response_format(text: object) -> dict[str, Any] | None:
+    """The Responses `text.format` as chat completions' `response_format` (None: plain text)."""
+    if text is None:
+        return None
+    fmt = text.get("format") if isinstance(text, dict) else None
+    kind = fmt.get("type") if isinstance(fmt, dict) else None
+    if not isinstance(fmt, dict) or kind not in ("text", "json_object", "json_schema"):
+        raise InvalidRequest(
+            "'text.format' must be {type: text}, {type: json_object} or {type: json_schema, name, schema}",
+            param="text.format",
+        )
+    if kind == "text":
+        return None
+    if kind == "json_object":
+        return {"type": "json_object"}
+    if not isinstance(fmt.get("name"), str) or not isinstance(fmt.get("schema"), dict):
+        raise InvalidRequest("'text.format' json_schema needs a name and a schema", param="text.format")
+    keys = ("name", "schema", "strict", "description")
+    return {"type": "json_schema", "json_schema": {k: fmt[k] for k in keys if k in fmt}}
 
 
 async def create_response(request: Request) -> Response:
@@ -132,6 +164,8 @@ async def create_response(request: Request) -> Response:
         if cid is not None:
             chat_body["conversation_id"] = chat.conversation_id = cid
         chat.previous_response_id = previous
+        # What the Responses API echoes back, kept in the request record for a later GET.
+        chat.echo = {**params, "previous_response_id": previous}
         turn = await service.prepare(chat, tenant)
     except GatewayError as exc:
         refused(request, body, exc, started, event="response")
@@ -146,7 +180,7 @@ async def create_response(request: Request) -> Response:
         "conversation_id": cid,
         "previous_response_id": previous,
     }
-    headers = {"x-response-id": turn.response_id}
+    headers = {"x-response-id": turn.response_id, "x-request-id": turn.response_id}
     if cid is not None:
         headers["x-conversation-id"] = cid
     if not chat.stream:
@@ -196,6 +230,7 @@ async def get_response(request: Request) -> Response:
     rid = request.path_params["response_id"]
     stored = await services_of(request).responses.get(tenant_of(request), rid)
     params = stored.params
+    echo = stored.request.get("responses")  # a Responses-API turn: what its create returned
     obj = response_object(
         response_id=rid,
         created=stored.created,
@@ -204,7 +239,9 @@ async def get_response(request: Request) -> Response:
         position=len(stored.input),
         finish_reason=stored.finish_reason,
         usage=stored.usage,
-        params={
+        params=echo
+        if isinstance(echo, dict)
+        else {
             "tools": params.get("tools"),
             "temperature": params.get("temperature"),
             "top_p": params.get("top_p"),
@@ -212,7 +249,7 @@ async def get_response(request: Request) -> Response:
             "max_output_tokens": params.get("max_tokens"),
         },
         conversation_id=stored.conversation_id,
-        previous_response_id=None,
+        previous_response_id=echo.get("previous_response_id") if isinstance(echo, dict) else None,
         status=stored.status if stored.status != "completed" else None,
         error=stored.error,
     )

@@ -55,12 +55,15 @@ def message_key(message: Message) -> bytes:
         for c in message.get("tool_calls") or ()
         if isinstance(c, dict)
     ] or None
+    audio = message.get("audio")
     canon = (
         message.get("role"),
         _content_text(message.get("content")),
         calls,
         message.get("tool_call_id"),
         message.get("name"),
+        audio.get("id") if isinstance(audio, dict) else None,  # an audio answer, by its id
+        message.get("refusal") or None,
     )
     return orjson.dumps(canon, option=orjson.OPT_SORT_KEYS)
 

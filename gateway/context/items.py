@@ -10,7 +10,7 @@ from __future__ import annotations
 from typing import cast
 
 from gateway.exceptions import InvalidRequest
-from gateway.types import ContentPart, JSONObject, Message, ToolCall
+from gateway.types import ContentPart, ImageURL, JSONObject, Message, ToolCall
 
 Item = JSONObject
 _TEXT_PARTS = frozenset({"input_text", "output_text", "text"})
@@ -40,7 +40,7 @@ def _string(value: object, what: str, param: str) -> str:
     return value
 
 
-def _chat_content(content: object, where: str) -> str | list[ContentPart]:
+def _chat_content(content: object, where: str, where_role: str = "user") -> str | list[ContentPart]:
     """Responses content (string or parts) as chat content (string, or parts for images)."""
     if isinstance(content, str):
         return content
@@ -62,9 +62,17 @@ def _chat_content(content: object, where: str) -> str | list[ContentPart]:
                 raise InvalidRequest(
                     f"{at}: an input_image needs image_url or file_id (a string)", param=f"{where}.content"
                 )
-            parts.append({"type": "image_url", "image_url": {"url": url}})
+            image: ImageURL = {"url": url}
+            detail = part.get("detail")
+            if isinstance(detail, str) and detail != "auto":
+                image["detail"] = detail
+            parts.append({"type": "image_url", "image_url": image})
         elif isinstance(part, dict) and kind == "input_audio" and isinstance(part.get("input_audio"), dict):
             parts.append({"type": "input_audio", "input_audio": part["input_audio"]})
+        elif isinstance(part, dict) and kind == "refusal" and where_role == "assistant":
+            parts.append(
+                {"type": "refusal", "text": _string(part.get("refusal"), f"{at}.refusal", f"{where}.content")}
+            )
         elif isinstance(part, dict) and kind == "input_file":
             file = {k: part[k] for k in ("file_id", "file_data", "filename") if isinstance(part.get(k), str)}
             if not file.get("file_id") and not file.get("file_data"):
@@ -113,10 +121,14 @@ def items_to_messages(items: object, *, param: str = "items") -> list[Message]:
                 )
             if "content" not in item:
                 raise InvalidRequest(f"{where}.content is required", param=f"{where}.content")
-            content = _chat_content(item["content"], where)
+            content = _chat_content(item["content"], where, role)
+            message: Message = {"role": role, "content": content}
             if role == "assistant" and not isinstance(content, str):
-                content = _text_of(item.get("content"))
-            out.append({"role": role, "content": content})
+                refusal = "".join(p.get("text", "") for p in content if p["type"] == "refusal")
+                message["content"] = _text_of(item.get("content"))
+                if refusal:
+                    message["refusal"] = refusal
+            out.append(message)
         elif kind == "function_call":
             call_id = item.get("call_id") or item.get("id")
             name = item.get("name")
@@ -152,11 +164,13 @@ def _content_parts(message: Message, role: str) -> list[JSONObject]:
     content = message.get("content")
     if role == "assistant":
         text = _text_of(content) if not isinstance(content, str) else content
-        return (
-            [{"type": "output_text", "text": text or "", "annotations": [], "logprobs": []}]
-            if text or not message.get("tool_calls")
-            else []
-        )
+        refusal = message.get("refusal")
+        parts: list[JSONObject] = []
+        if text or not (message.get("tool_calls") or refusal):
+            parts.append({"type": "output_text", "text": text or "", "annotations": [], "logprobs": []})
+        if isinstance(refusal, str) and refusal:
+            parts.append({"type": "refusal", "refusal": refusal})
+        return parts
     if isinstance(content, list):
         return [_item_part(cast(JSONObject, p)) for p in content if isinstance(p, dict)]
     return [{"type": "input_text", "text": content if isinstance(content, str) else ""}]

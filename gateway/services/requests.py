@@ -45,3 +45,5 @@ class ChatRequest:
     # Continue from this response (Responses API): from the conversation's newest response, or
     # from a fork made at an older one. Decided under the conversation's lock.
     previous_response_id: str | None = None
+    # The Responses API's own parameters (instructions, metadata, ...): recorded, never sent.
+    echo: dict[str, Any] | None = None

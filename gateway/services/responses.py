@@ -81,7 +81,10 @@ class StoredResponses:
         it or on a fork made at that response is decided by the turn, under the lock."""
         if not isinstance(previous, str):
             raise InvalidRequest("'previous_response_id' must be a string", param="previous_response_id")
-        records = await (await self.stores.get(tenant)).read_response(previous)
+        try:
+            records = await (await self.stores.get(tenant)).read_response(previous)
+        except NotFound:
+            records = []
         request = next((r for r in records if r.get("type") == "request"), {})
         if not records or records[-1].get("type") != "commit":
             raise NotFound(f"Response {previous!r} is not a completed response", param="previous_response_id")

@@ -5,7 +5,7 @@ from __future__ import annotations
 from typing import cast
 
 from gateway.exceptions import UpstreamProtocolError
-from gateway.types import JSONObject, Message, ToolCall, Usage
+from gateway.types import FunctionCall, JSONObject, Message, ToolCall, Usage
 
 _OUTPUT_FIELDS = ("role", "content", "tool_calls", "function_call", "name", "refusal")
 
@@ -31,8 +31,12 @@ def output_message(message: object) -> Message:
             if isinstance(c, dict)
         ]
         out.setdefault("content", None)
-    else:
-        out.setdefault("content", "")
+    audio = message.get("audio")
+    if isinstance(audio, dict) and isinstance(audio.get("id"), str):
+        # An audio answer is replayed by its id, as OpenAI documents (its data is not kept).
+        out["audio"] = {"id": audio["id"]}
+        out.setdefault("content", None)
+    out.setdefault("content", "")
     return cast(Message, out)
 
 
@@ -43,6 +47,8 @@ class StreamAccumulator:
         self.content: list[str] = []
         self.refusal: list[str] = []
         self.tool_calls: dict[int, ToolCall] = {}
+        self.function_call: FunctionCall | None = None  # the legacy single call, in pieces
+        self.audio_id: str | None = None
         self.finish_reason: str | None = None
         self.usage: Usage | None = None
 
@@ -60,6 +66,15 @@ class StreamAccumulator:
                 self.content.append(content)
             if isinstance(refusal, str):
                 self.refusal.append(refusal)
+            legacy = delta.get("function_call")
+            if isinstance(legacy, dict):
+                legacy_call = self.function_call = self.function_call or {"name": "", "arguments": ""}
+                for key in ("name", "arguments"):
+                    if isinstance(legacy.get(key), str):
+                        legacy_call[key] += legacy[key]
+            audio = delta.get("audio")
+            if isinstance(audio, dict) and isinstance(audio.get("id"), str):
+                self.audio_id = audio["id"]
             calls = delta.get("tool_calls")
             for call in calls if isinstance(calls, list) else ():
                 if isinstance(call, dict):
@@ -89,6 +104,12 @@ class StreamAccumulator:
         message: Message = {"role": "assistant", "content": "".join(self.content)}
         if self.refusal:
             message["refusal"] = "".join(self.refusal)
+        if self.function_call is not None:
+            message["function_call"] = self.function_call
+        if self.audio_id is not None:
+            message["audio"] = {"id": self.audio_id}
+            if not message["content"]:
+                message["content"] = None
         if self.tool_calls:
             message["tool_calls"] = [self.tool_calls[i] for i in sorted(self.tool_calls)]
             if not message["content"]:

@@ -200,6 +200,8 @@ class ChatService:
                 record["recap_conversations"] = recap_from
             if branch_at is not None:
                 record["branch_at"] = branch_at  # the client's history diverged here
+            if request.echo is not None:
+                record["responses"] = request.echo
             if isinstance(request.body.get("user_timezone"), str):
                 record["user_timezone"] = request.body["user_timezone"]
             if new_tokens is not None:

@@ -190,6 +190,22 @@ def chunks_from_completion(completion: Body, *, include_usage: bool) -> list[Chu
             out.append(
                 {**base, "choices": [{"index": 0, "delta": {"content": piece}, "finish_reason": None}]}
             )
+    refusal = message.get("refusal")
+    if isinstance(refusal, str) and refusal:
+        out.append({**base, "choices": [{"index": 0, "delta": {"refusal": refusal}, "finish_reason": None}]})
+    audio = message.get("audio")
+    if isinstance(audio, dict):
+        out.append({**base, "choices": [{"index": 0, "delta": {"audio": audio}, "finish_reason": None}]})
+    legacy = as_object(message.get("function_call"))
+    if legacy:  # the legacy single call: its name, then its arguments
+        pieces: tuple[JSONObject, ...] = (
+            {"name": legacy.get("name", ""), "arguments": ""},
+            {"arguments": legacy.get("arguments", "")},
+        )
+        for part in pieces:
+            out.append(
+                {**base, "choices": [{"index": 0, "delta": {"function_call": part}, "finish_reason": None}]}
+            )
     for i, call in enumerate(as_object(c) for c in as_list(message.get("tool_calls"))):
         out.append(
             {

@@ -83,8 +83,15 @@ def test_text_refusal_and_other_choices() -> None:
 
 
 def test_output_message_keeps_known_fields_and_drops_nulls() -> None:
-    raw = {"role": "assistant", "content": "x", "refusal": None, "audio": {"id": "a"}, "tool_calls": []}
-    assert output_message(raw) == {"role": "assistant", "content": "x"}
+    raw = {
+        "role": "assistant",
+        "content": "x",
+        "refusal": None,
+        "audio": {"id": "a", "data": "UklG"},
+        "tool_calls": [],
+    }
+    # an audio answer is kept by its id (replayed as OpenAI documents), never its data
+    assert output_message(raw) == {"role": "assistant", "content": "x", "audio": {"id": "a"}}
     calls = output_message(
         {"role": "assistant", "tool_calls": [{"id": "c", "function": {"name": "f"}}, "junk"]}
     )
