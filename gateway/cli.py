@@ -337,10 +337,19 @@ def show(
     # The window of the last turn: which turns it left out (cut, or folded into the summary).
     window: dict[str, Any] | None = None
     cut = last[1].get("truncated") if last is not None else None
-    if last is not None and isinstance(cut, int) and cut > 0:
+    covers = last[1].get("summary_covers_messages") if last is not None else None
+    cut = cut if isinstance(cut, int) and cut > 0 else 0
+    covers = covers if isinstance(covers, int) and covers > 0 else 0
+    if last is not None and (cut or covers):  # some of the history was not sent as it is
         ids = last[1].get("included_response_ids")
         included = {*(ids if isinstance(ids, list) else []), last[0]}
-        window = {"response_id": last[0], "omitted_messages": cut, "included": included}
+        window = {
+            "response_id": last[0],
+            "omitted_messages": cut,
+            "included": included,
+            "summary_version": last[1].get("summary_version") if covers else None,
+            "summary_covers_messages": covers,
+        }
     # Each message's tokens as `gateway conversations` counts them (its turn's count if any).
     counts = stored_tokens(view)
     system_count = len(view.system or [])
@@ -363,6 +372,8 @@ def show(
                 "response_id": window["response_id"],
                 "omitted_messages": window["omitted_messages"],
                 "included_response_ids": sorted(window["included"]),
+                "summary_version": window["summary_version"],
+                "summary_covers_messages": window["summary_covers_messages"],
             },
         }
         click.echo(orjson.dumps(out, option=orjson.OPT_INDENT_2).decode())
@@ -444,10 +455,16 @@ def show(
 
 
 def _window_marker(window: dict[str, Any]) -> None:
-    """The marker the model got, where the last turn's window begins."""
-    omitted = f"[{window['omitted_messages']} earlier messages omitted]"
+    """Where the last turn's window begins: the rolling summary it sent in place of the earliest
+    messages, and the marker the model got for those it left out."""
     where = f"gateway context {window['response_id']} shows exactly what was sent"
-    click.echo(click.style(f"── {omitted} (the last turn's window; {where})", dim=True))
+    if window["summary_covers_messages"]:
+        version, count = window["summary_version"], window["summary_covers_messages"]
+        folded = f"rolling summary v{version}: the {count} messages above were sent as this summary"
+        click.echo(click.style(f"── {folded} ({where})", dim=True))
+    if window["omitted_messages"]:
+        omitted = f"[{window['omitted_messages']} earlier messages omitted]"
+        click.echo(click.style(f"── {omitted} (the last turn's window; {where})", dim=True))
 
 
 def _poll_seconds(ctx: click.Context, param: click.Parameter, seconds: float) -> float:

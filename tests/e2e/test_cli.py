@@ -303,7 +303,34 @@ def test_show_marks_what_the_last_window_left_out(tmp_path: Path) -> None:
         "response_id": ids[-1],
         "omitted_messages": 4,
         "included_response_ids": sorted(ids[2:]),
+        "summary_version": None,
+        "summary_covers_messages": 0,
     }
+
+
+def test_show_says_which_messages_a_rolling_summary_stands_for(tmp_path: Path) -> None:
+    """With `summarize`, the turns a summary covers are not sent as they are: `show` dims them
+    and says where the summary stands, even when the window cut nothing else."""
+    import json
+
+    from tests.conftest import app_of
+    from tests.helpers import say_each
+
+    async def talk(client: Any) -> list[str]:
+        ids = await say_each(client, "s", [f"q{n}" for n in range(6)])
+        await app_of(client).state.summarizer.wait_idle()
+        return ids + await say_each(client, "s", ["q6"])
+
+    context = {"strategy": "summarize", "max_history_messages": 6, "keep_recent_messages": 2}
+    ids = seed_offline(tmp_path, context, talk)
+    as_json = json.loads(gw("show", "s", "--json", "--data-dir", str(tmp_path / "var")).stdout)
+    window = as_json["last_window"]
+    assert window["summary_version"] >= 1 and window["summary_covers_messages"] > 0
+    assert window["omitted_messages"] == 0  # the summary, and every turn after it
+    out = gw("show", "s", "--data-dir", str(tmp_path / "var")).stdout
+    version, count = window["summary_version"], window["summary_covers_messages"]
+    line = f"rolling summary v{version}: the {count} messages above were sent as this summary"
+    assert line in out and out.index(f"── {ids[0]} ") < out.index(line) < out.index(f"── {ids[-1]}\n")
 
 
 def test_show_marks_what_is_no_longer_sent(gateway: GatewayProcess, upstream: MockServer) -> None:
