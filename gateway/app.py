@@ -63,6 +63,7 @@ def create_app(
     summarizer = Summarizer(services.summaries)
     service.schedule_summary = summarizer.schedule
     summarizer.on_outcome = lambda outcome: metrics.summaries.labels(outcome).inc()
+    services.summaries.on_version = lambda: metrics.summaries.labels("ok").inc()
     service.on_context_refusal = lambda outcome: metrics.context_refusals.labels(outcome).inc()
     processor = Processor(settings, services.sessions)
     trimmer = HeapTrimmer()

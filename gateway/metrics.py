@@ -59,7 +59,10 @@ class Metrics:
             "gateway_truncated_messages", "History messages left out of windows", registry=r
         )
         self.summaries = Counter(
-            "gateway_summaries", "Rolling summary attempts by outcome", ["outcome"], registry=r
+            "gateway_summaries",
+            "Summary versions written (ok, rolling or post-processing) and failed fold attempts (failed)",
+            ["outcome"],
+            registry=r,
         )
         self.refusals = Counter(
             "gateway_refusals",

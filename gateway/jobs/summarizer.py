@@ -62,8 +62,7 @@ class Summarizer:
         while key in self._targets:
             target, model = self._targets[key]
             try:
-                await self.summaries.fold(tenant, cid, target, model)
-                self.on_outcome("ok")
+                await self.summaries.fold(tenant, cid, target, model)  # versions: Summaries.on_version
                 if self._targets.get(key) == (target, model):
                     del self._targets[key]
                 self.failures.pop(key, None)

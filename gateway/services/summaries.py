@@ -81,6 +81,8 @@ class Summaries:
         self.stores = stores
         self.facts = facts
         self.cache = cache
+        # Called once per summary version written (rolling or post-processing): the metrics hook.
+        self.on_version: Callable[[], None] = lambda: None
 
     def model_for(self, model: str) -> str:
         """The model that summarizes a conversation held with `model`."""
@@ -214,4 +216,5 @@ class Summaries:
                         "ms": round((time.perf_counter() - started) * 1000, 1),
                     },
                 )
+            self.on_version()
             i = j

@@ -55,7 +55,7 @@ async def test_failures_are_recorded_and_retried_with_backoff_until_one_succeeds
     assert [(cid, attempt) for cid, attempt, _ in summaries.recorded] == [("c", 1), ("c", 2)]
     assert "attempt 2: provider unreachable" in summaries.recorded[1][2]
     assert delays == [1.0, 2.0]
-    assert outcomes == ["failed", "failed", "ok"]
+    assert outcomes == ["failed", "failed"]  # (versions written are counted by Summaries.on_version)
     assert summarizer.failures == {}  # a success clears the count
 
 
@@ -149,3 +149,39 @@ async def test_a_failing_summarizer_model_leaves_summary_failed_records_and_trun
         await app_of(client).state.summarizer.wait_idle()
         summaries = [r for r in await store.read_side("summaries", "sum") if r["type"] == "summary"]
         assert summaries and summaries[-1]["text"] == "They talked about numbers."
+
+
+async def test_the_metric_counts_summary_versions_written_rolling_and_post_processing() -> None:
+    """`gateway_summaries_total{outcome="ok"}` counts versions written: rolling ones (a fold of a
+    turn larger than one call writes one version), and post-processing's, which went uncounted."""
+    store = MemoryStore()
+    settings = make_settings()
+    settings = settings.model_copy(
+        update={
+            "context": settings.context.model_copy(
+                update={"strategy": "summarize", "max_history_messages": 4, "keep_recent_messages": 2}
+            )
+        }
+    )
+
+    def versions() -> int:
+        return len([r for r in store.summaries.get("sum", []) if r.get("type") == "summary"])
+
+    def counted(text: str) -> float:
+        line = next(x for x in text.splitlines() if x.startswith('gateway_summaries_total{outcome="ok"}'))
+        return float(line.split()[-1])
+
+    async with build_client(settings, store, MockUpstream()) as client:
+        for n in range(6):
+            body = {
+                "model": "mock/m",
+                "conversation_id": "sum",
+                "messages": [{"role": "user", "content": f"n{n}"}],
+            }
+            assert (await client.post("/v1/chat/completions", json=body)).status_code == 200
+        await app_of(client).state.summarizer.wait_idle()
+        rolling = versions()
+        assert rolling >= 1 and counted((await client.get("/metrics")).text) == rolling
+        summaries = app_of(client).state.processor.sessions.summaries
+        await summaries.summarize_all("", "sum", "mock/m")  # post-processing folds the rest
+        assert versions() > rolling and counted((await client.get("/metrics")).text) == versions()
