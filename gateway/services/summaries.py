@@ -194,8 +194,10 @@ class Summaries:
                 view = await self.cache.load(store, cid, keep=keep)
                 records = await store.read_side("summaries", cid, keep=keep)
                 now_current = current_summary(records, view)
-                if (now_current.version if now_current else 0) != base or any(
-                    key in view.deleted_items for key in folded
+                if (
+                    (now_current.version if now_current else 0) != base
+                    or any(key in view.deleted_items for key in folded)
+                    or view.history_end.get(owners[j - 1]) is None  # deleted, expired or reset
                 ):
                     return
                 base = last_version(records) + 1

@@ -167,6 +167,30 @@ async def test_a_fold_under_way_during_a_deletion_is_not_kept(what: str) -> None
         assert "secret-1" in sent_text(model.turns[-1])  # summarized again, without it
 
 
+@pytest.mark.parametrize("what", ["delete", "reset"])
+async def test_a_fold_under_way_when_the_conversation_is_deleted_or_reset_is_not_kept(what: str) -> None:
+    """The fold's text came back after the DELETE (or reset): it was written to the summaries
+    log of the conversation that no longer held those turns, and a new conversation with the
+    same id found it there."""
+    model = Model()
+    store = MemoryStore()
+    async with build_client(settings(), store, model) as client:
+        await grown(client, model, 3)
+        model.hold = asyncio.Event()
+        await turn(client, "remember secret-3")  # the window cuts: the first fold starts
+        await asyncio.wait_for(model.holding.wait(), 5)
+        if what == "delete":
+            r = await client.delete(f"/v1/conversations/{CID}")
+        else:
+            r = await client.post(f"/v1/conversations/{CID}/reset", json={})
+        assert r.status_code == 200, r.text
+        model.hold.set()
+        await app_of(client).state.summarizer.wait_idle()
+        assert not [r for r in store.summaries.get(CID, []) if r.get("type") == "summary"]
+        await turn(client, "hello again")
+        assert "secret" not in sent_text(model.turns[-1])
+
+
 async def test_a_turn_larger_than_a_summarizer_call_is_folded_whole() -> None:
     """A chat moved in with one request is one stored turn; when it falls out of the window,
     all of it reaches the summary (in several summarizer calls), not just its beginning:
