@@ -173,6 +173,8 @@ class Planner:
         encoding: str,
         count: Callable[[Message], int],
         recap: Message | None = None,
+        *,
+        with_summary: bool = True,
     ) -> ContextPlan:
         """Decide what of the stored conversation goes upstream (SPEC section 7)."""
         ctx = self.settings.context
@@ -188,8 +190,21 @@ class Planner:
             system = view.system or []
             system_tokens = [int(n or 0) for n in (view.system_tokens or [])]
         summary = None
-        if ctx.strategy == "summarize":
+        if ctx.strategy == "summarize" and with_summary:
             summary = current_summary(await store.read_side("summaries", cid), view)
+        if summary is not None and view.history_base == 0 and view.history_count <= ctx.max_history_messages:
+            # A summary stands in for what no longer fits: while the whole history still fits,
+            # it goes as it is (post-processing's summary covers everything, and once replaced
+            # history that fitted).
+            try:
+                whole = await self.plan(
+                    request, route, view, store, cid, system_in, system_in_tokens, new, new_tokens,
+                    encoding, count, recap, with_summary=False,
+                )  # fmt: skip
+            except ContextLengthExceeded:
+                whole = None
+            if whole is not None and whole.window.omitted == 0:
+                return whole
         covered = summary.covered if summary else 0
         # Positions count every stored message; a partial view holds its newest ones (the
         # loaded part is `history`, from `loaded_from`): NotLoaded when more is needed.

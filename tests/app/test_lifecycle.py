@@ -43,9 +43,12 @@ class Summaries:
 
     def __init__(self) -> None:
         self.fail = False
+        self.turns: list[dict[str, Any]] = []  # the turns' bodies (not the summarizer's)
 
     def __call__(self, body: dict[str, Any]) -> Any:
         first = str(body["messages"][0].get("content"))
+        if not first.startswith("You maintain the running summary"):
+            self.turns.append(body)
         if first.startswith("You maintain the running summary"):
             if self.fail:
                 raise UpstreamUnreachable("Provider 'mock' at mock://upstream is unreachable")
@@ -58,14 +61,15 @@ class Summaries:
 
 
 async def make(
-    tmp_path: Path, **sessions: Any
+    tmp_path: Path, context: dict[str, Any] | None = None, **sessions: Any
 ) -> tuple[Any, JsonlStore, Clock, Summaries, httpx.AsyncClient]:
     settings = make_settings(tmp_path, durability="none")
     settings = settings.model_copy(
         update={
             "sessions": settings.sessions.model_copy(
                 update={"idle_after": 60.0, "lease": 120.0, "max_attempts": 3, "recap": True, **sessions}
-            )
+            ),
+            "context": settings.context.model_copy(update=context or {}),
         }
     )
     store = JsonlStore(tmp_path / "var", durability="none")
@@ -114,6 +118,23 @@ async def test_idle_conversation_is_processed_and_reactivated(tmp_path: Path) ->
     clock.offset = 62
     await say(client, "c1", "hello again")
     assert (await processor.state_of("", "c1")).state == "active"
+    await client.aclose()
+
+
+async def test_after_post_processing_a_history_that_fits_is_still_sent_as_it_is(tmp_path: Path) -> None:
+    """Post-processing's summary covers the whole conversation: with `summarize`, the next turn
+    once sent that summary instead of a history that still fitted, and the model lost what
+    the summary left out."""
+    app, store, clock, model, client = await make(tmp_path, {"strategy": "summarize"})
+    for text in ("my name is Ada", "my lucky number is 4817", "I live in Lyon"):
+        await say(client, "c1", text)
+    clock.offset = 61
+    await app.state.processor.run_once()
+    assert (await app.state.processor.state_of("", "c1")).state == "processed"
+    assert [r for r in await store.read_side("summaries", "c1") if r.get("type") == "summary"]
+    await say(client, "c1", "what is my lucky number?")
+    sent = [str(m.get("content")) for m in model.turns[-1]["messages"]]
+    assert "my lucky number is 4817" in sent and not any(m.startswith("Summary of") for m in sent)
     await client.aclose()
 
 

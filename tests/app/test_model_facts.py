@@ -472,7 +472,8 @@ async def test_a_stored_summary_larger_than_a_small_window_allows_is_cut_not_ref
         }
     )
     async with build_client(settings, store, upstream) as client:
-        first = (await ask(client, "my name is Ada", max_tokens=16)).json()["id"]
+        # (long enough that the history cannot go as it is beside the next request)
+        first = (await ask(client, "my name is Ada " * 60, max_tokens=16)).json()["id"]
         # A summary written when the window was thought larger: 450 tokens.
         await store.append_side(
             "summaries",
