@@ -92,8 +92,17 @@ def _notice_if_no_config_file(settings: Settings) -> None:
     )
 
 
+def _where(settings: Settings) -> str:
+    """Where the configured store keeps its conversations, for messages."""
+    if settings.storage.backend == "postgres":
+        from gateway.store.postgres.schema import redact
+
+        return f"the PostgreSQL store {redact(settings.storage.dsn)}"
+    return settings.storage.data_dir
+
+
 def _no_conversation(settings: Settings, conversation_id: str) -> GatewayError:
-    return GatewayError(f"no conversation {conversation_id!r} in {settings.storage.data_dir}")
+    return GatewayError(f"no conversation {conversation_id!r} in {_where(settings)}")
 
 
 _TENANT = re.compile(r"^t[0-9a-f]{16}$")
@@ -294,7 +303,7 @@ def conversations(settings: Settings, *, config_path: str | None, limit: int, te
 
     rows, by_tenant = _run(settings, collect)
     if not rows:
-        click.echo(f"no conversations in {settings.storage.data_dir}")
+        click.echo(f"no conversations in {_where(settings)}")
         return
     head = f"{'tenant':<18} " if by_tenant else ""
     click.echo(
@@ -332,7 +341,7 @@ def show(
 
     found = _run(settings, read)
     if found is None:
-        raise GatewayError(f"no conversation {conversation_id!r} in {settings.storage.data_dir}")
+        raise _no_conversation(settings, conversation_id)
     view, turns, last = found
     # The window of the last turn: which turns it left out (cut, or folded into the summary).
     window: dict[str, Any] | None = None

@@ -19,6 +19,16 @@ def when(ts: float) -> str:
     return datetime.fromtimestamp(ts).strftime("%Y-%m-%d %H:%M:%S") if ts else "-"
 
 
+# Control characters shown, never obeyed: a message is anyone's text, and an escape sequence in
+# it would set the operator's terminal title, colours or clipboard (\n and \t stay as they are).
+_VISIBLE = {c: f"\\x{c:02x}" for c in (*range(0x20), 0x7F, *range(0x80, 0xA0)) if c not in (0x09, 0x0A)}
+
+
+def visible(value: str) -> str:
+    """`value` with its control characters written out (`\x1b`)."""
+    return value.translate(_VISIBLE)
+
+
 def text(message: Message) -> str:
     content = message.get("content")
     if isinstance(content, list):
@@ -29,7 +39,7 @@ def text(message: Message) -> str:
         text += f"\n→ call {fn.get('name')}({fn.get('arguments')}) [{call.get('id')}]"
     if message.get("role") == "tool":
         text = f"[{message.get('tool_call_id')}] {text}"
-    return text
+    return visible(text)
 
 
 def render_message(message: Message, *, tokens: int | None = None, note: str = "") -> str:
@@ -154,7 +164,7 @@ def render_log(records: list[Record], *, show_messages: bool) -> None:
             click.echo(f"response     {record.get('response_id')}")
             click.echo(f"conversation {record.get('conversation_id')}")
             target = f"{record.get('provider')}:{record.get('upstream_model')}"
-            click.echo(f"model        {record.get('model')} → {target}")
+            click.echo(visible(f"model        {record.get('model')} → {target}"))
             click.echo(f"created      {when(number(record.get('created')) or 0)}")
             for m in messages(record.get("system")):
                 click.echo(render_message(m, note="new system prompt"))
@@ -174,4 +184,6 @@ def render_log(records: list[Record], *, show_messages: bool) -> None:
         elif kind == "commit":
             click.echo(click.style("committed    yes", fg="green"))
         elif kind == "incomplete":
-            click.echo(click.style(f"incomplete   {record.get('reason')}: {record.get('error')}", fg="red"))
+            click.echo(
+                click.style(visible(f"incomplete   {record.get('reason')}: {record.get('error')}"), fg="red")
+            )

@@ -386,3 +386,14 @@ def test_show_marks_a_cut_inside_one_turn(tmp_path: Path) -> None:
     assert not any("question 19:" in line for line in left_out)  # the newest were sent
     marker = out.index("earlier messages omitted]")
     assert out.index("question 0:") < marker < out.index("question 19:")
+
+
+def test_show_writes_control_characters_out_instead_of_obeying_them(tmp_path: Path) -> None:
+    """A message is anyone's text: an escape sequence in it set the operator's terminal title,
+    colours or clipboard in `gateway show`."""
+    from tests.helpers import say_each
+
+    seed_offline(tmp_path, {}, lambda client: say_each(client, "esc", ["hi \x1b]0;pwned\x07 \x1b[31mRED"]))
+    out = gw("show", "esc", "--data-dir", str(tmp_path / "var")).stdout
+    assert "\x1b" not in out and "\x07" not in out
+    assert "hi \\x1b]0;pwned\\x07 \\x1b[31mRED" in out

@@ -9,8 +9,9 @@ from collections.abc import AsyncIterator
 import asyncpg
 import pytest
 
-from gateway.exceptions import ConversationBusy, InvalidRequest, NotFound
+from gateway.exceptions import ConversationBusy, InvalidRequest, NotFound, StorageError
 from gateway.store.postgres import SCHEMA_VERSION, PostgresStore, migrate
+from gateway.store.postgres.schema import map_errors
 from tests.helpers import commit_turn, reply, request_record, user
 from tests.views import load
 
@@ -273,6 +274,61 @@ async def test_unreachable_database_is_a_storage_error_without_the_password() ->
         await store.open()
     assert type(info.value).__name__ == "StorageError"
     assert "s3cret" not in str(info.value) and "127.0.0.1:1/nothing" in str(info.value)
+
+
+@pytest.mark.parametrize(
+    "dsn",
+    [
+        "host=127.0.0.1 port=1 user=gateway password=s3cret-kv dbname=nothing",  # libpq keyword form
+        "postgresql://gateway:s3cret/kv@127.0.0.1:1/nothing",  # an unescaped / in the password
+    ],
+)
+async def test_a_dsn_asyncpg_cannot_read_is_a_storage_error_without_the_password(dsn: str) -> None:
+    """The keyword form was echoed whole, password included; the other was a traceback (asyncpg's
+    own ValueError) quoting the password's start."""
+    store = PostgresStore(dsn)
+    with pytest.raises(StorageError) as info:
+        await store.open()
+    assert "s3cret" not in str(info.value) and "invalid DSN" in str(info.value)
+    # and any message that would quote it, whoever words it
+    assert "s3cret-kv" not in StorageError("asyncpg said: password=s3cret-kv").message
+
+
+def test_a_connection_the_server_dropped_mid_operation_is_a_storage_error() -> None:
+    """asyncpg's InternalClientError ("cannot switch to state 15; another operation is in
+    progress") when PostgreSQL stops under load was not translated: a 500."""
+    with pytest.raises(StorageError):
+        with map_errors("could not record the response durably"):
+            raise asyncpg.InternalClientError("cannot switch to state 15; another operation is in progress")
+
+
+async def test_an_ending_the_database_could_not_take_is_written_once_it_can(
+    pg_store: PostgresStore, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """An attempt that failed while the database was down read `in_progress` for good."""
+    import gateway.store.postgres.store as module
+
+    monkeypatch.setattr(module, "MARK_RETRY_SECONDS", 0.05)
+    rid = "m-00000000dead"
+    log = pg_store.start(rid, request_record(rid, "c", [user("q")]))
+    insert = pg_store._insert
+    down = True
+
+    async def flaky(*args: object, **kwargs: object) -> None:
+        if down and kwargs.get("unless_committed"):
+            raise StorageError("cannot reach the database: connection refused")
+        await insert(*args, **kwargs)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(pg_store, "_insert", flaky)
+    await log.abandon("storage_error")
+    await asyncio.sleep(0.2)
+    assert [r["type"] for r in await pg_store.read_response(rid)] == ["request"]  # still down
+    down = False
+    for _ in range(100):
+        if [r["type"] for r in await pg_store.read_response(rid)] == ["request", "incomplete"]:
+            break
+        await asyncio.sleep(0.02)
+    assert [r["type"] for r in await pg_store.read_response(rid)] == ["request", "incomplete"]
 
 
 async def test_a_deleted_response_leaves_the_summaries_of_branches_on_postgres(

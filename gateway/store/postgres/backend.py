@@ -15,6 +15,7 @@ from gateway.exceptions import StorageError
 from gateway.store.postgres.schema import (
     COMMAND_TIMEOUT,
     POOL_SIZE,
+    bad_dsn,
     map_errors,
     migrate,
     redact,
@@ -64,7 +65,7 @@ class _Backend:
     async def acquire(self) -> None:
         async with self._opening:
             if self.pool is None:
-                with map_errors(f"cannot open PostgreSQL storage at {redact(self.dsn)}"):
+                with map_errors(f"cannot open PostgreSQL storage at {redact(self.dsn)}"), bad_dsn(self.dsn):
                     pool = await asyncpg.create_pool(
                         self.dsn,
                         min_size=1,

@@ -110,7 +110,8 @@ class _PostgresLog(ResponseLog):
         try:
             await self.store._insert(self.response_id, rows, 0, unless_committed=True)
         except StorageError as exc:
-            log.error("could not mark %s incomplete: %s", self.response_id, exc.message)
+            log.error("could not mark %s incomplete (again once it can): %s", self.response_id, exc.message)
+            self.store.mark_later(self.response_id, rows)
 
     async def abandon(self, reason: str, error: JSONObject | None = None) -> None:
         if self._closed:
@@ -125,4 +126,5 @@ class _PostgresLog(ResponseLog):
                 backend.spawn(self.store._insert(self.response_id, rows, 0, unless_committed=True))
             )
         except StorageError as exc:
-            log.warning("could not mark %s incomplete: %s", self.response_id, exc.message)
+            log.warning("could not mark %s incomplete (again once it can): %s", self.response_id, exc.message)
+            self.store.mark_later(self.response_id, rows)

@@ -26,11 +26,13 @@ import time
 from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
 from contextlib import asynccontextmanager
 from typing import TypeVar
+from urllib.parse import unquote
 
 import orjson
 
 from gateway.exceptions import ConversationBusy, NotFound, StorageError
 from gateway.ids import check_conversation_id, is_valid_conversation_id, is_valid_response_id
+from gateway.redact import keep_secret
 from gateway.store.base import (
     LRU,
     Appended,
@@ -61,6 +63,7 @@ from gateway.store.postgres.schema import (
     _decode,
     _encode,
     advisory_key,
+    dsn_password,
     map_errors,
     redact,
 )
@@ -68,6 +71,8 @@ from gateway.types import Record, as_object
 
 log = logging.getLogger("gateway.store")
 T = TypeVar("T")
+
+MARK_RETRY_SECONDS = 2.0
 
 
 class PostgresStore(Store):
@@ -82,6 +87,9 @@ class PostgresStore(Store):
         cache_size: int = 1024,
     ) -> None:
         self.dsn = dsn
+        password = dsn_password(dsn)
+        keep_secret(password)  # never in a message, whatever library words one
+        keep_secret(unquote(password) if password else None)
         self.namespace = namespace
         self.durability = durability
         self.cache_size = cache_size
@@ -90,6 +98,10 @@ class PostgresStore(Store):
             4 * cache_size, weigh=lambda v: len(v.records) + 1, budget=4 * cache_size
         )
         self._holds: dict[str, _Hold] = {}
+        # Endings of failed attempts the database was down for: written once it is back, so that
+        # those attempts read as failed, not in progress (response id -> its rows, from seq 0).
+        self._unmarked: LRU[str, list[tuple[str, str]]] = LRU(1024)
+        self._marking: asyncio.Task[None] | None = None
         # Test hook: called inside the commit transaction, after the records, before the index.
 
     def __repr__(self) -> str:
@@ -110,6 +122,24 @@ class PostgresStore(Store):
         """One round trip to the database (StorageError when it is down)."""
         await self._fetch("cannot reach the database", "SELECT 1")
 
+    def mark_later(self, response_id: str, rows: list[tuple[str, str]]) -> None:
+        """An attempt's `incomplete` ending the database could not take now: retried every
+        MARK_RETRY_SECONDS (in the background) until it can."""
+        self._unmarked[response_id] = rows
+        if self._marking is None or self._marking.done():
+            self._marking = asyncio.ensure_future(self._mark_unmarked())
+
+    async def _mark_unmarked(self) -> None:
+        while self._unmarked:
+            await asyncio.sleep(MARK_RETRY_SECONDS)
+            for rid, rows in list(self._unmarked.items()):
+                try:
+                    await self._insert(rid, rows, 0, unless_committed=True)
+                except StorageError:
+                    break  # still down: the next round
+                self._unmarked.pop(rid, None)
+                log.info("marked %s incomplete", rid)
+
     async def try_processor_lease(self) -> bool | None:
         """One lifecycle processor per database: a session advisory lock on the lock
         connection, held until this process exits (PostgreSQL frees it if the process dies)."""
@@ -121,6 +151,8 @@ class PostgresStore(Store):
         return granted
 
     async def close(self) -> None:
+        if self._marking is not None:
+            self._marking.cancel()
         backend, self._backend = self._backend, None
         if backend is not None and backend.loop is asyncio.get_running_loop():
             await backend.release()
