@@ -97,23 +97,37 @@ def recap_message(
     """The "Earlier today" system message from (last activity, conversation, lines) candidates,
     newest first, within `max_tokens`; and the conversations it drew on."""
     header = f"{RECAP_PREFIX} ({tz.key}), this user talked with you in other conversations:"
+    blocks = []
+    for last, cid, lines in sorted(candidates, reverse=True):
+        when = datetime.fromtimestamp(last, tz).strftime("%H:%M")
+        blocks.append((f"- [{when}, {cid}]", cid, lines, False))
+    return _pack(header, blocks, max_tokens, count)
+
+
+_Block = tuple[str, str, list[str], bool]  # head line, conversation, lines, lines left out before
+
+
+def _pack(
+    header: str, blocks: list[_Block], max_tokens: int, count: Callable[[Message], int]
+) -> tuple[Message | None, list[str]]:
+    """The recap of `blocks` (newest conversation first) within `max_tokens`: whole blocks while
+    they fit, then of a block its newest lines, after a `…` that says older ones are left out."""
     body: list[str] = []
     used: list[str] = []
     budget = max_tokens - count({"role": "system", "content": header})
-    for last, cid, lines in sorted(candidates, reverse=True):
-        when = datetime.fromtimestamp(last, tz).strftime("%H:%M")
-        block = "\n".join([f"- [{when}, {cid}]", *(f"  {line}" for line in lines)])
+    for head, cid, lines, cut in blocks:
+        block = "\n".join([head, *(["  …"] if cut else []), *(f"  {line}" for line in lines)])
         cost = count({"role": "system", "content": block}) - 3
         if cost > budget:  # its newest lines that fit, after a mark that older ones are left out
             kept: list[str] = []
             for line in reversed(lines):
-                trial = "\n".join([f"- [{when}, {cid}]", "  …", *(f"  {x}" for x in [line, *kept])])
+                trial = "\n".join([head, "  …", *(f"  {x}" for x in [line, *kept])])
                 if count({"role": "system", "content": trial}) - 3 > budget:
                     break
                 kept.insert(0, line)
             if not kept:
                 continue
-            block = "\n".join([f"- [{when}, {cid}]", "  …", *(f"  {x}" for x in kept)])
+            block = "\n".join([head, "  …", *(f"  {x}" for x in kept)])
             cost = count({"role": "system", "content": block}) - 3
         budget -= cost
         body.append(block)
@@ -121,3 +135,43 @@ def recap_message(
     if not body:
         return None, []
     return {"role": "system", "content": "\n".join([header, *body])}, used
+
+
+def shrink_recap(
+    recap: Message, max_tokens: int, count: Callable[[Message], int]
+) -> tuple[Message | None, list[str]]:
+    """A recap built for a larger budget, packed again within `max_tokens` the way it was built
+    (not cut from its end, which kept the oldest line of the newest conversation, mid-sentence);
+    and the conversations it still draws on."""
+    text = recap.get("content")
+    if not isinstance(text, str):
+        return None, []
+    header, *rest = text.split("\n")
+    blocks: list[_Block] = []
+    for line in rest:
+        if line.startswith("- [") and line.endswith("]"):
+            cid = line[3:-1].partition(", ")[2]
+            blocks.append((line, cid, [], False))
+        elif blocks and line == "  …":
+            head, cid, lines, _ = blocks[-1]
+            blocks[-1] = (head, cid, lines, True)
+        elif blocks:
+            blocks[-1][2].append(line.removeprefix("  "))
+    return _pack(header, blocks, max_tokens, count)
+
+
+def is_recap(message: Message) -> bool:
+    content = message.get("content")
+    return message.get("role") == "system" and isinstance(content, str) and content.startswith(RECAP_PREFIX)
+
+
+def recap_conversations(recap: Message | None) -> list[str]:
+    """The conversations a recap's text draws on (its blocks' heads)."""
+    text = recap.get("content") if recap is not None else None
+    if not isinstance(text, str):
+        return []
+    return [
+        line[3:-1].partition(", ")[2]
+        for line in text.split("\n")[1:]
+        if line.startswith("- [") and line.endswith("]")
+    ]

@@ -19,7 +19,7 @@ from gateway.context import (
     clean_message,
     repair_tool_calls,
 )
-from gateway.context.lifecycle import zone
+from gateway.context.lifecycle import shrink_recap, zone
 from gateway.context.summary import Summary, current_summary, snap_to_turn_end
 from gateway.context.window import REQUEST_OVERHEAD_TOKENS, Window, fit_window, omitted_marker
 from gateway.exceptions import ContextLengthExceeded, InvalidRequest
@@ -265,7 +265,7 @@ class Planner:
             summary_message, summary_tokens = self.sized(
                 summary.message() if summary else None, free // 3, request.model, count
             )
-            recap_message, recap_tokens = self.sized(recap, free // 6, request.model, count)
+            recap_message, recap_tokens = self.sized_recap(recap, free // 6, count)
             return fit_window(
                 tools_tokens=tools_tokens,
                 system=system_msgs,
@@ -361,6 +361,22 @@ class Planner:
         shorter = truncate_text(text, limit - 8, model) if isinstance(text, str) else ""
         cut: Message = {**message, "content": shorter}
         return cut, count(cut)
+
+    @staticmethod
+    def sized_recap(
+        recap: Message | None, limit: int, count: Callable[[Message], int]
+    ) -> tuple[Message | None, int]:
+        """The recap within `limit` tokens, packed again as it was built (newest conversations
+        first, each one's newest lines); None when too little room is left for it."""
+        if recap is None:
+            return None, 0
+        tokens = count(recap)
+        if tokens <= limit:
+            return recap, tokens
+        if limit < _MIN_SIZED_TOKENS:
+            return None, 0
+        shrunk, _ = shrink_recap(recap, limit, count)
+        return (shrunk, count(shrunk)) if shrunk is not None else (None, 0)
 
     async def recap(
         self,

@@ -26,7 +26,7 @@ from gateway.context import (
     split_system,
 )
 from gateway.context.history import NotLoaded
-from gateway.context.lifecycle import user_key, zone
+from gateway.context.lifecycle import is_recap, recap_conversations, user_key, zone
 from gateway.context.tail import checkpoint
 from gateway.exceptions import (
     GatewayError,
@@ -212,7 +212,9 @@ class ChatService:
             response_log = store.start(response_id, record)
             if plan is not None:
                 snapshot = plan.snapshot(view, len(new), sent)
-                snapshot["recap_conversations"] = recap_from if recap is not None else None
+                # The conversations of the recap as sent (sized to this window: maybe fewer).
+                sent_recap = next((m for m in sent if is_recap(m)), None)
+                snapshot["recap_conversations"] = recap_conversations(sent_recap) if sent_recap else None
                 snapshot["recap"] = bool(recap or view.recap)
                 response_log.append(snapshot)
             else:

@@ -33,3 +33,25 @@ def test_the_newest_conversation_first_and_each_within_what_is_left() -> None:
     )
     assert message is not None and used[0] == "b"
     assert count(message) <= 120
+
+
+def test_a_recap_too_large_for_a_small_window_is_packed_again_not_cut_from_its_end() -> None:
+    """Built at recap_max_tokens, a recap sized to a 512-token window was cut from its end: the
+    newest conversation kept its oldest line, cut mid-sentence, and the manifest still named a
+    conversation no longer in the text."""
+    from gateway.context.lifecycle import recap_conversations, shrink_recap
+
+    newest = [f"user: detail number {i} of the trip, with a few more words to it" for i in range(6)]
+    newest.append("user: aisle seat, row 12")
+    older = [f"user: an older topic, line {i}" for i in range(4)]
+    candidates = [(2000.0, "trip", newest), (1000.0, "other", older)]
+    full, used = recap_message(candidates, ZoneInfo("UTC"), max_tokens=300, count=count)
+    assert full is not None and used == ["trip", "other"] == recap_conversations(full)
+    small, kept = shrink_recap(full, 70, count)
+    assert small is not None and count(small) <= 70
+    text = str(small["content"])
+    assert text.startswith("Earlier today (UTC)") and "aisle seat, row 12" in text
+    assert "  …" in text and "detail number 0" not in text  # its newest lines, after the mark
+    assert kept == ["trip"] == recap_conversations(small)
+    assert all(line in str(full["content"]) for line in text.split("\n") if line != "  …")  # whole lines
+    assert shrink_recap(full, 400, count)[0] == full
