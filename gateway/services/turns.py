@@ -213,7 +213,7 @@ class ChatService:
             if plan is not None:
                 snapshot = plan.snapshot(view, len(new), sent)
                 # The conversations of the recap as sent (sized to this window: maybe fewer).
-                sent_recap = next((m for m in sent if is_recap(m)), None)
+                sent_recap = next((m for m in sent if is_recap(m)), None) if recap or view.recap else None
                 snapshot["recap_conversations"] = recap_conversations(sent_recap) if sent_recap else None
                 snapshot["recap"] = bool(recap or view.recap)
                 response_log.append(snapshot)
