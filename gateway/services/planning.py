@@ -19,6 +19,7 @@ from gateway.context import (
     clean_message,
     repair_tool_calls,
 )
+from gateway.context.calibration import UNCALIBRATED
 from gateway.context.lifecycle import shrink_recap, zone
 from gateway.context.summary import Summary, current_summary, snap_to_turn_end
 from gateway.context.window import REQUEST_OVERHEAD_TOKENS, Window, fit_window, omitted_marker
@@ -418,6 +419,12 @@ class Planner:
             # vocabulary, a rough count), so only a cut to under half is taken for truncation.
             expected, ratio = float(ours), _UNCALIBRATED_TRUNCATION_RATIO
         if ours < _TRUNCATION_MIN_TOKENS or theirs >= expected * ratio:
+            prior = calibration or UNCALIBRATED
+            if _has_tools(plan.window) and theirs < prior.ratio * ours + prior.overhead:
+                # Chat templates render tool definitions and calls their own way, or not at all
+                # (SmolLM2's leaves them out): such a prompt may teach that the model counts
+                # more, never that it counts less (it once halved the planned ratio).
+                return False
             self.facts.observe(route, ours, theirs)
             return False
         if plan.facts is not None and not plan.facts.cuts_silently:
@@ -443,6 +450,13 @@ class Planner:
             ).decode()
         )
         return True
+
+
+def _has_tools(window: Window) -> bool:
+    """Did the prompt carry tool definitions, tool calls or tool results?"""
+    return bool(window.tokens.get("tools")) or any(
+        m.get("tool_calls") or m.get("role") == "tool" for m in window.messages
+    )
 
 
 @functools.lru_cache(maxsize=64)

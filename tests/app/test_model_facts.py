@@ -32,7 +32,7 @@ from gateway.upstream.discovery import (
 from gateway.upstream.mock import MockUpstream
 from gateway.upstream.openai import OpenAIUpstream, status_error
 from gateway.upstream.refusal import parse_refusal
-from tests.conftest import build_client, make_settings
+from tests.conftest import app_of, build_client, make_settings
 
 # -- the shapes each server answers with (trimmed copies of real answers) ---------------------------
 
@@ -706,3 +706,25 @@ async def test_a_request_that_fits_only_without_the_margin_is_sent() -> None:
         r = await ask(client, SENTENCE * 14)  # 243 of ours, 328 of the model's: fits its 384
     assert r.status_code == 200, r.text
     assert llama.refused == 0
+
+
+async def test_prompts_with_tools_never_teach_that_the_model_counts_less() -> None:
+    """SmolLM2's template leaves tools out: its low counts of such prompts pulled the planned
+    ratio to 0.7, the next ordinary prompt was planned too big and refused."""
+    llama = ToolBlindLlama(n_ctx=1024)
+    upstream = real_counting(llama, window=ServerWindow(1024, "llama.cpp GET /props", refuses_overlong=True))
+    tools = [{"type": "function", "function": {"name": f"tool_{i}", "parameters": {}}} for i in range(4)]
+    async with build_client(make_settings(), MemoryStore(), upstream) as client:
+        for i in range(4):
+            assert (
+                await ask(client, f"{i}: " + SENTENCE * (2 + 2 * i), cid="plain", max_tokens=16)
+            ).status_code == 200
+        facts = app_of(client).state.service.facts  # the calibration the next turn plans with
+        route = app_of(client).state.router.resolve("mock/smol")
+        before = (await facts.window(route, "mock/smol")).calibration
+        for i in range(4):
+            r = await ask(client, f"call {i}: " + SENTENCE * 3, cid="tools", max_tokens=16, tools=tools)
+            assert r.status_code == 200, r.text
+        after = (await facts.window(route, "mock/smol")).calibration
+    # (it lowered the ratio, 1.25 to 1.15, and tripled the margin, window wasted both ways)
+    assert after.ratio >= before.ratio and after.margin <= before.margin and llama.refused == 0
