@@ -329,8 +329,12 @@ async def refit(
             param="messages",
         ) from exc
     turn.refits += 1
+    try:
+        plan = await turn.replan()  # ContextLengthExceeded if the request alone cannot fit
+    except ContextLengthExceeded:
+        on_refusal("refused")  # no second call: the client gets the 400
+        raise
     on_refusal("retried")
-    plan = await turn.replan()  # ContextLengthExceeded if the request alone cannot fit
     turn.plan = plan
     turn.upstream_body["messages"] = plan.window.messages
     options = turn.upstream_body.get("options")

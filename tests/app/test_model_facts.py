@@ -417,6 +417,9 @@ async def test_a_request_too_long_for_the_real_window_is_a_400_and_the_conversat
     assert [(line["status"], line["outcome"]) for line in lines] == [(400, "error"), (400, "refused")]
     assert lines[1]["error"]["code"] == "context_length_exceeded" and lines[1]["conversation_id"] == "c"
     assert 'gateway_refusals_total{code="context_length_exceeded"} 1.0' in metrics
+    # the provider's refusal, with no second call (the request alone could not fit): "refused"
+    assert 'gateway_context_refusals_total{outcome="refused"} 1.0' in metrics
+    assert 'gateway_context_refusals_total{outcome="retried"}' not in metrics
 
 
 async def test_discovered_window_with_no_configuration_every_turn_fits() -> None:
