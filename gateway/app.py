@@ -17,6 +17,7 @@ from starlette.exceptions import HTTPException
 from starlette.middleware import Middleware
 from starlette.routing import Route
 
+import gateway.metrics
 from gateway.api import conversations as conv
 from gateway.api import health, ui
 from gateway.api import responses as resp
@@ -65,6 +66,9 @@ def create_app(
     summarizer.on_outcome = lambda outcome: metrics.summaries.labels(outcome).inc()
     services.summaries.on_version = lambda: metrics.summaries.labels("ok").inc()
     service.on_context_refusal = lambda outcome: metrics.context_refusals.labels(outcome).inc()
+    gateway.metrics.refused_below_app = lambda route, status: metrics.child(
+        metrics.requests, route, str(status)
+    ).inc()
     processor = Processor(settings, services.sessions)
     trimmer = HeapTrimmer()
 

@@ -6,6 +6,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
+from collections.abc import Callable
 from contextvars import ContextVar
 from typing import Any
 
@@ -25,6 +26,15 @@ ACTIVE_LIMIT = 16_384
 # One JSON line per HTTP request (`gateway.access`): a turn writes its own, richer line and marks
 # this request's flag; every other request gets the middleware's line.
 access_log = logging.getLogger("gateway.access")
+
+
+def _uncounted(route: str, status: int) -> None:
+    """Until an app of this process counts them: requests refused below the app."""
+
+
+# Requests refused below the app (the HTTP parser, the head deadline: gateway.protocol), counted
+# in gateway_requests_total by the app serving this process (`create_app` sets it).
+refused_below_app: Callable[[str, int], None] = _uncounted
 access_logged: ContextVar[list[bool] | None] = ContextVar("gateway_access_logged", default=None)
 
 _SLOW = (0.01, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0)
@@ -68,6 +78,13 @@ class Metrics:
             "gateway_refusals",
             "Chat requests the gateway refused before asking a provider, by error code",
             ["code"],
+            registry=r,
+        )
+        self.failed_turns = Counter(
+            "gateway_failed_turns",
+            "Turns that ended without being stored, by outcome (disconnected, error, cancelled), "
+            "streams that failed after their first byte included (their HTTP status was 200)",
+            ["outcome"],
             registry=r,
         )
         self.context_refusals = Counter(

@@ -27,6 +27,7 @@ from typing import Any
 import orjson
 from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
 
+from gateway import metrics
 from gateway.api.http import BODY_COMPLETE
 from gateway.exceptions import BodyTimeout, GatewayError, InvalidRequest
 from gateway.metrics import access_log
@@ -66,6 +67,7 @@ def _refusal_line(error: GatewayError, route: str) -> None:
         "error": {"type": error.error_type, "code": error.code, "message": error.message},
     }
     access_log.info(orjson.dumps(line).decode())
+    metrics.refused_below_app(route, error.status_code)
 
 
 class _NotParserWarning(logging.Filter):

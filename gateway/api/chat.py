@@ -20,10 +20,11 @@ from gateway.api.http import (
     turn_outcome,
     until_disconnect,
 )
-from gateway.api.observe import log_failure, log_line, refused
+from gateway.api.observe import log_failure, log_line, refused, stream_closed
 from gateway.api.sse import chat_events
 from gateway.api.validation import parse_chat
 from gateway.exceptions import GatewayError, shutting_down
+from gateway.metrics import Metrics
 from gateway.services.turn import PreparedTurn, TurnOutcome
 
 
@@ -34,10 +35,10 @@ def _headers(turn: PreparedTurn) -> dict[str, str]:
     return headers
 
 
-def _failed(turn: PreparedTurn, outcome: TurnOutcome, exc: BaseException) -> Response:
+def _failed(turn: PreparedTurn, outcome: TurnOutcome, exc: BaseException, metrics: Metrics) -> Response:
     """The response for a turn that failed before any byte was sent: a 499 for a client that
     went away, else the error, naming the response whose log records the attempt."""
-    log_failure(outcome, exc)
+    log_failure(outcome, exc, metrics)
     if isinstance(exc, ClientDisconnected):
         return Response(status_code=499)
     if not isinstance(exc, GatewayError):
@@ -66,7 +67,7 @@ async def chat_completions(request: Request) -> Response:
             result = await until_disconnect(service.complete(turn), request.receive)
         except BaseException as exc:
             exc = shutting_down(exc) or exc
-            return _failed(turn, await service.close(turn, turn_outcome(exc)), exc)
+            return _failed(turn, await service.close(turn, turn_outcome(exc)), exc, request.app.state.metrics)
         # The log line before the answer: whoever has the answer finds its line written.
         log_line(await service.close(turn), 200, "complete", request.app.state.metrics)
         return JSONBody(result, headers=_headers(turn))
@@ -75,11 +76,10 @@ async def chat_completions(request: Request) -> Response:
         chunks = await until_disconnect(service.open_chunks(turn), request.receive)
     except BaseException as exc:
         exc = shutting_down(exc) or exc
-        return _failed(turn, await service.close(turn, turn_outcome(exc)), exc)
+        return _failed(turn, await service.close(turn, turn_outcome(exc)), exc, request.app.state.metrics)
 
     async def on_close(exc: BaseException | None) -> None:
         outcome = await service.close(turn, None if exc is None else turn_outcome(exc))
-        complete = outcome.committed and exc is None
-        log_line(outcome, 200, "complete" if complete else "incomplete", request.app.state.metrics)
+        stream_closed(outcome, exc, request.app.state.metrics)
 
     return SSEResponse(chat_events(service, turn, chunks), headers=_headers(turn), on_close=on_close)

@@ -57,9 +57,14 @@ def log_line(
     metrics: Metrics | None = None,
     *,
     event: str = "chat.completion",
+    error: GatewayError | None = None,
 ) -> None:
     if metrics is not None and result == "complete":
         observe(metrics, outcome)
+    elif metrics is not None:
+        metrics.child(metrics.failed_turns, result).inc()
+        if outcome.timings is not None:  # the provider's time, a failed call's too
+            metrics.child(metrics.upstream, outcome.provider).observe(outcome.timings["upstream_ms"] / 1000)
     _mark_logged()
     if not access_log.isEnabledFor(logging.INFO):
         return
@@ -81,6 +86,8 @@ def log_line(
         line["budget"] = outcome.budget
         line["truncated"] = outcome.truncated
         line["summary_version"] = outcome.summary_version
+    if error is not None:
+        line["error"] = {"type": error.error_type, "code": error.code, "message": error.message[:300]}
     access_log.info(orjson.dumps(line).decode())
 
 
@@ -108,12 +115,35 @@ def refused(
     access_log.info(orjson.dumps(line).decode())
 
 
-def log_failure(outcome: TurnOutcome, exc: BaseException, *, event: str = "chat.completion") -> None:
-    """The log line of a turn that failed before any byte of its answer was sent."""
+def log_failure(
+    outcome: TurnOutcome,
+    exc: BaseException,
+    metrics: Metrics | None = None,
+    *,
+    event: str = "chat.completion",
+    streaming: bool = False,
+) -> None:
+    """The log line (and metrics) of a turn that failed: before any byte of its answer was
+    sent, or, `streaming`, after its 200 and first chunks (the error went in-band: the line
+    keeps the 200 the client got, and says what happened)."""
     if isinstance(exc, ClientDisconnected):
-        log_line(outcome, 499, "disconnected", event=event)
+        log_line(outcome, 499, "disconnected", metrics, event=event)
     elif isinstance(exc, GatewayError):
-        log_line(outcome, exc.status_code, "error", event=event)
+        status = 200 if streaming else exc.status_code
+        log_line(outcome, status, "error", metrics, event=event, error=exc)
     else:
         cancelled = isinstance(exc, asyncio.CancelledError)
-        log_line(outcome, 499 if cancelled else 500, "cancelled" if cancelled else "error", event=event)
+        status = 499 if cancelled else 200 if streaming else 500
+        log_line(outcome, status, "cancelled" if cancelled else "error", metrics, event=event)
+
+
+def stream_closed(
+    outcome: TurnOutcome, exc: BaseException | None, metrics: Metrics, *, event: str = "chat.completion"
+) -> None:
+    """The log line of a stream once it ended: complete (stored), or how it failed."""
+    if exc is None and outcome.committed:
+        log_line(outcome, 200, "complete", metrics, event=event)
+    elif exc is None:  # ended in an in-band error: the provider's, or the store refusing the commit
+        log_line(outcome, 200, "error", metrics, event=event, error=outcome.error)
+    else:
+        log_failure(outcome, exc, metrics, event=event, streaming=True)

@@ -27,7 +27,7 @@ from gateway.api.http import (
     turn_outcome,
     until_disconnect,
 )
-from gateway.api.observe import log_failure, log_line, refused
+from gateway.api.observe import log_failure, log_line, refused, stream_closed
 from gateway.api.response_shapes import response_events, response_object
 from gateway.api.schemas import ResponseCreate
 from gateway.api.validation import parse_chat, validate
@@ -188,7 +188,7 @@ async def create_response(request: Request) -> Response:
             await until_disconnect(service.complete(turn), request.receive)
         except BaseException as exc:
             exc = shutting_down(exc) or exc
-            log_failure(await service.close(turn, turn_outcome(exc)), exc, event="response")
+            log_failure(await service.close(turn, turn_outcome(exc)), exc, metrics, event="response")
             if isinstance(exc, ClientDisconnected):
                 return Response(status_code=499)
             raise exc from None
@@ -208,15 +208,14 @@ async def create_response(request: Request) -> Response:
         chunks = await until_disconnect(service.open_chunks(turn), request.receive)
     except BaseException as exc:
         exc = shutting_down(exc) or exc
-        log_failure(await service.close(turn, turn_outcome(exc)), exc, event="response")
+        log_failure(await service.close(turn, turn_outcome(exc)), exc, metrics, event="response")
         if isinstance(exc, ClientDisconnected):
             return Response(status_code=499)
         raise exc from None
 
     async def on_close(exc: BaseException | None) -> None:
         outcome = await service.close(turn, None if exc is None else turn_outcome(exc))
-        complete = outcome.committed and exc is None
-        log_line(outcome, 200, "complete" if complete else "incomplete", metrics, event="response")
+        stream_closed(outcome, exc, metrics, event="response")
 
     return SSEResponse(response_events(service, turn, chunks, common), headers=headers, on_close=on_close)
 

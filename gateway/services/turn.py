@@ -17,7 +17,7 @@ from typing import Any, TypeVar, cast
 import orjson
 
 from gateway.context import ConversationView, Turn
-from gateway.exceptions import ContextLengthExceeded, NotFound, UpstreamStatusError
+from gateway.exceptions import ContextLengthExceeded, GatewayError, NotFound, UpstreamStatusError
 from gateway.services.cache import ConversationCache
 from gateway.services.models import ModelFacts
 from gateway.services.planning import ContextPlan
@@ -55,6 +55,7 @@ class TurnOutcome:
     summary_version: int | None
     upstream_truncated: bool  # the provider counted far fewer prompt tokens than were sent
     output_tokens: int | None = None  # our count of the answer (None: not counted)
+    error: GatewayError | None = None  # why it was not stored, when a GatewayError says so
 
 
 @dataclass(slots=True)
@@ -96,7 +97,7 @@ class PreparedTurn:
     view: ConversationView | None = None
     outcome: TurnOutcome | None = None  # set by the first close
 
-    def close_outcome(self, committed: bool) -> TurnOutcome:
+    def close_outcome(self, committed: bool, error: GatewayError | None = None) -> TurnOutcome:
         plan = self.plan
         messages = self.upstream_body.get("messages")
         return TurnOutcome(
@@ -120,6 +121,7 @@ class PreparedTurn:
             summary_version=plan.summary.version if plan is not None and plan.summary else None,
             upstream_truncated=self.upstream_truncated,
             output_tokens=self.output_tokens,
+            error=error,
         )
 
     @property

@@ -309,7 +309,17 @@ class ChatService:
             await self.facts.save(turn.route, turn.store)
         if plan is not None and plan.summary_target and turn.conversation_id and committed and turn.store:
             self.schedule_summary(turn.tenant, turn.conversation_id, plan.summary_target, turn.request.model)
-        turn.outcome = turn.close_outcome(committed)
+        if turn.timings is None and turn.upstream_started:  # a call that failed: its time so far
+            end = time.perf_counter()
+            turn.timings = {
+                "upstream_ms": round((end - turn.upstream_started) * 1000, 3),
+                "total_ms": round((end - turn.started) * 1000, 3),
+            }
+        failure = exc if isinstance(exc, GatewayError) else None
+        if failure is None and task is not None and task.done() and not task.cancelled():
+            commit_error = task.exception()
+            failure = commit_error if isinstance(commit_error, GatewayError) else None
+        turn.outcome = turn.close_outcome(committed, failure)
         return turn.outcome
 
     # -- non-streaming ------------------------------------------------------------------------

@@ -525,7 +525,7 @@ async def test_a_stream_whose_commit_fails_never_shows_a_finish_reason(
 ) -> None:
     """A client that stops reading at finish_reason must not take an unsaved answer for a
     saved one: the finishing chunk is held until the commit, and a failed commit is an
-    in-band error instead (and the log line says incomplete)."""
+    in-band error instead (and the log line says error)."""
     import logging
 
     from gateway.exceptions import StorageError
@@ -540,7 +540,8 @@ async def test_a_stream_whose_commit_fails_never_shows_a_finish_reason(
     assert any(e.get("choices") for e in events)  # the answer's text did stream
     assert memory_store.indexes.get("c", []) == []
     line = json.loads(next(r.getMessage() for r in caplog.records if r.name == "gateway.access"))
-    assert line["outcome"] == "incomplete"
+    assert (line["status"], line["outcome"]) == (200, "error")  # the 200 it got; not stored
+    assert 'gateway_failed_turns_total{outcome="error"} 1.0' in (await app_client.get("/metrics")).text
     memory_store.fail_commit = None
     r = await chat(app_client, [user("hi")], stream=True)
     events = [json.loads(line[6:]) for line in r.text.splitlines() if line.startswith("data: {")]

@@ -142,3 +142,41 @@ async def test_split_tool_calls_through_the_app_are_stored_whole_and_replayed() 
         sent = upstream.requests[-1]["messages"]
         assert sent[-3] == {"role": "assistant", "content": None, "tool_calls": EXPECTED_CALLS}
         assert sent[-2:] == results
+
+
+class BreaksMidStream(MockUpstream):
+    """Sends a first chunk, then fails as a provider dropping the connection does."""
+
+    async def stream(self, body: Body) -> AsyncIterator[Chunk]:
+        from gateway.exceptions import UpstreamProtocolError
+
+        self.requests.append(body)
+        first = {"id": "x", "object": "chat.completion.chunk", "created": 0, "model": "m"}
+        yield {**first, "choices": [{"index": 0, "delta": {"role": "assistant", "content": "Hel"}}]}
+        raise UpstreamProtocolError("Provider 'mock' at mock://upstream failed: the connection was reset")
+
+
+async def test_a_stream_that_fails_after_its_first_byte_says_so_in_its_line_and_metrics(
+    caplog: Any,
+) -> None:
+    """It was logged `status 200, outcome incomplete` with no reason, counted as a plain 200,
+    and its provider time left out of gateway_upstream_seconds."""
+    import logging
+
+    body = {
+        "model": "mock/m",
+        "conversation_id": "cut",
+        "stream": True,
+        "messages": [{"role": "user", "content": "hi"}],
+    }
+    async with build_client(make_settings(), MemoryStore(), BreaksMidStream()) as client:
+        with caplog.at_level(logging.INFO, logger="gateway.access"):
+            async with client.stream("POST", "/v1/chat/completions", json=body) as r:
+                assert r.status_code == 200
+                events = [line async for line in r.aiter_lines() if line.startswith("data: ")]
+        metrics = (await client.get("/metrics")).text
+    assert "upstream_bad_response" in events[-1]  # the in-band error
+    line = orjson.loads(next(rec.getMessage() for rec in caplog.records if rec.name == "gateway.access"))
+    assert (line["status"], line["outcome"], line["error"]["code"]) == (200, "error", "upstream_bad_response")
+    assert 'gateway_failed_turns_total{outcome="error"} 1.0' in metrics
+    assert 'gateway_upstream_seconds_count{provider="mock"} 1.0' in metrics

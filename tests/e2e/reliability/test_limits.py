@@ -224,3 +224,9 @@ def test_a_request_the_parser_refuses_gets_a_json_400_and_a_json_log_line(
     assert lines and all(line.startswith("{") for line in lines), lines
     logged = [json.loads(line) for line in lines]
     assert [(e["route"], e["status"]) for e in logged] == [("unparsable", 400)]
+    with connect(gw) as sock:  # and it is counted as every request is
+        sock.sendall(b"GET /metrics HTTP/1.1\r\nHost: g\r\nConnection: close\r\n\r\n")
+        text = b""
+        while chunk := sock.recv(65536):
+            text += chunk
+    assert 'gateway_requests_total{route="unparsable",status="400"}' in text.decode()
