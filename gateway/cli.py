@@ -391,6 +391,8 @@ def show(
     for m, n in zip(view.system or [], counts, strict=False):
         in_window_total += n
         click.echo(render_message(m, tokens=n, note="system prompt"))
+    if view.recap is not None:  # sent after the system prompt on every turn (sized to the window)
+        click.echo(render_message(view.recap, tokens=count_message(view.recap), note="recap, earlier today"))
     # What the last turn sent (its snapshot is a full copy): a cut may fall inside a turn.
     sent_list = last[1].get("messages") if window is not None and last is not None else None
     window_keys = (

@@ -75,8 +75,15 @@ def render_marker(marker: Record) -> str:
 
 
 def render_turn(turn: Turn, model: str = "") -> str:
-
-    lines = [click.style(f"── {turn.response_id}", dim=True)]
+    """A turn as `gateway tail` shows it (an edit says where the client's version branched)."""
+    head = f"── {turn.response_id}"
+    if turn.branch_at is not None:
+        head += (
+            f" (the client's edit: continues after message {turn.branch_at}; what followed is no longer sent)"
+        )
+    lines = [click.style(head, dim=True)]
+    if turn.recap is not None:
+        lines.append(render_message(turn.recap, tokens=count_message(turn.recap, model), note="recap"))
     if turn.system is not None:
         lines += [
             render_message(m, tokens=count_message(m, model), note="new system prompt") for m in turn.system

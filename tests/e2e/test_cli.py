@@ -33,7 +33,9 @@ def gw(
     )
 
 
-def seed_offline(tmp_path: Path, context: dict[str, Any], work: Callable[[Any], Awaitable[T]]) -> T:
+def seed_offline(
+    tmp_path: Path, context: dict[str, Any], work: Callable[[Any], Awaitable[T]], **sections: dict[str, Any]
+) -> T:
     """Run `work(client)` against the app in this process on the JSONL data dir
     `tmp_path/var` (no server, no fsync), with these `[context]` settings; its result."""
     import asyncio
@@ -51,6 +53,7 @@ def seed_offline(tmp_path: Path, context: dict[str, Any], work: Callable[[Any], 
             "providers": {"mock": {"kind": "openai", "base_url": "http://mock.invalid/v1"}},
             "storage": {"backend": "jsonl", "data_dir": str(tmp_path / "var"), "durability": "none"},
             "context": context,
+            **sections,
         },
     )
 
@@ -397,3 +400,44 @@ def test_show_writes_control_characters_out_instead_of_obeying_them(tmp_path: Pa
     out = gw("show", "esc", "--data-dir", str(tmp_path / "var")).stdout
     assert "\x1b" not in out and "\x07" not in out
     assert "hi \\x1b]0;pwned\\x07 \\x1b[31mRED" in out
+
+
+def test_show_and_tail_show_the_recap_and_tail_shows_an_edit(tmp_path: Path) -> None:
+    """`show` left out the recap sent on every turn; `tail` showed an edited turn right after
+    the abandoned one, with nothing to say the history branched."""
+
+    async def say(client: Any, cid: str, messages: list[dict[str, Any]]) -> str:
+        body = {"model": "mock/m", "conversation_id": cid, "user": "u1", "messages": messages}
+        r = await client.post("/v1/chat/completions", json=body)
+        assert r.status_code == 200, r.text
+        return str(r.json()["choices"][0]["message"]["content"])
+
+    async def talk(client: Any) -> None:
+        await say(client, "first", [{"role": "user", "content": "my name is Ada"}])
+        q1 = {"role": "user", "content": "hello"}
+        a1 = await say(client, "second", [q1])  # a new conversation of u1's: it gets the recap
+        await say(client, "second", [{"role": "user", "content": "where was I?"}])
+        edited = [q1, {"role": "assistant", "content": a1}, {"role": "user", "content": "where am I?"}]
+        await say(client, "second", edited)  # the client's edit of its second question
+
+    seed_offline(tmp_path, {}, talk, sessions={"recap": True})
+    data = ["--data-dir", str(tmp_path / "var")]
+    shown = gw("show", "second", *data).stdout
+    assert "Earlier today" in shown and "recap, earlier today" in shown
+    tail = subprocess.Popen(
+        [sys.executable, "-m", "gateway", "tail", "second", "--poll", "0.05", *data],
+        cwd=REPO,
+        stdout=subprocess.PIPE,
+        text=True,
+        env={**os.environ, "PYTHONUNBUFFERED": "1"},
+    )
+    try:
+        out = ""
+        deadline = time.monotonic() + 15
+        assert tail.stdout is not None
+        while time.monotonic() < deadline and "where am I?" not in out:
+            out += tail.stdout.readline()
+    finally:
+        tail.terminate()
+        tail.wait(10)
+    assert "tok, recap)" in out and "the client's edit: continues after message 2" in out
