@@ -259,6 +259,9 @@ class ConversationView:
                 pairs = zip(self.history_owner, self.history_pos, strict=True)
                 for position in [p for o, p in pairs if o == owner]:
                     self.delete_item(owner, position)
+                if owner in self.response_ids:  # as a load from the files sees it: no turn at all
+                    self.response_ids.remove(owner)
+                    self.turns -= 1
         elif kind == "delete_item":
             rid, pos = marker.get("response_id"), marker.get("position")
             if isinstance(rid, str) and isinstance(pos, int):

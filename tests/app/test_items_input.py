@@ -98,3 +98,19 @@ async def test_responses_store_and_metadata_are_checked(app_client: httpx.AsyncC
         "/v1/responses", json={"model": "mock/m", "input": "hi", "metadata": {"k": "v"}}
     )
     assert ok.status_code == 200, ok.text
+
+
+async def test_a_deleted_response_is_no_longer_a_turn_in_the_list(app_client: httpx.AsyncClient) -> None:
+    """The process that deleted it kept counting it (3 turns) where any other reader, or the same
+    one after a restart, counts 2."""
+    ids = []
+    for text in ("a", "b", "c"):
+        body = {
+            "model": "mock/m",
+            "conversation_id": "turns",
+            "messages": [{"role": "user", "content": text}],
+        }
+        ids.append((await app_client.post("/v1/chat/completions", json=body)).json()["id"])
+    assert (await app_client.delete(f"/v1/responses/{ids[1]}")).status_code == 200
+    listed = (await app_client.get("/v1/conversations")).json()["data"]
+    assert [(c["id"], c["turns"]) for c in listed] == [("turns", 2)]
