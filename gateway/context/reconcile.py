@@ -67,10 +67,11 @@ def reconcile(incoming: Sequence[Message], view: ConversationView) -> Reconciled
     keys = [message_key(msg) for msg in incoming[: n - 1]]
     # The longest overlap with the stored tail: the transcript's (a copy that still holds
     # messages left out of history since), else the history's (a copy without them).
+    table = _failure_table(keys)
     for stored in (transcript, history):
-        for k in range(min(n - 1, len(stored)), 0, -1):
-            if keys[:k] == stored[len(stored) - k :]:
-                return Reconciled(list(incoming[k:]))
+        k = _matched_at_end(keys, table, stored)
+        if k:
+            return Reconciled(list(incoming[k:]))
     if answered:
         trimmed = _trimmed_divergence(incoming, transcript)
         if trimmed is not None:  # a run of the transcript: branch after its history messages
@@ -93,22 +94,56 @@ def _in_history(transcript: Sequence[bytes], history: Sequence[bytes]) -> int:
     return h
 
 
+def _failure_table(keys: Sequence[bytes]) -> list[int]:
+    """Knuth-Morris-Pratt: for each prefix of `keys`, its longest proper border. Matching with it
+    is linear: a resent history of 50,000 messages once took minutes of the event loop."""
+    table = [0] * len(keys)
+    k = 0
+    for i in range(1, len(keys)):
+        while k and keys[i] != keys[k]:
+            k = table[k - 1]
+        if keys[i] == keys[k]:
+            k += 1
+        table[i] = k
+    return table
+
+
+def _matches(keys: Sequence[bytes], table: Sequence[int], stored: Sequence[bytes]) -> list[int]:
+    """For each position of `stored`, the longest prefix of `keys` that ends there."""
+    out = []
+    k = 0
+    for key in stored:
+        while k and (k == len(keys) or key != keys[k]):
+            k = table[k - 1]
+        if k < len(keys) and key == keys[k]:
+            k += 1
+        out.append(k)
+    return out
+
+
+def _matched_at_end(keys: Sequence[bytes], table: Sequence[int], stored: Sequence[bytes]) -> int:
+    """The longest prefix of `keys` that `stored` ends with (0: none)."""
+    if not keys or not stored:
+        return 0
+    return _matches(keys, table, stored)[-1]
+
+
 def _trimmed_divergence(incoming: Sequence[Message], history: Sequence[bytes]) -> tuple[int, int] | None:
     """A trimmed history that diverges (an edit or a regenerate from a client that resends only
     its newest messages): the request's first messages match a stored run that is not the tail,
     an answer among them. Returns (messages matched, history kept), the longest run winning,
     then the newest; None when no run holds an answer."""
     keys = [message_key(msg) for msg in incoming[: len(incoming) - 1]]
+    if not keys or not history:
+        return None
+    # A run holds an answer once it is longer than the request's messages before its first one.
+    first_answer = next(
+        (i for i, msg in enumerate(incoming) if msg.get("role") == "assistant"), len(incoming)
+    )
     best: tuple[int, int] | None = None
-    for start in range(len(history) - 1, -1, -1):
-        if history[start] != keys[0]:
-            continue
-        run = 1
-        while run < len(keys) and start + run < len(history) and history[start + run] == keys[run]:
-            run += 1
-        answered = any(msg.get("role") == "assistant" for msg in incoming[:run])
-        if answered and (best is None or run > best[0]):
-            best = (run, start + run)
+    for end, run in enumerate(_matches(keys, _failure_table(keys), history), start=1):
+        if run > first_answer and (best is None or run >= best[0]):
+            best = (run, end)
     return best
 
 
