@@ -53,6 +53,21 @@ _UNPARSABLE = InvalidRequest(
     code="invalid_http_request",
 )
 BAD_REQUEST_RESPONSE = _closing_answer("400 Bad Request", _UNPARSABLE)
+# The request line and headers together: a larger head is refused before it is read whole (the
+# parser would keep it all in memory, and it comes before any key is checked).
+HEAD_LIMIT = 64 * 1024
+
+
+class _HeadTooLarge(InvalidRequest):
+    """A request head over HEAD_LIMIT (431)."""
+
+    status_code = 431
+
+
+_TOO_LARGE = _HeadTooLarge(
+    f"The request line and headers are over {HEAD_LIMIT // 1024} KiB", code="request_header_too_large"
+)
+HEAD_TOO_LARGE_RESPONSE = _closing_answer("431 Request Header Fields Too Large", _TOO_LARGE)
 _PARSER_WARNING = "Invalid HTTP request received."
 
 
@@ -126,6 +141,10 @@ class HeadDeadlineProtocol(HttpToolsProtocol):
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
         self._head_deadline: asyncio.TimerHandle | None = None
+        self._head_bytes = 0  # received while the head of the next request is not complete
+        self._in_head = True
+        self._head_size = 0  # the parsed request line and headers of the current request
+        self._too_large = False
         if not HeadDeadlineProtocol._quiet:
             HeadDeadlineProtocol._quiet = True
             self.logger.addFilter(_NotParserWarning())
@@ -148,9 +167,36 @@ class HeadDeadlineProtocol(HttpToolsProtocol):
             _refusal_line(_HEAD_LATE, "head_timeout")
         self.transport.close()
 
+    def data_received(self, data: bytes) -> None:
+        if self._in_head:
+            self._head_bytes += len(data)
+        super().data_received(data)
+        if self._in_head and self._head_bytes > HEAD_LIMIT and not self.transport.is_closing():
+            self._refuse_large_head()
+
+    def _refuse_large_head(self) -> None:
+        self._disarm()
+        self.transport.write(HEAD_TOO_LARGE_RESPONSE)
+        self.transport.close()
+        _refusal_line(_TOO_LARGE, "head_too_large")
+
+    def on_url(self, url: bytes) -> None:
+        super().on_url(url)
+        self._head_size += len(url)
+
+    def on_header(self, name: bytes, value: bytes) -> None:
+        super().on_header(name, value)
+        self._head_size += len(name) + len(value) + 4
+        if self._head_size > HEAD_LIMIT:  # (one that arrived in a single read)
+            self._too_large = True
+            raise ValueError("request head too large")  # stops the parser: send_400_response
+
     def send_400_response(self, msg: str) -> None:
         """A request httptools cannot parse: OpenAI's error shape and a JSON log line, not
         uvicorn's text/plain answer and plain warning."""
+        if self._too_large:
+            self._refuse_large_head()
+            return
         self.transport.write(BAD_REQUEST_RESPONSE)
         self.transport.close()
         _refusal_line(_UNPARSABLE, "unparsable")
@@ -161,10 +207,12 @@ class HeadDeadlineProtocol(HttpToolsProtocol):
 
     def on_message_begin(self) -> None:
         super().on_message_begin()
+        self._head_size = 0
         self._arm()
 
     def on_headers_complete(self) -> None:
         self._disarm()
+        self._in_head = False
         before = self.cycle
         super().on_headers_complete()
         cycle = self.cycle
@@ -173,6 +221,7 @@ class HeadDeadlineProtocol(HttpToolsProtocol):
 
     def on_message_complete(self) -> None:
         super().on_message_complete()
+        self._in_head, self._head_bytes = True, 0  # the next request's head, on a kept connection
         if self.cycle is not None:
             # The whole body is in: reading it cannot stall (see `gateway.api.http.read_body`).
             scope: dict[str, Any] = self.cycle.scope  # type: ignore[assignment]

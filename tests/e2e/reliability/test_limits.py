@@ -203,10 +203,10 @@ def test_a_body_refused_unread_closes_the_connection(
 @pytest.mark.parametrize(
     "raw",
     [
-        b"GET /v1/models?after=" + b"a" * 70_000 + b" HTTP/1.1\r\nHost: g\r\n\r\n",
         b"\x16\x03\x01 not http\r\n\r\n",
+        b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nContent-Length: abc\r\n\r\n",
     ],
-    ids=["request line over 64 KiB", "not HTTP"],
+    ids=["not HTTP", "Content-Length not a number"],
 )
 def test_a_request_the_parser_refuses_gets_a_json_400_and_a_json_log_line(
     gw: GatewayProcess, fault: FaultServer, raw: bytes
@@ -230,3 +230,31 @@ def test_a_request_the_parser_refuses_gets_a_json_400_and_a_json_log_line(
         while chunk := sock.recv(65536):
             text += chunk
     assert 'gateway_requests_total{route="unparsable",status="400"}' in text.decode()
+
+
+@pytest.mark.parametrize("how", ["one read", "many reads", "request line"])
+def test_a_request_head_over_64_kib_is_refused_before_it_is_read_whole(
+    gw: GatewayProcess, fault: FaultServer, how: str
+) -> None:
+    """Headers had no size limit and came before the key was checked: 1.5 GB of them were read
+    into memory, and a 70 KB one was answered."""
+    header = b"X-Filler: " + b"a" * 70_000 + b"\r\n"
+    start = b"GET /healthz HTTP/1.1\r\nHost: g\r\n"
+    with connect(gw) as sock:
+        if how == "one read":
+            sock.sendall(start + header + b"\r\n")
+        elif how == "request line":
+            sock.sendall(b"GET /v1/models?after=" + b"a" * 70_000 + b" HTTP/1.1\r\nHost: g\r\n\r\n")
+        else:  # a head that never ends, sent in small pieces: refused once 64 KiB came
+            sock.sendall(start)
+            try:
+                for _ in range(200):
+                    sock.sendall(b"X-More: " + b"b" * 1000 + b"\r\n")
+            except (BrokenPipeError, ConnectionResetError):
+                pass
+        status, headers, payload = read_response(sock)
+    assert status == 431 and payload["error"]["code"] == "request_header_too_large"
+    with connect(gw) as sock:  # and the gateway goes on
+        sock.sendall(b"GET /healthz HTTP/1.1\r\nHost: g\r\nX-Small: " + b"c" * 10_000 + b"\r\n\r\n")
+        status, _, _ = read_response(sock)
+    assert status == 200
