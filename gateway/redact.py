@@ -8,6 +8,7 @@ replaces it wherever it would pass such text on."""
 from __future__ import annotations
 
 import logging
+from urllib.parse import parse_qsl, unquote, urlsplit
 
 REDACTED = "[redacted]"
 # Shorter values are not treated as secrets: replacing them would mangle ordinary text.
@@ -35,6 +36,22 @@ def keep_secret_headers(headers: dict[str, str]) -> None:
     for name, value in headers.items():
         if any(word in name.lower() for word in _SECRET_HEADER_WORDS):
             keep_secret(value.removeprefix("Bearer ").removeprefix("bearer "))
+
+
+def keep_url_secrets(url: str) -> None:
+    """The credentials a provider URL may carry: a `user:password@` and query values whose
+    names say they are keys (`?api-key=`, `?token=`)."""
+    try:
+        parts = urlsplit(url)
+        password = parts.password
+    except ValueError:
+        return
+    keep_secret(password)
+    if password:
+        keep_secret(unquote(password))
+    for name, value in parse_qsl(parts.query):
+        if any(word in name.lower() for word in _SECRET_HEADER_WORDS):
+            keep_secret(value)
 
 
 def redact(text: str) -> str:

@@ -119,3 +119,11 @@ def first_choice(completion: JSONObject) -> JSONObject:
     """Choice 0 of a completion or chunk (empty when there is none)."""
     choices = as_list(completion.get("choices"))
     return as_object(choices[0]) if choices else {}
+
+
+def ascii_int(text: str, max_digits: int = 18) -> int | None:
+    """`text` as a non-negative integer when it is ASCII digits only (not `²` or `٣`, which
+    `str.isdigit` accepts and `int` may not), at most `max_digits` of them; else None."""
+    if text.isascii() and text.isdigit() and len(text) <= max_digits:
+        return int(text)
+    return None

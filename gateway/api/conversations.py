@@ -17,7 +17,7 @@ from gateway.context.items import Item
 from gateway.exceptions import InvalidRequest, NotFound
 from gateway.ids import check_conversation_id
 from gateway.services.conversations import find_item, item_place, view_items
-from gateway.types import JSONObject
+from gateway.types import JSONObject, ascii_int
 
 
 def _cid(request: Request) -> str:
@@ -54,9 +54,10 @@ def _page(items: list[Item], *, first: bool = True) -> dict[str, Any]:
 
 def _limit(request: Request) -> int:
     raw = request.query_params.get("limit", "20")
-    if not raw.isdigit() or not 1 <= int(raw) <= 100:
+    limit = ascii_int(raw)
+    if limit is None or not 1 <= limit <= 100:
         raise InvalidRequest("'limit' must be an integer between 1 and 100", param="limit")
-    return int(raw)
+    return limit
 
 
 def paginate(

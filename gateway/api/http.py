@@ -14,6 +14,7 @@ from starlette.types import Receive, Scope, Send
 
 from gateway.exceptions import BodyTimeout, BodyTooLarge, ClientGone, GatewayError, InvalidRequest
 from gateway.services import Services
+from gateway.types import ascii_int
 
 T = TypeVar("T")
 
@@ -46,7 +47,8 @@ async def read_json(request: Request, limit: int, *, allow_empty: bool = False) 
     """The request body decoded, refusing bodies over `limit` bytes before reading them whole
     and bodies that take longer than `server.body_timeout` to arrive (slow-body clients)."""
     declared = request.headers.get("content-length")
-    if declared is not None and declared.isdigit() and int(declared) > limit:
+    size = ascii_int(declared, 30) if declared is not None else None
+    if size is not None and size > limit:
         raise BodyTooLarge(f"Request body of {declared} bytes exceeds the limit of {limit} bytes")
     data = await read_body(request, limit)
     if not data and allow_empty:

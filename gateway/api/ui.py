@@ -16,7 +16,7 @@ from gateway.context.records import first, latest
 from gateway.exceptions import InvalidRequest, NotFound
 from gateway.ids import check_conversation_id
 from gateway.services.queries import text_of
-from gateway.types import JSONObject, Record
+from gateway.types import JSONObject, Record, ascii_int
 
 STATIC = Path(__file__).resolve().parent.parent / "ui" / "static"
 _FILES = {"index.html": "text/html", "app.js": "text/javascript", "style.css": "text/css"}
@@ -99,9 +99,9 @@ async def conversation(request: Request) -> Response:
     tenant = tenant_of(request)
     cid = check_conversation_id(request.path_params["conversation_id"], param="conversation_id")
     raw_since = request.query_params.get("since", "0") or "0"
-    if not raw_since.isdigit():
+    since = ascii_int(raw_since)
+    if since is None:
         raise InvalidRequest("'since' must be a non-negative integer (a turn index)", param="since")
-    since = int(raw_since)
     entries = await queries.index(tenant, cid)
     view = await queries.view(tenant, cid)
     sent = view.sent_items()

@@ -10,7 +10,7 @@ from __future__ import annotations
 from typing import cast
 
 from gateway.exceptions import InvalidRequest
-from gateway.types import ContentPart, ImageURL, JSONObject, Message, ToolCall
+from gateway.types import ContentPart, ImageURL, JSONObject, Message, ToolCall, ascii_int
 
 Item = JSONObject
 _TEXT_PARTS = frozenset({"input_text", "output_text", "text"})
@@ -247,7 +247,8 @@ def parse_item_id(item_id: str) -> tuple[str, int] | None:
         return None
     if prefix == "fc":
         rest = rest.rsplit("_", 1)[0]
-    rid, _, pos = rest.rpartition("_")
-    if not rid or not pos.isdigit():
+    rid, _, raw = rest.rpartition("_")
+    pos = ascii_int(raw)
+    if not rid or pos is None:
         return None
-    return (rid, -int(pos)) if prefix == "sys" else (rid, int(pos))
+    return (rid, -pos) if prefix == "sys" else (rid, pos)

@@ -21,7 +21,7 @@ from gateway.services.requests import check_size
 from gateway.services.summaries import withdraw
 from gateway.store import Store, StoreRegistry
 from gateway.store.base import now
-from gateway.types import Record
+from gateway.types import Record, ascii_int
 
 MAX_ADDED_ITEMS = 100
 
@@ -53,8 +53,8 @@ def item_place(view: ConversationView) -> Callable[[str], tuple[int, int, int] |
         turn = turns.get(rid)
         if turn is None:
             return None
-        call = int(item_id.rsplit("_", 1)[1]) if item_id.startswith("fc_") else -1
-        return (turn, position, call)
+        call = ascii_int(item_id.rsplit("_", 1)[1]) if item_id.startswith("fc_") else -1
+        return (turn, position, call) if call is not None else None
 
     return place
 

@@ -18,6 +18,7 @@ from urllib.parse import urlsplit
 import httptools
 
 from gateway import __version__
+from gateway.types import ascii_int
 
 
 class ConnectFailed(ConnectionError):
@@ -150,7 +151,8 @@ class _Connection(asyncio.Protocol):
         if self.status >= 400:
             self.limit, self.truncate = self.error_limit, True  # an error body is only quoted
         declared = self.headers.get("content-length", "")
-        if declared.isdigit() and int(declared) > self.limit and not self.truncate:
+        size = ascii_int(declared, 30)
+        if size is not None and size > self.limit and not self.truncate:
             self.failure = TooLarge(f"the answer declares {declared} bytes")
             raise _Stop
 

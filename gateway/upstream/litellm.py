@@ -21,7 +21,7 @@ from gateway.exceptions import (
     UpstreamTimeout,
     UpstreamUnreachable,
 )
-from gateway.redact import keep_secret, keep_secret_headers
+from gateway.redact import keep_secret, keep_secret_headers, keep_url_secrets
 from gateway.upstream.base import (
     RETRY_STATUSES,
     Body,
@@ -137,6 +137,7 @@ class LitellmUpstream(Upstream):
         if settings.api_key_env:
             keep_secret(os.environ.get(settings.api_key_env))
         keep_secret_headers(settings.headers)
+        keep_url_secrets(settings.base_url)
 
     def _kwargs(self, body: Body) -> dict[str, Any]:
         kwargs = {k: v for k, v in body.items() if k in OPENAI_CHAT_PARAMS}

@@ -29,7 +29,7 @@ from gateway.exceptions import (
     UpstreamTimeout,
     UpstreamUnreachable,
 )
-from gateway.redact import keep_secret, keep_secret_headers
+from gateway.redact import keep_secret, keep_secret_headers, keep_url_secrets
 from gateway.types import as_list, as_object
 from gateway.upstream import http1
 from gateway.upstream.base import (
@@ -223,6 +223,7 @@ class OpenAIUpstream(Upstream):
         key = os.environ.get(settings.api_key_env, "") if settings.api_key_env else ""
         keep_secret(key)
         keep_secret_headers(settings.headers)
+        keep_url_secrets(settings.base_url)
         if key:
             self._headers["authorization"] = f"Bearer {key}"
         self._timeout = aiohttp.ClientTimeout(

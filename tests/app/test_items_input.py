@@ -114,3 +114,22 @@ async def test_a_deleted_response_is_no_longer_a_turn_in_the_list(app_client: ht
     assert (await app_client.delete(f"/v1/responses/{ids[1]}")).status_code == 200
     listed = (await app_client.get("/v1/conversations")).json()["data"]
     assert [(c["id"], c["turns"]) for c in listed] == [("turns", 2)]
+
+
+@pytest.mark.parametrize(
+    "path",
+    [
+        "/v1/conversations?limit=%C2%B2",  # ² is a digit to str.isdigit, not to int()
+        "/v1/conversations/q/items?limit=%C2%B2",
+        "/v1/conversations/q/items?after=fc_x-0123456789ab_0_%C2%B2",
+        "/ui/api/conversations/q?since=%C2%B2",
+        "/ui/api/conversations/q?since=" + "9" * 5000,  # over int()'s 4,300 digits
+    ],
+)
+async def test_numbers_in_query_parameters_are_ascii_digits_or_a_400(
+    app_client: httpx.AsyncClient, path: str
+) -> None:
+    body = {"model": "mock/m", "conversation_id": "q", "messages": [{"role": "user", "content": "x"}]}
+    assert (await app_client.post("/v1/chat/completions", json=body)).status_code == 200
+    r = await app_client.get(path)
+    assert r.status_code in (400, 404) and r.json()["error"]["type"] == "invalid_request_error", r.text

@@ -36,3 +36,12 @@ def test_errors_and_log_lines_carry_no_secret() -> None:
         "gateway", logging.ERROR, __file__, 1, "failed: %s", ("sk-unit-secret-0002",), None
     )
     assert RedactingFormatter("%(message)s").format(record) == f"failed: {REDACTED}"
+
+
+def test_credentials_in_a_provider_url_are_secrets() -> None:
+    from gateway.redact import keep_url_secrets
+
+    keep_url_secrets("http://svc:url-pass%2Fword@127.0.0.1:1/v1?api-key=query-key-123&region=eu")
+    said = "at http://svc:url-pass%2Fword@127.0.0.1:1/v1?api-key=query-key-123 (url-pass/word)"
+    assert "url-pass" not in redact(said) and "query-key-123" not in redact(said)
+    assert redact("region=eu") == "region=eu"
