@@ -30,7 +30,7 @@ from gateway.jobs.summarizer import Summarizer
 from gateway.metrics import Metrics, MetricsMiddleware, metrics_endpoint
 from gateway.services import Services, StoreBackend
 from gateway.services.models import _litellm_windows
-from gateway.tenants import AuthMiddleware, Tenants
+from gateway.tenants import LOOPBACK_HOSTS, AuthMiddleware, Tenants
 from gateway.tokens import get_encoding, release_free_memory
 from gateway.upstream import Router
 
@@ -127,7 +127,10 @@ def create_app(
         lifespan=lifespan,
         middleware=[
             Middleware(MetricsMiddleware, metrics=metrics),
-            Middleware(AuthMiddleware, tenants=tenants),
+            # (`settle`: a serving process, listening where settings.server says)
+            Middleware(
+                AuthMiddleware, tenants=tenants, loopback=settle and settings.server.host in LOOPBACK_HOSTS
+            ),
         ],
         exception_handlers={
             GatewayError: health.gateway_error,

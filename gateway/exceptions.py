@@ -6,6 +6,7 @@ GatewayError
 │   ├── ContextLengthExceeded 400  the request alone does not fit the model's window
 │   └── ConversationTooLarge  400  the conversation is at storage.max_conversation_messages
 ├── AuthenticationError     401    missing or unknown gateway key
+├── CrossOriginRefused      403    another site's page, or a rebound name, on an open gateway
 ├── BodyTimeout             408    the request head or body arrived slower than server.body_timeout
 ├── ClientGone              499    the client left while sending its request
 ├── NotFound                404    unknown conversation, response or model
@@ -97,6 +98,14 @@ class AuthenticationError(GatewayError):
     status_code = 401
     error_type = "authentication_error"
     code = "invalid_api_key"
+
+
+class CrossOriginRefused(GatewayError):
+    """A web page of another origin, or a name that is not this machine's, on an open gateway."""
+
+    status_code = 403
+    error_type = "permission_error"
+    code = "cross_origin"
 
 
 class NotFound(GatewayError):

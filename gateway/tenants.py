@@ -10,11 +10,12 @@ import hashlib
 import hmac
 import os
 from collections.abc import Mapping
+from urllib.parse import urlsplit
 
 from starlette.types import ASGIApp, Receive, Scope, Send
 
 from gateway.config import Settings
-from gateway.exceptions import AuthenticationError
+from gateway.exceptions import AuthenticationError, CrossOriginRefused
 from gateway.redact import keep_secret
 
 DEFAULT_TENANT = ""  # auth off: everything lives at the top of the data dir
@@ -59,9 +60,11 @@ class Tenants:
 class AuthMiddleware:
     """Pure ASGI: resolves the tenant before anything else runs, or answers 401."""
 
-    def __init__(self, app: ASGIApp, tenants: Tenants) -> None:
+    def __init__(self, app: ASGIApp, tenants: Tenants, loopback: bool = False) -> None:
         self.app = app
         self.tenants = tenants
+        # Open and listening on this machine only: names other than its own are refused.
+        self.loopback = loopback
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] != "http":
@@ -70,6 +73,13 @@ class AuthMiddleware:
         path = scope["path"]
         # The inspector's page and assets hold no data; its /ui/api/ calls carry the key.
         is_page = path in ("/ui", "/ui/") or path.startswith("/ui/static/")
+        if not self.tenants.enabled:
+            refused = self._cross_origin(scope)
+            if refused is not None:
+                from gateway.api.http import error_response
+
+                await error_response(refused)(scope, receive, send)
+                return
         if not self.tenants.enabled or path in OPEN_PATHS or is_page:
             scope["gateway.tenant"] = DEFAULT_TENANT
             await self.app(scope, receive, send)
@@ -87,3 +97,39 @@ class AuthMiddleware:
             await error_response(exc)(scope, receive, send)
             return
         await self.app(scope, receive, send)
+
+    def _cross_origin(self, scope: Scope) -> CrossOriginRefused | None:
+        """An open gateway is open to its clients, not to every web page its user visits: a
+        browser request from another site (its `Origin`) is refused, and, while it listens on
+        this machine only, a `Host` that is not this machine's (DNS rebinding)."""
+        origin = host = None
+        for name, value in scope["headers"]:
+            if name == b"origin":
+                origin = value.decode("latin-1")
+            elif name == b"host":
+                host = value.decode("latin-1")
+        if self.loopback and host is not None and not _is_local(_hostname(host)):
+            return CrossOriginRefused(f"This gateway answers only to this machine's names, not {host!r}")
+        if origin is None:
+            return None
+        origin_host = urlsplit(origin).netloc if "://" in origin else origin
+        if origin_host == host or _is_local(_hostname(origin_host)):
+            return None
+        return CrossOriginRefused(
+            f"Requests from web pages of other sites ({origin}) are refused: set [auth] keys to use "
+            "the gateway from a browser"
+        )
+
+
+LOOPBACK_HOSTS = ("127.0.0.1", "localhost", "::1")
+
+
+def _hostname(netloc: str) -> str:
+    """`host` of `host:port`, `[::1]:port` or `host`."""
+    if netloc.startswith("["):
+        return netloc[1:].partition("]")[0]
+    return netloc.rpartition(":")[0] if netloc.count(":") == 1 else netloc
+
+
+def _is_local(hostname: str) -> bool:
+    return hostname.lower() in ("localhost", "::1") or hostname.startswith("127.")

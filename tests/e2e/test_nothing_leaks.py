@@ -179,3 +179,21 @@ def test_a_provider_key_quoted_back_by_the_provider_is_never_passed_on(
     files = [p for p in (tmp_path / "var").rglob("*") if p.is_file()]
     assert files and not [p for p in files if key.encode() in p.read_bytes()]
     assert key not in proc.log()
+
+
+def test_an_open_gateway_refuses_other_sites_pages_and_rebound_names(
+    gateway: GatewayProcess, upstream: MockServer
+) -> None:
+    """Open (no keys) means open to its clients, not to any web page its user visits: a page of
+    another site could post a `text/plain` body (no preflight) and rewrite local conversations,
+    or reach them through a DNS name rebound to 127.0.0.1."""
+    body = '{"model": "mock/tiny", "messages": [{"role": "user", "content": "from a web page"}]}'
+    url = f"{gateway.url}/v1/chat/completions"
+    plain = {"content-type": "text/plain", "x-conversation-id": "csrf"}
+    for headers in ({"origin": "https://evil.example"}, {"host": f"rebound.example:{gateway.port}"}):
+        r = httpx.post(url, content=body, headers={**plain, **headers}, timeout=10)
+        assert r.status_code == 403 and r.json()["error"]["code"] == "cross_origin", r.text
+    assert httpx.get(f"{gateway.url}/v1/conversations/csrf", timeout=10).status_code == 404  # nothing stored
+    same_site = {"origin": gateway.url}  # the inspector's own page, and clients that send none
+    assert httpx.post(url, content=body, headers={**plain, **same_site}, timeout=10).status_code == 200
+    assert httpx.post(url, content=body, headers=plain, timeout=10).status_code == 200
