@@ -135,6 +135,7 @@ class _Entry:
     seen: int = 0
     saved_at: float | None = None
     urgent: bool = False
+    suspected: int | None = None  # the provider's count of the last prompt it seemed to cut
 
 
 class ModelFacts:
@@ -233,6 +234,7 @@ class ModelFacts:
         entry = self._entry(route)
         if not route.upstream.reports_real_usage or ours <= 0 or theirs <= 0:
             return
+        entry.suspected = None  # an ordinary count: no run of cut prompts
         entry.observations.append((ours, theirs))
         del entry.observations[:-MAX_OBSERVATIONS]
         entry.unsaved += 1
@@ -269,6 +271,12 @@ class ModelFacts:
         """The provider answered having seen only `theirs` tokens of a longer prompt (Ollama's
         silent num_ctx cut): plan with no more than that from now on."""
         entry = self._entry(route)
+        seen, entry.suspected = entry.suspected, theirs
+        if seen is None or abs(theirs - seen) > max(8, seen // 20):
+            # One low count alone may be a prompt the model's tokenizer counts cheaply (a script
+            # tiktoken splits finely): a cut prompt is cut to the window every time, so the cap
+            # waits for a second one of about the same size, with no ordinary count between.
+            return
         learned = max(MIN_LEARNED_WINDOW, theirs)
         if entry.learned is None or learned < entry.learned:
             entry.learned, entry.learned_from = learned, "silent truncation"

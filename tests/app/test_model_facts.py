@@ -22,7 +22,7 @@ from gateway.services.models import ModelFacts
 from gateway.store.memory import MemoryStore
 from gateway.tokens import count_message
 from gateway.upstream import Route
-from gateway.upstream.base import ServerWindow
+from gateway.upstream.base import ServerWindow, completion_from_text
 from gateway.upstream.discovery import (
     window_from_llamacpp_props,
     window_from_models,
@@ -731,3 +731,39 @@ async def test_prompts_with_tools_never_teach_that_the_model_counts_less() -> No
         after = (await facts.window(route, "mock/smol")).calibration
     # (it lowered the ratio, 1.25 to 1.15, and tripled the margin, window wasted both ways)
     assert after.ratio >= before.ratio and after.margin <= before.margin and llama.refused == 0
+
+
+async def test_one_cheaply_counted_prompt_is_not_taken_for_a_cut_but_a_run_of_cuts_is() -> None:
+    """A message in a script tiktoken splits finely (one tenant's Hindi) looked like Ollama's
+    silent cut and capped the model's window for every tenant at about 256 tokens."""
+    cut_to: list[int | None] = [None]
+
+    def provider(body: dict[str, Any]) -> Any:
+        from gateway.upstream.base import approx_tokens
+
+        seen = approx_tokens(body["messages"])
+        counted = cut_to[0] if cut_to[0] is not None else seen
+        return completion_from_text("m", "ok", prompt_tokens=counted)
+
+    upstream = real_counting(provider)
+    settings = make_settings().model_copy(update={"models": {"mock/o": ModelSettings(context_window=8192)}})
+    async with build_client(settings, MemoryStore(), upstream) as client:
+
+        async def window_after(text: str, cid: str) -> int:
+            body = {
+                "model": "mock/o",
+                "conversation_id": cid,
+                "messages": [{"role": "user", "content": text}],
+            }
+            assert (await client.post("/v1/chat/completions", json=body)).status_code == 200
+            return int((await client.get(f"/v1/conversations/{cid}/context")).json()["context_window"])
+
+        await window_after(SENTENCE * 20, "plain")  # calibrated on an ordinary prompt
+        cut_to[0] = 60  # one prompt counted far below ours
+        await window_after(SENTENCE * 20, "hindi")
+        cut_to[0] = None
+        assert await window_after("hello", "other") == 8192  # not capped for anyone
+        cut_to[0] = 300  # a provider that cuts every long prompt to its runtime window
+        for cid in ("long-1", "long-2"):
+            await window_after(SENTENCE * 30, cid)
+        assert await window_after("hello", "after") == 300  # capped at what it sees
