@@ -95,9 +95,9 @@ def _notice_if_no_config_file(settings: Settings) -> None:
 def _where(settings: Settings) -> str:
     """Where the configured store keeps its conversations, for messages."""
     if settings.storage.backend == "postgres":
-        from gateway.store.postgres.schema import redact
+        from gateway.redact import redact_dsn
 
-        return f"the PostgreSQL store {redact(settings.storage.dsn)}"
+        return f"the PostgreSQL store {redact_dsn(settings.storage.dsn)}"
     return settings.storage.data_dir
 
 

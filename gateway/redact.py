@@ -8,6 +8,7 @@ replaces it wherever it would pass such text on."""
 from __future__ import annotations
 
 import logging
+import re
 from urllib.parse import parse_qsl, unquote, urlsplit
 
 REDACTED = "[redacted]"
@@ -60,6 +61,32 @@ def redact(text: str) -> str:
         if secret in text:
             text = text.replace(secret, REDACTED)
     return text
+
+
+_KEYWORD_PASSWORD = re.compile(r"(password\s*=\s*)('(?:[^'\\]|\\.)*'|\S*)", re.IGNORECASE)
+
+
+def dsn_password(dsn: str) -> str | None:
+    """The password a DSN holds (a URI's, even with an unescaped `/` in it, or a libpq
+    keyword/value DSN's), to be kept out of every message; None when it has none."""
+    if "://" not in dsn:
+        found = _KEYWORD_PASSWORD.search(dsn)
+        return found.group(2).strip("'") if found and found.group(2) else None
+    rest = dsn.split("://", 1)[1].split("?", 1)[0]
+    userinfo = rest.rpartition("@")[0]
+    password = userinfo.partition(":")[2]
+    return password or None
+
+
+def redact_dsn(dsn: str) -> str:
+    """The DSN without its password, for messages."""
+    if "://" not in dsn:  # libpq keyword/value form: host=... password=...
+        return _KEYWORD_PASSWORD.sub(lambda m: m.group(1) + "***", dsn)
+    scheme, _, rest = dsn.partition("://")
+    rest = rest.split("?", 1)[0]
+    userinfo, at, hostpart = rest.rpartition("@")
+    user = f"{userinfo.partition(':')[0]}@" if at and userinfo else ""
+    return f"{scheme}://{user}{hostpart if at else rest}"
 
 
 class RedactingFormatter(logging.Formatter):

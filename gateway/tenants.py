@@ -100,20 +100,19 @@ class AuthMiddleware:
 
     def _cross_origin(self, scope: Scope) -> CrossOriginRefused | None:
         """An open gateway is open to its clients, not to every web page its user visits: a
-        browser request from another site (its `Origin`) is refused, and, while it listens on
-        this machine only, a `Host` that is not this machine's (DNS rebinding)."""
+        browser request from another site (its `Origin`; SDKs and curl send none) is refused.
+        Listening on this machine only, only this machine's names are an origin of its own
+        (a page of a DNS name rebound to 127.0.0.1 is same-origin to the browser)."""
         origin = host = None
         for name, value in scope["headers"]:
             if name == b"origin":
                 origin = value.decode("latin-1")
             elif name == b"host":
                 host = value.decode("latin-1")
-        if self.loopback and host is not None and not _is_local(_hostname(host)):
-            return CrossOriginRefused(f"This gateway answers only to this machine's names, not {host!r}")
         if origin is None:
             return None
         origin_host = urlsplit(origin).netloc if "://" in origin else origin
-        if origin_host == host or _is_local(_hostname(origin_host)):
+        if _is_local(_hostname(origin_host)) or (origin_host == host and not self.loopback):
             return None
         return CrossOriginRefused(
             f"Requests from web pages of other sites ({origin}) are refused: set [auth] keys to use "

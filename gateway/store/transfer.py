@@ -16,9 +16,10 @@ import orjson
 
 from gateway.exceptions import StorageError
 from gateway.ids import is_valid_conversation_id, is_valid_response_id
+from gateway.redact import redact_dsn
 from gateway.store.base import SIDE_LOGS
 from gateway.store.jsonl import parse_index, parse_jsonl
-from gateway.store.postgres import map_errors, migrate, redact
+from gateway.store.postgres import map_errors, migrate
 from gateway.store.postgres.schema import Conn, Row
 
 log = logging.getLogger("gateway.store")
@@ -64,7 +65,7 @@ async def export_jsonl(dsn: str, target: Path) -> TransferStats:
     """Write every tenant's data in JsonlStore's exact layout under `target` (which must not
     hold gateway data yet). One consistent snapshot per tenant."""
     stats = TransferStats()
-    with map_errors(f"cannot export from {redact(dsn)}"):
+    with map_errors(f"cannot export from {redact_dsn(dsn)}"):
         conn = await asyncpg.connect(dsn, command_timeout=None)
         try:
             await migrate(conn)
@@ -179,7 +180,7 @@ async def import_jsonl(dsn: str, source: Path) -> TransferStats:
             (p.name, p) for p in sorted(tenants.iterdir()) if p.is_dir() and is_valid_conversation_id(p.name)
         ]
     stats = TransferStats()
-    with map_errors(f"cannot import into {redact(dsn)}"):
+    with map_errors(f"cannot import into {redact_dsn(dsn)}"):
         conn = await asyncpg.connect(dsn, command_timeout=None)
         try:
             await migrate(conn)

@@ -190,7 +190,8 @@ def test_an_open_gateway_refuses_other_sites_pages_and_rebound_names(
     body = '{"model": "mock/tiny", "messages": [{"role": "user", "content": "from a web page"}]}'
     url = f"{gateway.url}/v1/chat/completions"
     plain = {"content-type": "text/plain", "x-conversation-id": "csrf"}
-    for headers in ({"origin": "https://evil.example"}, {"host": f"rebound.example:{gateway.port}"}):
+    rebound = f"http://rebound.example:{gateway.port}"  # a DNS name rebound to 127.0.0.1
+    for headers in ({"origin": "https://evil.example"}, {"origin": rebound, "host": rebound[7:]}):
         r = httpx.post(url, content=body, headers={**plain, **headers}, timeout=10)
         assert r.status_code == 403 and r.json()["error"]["code"] == "cross_origin", r.text
     assert httpx.get(f"{gateway.url}/v1/conversations/csrf", timeout=10).status_code == 404  # nothing stored

@@ -2,7 +2,7 @@
 `gateway.store.postgres.store`)."""
 
 from gateway.store.base import SIDE_LOGS
-from gateway.store.postgres.schema import SCHEMA_VERSION, map_errors, migrate, redact
+from gateway.store.postgres.schema import SCHEMA_VERSION, map_errors, migrate
 from gateway.store.postgres.store import PostgresStore
 
-__all__ = ["SCHEMA_VERSION", "SIDE_LOGS", "PostgresStore", "map_errors", "migrate", "redact"]
+__all__ = ["SCHEMA_VERSION", "SIDE_LOGS", "PostgresStore", "map_errors", "migrate"]

@@ -12,13 +12,13 @@ from typing import Any, TypeVar
 import asyncpg
 
 from gateway.exceptions import StorageError
+from gateway.redact import redact_dsn
 from gateway.store.postgres.schema import (
     COMMAND_TIMEOUT,
     POOL_SIZE,
     bad_dsn,
     map_errors,
     migrate,
-    redact,
 )
 
 log = logging.getLogger("gateway.store")
@@ -65,7 +65,10 @@ class _Backend:
     async def acquire(self) -> None:
         async with self._opening:
             if self.pool is None:
-                with map_errors(f"cannot open PostgreSQL storage at {redact(self.dsn)}"), bad_dsn(self.dsn):
+                with (
+                    map_errors(f"cannot open PostgreSQL storage at {redact_dsn(self.dsn)}"),
+                    bad_dsn(self.dsn),
+                ):
                     pool = await asyncpg.create_pool(
                         self.dsn,
                         min_size=1,

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import hashlib
 import logging
-import re
 from collections.abc import Iterator
 from contextlib import contextmanager
 from typing import TYPE_CHECKING, TypeAlias, TypeVar
@@ -13,6 +12,7 @@ import asyncpg
 import orjson
 
 from gateway.exceptions import ConversationBusy, GatewayError, StorageError
+from gateway.redact import redact_dsn
 from gateway.types import Record
 
 if TYPE_CHECKING:
@@ -108,32 +108,6 @@ SCHEMA_VERSION = MIGRATIONS[-1][0]
 _DB_ERRORS = (asyncpg.PostgresError, asyncpg.InterfaceError, asyncpg.InternalClientError, OSError)
 
 
-_KEYWORD_PASSWORD = re.compile(r"(password\s*=\s*)('(?:[^'\\]|\\.)*'|\S*)", re.IGNORECASE)
-
-
-def dsn_password(dsn: str) -> str | None:
-    """The password a DSN holds (a URI's, even with an unescaped `/` in it, or a libpq
-    keyword/value DSN's), to be kept out of every message; None when it has none."""
-    if "://" not in dsn:
-        found = _KEYWORD_PASSWORD.search(dsn)
-        return found.group(2).strip("'") if found and found.group(2) else None
-    rest = dsn.split("://", 1)[1].split("?", 1)[0]
-    userinfo = rest.rpartition("@")[0]
-    password = userinfo.partition(":")[2]
-    return password or None
-
-
-def redact(dsn: str) -> str:
-    """The DSN without its password, for messages."""
-    if "://" not in dsn:  # libpq keyword/value form: host=... password=...
-        return _KEYWORD_PASSWORD.sub(lambda m: m.group(1) + "***", dsn)
-    scheme, _, rest = dsn.partition("://")
-    rest = rest.split("?", 1)[0]
-    userinfo, at, hostpart = rest.rpartition("@")
-    user = f"{userinfo.partition(':')[0]}@" if at and userinfo else ""
-    return f"{scheme}://{user}{hostpart if at else rest}"
-
-
 @contextmanager
 def bad_dsn(dsn: str) -> Iterator[None]:
     """asyncpg's DSN parser raises plain ValueErrors (a port that is not a number, which an
@@ -146,7 +120,9 @@ def bad_dsn(dsn: str) -> Iterator[None]:
             if "://" in dsn
             else "write it as a URI, postgresql://user:password@host:port/dbname"
         )
-        raise StorageError(f"cannot open PostgreSQL storage at {redact(dsn)}: invalid DSN ({why})") from None
+        raise StorageError(
+            f"cannot open PostgreSQL storage at {redact_dsn(dsn)}: invalid DSN ({why})"
+        ) from None
 
 
 @contextmanager

@@ -32,7 +32,7 @@ import orjson
 
 from gateway.exceptions import ConversationBusy, NotFound, StorageError
 from gateway.ids import check_conversation_id, is_valid_conversation_id, is_valid_response_id
-from gateway.redact import keep_secret
+from gateway.redact import dsn_password, keep_secret, redact_dsn
 from gateway.store.base import (
     LRU,
     Appended,
@@ -63,9 +63,7 @@ from gateway.store.postgres.schema import (
     _decode,
     _encode,
     advisory_key,
-    dsn_password,
     map_errors,
-    redact,
 )
 from gateway.types import Record, as_object
 
@@ -105,7 +103,7 @@ class PostgresStore(Store):
         # Test hook: called inside the commit transaction, after the records, before the index.
 
     def __repr__(self) -> str:
-        return f"PostgresStore({redact(self.dsn)!r}, namespace={self.namespace!r})"
+        return f"PostgresStore({redact_dsn(self.dsn)!r}, namespace={self.namespace!r})"
 
     # -- connections ------------------------------------------------------------------------------
     async def _open_backend(self) -> _Backend:
