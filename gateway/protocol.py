@@ -143,7 +143,6 @@ class HeadDeadlineProtocol(HttpToolsProtocol):
         self._head_deadline: asyncio.TimerHandle | None = None
         self._head_bytes = 0  # received while the head of the next request is not complete
         self._in_head = True
-        self._head_size = 0  # the parsed request line and headers of the current request
         self._too_large = False
         if not HeadDeadlineProtocol._quiet:
             HeadDeadlineProtocol._quiet = True
@@ -180,17 +179,6 @@ class HeadDeadlineProtocol(HttpToolsProtocol):
         self.transport.close()
         _refusal_line(_TOO_LARGE, "head_too_large")
 
-    def on_url(self, url: bytes) -> None:
-        super().on_url(url)
-        self._head_size += len(url)
-
-    def on_header(self, name: bytes, value: bytes) -> None:
-        super().on_header(name, value)
-        self._head_size += len(name) + len(value) + 4
-        if self._head_size > HEAD_LIMIT:  # (one that arrived in a single read)
-            self._too_large = True
-            raise ValueError("request head too large")  # stops the parser: send_400_response
-
     def send_400_response(self, msg: str) -> None:
         """A request httptools cannot parse: OpenAI's error shape and a JSON log line, not
         uvicorn's text/plain answer and plain warning."""
@@ -207,12 +195,14 @@ class HeadDeadlineProtocol(HttpToolsProtocol):
 
     def on_message_begin(self) -> None:
         super().on_message_begin()
-        self._head_size = 0
         self._arm()
 
     def on_headers_complete(self) -> None:
         self._disarm()
         self._in_head = False
+        if len(self.url) + sum(len(n) + len(v) + 4 for n, v in self.headers) > HEAD_LIMIT:
+            self._too_large = True  # (a head that came in a single read)
+            raise ValueError("request head too large")  # stops the parser: send_400_response
         before = self.cycle
         super().on_headers_complete()
         cycle = self.cycle

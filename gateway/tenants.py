@@ -103,14 +103,12 @@ class AuthMiddleware:
         browser request from another site (its `Origin`; SDKs and curl send none) is refused.
         Listening on this machine only, only this machine's names are an origin of its own
         (a page of a DNS name rebound to 127.0.0.1 is same-origin to the browser)."""
-        origin = host = None
-        for name, value in scope["headers"]:
-            if name == b"origin":
-                origin = value.decode("latin-1")
-            elif name == b"host":
-                host = value.decode("latin-1")
-        if origin is None:
+        headers = scope["headers"]
+        raw = next((value for name, value in headers if name == b"origin"), None)
+        if raw is None:  # not a browser's cross-site request
             return None
+        origin = raw.decode("latin-1")
+        host = next((value.decode("latin-1") for name, value in headers if name == b"host"), None)
         origin_host = urlsplit(origin).netloc if "://" in origin else origin
         if _is_local(_hostname(origin_host)) or (origin_host == host and not self.loopback):
             return None
