@@ -98,6 +98,16 @@ async def off_loop_if_large(messages: list[Message], work: Callable[[], Any]) ->
     return work()
 
 
+def cut_to(model: str) -> Callable[[Message, int], Message]:
+    """A summary's text cut to a number of tokens (its start kept)."""
+
+    def cut(message: Message, limit: int) -> Message:
+        text = message.get("content")
+        return {**message, "content": truncate_text(text, limit - 8, model) if isinstance(text, str) else ""}
+
+    return cut
+
+
 @dataclass(frozen=True, slots=True)
 class ContextPlan:
     """The window chosen for a turn and the facts behind it (the manifest)."""
@@ -264,9 +274,12 @@ class Planner:
             request_tokens = sum(conversation_tokens[first_new:])
             free = budget - REQUEST_OVERHEAD_TOKENS - sum(system_tokens) - request_tokens
             summary_message, summary_tokens = self.sized(
-                summary.message() if summary else None, free // 3, request.model, count
+                summary.message() if summary else None, free // 3, count, cut_to(request.model)
             )
-            recap_message, recap_tokens = self.sized_recap(recap, free // 6, count)
+            # A recap is packed again as it was built (newest conversations, their newest lines).
+            recap_message, recap_tokens = self.sized(
+                recap, free // 6, count, lambda message, limit: shrink_recap(message, limit, count)[0]
+            )
             return fit_window(
                 tools_tokens=tools_tokens,
                 system=system_msgs,
@@ -347,10 +360,13 @@ class Planner:
 
     @staticmethod
     def sized(
-        message: Message | None, limit: int, model: str, count: Callable[[Message], int]
+        message: Message | None,
+        limit: int,
+        count: Callable[[Message], int],
+        shrink: Callable[[Message, int], Message | None],
     ) -> tuple[Message | None, int]:
-        """`message` (a summary or recap) cut to at most `limit` tokens; None when too little
-        room is left for it to say anything."""
+        """`message` (a summary or recap) within `limit` tokens, made smaller by `shrink` when
+        it is larger; None when too little room is left for it to say anything."""
         if message is None:
             return None, 0
         tokens = count(message)
@@ -358,26 +374,8 @@ class Planner:
             return message, tokens
         if limit < _MIN_SIZED_TOKENS:
             return None, 0
-        text = message.get("content")
-        shorter = truncate_text(text, limit - 8, model) if isinstance(text, str) else ""
-        cut: Message = {**message, "content": shorter}
-        return cut, count(cut)
-
-    @staticmethod
-    def sized_recap(
-        recap: Message | None, limit: int, count: Callable[[Message], int]
-    ) -> tuple[Message | None, int]:
-        """The recap within `limit` tokens, packed again as it was built (newest conversations
-        first, each one's newest lines); None when too little room is left for it."""
-        if recap is None:
-            return None, 0
-        tokens = count(recap)
-        if tokens <= limit:
-            return recap, tokens
-        if limit < _MIN_SIZED_TOKENS:
-            return None, 0
-        shrunk, _ = shrink_recap(recap, limit, count)
-        return (shrunk, count(shrunk)) if shrunk is not None else (None, 0)
+        smaller = shrink(message, limit)
+        return (smaller, count(smaller)) if smaller is not None else (None, 0)
 
     async def recap(
         self,

@@ -94,6 +94,15 @@ async def test_a_newer_target_arriving_during_a_fold_is_folded_next() -> None:
     assert [target for _, _, target, _ in summaries.folds] == ["resp-1", "resp-2"]
 
 
+def summarizing() -> Any:
+    """Settings of an app that summarizes once four history messages are exceeded."""
+    settings = make_settings()
+    context = settings.context.model_copy(
+        update={"strategy": "summarize", "max_history_messages": 4, "keep_recent_messages": 2}
+    )
+    return settings.model_copy(update={"context": context})
+
+
 async def test_a_failing_summarizer_model_leaves_summary_failed_records_and_truncation() -> None:
     """Through the app: the summarizer model is down; turns still succeed (truncated), and the
     conversation's summary log says why no summary exists."""
@@ -107,14 +116,7 @@ async def test_a_failing_summarizer_model_leaves_summary_failed_records_and_trun
         return demo_reply(body["messages"])
 
     store = MemoryStore()
-    settings = make_settings()
-    settings = settings.model_copy(
-        update={
-            "context": settings.context.model_copy(
-                update={"strategy": "summarize", "max_history_messages": 4, "keep_recent_messages": 2}
-            )
-        }
-    )
+    settings = summarizing()
     delays: list[float] = []
 
     async def no_wait(seconds: float) -> None:
@@ -155,14 +157,7 @@ async def test_the_metric_counts_summary_versions_written_rolling_and_post_proce
     """`gateway_summaries_total{outcome="ok"}` counts versions written: rolling ones (a fold of a
     turn larger than one call writes one version), and post-processing's, which went uncounted."""
     store = MemoryStore()
-    settings = make_settings()
-    settings = settings.model_copy(
-        update={
-            "context": settings.context.model_copy(
-                update={"strategy": "summarize", "max_history_messages": 4, "keep_recent_messages": 2}
-            )
-        }
-    )
+    settings = summarizing()
 
     def versions() -> int:
         return len([r for r in store.summaries.get("sum", []) if r.get("type") == "summary"])
