@@ -105,6 +105,13 @@ LAYERS = [
 ]
 
 
+def _ending(record: Record) -> str:
+    """Why an attempt ended incomplete: its reason, and its error's message when it has one."""
+    error = record.get("error")
+    message = error.get("message") if isinstance(error, dict) else error
+    return f"{record.get('reason')}: {message}" if message else str(record.get("reason"))
+
+
 def render_context(record: Record, *, show_messages: bool) -> None:
     """The manifest: how the window was filled, what was left out, and what was sent."""
     if record.get("stateless"):
@@ -132,7 +139,7 @@ def render_context(record: Record, *, show_messages: bool) -> None:
         click.echo(
             "tokens       "
             + " | ".join(f"{name} {tokens.get(name, 0)}" for name, _, _ in LAYERS)
-            + f" | total {tokens.get('total', 0)}"
+            + f" | overhead {tokens.get('overhead', 0)} | total {tokens.get('total', 0)}"
         )
         width = 60
         bar = ""
@@ -191,6 +198,4 @@ def render_log(records: list[Record], *, show_messages: bool) -> None:
         elif kind == "commit":
             click.echo(click.style("committed    yes", fg="green"))
         elif kind == "incomplete":
-            click.echo(
-                click.style(visible(f"incomplete   {record.get('reason')}: {record.get('error')}"), fg="red")
-            )
+            click.echo(click.style(visible(f"incomplete   {_ending(record)}"), fg="red"))
