@@ -73,11 +73,13 @@ def reconcile(incoming: Sequence[Message], view: ConversationView) -> Reconciled
         if k:
             return Reconciled(list(incoming[k:]))
     if answered:
-        trimmed = _trimmed_divergence(incoming, transcript)
+        roles = [msg.get("role") for msg in incoming]
+        first_answer = roles.index("assistant")  # (there is one: `answered`)
+        trimmed = _trimmed_divergence(keys, table, first_answer, transcript)
         if trimmed is not None:  # a run of the transcript: branch after its history messages
             shared, end = trimmed
             return Reconciled(list(incoming[shared:]), branch_at=_in_history(transcript[:end], history))
-        trimmed = _trimmed_divergence(incoming, history)
+        trimmed = _trimmed_divergence(keys, table, first_answer, history)
         if trimmed is not None:
             shared, branch_at = trimmed
             return Reconciled(list(incoming[shared:]), branch_at=branch_at)
@@ -128,20 +130,19 @@ def _matched_at_end(keys: Sequence[bytes], table: Sequence[int], stored: Sequenc
     return _matches(keys, table, stored)[-1]
 
 
-def _trimmed_divergence(incoming: Sequence[Message], history: Sequence[bytes]) -> tuple[int, int] | None:
+def _trimmed_divergence(
+    keys: Sequence[bytes], table: Sequence[int], first_answer: int, history: Sequence[bytes]
+) -> tuple[int, int] | None:
     """A trimmed history that diverges (an edit or a regenerate from a client that resends only
-    its newest messages): the request's first messages match a stored run that is not the tail,
-    an answer among them. Returns (messages matched, history kept), the longest run winning,
-    then the newest; None when no run holds an answer."""
-    keys = [message_key(msg) for msg in incoming[: len(incoming) - 1]]
+    its newest messages): the request's first messages (`keys`, all but the last; `table`, their
+    failure table) match a stored run that is not the tail, an answer among them. Returns
+    (messages matched, history kept), the longest run winning, then the newest; None when no
+    run holds an answer."""
     if not keys or not history:
         return None
     # A run holds an answer once it is longer than the request's messages before its first one.
-    first_answer = next(
-        (i for i, msg in enumerate(incoming) if msg.get("role") == "assistant"), len(incoming)
-    )
     best: tuple[int, int] | None = None
-    for end, run in enumerate(_matches(keys, _failure_table(keys), history), start=1):
+    for end, run in enumerate(_matches(keys, table, history), start=1):
         if run > first_answer and (best is None or run >= best[0]):
             best = (run, end)
     return best
