@@ -143,9 +143,18 @@ def shrink_recap(
     """A recap built for a larger budget, packed again within `max_tokens` the way it was built
     (not cut from its end, which kept the oldest line of the newest conversation, mid-sentence);
     and the conversations it still draws on."""
-    text = recap.get("content")
-    if not isinstance(text, str):
+    parsed = _parse(recap)
+    if parsed is None:
         return None, []
+    header, blocks = parsed
+    return _pack(header, blocks, max_tokens, count)
+
+
+def _parse(recap: Message | None) -> tuple[str, list[_Block]] | None:
+    """A recap's text read back as `recap_message` wrote it: its header and its blocks."""
+    text = recap.get("content") if recap is not None else None
+    if not isinstance(text, str):
+        return None
     header, *rest = text.split("\n")
     blocks: list[_Block] = []
     for line in rest:
@@ -157,7 +166,7 @@ def shrink_recap(
             blocks[-1] = (head, cid, lines, True)
         elif blocks:
             blocks[-1][2].append(line.removeprefix("  "))
-    return _pack(header, blocks, max_tokens, count)
+    return header, blocks
 
 
 def is_recap(message: Message) -> bool:
@@ -167,11 +176,5 @@ def is_recap(message: Message) -> bool:
 
 def recap_conversations(recap: Message | None) -> list[str]:
     """The conversations a recap's text draws on (its blocks' heads)."""
-    text = recap.get("content") if recap is not None else None
-    if not isinstance(text, str):
-        return []
-    return [
-        line[3:-1].partition(", ")[2]
-        for line in text.split("\n")[1:]
-        if line.startswith("- [") and line.endswith("]")
-    ]
+    parsed = _parse(recap)
+    return [cid for _, cid, _, _ in parsed[1]] if parsed is not None else []
