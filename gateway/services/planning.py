@@ -418,7 +418,7 @@ class Planner:
             expected, ratio = float(ours), _UNCALIBRATED_TRUNCATION_RATIO
         if ours < _TRUNCATION_MIN_TOKENS or theirs >= expected * ratio:
             prior = calibration or UNCALIBRATED
-            if _has_tools(plan.window) and theirs < prior.ratio * ours + prior.overhead:
+            if theirs < prior.ratio * ours + prior.overhead and _has_tools(plan.window):
                 # Chat templates render tool definitions and calls their own way, or not at all
                 # (SmolLM2's leaves them out): such a prompt may teach that the model counts
                 # more, never that it counts less (it once halved the planned ratio).
