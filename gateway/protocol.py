@@ -162,8 +162,7 @@ class HeadDeadlineProtocol(HttpToolsProtocol):
         if self.transport.is_closing():
             return
         if self.cycle is None or self.cycle.response_complete:
-            self.transport.write(TIMEOUT_RESPONSE)
-            _refusal_line(_HEAD_LATE, "head_timeout")
+            self._refuse(TIMEOUT_RESPONSE, _HEAD_LATE, "head_timeout")
         self.transport.close()
 
     def data_received(self, data: bytes) -> None:
@@ -171,23 +170,23 @@ class HeadDeadlineProtocol(HttpToolsProtocol):
             self._head_bytes += len(data)
         super().data_received(data)
         if self._in_head and self._head_bytes > HEAD_LIMIT and not self.transport.is_closing():
-            self._refuse_large_head()
+            self._refuse(HEAD_TOO_LARGE_RESPONSE, _TOO_LARGE, "head_too_large")
 
-    def _refuse_large_head(self) -> None:
+    def _refuse(self, answer: bytes, error: GatewayError, route: str) -> None:
+        """Answer a request refused before it was one (the whole `answer`, in OpenAI's error
+        shape), close the connection, and log and count it."""
         self._disarm()
-        self.transport.write(HEAD_TOO_LARGE_RESPONSE)
+        self.transport.write(answer)
         self.transport.close()
-        _refusal_line(_TOO_LARGE, "head_too_large")
+        _refusal_line(error, route)
 
     def send_400_response(self, msg: str) -> None:
         """A request httptools cannot parse: OpenAI's error shape and a JSON log line, not
         uvicorn's text/plain answer and plain warning."""
         if self._too_large:
-            self._refuse_large_head()
-            return
-        self.transport.write(BAD_REQUEST_RESPONSE)
-        self.transport.close()
-        _refusal_line(_UNPARSABLE, "unparsable")
+            self._refuse(HEAD_TOO_LARGE_RESPONSE, _TOO_LARGE, "head_too_large")
+        else:
+            self._refuse(BAD_REQUEST_RESPONSE, _UNPARSABLE, "unparsable")
 
     def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
         super().connection_made(transport)
