@@ -32,10 +32,22 @@ def keep_secret(value: str | None) -> None:
     _secrets = tuple(sorted((*_secrets, value), key=len, reverse=True))
 
 
+def keep_password(password: str | None) -> None:
+    """A password from a URL: as written there and percent-decoded (a library may quote either)."""
+    keep_secret(password)
+    if password:
+        keep_secret(unquote(password))
+
+
+def _names_a_secret(name: str) -> bool:
+    """Does a header or query parameter of this name carry a credential?"""
+    return any(word in name.lower() for word in _SECRET_HEADER_WORDS)
+
+
 def keep_secret_headers(headers: dict[str, str]) -> None:
     """The values of headers that carry credentials (by their names)."""
     for name, value in headers.items():
-        if any(word in name.lower() for word in _SECRET_HEADER_WORDS):
+        if _names_a_secret(name):
             keep_secret(value.removeprefix("Bearer ").removeprefix("bearer "))
 
 
@@ -47,11 +59,9 @@ def keep_url_secrets(url: str) -> None:
         password = parts.password
     except ValueError:
         return
-    keep_secret(password)
-    if password:
-        keep_secret(unquote(password))
+    keep_password(password)
     for name, value in parse_qsl(parts.query):
-        if any(word in name.lower() for word in _SECRET_HEADER_WORDS):
+        if _names_a_secret(name):
             keep_secret(value)
 
 
@@ -72,21 +82,25 @@ def dsn_password(dsn: str) -> str | None:
     if "://" not in dsn:
         found = _KEYWORD_PASSWORD.search(dsn)
         return found.group(2).strip("'") if found and found.group(2) else None
-    rest = dsn.split("://", 1)[1].split("?", 1)[0]
-    userinfo = rest.rpartition("@")[0]
-    password = userinfo.partition(":")[2]
-    return password or None
+    _, userinfo, _ = _dsn_uri(dsn)
+    return userinfo.partition(":")[2] or None
 
 
 def redact_dsn(dsn: str) -> str:
     """The DSN without its password, for messages."""
     if "://" not in dsn:  # libpq keyword/value form: host=... password=...
         return _KEYWORD_PASSWORD.sub(lambda m: m.group(1) + "***", dsn)
+    scheme, userinfo, hostpart = _dsn_uri(dsn)
+    user = f"{userinfo.partition(':')[0]}@" if userinfo else ""
+    return f"{scheme}://{user}{hostpart}"
+
+
+def _dsn_uri(dsn: str) -> tuple[str, str, str]:
+    """(scheme, `user:password` or "", host and path) of a URI DSN, its query left out. The
+    userinfo ends at the last `@`: a password may hold an unescaped `/`."""
     scheme, _, rest = dsn.partition("://")
-    rest = rest.split("?", 1)[0]
-    userinfo, at, hostpart = rest.rpartition("@")
-    user = f"{userinfo.partition(':')[0]}@" if at and userinfo else ""
-    return f"{scheme}://{user}{hostpart if at else rest}"
+    userinfo, _, hostpart = rest.split("?", 1)[0].rpartition("@")
+    return scheme, userinfo, hostpart
 
 
 class RedactingFormatter(logging.Formatter):

@@ -26,13 +26,12 @@ import time
 from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
 from contextlib import asynccontextmanager
 from typing import TypeVar
-from urllib.parse import unquote
 
 import orjson
 
 from gateway.exceptions import ConversationBusy, NotFound, StorageError
 from gateway.ids import check_conversation_id, is_valid_conversation_id, is_valid_response_id
-from gateway.redact import dsn_password, keep_secret, redact_dsn
+from gateway.redact import dsn_password, keep_password, redact_dsn
 from gateway.store.base import (
     LRU,
     Appended,
@@ -85,9 +84,7 @@ class PostgresStore(Store):
         cache_size: int = 1024,
     ) -> None:
         self.dsn = dsn
-        password = dsn_password(dsn)
-        keep_secret(password)  # never in a message, whatever library words one
-        keep_secret(unquote(password) if password else None)
+        keep_password(dsn_password(dsn))  # never in a message, whatever library words one
         self.namespace = namespace
         self.durability = durability
         self.cache_size = cache_size
