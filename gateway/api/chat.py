@@ -17,6 +17,7 @@ from gateway.api.http import (
     read_json,
     services_of,
     tenant_of,
+    turn_headers,
     turn_outcome,
     until_disconnect,
 )
@@ -28,13 +29,6 @@ from gateway.metrics import Metrics
 from gateway.services.turn import PreparedTurn, TurnOutcome
 
 
-def _headers(turn: PreparedTurn) -> dict[str, str]:
-    headers = {"x-response-id": turn.response_id, "x-request-id": turn.response_id}
-    if turn.conversation_id is not None:
-        headers["x-conversation-id"] = turn.conversation_id
-    return headers
-
-
 def _failed(turn: PreparedTurn, outcome: TurnOutcome, exc: BaseException, metrics: Metrics) -> Response:
     """The response for a turn that failed before any byte was sent: a 499 for a client that
     went away, else the error, naming the response whose log records the attempt."""
@@ -44,7 +38,7 @@ def _failed(turn: PreparedTurn, outcome: TurnOutcome, exc: BaseException, metric
     if not isinstance(exc, GatewayError):
         raise exc
     response = error_response(exc)
-    response.headers.update(_headers(turn))
+    response.headers.update(turn_headers(turn))
     return response
 
 
@@ -70,7 +64,7 @@ async def chat_completions(request: Request) -> Response:
             return _failed(turn, await service.close(turn, turn_outcome(exc)), exc, request.app.state.metrics)
         # The log line before the answer: whoever has the answer finds its line written.
         log_line(await service.close(turn), 200, "complete", request.app.state.metrics)
-        return JSONBody(result, headers=_headers(turn))
+        return JSONBody(result, headers=turn_headers(turn))
 
     try:
         chunks = await until_disconnect(service.open_chunks(turn), request.receive)
@@ -82,4 +76,4 @@ async def chat_completions(request: Request) -> Response:
         outcome = await service.close(turn, None if exc is None else turn_outcome(exc))
         stream_closed(outcome, exc, request.app.state.metrics)
 
-    return SSEResponse(chat_events(service, turn, chunks), headers=_headers(turn), on_close=on_close)
+    return SSEResponse(chat_events(service, turn, chunks), headers=turn_headers(turn), on_close=on_close)

@@ -14,6 +14,7 @@ from starlette.types import Receive, Scope, Send
 
 from gateway.exceptions import BodyTimeout, BodyTooLarge, ClientGone, GatewayError, InvalidRequest
 from gateway.services import Services
+from gateway.services.turn import PreparedTurn
 from gateway.types import ascii_int
 
 T = TypeVar("T")
@@ -131,6 +132,15 @@ async def _wait_disconnect(receive: Receive) -> None:
 
 class ClientDisconnected(Exception):
     """The client went away before the answer was ready."""
+
+
+def turn_headers(turn: PreparedTurn) -> dict[str, str]:
+    """A turn's answer headers: its response id (also as the request id, which the OpenAI SDK
+    shows as `request_id`) and its conversation."""
+    headers = {"x-response-id": turn.response_id, "x-request-id": turn.response_id}
+    if turn.conversation_id is not None:
+        headers["x-conversation-id"] = turn.conversation_id
+    return headers
 
 
 def turn_outcome(exc: BaseException) -> BaseException:

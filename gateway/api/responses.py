@@ -24,6 +24,7 @@ from gateway.api.http import (
     read_json,
     services_of,
     tenant_of,
+    turn_headers,
     turn_outcome,
     until_disconnect,
 )
@@ -180,9 +181,7 @@ async def create_response(request: Request) -> Response:
         "conversation_id": cid,
         "previous_response_id": previous,
     }
-    headers = {"x-response-id": turn.response_id, "x-request-id": turn.response_id}
-    if cid is not None:
-        headers["x-conversation-id"] = cid
+    headers = turn_headers(turn)
     if not chat.stream:
         try:
             await until_disconnect(service.complete(turn), request.receive)
