@@ -261,14 +261,19 @@ async def lock_conversation(request: ChatRequest, store: Store, stack: AsyncExit
     return fork
 
 
-def response_record(
-    turn: PreparedTurn, message: Message, finish_reason: object, usage: object, raw: object = None
-) -> Record:
+def timings_until_now(turn: PreparedTurn) -> Timings:
+    """The provider's time since the turn's call began, and the turn's whole time, until now."""
     end = time.perf_counter()
-    timings: Timings = {
+    return {
         "upstream_ms": round((end - turn.upstream_started) * 1000, 3),
         "total_ms": round((end - turn.started) * 1000, 3),
     }
+
+
+def response_record(
+    turn: PreparedTurn, message: Message, finish_reason: object, usage: object, raw: object = None
+) -> Record:
+    timings = timings_until_now(turn)
     record: Record = {
         "type": "response",
         "message": message,

@@ -51,6 +51,7 @@ from gateway.services.turn import (
     run_to_end,
     settle,
     stored_turn,
+    timings_until_now,
     while_waiting,
 )
 from gateway.store import StoreRegistry
@@ -310,11 +311,7 @@ class ChatService:
         if plan is not None and plan.summary_target and turn.conversation_id and committed and turn.store:
             self.schedule_summary(turn.tenant, turn.conversation_id, plan.summary_target, turn.request.model)
         if turn.timings is None and turn.upstream_started:  # a call that failed: its time so far
-            end = time.perf_counter()
-            turn.timings = {
-                "upstream_ms": round((end - turn.upstream_started) * 1000, 3),
-                "total_ms": round((end - turn.started) * 1000, 3),
-            }
+            turn.timings = timings_until_now(turn)
         failure = exc if isinstance(exc, GatewayError) else None
         if failure is None and task is not None and task.done() and not task.cancelled():
             commit_error = task.exception()
