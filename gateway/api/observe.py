@@ -28,7 +28,6 @@ def _mark_logged() -> None:
 def observe(metrics: Metrics, outcome: TurnOutcome) -> None:
     timings = outcome.timings
     if timings is not None:
-        metrics.child(metrics.upstream, outcome.provider).observe(timings["upstream_ms"] / 1000)
         # The turn's whole time (preparing, the commit and closing included) less the provider's.
         metrics.overhead.observe(max(0.0, outcome.elapsed_ms - timings["upstream_ms"]) / 1000)
     usage = outcome.usage or {}
@@ -59,12 +58,13 @@ def log_line(
     event: str = "chat.completion",
     error: GatewayError | None = None,
 ) -> None:
-    if metrics is not None and result == "complete":
-        observe(metrics, outcome)
-    elif metrics is not None:
-        metrics.child(metrics.failed_turns, result).inc()
+    if metrics is not None:
         if outcome.timings is not None:  # the provider's time, a failed call's too
             metrics.child(metrics.upstream, outcome.provider).observe(outcome.timings["upstream_ms"] / 1000)
+        if result == "complete":
+            observe(metrics, outcome)
+        else:
+            metrics.child(metrics.failed_turns, result).inc()
     _mark_logged()
     if not access_log.isEnabledFor(logging.INFO):
         return
