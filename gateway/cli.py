@@ -15,7 +15,7 @@ from typing import Any, TypeVar, cast
 import click
 import orjson
 
-from gateway.cli_render import render_log, render_marker, render_message, render_turn, when
+from gateway.cli_render import render_log, render_marker, render_message, render_turn, turn_heading, when
 from gateway.config import Settings, load_settings
 from gateway.config_sources import CONFIG_ENV, DEFAULT_CONFIG_PATH
 from gateway.context import Turn
@@ -431,11 +431,7 @@ def show(
         if window is not None and not marked and messages and in_window(messages[0], 0):
             marked = True
             _window_marker(window)
-        if turn.branch_at is not None:
-            branch = f"── {turn.response_id} (the client's edit: continues after message {turn.branch_at})"
-            click.echo(click.style(branch, dim=True))
-        else:
-            click.echo(click.style(f"── {turn.response_id}", dim=True))
+        click.echo(click.style(turn_heading(turn), dim=True))
         for pos, m in enumerate(messages):
             if m.get("is_feedback"):
                 click.echo(render_message(m, note="not replayed"))

@@ -74,13 +74,19 @@ def render_marker(marker: Record) -> str:
     return click.style(f"── {text}", dim=True)
 
 
+def turn_heading(turn: Turn) -> str:
+    """A turn's head line: its response id, and where an edit made the client's version branch."""
+    if turn.branch_at is None:
+        return f"── {turn.response_id}"
+    return (
+        f"── {turn.response_id} (the client's edit: continues after message {turn.branch_at}; "
+        "what followed is no longer sent)"
+    )
+
+
 def render_turn(turn: Turn, model: str = "") -> str:
-    """A turn as `gateway tail` shows it (an edit says where the client's version branched)."""
-    head = f"── {turn.response_id}"
-    if turn.branch_at is not None:
-        head += (
-            f" (the client's edit: continues after message {turn.branch_at}; what followed is no longer sent)"
-        )
+    """A turn as `gateway tail` shows it."""
+    head = turn_heading(turn)
     lines = [click.style(head, dim=True)]
     if turn.recap is not None:
         lines.append(render_message(turn.recap, tokens=count_message(turn.recap, model), note="recap"))
