@@ -41,6 +41,7 @@ from gateway.config_sources import (
     table_names,
 )
 from gateway.exceptions import ConfigError
+from gateway.types import ascii_int
 
 _DURATION_RE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*(ms|s|m|h|d)?\s*$")
 _TYPE_LABEL = re.compile(r"^(int|float|str|bool|none|dict\[.*\]|list\[.*\]|literal\[.*\]|function-.*)$")
@@ -79,8 +80,8 @@ def _window_tokens(value: object) -> object:
     """ "auto", or a window of at least one token (a number, or its digits from the environment)."""
     if value == "auto":
         return value
-    if isinstance(value, str) and value.strip().isdigit():
-        value = int(value)
+    if isinstance(value, str):  # (digits from the environment)
+        value = ascii_int(value.strip())
     if isinstance(value, int) and not isinstance(value, bool) and value > 0:
         return value
     raise ValueError('must be "auto" or a number of tokens above 0')
