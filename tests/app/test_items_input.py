@@ -13,6 +13,7 @@ from gateway.context.items import items_to_messages, message_to_items
 from gateway.exceptions import InvalidRequest
 from gateway.store.memory import MemoryStore
 from gateway.upstream.mock import MockUpstream
+from tests.helpers import say_each
 
 CALL = {"type": "function_call", "call_id": "c1", "name": "f", "arguments": "{}"}
 
@@ -48,15 +49,7 @@ async def test_bad_items_store_nothing(
     assert added.status_code == 400, added.text
     listed = await app_client.get("/v1/conversations/bad-items-2/items")
     assert listed.json()["data"] == []
-    turn = await app_client.post(
-        "/v1/chat/completions",
-        json={
-            "model": "mock/m",
-            "conversation_id": "bad-items-2",
-            "messages": [{"role": "user", "content": "hi"}],
-        },
-    )
-    assert turn.status_code == 200
+    await say_each(app_client, "bad-items-2", ["hi"])  # (each answered 200)
     assert mock_upstream.requests[-1]["messages"] == [{"role": "user", "content": "hi"}]
 
 
@@ -103,14 +96,7 @@ async def test_responses_store_and_metadata_are_checked(app_client: httpx.AsyncC
 async def test_a_deleted_response_is_no_longer_a_turn_in_the_list(app_client: httpx.AsyncClient) -> None:
     """The process that deleted it kept counting it (3 turns) where any other reader, or the same
     one after a restart, counts 2."""
-    ids = []
-    for text in ("a", "b", "c"):
-        body = {
-            "model": "mock/m",
-            "conversation_id": "turns",
-            "messages": [{"role": "user", "content": text}],
-        }
-        ids.append((await app_client.post("/v1/chat/completions", json=body)).json()["id"])
+    ids = await say_each(app_client, "turns", ["a", "b", "c"])
     assert (await app_client.delete(f"/v1/responses/{ids[1]}")).status_code == 200
     listed = (await app_client.get("/v1/conversations")).json()["data"]
     assert [(c["id"], c["turns"]) for c in listed] == [("turns", 2)]

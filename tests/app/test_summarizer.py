@@ -12,6 +12,7 @@ from gateway.store.memory import MemoryStore
 from gateway.upstream.demo import demo_reply
 from gateway.upstream.mock import MockUpstream
 from tests.conftest import app_of, build_client, make_settings
+from tests.helpers import say_each
 
 
 class FlakySummaries:
@@ -167,13 +168,7 @@ async def test_the_metric_counts_summary_versions_written_rolling_and_post_proce
         return float(line.split()[-1])
 
     async with build_client(settings, store, MockUpstream()) as client:
-        for n in range(6):
-            body = {
-                "model": "mock/m",
-                "conversation_id": "sum",
-                "messages": [{"role": "user", "content": f"n{n}"}],
-            }
-            assert (await client.post("/v1/chat/completions", json=body)).status_code == 200
+        await say_each(client, "sum", [f"n{n}" for n in range(6)])  # (each answered 200)
         await app_of(client).state.summarizer.wait_idle()
         rolling = versions()
         assert rolling >= 1 and counted((await client.get("/metrics")).text) == rolling
