@@ -48,10 +48,27 @@ def _content_text(content: object) -> object:
     return content
 
 
+def _arguments_key(arguments: object) -> object:
+    """A tool call's arguments as their JSON value: clients that resend a call (LangChain,
+    `llm`) rebuild its arguments with `json.dumps`, so `{"city":"Paris"}` comes back as
+    `{"city": "Paris"}`, the same call. Arguments that are not JSON are compared as written."""
+    if isinstance(arguments, str):
+        try:
+            return ["json", orjson.loads(arguments)]
+        except orjson.JSONDecodeError:
+            pass
+    return ["raw", arguments]
+
+
 def message_key(message: Message) -> bytes:
-    """A canonical form for "is this the same message?", blind to null fields and part layout."""
+    """A canonical form for "is this the same message?", blind to null fields, part layout and
+    how a tool call's arguments are spaced or ordered."""
     calls = [
-        (c.get("id"), (c.get("function") or {}).get("name"), (c.get("function") or {}).get("arguments"))
+        (
+            c.get("id"),
+            (c.get("function") or {}).get("name"),
+            _arguments_key((c.get("function") or {}).get("arguments")),
+        )
         for c in message.get("tool_calls") or ()
         if isinstance(c, dict)
     ] or None

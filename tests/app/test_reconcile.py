@@ -11,6 +11,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from gateway.context import ConversationView, Turn, reconcile
+from gateway.context.history import message_key
 from gateway.store.memory import MemoryStore
 from gateway.upstream.mock import MockUpstream
 from tests.conftest import build_client, make_settings
@@ -55,6 +56,31 @@ def test_the_rules_with_examples() -> None:
     assert reconcile([u("q1")], view).new == [u("q1")] and reconcile([u("q1")], view).branch_at is None
     # two new messages, the first equal to the conversation's first: not an edit (no answer shared)
     assert reconcile([u("q1"), u("more")], view) == type(edited)([u("q1"), u("more")], None)
+
+
+def call(arguments: str) -> dict[str, Any]:
+    """The model's tool call, its arguments written as given."""
+    function = {"name": "get_weather", "arguments": arguments}
+    calls = [{"id": "call_1", "type": "function", "function": function}]
+    return {"role": "assistant", "content": None, "tool_calls": calls}
+
+
+def test_a_resent_tool_call_is_the_same_call_however_its_arguments_are_spaced() -> None:
+    # LangChain and `llm` rebuild a call's arguments with json.dumps: other spacing, other order.
+    view = view_of(("q1", "a1"))
+    view.extend(Turn("r1", (u("weather?"),), call('{"city":"Paris","unit":"C"}')))
+    result = {"role": "tool", "tool_call_id": "call_1", "content": "sunny"}
+    resent = call('{"unit": "C", "city": "Paris"}')
+    whole = reconcile([u("q1"), a("a1"), u("weather?"), resent, result], view)
+    assert whole.new == [result] and whole.branch_at is None
+    trimmed = reconcile([u("weather?"), resent, result], view)
+    assert trimmed.new == [result] and trimmed.branch_at is None
+    # other arguments are another call (an edit), and arguments that are not JSON compare as written
+    other = reconcile([u("q1"), a("a1"), u("weather?"), call('{"city": "Oslo"}'), result], view)
+    assert other.branch_at == 3  # after the shared question
+    assert message_key(call("not json {")) == message_key(call("not json {"))
+    assert message_key(call("not json {")) != message_key(call("not json  {"))
+    assert message_key(call('"x"')) != message_key(call("x"))
 
 
 def test_a_branch_cuts_the_view_where_the_client_diverged() -> None:

@@ -134,6 +134,34 @@ async def test_tool_calls_round_trip_exactly() -> None:
     assert msgs[3] == {"role": "assistant", "content": "It is sunny."}
 
 
+async def test_a_trimmed_resend_with_rebuilt_arguments_reaches_the_model_once() -> None:
+    # LangChain's trim_messages(start_on="human") resends [question, call, result], the call's
+    # arguments rebuilt with json.dumps: no duplicate of the call, no invented tool result.
+    def handler(body: dict[str, Any]) -> Any:
+        if body["messages"][-1]["content"] == "weather?":
+            function = {"name": "weather", "arguments": '{"city":"Oslo"}'}
+            calls = [{"id": "call_1", "type": "function", "function": function}]
+            return {"role": "assistant", "content": None, "tool_calls": calls}
+        return "ok"
+
+    upstream = MockUpstream(handler)
+    async with build_client(make_settings(), MemoryStore(), upstream) as client:
+        await chat(client, [user("hello")])
+        r = await chat(client, [user("weather?")])
+        stored_call = r.json()["choices"][0]["message"]
+        resent_call = json.loads(json.dumps(stored_call))
+        resent_call["tool_calls"][0]["function"]["arguments"] = json.dumps({"city": "Oslo"})
+        result = {"role": "tool", "tool_call_id": "call_1", "content": "sunny"}
+        await chat(client, [user("weather?"), resent_call, result])
+        await chat(client, [user("thanks")])
+    msgs = upstream.requests[-1]["messages"]
+    roles = ["user", "assistant", "user", "assistant", "tool", "assistant", "user"]
+    assert [m["role"] for m in msgs] == roles
+    # the model's call, as it wrote it
+    assert msgs[3]["tool_calls"][0]["function"]["arguments"] == '{"city":"Oslo"}'
+    assert msgs[4] == result
+
+
 async def test_abandoned_tool_call_is_repaired_before_forwarding() -> None:
     def handler(body: dict[str, Any]) -> Any:
         if len(body["messages"]) == 1:
