@@ -86,6 +86,8 @@ def log_line(
         line["budget"] = outcome.budget
         line["truncated"] = outcome.truncated
         line["summary_version"] = outcome.summary_version
+        line["stored_messages"] = outcome.stored_messages
+        line["included_response_ids"] = outcome.included_response_ids
     if error is not None:
         line["error"] = {"type": error.error_type, "code": error.code, "message": error.message[:300]}
     access_log.info(orjson.dumps(line).decode())

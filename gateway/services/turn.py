@@ -54,6 +54,8 @@ class TurnOutcome:
     truncated: int | None  # messages left out of the window
     summary_version: int | None
     upstream_truncated: bool  # the provider counted far fewer prompt tokens than were sent
+    stored_messages: int | None = None  # as the context snapshot says (None: stateless)
+    included_response_ids: list[str] | None = None
     output_tokens: int | None = None  # our count of the answer (None: not counted)
     error: GatewayError | None = None  # why it was not stored, when a GatewayError says so
 
@@ -96,6 +98,15 @@ class PreparedTurn:
     branch_at: int | None = None  # history cut back here first (the client's version diverged)
     view: ConversationView | None = None
     outcome: TurnOutcome | None = None  # set by the first close
+    stored_messages: int | None = None
+    included_response_ids: list[str] | None = None
+
+    def note_context(self, snapshot: Record) -> None:
+        """Log the window sent (the context snapshot); the turn's log line repeats its counts."""
+        self.log.append(snapshot)
+        stored, included = snapshot.get("stored_messages"), snapshot.get("included_response_ids")
+        self.stored_messages = stored if isinstance(stored, int) else None
+        self.included_response_ids = included if isinstance(included, list) else None
 
     def close_outcome(self, committed: bool, error: GatewayError | None = None) -> TurnOutcome:
         plan = self.plan
@@ -120,6 +131,8 @@ class PreparedTurn:
             truncated=plan.window.omitted if plan is not None else None,
             summary_version=plan.summary.version if plan is not None and plan.summary else None,
             upstream_truncated=self.upstream_truncated,
+            stored_messages=self.stored_messages,
+            included_response_ids=self.included_response_ids,
             output_tokens=self.output_tokens,
             error=error,
         )
@@ -349,7 +362,7 @@ async def refit(
         options["num_ctx"] = plan.facts.tokens
     snapshot = plan.snapshot(turn.view, len(turn.new), plan.window.messages)
     snapshot["after_refusal"] = {"message": refusal.message[:500], "window": refusal.window}
-    turn.log.append(snapshot)
+    turn.note_context(snapshot)
 
 
 def stored_turn(turn: PreparedTurn, message: Message, output_tokens: int | None) -> Turn:

@@ -211,26 +211,24 @@ class ChatService:
                 if stored_system is not None:
                     record["system_tokens"] = system_tokens
             response_log = store.start(response_id, record)
+            turn = PreparedTurn(
+                request, response_id, route, upstream_body, response_log, new, stored_system, stack, started
+            )
             if plan is not None:
                 snapshot = plan.snapshot(view, len(new), sent)
                 # The conversations of the recap as sent (sized to this window: maybe fewer).
                 sent_recap = next((m for m in sent if is_recap(m)), None) if recap or view.recap else None
                 snapshot["recap_conversations"] = recap_conversations(sent_recap) if sent_recap else None
                 snapshot["recap"] = bool(recap or view.recap)
-                response_log.append(snapshot)
             else:
-                response_log.append(
-                    {
-                        "type": "context",
-                        "stateless": True,
-                        "new_messages": len(new),
-                        "sent_messages": len(sent),
-                        "messages": sent,
-                    }
-                )
-            turn = PreparedTurn(
-                request, response_id, route, upstream_body, response_log, new, stored_system, stack, started
-            )
+                snapshot = {
+                    "type": "context",
+                    "stateless": True,
+                    "new_messages": len(new),
+                    "sent_messages": len(sent),
+                    "messages": sent,
+                }
+            turn.note_context(snapshot)
             turn.encoding = encoding
             turn.new_tokens = new_tokens
             turn.system_tokens = system_tokens if stored_system is not None else None

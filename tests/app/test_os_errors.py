@@ -118,5 +118,6 @@ async def test_an_attempt_the_full_disk_kept_from_marking_is_marked_once_space_r
         assert answer["status"] == "failed", answer
         lines = (tmp_path / "var" / "logs" / "responses" / f"{rid}.jsonl").read_text().splitlines()
         assert '"storage_error"' in lines[-1]
-        assert [json.loads(line)["type"] for line in lines] == ["request", "incomplete"]  # none torn
+        # none torn (the context snapshot was on file from when the provider got the request)
+        assert [json.loads(line)["type"] for line in lines] == ["request", "context", "incomplete"]
         assert (await client.get("/v1/conversations/full/items")).status_code == 404  # no turn

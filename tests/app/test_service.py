@@ -638,6 +638,24 @@ async def test_every_request_whichever_api_gets_exactly_one_json_log_line(
     assert isinstance(conversation["ms"], float)
 
 
+async def test_the_log_line_carries_the_context_snapshots_numbers(
+    app_client: httpx.AsyncClient, memory_store: MemoryStore, caplog: pytest.LogCaptureFixture
+) -> None:
+    """SPEC 7: one structured log line per request carries the snapshot's numbers: stored and
+    sent messages, tokens per layer, truncated count, summary version, the responses included."""
+    import logging
+
+    await chat(app_client, [user("one")])
+    with caplog.at_level(logging.INFO, logger="gateway.access"):
+        rid = (await chat(app_client, [user("two")])).json()["id"]
+    (line,) = [json.loads(r.getMessage()) for r in caplog.records if r.name == "gateway.access"]
+    (snapshot,) = [r for r in memory_store.responses[rid] if r["type"] == "context"]
+    for key in ("stored_messages", "sent_messages", "truncated", "summary_version", "included_response_ids"):
+        assert line[key] == snapshot[key], key
+    assert line["tokens"] == snapshot["tokens"]
+    assert line["stored_messages"] == 2 and len(line["included_response_ids"]) == 1
+
+
 async def test_a_request_refused_for_its_key_is_counted_and_logged_as_unauthenticated(
     monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
 ) -> None:

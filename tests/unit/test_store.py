@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import json
 import os
+import socket
 from collections.abc import AsyncIterator, Callable
 from pathlib import Path
 from typing import Any
@@ -27,6 +28,7 @@ from gateway.store.jsonl import JsonlStore, parse_index, parse_jsonl
 from gateway.store.jsonl.files import read_index_lines, read_records, read_turn_records
 from gateway.store.memory import MemoryStore
 from gateway.store.postgres import PostgresStore
+from gateway.writers import writer
 from tests.conftest import REPO
 from tests.helpers import commit_turn, reply, request_record, user
 from tests.postgres.cluster import postgres_cluster  # noqa: F401 - the session's PostgreSQL, for "postgres"
@@ -564,6 +566,62 @@ async def test_torn_response_file_is_not_committed(jstore: JsonlStore, tmp_path:
     assert view.response_ids == [r1]
     assert view.history == [user("one"), reply("re: one")]
     assert [r["type"] for r in await fresh.read_response(r2)] == ["request", "context", "response"]
+
+
+async def test_a_torn_last_line_is_cut_on_read_once_nothing_can_be_writing_it(
+    jstore: JsonlStore, tmp_path: Path
+) -> None:
+    """SPEC 6: a torn last line is tolerated and repaired on read. A response log's is cut when
+    the log has ended (nothing is written after its commit) or its writer process is gone; an
+    attempt in progress is only read around (the "torn" line may be its write under way)."""
+    responses = tmp_path / "var" / "logs" / "responses"
+    torn = b'{"type":"incomplete","rea'
+    ended = await commit_turn(jstore, "conv", "one")
+    whole = (responses / f"{ended}.jsonl").read_bytes()
+    with open(responses / f"{ended}.jsonl", "ab") as f:
+        f.write(torn)
+    assert [r["type"] for r in await jstore.read_response(ended)][-1] == "commit"
+    assert (responses / f"{ended}.jsonl").read_bytes() == whole  # repaired: jq reads it again
+
+    def attempt(writer_name: str) -> Path:
+        rid = mint_response_id("test/model")
+        log = jstore.start(rid, {**request_record(rid, "conv", [user("q")]), "writer": writer_name})
+        log.append({"type": "context", "messages": [user("q")]})
+        log.meanwhile()
+        with open(responses / f"{rid}.jsonl", "ab") as f:
+            f.write(torn)
+        return responses / f"{rid}.jsonl"
+
+    in_progress = attempt(writer())  # this process: it may still be writing
+    assert [r["type"] for r in await jstore.read_response(in_progress.stem)] == ["request", "context"]
+    assert in_progress.read_bytes().endswith(torn)
+    dead = attempt(f"{socket.gethostname()}/999999999/1")  # a process that is gone
+    assert [r["type"] for r in await jstore.read_response(dead.stem)] == ["request", "context"]
+    assert dead.read_bytes().endswith(b'"context","messages":[{"role":"user","content":"q"}]}\n')
+
+
+async def test_an_attempt_in_flight_shows_what_was_sent(store: Store) -> None:
+    """SPEC 7: the context snapshot is on record once the provider has the request, so an
+    attempt in flight (or cut short by a crash) shows what was sent."""
+    rid = mint_response_id("test/model")
+    log = store.start(rid, request_record(rid, "conv", [user("q")]))
+    log.append({"type": "context", "sent_messages": 1, "messages": [user("q")]})
+    log.meanwhile()  # the provider has the request
+    records: list[dict[str, Any]] = []
+    for _ in range(200):  # (PostgreSQL writes it in a task of its own)
+        try:
+            records = await store.read_response(rid)
+        except NotFound:
+            records = []
+        if len(records) == 2:
+            break
+        await asyncio.sleep(0.01)
+    assert [r["type"] for r in records] == ["request", "context"]
+    assert records[1]["messages"] == [user("q")]
+    log.append({"type": "response", "message": reply("a"), "finish_reason": "stop", "usage": None})
+    await log.commit("conv")
+    assert [r["type"] for r in await store.read_response(rid)] == ["request", "context", "response", "commit"]
+    assert (await load(store, "conv")).history == [user("q"), reply("a")]
 
 
 # -- JSONL: the ordering rule ---------------------------------------------------------------------

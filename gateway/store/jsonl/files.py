@@ -3,6 +3,7 @@ without leaving a short write unnoticed."""
 
 from __future__ import annotations
 
+import logging
 import os
 import re
 from collections.abc import Callable, Iterator
@@ -15,6 +16,9 @@ from gateway.exceptions import CorruptRecord, StorageError
 from gateway.ids import RESPONSE_ID_RE, is_valid_response_id
 from gateway.store.base import LRU
 from gateway.types import Record
+from gateway.writers import gone
+
+log = logging.getLogger("gateway.store")
 
 CONTEXT_PREFIX = b'{"type":"context"'
 
@@ -185,16 +189,38 @@ def file_size(path: Path) -> int:
 
 def read_records(path: Path, shown: str, *, skip_context: bool = False) -> list[Record]:
     """The records of a JSONL file (none if it is missing); `skip_context`: without context
-    snapshot lines (the bulk of a response log, not needed to rebuild history)."""
+    snapshot lines (the bulk of a response log, not needed to rebuild history). A torn last
+    line is left out, and cut from a response log that nothing can still be writing."""
     try:
         data = path.read_bytes()
     except FileNotFoundError:
         return []
+    whole = data.rfind(b"\n") + 1
+    torn = whole < len(data)
     if skip_context and CONTEXT_PREFIX in data:
-        lines = data.split(b"\n")
+        lines = data[:whole].split(b"\n")
         data = b"\n".join(line for line in lines if not line.startswith(CONTEXT_PREFIX))
-    records, _ = parse_jsonl(data, path=shown)
-    return [r for r in records if isinstance(r, dict)]
+    parsed, _ = parse_jsonl(data, path=shown)
+    records = [r for r in parsed if isinstance(r, dict)]
+    if torn:
+        cut_torn_tail(path, whole, records, shown)
+    return records
+
+
+def cut_torn_tail(path: Path, whole: int, records: list[Record], shown: str) -> None:
+    """Cut a response log's torn last line (a write cut short by a crash) back to its `whole`
+    lines, once nothing can still be writing that line: the log has ended (nothing is written
+    after its commit or incomplete record) or the process that wrote it is gone. Otherwise the
+    "torn" line may be a write in progress, and it is only left out."""
+    ended = bool(records) and records[-1].get("type") in ("commit", "incomplete")
+    if not ended and not (records and gone(records[0].get("writer"))):
+        return
+    try:
+        os.truncate(path, whole)
+    except OSError as exc:  # (a read-only data dir: still read, as before)
+        log.warning("could not cut the torn last line of %s: %s", shown, exc.strerror or exc)
+        return
+    log.warning("repaired the torn last line of %s", shown)
 
 
 # A response log is written request, context snapshot(s), response, commit: when the snapshot
@@ -218,7 +244,12 @@ def read_turn_records(path: Path, shown: str) -> list[Record]:
     finally:
         os.close(fd)
     first, cut = head.find(b"\n") + 1, tail.find(b"\n") + 1
-    if first and head.startswith(CONTEXT_PREFIX, first) and tail.startswith(_RESPONSE_PREFIX, cut):
+    if (
+        first
+        and head.startswith(CONTEXT_PREFIX, first)
+        and tail.startswith(_RESPONSE_PREFIX, cut)
+        and tail.endswith(b"\n")  # (else a torn last line: read whole, and repaired)
+    ):
         try:
             records, _ = parse_jsonl(head[:first] + tail[cut:], path=shown)
             return [r for r in records if isinstance(r, dict)]

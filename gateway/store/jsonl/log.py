@@ -58,13 +58,19 @@ class JsonlLog(ResponseLog):
                 pass  # read again, and reported, by the commit
 
     def _open(self) -> None:
-        """Create the file with its first record, once: on the event loop (a page-cache
+        """Create the file with its first records, once: on the event loop (a page-cache
         write, cheaper than a thread hop and the GIL passing to and from that thread), while
         the provider works on the request, else at the commit or abandon. Nothing here is
         synced: see `commit`."""
         if self._opened:
             return
         self._opened = True
+        if self._pending:
+            # The records known when the provider got the request (its context snapshot) are
+            # on file from then on: an attempt in flight, or cut short by a crash, shows what
+            # was sent. They count as the file's beginning (the journal's copy included).
+            self.first += b"".join(self._pending)
+            self._pending.clear()
         try:
             self._fd = self.store.spares.create(self.path, os.O_WRONLY | os.O_APPEND)
             write_all(self._fd, self.first)

@@ -50,13 +50,14 @@ class _PostgresLog(ResponseLog):
         self._rows: list[tuple[str, str]] = [_encode(request)]
         self._closed = False
         self._created: asyncio.Future[None] | None = None
-        try:
-            asyncio.get_running_loop()
-        except RuntimeError:
+
+    def meanwhile(self) -> None:
+        """The records known when the provider got the request (the request and its context
+        snapshot) are written while the provider works, so an attempt (even one whose process
+        dies) shows at once what was sent; the commit does not wait on it."""
+        if self._created is not None or self._closed:
             return
-        # The request record is written while the provider works, so an attempt (even one
-        # whose process dies) is visible at once; the commit does not wait on it.
-        self._created = asyncio.ensure_future(store._insert(response_id, self._rows[:1], 0))
+        self._created = asyncio.ensure_future(self.store._insert(self.response_id, list(self._rows), 0))
         self._created.add_done_callback(lambda f: None if f.cancelled() else f.exception())
 
     def append(self, record: Record) -> None:
