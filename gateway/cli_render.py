@@ -13,6 +13,7 @@ from gateway.context import Message, Turn
 from gateway.context.records import message, messages, number, obj
 from gateway.tokens import count_message
 from gateway.types import Record, as_list
+from gateway.writers import gone
 
 
 def when(ts: float) -> str:
@@ -205,3 +206,10 @@ def render_log(records: list[Record], *, show_messages: bool) -> None:
             click.echo(click.style("committed    yes", fg="green"))
         elif kind == "incomplete":
             click.echo(click.style(visible(f"incomplete   {_ending(record)}"), fg="red"))
+    if records and records[-1].get("type") not in ("commit", "incomplete", "deleted"):
+        # No ending yet: in flight, unless the process writing it is gone (killed mid-turn).
+        if gone(records[0].get("writer")):
+            ending = "incomplete   interrupted: the gateway process handling it stopped before it ended"
+            click.echo(click.style(ending, fg="red"))
+        else:
+            click.echo(click.style("in progress  (no answer recorded yet)", fg="yellow"))

@@ -13,3 +13,21 @@ def test_the_manifest_line_adds_up_and_a_cancelled_attempt_says_only_that(capsys
     out = capsys.readouterr().out  # type: ignore[attr-defined]
     assert "overhead 3 | total 15" in out
     assert "incomplete   cancelled\n" in out and "cancelled: None" not in out
+
+
+def test_an_attempt_without_an_ending_is_in_progress_or_interrupted(capsys: object) -> None:
+    """`gateway context` of an attempt whose process was killed mid-turn ended after the
+    window it sent, without saying the attempt never ended."""
+    import socket
+
+    from gateway.cli_render import render_log
+    from gateway.writers import writer
+
+    def attempt(name: str) -> str:
+        request = {"type": "request", "response_id": "m-0123456789ab", "writer": name, "input": []}
+        render_log([request, {"type": "context", "tokens": {"total": 3}}], show_messages=False)
+        return capsys.readouterr().out  # type: ignore[attr-defined, no-any-return]
+
+    assert "in progress  (no answer recorded yet)" in attempt(writer())
+    gone = attempt(f"{socket.gethostname()}/999999999/1")
+    assert "incomplete   interrupted: the gateway process handling it stopped before it ended" in gone
