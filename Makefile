@@ -25,7 +25,7 @@ $(DEV_STAMP): pyproject.toml | $(VENV)/bin/python
 	@touch $(STAMP) $(DEV_STAMP)
 
 run: install
-	$(VENV)/bin/gateway serve
+	$(VENV)/bin/gateway serve $(ARGS)
 
 # The tiers, one folder of tests/ each:
 #   unit      pure code, the upstream seam over loopback HTTP, and the store contract on every

@@ -195,6 +195,11 @@ class _Gateway(click.Group):
         **extra: Any,
     ) -> Any:
         args = ids_as_arguments(sys.argv[1:] if args is None else list(args))
+        if not args and standalone_mode:  # a bare `gateway`: its help, as `--help` prints it
+            name = prog_name or click.utils._detect_program_name()  # (as click's main names it)
+            with self.context_class(self, info_name=name, **self.context_settings) as ctx:
+                click.echo(self.get_help(ctx))
+            sys.exit(0)
         run = functools.partial(super().main, args, prog_name, complete_var, standalone_mode=False, **extra)
         if not standalone_mode:
             return run()
@@ -255,6 +260,9 @@ def serve(
     from gateway.server import bind
 
     bind(settings.server.host, settings.server.port).close()
+    from gateway.tenants import Tenants
+
+    Tenants.from_settings(settings)  # keys named but none found: one line, before anything starts
     asyncio.run(Services.check_store(settings))
     _notice_missing_litellm(settings)
     run(settings, workers=workers, log_level=log_level)
@@ -280,7 +288,7 @@ def demo(settings: Settings, *, config_path: str | None, port: int) -> None:
     """Show continuity end to end on the built-in demo model (no provider needed)."""
     from gateway.demo import run_demo
 
-    run_demo(settings, port=port)
+    run_demo(settings, port=port, config_path=config_path)
 
 
 @main.command()

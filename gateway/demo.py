@@ -4,10 +4,11 @@
 from __future__ import annotations
 
 import secrets
+import shlex
 
 import click
 
-from gateway.config import ProviderSettings, Settings
+from gateway.config import ProviderSettings, Settings, StorageSettings
 
 SCRIPT = [
     "Hi! My name is Bob and my favourite colour is teal.",
@@ -18,11 +19,12 @@ SCRIPT = [
 ]
 
 
-def run_demo(settings: Settings, *, port: int = 0) -> None:
+def run_demo(settings: Settings, *, port: int = 0, config_path: str | None = None) -> None:
     from openai import OpenAI
 
     from gateway.app import create_app
     from gateway.server import running_in_thread
+    from gateway.tenants import Tenants
 
     providers = dict(settings.providers)
     providers.setdefault("demo", ProviderSettings(kind="demo"))
@@ -32,7 +34,9 @@ def run_demo(settings: Settings, *, port: int = 0) -> None:
     conversation_id = f"demo-{secrets.token_hex(3)}"
     app = create_app(settings)
     with running_in_thread(app, port=port) as base_url:
-        client = OpenAI(base_url=f"{base_url}/v1", api_key="not-needed")
+        # With [auth] keys, the demo's conversation belongs to the first key's tenant.
+        key = Tenants.from_settings(settings).a_key or "not-needed"
+        client = OpenAI(base_url=f"{base_url}/v1", api_key=key)
         click.echo(f"gateway on {base_url}, model 'demo', conversation {conversation_id}")
         click.echo("each request carries only the new user message; the gateway supplies the rest\n")
         for i, text in enumerate(SCRIPT, 1):
@@ -69,4 +73,8 @@ def run_demo(settings: Settings, *, port: int = 0) -> None:
     click.echo("\nlogs:")
     click.echo(f"  index      {data_dir}/logs/conversations/{conversation_id}.jsonl")
     click.echo(f"  responses  {data_dir}/logs/responses/<response id>.jsonl")
-    click.echo(f"try: gateway show {conversation_id}   |   gateway context {stream_id}")
+    # The commands suggested read the same data: the config and data dir the demo was given.
+    where = f" --config {shlex.quote(config_path)}" if config_path else ""
+    if settings.storage.data_dir != StorageSettings.model_fields["data_dir"].default:
+        where += f" --data-dir {shlex.quote(settings.storage.data_dir)}"
+    click.echo(f"try: gateway show {conversation_id}{where}   |   gateway context {stream_id}{where}")

@@ -15,7 +15,7 @@ from urllib.parse import urlsplit
 from starlette.types import ASGIApp, Receive, Scope, Send
 
 from gateway.config import Settings
-from gateway.exceptions import AuthenticationError, CrossOriginRefused
+from gateway.exceptions import AuthenticationError, ConfigError, CrossOriginRefused
 from gateway.redact import keep_secret
 
 DEFAULT_TENANT = ""  # auth off: everything lives at the top of the data dir
@@ -36,6 +36,13 @@ class Tenants:
         name = settings.auth.keys_env
         raw = environ.get(name, "") if name else ""
         keys = [k.strip() for k in raw.split(",") if k.strip()]
+        if name and not keys:
+            # A typo in the name or a forgotten export must not serve every tenant's data open.
+            state = "is not set" if name not in environ else "holds no keys"
+            raise ConfigError(
+                f"auth.keys_env names {name}, which {state}: the gateway would be open to anyone "
+                f"(set {name} to comma-separated keys, or set auth.keys_env to \"\" for an open gateway)"
+            )
         for key in keys:
             keep_secret(key)
         return cls(keys)
@@ -43,6 +50,11 @@ class Tenants:
     @property
     def enabled(self) -> bool:
         return bool(self._by_key)
+
+    @property
+    def a_key(self) -> str | None:
+        """One of the keys (the first configured), for a client in this process (`gateway demo`)."""
+        return next(iter(self._by_key), None)
 
     def authenticate(self, authorization: str | None) -> str:
         """The tenant for an `Authorization: Bearer KEY` header; 401 otherwise."""

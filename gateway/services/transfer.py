@@ -59,6 +59,10 @@ def export_data(settings: Settings, target: Path) -> str:
     JSONL layout; what was written, in words."""
     if target.exists() and _data_files(target):
         raise GatewayError(f"{target} already holds gateway data; export into an empty or new folder")
+    if target.is_dir() and any(target.iterdir()):
+        raise GatewayError(f"{target} is not empty; export into an empty or new folder")
+    if target.exists() and not target.is_dir():
+        raise GatewayError(f"{target} is a file; export into an empty or new folder")
     backend = settings.storage.backend
     if backend == "postgres":
         from gateway.store.transfer import export_jsonl

@@ -166,6 +166,9 @@ def test_errors_are_one_line_and_nonzero(tmp_path: Path) -> None:
     assert result.returncode == 1 and "is a directory" in result.stderr
     result = gw("conversations", "--data-dir", str(tmp_path), env={"GATEWAY_CONFIG": ""})
     assert result.returncode == 0, result.stderr  # an empty GATEWAY_CONFIG is unset
+    # A bare `gateway` is not a mistake: its help, as `gateway --help` prints it (was an "error").
+    bare, asked = gw(), gw("--help")
+    assert (bare.returncode, bare.stdout, bare.stderr) == (0, asked.stdout, "")
 
 
 def test_tail_follows_new_turns(gateway: GatewayProcess, upstream: MockServer) -> None:

@@ -118,3 +118,42 @@ def test_serve_says_listening_once_the_port_is_held(tmp_path: Path) -> None:
     finally:
         proc.terminate()
         proc.wait(timeout=10)
+
+
+def test_serve_refuses_keys_named_but_not_found(tmp_path: Path) -> None:
+    """`[auth] keys_env` naming a variable that is unset (a typo, a forgotten export) or empty
+    served every tenant's conversations to anyone, without a word."""
+    config = tmp_path / "auth.toml"
+    config.write_text('[auth]\nkeys_env = "CLI_START_TEST_KEYS"\n')
+    port = str(free_port())
+    env = {k: v for k, v in os.environ.items() if k != "CLI_START_TEST_KEYS"}
+    for keys in (None, " , "):
+        run_env = env if keys is None else {**env, "CLI_START_TEST_KEYS": keys}
+        result = subprocess.run(
+            [sys.executable, "-m", "gateway", "serve", "--config", str(config), "--port", port,
+             "--data-dir", str(tmp_path / "var")],
+            cwd=REPO, env=run_env, capture_output=True, text=True, timeout=60,
+        )  # fmt: skip
+        assert result.returncode == 1 and "listening" not in result.stderr
+        (line,) = result.stderr.strip().splitlines()
+        state = "is not set" if keys is None else "holds no keys"
+        assert line.startswith(f"gateway: auth.keys_env names CLI_START_TEST_KEYS, which {state}"), line
+
+
+def test_demo_with_keys_and_its_hint_reads_the_same_data(tmp_path: Path) -> None:
+    """`gateway demo` on a config with [auth] keys crashed with a 401 traceback, and its "try:"
+    line left out the --config and --data-dir it was given: copied as printed, it found nothing."""
+    config = tmp_path / "auth.toml"
+    config.write_text('[auth]\nkeys_env = "CLI_START_DEMO_KEYS"\n')
+    data = tmp_path / "demo data"
+    env = {"CLI_START_DEMO_KEYS": "demo-key-0123456789"}
+    result = gw("demo", "--config", str(config), "--data-dir", str(data), "--port", str(free_port()), env=env)
+    assert result.returncode == 0, result.stderr
+    assert "Your name is Bob." in result.stdout
+    hint = result.stdout.strip().splitlines()[-1]
+    show = hint.removeprefix("try: ").split("   |   ")[0]
+    assert f"--config {config}" in show and f"--data-dir '{data}'" in show
+    shown = subprocess.run(show.replace("gateway", f"{sys.executable} -m gateway", 1), shell=True, cwd=REPO,
+                           env={**os.environ, **env}, capture_output=True, text=True, timeout=60)  # fmt: skip
+    assert shown.returncode == 0, shown.stderr
+    assert "Lisbon" in shown.stdout

@@ -160,6 +160,13 @@ def test_export_refuses_a_folder_with_data_and_import_an_empty_one(tmp_path: Pat
     (tmp_path / "full" / "logs" / "conversations" / "c.jsonl").write_text("m-0123456789ab\n")
     result = CliRunner().invoke(main, ["export", "--config", config, "--to", str(tmp_path / "full")], env=env)
     assert result.exit_code == 1 and "already holds gateway data" in result.output
+    # Any other content too, as `--to`'s help says ("empty or new"): not a checkout, not $HOME.
+    (tmp_path / "other").mkdir()
+    (tmp_path / "other" / "precious.txt").write_text("keep me")
+    other = ["export", "--config", config, "--to", str(tmp_path / "other")]
+    result = CliRunner().invoke(main, other, env=env)
+    assert result.exit_code == 1 and "is not empty" in result.output
+    assert [p.name for p in (tmp_path / "other").iterdir()] == ["precious.txt"]
     (tmp_path / "empty").mkdir()
     result = CliRunner().invoke(
         main, ["import", "--config", config, "--from", str(tmp_path / "empty")], env=env
