@@ -4,6 +4,8 @@ answer and returns the window, or None when that answer does not say."""
 
 from __future__ import annotations
 
+import asyncio
+
 import aiohttp
 import orjson
 
@@ -85,17 +87,32 @@ DESCRIBE_TIMEOUT = 3.0
 async def describe_openai_compatible(
     session: aiohttp.ClientSession, base_url: str, model: str
 ) -> ServerWindow | None:
-    """Ask an OpenAI-compatible server for its runtime window: llama.cpp, vLLM, then Ollama."""
+    """Ask an OpenAI-compatible server for its runtime window: llama.cpp, vLLM, then Ollama.
+
+    The questions share one deadline (DESCRIBE_TIMEOUT in all, not each), and a server that
+    cannot be reached or does not answer one in time is asked nothing more: the turn waiting
+    on the answer then meets the provider's own timeout a few seconds late at most, not four
+    questions' worth of waiting (a hung server gave 15 s for a 3 s `timeout`)."""
     root = base_url[: -len("/v1")] if base_url.endswith("/v1") else base_url
-    timeout = aiohttp.ClientTimeout(total=DESCRIBE_TIMEOUT)
+    loop = asyncio.get_running_loop()
+    deadline = loop.time() + DESCRIBE_TIMEOUT
+    unreachable = False
 
     async def get_json(method: str, url: str, payload: object = None) -> object:
+        nonlocal unreachable
+        left = deadline - loop.time()
+        if unreachable or left <= 0:
+            return None
         try:
+            timeout = aiohttp.ClientTimeout(total=left)
             async with session.request(method, url, json=payload, timeout=timeout) as response:
                 if response.status != 200:
                     return None
                 return orjson.loads(await response.read())
-        except (aiohttp.ClientError, TimeoutError, orjson.JSONDecodeError, ValueError):
+        except (aiohttp.ClientConnectionError, TimeoutError):
+            unreachable = True  # (refused, reset, or no answer in time: the others would be too)
+            return None
+        except (aiohttp.ClientError, orjson.JSONDecodeError, ValueError):
             return None
 
     found = window_from_llamacpp_props(await get_json("GET", f"{root}/props"))

@@ -3,6 +3,7 @@ provider's "prompt too long" refusal (learned from, retried once), and sizing fo
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import random
 from collections.abc import AsyncIterator
@@ -143,6 +144,33 @@ async def test_discovery_over_http(kind: str, model: str, expected: ServerWindow
             assert await upstream.describe(model) == expected
         finally:
             await upstream.aclose()
+
+
+async def test_a_server_that_does_not_answer_is_asked_one_question_not_four(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """The window probe (before the first turn of a model) asked a hung server four questions,
+    3 s each: the client's 504 came 12 s after the provider's `timeout`. One unanswered
+    question ends it, and all of them share one deadline."""
+    import gateway.upstream.discovery as discovery
+
+    monkeypatch.setattr(discovery, "DESCRIBE_TIMEOUT", 0.3)
+    heads: list[bytes] = []
+
+    async def hang(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        heads.append(await reader.readline())  # the request line; then no answer, ever
+        await asyncio.sleep(30)
+
+    server = await asyncio.start_server(hang, "127.0.0.1", 0)
+    port = server.sockets[0].getsockname()[1]
+    settings = make_settings().providers["mock"].model_copy(update={"base_url": f"http://127.0.0.1:{port}/v1"})
+    upstream = OpenAIUpstream("p", settings)
+    try:
+        assert await upstream.describe("m") is None
+    finally:
+        await upstream.aclose()
+        server.close()
+    assert heads == [b"GET /props HTTP/1.1\r\n"]
 
 
 async def test_window_precedence_and_the_server_is_asked_once() -> None:
