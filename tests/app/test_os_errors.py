@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import errno
 import json
+import os
 from pathlib import Path
 
 import pytest
@@ -121,3 +122,40 @@ async def test_an_attempt_the_full_disk_kept_from_marking_is_marked_once_space_r
         # none torn (the context snapshot was on file from when the provider got the request)
         assert [json.loads(line)["type"] for line in lines] == ["request", "context", "incomplete"]
         assert (await client.get("/v1/conversations/full/items")).status_code == 404  # no turn
+
+
+async def test_too_little_space_for_the_journal_is_not_ready_and_a_failed_journal_leaves_nothing(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """With less than the journal's 2 MiB free, /readyz said ready while the first turn got a
+    503, and the half-zeroed journal it left took the rest of the disk."""
+    import gateway.store.jsonl.journal as journal_module
+    import gateway.store.jsonl.store as store_module
+
+    settings = make_settings(tmp_path)
+    store = JsonlStore(tmp_path / "var")
+    await store.open()
+    real_statvfs, real_zero = store_module.os.statvfs, journal_module.zero
+
+    class Tight:
+        def __init__(self, stat: os.statvfs_result) -> None:
+            self.f_frsize, self.f_bavail = stat.f_frsize, (1 << 20) // stat.f_frsize  # 1 MiB free
+
+    def zero(fd: int, start: int, end: int) -> None:
+        real_zero(fd, start, start + (end - start) // 2)
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    monkeypatch.setattr(store_module.os, "statvfs", lambda path: Tight(real_statvfs(path)))
+    monkeypatch.setattr(journal_module, "zero", zero)
+    body = {"model": "mock/m", "conversation_id": "tight", "messages": [{"role": "user", "content": "hi"}]}
+    async with build_client(settings, store, MockUpstream()) as client:
+        services = app_of(client).state.services
+        reason = await services.readiness()  # (what /readyz asks)
+        assert reason is not None and "journal" in str(reason), reason
+        assert (await client.post("/v1/chat/completions", json=body)).status_code == 503
+        assert list((tmp_path / "var" / "logs" / "journal").glob("*.wal")) == []  # nothing kept
+        monkeypatch.setattr(store_module.os, "statvfs", real_statvfs)
+        monkeypatch.setattr(journal_module, "zero", real_zero)
+        services._probed_at = None  # (probes are at most every few seconds)
+        assert await services.readiness() is None
+        assert (await client.post("/v1/chat/completions", json=body)).status_code == 200

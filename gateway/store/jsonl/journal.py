@@ -242,17 +242,26 @@ class Journal:
         folder = store.journal_dir
         folder.mkdir(parents=True, exist_ok=True)
         name = f"{os.getpid()}-{secrets.token_hex(4)}"
-        files = []
+        files: list[JournalFile] = []
         with file_lock(store.locks_dir / "journal.lock"):  # not while a recovery lists journals
-            for part in ("a", "b"):
-                path = folder / f"{name}-{part}.wal"
-                fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o644)
-                if not try_lock_file(fd):
-                    os.close(fd)
-                    raise OSError(f"cannot lock the new journal {path.name}")
-                files.append(JournalFile(fd, str(path)))
-                zero(fd, 0, PREALLOCATE)
-                store._sync(os.fsync, fd)
+            try:
+                for part in ("a", "b"):
+                    path = folder / f"{name}-{part}.wal"
+                    fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o644)
+                    files.append(JournalFile(fd, str(path)))
+                    if not try_lock_file(fd):
+                        raise OSError(f"cannot lock the new journal {path.name}")
+                    zero(fd, 0, PREALLOCATE)
+                    store._sync(os.fsync, fd)
+            except OSError:
+                # (a full disk: a half-zeroed journal must not keep the space it took)
+                for journal in files:
+                    os.close(journal.fd)
+                    try:
+                        os.unlink(journal.path)
+                    except OSError:
+                        pass
+                raise
         store._sync(fsync_dir, folder)
         self.current, self.spare = files
         self._since = time.monotonic()

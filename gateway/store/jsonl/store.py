@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import asyncio
 import contextvars
+import errno
 import logging
 import os
 import weakref
@@ -60,7 +61,7 @@ from gateway.store.jsonl.files import (
     read_turn_records,
     write_all,
 )
-from gateway.store.jsonl.journal import Journal
+from gateway.store.jsonl.journal import PREALLOCATE, Journal
 from gateway.store.jsonl.locks import CrossProcessLock, arrival, busy
 from gateway.store.jsonl.log import JsonlLog
 from gateway.store.jsonl.reading import read_index_after
@@ -228,6 +229,11 @@ class JsonlStore(Store):
         disk, or a vanished folder, fails here before a turn does)."""
         try:
             await asyncio.to_thread(probe_file, self.locks_dir / f".probe-{os.getpid()}", self.fsync)
+            if self.fsync and self.journal.current is None:
+                # The first turn makes this process's journal: two files of PREALLOCATE bytes.
+                stat = os.statvfs(self.locks_dir)
+                if stat.f_bavail * stat.f_frsize < 2 * PREALLOCATE:
+                    raise OSError(errno.ENOSPC, "No space left on device for the journal")
         except OSError as exc:
             raise StorageError(f"the data dir cannot be written: {exc.strerror or exc}") from exc
         self.mark_unmarked()
