@@ -90,6 +90,7 @@ def _turn(records: list[Record], rid: str, index: int) -> JSONObject | None:
         "context": {k: v for k, v in context.items() if k not in ("type", "messages")},
         "sent": context.get("messages") or [],
         "outcome": records[-1].get("type") if records else None,
+        "branch_at": request.get("branch_at"),
     }
 
 
@@ -122,10 +123,14 @@ async def conversation(request: Request) -> Response:
             records = await queries.logged_turn(tenant, cid, entry)
             turn = _turn(records, entry, index) if records is not None else None
             if turn is not None:
-                # Positions (input, then the answer) of its messages the model no longer gets.
-                given = turn["input"]
+                # Positions (input, then the answer) of its messages the model no longer gets,
+                # and its system prompt's (-1, -2, ...) once deleted or replaced by a later one.
+                given, system = turn["input"], turn["system"]
                 count = (len(given) if isinstance(given, list) else 0) + (turn["output"] is not None)
-                turn["not_sent"] = [p for p in range(count) if (entry, p) not in sent]
+                not_sent = [p for p in range(count) if (entry, p) not in sent]
+                if isinstance(system, list) and system and view.system_owner != entry:
+                    not_sent += [-(i + 1) for i in range(len(system))]
+                turn["not_sent"] = not_sent
                 turns.append(turn)
         index += 1
     summaries = await queries.summaries(tenant, cid, view)
@@ -145,6 +150,9 @@ async def conversation(request: Request) -> Response:
                 for s in summaries
             ],
             "count": index,
+            # Every index line (turns and markers): when it changed with no new turn, or a new
+            # entry is a marker or an edit, what was sent before may have changed too.
+            "entries": len(entries),
             "turns": turns,
         }
     )

@@ -150,3 +150,62 @@ def test_inspector_shows_what_was_deleted(inspector: GatewayProcess, browser: An
     assert "delete this question" in page.locator(".msg.not-sent").inner_text()
     assert page.locator(".msg.not-sent").count() == 1
     assert "deleted" in page.locator(".marker-reset").last.inner_text()
+
+
+def test_inspector_live_view_follows_resets_deletions_and_edits(
+    inspector: GatewayProcess, browser: Any
+) -> None:
+    """On an open conversation: a trailing reset line was added again on every poll; a deletion
+    or an edit made meanwhile was never struck through until a reload; a deleted system prompt
+    looked active; a malformed %-escape in the address threw and left another conversation on
+    screen; the bar's "free" left out the overhead tokens the manifest's total holds."""
+    system = {"role": "system", "content": "SYSTEM-PROMPT-TO-DELETE"}
+    first = chat(inspector, "live", "hello", messages=[system, {"role": "user", "content": "hello"}])
+    chat(inspector, "live", "please forget this line")
+    page = browser.new_page(viewport={"width": 1200, "height": 900})
+    errors: list[str] = []
+    page.on("pageerror", lambda exc: errors.append(str(exc)))
+    page.goto(f"{inspector.url}/ui#/c/live")
+    page.wait_for_function("document.querySelectorAll('.turn').length === 2")
+    struck = "Array.from(document.querySelectorAll('.msg.not-sent')).map(m => m.textContent)"
+    assert page.evaluate(struck) == []
+
+    # A deletion made while the page is open is struck through without a reload.
+    items = httpx.get(f"{inspector.url}/v1/conversations/live/items", params={"order": "asc"}).json()["data"]
+    forget = next(i for i in items if "please forget" in str(i["content"]))
+    assert httpx.delete(f"{inspector.url}/v1/conversations/live/items/{forget['id']}").status_code == 200
+    page.wait_for_function(f"{struck}.some(t => t.includes('please forget this line'))", timeout=10_000)
+    # So is the system prompt, once its item is deleted (the model no longer gets it).
+    sys_item = next(i for i in items if i.get("role") == "system")
+    assert httpx.delete(f"{inspector.url}/v1/conversations/live/items/{sys_item['id']}").status_code == 200
+    page.wait_for_function(f"{struck}.some(t => t.includes('SYSTEM-PROMPT-TO-DELETE'))", timeout=10_000)
+
+    # An edit (the history resent with the second question changed) strikes the branch it left.
+    history = [
+        {"role": "user", "content": "hello"},
+        {"role": "assistant", "content": first["choices"][0]["message"]["content"]},
+        {"role": "user", "content": "an edited question"},
+    ]
+    chat(inspector, "live", "", messages=history)
+    page.wait_for_function("document.querySelectorAll('.turn').length === 3", timeout=10_000)
+
+    # A trailing reset: one line, however many polls pass.
+    assert httpx.post(f"{inspector.url}/v1/conversations/live/reset", json={}).status_code == 200
+    page.wait_for_function("document.querySelectorAll('.marker-reset').length >= 3", timeout=10_000)
+    markers = "Array.from(document.querySelectorAll('.marker-reset'))"
+    resets = f"{markers}.filter(m => m.textContent.includes('reset')).length"
+    page.wait_for_timeout(3_000)  # three polls
+    assert page.evaluate(resets) == 1
+
+    # The bar: used + free is the window, the overhead included.
+    bar = page.locator(".turn").last.locator(".bar")
+    title = bar.get_attribute("title") or ""
+    total = page.locator(".turn").last.locator(".facts").inner_text().split("sent ")[1].split(" tokens")[0]
+    assert title.startswith(f"{total} of ")
+
+    # A malformed escape in the address: said, and the conversation no longer shown.
+    page.goto(f"{inspector.url}/ui#/c/%E0%A4%A")
+    said = "document.querySelector('#status').textContent.includes('Invalid conversation id')"
+    page.wait_for_function(said)
+    assert page.locator("#conversation-view").is_hidden()
+    assert errors == []

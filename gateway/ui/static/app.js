@@ -76,12 +76,12 @@ async function showList(more = false) {
 }
 
 // -- one conversation -------------------------------------------------------------------------
-let current = { id: null, count: 0 };
+let current = { id: null, count: 0, entries: 0 };
 
 function bar(context) {
   const windowSize = context.context_window || 1;
   const tokens = context.tokens || {};
-  const layers = ["system", "summary", "recap", "history", "marker", "tools", "new"];
+  const layers = ["system", "summary", "recap", "history", "marker", "tools", "new", "overhead"];
   const used = layers.reduce((s, l) => s + (tokens[l] || 0), 0);
   const node = el("div", { class: "bar", title: `${used} of ${windowSize} tokens; budget ${context.budget}` });
   for (const layer of layers) {
@@ -105,7 +105,11 @@ function turnCard(turn, isNew) {
   // Messages the model no longer gets (deleted, edited away, a tool result whose call was deleted).
   const notSent = new Set(turn.not_sent || []);
   const mark = (m, pos) => { const b = bubble(m, notSent.has(pos) ? "not-sent" : ""); if (notSent.has(pos)) b.title = "no longer sent to the model"; return b; };
-  for (const m of turn.system || []) card.append(bubble(m, "new-system"));
+  (turn.system || []).forEach((m, i) => {
+    const b = bubble(m, "new-system" + (notSent.has(-(i + 1)) ? " not-sent" : ""));
+    if (notSent.has(-(i + 1))) b.title = "no longer sent to the model (deleted, or replaced by a later system prompt)";
+    card.append(b);
+  });
   turn.input.forEach((m, i) => card.append(mark(m, i)));
   if (turn.output) card.append(mark(turn.output, turn.input.length));
   if (ctx.tokens) {
@@ -133,16 +137,24 @@ async function showConversation(id) {
   stopPolling();
   $("#list-view").hidden = true;
   $("#conversation-view").hidden = false;
-  current = { id, count: 0 };
+  current = { id, count: 0, entries: 0 };
   $("#turns").replaceChildren();
   try {
     const data = await api("/ui/api/conversations/" + encodeURIComponent(id));
-    renderHead(data);
-    for (const turn of data.turns) $("#turns").append(turnCard(turn, false));
-    current.count = data.count;
+    render(data);
     status("live");
     pollTimer = setInterval(poll, 1000);
   } catch (e) { status(e.message); }
+}
+
+// The whole conversation drawn again (what the model no longer gets may have changed).
+function render(data) {
+  const y = window.scrollY;
+  renderHead(data);
+  $("#turns").replaceChildren(...data.turns.map(turn => turnCard(turn, false)));
+  current.count = data.count;
+  current.entries = data.entries;
+  window.scrollTo(0, y);
 }
 
 function renderHead(data) {
@@ -163,10 +175,20 @@ function renderHead(data) {
 async function poll() {
   if (!current.id) return;
   try {
-    const data = await api(`/ui/api/conversations/${encodeURIComponent(current.id)}?since=${current.count}`);
+    const id = current.id;
+    const data = await api(`/ui/api/conversations/${encodeURIComponent(id)}?since=${current.count}`);
+    if (id !== current.id) return;  // (another conversation was opened meanwhile)
     renderHead(data);
+    if (data.entries === current.entries) return;  // nothing new in its index
+    // A reset, a deletion or an edit changes what earlier turns still send: draw them all again.
+    if (data.entries !== current.entries + data.turns.length || data.turns.some(t => t.marker || t.branch_at != null)) {
+      const whole = await api("/ui/api/conversations/" + encodeURIComponent(id));
+      if (id === current.id) render(whole);
+      return;
+    }
     for (const turn of data.turns) $("#turns").append(turnCard(turn, true));
     current.count = data.count;
+    current.entries = data.entries;
   } catch (e) { status(e.message); }
 }
 
@@ -175,7 +197,18 @@ function status(text) { $("#status").textContent = text; }
 
 function route() {
   const match = location.hash.match(/^#\/c\/(.+)$/);
-  if (match) showConversation(decodeURIComponent(match[1])); else showList();
+  if (!match) { showList(); return; }
+  let id;
+  try { id = decodeURIComponent(match[1]); } catch {
+    // A malformed escape (%E0%A4%A): said, and nothing of another conversation left on screen.
+    stopPolling();
+    current = { id: null, count: 0, entries: 0 };
+    $("#list-view").hidden = true;
+    $("#conversation-view").hidden = true;
+    status("Invalid conversation id in the address: " + match[1]);
+    return;
+  }
+  showConversation(id);
 }
 
 $("#key-form").addEventListener("submit", (e) => {
