@@ -50,15 +50,20 @@ class _PostgresLog(ResponseLog):
         self._rows: list[tuple[str, str]] = [_encode(request)]
         self._closed = False
         self._created: asyncio.Future[None] | None = None
-
-    def meanwhile(self) -> None:
-        """The records known when the provider got the request (the request and its context
-        snapshot) are written while the provider works, so an attempt (even one whose process
-        dies) shows at once what was sent; the commit does not wait on it."""
-        if self._created is not None or self._closed:
+        try:
+            asyncio.get_running_loop()
+        except RuntimeError:
             return
-        self._created = asyncio.ensure_future(self.store._insert(self.response_id, list(self._rows), 0))
+        # The records known when the provider gets the request (the request and its context
+        # snapshot, appended before the turn first waits) are written while the provider works,
+        # so an attempt (even one whose process dies) shows at once what was sent; the commit
+        # does not wait on it.
+        self._created = asyncio.ensure_future(self._insert_known())
         self._created.add_done_callback(lambda f: None if f.cancelled() else f.exception())
+
+    async def _insert_known(self) -> None:
+        # (run as a task: the rows are those appended by the time it starts)
+        await self.store._insert(self.response_id, list(self._rows), 0)
 
     def append(self, record: Record) -> None:
         self._rows.append(_encode(record))
