@@ -184,6 +184,8 @@ class ModelFacts:
                 names = [model, f"{route.provider}/{route.model}", route.model]
                 if prefix:  # e.g. provider "mis" with litellm_provider = "mistral": mistral/NAME
                     names.insert(1, f"{prefix}/{route.model}")
+                if prefix == "ollama_chat":  # (litellm's map names Ollama's models ollama/NAME)
+                    names.insert(2, f"ollama/{route.model}")
                 known = litellm_context_window(*names)
                 found = (known, "litellm model map") if known else (DEFAULT_CONTEXT_WINDOW, "default")
                 tokens, source = found

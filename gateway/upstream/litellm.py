@@ -6,11 +6,16 @@ otherwise try the network at import).
 
 from __future__ import annotations
 
+import asyncio
 import importlib.util
 import os
+import socket
 from collections.abc import AsyncGenerator, AsyncIterator, Iterator
 from contextlib import contextmanager
 from typing import Any
+
+import aiohttp
+import orjson
 
 from gateway.config import ProviderSettings
 from gateway.exceptions import (
@@ -26,13 +31,18 @@ from gateway.upstream.base import (
     RETRY_STATUSES,
     Body,
     Chunk,
+    ServerWindow,
     Upstream,
     complete_with_retries,
     stream_with_retries,
 )
+from gateway.upstream.discovery import describe_openai_compatible
 from gateway.upstream.refusal import parse_refusal
 
 _litellm: Any = None
+# litellm's prefixes for Ollama's native API, and the address litellm uses without a base_url.
+OLLAMA_PREFIXES = frozenset({"ollama", "ollama_chat"})
+OLLAMA_DEFAULT_URL = "http://localhost:11434"
 INSTALL_HINT = "pip install 'llm-continuity-gateway[litellm]'"
 
 
@@ -57,6 +67,14 @@ def import_litellm(provider: str = "") -> Any:
     return _litellm
 
 
+async def litellm_module(provider: str) -> Any:
+    """litellm, imported in a thread the first time: the import takes seconds of CPU, and on
+    the event loop it held every other request (health checks included) that long."""
+    if _litellm is not None:
+        return _litellm
+    return await asyncio.to_thread(import_litellm, provider)
+
+
 # What a litellm provider is given of the client's body: the OpenAI chat parameters, nothing else.
 # litellm reads many other keys as its own options (`fallbacks` with their own `api_base`,
 # `headers`, `organization`, `custom_llm_provider`, `mock_response`, `extra_body`, credentials,
@@ -74,10 +92,64 @@ OPENAI_CHAT_PARAMS = frozenset(
 
 
 def _retry_after(exc: BaseException) -> str | None:
+    """The provider's Retry-After: litellm keeps the real headers in `litellm_response_headers`
+    (its `response` may be one it made up, without them)."""
     response = getattr(exc, "response", None)
-    headers = getattr(response, "headers", None)
-    value = headers.get("retry-after") if headers is not None else None
-    return value if isinstance(value, str) else None
+    for headers in (getattr(exc, "litellm_response_headers", None), getattr(response, "headers", None)):
+        value = headers.get("retry-after") if headers is not None else None
+        if isinstance(value, str):
+            return value
+    return None
+
+
+def _causes(exc: BaseException) -> list[BaseException]:
+    """The exception and what it wraps: litellm's `original_exception`, causes and contexts."""
+    found: list[BaseException] = []
+    stack: list[object] = [exc]
+    while stack and len(found) < 12:
+        item = stack.pop()
+        if not isinstance(item, BaseException) or any(item is seen for seen in found):
+            continue
+        found.append(item)
+        stack.extend((getattr(item, "original_exception", None), item.__cause__, item.__context__))
+    return found
+
+
+# How a refused or unresolvable connection reads when litellm reports it as an HTTP 500 (its
+# Anthropic client says "Cannot connect to host ..."; others "Connection error.").
+_CONNECT_FAILURES = ("Cannot connect to host", "Connect call failed", "Connection error")
+_CONNECT_ERRORS = frozenset({"ClientConnectorError", "ClientConnectorDNSError", "ConnectError"})
+
+
+def _unreachable(exc: BaseException, connection_error: type[BaseException]) -> bool:
+    for item in _causes(exc):
+        if isinstance(item, (connection_error, ConnectionRefusedError, socket.gaierror)):
+            return True
+        if type(item).__name__ in _CONNECT_ERRORS:
+            return True
+    return any(phrase in str(exc) for phrase in _CONNECT_FAILURES)
+
+
+def _provider_error(text: str) -> tuple[str, str | None, str | None]:
+    """(message, type, code) of the provider's own error object quoted in litellm's message
+    (`AnthropicException - {"type": "error", "error": {"type": ..., "message": ...}}`)."""
+    start, end = text.find("{"), text.rfind("}")
+    if start < 0 or end < start:
+        return text, None, None
+    try:
+        payload = orjson.loads(text[start : end + 1])
+    except orjson.JSONDecodeError:
+        return text, None, None
+    error = payload.get("error", payload) if isinstance(payload, dict) else None
+    if not isinstance(error, dict):
+        return text, None, None
+    kind, code = error.get("type"), error.get("code")
+    message = error.get("message")
+    return (
+        message if isinstance(message, str) and message else text,
+        kind if isinstance(kind, str) else None,
+        code if isinstance(code, str) else None,
+    )
 
 
 @contextmanager
@@ -90,23 +162,26 @@ def map_litellm_errors(name: str, url: str) -> Iterator[None]:
     except Exception as exc:
         litellm = import_litellm()
         where = f"Provider {name!r}" + (f" at {url}" if url else "")
-        if isinstance(exc, litellm.exceptions.Timeout):
+        # (a timeout mid-stream comes wrapped: litellm's MidStreamFallbackError, "HTTP 408")
+        if any(isinstance(item, litellm.exceptions.Timeout) for item in _causes(exc)):
             raise UpstreamTimeout(f"{where} timed out") from exc
-        if isinstance(exc, litellm.exceptions.APIConnectionError) or "Connection error" in str(exc):
-            # (litellm may report a refused connection as a 500 "Connection error.")
-            raise UpstreamUnreachable(f"{where} is unreachable: {type(exc).__name__}") from exc
+        if _unreachable(exc, litellm.exceptions.APIConnectionError):
+            # (litellm reports some refused connections as a 500: its text says which)
+            said = str(getattr(exc, "message", exc)).strip()[:300] or type(exc).__name__
+            raise UpstreamUnreachable(f"{where} is unreachable: {said}") from exc
         status = getattr(exc, "status_code", None)
         if isinstance(status, int) and status >= 400:
             text = str(getattr(exc, "message", exc))
             refusal = parse_refusal(status, None, text)
             if refusal is None and isinstance(exc, litellm.exceptions.ContextWindowExceededError):
                 refusal = Refusal(message=text)
+            message, kind, code = _provider_error(text)
             kinds = {401: "authentication_error", 403: "permission_error", 429: "rate_limit_error"}
             raise UpstreamStatusError(
-                f"{where} returned HTTP {status}: {text}",
+                f"{where} returned HTTP {status}: {message}",
                 upstream_status=status,
-                error_type=kinds.get(status),
-                code="context_length_exceeded" if refusal is not None else None,
+                error_type=kind or kinds.get(status),
+                code="context_length_exceeded" if refusal is not None else code,
                 retry_after=_retry_after(exc) if status == 429 else None,
                 refusal=refusal,
             ) from exc
@@ -160,10 +235,22 @@ class LitellmUpstream(Upstream):
         kwargs["num_retries"] = 0
         if self.settings.headers:
             kwargs["extra_headers"] = dict(self.settings.headers)
+        options = body.get("options")
+        num_ctx = options.get("num_ctx") if isinstance(options, dict) else None
+        if self.prefix in OLLAMA_PREFIXES and isinstance(num_ctx, int):
+            kwargs["num_ctx"] = num_ctx  # the window planned for (litellm's Ollama option)
         return kwargs
 
+    async def describe(self, model: str) -> ServerWindow | None:
+        """Ollama's native API: the running server's window (`/api/ps`, `/api/show`), as for
+        Ollama's /v1. Other providers have no such question: their window is the model map's."""
+        if self.prefix not in OLLAMA_PREFIXES:
+            return None
+        async with aiohttp.ClientSession(headers=self.settings.headers or None) as session:
+            return await describe_openai_compatible(session, self.url or OLLAMA_DEFAULT_URL, model)
+
     async def complete(self, body: Body) -> Body:
-        litellm = import_litellm(self.name)
+        litellm = await litellm_module(self.name)
         kwargs = self._kwargs({**body, "stream": False})
 
         async def once() -> Body:
@@ -175,7 +262,7 @@ class LitellmUpstream(Upstream):
     def stream(self, body: Body) -> AsyncIterator[Chunk]:
         async def once() -> AsyncGenerator[Chunk, None]:
             kwargs = self._kwargs({**body, "stream": True})
-            litellm = import_litellm(self.name)
+            litellm = await litellm_module(self.name)
             with map_litellm_errors(self.name, self.url):
                 response = await litellm.acompletion(**kwargs)
                 async for chunk in response:

@@ -795,3 +795,43 @@ async def test_one_cheaply_counted_prompt_is_not_taken_for_a_cut_but_a_run_of_cu
         for cid in ("long-1", "long-2"):
             await window_after(SENTENCE * 30, cid)
         assert await window_after("hello", "after") == 300  # capped at what it sees
+
+
+async def test_ollama_native_through_litellm_gets_the_servers_window() -> None:
+    """kind = "litellm" for Ollama's native API (`ollama_chat/...`) never asked the server: a
+    prompt planned for the 8192 default went to a model running with num_ctx 2048."""
+    from gateway.upstream.litellm import LitellmUpstream
+
+    chats: list[dict[str, Any]] = []
+
+    async def show(request: web.Request) -> web.Response:
+        return web.json_response({"parameters": "num_ctx                        2048", "model_info": {}})
+
+    async def chat_api(request: web.Request) -> web.Response:
+        chats.append(await request.json())
+        message = {"role": "assistant", "content": "ok"}
+        answer = {"model": "llama3.2", "message": message, "done": True, "done_reason": "stop"}
+        return web.json_response({**answer, "prompt_eval_count": 30, "eval_count": 1})
+
+    app = web.Application()
+    app.router.add_post("/api/show", show)
+    app.router.add_post("/api/chat", chat_api)
+    runner = web.AppRunner(app)
+    await runner.setup()
+    site = web.TCPSite(runner, "127.0.0.1", 0)
+    await site.start()
+    url = f"http://127.0.0.1:{runner.addresses[0][1]}"
+    native = ProviderSettings(kind="litellm", litellm_provider="ollama_chat", base_url=url)
+    upstream = LitellmUpstream("mock", native)
+    store = MemoryStore()
+    try:
+        async with build_client(make_settings(), store, upstream) as client:  # type: ignore[arg-type]
+            hello = [{"role": "user", "content": "hi"}]
+            body = {"model": "mock/llama3.2", "conversation_id": "o", "messages": hello}
+            r = await client.post("/v1/chat/completions", json=body)
+            assert r.status_code == 200, r.text
+    finally:
+        await runner.cleanup()
+    (context,) = [rec for rec in store.responses[r.json()["id"]] if rec["type"] == "context"]
+    assert (context["context_window"], context["context_window_source"]) == (2048, "Ollama POST /api/show")
+    assert chats[-1]["options"]["num_ctx"] == 2048  # the window planned for, told to Ollama

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import inspect
+import json
 from typing import Any
 
 import aiohttp
@@ -268,3 +269,101 @@ async def test_litellm_path_takes_only_openai_parameters_from_the_client(
         await LitellmUpstream("keyless", keyless).complete(dict(BODY))
     assert info.value.code == "upstream_key_missing" and "UNSET_TEST_KEY" in info.value.message
     assert len(upstream.requests) == before  # not called at all
+
+
+async def test_litellm_anthropic_errors_say_what_happened(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Through litellm's Anthropic client: a refused connection read "returned HTTP 500" and was
+    never retried; a 429's Retry-After was dropped; a stall after the first delta read "HTTP 408
+    MidStreamFallbackError"; a provider's 400 lost its error type."""
+    import asyncio
+
+    from aiohttp import web
+
+    from gateway.upstream.litellm import LitellmUpstream
+
+    monkeypatch.setenv("LITE_ANTHROPIC_KEY", "sk-ant-test-0123456789")
+    seen: list[str] = []
+
+    async def messages(request: web.Request) -> web.StreamResponse:
+        body = await request.json()
+        text = body["messages"][-1]["content"]
+        text = text if isinstance(text, str) else text[0]["text"]
+        seen.append(text)
+        if text == "busy":
+            error = {"type": "error", "error": {"type": "rate_limit_error", "message": "slow down"}}
+            return web.json_response(error, status=429, headers={"retry-after": "17"})
+        if text == "bad":
+            error = {"type": "error", "error": {"type": "invalid_request_error", "message": "bad field"}}
+            return web.json_response(error, status=400)
+        response = web.StreamResponse(headers={"content-type": "text/event-stream"})
+        await response.prepare(request)
+        message = {"id": "msg_1", "type": "message", "role": "assistant", "model": "claude-x", "content": [],
+                   "stop_reason": None, "usage": {"input_tokens": 5, "output_tokens": 0}}  # fmt: skip
+        for event, data in (
+            ("message_start", {"type": "message_start", "message": message}),
+            ("content_block_start", {"type": "content_block_start", "index": 0,
+                                     "content_block": {"type": "text", "text": ""}}),
+            ("content_block_delta", {"type": "content_block_delta", "index": 0,
+                                     "delta": {"type": "text_delta", "text": "Hel"}}),
+        ):  # fmt: skip
+            await response.write(f"event: {event}\ndata: {json.dumps(data)}\n\n".encode())
+        await asyncio.sleep(5)  # then nothing: a stall mid-answer
+        return response
+
+    app = web.Application()
+    app.router.add_post("/v1/messages", messages)
+    runner = web.AppRunner(app)
+    await runner.setup()
+    site = web.TCPSite(runner, "127.0.0.1", 0)
+    await site.start()
+    port = runner.addresses[0][1]
+
+    def anthropic(url: str, **extra: Any) -> LitellmUpstream:
+        settings = ProviderSettings(
+            kind="litellm",
+            litellm_provider="anthropic",
+            base_url=url,
+            api_key_env="LITE_ANTHROPIC_KEY",
+            **extra,
+        )
+        return LitellmUpstream("anth", settings)
+
+    def ask(text: str) -> dict[str, Any]:
+        return {"model": "claude-x", "max_tokens": 16, "messages": [{"role": "user", "content": text}]}
+
+    try:
+        up = anthropic(f"http://127.0.0.1:{port}", timeout=1)
+        with pytest.raises(UpstreamStatusError) as info:
+            await up.complete(ask("busy"))
+        assert info.value.status_code == 429 and info.value.headers() == {"Retry-After": "17"}
+        with pytest.raises(UpstreamStatusError) as info:
+            await up.complete(ask("bad"))
+        assert info.value.status_code == 400 and info.value.error_type == "invalid_request_error"
+        assert info.value.message.endswith("returned HTTP 400: bad field")
+        with pytest.raises(UpstreamTimeout):
+            async for _ in up.stream({**ask("stall"), "stream": True}):
+                pass
+        dead = anthropic(f"http://127.0.0.1:{free_port()}", retries=1)
+        with pytest.raises(UpstreamUnreachable) as unreachable:
+            await dead.complete(ask("hello"))
+        assert "is unreachable" in unreachable.value.message and "HTTP 500" not in unreachable.value.message
+    finally:
+        await runner.cleanup()
+
+
+async def test_litellm_is_imported_off_the_event_loop(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Its import takes seconds of CPU: on the loop it held every other request that long."""
+    import threading
+
+    import gateway.upstream.litellm as module
+
+    where: list[str] = []
+
+    def fake_import(provider: str = "") -> Any:
+        where.append(threading.current_thread().name)
+        return "litellm"
+
+    monkeypatch.setattr(module, "_litellm", None)
+    monkeypatch.setattr(module, "import_litellm", fake_import)
+    assert await module.litellm_module("anth") == "litellm"
+    assert where and where[0] != threading.main_thread().name
