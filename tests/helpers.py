@@ -4,8 +4,11 @@ from __future__ import annotations
 
 import asyncio
 import errno
-from collections.abc import Mapping, Sequence
+from collections.abc import AsyncIterator, Mapping, Sequence
+from contextlib import asynccontextmanager
 from typing import Any
+
+from aiohttp import web
 
 from gateway.context import Message
 from gateway.ids import mint_response_id
@@ -143,3 +146,16 @@ def failing_syncs_of(aio: AioSync, fd: int, err: int = errno.EIO) -> None:
         return got
 
     aio._call = call  # type: ignore[method-assign]
+
+
+@asynccontextmanager
+async def serving_app(app: web.Application) -> AsyncIterator[str]:
+    """An aiohttp app (a provider twin) served on a free loopback port: its base URL."""
+    runner = web.AppRunner(app)
+    await runner.setup()
+    site = web.TCPSite(runner, "127.0.0.1", 0)
+    await site.start()
+    try:
+        yield f"http://127.0.0.1:{runner.addresses[0][1]}"
+    finally:
+        await runner.cleanup()

@@ -17,6 +17,7 @@ from gateway.store.memory import MemoryStore
 from gateway.upstream.mock import MockUpstream
 from gateway.upstream.openai import OpenAIUpstream
 from tests.conftest import build_client, make_settings
+from tests.helpers import serving_app
 
 
 class Deep:
@@ -111,14 +112,8 @@ async def huge_provider(size: int) -> AsyncIterator[str]:
 
     app = web.Application()
     app.router.add_post("/v1/chat/completions", complete)
-    runner = web.AppRunner(app)
-    await runner.setup()
-    site = web.TCPSite(runner, "127.0.0.1", 0)
-    await site.start()
-    try:
-        yield f"http://127.0.0.1:{runner.addresses[0][1]}/v1"
-    finally:
-        await runner.cleanup()
+    async with serving_app(app) as url:
+        yield f"{url}/v1"
 
 
 async def test_a_provider_answer_over_max_response_bytes_is_refused_while_read() -> None:

@@ -34,6 +34,7 @@ from gateway.upstream.mock import MockUpstream
 from gateway.upstream.openai import OpenAIUpstream, status_error
 from gateway.upstream.refusal import parse_refusal
 from tests.conftest import app_of, build_client, make_settings
+from tests.helpers import serving_app
 
 # -- the shapes each server answers with (trimmed copies of real answers) ---------------------------
 
@@ -111,15 +112,8 @@ def _server_app(kind: str) -> web.Application:
 
 @asynccontextmanager
 async def serving(kind: str) -> AsyncIterator[str]:
-    runner = web.AppRunner(_server_app(kind))
-    await runner.setup()
-    site = web.TCPSite(runner, "127.0.0.1", 0)
-    await site.start()
-    port = runner.addresses[0][1]
-    try:
-        yield f"http://127.0.0.1:{port}/v1"
-    finally:
-        await runner.cleanup()
+    async with serving_app(_server_app(kind)) as url:
+        yield f"{url}/v1"
 
 
 @pytest.mark.parametrize(
@@ -816,22 +810,15 @@ async def test_ollama_native_through_litellm_gets_the_servers_window() -> None:
     app = web.Application()
     app.router.add_post("/api/show", show)
     app.router.add_post("/api/chat", chat_api)
-    runner = web.AppRunner(app)
-    await runner.setup()
-    site = web.TCPSite(runner, "127.0.0.1", 0)
-    await site.start()
-    url = f"http://127.0.0.1:{runner.addresses[0][1]}"
-    native = ProviderSettings(kind="litellm", litellm_provider="ollama_chat", base_url=url)
-    upstream = LitellmUpstream("mock", native)
     store = MemoryStore()
-    try:
+    async with serving_app(app) as url:
+        native = ProviderSettings(kind="litellm", litellm_provider="ollama_chat", base_url=url)
+        upstream = LitellmUpstream("mock", native)
         async with build_client(make_settings(), store, upstream) as client:  # type: ignore[arg-type]
             hello = [{"role": "user", "content": "hi"}]
             body = {"model": "mock/llama3.2", "conversation_id": "o", "messages": hello}
             r = await client.post("/v1/chat/completions", json=body)
             assert r.status_code == 200, r.text
-    finally:
-        await runner.cleanup()
     (context,) = [rec for rec in store.responses[r.json()["id"]] if rec["type"] == "context"]
     assert (context["context_window"], context["context_window_source"]) == (2048, "Ollama POST /api/show")
     assert chats[-1]["options"]["num_ctx"] == 2048  # the window planned for, told to Ollama

@@ -25,6 +25,7 @@ from gateway.upstream import Router, http1
 from gateway.upstream.demo import DemoUpstream
 from gateway.upstream.openai import OpenAIUpstream, map_upstream_errors, parse_sse_line
 from tests.conftest import free_port
+from tests.helpers import serving_app
 from tests.mockserver import MockServer
 
 BODY = {"model": "tiny", "messages": [{"role": "user", "content": "my name is Kim"}]}
@@ -312,11 +313,6 @@ async def test_litellm_anthropic_errors_say_what_happened(monkeypatch: pytest.Mo
 
     app = web.Application()
     app.router.add_post("/v1/messages", messages)
-    runner = web.AppRunner(app)
-    await runner.setup()
-    site = web.TCPSite(runner, "127.0.0.1", 0)
-    await site.start()
-    port = runner.addresses[0][1]
 
     def anthropic(url: str, **extra: Any) -> LitellmUpstream:
         settings = ProviderSettings(
@@ -331,8 +327,8 @@ async def test_litellm_anthropic_errors_say_what_happened(monkeypatch: pytest.Mo
     def ask(text: str) -> dict[str, Any]:
         return {"model": "claude-x", "max_tokens": 16, "messages": [{"role": "user", "content": text}]}
 
-    try:
-        up = anthropic(f"http://127.0.0.1:{port}", timeout=1)
+    async with serving_app(app) as url:
+        up = anthropic(url, timeout=1)
         with pytest.raises(UpstreamStatusError) as info:
             await up.complete(ask("busy"))
         assert info.value.status_code == 429 and info.value.headers() == {"Retry-After": "17"}
@@ -347,8 +343,6 @@ async def test_litellm_anthropic_errors_say_what_happened(monkeypatch: pytest.Mo
         with pytest.raises(UpstreamUnreachable) as unreachable:
             await dead.complete(ask("hello"))
         assert "is unreachable" in unreachable.value.message and "HTTP 500" not in unreachable.value.message
-    finally:
-        await runner.cleanup()
 
 
 async def test_litellm_is_imported_off_the_event_loop(monkeypatch: pytest.MonkeyPatch) -> None:
