@@ -115,6 +115,7 @@ class WindowFacts:
     calibration: Calibration
     num_ctx_option: bool = False
     cuts_silently: bool = True  # False for a server known to refuse an over-long prompt instead
+    counts_prompts: bool = False  # the server counts a prompt on request (Upstream.count_prompt)
 
     def to_dict(self) -> JSONObject:
         return {"tokens": self.tokens, "source": self.source, "calibration": self.calibration.to_dict()}
@@ -197,6 +198,7 @@ class ModelFacts:
             calibration=entry.calibration or entry.prior,
             num_ctx_option=bool(server and server.num_ctx_option),
             cuts_silently=not (server is not None and server.refuses_overlong),
+            counts_prompts=bool(server and server.counts_prompts),
         )
 
     async def _ask(self, entry: _Entry, route: Route) -> ServerWindow | None:

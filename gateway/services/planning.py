@@ -6,6 +6,7 @@ from __future__ import annotations
 import asyncio
 import functools
 import logging
+import math
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, replace
 from typing import Any
@@ -44,6 +45,8 @@ _TRUNCATION_MIN_TOKENS = 256
 WARNED_LIMIT = 4096
 # A summary or recap squeezed below this many tokens is left out instead.
 _MIN_SIZED_TOKENS = 24
+# Windows checked against a server's own count before one is sent as it is.
+_EXACT_TRIES = 4
 
 
 _MARKER_COSTS: dict[tuple[str, int], int] = {}
@@ -120,6 +123,7 @@ class ContextPlan:
     kept_from: int  # index in stored history of the first message sent
     summary_target: str | None  # response id a new summary should cover through
     facts: WindowFacts | None = None
+    server_tokens: int | None = None  # the server's own count of the prompt, when it gave one
 
     def snapshot(self, view: ConversationView, new_messages: int, sent: list[Message]) -> Record:
         included = list(dict.fromkeys(view.history_owner[view.loaded_from(self.kept_from) :]))
@@ -141,6 +145,7 @@ class ContextPlan:
             "summary_covers_messages": self.summary.covered if self.summary else 0,
             "summary_covers_through": self.summary.covers_through if self.summary else None,
             "included_response_ids": included,
+            "server_prompt_tokens": self.server_tokens,
             "messages": sent,
         }
 
@@ -254,7 +259,10 @@ class Planner:
         requested = requested if isinstance(requested, int) and requested > 0 else 0
         # The client's own max_tokens when sent; else reserve_tokens, at most a quarter of the window.
         reserve = requested or min(ctx.reserve_tokens, window_size // 4)
-        budget = facts.calibration.our_budget(window_size - reserve)
+        # A server that counts prompts itself is asked for the exact count of the window
+        # planned (below): planned from the calibration's best estimate, without its margin.
+        calibration = replace(facts.calibration, margin=0) if facts.counts_prompts else facts.calibration
+        budget = calibration.our_budget(window_size - reserve)
         system_msgs = [clean_message(m) for m in system]
         first = [clean_message(m) for m in history[:first_end]] if first_end and lower > 0 else []
         first_tokens = [count(m) for m in first]
@@ -333,6 +341,11 @@ class Planner:
             if best <= budget:
                 raise
             window = fit_request(best)
+        server_tokens = None
+        if facts.counts_prompts:
+            window, server_tokens = await self._fit_exactly(
+                route, request, window, fit_request, budget, window_size - reserve, facts
+            )
         if repaired:
             positions = {id(m): lower + i for i, m in enumerate(hist)}
             kept_abs = next(
@@ -356,7 +369,54 @@ class Planner:
             kept_from=kept_abs,
             summary_target=target,
             facts=facts,
+            server_tokens=server_tokens,
         )
+
+    async def _fit_exactly(
+        self,
+        route: Route,
+        request: ChatRequest,
+        window: Window,
+        fit_request: Callable[[int], Window],
+        budget: int,
+        limit: int,
+        facts: WindowFacts,
+    ) -> tuple[Window, int | None]:
+        """The window checked against the server's own count of its prompt (tools included), cut
+        further while that count is over `limit` (window less the answer's reserve): exact, so
+        no margin is needed, and no prompt the server counts higher than the calibration
+        expected (digits, emoji, other scripts) takes the answer's room. Without the server's
+        count, the plan made with the calibration's margin."""
+        extra: dict[str, object] = {k: request.body[k] for k in ("tools", "tool_choice") if k in request.body}
+
+        def ratio(counted: int, window: Window) -> float:
+            # This window's own (the calibration's is an average: digits, say, count 3x theirs)
+            return max(counted / max(window.tokens.get("total", 0), 1), 0.2)
+
+        async def count(window: Window) -> int | None:
+            return await route.upstream.count_prompt({**extra, "messages": window.messages})
+
+        for _ in range(_EXACT_TRIES):
+            counted = await count(window)
+            if counted is None:  # (as without it: the margin, unless only the best estimate fits)
+                try:
+                    return fit_request(facts.calibration.our_budget(limit)), None
+                except ContextLengthExceeded:
+                    return window, None
+            if counted <= limit:
+                if window.omitted and counted < limit:
+                    # Room left (the calibration overestimated this history): one larger try.
+                    room = int((limit - counted) * 0.9 / ratio(counted, window))
+                    larger = fit_request(window.tokens.get("total", budget) + room)
+                    if larger.omitted < window.omitted:
+                        more = await count(larger)
+                        if more is not None and more <= limit:
+                            return larger, more
+                return window, counted
+            over = math.ceil((counted - limit) / ratio(counted, window)) + 1
+            budget = min(budget, window.tokens.get("total", budget)) - over
+            window = fit_request(budget)  # ContextLengthExceeded: the request alone does not fit
+        return window, None  # (still over: sent, and the server has the last word)
 
     @staticmethod
     def sized(

@@ -109,6 +109,9 @@ class ServerWindow:
     # llama.cpp and vLLM refuse a prompt over their window (a 400): they never cut one silently,
     # so a count lower than expected is their template's (tools it does not render), not a cut.
     refuses_overlong: bool = False
+    # The server counts a prompt itself on request (llama.cpp: POST /apply-template, then
+    # POST /tokenize): the window is checked with its exact count (`Upstream.count_prompt`).
+    counts_prompts: bool = False
 
 
 class Upstream(ABC):
@@ -134,6 +137,11 @@ class Upstream(ABC):
 
     async def describe(self, model: str) -> ServerWindow | None:
         """The runtime context window the server reports for `model`, if it reports one."""
+        return None
+
+    async def count_prompt(self, body: Body) -> int | None:
+        """The server's own count of the prompt `body` (a chat request) makes, when it has a way
+        to say (`ServerWindow.counts_prompts`); None otherwise or when asking failed."""
         return None
 
     async def aclose(self) -> None:  # noqa: B027 - optional hook

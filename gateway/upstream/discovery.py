@@ -117,7 +117,7 @@ async def describe_openai_compatible(
 
     found = window_from_llamacpp_props(await get_json("GET", f"{root}/props"))
     if found:
-        return ServerWindow(found, "llama.cpp GET /props", refuses_overlong=True)
+        return ServerWindow(found, "llama.cpp GET /props", refuses_overlong=True, counts_prompts=True)
     found = window_from_models(await get_json("GET", f"{base_url}/models"), model)
     if found:
         return ServerWindow(found, "vLLM GET /v1/models max_model_len", refuses_overlong=True)
@@ -146,3 +146,33 @@ async def list_openai_models(session: aiohttp.ClientSession, base_url: str) -> l
 
 
 LIST_TIMEOUT = 2.0
+
+
+COUNT_TIMEOUT = 5.0
+
+
+async def count_llamacpp_prompt(session: aiohttp.ClientSession, base_url: str, body: object) -> int | None:
+    """llama.cpp's own count of a chat request's prompt: its chat template applied
+    (`POST /apply-template`, the request's tools included), then its tokenizer (`POST /tokenize`,
+    the special tokens it adds included): what it reports as `usage.prompt_tokens`. None when
+    either answer is missing (an older server, a failure: the calibration then plans alone)."""
+    root = base_url[: -len("/v1")] if base_url.endswith("/v1") else base_url
+    timeout = aiohttp.ClientTimeout(total=COUNT_TIMEOUT)
+    headers = {"content-type": "application/json"}
+    try:
+        async with session.post(
+            f"{root}/apply-template", data=orjson.dumps(body), headers=headers, timeout=timeout
+        ) as response:
+            answer = orjson.loads(await response.read()) if response.status == 200 else None
+        prompt = answer.get("prompt") if isinstance(answer, dict) else None
+        if not isinstance(prompt, str):
+            return None
+        question = {"content": prompt, "add_special": True}
+        async with session.post(
+            f"{root}/tokenize", data=orjson.dumps(question), headers=headers, timeout=timeout
+        ) as response:
+            answer = orjson.loads(await response.read()) if response.status == 200 else None
+    except (aiohttp.ClientError, TimeoutError, orjson.JSONDecodeError, ValueError):
+        return None
+    tokens = answer.get("tokens") if isinstance(answer, dict) else None
+    return len(tokens) if isinstance(tokens, list) else None

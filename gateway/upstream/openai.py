@@ -41,7 +41,7 @@ from gateway.upstream.base import (
     complete_with_retries,
     stream_with_retries,
 )
-from gateway.upstream.discovery import describe_openai_compatible, list_openai_models
+from gateway.upstream.discovery import count_llamacpp_prompt, describe_openai_compatible, list_openai_models
 from gateway.upstream.refusal import parse_refusal
 
 log = logging.getLogger("gateway.upstream")
@@ -267,6 +267,9 @@ class OpenAIUpstream(Upstream):
 
     async def describe(self, model: str) -> ServerWindow | None:
         return await describe_openai_compatible(self._client(), self.url, model)
+
+    async def count_prompt(self, body: Body) -> int | None:
+        return await count_llamacpp_prompt(self._client(), self.url, body)
 
     async def complete(self, body: Body) -> Body:
         data = orjson.dumps(body)

@@ -119,7 +119,11 @@ async def serving(kind: str) -> AsyncIterator[str]:
 @pytest.mark.parametrize(
     ("kind", "model", "expected"),
     [
-        ("llama.cpp", "smol.gguf", ServerWindow(512, "llama.cpp GET /props", refuses_overlong=True)),
+        (
+            "llama.cpp",
+            "smol.gguf",
+            ServerWindow(512, "llama.cpp GET /props", refuses_overlong=True, counts_prompts=True),
+        ),
         (
             "vllm",
             "Qwen/Qwen2.5-1.5B-Instruct",
@@ -157,7 +161,9 @@ async def test_a_server_that_does_not_answer_is_asked_one_question_not_four(
 
     server = await asyncio.start_server(hang, "127.0.0.1", 0)
     port = server.sockets[0].getsockname()[1]
-    settings = make_settings().providers["mock"].model_copy(update={"base_url": f"http://127.0.0.1:{port}/v1"})
+    settings = (
+        make_settings().providers["mock"].model_copy(update={"base_url": f"http://127.0.0.1:{port}/v1"})
+    )
     upstream = OpenAIUpstream("p", settings)
     try:
         assert await upstream.describe("m") is None
@@ -822,3 +828,61 @@ async def test_ollama_native_through_litellm_gets_the_servers_window() -> None:
     (context,) = [rec for rec in store.responses[r.json()["id"]] if rec["type"] == "context"]
     assert (context["context_window"], context["context_window_source"]) == (2048, "Ollama POST /api/show")
     assert chats[-1]["options"]["num_ctx"] == 2048  # the window planned for, told to Ollama
+
+
+class DigitLlama(FakeLlama):
+    """Counts as SmolLM2 does text full of digits (one token each: far more than ours) and, as
+    llama.cpp does, counts a prompt on request (`/apply-template` + `/tokenize`)."""
+
+    def count(self, messages: list[dict[str, Any]]) -> int:
+        digits = sum(sum(ch.isdigit() for ch in str(m.get("content"))) for m in messages)
+        return int(1.1 * (3 + sum(count_message(m) for m in messages))) + digits + 21
+
+    def __call__(self, body: dict[str, Any]) -> Any:
+        n = self.count(body["messages"])
+        self.prompts.append(n)
+        if n > self.n_ctx:
+            self.refused += 1
+            raise status_error("mock", 400, llamacpp_refusal(n, self.n_ctx), {})
+        answer = {"role": "assistant", "content": "ok"}
+        usage = {"prompt_tokens": n, "completion_tokens": 1, "total_tokens": n + 1}
+        choice = {"index": 0, "message": answer, "finish_reason": "stop"}
+        return {"id": "x", "object": "chat.completion", "model": "smol", "choices": [choice], "usage": usage}
+
+
+class CountingServer(MockUpstream):
+    def __init__(self, llama: DigitLlama) -> None:
+        window = ServerWindow(512, "llama.cpp GET /props", refuses_overlong=True, counts_prompts=True)
+        super().__init__(llama, window=window)
+        self.reports_real_usage = True
+        self.llama = llama
+        self.counted = 0
+
+    async def count_prompt(self, body: dict[str, Any]) -> int | None:
+        self.counted += 1
+        return self.llama.count(body["messages"])
+
+
+async def test_a_server_that_counts_prompts_gets_windows_that_fit_its_count_exactly() -> None:
+    """On SmolLM2 (llama.cpp), prompts with digits, emoji or other scripts were counted far
+    above the calibration: prompts went over window - max_tokens (the answer cut at the
+    window, or a refusal), and one such prompt made the margin shrink every later window to
+    a third. llama.cpp counts a prompt on request: each window is checked with its count."""
+    llama = DigitLlama()
+    upstream = CountingServer(llama)
+    store = MemoryStore()
+    digits = " ".join(str(10**9 + 7919 * i) for i in range(12))  # 120 digits: ~45 of ours
+    async with build_client(make_settings(), store, upstream) as client:
+        for i in range(8):  # English turns: the calibration learns about 1.1x
+            assert (await ask(client, f"{i}: " + SENTENCE * 2, cid="warm", max_tokens=64)).status_code == 200
+        for i in range(10):  # several digit-heavy messages in one window
+            r = await ask(client, f"{i} numbers: {digits}", cid="digits", max_tokens=64)
+            assert r.status_code == 200, r.text
+        first_english = len(llama.prompts)
+        for i in range(12):  # then English again: the whole room is used, not a third of it
+            assert (await ask(client, f"{i}: " + SENTENCE * 2, cid="after", max_tokens=64)).status_code == 200
+    assert llama.refused == 0 and max(llama.prompts) <= 512 - 64  # never over window - max_tokens
+    assert min(llama.prompts[first_english + 8 :]) > 0.8 * (512 - 64)  # truncating, yet nearly full
+    assert upstream.counted >= len(llama.prompts)
+    contexts = [r for records in store.responses.values() for r in records if r["type"] == "context"]
+    assert all(c["server_prompt_tokens"] in llama.prompts for c in contexts)
