@@ -366,6 +366,7 @@ def show(
             "included": included,
             "summary_version": last[1].get("summary_version") if covers else None,
             "summary_covers_messages": covers,
+            "summary_covers_through": last[1].get("summary_covers_through") if covers else None,
         }
     # Each message's tokens as `gateway conversations` counts them (its turn's count if any).
     counts = stored_tokens(view)
@@ -391,6 +392,7 @@ def show(
                 "included_response_ids": sorted(window["included"]),
                 "summary_version": window["summary_version"],
                 "summary_covers_messages": window["summary_covers_messages"],
+                "summary_covers_through": window["summary_covers_through"],
             },
         }
         click.echo(orjson.dumps(out, option=orjson.OPT_INDENT_2).decode())
@@ -412,6 +414,9 @@ def show(
     sent = view.sent_items()  # and which of their messages
     in_history = set(zip(view.history_owner, view.history_pos, strict=True))
     marked = False
+    # Turns up to the one the rolling summary covers through were sent as the summary; its line
+    # follows that turn. Those after it, outside the window, were left out (the marker's).
+    summarized = window is not None and window["summary_covers_through"] is not None
     for turn in turns:
         if turn.is_feedback_only:
             click.echo(click.style(f"── {turn.response_id} (feedback turn: not replayed)", dim=True))
@@ -420,11 +425,15 @@ def show(
         if turn.response_id not in live:
             aside = "no longer sent to the model: edited away, reset or deleted"
         elif window is not None and turn.response_id not in window["included"]:
-            aside = f"outside the last turn's window ({window['response_id']}): left out or summarized"
+            where = f"outside the last turn's window ({window['response_id']})"
+            aside = f"{where}: {'in the rolling summary' if summarized else 'left out'}"
         if aside is not None:
             click.echo(click.style(f"── {turn.response_id} ({aside})", dim=True))
             for m in [*turn.input, *([turn.output] if turn.output is not None else [])]:
                 click.echo(click.style(render_message(m), dim=True))
+            if window is not None and summarized and turn.response_id == window["summary_covers_through"]:
+                summarized = False
+                _summary_line(window)
             continue
         messages = [*turn.input, *([turn.output] if turn.output is not None else [])]
 
@@ -469,14 +478,21 @@ def show(
     click.echo(click.style(footer, dim=True))
 
 
+def _summary_line(window: dict[str, Any]) -> None:
+    """After the last turn a rolling summary covers: that it stands for the messages above."""
+    where = f"gateway context {window['response_id']} shows exactly what was sent"
+    version, count = window["summary_version"], window["summary_covers_messages"]
+    folded = f"rolling summary v{version}: the {count} messages above were sent as this summary"
+    click.echo(click.style(f"── {folded} ({where})", dim=True))
+    window["summary_covers_messages"] = 0  # (said once)
+
+
 def _window_marker(window: dict[str, Any]) -> None:
     """Where the last turn's window begins: the rolling summary it sent in place of the earliest
-    messages, and the marker the model got for those it left out."""
+    messages (when not said already), and the marker the model got for those it left out."""
     where = f"gateway context {window['response_id']} shows exactly what was sent"
     if window["summary_covers_messages"]:
-        version, count = window["summary_version"], window["summary_covers_messages"]
-        folded = f"rolling summary v{version}: the {count} messages above were sent as this summary"
-        click.echo(click.style(f"── {folded} ({where})", dim=True))
+        _summary_line(window)
     if window["omitted_messages"]:
         omitted = f"[{window['omitted_messages']} earlier messages omitted]"
         click.echo(click.style(f"── {omitted} (the last turn's window; {where})", dim=True))

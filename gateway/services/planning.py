@@ -288,6 +288,9 @@ class Planner:
             recap_message, recap_tokens = self.sized(
                 recap, free // 6, count, lambda message, limit: shrink_recap(message, limit, count)[0]
             )
+            # A summary with too little room to say anything is left out: what it covers is then
+            # simply omitted (the marker counts it), and nothing claims it was sent.
+            unsent = covered if summary is not None and summary_message is None else 0
             return fit_window(
                 tools_tokens=tools_tokens,
                 system=system_msgs,
@@ -302,7 +305,7 @@ class Planner:
                 summary_tokens=summary_tokens,
                 recap=recap_message,
                 recap_tokens=recap_tokens,
-                omitted_before=lower - covered - (first_end if first_end and lower > 0 else 0),
+                omitted_before=lower - covered + unsent - (first_end if first_end and lower > 0 else 0),
                 first=first,
                 first_tokens=first_tokens,
                 keep_recent=ctx.keep_recent_messages,
@@ -365,7 +368,7 @@ class Planner:
             encoding=encoding,
             context_window=window_size,
             reserve=reserve,
-            summary=summary,
+            summary=summary if window.tokens.get("summary") else None,  # (None: not sent)
             kept_from=kept_abs,
             summary_target=target,
             facts=facts,

@@ -21,7 +21,7 @@ from gateway.tokens import bundled_tiktoken_dir
 from gateway.upstream.demo import demo_reply
 from gateway.upstream.mock import MockUpstream
 from tests.conftest import REPO, app_of, build_client, make_settings
-from tests.helpers import assert_openai_tool_order
+from tests.helpers import assert_openai_tool_order, say_each
 
 os.environ.setdefault("TIKTOKEN_CACHE_DIR", bundled_tiktoken_dir() or "")
 ENC = tiktoken.get_encoding("cl100k_base")
@@ -434,3 +434,25 @@ async def test_keep_first_holds_on_the_turn_that_moves_a_chat_in() -> None:
             body = upstream.requests[-1]["messages"]
             assert body[0] == first, body[:2]
             assert re.fullmatch(r"\[\d+ earlier messages omitted\]", str(body[1]["content"]))
+
+
+async def test_a_summary_left_out_for_lack_of_room_is_not_claimed() -> None:
+    """A summary too big for the room a long request left was dropped, yet the manifest named
+    its version and the marker counted only what the summary did not cover."""
+    settings = make_settings()
+    context = {"strategy": "summarize", "max_history_messages": 4, "max_context_tokens": 1000}
+    settings = settings.model_copy(update={"context": settings.context.model_copy(update=context)})
+    store = MemoryStore()
+    async with build_client(settings, store, MockUpstream()) as client:
+        await say_each(client, "s", [f"my fact number {n} is {n * 7}" for n in range(6)])
+        await app_of(client).state.summarizer.wait_idle()
+        (summarized,) = await say_each(client, "s", ["and one more"])
+        (crowded,) = await say_each(client, "s", ["word " * 700])  # leaves under 72 tokens free
+    sent = next(r for r in store.responses[summarized] if r["type"] == "context")
+    assert sent["summary_version"] and sent["tokens"]["summary"] > 0  # (a summary to leave out)
+    left_out = next(r for r in store.responses[crowded] if r["type"] == "context")
+    assert left_out["tokens"]["summary"] == 0
+    assert left_out["summary_version"] is None and left_out["summary_covers_messages"] == 0
+    kept = sum(1 for m in left_out["messages"] if m["role"] in ("user", "assistant")) - 1  # less the new one
+    assert left_out["truncated"] == left_out["stored_messages"] - kept
+    assert f"[{left_out['truncated']} earlier messages omitted]" in str(left_out["messages"])

@@ -311,6 +311,7 @@ def test_show_marks_what_the_last_window_left_out(tmp_path: Path) -> None:
         "included_response_ids": sorted(ids[2:]),
         "summary_version": None,
         "summary_covers_messages": 0,
+        "summary_covers_through": None,
     }
 
 
@@ -337,6 +338,33 @@ def test_show_says_which_messages_a_rolling_summary_stands_for(tmp_path: Path) -
     version, count = window["summary_version"], window["summary_covers_messages"]
     line = f"rolling summary v{version}: the {count} messages above were sent as this summary"
     assert line in out and out.index(f"── {ids[0]} ") < out.index(line) < out.index(f"── {ids[-1]}\n")
+
+
+def test_show_puts_the_summary_after_the_turns_it_covers(tmp_path: Path) -> None:
+    """`show` put the summary's line below every turn outside the window, those only omitted
+    (after the turns it covers) too, and called them all "left out or summarized"."""
+    import json
+
+    from tests.conftest import app_of
+    from tests.helpers import say_each
+
+    async def talk(client: Any) -> list[str]:
+        ids = await say_each(client, "s", [f"q{n}" for n in range(6)])
+        await app_of(client).state.summarizer.wait_idle()
+        return ids + await say_each(client, "s", [f"q{n}" for n in range(6, 10)])
+
+    context = {"strategy": "summarize", "max_history_messages": 6, "keep_recent_messages": 2}
+    ids = seed_offline(tmp_path, context, talk)
+    window = json.loads(gw("show", "s", "--json", "--data-dir", str(tmp_path / "var")).stdout)["last_window"]
+    assert window["summary_covers_messages"] > 0 and window["omitted_messages"] > 0
+    through = window["summary_covers_through"]
+    out = gw("show", "s", "--data-dir", str(tmp_path / "var")).stdout
+    line = out.index(f"rolling summary v{window['summary_version']}: the ")
+    after = ids[ids.index(through) + 1]  # the first turn the summary does not cover: omitted
+    marker = out.index("earlier messages omitted]")
+    assert out.index(f"── {through} ") < line < out.index(f"── {after} ") < marker
+    assert f"{ids[0]} (outside the last turn's window ({ids[-1]}): in the rolling summary)" in out
+    assert f"{after} (outside the last turn's window ({ids[-1]}): left out)" in out
 
 
 def test_show_marks_what_is_no_longer_sent(gateway: GatewayProcess, upstream: MockServer) -> None:
