@@ -148,6 +148,9 @@ def render_context(record: Record, *, show_messages: bool) -> None:
             + " | ".join(f"{name} {tokens.get(name, 0)}" for name, _, _ in LAYERS)
             + f" | overhead {tokens.get('overhead', 0)} | total {tokens.get('total', 0)}"
         )
+        if record.get("server_prompt_tokens") is not None:
+            counted = record["server_prompt_tokens"]
+            click.echo(f"server count {counted} tokens (the provider's own count of this prompt)")
         width = 60
         bar = ""
         for name, char, color in LAYERS:

@@ -11,7 +11,9 @@ def test_the_manifest_line_adds_up_and_a_cancelled_attempt_says_only_that(capsys
     context = {"type": "context", "tokens": {"system": 5, "new": 7, "overhead": 3, "total": 15}}
     render_log([context, {"type": "incomplete", "reason": "cancelled", "error": None}], show_messages=False)
     out = capsys.readouterr().out  # type: ignore[attr-defined]
-    assert "overhead 3 | total 15" in out
+    assert "overhead 3 | total 15" in out and "server count" not in out
+    render_log([{**context, "server_prompt_tokens": 21}], show_messages=False)
+    assert "server count 21 tokens" in capsys.readouterr().out  # type: ignore[attr-defined]
     assert "incomplete   cancelled\n" in out and "cancelled: None" not in out
 
 
