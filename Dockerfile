@@ -39,6 +39,6 @@ WORKDIR /data
 VOLUME ["/data"]
 EXPOSE 8080
 HEALTHCHECK --interval=15s --timeout=5s --start-period=20s --retries=3 \
-    CMD ["python3", "-c", "import os, urllib.request; urllib.request.urlopen('http://127.0.0.1:%s/readyz' % os.environ.get('GATEWAY_SERVER__PORT', '8080'), timeout=4)"]
+    CMD ["python3", "-c", "import os, urllib.request as u; u.build_opener(u.ProxyHandler({})).open('http://127.0.0.1:%s/readyz' % os.environ.get('GATEWAY_SERVER__PORT', '8080'), timeout=4)"]
 ENTRYPOINT ["gateway"]
 CMD ["serve"]

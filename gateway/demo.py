@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import secrets
 import shlex
 
@@ -20,10 +21,11 @@ SCRIPT = [
 
 
 def run_demo(settings: Settings, *, port: int = 0, config_path: str | None = None) -> None:
-    from openai import OpenAI
+    from openai import DefaultHttpxClient, OpenAI
 
     from gateway.app import create_app
     from gateway.server import running_in_thread
+    from gateway.services import Services
     from gateway.tenants import Tenants
 
     providers = dict(settings.providers)
@@ -32,11 +34,15 @@ def run_demo(settings: Settings, *, port: int = 0, config_path: str | None = Non
         providers["demo"] = ProviderSettings(kind="demo")
     settings = settings.model_copy(update={"providers": providers})
     conversation_id = f"demo-{secrets.token_hex(3)}"
+    # A data dir it cannot write is one line (as for `serve`), not the server's traceback.
+    asyncio.run(Services.check_store(settings))
     app = create_app(settings)
     with running_in_thread(app, port=port) as base_url:
         # With [auth] keys, the demo's conversation belongs to the first key's tenant.
         key = Tenants.from_settings(settings).a_key or "not-needed"
-        client = OpenAI(base_url=f"{base_url}/v1", api_key=key)
+        # Its own loopback server: never through the environment's HTTP(S)_PROXY.
+        http = DefaultHttpxClient(trust_env=False)
+        client = OpenAI(base_url=f"{base_url}/v1", api_key=key, http_client=http)
         click.echo(f"gateway on {base_url}, model 'demo', conversation {conversation_id}")
         click.echo("each request carries only the new user message; the gateway supplies the rest\n")
         for i, text in enumerate(SCRIPT, 1):

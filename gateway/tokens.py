@@ -8,6 +8,7 @@ Models whose family is unknown are counted with `cl100k_base` (documented fallba
 from __future__ import annotations
 
 import os
+import threading
 from collections.abc import Callable, Mapping
 from functools import lru_cache
 from pathlib import Path
@@ -42,12 +43,31 @@ def encoding_name_for(model: str) -> str:
     return "cl100k_base"
 
 
+_CACHE_DIR_LOCK = threading.Lock()
+
+
 @lru_cache(maxsize=4)
 def get_encoding(name: str) -> Encoding:
     _ensure_cache_dir()
     import tiktoken
 
-    encoding = tiktoken.get_encoding(name)
+    folder = bundled_tiktoken_dir()
+    if folder is None or os.environ.get("TIKTOKEN_CACHE_DIR") == folder:
+        encoding = tiktoken.get_encoding(name)
+    else:
+        # The user's own TIKTOKEN_CACHE_DIR may lack these files (tiktoken would then download
+        # them: offline, every turn failed): the bundled copies are read, and the variable is
+        # left as it was for anything else in the process.
+        with _CACHE_DIR_LOCK:
+            before = os.environ.get("TIKTOKEN_CACHE_DIR")
+            os.environ["TIKTOKEN_CACHE_DIR"] = folder
+            try:
+                encoding = tiktoken.get_encoding(name)
+            finally:
+                if before is None:
+                    os.environ.pop("TIKTOKEN_CACHE_DIR", None)
+                else:
+                    os.environ["TIKTOKEN_CACHE_DIR"] = before
     # The Rust core keeps its own copy of the BPE ranks; the Python-side dict (~16 MB for
     # cl100k_base) is only used by token_byte_values(), which the gateway never calls.
     if isinstance(getattr(encoding, "_mergeable_ranks", None), dict):

@@ -10,8 +10,10 @@ import asyncio
 import importlib.util
 import os
 import socket
+import sys
 from collections.abc import AsyncGenerator, AsyncIterator, Iterator
 from contextlib import contextmanager
+from pathlib import Path
 from typing import Any
 
 import aiohttp
@@ -43,7 +45,19 @@ _litellm: Any = None
 # litellm's prefixes for Ollama's native API, and the address litellm uses without a base_url.
 OLLAMA_PREFIXES = frozenset({"ollama", "ollama_chat"})
 OLLAMA_DEFAULT_URL = "http://localhost:11434"
-INSTALL_HINT = "pip install 'llm-continuity-gateway[litellm]'"
+
+
+def _install_hint() -> str:
+    """How to add litellm to the environment the gateway runs in (a checkout's venv, pipx's own,
+    or the container image, which has no pip)."""
+    if "pipx" in Path(sys.prefix).parts:
+        return "pipx inject llm-continuity-gateway litellm"
+    if importlib.util.find_spec("pip") is None:
+        return "rebuild the image with --build-arg EXTRAS=litellm (or install litellm>=1.50 here)"
+    return f"{sys.executable} -m pip install 'litellm>=1.50'"
+
+
+INSTALL_HINT = _install_hint()
 
 
 def litellm_installed() -> bool:

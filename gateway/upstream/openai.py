@@ -15,8 +15,10 @@ from __future__ import annotations
 import asyncio
 import logging
 import os
+import urllib.request
 from collections.abc import AsyncGenerator, AsyncIterator, Awaitable, Callable, Iterator, Mapping
 from contextlib import contextmanager
+from urllib.parse import urlsplit
 
 import aiohttp
 import orjson
@@ -104,6 +106,14 @@ def map_upstream_errors(name: str, url: str) -> Iterator[None]:
         raise UpstreamProtocolError(
             f"Provider {name!r} at {url} failed: {exc or type(exc).__name__}"
         ) from exc
+
+
+def proxied(url: str) -> bool:
+    """Does the environment's proxy (HTTP_PROXY / HTTPS_PROXY, less NO_PROXY) apply to `url`?"""
+    parts = urlsplit(url)
+    if parts.scheme not in urllib.request.getproxies():
+        return False
+    return not urllib.request.proxy_bypass(parts.hostname or "")
 
 
 class UpstreamErrorEvent(UpstreamStatusError):
@@ -237,7 +247,9 @@ class OpenAIUpstream(Upstream):
         self._session: aiohttp.ClientSession | None = None
         self.retries = settings.retries
         self._pool: http1.Pool | None = None
-        if self._endpoint.startswith("http://"):
+        # Plain HTTP goes through the gateway's own client, unless the environment's proxy
+        # applies (HTTP_PROXY, NO_PROXY): then, as HTTPS, through aiohttp, which honours it.
+        if self._endpoint.startswith("http://") and not proxied(self._endpoint):
             self._pool = http1.Pool(
                 self._endpoint,
                 self._headers,
@@ -253,6 +265,7 @@ class OpenAIUpstream(Upstream):
                 timeout=self._timeout,
                 headers=self._headers,
                 auto_decompress=True,
+                trust_env=True,  # HTTP(S)_PROXY and NO_PROXY, as the OpenAI SDK and litellm
             )
         return self._session
 

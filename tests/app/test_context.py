@@ -253,8 +253,10 @@ async def test_upstream_truncation_is_flagged(tmp_path: Path, caplog: pytest.Log
     assert "upstream_truncation_suspected" in caplog.text
 
 
-def test_token_counting_works_offline() -> None:
-    """tiktoken must not download anything: the network is cut inside the child process."""
+@pytest.mark.parametrize("cache_dir", ["unset", "empty"])
+def test_token_counting_works_offline(tmp_path: Path, cache_dir: str) -> None:
+    """tiktoken must not download anything: the network is cut inside the child process. A
+    TIKTOKEN_CACHE_DIR of the user's own (without these files) made every turn a 503 offline."""
     code = (
         "import socket\n"
         "def refuse(*a, **k): raise OSError('network is off')\n"
@@ -264,6 +266,8 @@ def test_token_counting_works_offline() -> None:
         "count_message({'role': 'user', 'content': 'hi'}))\n"
     )
     env = {k: v for k, v in os.environ.items() if k != "TIKTOKEN_CACHE_DIR"}
+    if cache_dir == "empty":
+        env["TIKTOKEN_CACHE_DIR"] = str(tmp_path)
     out = subprocess.run(
         [sys.executable, "-c", code], cwd=REPO, env=env, capture_output=True, text=True, timeout=60
     )

@@ -157,3 +157,18 @@ def test_demo_with_keys_and_its_hint_reads_the_same_data(tmp_path: Path) -> None
                            env={**os.environ, **env}, capture_output=True, text=True, timeout=60)  # fmt: skip
     assert shown.returncode == 0, shown.stderr
     assert "Lisbon" in shown.stdout
+
+
+def test_demo_ignores_the_proxy_and_says_an_unwritable_data_dir_in_one_line(tmp_path: Path) -> None:
+    """Behind HTTP(S)_PROXY without NO_PROXY the demo sent its loopback requests to the proxy
+    (119 lines of traceback); in a folder it cannot write it printed two tracebacks."""
+    proxy = {"HTTP_PROXY": "http://127.0.0.1:9", "HTTPS_PROXY": "http://127.0.0.1:9", "NO_PROXY": ""}
+    result = gw("demo", "--port", str(free_port()), "--data-dir", str(tmp_path / "var"), env=proxy)
+    assert result.returncode == 0, result.stderr[-500:]
+    assert "Your name is Bob." in result.stdout
+    blocked = tmp_path / "blocked"
+    blocked.write_text("a file where the data dir would be")
+    result = gw("demo", "--port", str(free_port()), "--data-dir", str(blocked / "var"))
+    assert result.returncode == 1
+    (line,) = result.stderr.strip().splitlines()
+    assert line.startswith("gateway: cannot open the jsonl store"), line

@@ -75,9 +75,10 @@ def test_litellm_provider_without_litellm_names_the_extra() -> None:
         """
     )
     assert result.returncode == 0, result.stderr
+    # (into the environment the gateway runs in: the distribution is not on PyPI)
     assert result.stdout.strip() == (
         "502 Provider 'anthropic' has kind = \"litellm\", which needs litellm: "
-        "pip install 'llm-continuity-gateway[litellm]'"
+        f"{sys.executable} -m pip install 'litellm>=1.50'"
     )
 
 
@@ -107,8 +108,20 @@ def test_serve_names_litellm_providers_whose_extra_is_missing(
     cli._notice_missing_litellm(settings)
     assert capsys.readouterr().err == (
         'gateway: note: provider anthropic (kind = "litellm") needs litellm, not installed: '
-        "pip install 'llm-continuity-gateway[litellm]'; until then its requests get 502\n"
+        f"{sys.executable} -m pip install 'litellm>=1.50'; until then its requests get 502\n"
     )
     monkeypatch.setattr(litellm, "litellm_installed", lambda: True)
     cli._notice_missing_litellm(settings)
     assert capsys.readouterr().err == ""
+
+
+def test_the_litellm_hint_fits_the_install(monkeypatch: pytest.MonkeyPatch) -> None:
+    """It said `pip install 'llm-continuity-gateway[litellm]'`: not on PyPI, not pipx's venv,
+    and the image has no pip."""
+    from gateway.upstream import litellm
+
+    monkeypatch.setattr(sys, "prefix", "/root/.local/share/pipx/venvs/llm-continuity-gateway")
+    assert litellm._install_hint() == "pipx inject llm-continuity-gateway litellm"
+    monkeypatch.setattr(sys, "prefix", "/opt/gateway")
+    monkeypatch.setattr(litellm.importlib.util, "find_spec", lambda name: None)
+    assert "--build-arg EXTRAS=litellm" in litellm._install_hint()

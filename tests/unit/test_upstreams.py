@@ -361,3 +361,41 @@ async def test_litellm_is_imported_off_the_event_loop(monkeypatch: pytest.Monkey
     monkeypatch.setattr(module, "import_litellm", fake_import)
     assert await module.litellm_module("anth") == "litellm"
     assert where and where[0] != threading.main_thread().name
+
+
+async def test_the_environments_proxy_is_honoured(monkeypatch: pytest.MonkeyPatch) -> None:
+    """`kind = "openai"` providers connected directly whatever HTTP(S)_PROXY said: on a network
+    reached only through a proxy, OpenAI itself could not be reached. NO_PROXY is honoured."""
+    from aiohttp import web
+
+    seen: list[str] = []
+
+    async def proxy(request: web.Request) -> web.Response:
+        seen.append(str(request.url))  # a forward proxy gets the absolute URL
+        reply = {"role": "assistant", "content": "via the proxy"}
+        return web.json_response(
+            {"id": "x", "object": "chat.completion", "choices": [{"index": 0, "message": reply}]}
+        )
+
+    app = web.Application()
+    app.router.add_route("*", "/{tail:.*}", proxy)
+    async with serving_app(app) as proxy_url:
+        monkeypatch.setenv("HTTP_PROXY", proxy_url)
+        monkeypatch.delenv("NO_PROXY", raising=False)
+        monkeypatch.delenv("no_proxy", raising=False)
+        settings = ProviderSettings(kind="openai", base_url="http://provider.invalid/v1", timeout=5)
+        up = OpenAIUpstream("p", settings)
+        try:
+            answer = await up.complete(dict(BODY))
+        finally:
+            await up.aclose()
+        assert answer["choices"][0]["message"]["content"] == "via the proxy"
+        assert seen == ["http://provider.invalid/v1/chat/completions"]
+        monkeypatch.setenv("NO_PROXY", "provider.invalid")
+        direct = OpenAIUpstream("p", settings)
+        try:
+            with pytest.raises(UpstreamUnreachable):  # not through the proxy: a name that resolves nowhere
+                await direct.complete(dict(BODY))
+        finally:
+            await direct.aclose()
+        assert len(seen) == 1
