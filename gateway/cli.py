@@ -85,7 +85,7 @@ def _notice_if_no_config_file(settings: Settings) -> None:
     providers = ", ".join(sorted(settings.providers))
     click.echo(
         f"gateway: no config file ({DEFAULT_CONFIG_PATH} not found in {Path.cwd()}; "
-        "name one with --config or GATEWAY_CONFIG): "
+        "name one with --config or GATEWAY_CONFIG; `gateway example-config` prints a commented one): "
         f"using built-in defaults{env}: {settings.server.host}:{settings.server.port}, "
         f"providers {providers} (default {settings.default_provider!r}), {data}",
         err=True,
@@ -289,6 +289,14 @@ def demo(settings: Settings, *, config_path: str | None, port: int) -> None:
     from gateway.demo import run_demo
 
     run_demo(settings, port=port, config_path=config_path)
+
+
+@main.command("example-config")
+@_common
+def example_config(settings: Settings, *, config_path: str | None) -> None:
+    """Print the commented config file shipped with the gateway (`gateway example-config >
+    gateway.toml`, then edit it: every key, its default and what it does)."""
+    click.echo((Path(__file__).resolve().parent / "data" / "gateway.toml").read_text(), nl=False)
 
 
 @main.command()

@@ -172,3 +172,14 @@ def test_demo_ignores_the_proxy_and_says_an_unwritable_data_dir_in_one_line(tmp_
     assert result.returncode == 1
     (line,) = result.stderr.strip().splitlines()
     assert line.startswith("gateway: cannot open the jsonl store"), line
+
+
+def test_example_config_is_the_shipped_commented_one(tmp_path: Path) -> None:
+    """A wheel or pipx install has no checkout: the commented config comes with the package."""
+    shipped = (REPO / "config" / "gateway.toml").read_text()
+    assert (REPO / "gateway" / "data" / "gateway.toml").read_text() == shipped  # one text, two places
+    result = gw("example-config")
+    assert result.returncode == 0 and result.stdout == shipped
+    (tmp_path / "mine.toml").write_text(result.stdout)
+    listed = gw("conversations", "--config", str(tmp_path / "mine.toml"), "--data-dir", str(tmp_path / "var"))
+    assert listed.returncode == 0, listed.stderr
