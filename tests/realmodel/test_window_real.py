@@ -117,6 +117,8 @@ def test_no_window_configured_8_turns_fit_and_fill_the_window(tmp_path: Path, ll
         snapshot = context_records(gateway.data_dir, r["id"])[-1]
         assert snapshot["context_window"] == N_CTX
         assert snapshot["context_window_source"].startswith("llama.cpp")
+        # The window was checked with llama.cpp's own count: exactly what it then reported.
+        assert snapshot["server_prompt_tokens"] == r["prompt_tokens"], (r, snapshot["tokens"])
         truncating = truncating or snapshot["truncated"] > 0
         if truncating:
             # Once the history is larger than the window, every prompt uses at least 55% of it.
