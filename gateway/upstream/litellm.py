@@ -16,7 +16,6 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
-import aiohttp
 import orjson
 
 from gateway.config import ProviderSettings
@@ -38,7 +37,6 @@ from gateway.upstream.base import (
     complete_with_retries,
     stream_with_retries,
 )
-from gateway.upstream.discovery import describe_openai_compatible
 from gateway.upstream.refusal import parse_refusal
 
 _litellm: Any = None
@@ -260,6 +258,10 @@ class LitellmUpstream(Upstream):
         Ollama's /v1. Other providers have no such question: their window is the model map's."""
         if self.prefix not in OLLAMA_PREFIXES:
             return None
+        import aiohttp  # (here: a gateway with litellm providers need not load it at start)
+
+        from gateway.upstream.discovery import describe_openai_compatible
+
         async with aiohttp.ClientSession(headers=self.settings.headers or None) as session:
             return await describe_openai_compatible(session, self.url or OLLAMA_DEFAULT_URL, model)
 

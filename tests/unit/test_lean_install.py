@@ -125,3 +125,17 @@ def test_the_litellm_hint_fits_the_install(monkeypatch: pytest.MonkeyPatch) -> N
     monkeypatch.setattr(sys, "prefix", "/opt/gateway")
     monkeypatch.setattr(litellm.importlib.util, "find_spec", lambda name: None)
     assert "--build-arg EXTRAS=litellm" in litellm._install_hint()
+
+
+def test_a_litellm_provider_loads_nothing_at_start() -> None:
+    """The litellm seam pulled aiohttp in at start (9 MiB, 0.1 s) for Ollama's window question,
+    asked only on a first turn."""
+    result = run_without_litellm(
+        """
+        import sys
+        import gateway.app, gateway.upstream.litellm
+        print(sorted(m for m in ("aiohttp", "litellm") if m in sys.modules))
+        """
+    )
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.strip() == "[]"
