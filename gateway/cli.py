@@ -292,8 +292,9 @@ def demo(settings: Settings, *, config_path: str | None, port: int) -> None:
 
 
 @main.command("example-config")
-@_common
-def example_config(settings: Settings, *, config_path: str | None) -> None:
+@click.option("--config", "config_path", default=None, help="Accepted, not read.")
+@click.option("--data-dir", default=None, help="Accepted, not used.")
+def example_config(config_path: str | None, data_dir: str | None) -> None:
     """Print the commented config file shipped with the gateway (`gateway example-config >
     gateway.toml`, then edit it: every key, its default and what it does)."""
     click.echo((Path(__file__).resolve().parent / "data" / "gateway.toml").read_text(), nl=False)

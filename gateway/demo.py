@@ -26,6 +26,7 @@ def run_demo(settings: Settings, *, port: int = 0, config_path: str | None = Non
     from gateway.app import create_app
     from gateway.server import running_in_thread
     from gateway.services import Services
+    from gateway.store import tenant_root
     from gateway.tenants import Tenants
 
     providers = dict(settings.providers)
@@ -39,7 +40,8 @@ def run_demo(settings: Settings, *, port: int = 0, config_path: str | None = Non
     app = create_app(settings)
     with running_in_thread(app, port=port) as base_url:
         # With [auth] keys, the demo's conversation belongs to the first key's tenant.
-        key = Tenants.from_settings(settings).a_key or "not-needed"
+        tenants = Tenants.from_settings(settings)
+        key = tenants.a_key or "not-needed"
         # Its own loopback server: never through the environment's HTTP(S)_PROXY.
         http = DefaultHttpxClient(trust_env=False)
         client = OpenAI(base_url=f"{base_url}/v1", api_key=key, http_client=http)
@@ -75,7 +77,8 @@ def run_demo(settings: Settings, *, port: int = 0, config_path: str | None = Non
         )
         click.echo(click.style("    assistant ", fg="green", bold=True) + "".join(parts))
         click.echo(click.style(f"    response id {stream_id}", dim=True))
-    data_dir = settings.storage.data_dir
+    # Where its files are: under the key's tenant folder when the gateway has keys.
+    data_dir = str(tenant_root(settings, tenants.tenant_of(key) if tenants.enabled else ""))
     click.echo("\nlogs:")
     click.echo(f"  index      {data_dir}/logs/conversations/{conversation_id}.jsonl")
     click.echo(f"  responses  {data_dir}/logs/responses/<response id>.jsonl")

@@ -51,6 +51,10 @@ class Tenants:
     def enabled(self) -> bool:
         return bool(self._by_key)
 
+    def tenant_of(self, key: str) -> str:
+        """The tenant of one of the keys."""
+        return self._by_key[key]
+
     @property
     def a_key(self) -> str | None:
         """One of the keys (the first configured), for a client in this process (`gateway demo`)."""

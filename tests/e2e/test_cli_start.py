@@ -157,6 +157,10 @@ def test_demo_with_keys_and_its_hint_reads_the_same_data(tmp_path: Path) -> None
                            env={**os.environ, **env}, capture_output=True, text=True, timeout=60)  # fmt: skip
     assert shown.returncode == 0, shown.stderr
     assert "Lisbon" in shown.stdout
+    # The log paths it prints are the files written: the key's tenant folder.
+    lines = result.stdout.splitlines()
+    index = next(line.split("index", 1)[1].strip() for line in lines if line.strip().startswith("index "))
+    assert Path(index).is_file() and "/tenants/t" in index, index
 
 
 def test_demo_ignores_the_proxy_and_says_an_unwritable_data_dir_in_one_line(tmp_path: Path) -> None:
@@ -180,6 +184,11 @@ def test_example_config_is_the_shipped_commented_one(tmp_path: Path) -> None:
     assert (REPO / "gateway" / "data" / "gateway.toml").read_text() == shipped  # one text, two places
     result = gw("example-config")
     assert result.returncode == 0 and result.stdout == shipped
+    # Whatever config is in force: it is the way out of a broken one.
+    broken = tmp_path / "broken.toml"
+    broken.write_text("[server\n")
+    result = gw("example-config", "--config", str(broken), env={"GATEWAY_SERVER__PORT": "abc"})
+    assert (result.returncode, result.stdout, result.stderr) == (0, shipped, "")
     (tmp_path / "mine.toml").write_text(result.stdout)
     listed = gw("conversations", "--config", str(tmp_path / "mine.toml"), "--data-dir", str(tmp_path / "var"))
     assert listed.returncode == 0, listed.stderr
