@@ -26,7 +26,6 @@ def run_demo(settings: Settings, *, port: int = 0, config_path: str | None = Non
     from gateway.app import create_app
     from gateway.server import running_in_thread
     from gateway.services import Services
-    from gateway.store import tenant_root
     from gateway.tenants import Tenants
 
     providers = dict(settings.providers)
@@ -78,7 +77,7 @@ def run_demo(settings: Settings, *, port: int = 0, config_path: str | None = Non
         click.echo(click.style("    assistant ", fg="green", bold=True) + "".join(parts))
         click.echo(click.style(f"    response id {stream_id}", dim=True))
     # Where its files are: under the key's tenant folder when the gateway has keys.
-    data_dir = str(tenant_root(settings, tenants.tenant_of(key) if tenants.enabled else ""))
+    data_dir = Services.data_folder(settings, tenants.tenant_of(key) if tenants.enabled else "")
     click.echo("\nlogs:")
     click.echo(f"  index      {data_dir}/logs/conversations/{conversation_id}.jsonl")
     click.echo(f"  responses  {data_dir}/logs/responses/<response id>.jsonl")

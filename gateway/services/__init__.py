@@ -22,7 +22,7 @@ from gateway.services.responses import StoredResponses
 from gateway.services.sessions import Sessions
 from gateway.services.summaries import Summaries
 from gateway.services.turns import ChatService
-from gateway.store import Store, StoreRegistry, create_store
+from gateway.store import Store, StoreRegistry, create_store, tenant_root
 from gateway.upstream import Router
 
 log = logging.getLogger("gateway.services")
@@ -71,6 +71,11 @@ class Services:
             yield cls.from_settings(settings, store=store, opened=True)
         finally:
             await store.close()
+
+    @staticmethod
+    def data_folder(settings: Settings, tenant: str = "") -> str:
+        """Where a tenant's JSONL files are (the data dir itself without keys)."""
+        return str(tenant_root(settings, tenant))
 
     @staticmethod
     async def check_store(settings: Settings) -> None:
