@@ -84,6 +84,7 @@ class ContextLengthExceeded(InvalidRequest):
     """Even the current request alone does not fit the model's context window."""
 
     code = "context_length_exceeded"
+    needs: int | None = None  # the tokens (the gateway's count) the request alone takes, when known
 
 
 class ConversationTooLarge(InvalidRequest):

@@ -95,6 +95,21 @@ def newest_user_message(conversation: list[Message], first_new: int) -> int | No
     return None
 
 
+def request_alone(fit_request: Callable[[int], Window], exc: ContextLengthExceeded) -> Window:
+    """The window of the request alone (no history): planned with the budget the refusal said
+    it needs (its marker's cost added when that comes next)."""
+    for _ in range(3):
+        if exc.needs is None:
+            raise exc
+        try:
+            return fit_request(exc.needs)
+        except ContextLengthExceeded as again:
+            if again.needs is None or again.needs <= exc.needs:
+                raise
+            exc = again
+    raise exc
+
+
 async def off_loop_if_large(messages: list[Message], work: Callable[[], Any]) -> Any:
     if _size(messages) > _COUNT_OFF_LOOP_CHARS:
         return await asyncio.to_thread(work)
@@ -336,14 +351,22 @@ class Planner:
 
         try:
             window = fit_request(budget)
-        except ContextLengthExceeded:
-            # The margin covers the worst count the calibration has seen (one prompt of digits
-            # can make it large): a request that fits the best estimate without it is sent, and
-            # the provider has the last word (a refusal is learned from and retried once).
-            best = replace(facts.calibration, margin=0).our_budget(window_size - reserve)
-            if best <= budget:
-                raise
-            window = fit_request(best)
+        except ContextLengthExceeded as exc:
+            if facts.counts_prompts:
+                # The calibration's estimate is not the judge where the server counts: the
+                # request alone is planned (no history) and its own count decides, below.
+                # (Digits or emoji seen earlier, or tools a template leaves out, made the
+                # estimate refuse requests the model takes.)
+                window = request_alone(fit_request, exc)
+            else:
+                # The margin covers the worst count the calibration has seen (one prompt of
+                # digits can make it large): a request that fits the best estimate without it
+                # is sent, and the provider has the last word (a refusal is learned from and
+                # retried once).
+                best = replace(facts.calibration, margin=0).our_budget(window_size - reserve)
+                if best <= budget:
+                    raise
+                window = fit_request(best)
         server_tokens = None
         if facts.counts_prompts:
             window, server_tokens = await self._fit_exactly(

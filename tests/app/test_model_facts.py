@@ -886,3 +886,24 @@ async def test_a_server_that_counts_prompts_gets_windows_that_fit_its_count_exac
     assert upstream.counted >= len(llama.prompts)
     contexts = [r for records in store.responses.values() for r in records if r["type"] == "context"]
     assert all(c["server_prompt_tokens"] in llama.prompts for c in contexts)
+
+
+async def test_where_the_server_counts_its_count_not_the_estimate_refuses_a_request() -> None:
+    """On SmolLM2, a message that fitted (325 of llama.cpp's tokens against 491) was refused
+    before llama.cpp was asked: earlier digits had made the calibration's estimate 3x, and a
+    request's tools (which SmolLM2's template leaves out) were counted in full."""
+    llama = DigitLlama()
+    upstream = CountingServer(llama)
+    async with build_client(make_settings(), MemoryStore(), upstream) as client:
+        facts = client._transport.app.state.services.facts  # type: ignore[attr-defined]
+        route = client._transport.app.state.services.router.resolve("mock/smol")  # type: ignore[attr-defined]
+        for ours in (100, 110, 120, 130):
+            facts.observe(route, ours, 3 * ours)  # an estimate of 3x: ~150 of ours fit 448
+        r = await ask(client, SENTENCE * 11, cid="english", max_tokens=64)  # ~200 of ours: 250 of its
+        assert r.status_code == 200, r.text
+        tool = {"type": "function", "function": {"name": "lookup", "description": SENTENCE * 8}}
+        r = await ask(client, "hello", cid="tools", max_tokens=64, tools=[tool] * 3)  # ~400 of ours
+        assert r.status_code == 200, r.text
+        r = await ask(client, SENTENCE * 30, cid="big", max_tokens=64)  # 600+ of its own: too big
+        assert r.status_code == 400 and r.json()["error"]["code"] == "context_length_exceeded"
+    assert llama.refused == 0 and max(llama.prompts) <= 512 - 64
