@@ -84,6 +84,11 @@ def window_from_ollama_show(show: object) -> int | None:
 DESCRIBE_TIMEOUT = 3.0
 
 
+def server_root(base_url: str) -> str:
+    """The server's own root for its non-OpenAI routes (`/props`, `/api/...`): `base_url` less `/v1`."""
+    return base_url[: -len("/v1")] if base_url.endswith("/v1") else base_url
+
+
 async def describe_openai_compatible(
     session: aiohttp.ClientSession, base_url: str, model: str
 ) -> ServerWindow | None:
@@ -93,7 +98,7 @@ async def describe_openai_compatible(
     cannot be reached or does not answer one in time is asked nothing more: the turn waiting
     on the answer then meets the provider's own timeout a few seconds late at most, not four
     questions' worth of waiting (a hung server gave 15 s for a 3 s `timeout`)."""
-    root = base_url[: -len("/v1")] if base_url.endswith("/v1") else base_url
+    root = server_root(base_url)
     loop = asyncio.get_running_loop()
     deadline = loop.time() + DESCRIBE_TIMEOUT
     unreachable = False
@@ -156,23 +161,22 @@ async def count_llamacpp_prompt(session: aiohttp.ClientSession, base_url: str, b
     (`POST /apply-template`, the request's tools included), then its tokenizer (`POST /tokenize`,
     the special tokens it adds included): what it reports as `usage.prompt_tokens`. None when
     either answer is missing (an older server, a failure: the calibration then plans alone)."""
-    root = base_url[: -len("/v1")] if base_url.endswith("/v1") else base_url
+    root = server_root(base_url)
     timeout = aiohttp.ClientTimeout(total=COUNT_TIMEOUT)
     headers = {"content-type": "application/json"}
-    try:
+
+    async def answer(path: str, payload: object, field: str) -> object:
         async with session.post(
-            f"{root}/apply-template", data=orjson.dumps(body), headers=headers, timeout=timeout
+            f"{root}{path}", data=orjson.dumps(payload), headers=headers, timeout=timeout
         ) as response:
-            answer = orjson.loads(await response.read()) if response.status == 200 else None
-        prompt = answer.get("prompt") if isinstance(answer, dict) else None
+            got = orjson.loads(await response.read()) if response.status == 200 else None
+        return got.get(field) if isinstance(got, dict) else None
+
+    try:
+        prompt = await answer("/apply-template", body, "prompt")
         if not isinstance(prompt, str):
             return None
-        question = {"content": prompt, "add_special": True}
-        async with session.post(
-            f"{root}/tokenize", data=orjson.dumps(question), headers=headers, timeout=timeout
-        ) as response:
-            answer = orjson.loads(await response.read()) if response.status == 200 else None
+        tokens = await answer("/tokenize", {"content": prompt, "add_special": True}, "tokens")
     except (aiohttp.ClientError, TimeoutError, orjson.JSONDecodeError, ValueError):
         return None
-    tokens = answer.get("tokens") if isinstance(answer, dict) else None
     return len(tokens) if isinstance(tokens, list) else None
