@@ -39,7 +39,7 @@ def run_demo(settings: Settings, *, port: int = 0, config_path: str | None = Non
     app = create_app(settings)
     with running_in_thread(app, port=port) as base_url:
         # With [auth] keys, the demo's conversation belongs to the first key's tenant.
-        tenants = Tenants.from_settings(settings)
+        tenants: Tenants = app.state.tenants
         key = tenants.a_key or "not-needed"
         # Its own loopback server: never through the environment's HTTP(S)_PROXY.
         http = DefaultHttpxClient(trust_env=False)
