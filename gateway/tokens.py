@@ -59,15 +59,12 @@ def get_encoding(name: str) -> Encoding:
         # them: offline, every turn failed): the bundled copies are read, and the variable is
         # left as it was for anything else in the process.
         with _CACHE_DIR_LOCK:
-            before = os.environ.get("TIKTOKEN_CACHE_DIR")
+            before = os.environ["TIKTOKEN_CACHE_DIR"]  # (set: `_ensure_cache_dir` sets it when unset)
             os.environ["TIKTOKEN_CACHE_DIR"] = folder
             try:
                 encoding = tiktoken.get_encoding(name)
             finally:
-                if before is None:
-                    os.environ.pop("TIKTOKEN_CACHE_DIR", None)
-                else:
-                    os.environ["TIKTOKEN_CACHE_DIR"] = before
+                os.environ["TIKTOKEN_CACHE_DIR"] = before
     # The Rust core keeps its own copy of the BPE ranks; the Python-side dict (~16 MB for
     # cl100k_base) is only used by token_byte_values(), which the gateway never calls.
     if isinstance(getattr(encoding, "_mergeable_ranks", None), dict):
