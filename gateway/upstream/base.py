@@ -114,6 +114,23 @@ class ServerWindow:
     counts_prompts: bool = False
 
 
+def error_fields(payload: object) -> tuple[str | None, str | None, str | None, str | None]:
+    """(message, type, code, param) of a provider's error object (`{"error": {...}}`, the object
+    itself, or `{"error": "text"}`); None for what it does not say."""
+    err = payload.get("error", payload) if isinstance(payload, dict) else None
+    if isinstance(err, str):
+        return err or None, None, None, None
+    if not isinstance(err, dict):
+        return None, None, None, None
+
+    def text(key: str) -> str | None:
+        value = err.get(key)
+        return value if isinstance(value, str) else None
+
+    message = err.get("message")
+    return (str(message) if message else None), text("type"), text("code"), text("param")
+
+
 class Upstream(ABC):
     """One configured provider. `body["model"]` is already the provider's own model name."""
 

@@ -35,6 +35,7 @@ from gateway.upstream.base import (
     ServerWindow,
     Upstream,
     complete_with_retries,
+    error_fields,
     stream_with_retries,
 )
 from gateway.upstream.refusal import parse_refusal
@@ -146,22 +147,12 @@ def _provider_error(text: str) -> tuple[str, str | None, str | None]:
     """(message, type, code) of the provider's own error object quoted in litellm's message
     (`AnthropicException - {"type": "error", "error": {"type": ..., "message": ...}}`)."""
     start, end = text.find("{"), text.rfind("}")
-    if start < 0 or end < start:
-        return text, None, None
     try:
-        payload = orjson.loads(text[start : end + 1])
+        payload = orjson.loads(text[start : end + 1]) if 0 <= start < end else None
     except orjson.JSONDecodeError:
-        return text, None, None
-    error = payload.get("error", payload) if isinstance(payload, dict) else None
-    if not isinstance(error, dict):
-        return text, None, None
-    kind, code = error.get("type"), error.get("code")
-    message = error.get("message")
-    return (
-        message if isinstance(message, str) and message else text,
-        kind if isinstance(kind, str) else None,
-        code if isinstance(code, str) else None,
-    )
+        payload = None
+    message, kind, code, _ = error_fields(payload)
+    return message or text, kind, code
 
 
 @contextmanager

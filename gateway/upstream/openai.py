@@ -41,6 +41,7 @@ from gateway.upstream.base import (
     ServerWindow,
     Upstream,
     complete_with_retries,
+    error_fields,
     stream_with_retries,
 )
 from gateway.upstream.discovery import count_llamacpp_prompt, describe_openai_compatible, list_openai_models
@@ -128,21 +129,12 @@ def status_error(
     cls: type[UpstreamStatusError] = UpstreamStatusError,
 ) -> UpstreamStatusError:
     """An UpstreamStatusError carrying the provider's own error message when it sent one."""
-    message = content.decode("utf-8", "replace")[:500].strip() or f"HTTP {status}"
-    err_type = code = param = None
     try:
         payload = orjson.loads(content)
     except orjson.JSONDecodeError:
         payload = None
-    if isinstance(payload, dict):
-        err = payload.get("error", payload)
-        if isinstance(err, dict):
-            message = str(err.get("message") or message)
-            err_type = err.get("type") if isinstance(err.get("type"), str) else None
-            code = err.get("code") if isinstance(err.get("code"), str) else None
-            param = err.get("param") if isinstance(err.get("param"), str) else None
-        elif isinstance(err, str):
-            message = err
+    said, err_type, code, param = error_fields(payload)
+    message = said or content.decode("utf-8", "replace")[:500].strip() or f"HTTP {status}"
     refusal = parse_refusal(status, payload, message)
     if refusal is not None and code is None:
         code = "context_length_exceeded"  # llama.cpp's code is numeric: say what it means
