@@ -84,7 +84,10 @@ class ContextLengthExceeded(InvalidRequest):
     """Even the current request alone does not fit the model's context window."""
 
     code = "context_length_exceeded"
-    needs: int | None = None  # the tokens (the gateway's count) the request alone takes, when known
+
+    def __init__(self, message: str, *, param: str | None = None, needs: int | None = None) -> None:
+        super().__init__(message, param=param)
+        self.needs = needs  # the tokens (the gateway's count) the request alone takes, when known
 
 
 class ConversationTooLarge(InvalidRequest):

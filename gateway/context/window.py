@@ -116,14 +116,13 @@ def fit_window(
         + pinned_tokens
     )
     if fixed > budget:
-        exc = ContextLengthExceeded(
+        raise ContextLengthExceeded(
             f"This request needs {fixed} tokens before any history, more than the {budget} the "
             "model's context window allows (the window less reserve_tokens and the calibration's "
             "margin, in the gateway's count); shorten it",
             param="messages",
+            needs=fixed,
         )
-        exc.needs = fixed
-        raise exc
     # Walk back from the newest stored message, a whole unit at a time (tool results belong
     # to the assistant message before them). Room is kept for the widest possible marker.
     marker_bound = marker_tokens(omitted_before + pinned_from + len(first))
@@ -174,13 +173,12 @@ def fit_window(
     omitted = omitted_before + kept_from - added + dropped_first
     marker_cost = marker_tokens(omitted) if omitted else 0
     if omitted and fixed + marker_cost > budget:
-        exc = ContextLengthExceeded(
+        raise ContextLengthExceeded(
             f"This request needs {fixed + marker_cost} tokens before any history, more than the "
             f"{budget} the model's context window allows; shorten it",
             param="messages",
+            needs=fixed + marker_cost,
         )
-        exc.needs = fixed + marker_cost
-        raise exc
     messages: list[Message] = [*system]
     if summary is not None:
         messages.append(summary)
