@@ -98,19 +98,18 @@ class PreparedTurn:
     branch_at: int | None = None  # history cut back here first (the client's version diverged)
     view: ConversationView | None = None
     outcome: TurnOutcome | None = None  # set by the first close
-    stored_messages: int | None = None
-    included_response_ids: list[str] | None = None
+    context: Record | None = None  # the window sent: its latest context snapshot
 
     def note_context(self, snapshot: Record) -> None:
         """Log the window sent (the context snapshot); the turn's log line repeats its counts."""
         self.log.append(snapshot)
-        stored, included = snapshot.get("stored_messages"), snapshot.get("included_response_ids")
-        self.stored_messages = stored if isinstance(stored, int) else None
-        self.included_response_ids = included if isinstance(included, list) else None
+        self.context = snapshot
 
     def close_outcome(self, committed: bool, error: GatewayError | None = None) -> TurnOutcome:
         plan = self.plan
         messages = self.upstream_body.get("messages")
+        context = self.context or {}
+        stored, included = context.get("stored_messages"), context.get("included_response_ids")
         return TurnOutcome(
             response_id=self.response_id,
             conversation_id=self.conversation_id,
@@ -131,8 +130,8 @@ class PreparedTurn:
             truncated=plan.window.omitted if plan is not None else None,
             summary_version=plan.summary.version if plan is not None and plan.summary else None,
             upstream_truncated=self.upstream_truncated,
-            stored_messages=self.stored_messages,
-            included_response_ids=self.included_response_ids,
+            stored_messages=stored if isinstance(stored, int) else None,
+            included_response_ids=included if isinstance(included, list) else None,
             output_tokens=self.output_tokens,
             error=error,
         )
