@@ -104,12 +104,9 @@ function turnCard(turn, isNew) {
     el("span", { text: when(turn.created) + (turn.outcome !== "commit" ? " · " + turn.outcome : "") })));
   // Messages the model no longer gets (deleted, edited away, a tool result whose call was deleted).
   const notSent = new Set(turn.not_sent || []);
-  const mark = (m, pos) => { const b = bubble(m, notSent.has(pos) ? "not-sent" : ""); if (notSent.has(pos)) b.title = "no longer sent to the model"; return b; };
-  (turn.system || []).forEach((m, i) => {
-    const b = bubble(m, "new-system" + (notSent.has(-(i + 1)) ? " not-sent" : ""));
-    if (notSent.has(-(i + 1))) b.title = "no longer sent to the model (deleted, or replaced by a later system prompt)";
-    card.append(b);
-  });
+  // (a system prompt's messages have positions -1, -2, ...: struck once deleted or replaced)
+  const mark = (m, pos, extra = "") => { const b = bubble(m, extra + (notSent.has(pos) ? " not-sent" : "")); if (notSent.has(pos)) b.title = "no longer sent to the model"; return b; };
+  (turn.system || []).forEach((m, i) => card.append(mark(m, -(i + 1), "new-system")));
   turn.input.forEach((m, i) => card.append(mark(m, i)));
   if (turn.output) card.append(mark(turn.output, turn.input.length));
   if (ctx.tokens) {
