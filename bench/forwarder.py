@@ -1,6 +1,6 @@
-"""The floor: a bare pass-through forwarder with no continuity (uvicorn + pooled httpx).
+"""A bare pass-through forwarder with no continuity (uvicorn + pooled httpx).
 
-    python bench/forwarder.py --port 9001 --upstream http://127.0.0.1:9000 [--client aiohttp]
+    python bench/forwarder.py --port 9001 --upstream http://127.0.0.1:9000 [--client aiohttp] [--workers N]
 
 Every request is read whole, forwarded to `{upstream}{path}` with the same method, body and
 content type, and the upstream's answer is returned: read whole and sent with a
@@ -14,11 +14,14 @@ the HTTP client library itself).
 from __future__ import annotations
 
 import argparse
+import os
 from typing import Any
 
 import httpx
 import uvicorn
 
+_UPSTREAM_ENV = "BENCH_FORWARDER_UPSTREAM"
+_CLIENT_ENV = "BENCH_FORWARDER_CLIENT"
 _PASS_HEADERS = (b"content-type", b"authorization")
 
 
@@ -179,16 +182,27 @@ async def _send_whole(send: Any, status: int, ctype: bytes, body: bytes) -> None
     await send({"type": "http.response.body", "body": body, "more_body": False})
 
 
+def from_env() -> AiohttpForwarder | Forwarder:
+    """The forwarder `main` was asked for (in a worker process: from its environment)."""
+    upstream = os.environ[_UPSTREAM_ENV]
+    return AiohttpForwarder(upstream) if os.environ[_CLIENT_ENV] == "aiohttp" else Forwarder(upstream)
+
+
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description="bare pass-through forwarder (benchmark floor)")
     parser.add_argument("--host", default="127.0.0.1")
     parser.add_argument("--port", type=int, default=9001)
     parser.add_argument("--upstream", required=True, help="e.g. http://127.0.0.1:9000")
     parser.add_argument("--client", choices=("httpx", "aiohttp"), default="httpx")
+    parser.add_argument("--workers", type=int, default=1, help="processes sharing the port (uvicorn's)")
     args = parser.parse_args(argv)
-    app = AiohttpForwarder(args.upstream) if args.client == "aiohttp" else Forwarder(args.upstream)
+    os.environ[_UPSTREAM_ENV], os.environ[_CLIENT_ENV] = args.upstream, args.client
     uvicorn.run(
-        app,
+        # Several workers take the app by name, as `gateway serve --workers N` does.
+        "forwarder:from_env" if args.workers > 1 else from_env(),
+        factory=args.workers > 1,
+        workers=args.workers,
+        app_dir=os.path.dirname(os.path.abspath(__file__)),
         host=args.host,
         port=args.port,
         loop="uvloop",

@@ -20,10 +20,19 @@ HOST = "127.0.0.1"
 _PR_SET_PDEATHSIG = 1
 
 
+_GIVEN: set[int] = set()
+
+
 def free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
-        sock.bind((HOST, 0))
-        return int(sock.getsockname()[1])
+    """A port free now and not given before in this process (servers started one after the
+    other bind theirs later: the kernel may offer a port twice meanwhile)."""
+    while True:
+        with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+            sock.bind((HOST, 0))
+            port = int(sock.getsockname()[1])
+        if port not in _GIVEN:
+            _GIVEN.add(port)
+            return port
 
 
 def _die_with_parent() -> None:  # runs in the child between fork and exec

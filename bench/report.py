@@ -195,7 +195,9 @@ def _throughput_rows(result: dict[str, Any]) -> list[dict[str, Any]]:
 
 def _scaling_rows(result: dict[str, Any]) -> list[dict[str, Any]]:
     """One row per target: req/s and p99 at each client count, and the ratio of req/s to the
-    aiohttp forwarder's at the same count (same run)."""
+    aiohttp forwarder's at the same count (same run); for two workers, the ratio to one and the
+    most the machine's cores allow."""
+    cores = (result.get("machine") or {}).get("cpus") or 0
     cells: dict[str, dict[int, dict[str, float]]] = {}
     for r in result.get("scaling", []):
         st = stats_ms(r.pop("samples"))
@@ -203,6 +205,9 @@ def _scaling_rows(result: dict[str, Any]) -> list[dict[str, Any]]:
             "req_per_s": round(r.get("req_per_s") or r["requests"] / r["seconds"], 1),
             "round_req_per_s": r.get("round_req_per_s"),
             "cpu_ms_per_request": round(r.get("cpu_seconds", 0.0) * 1000 / max(1, r["requests"]), 3),
+            "others_cpu_ms_per_request": round(
+                r.get("others_cpu_seconds", 0.0) * 1000 / max(1, r["requests"]), 3
+            ),
             "p50_ms": st["p50"],
             "p99_ms": st["p99"],
         }
@@ -217,8 +222,14 @@ def _scaling_rows(result: dict[str, Any]) -> list[dict[str, Any]]:
             cell["x_forwarder_cpu"] = round(cell["cpu_ms_per_request"] / fcpu, 2) if fcpu else None
             base = fwd.get(clients, {}).get("req_per_s")
             cell["x_aiohttp_forwarder"] = round(cell["req_per_s"] / base, 3) if base else None
-            if target == "gateway_2w" and one.get(clients):
-                cell["x_one_worker"] = round(cell["req_per_s"] / one[clients]["req_per_s"], 3)
+            single = {"gateway_2w": one, "forwarder_aiohttp_2w": fwd}.get(target, {}).get(clients)
+            if single:
+                cell["x_one_worker"] = round(cell["req_per_s"] / single["req_per_s"], 3)
+                # The most a second worker can give on this machine: every core busy with the
+                # workers, the mock and the load generator at their CPU per request here.
+                need = cell["cpu_ms_per_request"] + cell["others_cpu_ms_per_request"]
+                if need > 0 and cores:
+                    cell["x_one_worker_ceiling"] = round(cores * 1000 / need / single["req_per_s"], 3)
             row["clients"][str(clients)] = cell
         rows.append(row)
     return rows
@@ -227,6 +238,8 @@ def _scaling_rows(result: dict[str, Any]) -> list[dict[str, Any]]:
 SCALING_LABELS = {
     "forwarder_aiohttp": "bare forwarder, aiohttp client",
     "gateway": "gateway, 1 worker",
+    "forwarder_aiohttp_2w": "bare forwarder, aiohttp client, 2 workers",
+    "floor": "floor: a durable turn's file work only",
     "gateway_2w": "gateway, 2 workers",
     "gateway_base": "gateway (baseline checkout), 1 worker",
 }
@@ -352,14 +365,18 @@ def print_report(result: dict[str, Any]) -> dict[str, Any]:
                     shown += f" (x{ratio:.2f}) {cell['p99_ms']:.0f}"
                 texts.append((shown, 26))
             print(_row(r["scenario"], width, *texts))
-        two = next((r for r in scaling if r["target"] == "gateway_2w"), None)
-        if two:
+        for two in (r for r in scaling if "x_one_worker" in next(iter(r["clients"].values()), {})):
             gains = ", ".join(
                 f"{c}: x{cell['x_one_worker']:.2f}"
+                + (
+                    f" (cores allow x{cell['x_one_worker_ceiling']:.2f})"
+                    if "x_one_worker_ceiling" in cell
+                    else ""
+                )
                 for c, cell in two["clients"].items()
                 if "x_one_worker" in cell
             )
-            print(f"2 workers / 1 worker req/s: {gains}")
+            print(f"{two['scenario']} / 1 worker req/s: {gains}")
         print(
             _row("CPU ms per request (x forwarder's)", width),
         )
@@ -371,6 +388,18 @@ def print_report(result: dict[str, Any]) -> dict[str, Any]:
                 if cell is not None and cell.get("x_forwarder_cpu"):
                     cpu += f" (x{cell['x_forwarder_cpu']:.1f})"
                 texts.append((cpu, 26))
+            print(_row(r["scenario"], width, *texts))
+        print(_row("Mock upstream + load generator CPU ms per request, same rounds", width))
+        for r in scaling:
+            texts = [
+                (
+                    "-"
+                    if (cell := r["clients"].get(c)) is None
+                    else f"{cell['others_cpu_ms_per_request']:.2f}",
+                    26,
+                )
+                for c in counts
+            ]
             print(_row(r["scenario"], width, *texts))
 
     fs = result.get("filesystem") or {}

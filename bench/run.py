@@ -311,6 +311,22 @@ def run(args: argparse.Namespace) -> int:
             )
             for name, client in (("forwarder", "httpx"), ("forwarder_aiohttp", "aiohttp"))
         ]
+        references = {"floor": [python, str(bench_dir / "floor.py"), "--data-dir", str(tmp / "data-floor")]}
+        if not args.no_workers:  # what a second worker gives a server that only forwards
+            references["forwarder_aiohttp_2w"] = [
+                python,
+                str(bench_dir / "forwarder.py"),
+                "--client",
+                "aiohttp",
+                "--workers",
+                "2",
+            ]
+        for name, argv_ref in references.items():
+            ports[name] = free_port()
+            argv_ref += ["--port", str(ports[name]), "--upstream", up]
+            forwarders.append(
+                procs.start(Server(name, argv_ref, ports[name], tmp / f"{name}.log", env), REPO)
+            )
         mock.wait_ready("/healthz", 30)
         for server in forwarders:
             server.wait_ready("/readyz", 30)
@@ -392,7 +408,8 @@ def run(args: argparse.Namespace) -> int:
         bench = Bench(plan, ports, data_dirs, litellm_key)
         bench.served_conversations = 2  # the first request and the template
         bench.pids = {name: server.pid for name, server in servers.items()}
-        bench.pids["forwarder_aiohttp"] = forwarders[1].pid
+        bench.pids.update({server.name: server.pid for server in forwarders})
+        bench.pids["mock"] = mock.pid
         steps: dict[str, float] = {}
 
         async def run_all() -> None:

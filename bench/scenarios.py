@@ -24,7 +24,16 @@ CONCURRENCY = 32
 SCALING_CLIENTS = (1, 8, 32, 128)
 SCALING_ROUNDS = 4
 # The targets of the scaling table, in its order (those the run started).
-SCALING_TARGETS = ("forwarder_aiohttp", "gateway", "gateway_2w", "gateway_base")
+SCALING_TARGETS = (
+    "forwarder_aiohttp",
+    "forwarder_aiohttp_2w",
+    "floor",
+    "gateway",
+    "gateway_2w",
+    "gateway_base",
+)
+# Targets that get a new conversation per request in the scaling table (the others forward).
+_TURN_TARGETS = ("gateway", "floor")
 
 
 @dataclass(frozen=True)
@@ -73,6 +82,7 @@ class _Cell:
 
     seconds: float = 0.0
     cpu: float = 0.0
+    others_cpu: float = 0.0  # the mock upstream's and this load generator's, the same rounds
     rates: list[float] = field(default_factory=list)
     samples: list[float] = field(default_factory=list)
 
@@ -381,6 +391,12 @@ class Bench:
             samples=lat,
         )
 
+    def _others_cpu(self) -> float:
+        """CPU seconds of what shares the machine with a target: the mock upstream and this
+        load generator (both do work in proportion to the requests)."""
+        mock = self.pids.get("mock")
+        return (cpu_seconds(mock) if mock else 0.0) + time.process_time()
+
     async def scaling(self) -> None:
         """Throughput at 1/8/32/128 clients; gateways get a new conversation per request. At
         each count every target runs a warmup, then its requests in SCALING_ROUNDS rounds, the
@@ -391,7 +407,7 @@ class Bench:
         for clients, total in zip(SCALING_CLIENTS, self.plan.scaling, strict=True):
             bodies: dict[str, Any] = {}
             for target in targets:
-                if target.startswith("gateway"):
+                if target.startswith(_TURN_TARGETS):
 
                     def body(i: int, target: str = target) -> bytes:
                         return one_message(i, conversation_id=self.new_cid(f"bench-sc-{target}"))
@@ -410,8 +426,10 @@ class Bench:
                     cell = cells[target]
                     pid = self.pids.get(target)
                     cpu = cpu_seconds(pid) if pid else 0.0
+                    others = self._others_cpu()
                     elapsed, lat, rate = await self._timed_burst(target, per_round, bodies[target], clients)
                     cell.cpu += cpu_seconds(pid) - cpu if pid else 0.0
+                    cell.others_cpu += self._others_cpu() - others
                     cell.seconds += elapsed
                     cell.rates.append(rate)
                     cell.samples.extend(lat)
@@ -425,6 +443,7 @@ class Bench:
                     requests=len(cell.samples),
                     seconds=cell.seconds,
                     cpu_seconds=cell.cpu,
+                    others_cpu_seconds=cell.others_cpu,
                     req_per_s=statistics.median(cell.rates),
                     round_req_per_s=[round(x, 1) for x in cell.rates],
                     samples=cell.samples,
