@@ -41,7 +41,7 @@ class Tenants:
             state = "is not set" if name not in environ else "holds no keys"
             raise ConfigError(
                 f"auth.keys_env names {name}, which {state}: the gateway would be open to anyone "
-                f"(set {name} to comma-separated keys, or set auth.keys_env to \"\" for an open gateway)"
+                f'(set {name} to comma-separated keys, or set auth.keys_env to "" for an open gateway)'
             )
         for key in keys:
             keep_secret(key)

@@ -198,7 +198,7 @@ class ModelFacts:
             calibration=entry.calibration or entry.prior,
             num_ctx_option=bool(server and server.num_ctx_option),
             cuts_silently=not (server is not None and server.refuses_overlong),
-            counts_prompts=bool(server and server.counts_prompts),
+            counts_prompts=bool(server and server.prompt_counter),
         )
 
     async def _ask(self, entry: _Entry, route: Route) -> ServerWindow | None:

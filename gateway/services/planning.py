@@ -413,7 +413,9 @@ class Planner:
         no margin is needed, and no prompt the server counts higher than the calibration
         expected (digits, emoji, other scripts) takes the answer's room. Without the server's
         count, the plan made with the calibration's margin."""
-        extra: dict[str, object] = {k: request.body[k] for k in ("tools", "tool_choice") if k in request.body}
+        asked = ("tools", "tool_choice", "chat_template_kwargs")
+        extra: dict[str, object] = {"model": route.model}  # (the provider's name: vLLM checks it)
+        extra.update((k, request.body[k]) for k in asked if k in request.body)
 
         def ratio(counted: int, window: Window) -> float:
             # This window's own (the calibration's is an average: digits, say, count 3x theirs)

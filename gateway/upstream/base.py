@@ -109,9 +109,10 @@ class ServerWindow:
     # llama.cpp and vLLM refuse a prompt over their window (a 400): they never cut one silently,
     # so a count lower than expected is their template's (tools it does not render), not a cut.
     refuses_overlong: bool = False
-    # The server counts a prompt itself on request (llama.cpp: POST /apply-template, then
-    # POST /tokenize): the window is checked with its exact count (`Upstream.count_prompt`).
-    counts_prompts: bool = False
+    # How the server counts a prompt itself on request, "" if it cannot: "llama.cpp" (POST
+    # /apply-template, then POST /tokenize) or "vllm" (POST /tokenize with the messages). The
+    # window is then checked with its exact count (`Upstream.count_prompt`).
+    prompt_counter: str = ""
 
 
 def error_fields(payload: object) -> tuple[str | None, str | None, str | None, str | None]:
@@ -158,7 +159,7 @@ class Upstream(ABC):
 
     async def count_prompt(self, body: Body) -> int | None:
         """The server's own count of the prompt `body` (a chat request) makes, when it has a way
-        to say (`ServerWindow.counts_prompts`); None otherwise or when asking failed."""
+        to say (`ServerWindow.prompt_counter`); None otherwise or when asking failed."""
         return None
 
     async def aclose(self) -> None:  # noqa: B027 - optional hook

@@ -1,10 +1,13 @@
 """Asking an OpenAI-compatible server for the context window it runs a model with: llama.cpp's
 `/props`, vLLM's `max_model_len`, Ollama's `/api/ps` and `/api/show`. Each reader takes one
-answer and returns the window, or None when that answer does not say."""
+answer and returns the window, or None when that answer does not say. Then, where the server
+offers it, its own count of a prompt (`count_prompt`)."""
 
 from __future__ import annotations
 
 import asyncio
+from collections.abc import Mapping
+from typing import Any
 
 import aiohttp
 import orjson
@@ -122,10 +125,11 @@ async def describe_openai_compatible(
 
     found = window_from_llamacpp_props(await get_json("GET", f"{root}/props"))
     if found:
-        return ServerWindow(found, "llama.cpp GET /props", refuses_overlong=True, counts_prompts=True)
+        return ServerWindow(found, "llama.cpp GET /props", refuses_overlong=True, prompt_counter="llama.cpp")
     found = window_from_models(await get_json("GET", f"{base_url}/models"), model)
     if found:
-        return ServerWindow(found, "vLLM GET /v1/models max_model_len", refuses_overlong=True)
+        source = "vLLM GET /v1/models max_model_len"
+        return ServerWindow(found, source, refuses_overlong=True, prompt_counter="vllm")
     found = window_from_ollama_ps(await get_json("GET", f"{root}/api/ps"), model)
     if found:
         return ServerWindow(found, "Ollama GET /api/ps", num_ctx_option=True)
@@ -156,11 +160,16 @@ LIST_TIMEOUT = 2.0
 COUNT_TIMEOUT = 5.0
 
 
-async def count_llamacpp_prompt(session: aiohttp.ClientSession, base_url: str, body: object) -> int | None:
-    """llama.cpp's own count of a chat request's prompt: its chat template applied
-    (`POST /apply-template`, the request's tools included), then its tokenizer (`POST /tokenize`,
-    the special tokens it adds included): what it reports as `usage.prompt_tokens`. None when
-    either answer is missing (an older server, a failure: the calibration then plans alone)."""
+async def count_prompt(
+    session: aiohttp.ClientSession, base_url: str, counter: str, body: Mapping[str, Any]
+) -> int | None:
+    """The server's own count of a chat request's prompt, what it then reports as
+    `usage.prompt_tokens`, by the way `counter` names (`ServerWindow.prompt_counter`):
+    - "llama.cpp": its chat template applied (`POST /apply-template`, the request's tools
+      included), then its tokenizer (`POST /tokenize`, the special tokens it adds included);
+    - "vllm": `POST /tokenize` with the request's messages and tools and the generation prompt,
+      as its chat completions render them.
+    None when an answer is missing (an older server, a failure: the calibration then plans alone)."""
     root = server_root(base_url)
     timeout = aiohttp.ClientTimeout(total=COUNT_TIMEOUT)
     headers = {"content-type": "application/json"}
@@ -173,6 +182,12 @@ async def count_llamacpp_prompt(session: aiohttp.ClientSession, base_url: str, b
         return got.get(field) if isinstance(got, dict) else None
 
     try:
+        if counter == "vllm":
+            asked = {key: body[key] for key in _VLLM_COUNT_FIELDS if body.get(key) is not None}
+            count = await answer("/tokenize", {**asked, "add_generation_prompt": True}, "count")
+            return count if isinstance(count, int) and not isinstance(count, bool) else None
+        if counter != "llama.cpp":
+            return None
         prompt = await answer("/apply-template", body, "prompt")
         if not isinstance(prompt, str):
             return None
@@ -180,3 +195,8 @@ async def count_llamacpp_prompt(session: aiohttp.ClientSession, base_url: str, b
     except (aiohttp.ClientError, TimeoutError, orjson.JSONDecodeError, ValueError):
         return None
     return len(tokens) if isinstance(tokens, list) else None
+
+
+# What vLLM's `POST /tokenize` takes of a chat request to render its prompt as the chat
+# completion will (its TokenizeChatRequest; older versions ignore `tools`).
+_VLLM_COUNT_FIELDS = ("model", "messages", "tools", "chat_template_kwargs")

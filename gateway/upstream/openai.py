@@ -44,7 +44,7 @@ from gateway.upstream.base import (
     error_fields,
     stream_with_retries,
 )
-from gateway.upstream.discovery import count_llamacpp_prompt, describe_openai_compatible, list_openai_models
+from gateway.upstream.discovery import count_prompt, describe_openai_compatible, list_openai_models
 from gateway.upstream.refusal import parse_refusal
 
 log = logging.getLogger("gateway.upstream")
@@ -237,6 +237,7 @@ class OpenAIUpstream(Upstream):
         self._endpoint = f"{self.url}/chat/completions"
         self.max_response_bytes = settings.max_response_bytes
         self._session: aiohttp.ClientSession | None = None
+        self._prompt_counter = ""  # how the server counts a prompt (from `describe`), if it can
         self.retries = settings.retries
         self._pool: http1.Pool | None = None
         # Plain HTTP goes through the gateway's own client, unless the environment's proxy
@@ -271,10 +272,13 @@ class OpenAIUpstream(Upstream):
         return await list_openai_models(self._client(), self.url)
 
     async def describe(self, model: str) -> ServerWindow | None:
-        return await describe_openai_compatible(self._client(), self.url, model)
+        window = await describe_openai_compatible(self._client(), self.url, model)
+        if window is not None and window.prompt_counter:
+            self._prompt_counter = window.prompt_counter  # (one server behind one base_url)
+        return window
 
     async def count_prompt(self, body: Body) -> int | None:
-        return await count_llamacpp_prompt(self._client(), self.url, body)
+        return await count_prompt(self._client(), self.url, self._prompt_counter, body)
 
     async def complete(self, body: Body) -> Body:
         data = orjson.dumps(body)

@@ -122,12 +122,14 @@ async def serving(kind: str) -> AsyncIterator[str]:
         (
             "llama.cpp",
             "smol.gguf",
-            ServerWindow(512, "llama.cpp GET /props", refuses_overlong=True, counts_prompts=True),
+            ServerWindow(512, "llama.cpp GET /props", refuses_overlong=True, prompt_counter="llama.cpp"),
         ),
         (
             "vllm",
             "Qwen/Qwen2.5-1.5B-Instruct",
-            ServerWindow(32768, "vLLM GET /v1/models max_model_len", refuses_overlong=True),
+            ServerWindow(
+                32768, "vLLM GET /v1/models max_model_len", refuses_overlong=True, prompt_counter="vllm"
+            ),
         ),
         ("ollama", "qwen2.5:7b", ServerWindow(6144, "Ollama POST /api/show", num_ctx_option=True)),
         ("openai", "gpt-4o", None),
@@ -852,7 +854,7 @@ class DigitLlama(FakeLlama):
 
 class CountingServer(MockUpstream):
     def __init__(self, llama: DigitLlama) -> None:
-        window = ServerWindow(512, "llama.cpp GET /props", refuses_overlong=True, counts_prompts=True)
+        window = ServerWindow(512, "llama.cpp GET /props", refuses_overlong=True, prompt_counter="llama.cpp")
         super().__init__(llama, window=window)
         self.reports_real_usage = True
         self.llama = llama
@@ -907,3 +909,74 @@ async def test_where_the_server_counts_its_count_not_the_estimate_refuses_a_requ
         r = await ask(client, SENTENCE * 30, cid="big", max_tokens=64)  # 600+ of its own: too big
         assert r.status_code == 400 and r.json()["error"]["code"] == "context_length_exceeded"
     assert llama.refused == 0 and max(llama.prompts) <= 512 - 64
+
+
+def _vllm_app(window: int, asked: list[dict[str, Any]], prompts: list[int]) -> web.Application:
+    """A vLLM server of `window` tokens whose tokenizer counts digits one token each and text
+    about 1.3x ours: `POST /tokenize` with chat messages gives the count its chat completions
+    then report (and refuse over the window, as vLLM does)."""
+
+    def count(body: dict[str, Any]) -> int:
+        messages = body["messages"]
+        digits = sum(sum(ch.isdigit() for ch in str(m.get("content"))) for m in messages)
+        return int(1.3 * (3 + sum(count_message(m) for m in messages))) + digits
+
+    async def models(request: web.Request) -> web.Response:
+        return web.json_response({"object": "list", "data": [{"id": "smol", "max_model_len": window}]})
+
+    async def tokenize(request: web.Request) -> web.Response:
+        body = await request.json()
+        asked.append(body)
+        n = count(body)
+        return web.json_response({"count": n, "max_model_len": window, "tokens": list(range(n))})
+
+    async def chat(request: web.Request) -> web.Response:
+        body = await request.json()
+        n = count(body)
+        if n + body.get("max_tokens", 16) > window:
+            message = (
+                f"This model's maximum context length is {window} tokens. However, you requested "
+                f"{n + body.get('max_tokens', 16)} tokens ({n} in the messages, "
+                f"{body.get('max_tokens', 16)} in the completion). Please reduce the length."
+            )
+            error = {"message": message, "type": "BadRequestError", "param": None, "code": 400}
+            return web.json_response({"error": error}, status=400)
+        prompts.append(n)
+        usage = {"prompt_tokens": n, "completion_tokens": 1, "total_tokens": n + 1}
+        choice = {"index": 0, "message": {"role": "assistant", "content": "ok"}, "finish_reason": "stop"}
+        return web.json_response(
+            {"id": "x", "object": "chat.completion", "choices": [choice], "usage": usage}
+        )
+
+    app = web.Application()
+    app.router.add_get("/v1/models", models)
+    app.router.add_post("/tokenize", tokenize)
+    app.router.add_post("/v1/chat/completions", chat)
+    return app
+
+
+async def test_vllm_counts_each_window_with_its_own_tokenizer() -> None:
+    """SPEC 7 asks for the server's own tokenizer where offered; vLLM offers one (`POST
+    /tokenize` with a chat request's messages), but only llama.cpp was asked: on vLLM every
+    window was planned with the calibration and its margin, and digit-heavy prompts went over."""
+    asked: list[dict[str, Any]] = []
+    prompts: list[int] = []
+    store = MemoryStore()
+    digits = " ".join(str(10**9 + 7919 * i) for i in range(12))
+    tool = {"type": "function", "function": {"name": "lookup", "parameters": {"type": "object"}}}
+    async with serving_app(_vllm_app(512, asked, prompts)) as url:
+        provider = make_settings().providers["mock"].model_copy(update={"base_url": f"{url}/v1"})
+        upstream = OpenAIUpstream("mock", provider)
+        try:
+            async with build_client(make_settings(), store, upstream) as client:
+                for i in range(14):
+                    r = await ask(client, f"{i} numbers: {digits}", cid="v", max_tokens=64, tools=[tool])
+                    assert r.status_code == 200, r.text
+        finally:
+            await upstream.aclose()
+    assert asked, "vLLM's /tokenize was never asked"
+    assert asked[-1]["model"] == "smol" and asked[-1]["add_generation_prompt"] is True
+    assert asked[-1]["tools"] == [tool] and "conversation_id" not in asked[-1]
+    assert max(prompts) <= 512 - 64 and min(prompts[-4:]) > 0.8 * (512 - 64)  # exact, and full
+    contexts = [r for records in store.responses.values() for r in records if r["type"] == "context"]
+    assert all(c["server_prompt_tokens"] in prompts for c in contexts)
