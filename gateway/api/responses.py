@@ -68,7 +68,8 @@ async def _conversation_for(
         )
     if conversation is not None:
         cid = conversation.get("id") if isinstance(conversation, dict) else conversation
-        return check_conversation_id(cid, param="conversation"), None
+        cid = check_conversation_id(cid, param="conversation")
+        return await services.responses.named_conversation(tenant, cid), None
     if previous is not None:
         return await services.responses.continued_conversation(tenant, previous), previous
     if body.get("store") is False:

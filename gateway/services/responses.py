@@ -76,6 +76,14 @@ class StoredResponses:
             if exists:
                 await store.append_marker(cid, marker)
 
+    async def named_conversation(self, tenant: str, cid: str) -> str:
+        """A conversation a request names (`conversation`), which must exist, as in OpenAI's API:
+        a mistyped or deleted id is a 404, not a new conversation that knows nothing. (Chat
+        completions' `conversation_id` starts one instead: that is how they begin.)"""
+        if not await (await self.stores.get(tenant)).exists(cid):
+            raise NotFound(f"No conversation found with id {cid!r}", param="conversation")
+        return cid
+
     async def continued_conversation(self, tenant: str, previous: object) -> str:
         """The conversation a `previous_response_id` belongs to. Whether the turn continues on
         it or on a fork made at that response is decided by the turn, under the lock."""

@@ -117,6 +117,7 @@ def test_the_recap_is_off_by_default_so_one_conversation_never_reaches_another(
 
 def test_reading_after_a_delete_logs_no_damage(gateway: GatewayProcess, upstream: MockServer) -> None:
     client = sdk(gateway)
+    client.conversations.create(extra_body={"id": "del-1"})
     first = client.responses.create(model="mock/tiny", input="my name is Del", conversation="del-1")
     client.responses.create(model="mock/tiny", input="and my pet is Rex", conversation="del-1")
     log_before = len(gateway.log_path.read_text())

@@ -85,6 +85,25 @@ def test_recall_with_conversation_and_chat_completions_see_each_other(
     assert r2.output_text == "Your name is Eve."
 
 
+def test_a_conversation_named_must_exist(gateway: GatewayProcess, upstream: MockServer) -> None:
+    """`conversation` names a Conversation, as in OpenAI's API: a mistyped or deleted id gave a
+    200 from a new, empty conversation under that id (an assistant that knew nothing)."""
+    client = sdk(gateway)
+    conv = client.conversations.create()
+    client.responses.create(model="mock/m", input="my city is Oslo", conversation=conv.id)
+    sent = len(upstream.requests)
+    for name in (conv.id + "x", "never-made"):
+        with pytest.raises(openai.NotFoundError) as caught:
+            client.responses.create(model="mock/m", input="what is my city?", conversation=name)
+        assert caught.value.body["param"] == "conversation"  # type: ignore[index]
+        with pytest.raises(openai.NotFoundError):
+            client.conversations.retrieve(name)  # nothing was made under that id
+    client.conversations.delete(conv.id)
+    with pytest.raises(openai.NotFoundError):
+        client.responses.create(model="mock/m", input="what is my city?", conversation={"id": conv.id})
+    assert len(upstream.requests) == sent  # the provider was never asked
+
+
 @pytest.mark.parametrize("streaming", [False, True])
 def test_function_calling_across_turns(
     gateway: GatewayProcess, upstream: MockServer, streaming: bool
