@@ -57,16 +57,7 @@ def _chat_content(content: object, where: str, where_role: str = "user") -> str 
                 {"type": "text", "text": _string(part.get("text"), f"{at}.text", f"{where}.content")}
             )
         elif isinstance(part, dict) and kind == "input_image":
-            url = part.get("image_url") or part.get("file_id")
-            if not isinstance(url, str) or not url:
-                raise InvalidRequest(
-                    f"{at}: an input_image needs image_url or file_id (a string)", param=f"{where}.content"
-                )
-            image: ImageURL = {"url": url}
-            detail = part.get("detail")
-            if isinstance(detail, str) and detail != "auto":
-                image["detail"] = detail
-            parts.append({"type": "image_url", "image_url": image})
+            parts.append({"type": "image_url", "image_url": _image(part, at, f"{where}.content")})
         elif isinstance(part, dict) and kind == "input_audio" and isinstance(part.get("input_audio"), dict):
             parts.append({"type": "input_audio", "input_audio": part["input_audio"]})
         elif isinstance(part, dict) and kind == "refusal" and where_role == "assistant":
@@ -85,6 +76,33 @@ def _chat_content(content: object, where: str, where_role: str = "user") -> str 
     if all(p["type"] == "text" for p in parts):
         return "".join(p.get("text", "") for p in parts)
     return parts
+
+
+IMAGE_DETAILS = ("auto", "low", "high", "original")
+
+
+def _image(part: JSONObject, at: str, param: str) -> ImageURL:
+    """An input_image as chat completions take it: by URL or data URL, with a detail they know.
+    Anything else is a 400: stored, it would go to the provider on every later turn (a file
+    id sent as an image URL made every turn of its conversation a provider's 400)."""
+    url = part.get("image_url")
+    if not isinstance(url, str) or not url:
+        if isinstance(part.get("file_id"), str):
+            raise InvalidRequest(
+                f"{at}: an input_image by file_id cannot be sent: chat completions take an image by "
+                "URL or data URL (give image_url)",
+                param=param,
+            )
+        raise InvalidRequest(f"{at}: an input_image needs image_url (a URL or a data URL)", param=param)
+    if not url.startswith(("http://", "https://", "data:")):
+        raise InvalidRequest(f"{at}: image_url must be an http(s) URL or a data URL", param=param)
+    image: ImageURL = {"url": url}
+    detail = part.get("detail")
+    if detail is not None and detail not in IMAGE_DETAILS:
+        raise InvalidRequest(f"{at}: detail must be one of {', '.join(IMAGE_DETAILS)}", param=param)
+    if detail is not None and detail != "auto":
+        image["detail"] = detail
+    return image
 
 
 def _tool_output(output: object, where: str) -> str:
@@ -183,7 +201,8 @@ def _item_part(part: JSONObject) -> JSONObject:
     if kind == "image_url":
         image = part.get("image_url")
         url = image.get("url") if isinstance(image, dict) else image
-        return {"type": "input_image", "image_url": url, "detail": "auto", "file_id": None}
+        detail = image.get("detail") if isinstance(image, dict) else None
+        return {"type": "input_image", "image_url": url, "detail": detail or "auto", "file_id": None}
     file = part.get("file")
     if kind == "file" and isinstance(file, dict):
         return {"type": "input_file", **file}

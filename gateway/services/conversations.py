@@ -151,23 +151,27 @@ class Conversations:
         self, store: Store, cid: str, raw_items: object, *, locked: bool = False
     ) -> list[Item]:
         messages = self._messages(raw_items)
-        system, rest = split_system(messages)
         rid = mint_response_id("items")
         created_at = now()
-        record: Record = {
-            "type": "request",
-            "kind": "items",
-            "response_id": rid,
-            "conversation_id": cid,
-            "created": created_at,
-            "system": system or None,
-            "input": rest,
-        }
         async with contextlib.AsyncExitStack() as stack:
             if not locked:
                 await stack.enter_async_context(store.lock(cid, self.lock_timeout))
             view = await self.cache.load(store, cid)
             check_size(self.settings.storage.max_conversation_messages, cid, view, len(messages))
+            # Items are added, as in OpenAI's API: leading system messages are the system prompt
+            # only of a conversation that has nothing yet; later ones take their place in line
+            # (they replaced the system prompt, which then never reached the model again).
+            empty = not view.system and view.history_count == 0
+            system, rest = split_system(messages) if empty else ([], messages)
+            record: Record = {
+                "type": "request",
+                "kind": "items",
+                "response_id": rid,
+                "conversation_id": cid,
+                "created": created_at,
+                "system": system or None,
+                "input": rest,
+            }
             record["before"] = checkpoint(view)
             log = store.start(rid, record)
             turn = Turn(rid, tuple(rest), None, tuple(system) if system else None, created=created_at)

@@ -69,6 +69,7 @@ async def test_a_responses_stream_without_text_announces_what_it_finishes(
 
 
 async def test_a_refusal_is_a_refusal_part_everywhere(sdk: AsyncOpenAI) -> None:
+    await sdk.conversations.create(extra_body={"id": "ref"})
     created = await sdk.responses.create(model="mock/m", input="[refuse] do it", conversation="ref")
     retrieved = await sdk.responses.retrieve(created.id)
     items = await sdk.conversations.items.list("ref")

@@ -28,6 +28,15 @@ BAD_ITEMS: dict[str, list[dict[str, Any]]] = {
     "output an object": [CALL, {"type": "function_call_output", "call_id": "c1", "output": {"temp": 22}}],
     "output call_id not a string": [CALL, {"type": "function_call_output", "call_id": 1, "output": "x"}],
     "input_file without a file": [{"role": "user", "content": [{"type": "input_file", "filename": "a.pdf"}]}],
+    # A file id went upstream as an image URL on every later turn (a provider's 400 each time).
+    "image by file_id": [{"role": "user", "content": [{"type": "input_image", "file_id": "file-abc123"}]}],
+    "image_url not a URL": [{"role": "user", "content": [{"type": "input_image", "image_url": "file-abc"}]}],
+    "image detail unknown": [
+        {
+            "role": "user",
+            "content": [{"type": "input_image", "image_url": "https://x/a.png", "detail": "ultra"}],
+        }
+    ],
 }
 
 
@@ -80,6 +89,56 @@ def test_audio_and_file_parts_are_listed_as_what_they_are() -> None:
     # and the listed parts, added back as items, are the same chat message
     again = items_to_messages([{"role": "user", "content": item["content"][:3]}])
     assert again == [{"role": "user", "content": message["content"][:3]}]
+
+
+def test_an_images_detail_is_listed_as_stored() -> None:
+    """Every image was listed with detail "auto", whatever detail was stored and sent."""
+    for detail in ("high", "low"):
+        part = {"type": "input_image", "image_url": "https://x/a.png", "detail": detail}
+        [message] = items_to_messages([{"role": "user", "content": [part]}])
+        assert message["content"] == [
+            {"type": "image_url", "image_url": {"url": "https://x/a.png", "detail": detail}}
+        ]
+        [item] = message_to_items(message, "m-0123456789ab", 0)
+        assert item["content"] == [{**part, "file_id": None}]
+
+
+async def test_a_system_item_added_later_takes_its_place_in_line(
+    app_client: httpx.AsyncClient, mock_upstream: MockUpstream
+) -> None:
+    """Adding a system item replaced the system prompt: the first instructions left the items
+    and never reached the model again (OpenAI's API only adds items). A conversation with
+    nothing yet still takes leading system items as its system prompt."""
+    vet = {"role": "system", "content": "You are a vet."}
+    start = [vet, {"role": "user", "content": "My dog is Rex."}, {"role": "assistant", "content": "Hi Rex!"}]
+    created = await app_client.post("/v1/conversations", json={"id": "sys-later", "items": start})
+    assert created.status_code == 200, created.text
+    note = {"role": "system", "content": "The user is logged in."}
+    added = await app_client.post("/v1/conversations/sys-later/items", json={"items": [note]})
+    assert added.status_code == 200, added.text
+    await say_each(app_client, "sys-later", ["Who is my dog?"])
+    assert mock_upstream.requests[-1]["messages"] == [
+        *start,
+        note,
+        {"role": "user", "content": "Who is my dog?"},
+    ]
+    listed = (await app_client.get("/v1/conversations/sys-later/items", params={"order": "asc"})).json()
+    texts = [item["content"][0]["text"] for item in listed["data"]]
+    assert texts[:5] == [
+        "You are a vet.",
+        "My dog is Rex.",
+        "Hi Rex!",
+        "The user is logged in.",
+        "Who is my dog?",
+    ]
+    assert len(texts) == 6  # and the answer
+    assert listed["data"][3]["role"] == "system"
+
+    await app_client.post("/v1/conversations", json={"id": "sys-empty"})
+    added = await app_client.post("/v1/conversations/sys-empty/items", json={"items": [vet]})
+    assert added.status_code == 200, added.text
+    await say_each(app_client, "sys-empty", ["hi"])
+    assert mock_upstream.requests[-1]["messages"] == [vet, {"role": "user", "content": "hi"}]
 
 
 async def test_responses_store_and_metadata_are_checked(app_client: httpx.AsyncClient) -> None:
