@@ -9,6 +9,7 @@ ids are the gateway's minted ids, so chat-completions and Responses turns see ea
 
 from __future__ import annotations
 
+import re
 import secrets
 import time
 from typing import Any
@@ -38,6 +39,18 @@ from gateway.exceptions import GatewayError, InvalidRequest, shutting_down
 from gateway.ids import check_conversation_id
 from gateway.services import Services
 from gateway.types import Record
+
+# OpenAI's reasoning models refuse `max_tokens` ("Use 'max_completion_tokens' instead").
+_REASONING_MODELS = re.compile(r"(o\d|gpt-5)")
+
+
+def _output_cap(model: str) -> str:
+    """The chat field `max_output_tokens` goes in: `max_completion_tokens` for OpenAI's reasoning
+    models (o1, o3, o4-mini, gpt-5...), else `max_tokens`, which every OpenAI-compatible server
+    knows (not all of them know the newer name)."""
+    name = model.rsplit("/", 1)[-1].lower()
+    return "max_completion_tokens" if _REASONING_MODELS.match(name) else "max_tokens"
+
 
 _PASSED = ("temperature", "top_p", "parallel_tool_calls", "user", "metadata", "service_tier", "seed")
 
@@ -100,7 +113,7 @@ def _chat_body(body: dict[str, Any], request: ResponseCreate) -> tuple[dict[str,
     if body.get("tool_choice") is not None:
         chat["tool_choice"] = _tool_choice(body["tool_choice"])
     if request.max_output_tokens is not None:
-        chat["max_tokens"] = request.max_output_tokens
+        chat[_output_cap(request.model)] = request.max_output_tokens
     if body.get("background"):
         raise InvalidRequest("'background' responses are not supported: leave it out", param="background")
     text = body.get("text")
@@ -245,7 +258,7 @@ async def get_response(request: Request) -> Response:
             "temperature": params.get("temperature"),
             "top_p": params.get("top_p"),
             "user": params.get("user"),
-            "max_output_tokens": params.get("max_tokens"),
+            "max_output_tokens": params.get("max_tokens") or params.get("max_completion_tokens"),
         },
         conversation_id=stored.conversation_id,
         previous_response_id=echo.get("previous_response_id") if isinstance(echo, dict) else None,

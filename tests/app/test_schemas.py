@@ -228,6 +228,20 @@ async def test_max_output_tokens_is_checked_under_its_own_name(
     assert r.status_code == 200 and mock_upstream.requests[-1]["max_tokens"] == 16
 
 
+@pytest.mark.parametrize("model", ["mock/o3-mini", "mock/o1", "mock/gpt-5-nano"])
+async def test_reasoning_models_get_max_output_tokens_as_max_completion_tokens(
+    app_client: httpx.AsyncClient, mock_upstream: MockUpstream, model: str
+) -> None:
+    """OpenAI's reasoning models refuse `max_tokens` (a 400: "Use 'max_completion_tokens'
+    instead"), and the bridge sent `max_output_tokens` as `max_tokens` to every model."""
+    body = {"model": model, "input": "hi", "max_output_tokens": 40, "reasoning": {"effort": "low"}}
+    r = await app_client.post("/v1/responses", json=body)
+    assert r.status_code == 200, r.text
+    sent = mock_upstream.requests[-1]
+    assert sent["max_completion_tokens"] == 40 and "max_tokens" not in sent
+    assert (await app_client.get(f"/v1/responses/{r.json()['id']}")).json()["max_output_tokens"] == 40
+
+
 async def test_a_function_tool_needs_a_string_name(
     app_client: httpx.AsyncClient, mock_upstream: MockUpstream
 ) -> None:
