@@ -14,10 +14,58 @@ def _object(value: object) -> JSONObject:
     return cast(JSONObject, value) if isinstance(value, dict) else {}
 
 
+def _malformed(message: JSONObject) -> str | None:
+    """What makes a provider's message unfit to be stored and replayed (None: nothing). A
+    stream's chunks are checked as they come; a whole answer was stored as it came, and a
+    number for `content` or an object for a call's `arguments` then went to the provider on
+    every later turn (and a client resending its history got a 400 of the gateway's own)."""
+    content = message.get("content")
+    parts = isinstance(content, list) and all(isinstance(p, dict) for p in content)
+    if content is not None and not isinstance(content, str) and not parts:
+        return "'content' is neither text nor a list of parts"
+    for key in ("refusal", "name"):
+        if message.get(key) is not None and not isinstance(message[key], str):
+            return f"'{key}' is not a string"
+    calls = message.get("tool_calls")
+    if calls is not None and not (isinstance(calls, list) and all(_is_call(c) for c in calls)):
+        return "'tool_calls' is malformed (each needs a string id, name and arguments)"
+    legacy = message.get("function_call")
+    if legacy is not None and not _is_function(legacy):
+        return "'function_call' is malformed"
+    return None
+
+
+def _is_function(function: object) -> bool:
+    # (Arguments left out are stored as "{}": a call without any is still a call.)
+    return (
+        isinstance(function, dict)
+        and isinstance(function.get("name"), str)
+        and (function.get("arguments") is None or isinstance(function["arguments"], str))
+    )
+
+
+def _is_call(call: object) -> bool:
+    return (
+        isinstance(call, dict)
+        and isinstance(call.get("id"), str)
+        and bool(call["id"])
+        and _is_function(call.get("function"))
+    )
+
+
+def _function(function: JSONObject) -> JSONObject:
+    arguments = function.get("arguments")
+    return {**function, "arguments": arguments if isinstance(arguments, str) else "{}"}
+
+
 def output_message(message: object) -> Message:
-    """The assistant message as it will be replayed: known fields, nulls dropped."""
+    """The assistant message as it will be replayed: known fields, nulls dropped. A message
+    that could not be replayed is the provider's bad answer (a 502), never stored."""
     if not isinstance(message, dict):
         raise UpstreamProtocolError("The provider's reply has no message")
+    problem = _malformed(message)
+    if problem is not None:
+        raise UpstreamProtocolError(f"The provider's reply is malformed: {problem}")
     out: JSONObject = {"role": "assistant"}
     for key in _OUTPUT_FIELDS[1:]:
         value = message.get(key)
@@ -26,9 +74,12 @@ def output_message(message: object) -> Message:
     if "tool_calls" in out:
         calls = out["tool_calls"]
         out["tool_calls"] = [
-            {"id": c.get("id"), "type": c.get("type") or "function", "function": c.get("function")}
-            for c in (calls if isinstance(calls, list) else ())
-            if isinstance(c, dict)
+            {
+                "id": c["id"],
+                "type": c.get("type") or "function",
+                "function": _function(_object(c["function"])),
+            }
+            for c in cast(list[JSONObject], calls)  # (checked by `_malformed`)
         ]
         out.setdefault("content", None)
     audio = message.get("audio")

@@ -7,7 +7,9 @@ from collections.abc import AsyncIterator
 from typing import Any
 
 import orjson
+import pytest
 
+from gateway.exceptions import UpstreamProtocolError
 from gateway.services.stream import StreamAccumulator, output_message
 from gateway.store.memory import MemoryStore
 from gateway.upstream.base import Body, Chunk
@@ -92,14 +94,33 @@ def test_output_message_keeps_known_fields_and_drops_nulls() -> None:
     }
     # an audio answer is kept by its id (replayed as OpenAI documents), never its data
     assert output_message(raw) == {"role": "assistant", "content": "x", "audio": {"id": "a"}}
-    calls = output_message(
-        {"role": "assistant", "tool_calls": [{"id": "c", "function": {"name": "f"}}, "junk"]}
-    )
-    assert calls == {
+    calls = output_message({"role": "assistant", "tool_calls": [{"id": "c", "function": {"name": "f"}}]})
+    assert calls == {  # a call without arguments is stored with empty ones, as providers take it back
         "role": "assistant",
         "content": None,
-        "tool_calls": [{"id": "c", "type": "function", "function": {"name": "f"}}],
+        "tool_calls": [{"id": "c", "type": "function", "function": {"name": "f", "arguments": "{}"}}],
     }
+
+
+@pytest.mark.parametrize(
+    "message",
+    [
+        {"content": 12345},
+        {"content": {"text": "x"}},
+        {"content": "x", "refusal": 5},
+        {"tool_calls": [{"id": 5, "type": "function", "function": {"name": "f", "arguments": "{}"}}]},
+        {"tool_calls": [{"id": "c", "type": "function", "function": {"name": "f", "arguments": {"x": 1}}}]},
+        {"tool_calls": [{"id": "c", "function": {"name": "f", "arguments": "{}"}}, "junk"]},
+        {"tool_calls": "c"},
+        {"function_call": {"name": 5, "arguments": "{}"}},
+    ],
+)
+def test_a_reply_that_could_not_be_replayed_is_the_providers_bad_answer(message: dict[str, Any]) -> None:
+    """A whole answer was stored as it came (a stream's chunks are checked): `content: 12345` or
+    a call's object `arguments` went to the provider on every later turn, and a client resending
+    its history got a 400 from the gateway's own validation on every turn."""
+    with pytest.raises(UpstreamProtocolError):
+        output_message({"role": "assistant", **message})
 
 
 class SplitStream(MockUpstream):
