@@ -58,7 +58,7 @@ async def chat_completions(request: Request) -> Response:
         raise
     if not chat.stream:
         try:
-            result = await until_disconnect(service.complete(turn), request.receive)
+            result = await until_disconnect(service.complete(turn), request.receive, started=started)
         except BaseException as exc:
             exc = shutting_down(exc) or exc
             return _failed(turn, await service.close(turn, turn_outcome(exc)), exc, request.app.state.metrics)
@@ -67,7 +67,7 @@ async def chat_completions(request: Request) -> Response:
         return JSONBody(result, headers=turn_headers(turn))
 
     try:
-        chunks = await until_disconnect(service.open_chunks(turn), request.receive)
+        chunks = await until_disconnect(service.open_chunks(turn), request.receive, started=started)
     except BaseException as exc:
         exc = shutting_down(exc) or exc
         return _failed(turn, await service.close(turn, turn_outcome(exc)), exc, request.app.state.metrics)

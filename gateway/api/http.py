@@ -4,6 +4,7 @@ disconnect watching, and a server-sent-events response that reports how it ended
 from __future__ import annotations
 
 import asyncio
+import time
 from collections.abc import AsyncIterator, Awaitable, Callable, Coroutine
 from typing import Any, TypeVar
 
@@ -148,10 +149,17 @@ def turn_outcome(exc: BaseException) -> BaseException:
     return asyncio.CancelledError() if isinstance(exc, ClientDisconnected) else exc
 
 
-async def until_disconnect(work: Coroutine[Any, Any, T], receive: Receive) -> T:
+# A turn that took longer than this to be ready (queued behind its conversation's other turns,
+# say) looks whether its client is still there before the provider gets the request.
+WAITED_SECONDS = 0.005
+
+
+async def until_disconnect(work: Coroutine[Any, Any, T], receive: Receive, *, started: float = 0.0) -> T:
     """Run `work`, cancelling it if the client disconnects first (then ClientDisconnected).
     It runs in the calling task (no task of its own: one task less per request); a watcher
-    task cancels that task when the client goes."""
+    task cancels that task when the client goes. A request `started` (perf_counter) more than
+    WAITED_SECONDS ago is not begun at all if its client left meanwhile: a client that gave up
+    while queued had its whole prompt sent to the provider (and billed) once the queue moved."""
     current = asyncio.current_task()
     assert current is not None
     state = {"gone": False, "over": False}
@@ -163,6 +171,12 @@ async def until_disconnect(work: Coroutine[Any, Any, T], receive: Receive) -> T:
 
     watcher = asyncio.ensure_future(_wait_disconnect(receive))
     watcher.add_done_callback(on_watcher_done)
+    if started and time.perf_counter() - started > WAITED_SECONDS:
+        await asyncio.sleep(0)  # the watcher's first look: a client gone already has said so
+        if watcher.done() and not watcher.cancelled() and watcher.exception() is None:
+            state["over"] = True
+            work.close()
+            raise ClientDisconnected()
     try:
         return await work
     except asyncio.CancelledError:

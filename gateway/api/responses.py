@@ -198,7 +198,7 @@ async def create_response(request: Request) -> Response:
     headers = turn_headers(turn)
     if not chat.stream:
         try:
-            await until_disconnect(service.complete(turn), request.receive)
+            await until_disconnect(service.complete(turn), request.receive, started=started)
         except BaseException as exc:
             exc = shutting_down(exc) or exc
             log_failure(await service.close(turn, turn_outcome(exc)), exc, metrics, event="response")
@@ -218,7 +218,7 @@ async def create_response(request: Request) -> Response:
             headers=headers,
         )
     try:
-        chunks = await until_disconnect(service.open_chunks(turn), request.receive)
+        chunks = await until_disconnect(service.open_chunks(turn), request.receive, started=started)
     except BaseException as exc:
         exc = shutting_down(exc) or exc
         log_failure(await service.close(turn, turn_outcome(exc)), exc, metrics, event="response")

@@ -4,6 +4,7 @@ history, the conversation stays usable, and the gateway's file descriptors retur
 
 from __future__ import annotations
 
+import threading
 import time
 from collections.abc import Iterator
 
@@ -115,6 +116,31 @@ def test_cancel_mid_stream(convo: Conversation, fault: FaultServer) -> None:
     (attempt,) = fault.requests[n:]
     assert attempt.closed_at is None or attempt.closed_at > gone_at - 0.05  # it was still streaming
     assert_cancelled(convo, attempt, gone_at, baseline)
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_a_client_gone_while_queued_never_reaches_the_provider(
+    convo: Conversation, fault: FaultServer, stream: bool
+) -> None:
+    """A request queued behind its conversation's turn in progress, whose client left: its
+    whole prompt went to the provider (billed) once the queue moved, and only then was it
+    found that nobody was waiting for the answer."""
+    fault.script(answer(delay=1.0))  # the turn in progress holds the conversation (timeout 1.5 s)
+    n = len(fault.requests)
+    holder = threading.Thread(target=convo.ok, args=("I hold the conversation.",))
+    holder.start()
+    assert wait_for(lambda: len(fault.requests) > n, 3.0)
+    with pytest.raises(httpx.ReadTimeout):  # queued, then gone
+        httpx.post(
+            f"{convo.gw.url}/v1/chat/completions",
+            json=body(convo.cid, stream),
+            timeout=httpx.Timeout(5.0, read=0.4),
+        )
+    holder.join(10)
+    time.sleep(0.5)  # (the queued request would have been sent by now)
+    assert len(fault.requests) == n + 1, [r.body for r in fault.requests[n:]]
+    convo.ok("Still here?")  # the conversation goes on, with what was acknowledged
+    convo.check()
 
 
 def test_many_cancels_leave_no_descriptors_behind(convo: Conversation, fault: FaultServer) -> None:
