@@ -283,6 +283,14 @@ class ConversationView:
             rid, pos = marker.get("response_id"), marker.get("position")
             if isinstance(rid, str) and isinstance(pos, int):
                 self.delete_item(rid, pos)
+        elif kind == "withdraw_recap":  # other conversations' content deleted since it was made
+            from gateway.context.lifecycle import recap_without  # (lifecycle reads views)
+
+            withdrawn = marker.get("conversations")
+            if isinstance(withdrawn, list) and self.recap is not None:
+                self.recap = recap_without(self.recap, {str(cid) for cid in withdrawn})
+                if self.recap is None:
+                    self.recap_owner = None
 
     def delete_item(self, response_id: str, position: int) -> None:
         self.deleted_items.add(item_key(response_id, position))

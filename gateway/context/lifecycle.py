@@ -10,7 +10,7 @@ derived from the lifecycle log, end users' file-safe keys and local days, and th
 from __future__ import annotations
 
 import hashlib
-from collections.abc import Callable
+from collections.abc import Callable, Collection
 from dataclasses import dataclass
 from datetime import datetime
 from zoneinfo import ZoneInfo, ZoneInfoNotFoundError
@@ -172,6 +172,21 @@ def _parse(recap: Message | None) -> tuple[str, list[_Block]] | None:
 def is_recap(message: Message) -> bool:
     content = message.get("content")
     return message.get("role") == "system" and isinstance(content, str) and content.startswith(RECAP_PREFIX)
+
+
+def recap_without(recap: Message | None, conversations: Collection[str]) -> Message | None:
+    """`recap` without the blocks of `conversations` (their content was deleted since), as it
+    was written otherwise; None when nothing is left of it."""
+    parsed = _parse(recap)
+    if parsed is None:
+        return recap
+    header, blocks = parsed
+    kept = [
+        "\n".join([head, *(["  …"] if cut else []), *(f"  {line}" for line in lines)])
+        for head, cid, lines, cut in blocks
+        if cid not in conversations
+    ]
+    return {"role": "system", "content": "\n".join([header, *kept])} if kept else None
 
 
 def recap_conversations(recap: Message | None) -> list[str]:

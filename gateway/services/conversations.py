@@ -17,6 +17,7 @@ from gateway.context.tail import checkpoint
 from gateway.exceptions import InvalidRequest, NotFound
 from gateway.ids import check_conversation_id, mint_response_id
 from gateway.services.cache import ConversationCache
+from gateway.services.recap import withdraw_recaps
 from gateway.services.requests import check_size
 from gateway.services.summaries import withdraw
 from gateway.store import Store, StoreRegistry
@@ -128,8 +129,15 @@ class Conversations:
             tenant, cid, {"type": "reset", "keep_system_message": keep_system_message, "at": now()}
         )
 
+    async def _withdraw_recaps(self, store: Store, cid: str) -> None:
+        """Before a deletion in `cid`: recaps elsewhere stop quoting it (services.recap)."""
+        await withdraw_recaps(
+            store, functools.partial(self.cache.load, store, keep=False), cid, self.lock_timeout
+        )
+
     async def delete(self, tenant: str, cid: str) -> None:
         store = await self.stores.get(tenant)
+        await self._withdraw_recaps(store, cid)
         async with store.lock(cid, self.lock_timeout):
             deleted = await store.delete_conversation(cid, archive=self.settings.storage.archive_deleted)
         if not deleted:
@@ -190,6 +198,8 @@ class Conversations:
 
     async def delete_item(self, tenant: str, cid: str, item_id: str) -> ConversationView:
         store = await self.stores.get(tenant)
+        find_item(await self._existing(store, cid), item_id)  # (a 404 withdraws nothing)
+        await self._withdraw_recaps(store, cid)
         async with store.lock(cid, self.lock_timeout):
             find_item(await self._existing(store, cid), item_id)
             named = parse_item_id(item_id)

@@ -7,9 +7,11 @@ from collections.abc import Awaitable, Callable
 from zoneinfo import ZoneInfo
 
 from gateway.context import ConversationView, Message
-from gateway.context.lifecycle import local_day, recap_message, todays_lines, user_key
+from gateway.context.lifecycle import local_day, recap_conversations, recap_message, todays_lines, user_key
 from gateway.context.records import number
+from gateway.exceptions import NotFound
 from gateway.store import Store
+from gateway.store.base import now
 
 # The recap looks at most at this many of the user's most recently started conversations: its
 # budget holds a few of them, and a user with thousands must not make every new one slower.
@@ -52,3 +54,32 @@ async def build_recap(
         if lines:
             candidates.append((view.last_activity, cid, lines))
     return recap_message(candidates, tz, max_tokens=max_tokens, count=count)
+
+
+async def withdraw_recaps(
+    store: Store, load: Callable[[str], Awaitable[ConversationView]], source: str, lock_timeout: float
+) -> None:
+    """Before content of conversation `source` is deleted (its lock not held: each other
+    conversation's is taken on its own, never two at once): the recaps of the same user's later
+    conversations stop quoting `source` (a `withdraw_recap` marker in each that does), so a
+    deleted message never reaches the model again through a recap made before the deletion.
+    Recorded first: a crash between the two leaves a recap withdrawn for nothing, never a
+    deleted message in one."""
+    user = (await load(source)).user
+    if not user:
+        return
+    for entry in reversed(await store.read_side("users", user_key(user))):
+        cid = entry.get("conversation_id")
+        if cid == source:
+            return  # (a recap quotes conversations started before its own)
+        if not isinstance(cid, str):
+            continue
+        try:
+            recap = (await load(cid)).recap
+        except NotFound:
+            continue
+        if recap is None or source not in recap_conversations(recap):
+            continue
+        async with store.lock(cid, lock_timeout):
+            marker = {"type": "withdraw_recap", "conversations": [source], "withdrawn_at": now()}
+            await store.append_marker(cid, marker)

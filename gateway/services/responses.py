@@ -11,6 +11,7 @@ from gateway.config import Settings
 from gateway.context.records import StoredResponse
 from gateway.exceptions import InvalidRequest, NotFound
 from gateway.services.cache import ConversationCache
+from gateway.services.recap import withdraw_recaps
 from gateway.services.summaries import withdraw
 from gateway.store import StoreRegistry
 from gateway.store.base import Store
@@ -59,6 +60,8 @@ class StoredResponses:
         if cid is None:
             await store.tombstone(rid)
             return
+        lock_timeout = self.settings.storage.lock_timeout
+        await withdraw_recaps(store, functools.partial(self.cache.load, store, keep=False), cid, lock_timeout)
         # Branches sharing it first, each under its own lock (never two at once): its summaries
         # withdrawn, and a marker in its index, so that every process's cached view of the
         # branch leaves it out too (the response file's tombstone alone is seen only by a
