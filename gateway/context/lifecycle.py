@@ -59,7 +59,10 @@ def derive_state(records: list[Record], last_activity: float | None) -> State:
     state = str(last.get("state", ACTIVE))
     at = number(last.get("at")) or 0.0
     attempts = int(number(last.get("attempts")) or 0)
-    if state in (PROCESSED, FAILED) and last_activity is not None and last_activity > at:
+    # What the attempt looked at: the conversation's activity when it began (a turn landing
+    # while it ran is newer than that, not than its end: it was left out of the summary).
+    covered = number(last.get("covers_activity"))
+    if state in (PROCESSED, FAILED) and last_activity is not None and last_activity > (covered or at):
         return State(ACTIVE, 0, last_activity)  # a new message reactivates it
     return State(state, attempts, at, number(last.get("lease_until")), text(last.get("error")))
 

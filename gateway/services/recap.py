@@ -47,7 +47,9 @@ async def build_recap(
         if not view.turns or view.last_activity is None or local_day(view.last_activity, tz) != today:
             continue
         digest = digests.get(cid)
-        if digest and (number(digest.get("at")) or 0.0) >= view.last_activity:
+        # (a digest covers the activity its attempt began with: a turn landing meanwhile is newer)
+        covered = number(digest.get("covers_activity")) or number(digest.get("at")) if digest else None
+        if digest and (covered or 0.0) >= view.last_activity:
             lines = [str(digest.get("summary", ""))]
         else:
             lines = todays_lines(view, tz, today)

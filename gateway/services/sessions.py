@@ -70,11 +70,11 @@ class Sessions:
             if modified < before and not expired:
                 continue  # settled at an earlier pass and unchanged since
             records = await store.read_side("lifecycle", cid, keep=False)
-            settled = (
-                bool(records)
-                and records[-1].get("state") in (PROCESSED, FAILED)
-                and (number(records[-1].get("at")) or 0.0) >= modified
-            )
+            # (an attempt covers the index as it was when it began: a turn landing meanwhile
+            # changed it after that, however early the attempt's record is dated)
+            last = records[-1] if records else {}
+            seen = number(last.get("covers_modified")) or number(last.get("at")) or 0.0
+            settled = last.get("state") in (PROCESSED, FAILED) and seen >= modified
             if settled and not expired:
                 continue
             out.append((cid, modified))
@@ -129,36 +129,52 @@ class Sessions:
         if not view.turns:
             return True  # nothing to process until a turn comes
         if sessions.idle_after > 0 and now - last >= sessions.idle_after:
-            return await self.process(tenant, store, cid, view, state.attempts, clock) != ACTIVE
+            return await self.process(tenant, store, cid, view, state.attempts, clock, modified) != ACTIVE
         return sessions.idle_after <= 0
 
     async def _record(self, store: Store, cid: str, clock: Clock, state: str, **fields: object) -> None:
         await store.append_side("lifecycle", cid, {"state": state, "at": clock(), **fields})
 
     async def process(
-        self, tenant: str, store: Store, cid: str, view: ConversationView, attempts: int, clock: Clock
+        self,
+        tenant: str,
+        store: Store,
+        cid: str,
+        view: ConversationView,
+        attempts: int,
+        clock: Clock,
+        modified: float | None = None,
     ) -> str:
-        """Post-process the conversation; the state it ends in."""
+        """Post-process the conversation; the state it ends in. The attempt ends with its lease:
+        a summary call that hangs (a provider `timeout` of hours) kept the conversation
+        `processing` past `lease_until`, and every other conversation waiting behind it."""
         sessions = self.settings.sessions
         now = clock()
         await self._record(store, cid, clock, PROCESSING, attempts=attempts, lease_until=now + sessions.lease)
+        covered = view.last_activity  # a turn landing from here on is not in this attempt
+        seen = {"covers_activity": covered, "covers_modified": modified}
         try:
-            summary = await self.summaries.summarize_all(tenant, cid, view.last_model or "")
+            async with asyncio.timeout(sessions.lease):
+                summary = await self.summaries.summarize_all(tenant, cid, view.last_model or "")
             if view.user and summary:
                 tz = zone(view.timezone, sessions.default_timezone)
                 day = local_day(view.last_activity or now, tz)
-                await store.append_side(
-                    "digests",
-                    f"{user_key(view.user)}.{day}",
-                    {"conversation_id": cid, "summary": summary, "at": clock()},
-                )
+                digest = {
+                    "conversation_id": cid,
+                    "summary": summary,
+                    "at": clock(),
+                    "covers_activity": covered,
+                }
+                await store.append_side("digests", f"{user_key(view.user)}.{day}", digest)
         except asyncio.CancelledError:
             raise
         except Exception as exc:  # noqa: BLE001 - recorded as the state's error
             message = getattr(exc, "message", None) or repr(exc)
+            if isinstance(exc, TimeoutError):
+                message = f"post-processing took longer than its lease ({sessions.lease:g} s)"
             attempts += 1
             state = FAILED if attempts >= sessions.max_attempts else ACTIVE
-            await self._record(store, cid, clock, state, attempts=attempts, error=message[:500])
+            await self._record(store, cid, clock, state, attempts=attempts, error=message[:500], **seen)
             return state
-        await self._record(store, cid, clock, PROCESSED, attempts=attempts)
+        await self._record(store, cid, clock, PROCESSED, attempts=attempts, **seen)
         return PROCESSED

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import os
 import time
 from datetime import datetime, timedelta
@@ -215,6 +216,55 @@ def test_derive_state() -> None:
     done = [{"state": "processed", "at": 10.0}]
     assert derive_state(done, 9.0).state == "processed"
     assert derive_state(done, 11.0).state == "active"
+    # An attempt that began with the activity of 8.0 and ended at 10.0: a turn at 9.0 landed
+    # while it ran, and was left out of it.
+    covering = [{"state": "processed", "at": 10.0, "covers_activity": 8.0}]
+    assert derive_state(covering, 8.0).state == "processed"
+    assert derive_state(covering, 9.0).state == "active"
+
+
+def _upstream(app: Any) -> MockUpstream:
+    return app.state.services.router.resolve("mock/m").upstream  # type: ignore[no-any-return]
+
+
+async def test_a_turn_landing_while_processing_is_processed_after(tmp_path: Path) -> None:
+    """The turn was answered, but the attempt ended `processed` later than it, so the
+    conversation was never processed again: its summary and the user's digest left it out."""
+    app, store, clock, _, client = await make(tmp_path)
+    processor = app.state.processor
+    await say(client, "c5", "my locker code is CODE1", user="u5")
+    clock.offset = 61
+    _upstream(app).delay = 0.3  # the summary takes a while
+    attempt = asyncio.ensure_future(processor.run_once())
+    while not await store.read_side("lifecycle", "c5"):
+        await asyncio.sleep(0.01)
+    await say(client, "c5", "correction: the code is CODE2", user="u5")  # while processing
+    clock.stamp(store, "c5")
+    await attempt
+    assert (await processor.state_of("", "c5")).state == "active"
+    _upstream(app).delay = 0.0
+    clock.offset = 130
+    await processor.run_once()
+    assert (await processor.state_of("", "c5")).state == PROCESSED
+    assert "CODE2" in (await store.read_side("summaries", "c5"))[-1]["text"]
+    await client.aclose()
+
+
+async def test_an_attempt_ends_with_its_lease(tmp_path: Path) -> None:
+    """A summary call that hung kept the conversation `processing` past `lease_until` (with a
+    provider `timeout` of hours: past the 30 minutes promised), and every other conversation
+    waited behind it."""
+    app, store, clock, _, client = await make(tmp_path, lease=0.2)
+    processor = app.state.processor
+    await say(client, "c6", "my name is Di")
+    clock.offset = 61
+    _upstream(app).delay = 30.0  # a hung provider
+    started = time.monotonic()
+    await processor.run_once()
+    assert time.monotonic() - started < 5
+    state = await processor.state_of("", "c6")
+    assert state.state == "active" and state.attempts == 1 and "lease" in (state.error or "")
+    await client.aclose()
 
 
 def _zone_pair(now: float) -> tuple[str, str, float]:
