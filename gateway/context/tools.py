@@ -36,5 +36,9 @@ def repair_tool_calls(messages: Sequence[Message]) -> list[Message]:
         out.append(message)
         if role == "assistant" and message.get("tool_calls"):
             pending = [str(c["id"]) for c in message["tool_calls"] if isinstance(c, dict) and c.get("id")]
-    # A trailing unanswered call is the model asking for tools now; leave it for the client.
+    # A trailing call without any result is the model asking for tools now: left for the client.
+    # Calls of which some were answered at the end are what the model is given now: providers
+    # refuse a call without its result ("must be followed by tool messages responding to each").
+    if pending and out and out[-1].get("role") == "tool":
+        close_pending()
     return out

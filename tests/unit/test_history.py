@@ -330,6 +330,15 @@ def test_partially_answered_calls_get_results_after_existing_ones() -> None:
     ]
 
 
+def test_calls_answered_in_part_at_the_end_get_results_for_the_others() -> None:
+    """A client that answered one of two calls: the history went upstream with the other call
+    unanswered, which OpenAI refuses (a 400); with no result at all the call is left as it is."""
+    messages = [user("q"), calls("c1", "c2"), result("c1", "one")]
+    assert repair_tool_calls(messages) == [*messages, synthetic("c2")]
+    asking = [user("q"), calls("c1", "c2")]
+    assert repair_tool_calls(asking) == asking
+
+
 def test_unanswered_calls_followed_by_assistant_message() -> None:
     messages = [calls("c1"), assistant("I will not call the tool after all")]
     assert repair_tool_calls(messages) == [calls("c1"), synthetic("c1"), messages[1]]
@@ -376,8 +385,6 @@ def test_complete_chains_are_replayed_exactly() -> None:
 def test_trailing_unanswered_tool_calls_left_as_is() -> None:
     messages = [user("weather?"), calls("c1", "c2")]
     assert repair_tool_calls(messages) == messages
-    partially = [user("weather?"), calls("c1", "c2"), result("c1")]
-    assert repair_tool_calls(partially) == partially
 
 
 def test_repair_does_not_mutate_its_input() -> None:
