@@ -268,6 +268,22 @@ async def test_start_writes_the_request_at_once(pg_store: PostgresStore) -> None
     assert [r["type"] for r in await pg_store.read_response(rid)] == ["request", "incomplete"]
 
 
+async def test_a_database_that_takes_no_writes_is_not_ready(pg_store: PostgresStore, pg_dsn: str) -> None:
+    """A hot standby (or `default_transaction_read_only`) answers `SELECT 1`: `/readyz` said
+    ready while every turn was a 503 (and the provider was asked first)."""
+    await pg_store.probe()
+    conn = await asyncpg.connect(pg_dsn)
+    try:
+        name = await conn.fetchval("SELECT current_database()")
+        await conn.execute(f'ALTER DATABASE "{name}" SET default_transaction_read_only = on')
+    finally:
+        await conn.close()
+    assert pg_store._backend is not None and pg_store._backend.pool is not None
+    await pg_store._backend.pool.expire_connections()  # (a setting new sessions get)
+    with pytest.raises(StorageError, match="takes no writes"):
+        await pg_store.probe()
+
+
 async def test_unreachable_database_is_a_storage_error_without_the_password() -> None:
     store = PostgresStore("postgresql://gateway:s3cret@127.0.0.1:1/nothing")
     with pytest.raises(Exception) as info:

@@ -114,8 +114,14 @@ class PostgresStore(Store):
         await self._open_backend()
 
     async def probe(self) -> None:
-        """One round trip to the database (StorageError when it is down)."""
-        await self._fetch("cannot reach the database", "SELECT 1")
+        """One round trip to the database: StorageError when it is down, or when it takes no
+        writes (a hot standby, `default_transaction_read_only`), which `SELECT 1` did not tell:
+        `/readyz` said ready while every turn was a 503."""
+        rows = await self._fetch(
+            "cannot reach the database", "SELECT current_setting('transaction_read_only')"
+        )
+        if rows and rows[0][0] == "on":
+            raise StorageError("the database takes no writes (read-only: a standby, or in recovery)")
 
     def mark_later(self, response_id: str, rows: list[tuple[str, str]]) -> None:
         """An attempt's `incomplete` ending the database could not take now: retried every
