@@ -15,7 +15,7 @@ from gateway.services.recap import withdraw_recaps
 from gateway.services.summaries import withdraw
 from gateway.store import StoreRegistry
 from gateway.store.base import Store
-from gateway.types import Record
+from gateway.types import Record, as_object
 from gateway.writers import gone
 
 
@@ -33,14 +33,20 @@ class StoredResponses:
             raise NotFound(f"No response found with id {rid!r}", param="response_id")
         stored = StoredResponse.of(rid, records)
         cid = stored.conversation_id
-        if stored.status == "in_progress" and cid is not None and rid in await self._index(store, cid):
+        index = await self._index(store, cid) if stored.status == "in_progress" and cid is not None else []
+        if rid in index:
             # An index names only committed responses: this log lost its end (a damaged file),
             # as every reader of the conversation treats it (README "Damaged files").
             raise NotFound(
                 f"No response found with id {rid!r}: its log is not complete (gateway fsck reports it)",
                 param="response_id",
             )
-        if stored.status == "in_progress" and gone(stored.request.get("writer")):
+        # The index grew after the attempt began: its conversation's lock, held until a turn
+        # ends, was let go, so the attempt is over. Its process is gone where that cannot be
+        # seen (another host's replica, on PostgreSQL): read there as in progress for ever.
+        began = as_object(stored.request.get("before")).get("entries")
+        moved_on = isinstance(began, int) and len(index) > began
+        if stored.status == "in_progress" and (moved_on or gone(stored.request.get("writer"))):
             # Its process stopped (killed) before the attempt ended: incomplete, not in progress.
             message = "The gateway process handling this request stopped before it finished"
             error = {"message": message, "type": "server_error", "param": None, "code": "interrupted"}

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import logging
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -95,3 +96,24 @@ def test_the_warned_set_stays_bounded() -> None:
     for n in range(WARNED_LIMIT * 3):
         cache.skipped("c", f"m-{n:012x}", [])
     assert len(cache._warned) == WARNED_LIMIT
+
+
+async def test_an_attempt_its_conversation_moved_on_from_is_not_in_progress(
+    app_client: Any, memory_store: Any
+) -> None:
+    """An attempt whose process died on another host (a replica of its own, on PostgreSQL)
+    read as `in_progress` for ever on every other replica: its process could not be seen. The
+    conversation's index grew after it began, so its lock was let go: the attempt is over."""
+    from tests.helpers import request_record, user
+
+    await say_each(app_client, "moved", ["one"])
+    rid = "mock-m-0123456789ab"
+    record = {**request_record(rid, "moved", [user("lost")]), "before": {"entries": 1}}
+    record["writer"] = "another-host/4242/1"  # (a process this host cannot see)
+    await memory_store.start(rid, record).abandon("cancelled")  # then made unended again:
+    memory_store.responses[rid] = memory_store.responses[rid][:1]
+    in_progress = await app_client.get(f"/v1/responses/{rid}")
+    assert in_progress.json()["status"] == "in_progress"  # nothing says otherwise yet
+    await say_each(app_client, "moved", ["two"])  # the conversation moved on: the lock was let go
+    over = (await app_client.get(f"/v1/responses/{rid}")).json()
+    assert over["status"] == "failed" and over["error"]["code"] == "interrupted", over
