@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 from collections.abc import AsyncIterator
+from typing import Any
 
 import asyncpg
 import pytest
@@ -282,6 +283,37 @@ async def test_a_database_that_takes_no_writes_is_not_ready(pg_store: PostgresSt
     await pg_store._backend.pool.expire_connections()  # (a setting new sessions get)
     with pytest.raises(StorageError, match="takes no writes"):
         await pg_store.probe()
+
+
+async def test_a_commit_whose_reply_was_lost_is_a_commit(
+    pg_store: PostgresStore, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The COMMIT reached PostgreSQL and only its reply was lost (a connection cut, a restart):
+    the client got a 503 for a turn that was in the conversation, and its retry stored it twice."""
+    await commit_turn(pg_store, "lost-ack", "one")
+    rid = "test-model-0123456789ab"
+    log = pg_store.start(rid, request_record(rid, "lost-ack", [user("two")]))
+    log.append({"type": "response", "message": reply("re: two"), "finish_reason": "stop", "usage": None})
+    log.meanwhile()
+    await asyncio.sleep(0.2)  # (the request row is in)
+    done = asyncpg.transaction.Transaction.__aexit__
+    lost = []
+
+    async def reply_lost(self: Any, *exc: Any) -> Any:
+        result = await done(self, *exc)
+        if exc[0] is None and not lost:
+            lost.append(True)
+            raise asyncpg.exceptions.ConnectionDoesNotExistError(
+                "connection was closed in the middle of operation"
+            )
+        return result
+
+    monkeypatch.setattr(asyncpg.transaction.Transaction, "__aexit__", reply_lost)
+    appended = await log.commit("lost-ack")  # a success, not a StorageError
+    assert lost and appended is not None
+    entries = await pg_store.read_index("lost-ack")
+    assert entries.count(rid) == 1 and entries[-1] == rid
+    assert [r["type"] for r in await pg_store.read_response(rid)][-1] == "commit"
 
 
 async def test_unreachable_database_is_a_storage_error_without_the_password() -> None:

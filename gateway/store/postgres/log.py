@@ -43,6 +43,15 @@ class _SideCache:
     records: list[Record] = field(default_factory=list)
 
 
+# How long a failed commit waits for the database to say whether it was done after all.
+LANDED_WAIT = 3.0
+_LANDED = (
+    "SELECT c.incarnation, i.seq FROM gateway_index i JOIN gateway_conversations c "
+    "ON c.namespace = i.namespace AND c.conversation_id = i.conversation_id "
+    "WHERE i.namespace = $1 AND i.conversation_id = $2 AND i.response_id = $3"
+)
+
+
 class _PostgresLog(ResponseLog):
     def __init__(self, store: PostgresStore, response_id: str, request: Record) -> None:
         self.store = store
@@ -105,9 +114,34 @@ class _PostgresLog(ResponseLog):
             await self._mark_failed(rows[:-1], "conflict", "the conversation changed on another replica")
             raise _busy(cid or "") from None
         except StorageError as exc:
+            landed = await self._landed(backend, cid) if cid is not None else None
+            if landed is not None:
+                # The COMMIT was done and only its reply lost (a connection cut, a restart): the
+                # turn is in the conversation. Answered as a 503, a client's retry stored it twice.
+                log.warning("the commit of %s was done; only its reply was lost (%s)", self.response_id, exc)
+                return landed
             store._forget(cid)
             await self._mark_failed(rows[:-1], "storage_error", exc.message)
             raise
+
+    async def _landed(self, backend: _Backend, cid: str) -> tuple[int, int] | None:
+        """After a failed commit (the conversation's lock still held, so nobody else appends):
+        its index entry if the commit was done after all, None if not or if that cannot be known
+        within LANDED_WAIT (the database still away)."""
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + LANDED_WAIT
+        while True:
+            await asyncio.sleep(0.05)  # (a COMMIT the server had when the connection went is done)
+            try:
+                with map_errors("could not tell whether the commit was done"):
+                    row = await backend.open_pool.fetchrow(
+                        _LANDED, self.store.namespace, cid, self.response_id
+                    )
+                return None if row is None else (int(row[0]), int(row[1]))
+            except StorageError:
+                if loop.time() >= deadline:
+                    return None
+                await asyncio.sleep(0.2)
 
     async def _mark_failed(self, rows: list[tuple[str, str]], reason: str, message: str) -> None:
         """Best effort after a failed commit: end the log with `incomplete` (never after a commit
