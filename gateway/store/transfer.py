@@ -14,7 +14,7 @@ from pathlib import Path
 import asyncpg
 import orjson
 
-from gateway.exceptions import StorageError
+from gateway.exceptions import GatewayError, StorageError
 from gateway.ids import is_valid_conversation_id, is_valid_response_id
 from gateway.redact import redact_dsn
 from gateway.store.base import SIDE_LOGS
@@ -68,6 +68,12 @@ async def export_jsonl(dsn: str, target: Path) -> TransferStats:
     with map_errors(f"cannot export from {redact_dsn(dsn)}"):
         conn = await asyncpg.connect(dsn, command_timeout=None)
         try:
+            # A database without the gateway's tables (a DSN naming another one) holds nothing to
+            # export: said, as of a data dir, not "exported 0" after making the tables there.
+            if await conn.fetchval("SELECT to_regclass('gateway_schema')") is None:
+                raise GatewayError(
+                    f"{redact_dsn(dsn)} holds no gateway data (no gateway tables): nothing to export"
+                )
             await migrate(conn)
             async with conn.transaction(isolation="repeatable_read", readonly=True):
                 namespaces = [
@@ -78,6 +84,8 @@ async def export_jsonl(dsn: str, target: Path) -> TransferStats:
                         "UNION SELECT namespace FROM gateway_archive ORDER BY 1"
                     )
                 ]
+                if not namespaces:
+                    raise GatewayError(f"{redact_dsn(dsn)} holds no gateway data: nothing to export")
                 for ns in namespaces:
                     if not _is_safe_name(ns):
                         log.warning("skipping tenant %r: not a safe folder name", ns)

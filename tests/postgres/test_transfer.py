@@ -174,6 +174,38 @@ def test_export_refuses_a_folder_with_data_and_import_an_empty_one(tmp_path: Pat
     assert result.exit_code == 1 and "holds no gateway data" in result.output
 
 
+def test_export_from_a_database_without_gateway_data_is_an_error(tmp_path: Path, pg_dsn: str) -> None:
+    """It exited 0 with "exported 0 conversations ... to DIR" (no DIR made), and the read-only
+    command made the gateway's six tables in that database (a DSN naming another database)."""
+    import asyncpg
+
+    env = {"GATEWAY_STORAGE__BACKEND": "postgres", "GATEWAY_STORAGE__DSN": pg_dsn}
+    config = str(Path(__file__).resolve().parents[1] / "empty.toml")
+    target = ["export", "--config", config, "--to", str(tmp_path / "out")]
+    result = CliRunner().invoke(main, target, env=env)
+    assert result.exit_code == 1 and "holds no gateway data" in result.output, result.output
+
+    async def tables() -> list[str]:
+        conn = await asyncpg.connect(pg_dsn)
+        try:
+            return [
+                r[0] for r in await conn.fetch("SELECT tablename FROM pg_tables WHERE schemaname = 'public'")
+            ]
+        finally:
+            await conn.close()
+
+    assert asyncio.run(tables()) == []
+    asyncio.run(_open_and_close(pg_dsn))  # the gateway's tables, no conversation yet
+    result = CliRunner().invoke(main, target, env=env)
+    assert result.exit_code == 1 and "holds no gateway data" in result.output, result.output
+
+
+async def _open_and_close(dsn: str) -> None:
+    store = PostgresStore(dsn)
+    await store.open()
+    await store.close()
+
+
 @pytest.mark.parametrize("direction", ["export", "import"])
 def test_jsonl_backend_copies_files(tmp_path: Path, direction: str) -> None:
     """With the jsonl backend, export and import copy the data dir's files, refusing clashes."""
