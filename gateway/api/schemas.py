@@ -38,12 +38,20 @@ NOT_AN_OBJECT = "The request body must be a JSON object"
 
 
 @with_config(MESSAGE)
+class ImageURL(TypedDict, total=False):
+    url: Required[str]
+    detail: str
+
+
+@with_config(MESSAGE)
 class ContentPart(TypedDict, total=False):
-    """A content part (text, image_url, ...): an object with a string `type`; what else is in it
-    is the provider's to check."""
+    """A content part (text, image_url, ...): an object with a string `type`; its text and its
+    image's URL are strings (stored, a number went back to the provider on every later turn,
+    and the items API refuses it); what else is in it is the provider's to check."""
 
     type: str
-    text: SkipValidation[str]
+    text: str
+    image_url: str | ImageURL
 
 
 Content = str | list[ContentPart] | None

@@ -228,6 +228,31 @@ async def test_max_output_tokens_is_checked_under_its_own_name(
     assert r.status_code == 200 and mock_upstream.requests[-1]["max_tokens"] == 16
 
 
+@pytest.mark.parametrize(
+    "part",
+    [
+        {"type": "text", "text": 5},
+        {"type": "image_url", "image_url": 5},
+        {"type": "image_url", "image_url": {"url": {"a": 1}}},
+        {"type": "image_url", "image_url": {"detail": "low"}},
+    ],
+)
+async def test_a_part_of_the_wrong_shape_is_a_400_and_nothing_is_stored(
+    app_client: httpx.AsyncClient, mock_upstream: MockUpstream, part: dict[str, Any]
+) -> None:
+    """Accepted, stored and sent back on every later turn (the items API refused the same
+    parts; with llama.cpp it was a 502)."""
+    body = {"model": "mock/m", "conversation_id": "parts", "messages": [{"role": "user", "content": [part]}]}
+    r = await app_client.post("/v1/chat/completions", json=body)
+    assert r.status_code == 400 and r.json()["error"]["param"] == "messages[0].content", r.text
+    assert mock_upstream.requests == []
+    ok = {"type": "image_url", "image_url": {"url": "https://x/a.png", "detail": "low"}}
+    r = await app_client.post(
+        "/v1/chat/completions", json={**body, "messages": [{"role": "user", "content": [ok]}]}
+    )
+    assert r.status_code == 200, r.text
+
+
 @pytest.mark.parametrize("model", ["mock/o3-mini", "mock/o1", "mock/gpt-5-nano"])
 async def test_reasoning_models_get_max_output_tokens_as_max_completion_tokens(
     app_client: httpx.AsyncClient, mock_upstream: MockUpstream, model: str
