@@ -443,7 +443,19 @@ class Planner:
                 return window, counted
             over = math.ceil((counted - limit) / ratio(counted, window)) + 1
             budget = min(budget, window.tokens.get("total", budget)) - over
-            window = fit_request(budget)  # ContextLengthExceeded: the request alone does not fit
+            try:
+                window = fit_request(budget)
+            except ContextLengthExceeded as exc:  # the request alone does not fit: said in the
+                # server's terms (the budget cut here is the gateway's own count, scaled by this
+                # window's ratio: "more than the -1054 the window allows")
+                alone = f" (the request alone: {counted})" if not window.tokens.get("history") else ""
+                raise ContextLengthExceeded(
+                    f"This request does not fit the model's context window: {facts.tokens} tokens less "
+                    f"{facts.tokens - limit} for the answer leave {limit} for the prompt, and the server "
+                    f"counts more than that before any history{alone}; shorten it",
+                    param="messages",
+                    needs=exc.needs,
+                ) from None
         return window, None  # (still over: sent, and the server has the last word)
 
     @staticmethod

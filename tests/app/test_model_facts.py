@@ -908,6 +908,10 @@ async def test_where_the_server_counts_its_count_not_the_estimate_refuses_a_requ
         assert r.status_code == 200, r.text
         r = await ask(client, SENTENCE * 30, cid="big", max_tokens=64)  # 600+ of its own: too big
         assert r.status_code == 400 and r.json()["error"]["code"] == "context_length_exceeded"
+        for size in (30, 300):  # the message said "more than the -1054 the window allows"
+            r = await ask(client, SENTENCE * size, cid="big", max_tokens=64)
+            message = r.json()["error"]["message"]
+            assert "leave 448 for the prompt" in message and "-" not in message.split("leave")[1], message
     assert llama.refused == 0 and max(llama.prompts) <= 512 - 64
 
 
