@@ -135,10 +135,19 @@ class StreamAccumulator:
                 self.finish_reason = str(finish)
 
     def _add_call(self, call: JSONObject) -> None:
-        index = call.get("index", 0)
+        index = call.get("index")
+        if isinstance(index, int):
+            at = index
+        else:
+            # Without `index` (some OpenAI-compatible servers leave it out): a call with an id
+            # of its own is the next call, pieces without one belong to the latest (two calls
+            # were merged into one named "ab" with arguments "{}{}").
+            at = max(self.tool_calls, default=-1)
+            latest = self.tool_calls.get(at)
+            if at < 0 or (call.get("id") and latest is not None and latest["id"] not in (None, call["id"])):
+                at += 1
         slot = self.tool_calls.setdefault(
-            int(index) if isinstance(index, int | float | str) else 0,
-            cast(ToolCall, {"id": None, "type": "function", "function": {"name": "", "arguments": ""}}),
+            at, cast(ToolCall, {"id": None, "type": "function", "function": {"name": "", "arguments": ""}})
         )
         if call.get("id"):
             slot["id"] = cast(str, call["id"])

@@ -69,6 +69,24 @@ def test_split_tool_call_arguments_are_joined_per_call() -> None:
         orjson.loads(call["function"]["arguments"])  # whole JSON again
 
 
+def test_calls_streamed_without_index_stay_apart() -> None:
+    """Some OpenAI-compatible servers leave `index` out: two calls were stored as one named
+    "ab" with arguments "{}{}" (and replayed so)."""
+    acc = StreamAccumulator()
+    pieces = [
+        {"id": "call_1", "type": "function", "function": {"name": "a", "arguments": '{"x"'}},
+        {"function": {"arguments": ": 1}"}},  # more of the same call
+        {"id": "call_2", "type": "function", "function": {"name": "b", "arguments": "{}"}},
+    ]
+    for piece in pieces:
+        acc.add({"choices": [{"index": 0, "delta": {"tool_calls": [piece]}, "finish_reason": None}]})
+    calls = acc.message()["tool_calls"]
+    assert [(c["id"], c["function"]["name"], c["function"]["arguments"]) for c in calls] == [
+        ("call_1", "a", '{"x": 1}'),
+        ("call_2", "b", "{}"),
+    ]
+
+
 def test_text_refusal_and_other_choices() -> None:
     acc = StreamAccumulator()
     for chunk in [
