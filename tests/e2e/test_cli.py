@@ -150,6 +150,8 @@ def test_errors_are_one_line_and_nonzero(tmp_path: Path) -> None:
         (["serve", "--workers", "0"], ["--workers"]),
         (["tail", "c1", "--poll", "0"], ["--poll"]),
         (["tail", "c1", "--poll", "nan"], ["--poll"]),  # (else a busy loop)
+        (["demo", "--port", "99999"], ["--port"]),  # (was a 38-line traceback)
+        (["demo", "--port", "-5"], ["--port"]),
     ):
         result = gw(*args)
         assert result.returncode == 2 and len(result.stderr.strip().splitlines()) == 1, (args, result.stderr)
