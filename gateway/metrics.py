@@ -144,6 +144,9 @@ class Metrics:
         return generate_latest(self.registry)
 
 
+_UNROUTED = {401: "unauthenticated", 403: "cross_origin"}
+
+
 class MetricsMiddleware:
     """Counts every HTTP request by route (the endpoint's name) and status, and logs one JSON
     line for each request that did not log its own (every request but a turn's)."""
@@ -184,10 +187,9 @@ class MetricsMiddleware:
         finally:
             access_logged.reset(token)
             endpoint: Any = scope.get("endpoint")
-            # A request refused before routing (a missing or wrong key) has no endpoint.
-            route = getattr(endpoint, "__name__", None) or (
-                "unauthenticated" if status[0] == 401 else "unmatched"
-            )
+            # A request refused before routing (a missing or wrong key, a page of another
+            # origin) has no endpoint.
+            route = getattr(endpoint, "__name__", None) or _UNROUTED.get(status[0], "unmatched")
             self.metrics.child(self.metrics.requests, route, str(status[0])).inc()
             if not logged[0] and access_log.isEnabledFor(logging.INFO):
                 access_log.info(request_line(scope, route, status[0], started))

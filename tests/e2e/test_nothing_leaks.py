@@ -196,6 +196,8 @@ def test_an_open_gateway_refuses_other_sites_pages_and_rebound_names(
         r = httpx.post(url, content=body, headers={**plain, **headers}, timeout=10)
         assert r.status_code == 403 and r.json()["error"]["code"] == "cross_origin", r.text
     assert httpx.get(f"{gateway.url}/v1/conversations/csrf", timeout=10).status_code == 404  # nothing stored
+    metrics = httpx.get(f"{gateway.url}/metrics", timeout=10).text  # (was "unmatched": no such path)
+    assert 'gateway_requests_total{route="cross_origin",status="403"} 2.0' in metrics
     same_site = {"origin": gateway.url}  # the inspector's own page, and clients that send none
     assert httpx.post(url, content=body, headers={**plain, **same_site}, timeout=10).status_code == 200
     assert httpx.post(url, content=body, headers=plain, timeout=10).status_code == 200
