@@ -283,7 +283,9 @@ def _notice_missing_litellm(settings: Settings) -> None:
 
 @main.command()
 @_common
-@click.option("--port", type=click.IntRange(0, 65535), default=0, help="Port on 127.0.0.1 (default: a free one).")
+@click.option(
+    "--port", type=click.IntRange(0, 65535), default=0, help="Port on 127.0.0.1 (default: a free one)."
+)
 def demo(settings: Settings, *, config_path: str | None, port: int) -> None:
     """Show continuity end to end on the built-in demo model (no provider needed)."""
     from gateway.demo import run_demo
