@@ -378,7 +378,10 @@ class OpenAIUpstream(Upstream):
                 received = b"\n"  # a last event without its line end still counts
             buffer += received
             while (cut := buffer.find(b"\n")) >= 0:
-                line = buffer[:cut].rstrip(b"\r").decode("utf-8", "replace")
+                try:  # (a line is whole here: a character split across reads is joined again)
+                    line = buffer[:cut].rstrip(b"\r").decode("utf-8")
+                except UnicodeDecodeError:  # as a whole answer's: its bad bytes were stored as U+FFFD
+                    raise UpstreamProtocolError("a stream line that is not UTF-8") from None
                 buffer = buffer[cut + 1 :]
                 chunk = self._decode(line, headers)
                 if chunk is True:

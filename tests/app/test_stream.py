@@ -219,3 +219,39 @@ async def test_a_stream_that_fails_after_its_first_byte_says_so_in_its_line_and_
     assert (line["status"], line["outcome"], line["error"]["code"]) == (200, "error", "upstream_bad_response")
     assert 'gateway_failed_turns_total{outcome="error"} 1.0' in metrics
     assert 'gateway_upstream_seconds_count{provider="mock"} 1.0' in metrics
+
+
+async def test_a_stream_that_is_not_utf8_is_the_providers_bad_answer() -> None:
+    """A whole answer that is not UTF-8 is a 502; a stream's was stored with U+FFFD in place
+    of its bytes."""
+    from aiohttp import web
+
+    from gateway.upstream.openai import OpenAIUpstream
+    from tests.helpers import serving_app
+
+    async def chat(request: web.Request) -> web.StreamResponse:
+        response = web.StreamResponse(headers={"content-type": "text/event-stream"})
+        await response.prepare(request)
+        chunk = {"choices": [{"index": 0, "delta": {"content": "ok XX"}, "finish_reason": None}]}
+        line = b"data: " + orjson.dumps(chunk).replace(b"XX", b"\xff\xfe") + b"\n\n"
+        await response.write(line)
+        done = {"choices": [{"index": 0, "delta": {}, "finish_reason": "stop"}]}
+        await response.write(b"data: " + orjson.dumps(done) + b"\n\ndata: [DONE]\n\n")
+        return response
+
+    app = web.Application()
+    app.router.add_post("/v1/chat/completions", chat)
+    store = MemoryStore()
+    async with serving_app(app) as url:
+        provider = make_settings().providers["mock"].model_copy(update={"base_url": f"{url}/v1"})
+        upstream = OpenAIUpstream("mock", provider)
+        try:
+            async with build_client(make_settings(), store, upstream) as client:
+                body = {"model": "mock/m", "conversation_id": "u8", "stream": True}
+                r = await client.post(
+                    "/v1/chat/completions", json={**body, "messages": [{"role": "user", "content": "hi"}]}
+                )
+                assert r.status_code == 502 and "UTF-8" in r.text, r.text
+        finally:
+            await upstream.aclose()
+    assert [r for rs in store.responses.values() for r in rs if r["type"] == "response"] == []
