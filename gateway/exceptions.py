@@ -226,11 +226,12 @@ class UpstreamStatusError(UpstreamError):
         retry_after: str | None = None,
         refusal: Refusal | None = None,
     ) -> None:
-        super().__init__(message, param=param, code=code)
+        passed = 400 <= upstream_status < 500  # (a 502 is the gateway's: its own type and code)
+        super().__init__(message, param=param, code=code if passed else None)
         self.upstream_status = upstream_status
         self.refusal = refusal  # set when the provider refused the prompt as too long
-        self.status_code = upstream_status if 400 <= upstream_status < 500 else 502
-        if error_type:
+        self.status_code = upstream_status if passed else 502
+        if error_type and passed:
             self.error_type = error_type
         self.retry_after = retry_after
 

@@ -152,10 +152,12 @@ def answer(
     return run
 
 
-def status(code: int, message: str = "boom", headers: dict[str, str] | None = None) -> Behaviour:
+def status(
+    code: int, message: str = "boom", headers: dict[str, str] | None = None, *, error_code: str | None = None
+) -> Behaviour:
     async def run(req: FaultRequest) -> None:
         await req.respond(
-            code, {"error": {"message": message, "type": "server_error", "code": None}}, headers
+            code, {"error": {"message": message, "type": "server_error", "code": error_code}}, headers
         )
 
     return run

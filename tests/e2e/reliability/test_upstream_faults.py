@@ -60,10 +60,13 @@ def attempts(fault: FaultServer, before: int) -> list[FaultRequest]:
 def test_500_before_first_byte_is_502_and_not_retried(
     convo: Conversation, fault: FaultServer, stream: bool
 ) -> None:
-    fault.script(status(500, "kaboom"))
+    fault.script(status(500, "kaboom", error_code="internal_kaboom"))
     n = len(fault.requests)
     reply = convo.send("What is my name?", stream=stream)
+    # The gateway's 502, in its own terms (it carried the provider's type and code): the
+    # provider's words in the message.
     error = assert_error(reply, 502, "upstream_error")
+    assert error["type"] == "upstream_error"
     assert "kaboom" in error["message"] and "'fault'" in error["message"]
     assert len(attempts(fault, n)) == 1
     records = response_records(convo.gw.data_dir, str(reply.response_id))
