@@ -240,6 +240,14 @@ def _without_type(record: Record | None) -> Record | None:
 async def get_response(request: Request) -> Response:
     """The response in the Responses API shape, plus the gateway's log (`gateway`)."""
     rid = request.path_params["response_id"]
+    if request.query_params.get("stream", "false").lower() not in ("false", "0"):
+        # (OpenAI streams a background response's events again; the SDK's stream then read
+        # nothing, without an error)
+        raise InvalidRequest(
+            "A stored response is not streamed again (background responses are not supported): "
+            "retrieve it without stream",
+            param="stream",
+        )
     stored = await services_of(request).responses.get(tenant_of(request), rid)
     params = stored.params
     echo = stored.request.get("responses")  # a Responses-API turn: what its create returned

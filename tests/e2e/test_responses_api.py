@@ -295,3 +295,14 @@ async def test_a_deleted_response_is_skipped_without_a_damage_warning(
     texts = [c["text"] for item in items for c in item["content"]]
     assert "one" not in texts and "two" in texts
     assert "not committed" not in caplog.text  # a deletion is not damage
+
+
+def test_retrieving_with_stream_is_a_400(gateway: GatewayProcess, upstream: MockServer) -> None:
+    """`responses.retrieve(id, stream=True)` read nothing, without an error."""
+    client = sdk(gateway)
+    created = client.responses.create(model="mock/m", input="hello")
+    with pytest.raises(openai.BadRequestError) as caught:
+        for _ in client.responses.retrieve(created.id, stream=True):
+            pass
+    assert caught.value.body["param"] == "stream"  # type: ignore[index]
+    assert client.responses.retrieve(created.id).id == created.id
