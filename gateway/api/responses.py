@@ -173,6 +173,10 @@ async def create_response(request: Request) -> Response:
     body: Any = None
     try:
         body = await read_json(request, services.settings.server.max_body_bytes)
+        if isinstance(body, dict) and body.get("prompt") is not None:  # (said "'input' must be ...")
+            raise InvalidRequest(
+                "'prompt' templates are not supported: send the 'input' itself", param="prompt"
+            )
         chat_body, params = _chat_body(body, validate(ResponseCreate, body))
         chat = parse_chat(chat_body)  # every validation error before a fork is made
         cid, previous = await _conversation_for(services, tenant, body)

@@ -141,6 +141,12 @@ async def test_a_system_item_added_later_takes_its_place_in_line(
     assert mock_upstream.requests[-1]["messages"] == [vet, {"role": "user", "content": "hi"}]
 
 
+async def test_a_prompt_template_is_named_in_its_400(app_client: httpx.AsyncClient) -> None:
+    """Said "'input' must be a string or an array of items" to a request naming a template."""
+    r = await app_client.post("/v1/responses", json={"model": "mock/m", "prompt": {"id": "pmpt_1"}})
+    assert r.status_code == 400 and r.json()["error"]["param"] == "prompt", r.text
+
+
 async def test_responses_store_and_metadata_are_checked(app_client: httpx.AsyncClient) -> None:
     for field, value in (("store", "no"), ("metadata", 5), ("metadata", {"k": 5})):
         r = await app_client.post("/v1/responses", json={"model": "mock/m", "input": "hi", field: value})
