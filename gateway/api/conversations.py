@@ -14,6 +14,7 @@ from gateway.api.schemas import ConversationCreate, ConversationUpdate, ItemsCre
 from gateway.api.validation import validate
 from gateway.context import ConversationView
 from gateway.context.items import Item
+from gateway.context.lifecycle import State
 from gateway.exceptions import InvalidRequest, NotFound
 from gateway.ids import check_conversation_id
 from gateway.services.conversations import find_item, item_place, view_items
@@ -112,10 +113,17 @@ async def create_conversation(request: Request) -> Response:
     return JSONBody(conversation_object(cid, view, _ttl(request)))
 
 
+def lifecycle(state: State) -> dict[str, object]:
+    """Where post-processing has the conversation (SPEC 8), its attempts and last error."""
+    return {"state": state.state, "attempts": state.attempts, "error": state.error}
+
+
 async def get_conversation(request: Request) -> Response:
     cid = _cid(request)
-    view = await services_of(request).conversations.get(tenant_of(request), cid)
-    return JSONBody(conversation_object(cid, view, _ttl(request)))
+    services = services_of(request)
+    view = await services.conversations.get(tenant_of(request), cid)
+    state = await services.queries.state(tenant_of(request), cid, view)
+    return JSONBody(conversation_object(cid, view, _ttl(request), **lifecycle(state)))
 
 
 async def update_conversation(request: Request) -> Response:
@@ -145,7 +153,7 @@ async def list_conversations(request: Request) -> Response:
             turns=row.summary.turns,
             messages=row.summary.messages,
             last_activity_at=int(row.summary.last_activity),
-            state=row.state.state,
+            **lifecycle(row.state),
         )
         for row in rows
     ]

@@ -47,6 +47,9 @@ class Conversation(_Reply):
     created_at: int | None = None
     metadata: Fields | None = None
     expires_at: int | None = None  # with sessions.ttl: when it expires if nothing more is said
+    state: str | None = None  # post-processing's (extension): active, processing, processed, failed
+    attempts: int | None = None
+    error: str | None = None
 
 
 class Deleted(_Reply):

@@ -153,6 +153,11 @@ async def test_failures_retry_then_fail(tmp_path: Path) -> None:
     await processor.run_once()
     state = await processor.state_of("", "c2")
     assert state.state == FAILED and state.attempts == 3
+    # The API says it too (the retrieved conversation had no state; the list no attempts).
+    got = (await client.get("/v1/conversations/c2")).json()
+    assert (got["state"], got["attempts"]) == (FAILED, 3) and "unreachable" in got["error"]
+    listed = (await client.get("/v1/conversations")).json()["data"]
+    assert [(c["state"], c["attempts"]) for c in listed if c["id"] == "c2"] == [(FAILED, 3)]
     await processor.run_once()
     assert (await processor.state_of("", "c2")).state == FAILED  # failed stays failed...
     model.fail = False
