@@ -20,6 +20,7 @@ from gateway.config import Settings, load_settings
 from gateway.config_sources import CONFIG_ENV, DEFAULT_CONFIG_PATH
 from gateway.context import Turn
 from gateway.context.history import clean_message, item_key, message_key, repair_tool_calls
+from gateway.context.summary import is_summary_message
 from gateway.exceptions import GatewayError, NotFound
 from gateway.ids import is_valid_response_id
 from gateway.services import Services
@@ -388,9 +389,14 @@ def show(
     if as_json:
         messages = [*(view.system or []), *repair_tool_calls(view.history)]
         by_message = {id(m): n for m, n in zip([*(view.system or []), *view.history], counts, strict=True)}
+        sent = last[1].get("messages") if last is not None and window is not None else None
+        summary = next(  # the rolling summary as the last turn sent it (its text is not a message)
+            (m for m in (sent if isinstance(sent, list) else []) if is_summary_message(m)), None
+        )
         out = {
             "conversation_id": conversation_id,
             "system": view.system,
+            "recap": view.recap,  # sent after the system prompt on every turn (sized to the window)
             "messages": messages,
             "message_tokens": [by_message.get(id(m)) or count_message(m) for m in messages],
             "tokens": sum(counts),
@@ -404,6 +410,7 @@ def show(
                 "summary_version": window["summary_version"],
                 "summary_covers_messages": window["summary_covers_messages"],
                 "summary_covers_through": window["summary_covers_through"],
+                "summary": summary if window["summary_version"] is not None else None,
             },
         }
         click.echo(orjson.dumps(out, option=orjson.OPT_INDENT_2).decode())

@@ -44,7 +44,20 @@ class Summary:
     model: str
 
     def message(self) -> Message:
-        return {"role": "system", "content": f"Summary of the earlier conversation:\n{self.text}"}
+        return {"role": "system", "content": f"{SUMMARY_HEAD}{self.text}"}
+
+
+SUMMARY_HEAD = "Summary of the earlier conversation:\n"
+
+
+def is_summary_message(message: object) -> bool:
+    """Is `message` (as a window sent it) a rolling summary?"""
+    content = message.get("content") if isinstance(message, dict) else None
+    return (
+        isinstance(message, dict)
+        and message.get("role") == "system"
+        and str(content).startswith(SUMMARY_HEAD)
+    )
 
 
 def current_summary(records: list[Record], view: ConversationView) -> Summary | None:

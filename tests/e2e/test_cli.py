@@ -314,7 +314,9 @@ def test_show_marks_what_the_last_window_left_out(tmp_path: Path) -> None:
         "summary_version": None,
         "summary_covers_messages": 0,
         "summary_covers_through": None,
+        "summary": None,
     }
+    assert as_json["recap"] is None
 
 
 def test_show_says_which_messages_a_rolling_summary_stands_for(tmp_path: Path) -> None:
@@ -336,6 +338,11 @@ def test_show_says_which_messages_a_rolling_summary_stands_for(tmp_path: Path) -
     window = as_json["last_window"]
     assert window["summary_version"] >= 1 and window["summary_covers_messages"] > 0
     assert window["omitted_messages"] == 0  # the summary, and every turn after it
+    # The summary as the model got it (only its version was there: not what the model was given)
+    summary = window["summary"]
+    assert summary["role"] == "system" and summary["content"].startswith(
+        "Summary of the earlier conversation"
+    )
     out = gw("show", "s", "--data-dir", str(tmp_path / "var")).stdout
     version, count = window["summary_version"], window["summary_covers_messages"]
     line = f"rolling summary v{version}: the {count} messages above were sent as this summary"

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -47,6 +48,11 @@ def test_recap_across_channels_end_to_end(recap_gateway: GatewayProcess, upstrea
     assert ask("voice-2", "what is my dog called?", "u2") == "I don't know your dog yet."
     assert upstream.requests[-1]["messages"][0]["role"] == "user"
     assert (gateway.data_dir / "logs" / "users").is_dir()
+    # `gateway show --json` has it too: what the model gets (it was only in the text view)
+    from tests.e2e.test_cli import gw
+
+    shown = json.loads(gw("show", "voice-1", "--json", "--data-dir", str(gateway.data_dir)).stdout)
+    assert shown["recap"]["content"].startswith("Earlier today") and "Rex" in shown["recap"]["content"]
 
 
 @pytest.mark.parametrize("deleted", ["item", "response", "conversation"])
