@@ -27,6 +27,7 @@ from typing import Any
 
 import orjson
 import uvicorn
+from forwarder import SERVE_OPTIONS, _send_whole
 
 JOURNAL_BYTES = 2 << 20
 
@@ -87,7 +88,7 @@ class FloorTurns:
             await self._lifespan(receive, send)
             return
         if scope["path"] in ("/readyz", "/healthz"):
-            await _send_json(send, b'{"status":"ready"}')
+            await _send_whole(send, 200, b"application/json", b'{"status":"ready"}')
             return
         message = await receive()
         body = message.get("body", b"")
@@ -99,7 +100,7 @@ class FloorTurns:
             payload = await self._turn(orjson.loads(body))
         finally:
             self.open_turns -= 1
-        await _send_json(send, payload)
+        await _send_whole(send, 200, b"application/json", payload)
 
     async def _turn(self, request: dict[str, Any]) -> bytes:
         conversation = request.pop("conversation_id", None) or self.mint()
@@ -151,12 +152,6 @@ class FloorTurns:
                 return
 
 
-async def _send_json(send: Any, body: bytes) -> None:
-    headers = [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode())]
-    await send({"type": "http.response.start", "status": 200, "headers": headers})
-    await send({"type": "http.response.body", "body": body})
-
-
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description="the floor of a durable turn (benchmark reference)")
     parser.add_argument("--host", default="127.0.0.1")
@@ -164,16 +159,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--upstream", required=True, help="e.g. http://127.0.0.1:9000")
     parser.add_argument("--data-dir", required=True)
     args = parser.parse_args(argv)
-    uvicorn.run(
-        FloorTurns(args.upstream, args.data_dir),
-        host=args.host,
-        port=args.port,
-        loop="uvloop",
-        http="httptools",
-        lifespan="on",
-        access_log=False,
-        log_level="warning",
-    )
+    uvicorn.run(FloorTurns(args.upstream, args.data_dir), host=args.host, port=args.port, **SERVE_OPTIONS)
 
 
 if __name__ == "__main__":

@@ -20,6 +20,14 @@ from typing import Any
 import httpx
 import uvicorn
 
+# How every reference server of the benchmark runs (the gateway's own stack: uvloop, httptools).
+SERVE_OPTIONS: dict[str, Any] = {
+    "loop": "uvloop",
+    "http": "httptools",
+    "lifespan": "on",
+    "access_log": False,
+    "log_level": "warning",
+}
 _UPSTREAM_ENV = "BENCH_FORWARDER_UPSTREAM"
 _CLIENT_ENV = "BENCH_FORWARDER_CLIENT"
 _PASS_HEADERS = (b"content-type", b"authorization")
@@ -205,11 +213,7 @@ def main(argv: list[str] | None = None) -> None:
         app_dir=os.path.dirname(os.path.abspath(__file__)),
         host=args.host,
         port=args.port,
-        loop="uvloop",
-        http="httptools",
-        lifespan="on",
-        access_log=False,
-        log_level="warning",
+        **SERVE_OPTIONS,
     )
 
 
