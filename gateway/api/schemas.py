@@ -60,7 +60,7 @@ Content = str | list[ContentPart] | None
 @with_config(MESSAGE)
 class FunctionCall(TypedDict):
     name: str
-    arguments: NotRequired[str]
+    arguments: NotRequired[str | None]  # (null: a provider's call without arguments, sent back)
 
 
 @with_config(MESSAGE)

@@ -51,7 +51,10 @@ def _content_text(content: object) -> object:
 def _arguments_key(arguments: object) -> object:
     """A tool call's arguments as their JSON value: clients that resend a call (LangChain,
     `llm`) rebuild its arguments with `json.dumps`, so `{"city":"Paris"}` comes back as
-    `{"city": "Paris"}`, the same call. Arguments that are not JSON are compared as written."""
+    `{"city": "Paris"}`, the same call. Arguments that are not JSON are compared as written;
+    none at all (null, left out, "") are `{}`, as the gateway stores them."""
+    if arguments is None or arguments == "":
+        return ["json", {}]
     if isinstance(arguments, str):
         try:
             return ["json", orjson.loads(arguments)]

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import secrets
 from typing import cast
 
 from gateway.exceptions import UpstreamProtocolError
@@ -146,11 +147,21 @@ class StreamAccumulator:
             latest = self.tool_calls.get(at)
             if at < 0 or (call.get("id") and latest is not None and latest["id"] not in (None, call["id"])):
                 at += 1
-        slot = self.tool_calls.setdefault(
-            at, cast(ToolCall, {"id": None, "type": "function", "function": {"name": "", "arguments": ""}})
-        )
+        slot = self.tool_calls.get(at)
+        if slot is None:
+            slot = self.tool_calls[at] = cast(
+                ToolCall, {"id": None, "type": "function", "function": {"name": "", "arguments": ""}}
+            )
+            if not call.get("id"):
+                # A call streamed without an id (vLLM, Ollama and others do): one of the
+                # gateway's, in the piece the client gets too, so that its result can name it
+                # (stored as null, it went back to the provider on every later turn).
+                call["id"] = f"call_{secrets.token_hex(12)}"
         if call.get("id"):
-            slot["id"] = cast(str, call["id"])
+            if slot["id"] is None:
+                slot["id"] = cast(str, call["id"])
+            else:
+                call["id"] = slot["id"]  # (one id per call, the first, for the client as for the store)
         if call.get("type"):
             slot["type"] = cast(str, call["type"])
         fn = _object(call.get("function"))
@@ -172,6 +183,9 @@ class StreamAccumulator:
                 message["content"] = None
         if self.tool_calls:
             message["tool_calls"] = [self.tool_calls[i] for i in sorted(self.tool_calls)]
+            for call in message["tool_calls"]:  # a call streamed without arguments: as a whole answer's
+                if not call["function"].get("arguments"):
+                    call["function"]["arguments"] = "{}"
             if not message["content"]:
                 message["content"] = None
         return message

@@ -253,6 +253,23 @@ async def test_a_part_of_the_wrong_shape_is_a_400_and_nothing_is_stored(
     assert r.status_code == 200, r.text
 
 
+async def test_a_call_sent_back_with_null_arguments_is_taken(
+    app_client: httpx.AsyncClient, mock_upstream: MockUpstream
+) -> None:
+    """A provider's call without arguments reaches the client as null; sent back in the
+    history, the gateway refused its own answer (a 400)."""
+    call = {"id": "c1", "type": "function", "function": {"name": "now", "arguments": None}}
+    messages = [
+        {"role": "user", "content": "time?"},
+        {"role": "assistant", "content": None, "tool_calls": [call]},
+        {"role": "tool", "tool_call_id": "c1", "content": "noon"},
+    ]
+    r = await app_client.post(
+        "/v1/chat/completions", json={"model": "mock/m", "conversation_id": "nul", "messages": messages}
+    )
+    assert r.status_code == 200, r.text
+
+
 @pytest.mark.parametrize("model", ["mock/o3-mini", "mock/o1", "mock/gpt-5-nano"])
 async def test_reasoning_models_get_max_output_tokens_as_max_completion_tokens(
     app_client: httpx.AsyncClient, mock_upstream: MockUpstream, model: str

@@ -87,6 +87,33 @@ def test_calls_streamed_without_index_stay_apart() -> None:
     ]
 
 
+def test_a_call_streamed_without_an_id_gets_one_the_client_sees_too() -> None:
+    """vLLM, Ollama and others stream calls without ids: one was stored with a null id and sent
+    back so on every later turn (a provider's 400), and the client had no id to answer."""
+    acc = StreamAccumulator()
+    first = {"type": "function", "function": {"name": "f", "arguments": '{"a"'}}
+    chunks = [
+        {"choices": [{"index": 0, "delta": {"tool_calls": [{"index": 0, **first}]}, "finish_reason": None}]},
+        {
+            "choices": [
+                {"index": 0, "delta": {"tool_calls": [{"index": 0, "function": {"arguments": ": 1}"}}]}}
+            ]
+        },
+    ]
+    for chunk in chunks:
+        acc.add(chunk)
+    [call] = acc.message()["tool_calls"]
+    assert call["id"] and call["id"].startswith("call_") and call["function"]["arguments"] == '{"a": 1}'
+    assert chunks[0]["choices"][0]["delta"]["tool_calls"][0]["id"] == call["id"]  # what the client got
+
+
+def test_a_call_streamed_without_arguments_is_stored_as_a_whole_answers_is() -> None:
+    acc = StreamAccumulator()
+    call = {"index": 0, "id": "c1", "type": "function", "function": {"name": "now"}}
+    acc.add({"choices": [{"index": 0, "delta": {"tool_calls": [call]}, "finish_reason": "tool_calls"}]})
+    assert acc.message()["tool_calls"][0]["function"] == {"name": "now", "arguments": "{}"}  # (was "")
+
+
 def test_text_refusal_and_other_choices() -> None:
     acc = StreamAccumulator()
     for chunk in [

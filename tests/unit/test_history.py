@@ -460,3 +460,23 @@ def test_ordering_checker_rejects_unrepaired_histories(messages: list[Message]) 
     # The property above is only as good as its checker: it must catch the raw problems.
     with pytest.raises(AssertionError):
         assert_openai_tool_order(messages)
+
+
+def test_a_call_without_arguments_is_the_same_call_however_it_comes_back() -> None:
+    """The gateway stores a call without arguments with "{}"; the client got null (a whole
+    answer) or "" (a stream) and sends that back: the same call, not an edit that branches."""
+    from gateway.context.history import message_key
+
+    def called(arguments: object) -> Message:
+        function: dict[str, Any] = {"name": "now"}
+        if arguments is not ...:
+            function["arguments"] = arguments
+        return {
+            "role": "assistant",
+            "content": None,
+            "tool_calls": [{"id": "c1", "type": "function", "function": function}],
+        }
+
+    stored = message_key(called("{}"))
+    assert all(message_key(called(a)) == stored for a in (None, "", ...))
+    assert message_key(called('{"tz": "UTC"}')) != stored
