@@ -13,7 +13,16 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Annotated, ClassVar, Literal, NotRequired, Required
 
-from pydantic import BaseModel, ConfigDict, Discriminator, Field, SkipValidation, Tag, with_config
+from pydantic import (
+    AfterValidator,
+    BaseModel,
+    ConfigDict,
+    Discriminator,
+    Field,
+    SkipValidation,
+    Tag,
+    with_config,
+)
 from pydantic_core import ErrorDetails
 from typing_extensions import TypedDict  # pydantic needs this one before Python 3.12
 
@@ -54,7 +63,13 @@ class ContentPart(TypedDict, total=False):
     image_url: str | ImageURL
 
 
-Content = str | list[ContentPart] | None
+def _text_has_text(part: ContentPart) -> ContentPart:
+    if part.get("type") == "text" and "text" not in part:  # (stored, it went back every turn)
+        raise ValueError("a text part needs its text")
+    return part
+
+
+Content = str | list[Annotated[ContentPart, AfterValidator(_text_has_text)]] | None
 
 
 @with_config(MESSAGE)

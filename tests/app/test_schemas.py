@@ -235,6 +235,7 @@ async def test_max_output_tokens_is_checked_under_its_own_name(
         {"type": "image_url", "image_url": 5},
         {"type": "image_url", "image_url": {"url": {"a": 1}}},
         {"type": "image_url", "image_url": {"detail": "low"}},
+        {"type": "text"},
     ],
 )
 async def test_a_part_of_the_wrong_shape_is_a_400_and_nothing_is_stored(
