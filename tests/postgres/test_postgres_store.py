@@ -283,6 +283,18 @@ async def test_a_database_that_takes_no_writes_is_not_ready(pg_store: PostgresSt
     await pg_store._backend.pool.expire_connections()  # (a setting new sessions get)
     with pytest.raises(StorageError, match="takes no writes"):
         await pg_store.probe()
+    # A turn is then refused before its provider is asked (it was asked, and its answer lost).
+    with pytest.raises(StorageError, match="takes no writes"):
+        pg_store.refuse_if_failed()
+    conn = await asyncpg.connect(pg_dsn)
+    try:
+        await conn.execute("SET default_transaction_read_only = off")  # (this session only)
+        await conn.execute(f'ALTER DATABASE "{name}" RESET default_transaction_read_only')
+    finally:
+        await conn.close()
+    await pg_store._backend.pool.expire_connections()
+    await pg_store.probe()  # writable again: turns go on
+    pg_store.refuse_if_failed()
 
 
 async def test_a_commit_whose_reply_was_lost_is_a_commit(

@@ -121,6 +121,8 @@ class _PostgresLog(ResponseLog):
                 log.warning("the commit of %s was done; only its reply was lost (%s)", self.response_id, exc)
                 return landed
             store._forget(cid)
+            if "read-only transaction" in exc.message:
+                store.saw_read_only()  # the next turns are refused before their provider is asked
             await self._mark_failed(rows[:-1], "storage_error", exc.message)
             raise
 

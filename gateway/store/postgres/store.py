@@ -67,6 +67,9 @@ from gateway.store.postgres.schema import (
 from gateway.types import Record, as_object
 
 log = logging.getLogger("gateway.store")
+
+READ_ONLY = "takes no writes (read-only: a standby, or in recovery)"
+READ_ONLY_HOLD = 5.0  # seconds a database seen read-only is taken to be so
 T = TypeVar("T")
 
 MARK_RETRY_SECONDS = 2.0
@@ -97,6 +100,9 @@ class PostgresStore(Store):
         # those attempts read as failed, not in progress (response id -> its rows, from seq 0).
         self._unmarked: LRU[str, list[tuple[str, str]]] = LRU(1024)
         self._marking: asyncio.Task[None] | None = None
+        # When the database was last seen taking no writes (a standby): turns are refused
+        # before their provider is asked, for READ_ONLY_HOLD seconds (the probe looks again).
+        self._read_only_at: float | None = None
         # Test hook: called inside the commit transaction, after the records, before the index.
 
     def __repr__(self) -> str:
@@ -121,7 +127,23 @@ class PostgresStore(Store):
             "cannot reach the database", "SELECT current_setting('transaction_read_only')"
         )
         if rows and rows[0][0] == "on":
-            raise StorageError("the database takes no writes (read-only: a standby, or in recovery)")
+            self.saw_read_only()
+            raise StorageError(f"the database {READ_ONLY}")
+        self._read_only_at = None
+
+    def saw_read_only(self) -> None:
+        self._read_only_at = time.monotonic()
+
+    @property
+    def refusing_writes(self) -> str | None:
+        at = self._read_only_at
+        return READ_ONLY if at is not None and time.monotonic() - at < READ_ONLY_HOLD else None
+
+    def refuse_if_failed(self) -> None:
+        """Before a turn's provider is asked: a database seen taking no writes refuses it (the
+        provider was asked, and its answer thrown away with a 503)."""
+        if self.refusing_writes is not None:
+            raise StorageError(f"the database {READ_ONLY}: the turn could not be recorded; retry later")
 
     def mark_later(self, response_id: str, rows: list[tuple[str, str]]) -> None:
         """An attempt's `incomplete` ending the database could not take now: retried every
