@@ -70,11 +70,12 @@ async def withdraw_recaps(
     user = (await load(source)).user
     if not user:
         return
-    for entry in reversed(await store.read_side("users", user_key(user))):
-        cid = entry.get("conversation_id")
-        if cid == source:
-            return  # (a recap quotes conversations started before its own)
-        if not isinstance(cid, str):
+    entries = [e.get("conversation_id") for e in await store.read_side("users", user_key(user))]
+    if source not in entries:
+        return  # (a recap quotes only the conversations of this log)
+    later = entries[entries.index(source) + 1 :]  # a recap quotes conversations started before its own
+    for cid in dict.fromkeys(later):
+        if not isinstance(cid, str) or cid == source:
             continue
         try:
             recap = (await load(cid)).recap
