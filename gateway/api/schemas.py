@@ -80,7 +80,7 @@ class FunctionCall(TypedDict):
 
 @with_config(MESSAGE)
 class ToolCall(TypedDict):
-    id: str
+    id: Annotated[str, Field(min_length=1)]  # ("": its result named no call, and went missing)
     type: NotRequired[SkipValidation[Literal["function"]]]
     function: FunctionCall
 

@@ -64,22 +64,25 @@ def _arguments_key(arguments: object) -> object:
 
 
 def message_key(message: Message) -> bytes:
-    """A canonical form for "is this the same message?", blind to null fields, part layout and
-    how a tool call's arguments are spaced or ordered."""
+    """A canonical form for "is this the same message?", blind to null fields, part layout,
+    how a tool call's arguments are spaced or ordered, and the order of its tool calls
+    (LangChain resends a message's calls in another order when one's arguments are not JSON:
+    the conversation branched on the model's own answer)."""
     calls = [
         (
-            c.get("id"),
-            (c.get("function") or {}).get("name"),
+            str(c.get("id")),
+            str((c.get("function") or {}).get("name")),
             _arguments_key((c.get("function") or {}).get("arguments")),
         )
         for c in message.get("tool_calls") or ()
         if isinstance(c, dict)
-    ] or None
+    ]
+    calls.sort(key=lambda call: (call[0], call[1], orjson.dumps(call[2], option=orjson.OPT_SORT_KEYS)))
     audio = message.get("audio")
     canon = (
         message.get("role"),
         _content_text(message.get("content")),
-        calls,
+        calls or None,
         message.get("tool_call_id"),
         message.get("name"),
         audio.get("id") if isinstance(audio, dict) else None,  # an audio answer, by its id

@@ -46,17 +46,27 @@ def _is_function(function: object) -> bool:
 
 
 def _is_call(call: object) -> bool:
-    return (
-        isinstance(call, dict)
-        and isinstance(call.get("id"), str)
-        and bool(call["id"])
-        and _is_function(call.get("function"))
-    )
+    # (A call without an id gets one of the gateway's: `_settle_calls`.)
+    if not isinstance(call, dict):
+        return False
+    return (call.get("id") is None or isinstance(call["id"], str)) and _is_function(call.get("function"))
 
 
-def _function(function: JSONObject) -> JSONObject:
-    arguments = function.get("arguments")
-    return {**function, "arguments": arguments if isinstance(arguments, str) else "{}"}
+def new_call_id() -> str:
+    """An id for a call its provider gave none (vLLM, Ollama and others, streamed or not)."""
+    return f"call_{secrets.token_hex(12)}"
+
+
+def _settle_calls(calls: list[JSONObject]) -> None:
+    """A whole answer's calls as the client gets them and the gateway stores them: an id where
+    the provider gave none (one was a 502, streamed ones got an id), and `"{}"` where it gave no
+    arguments (null, left out or ""; stored as "", a strict provider refused every later turn)."""
+    for call in calls:
+        if not call.get("id"):
+            call["id"] = new_call_id()
+        function = call.get("function")
+        if isinstance(function, dict) and not function.get("arguments"):
+            function["arguments"] = "{}"
 
 
 def output_message(message: object) -> Message:
@@ -67,6 +77,8 @@ def output_message(message: object) -> Message:
     problem = _malformed(message)
     if problem is not None:
         raise UpstreamProtocolError(f"The provider's reply is malformed: {problem}")
+    if message.get("tool_calls"):
+        _settle_calls(cast(list[JSONObject], message["tool_calls"]))  # (in the client's copy too)
     out: JSONObject = {"role": "assistant"}
     for key in _OUTPUT_FIELDS[1:]:
         value = message.get(key)
@@ -75,12 +87,8 @@ def output_message(message: object) -> Message:
     if "tool_calls" in out:
         calls = out["tool_calls"]
         out["tool_calls"] = [
-            {
-                "id": c["id"],
-                "type": c.get("type") or "function",
-                "function": _function(_object(c["function"])),
-            }
-            for c in cast(list[JSONObject], calls)  # (checked by `_malformed`)
+            {"id": c["id"], "type": c.get("type") or "function", "function": dict(_object(c["function"]))}
+            for c in cast(list[JSONObject], calls)  # (checked by `_malformed`, settled above)
         ]
         out.setdefault("content", None)
     audio = message.get("audio")
@@ -99,6 +107,8 @@ class StreamAccumulator:
         self.content: list[str] = []
         self.refusal: list[str] = []
         self.tool_calls: dict[int, ToolCall] = {}
+        self._minted: set[int] = set()  # calls whose id is the gateway's (their provider gave none)
+        self._moved: dict[int, int] = {}  # a provider's index -> the call it names now
         self.function_call: FunctionCall | None = None  # the legacy single call, in pieces
         self.audio_id: str | None = None
         self.finish_reason: str | None = None
@@ -136,18 +146,25 @@ class StreamAccumulator:
                 self.finish_reason = str(finish)
 
     def _add_call(self, call: JSONObject) -> None:
+        """One piece of a streamed tool call, into its call. OpenAI sends each call's `index`,
+        its id and whole name in its first piece, and its arguments in pieces after. Servers
+        that do not are read so: without `index`, a piece continues the latest call; a piece
+        that brings an id other than its call's, or a name when its call has one, starts the
+        next call (Ollama sends `index: 0` for every call of a parallel batch, some servers no
+        `index` or no id: two calls were merged into one named "ab" with arguments "{}{}"). The
+        piece the client gets says the call it went to (`index`) and its id."""
         index = call.get("index")
-        if isinstance(index, int):
-            at = index
-        else:
-            # Without `index` (some OpenAI-compatible servers leave it out): a call with an id
-            # of its own is the next call, pieces without one belong to the latest (two calls
-            # were merged into one named "ab" with arguments "{}{}").
-            at = max(self.tool_calls, default=-1)
-            latest = self.tool_calls.get(at)
-            if at < 0 or (call.get("id") and latest is not None and latest["id"] not in (None, call["id"])):
-                at += 1
+        # (an index a server used again for another call goes on naming that call's place)
+        at = self._moved.get(index, index) if isinstance(index, int) else max(self.tool_calls, default=0)
         slot = self.tool_calls.get(at)
+        name = _object(call.get("function")).get("name")
+        if slot is not None and (
+            (call.get("id") and slot["id"] not in (None, call["id"]) and at not in self._minted)
+            or (name and slot["function"].get("name"))
+        ):
+            at, slot = max(self.tool_calls) + 1, None
+            if isinstance(index, int):
+                self._moved[index] = at
         if slot is None:
             slot = self.tool_calls[at] = cast(
                 ToolCall, {"id": None, "type": "function", "function": {"name": "", "arguments": ""}}
@@ -156,12 +173,14 @@ class StreamAccumulator:
                 # A call streamed without an id (vLLM, Ollama and others do): one of the
                 # gateway's, in the piece the client gets too, so that its result can name it
                 # (stored as null, it went back to the provider on every later turn).
-                call["id"] = f"call_{secrets.token_hex(12)}"
+                call["id"] = new_call_id()
+                self._minted.add(at)
         if call.get("id"):
             if slot["id"] is None:
                 slot["id"] = cast(str, call["id"])
             else:
                 call["id"] = slot["id"]  # (one id per call, the first, for the client as for the store)
+        call["index"] = at
         if call.get("type"):
             slot["type"] = cast(str, call["type"])
         fn = _object(call.get("function"))

@@ -254,6 +254,24 @@ async def test_a_part_of_the_wrong_shape_is_a_400_and_nothing_is_stored(
     assert r.status_code == 200, r.text
 
 
+async def test_a_call_with_an_empty_id_is_a_400(
+    app_client: httpx.AsyncClient, mock_upstream: MockUpstream
+) -> None:
+    """Stored, its result named no call and went missing: a call without its result went to the
+    provider on every later turn."""
+    call = {"id": "", "type": "function", "function": {"name": "f", "arguments": "{}"}}
+    messages = [
+        {"role": "user", "content": "t"},
+        {"role": "assistant", "content": None, "tool_calls": [call]},
+        {"role": "tool", "tool_call_id": "", "content": "x"},
+    ]
+    r = await app_client.post(
+        "/v1/chat/completions", json={"model": "mock/m", "conversation_id": "e", "messages": messages}
+    )
+    assert r.status_code == 400 and r.json()["error"]["param"] == "messages[1].tool_calls[0]", r.text
+    assert mock_upstream.requests == []
+
+
 async def test_a_call_sent_back_with_null_arguments_is_taken(
     app_client: httpx.AsyncClient, mock_upstream: MockUpstream
 ) -> None:

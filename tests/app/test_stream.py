@@ -282,3 +282,59 @@ async def test_a_stream_that_is_not_utf8_is_the_providers_bad_answer() -> None:
         finally:
             await upstream.aclose()
     assert [r for rs in store.responses.values() for r in rs if r["type"] == "response"] == []
+
+
+def _calls_of(pieces: list[dict[str, Any]]) -> tuple[list[tuple[Any, ...]], list[dict[str, Any]]]:
+    """The stored calls (id, name, arguments) of a stream of tool-call pieces, and the pieces
+    as the client got them."""
+    acc = StreamAccumulator()
+    for piece in pieces:
+        acc.add({"choices": [{"index": 0, "delta": {"tool_calls": [piece]}, "finish_reason": None}]})
+    calls = acc.message()["tool_calls"]
+    return [(c["id"], c["function"]["name"], c["function"]["arguments"]) for c in calls], pieces
+
+
+def test_parallel_calls_from_servers_without_index_or_id_stay_apart() -> None:
+    """Ollama sends `index: 0` for every call of a parallel batch, others no index or no id:
+    the calls were merged into one named "get_weatherget_weather" (arguments glued), the second
+    call's id was the first's, and the client's pieces had no index."""
+    paris = {"name": "get_weather", "arguments": '{"city":"Paris"}'}
+    rome = {"name": "get_weather", "arguments": '{"city":"Rome"}'}
+    # no index, no id, each call whole
+    calls, sent = _calls_of([{"function": dict(paris)}, {"function": dict(rome)}])
+    assert [c[1:] for c in calls] == [("get_weather", '{"city":"Paris"}'), ("get_weather", '{"city":"Rome"}')]
+    assert calls[0][0] != calls[1][0] and [p["index"] for p in sent] == [0, 1]
+    assert [p["id"] for p in sent] == [c[0] for c in calls]
+    # index 0 for both, ids of their own, arguments in pieces
+    calls, sent = _calls_of(
+        [
+            {"index": 0, "id": "call_a", "function": {"name": "get_weather", "arguments": '{"city":'}},
+            {"index": 0, "function": {"arguments": '"Paris"}'}},
+            {"index": 0, "id": "call_b", "function": {"name": "get_weather", "arguments": '{"city":'}},
+            {"index": 0, "function": {"arguments": '"Rome"}'}},
+        ]
+    )
+    assert calls == [
+        ("call_a", "get_weather", '{"city":"Paris"}'),
+        ("call_b", "get_weather", '{"city":"Rome"}'),
+    ]
+    assert [p["index"] for p in sent] == [0, 0, 1, 1]  # what the client's SDK puts together
+
+
+def test_a_whole_answers_call_without_an_id_or_arguments_is_settled_for_client_and_store() -> None:
+    """A call without an id was a 502 (streamed, it got an id); `arguments: ""` was stored and
+    sent back on every later turn (a strict provider's 400), and the client got null or ""."""
+    raw = {
+        "role": "assistant",
+        "content": None,
+        "tool_calls": [
+            {"type": "function", "function": {"name": "now", "arguments": ""}},
+            {"id": "", "type": "function", "function": {"name": "today"}},
+        ],
+    }
+    stored = output_message(raw)
+    ids = [c["id"] for c in stored["tool_calls"]]
+    assert all(i.startswith("call_") for i in ids) and ids[0] != ids[1]
+    assert [c["function"]["arguments"] for c in stored["tool_calls"]] == ["{}", "{}"]
+    assert [c["id"] for c in raw["tool_calls"]] == ids  # the client's copy says the same
+    assert [c["function"]["arguments"] for c in raw["tool_calls"]] == ["{}", "{}"]

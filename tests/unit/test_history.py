@@ -480,3 +480,19 @@ def test_a_call_without_arguments_is_the_same_call_however_it_comes_back() -> No
     stored = message_key(called("{}"))
     assert all(message_key(called(a)) == stored for a in (None, "", ...))
     assert message_key(called('{"tz": "UTC"}')) != stored
+
+
+def test_a_message_whose_calls_come_back_in_another_order_is_the_same_message() -> None:
+    """LangChain resends a message's calls in another order when one's arguments are not
+    JSON: the conversation branched on the model's own answer."""
+    from gateway.context.history import message_key
+
+    def calls_in(order: list[str]) -> Message:
+        calls = [
+            {"id": c, "type": "function", "function": {"name": "f", "arguments": f"not json {c}"}}
+            for c in order
+        ]
+        return {"role": "assistant", "content": None, "tool_calls": calls}
+
+    assert message_key(calls_in(["c1", "c2"])) == message_key(calls_in(["c2", "c1"]))
+    assert message_key(calls_in(["c1", "c2"])) != message_key(calls_in(["c1", "c3"]))
