@@ -170,6 +170,7 @@ class ConversationView:
     created_at: float | None = None
     metadata: dict[str, str] = field(default_factory=dict)
     deleted_items: set[str] = field(default_factory=set)
+    last_deletion: float | None = None  # when an item or a response was last deleted
     last_activity: float | None = None
     last_model: str | None = None
     user: str | None = None
@@ -267,6 +268,8 @@ class ConversationView:
         at = marker.get("at") or marker.get("created_at")
         if isinstance(at, int | float):
             self.last_activity = max(self.last_activity or 0.0, float(at))
+        if kind in ("delete_response", "delete_item") and isinstance(at, int | float):
+            self.last_deletion = max(self.last_deletion or 0.0, float(at))
         if kind == "reset":
             self.reset(keep_system_message=bool(marker.get("keep_system_message")))
         elif kind in ("conversation", "metadata"):

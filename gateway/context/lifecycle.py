@@ -84,7 +84,9 @@ def todays_lines(view: ConversationView, tz: ZoneInfo, today: str) -> list[str]:
         created = view.created_of.get(owner)
         if role not in ("user", "assistant") or created is None or local_day(created, tz) != today:
             continue
-        text = _text(message).strip()
+        # One line each: a message's own lines (a "- [ ] pay rent [overdue]" among them) read
+        # back as the head of another conversation's block, which a withdrawal then left in.
+        text = " ".join(_text(message).split())
         if text:
             lines.append(f"{role}: {text[:300]}")
     return lines[-20:]

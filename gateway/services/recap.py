@@ -9,7 +9,7 @@ from zoneinfo import ZoneInfo
 from gateway.context import ConversationView, Message
 from gateway.context.lifecycle import local_day, recap_conversations, recap_message, todays_lines, user_key
 from gateway.context.records import number
-from gateway.exceptions import NotFound
+from gateway.exceptions import ConversationBusy, NotFound
 from gateway.store import Store
 from gateway.store.base import now
 
@@ -83,6 +83,34 @@ async def withdraw_recaps(
             continue
         if recap is None or source not in recap_conversations(recap):
             continue
-        async with store.lock(cid, lock_timeout):
-            marker = {"type": "withdraw_recap", "conversations": [source], "withdrawn_at": now()}
-            await store.append_marker(cid, marker)
+        try:
+            # (not held up by a long turn of that conversation: its next turn withdraws it
+            # then, `stale_recap_sources`; a delete waited, and was a 409, behind such turns)
+            async with store.lock(cid, min(lock_timeout, WITHDRAW_LOCK_SECONDS)):
+                marker = {"type": "withdraw_recap", "conversations": [source], "withdrawn_at": now()}
+                await store.append_marker(cid, marker)
+        except ConversationBusy:
+            continue
+
+
+WITHDRAW_LOCK_SECONDS = 2.0
+
+
+async def stale_recap_sources(
+    store: Store, load: Callable[[str], Awaitable[ConversationView]], view: ConversationView
+) -> list[str]:
+    """The conversations `view`'s recap quotes that are gone, or had an item or a response
+    deleted after the recap was made: what a deletion could not withdraw itself (the recap's
+    first turn was still running, or the conversation was busy). Read at each turn of a
+    conversation with a recap, its lock held."""
+    if view.recap is None:
+        return []
+    made = view.created_of.get(view.recap_owner or "", 0.0)
+    stale = []
+    for cid in recap_conversations(view.recap):
+        try:
+            if not await store.exists(cid) or ((await load(cid)).last_deletion or 0.0) > made:
+                stale.append(cid)
+        except NotFound:
+            stale.append(cid)
+    return stale

@@ -38,6 +38,7 @@ from gateway.ids import mint_response_id
 from gateway.services.cache import ConversationCache
 from gateway.services.models import ModelFacts
 from gateway.services.planning import ContextPlan, Planner, off_loop_if_large
+from gateway.services.recap import stale_recap_sources
 from gateway.services.requests import FORBIDDEN_FIELDS, GATEWAY_FIELDS, ChatRequest, check_size
 from gateway.services.stream import StreamAccumulator, output_message
 from gateway.services.turn import (
@@ -54,7 +55,7 @@ from gateway.services.turn import (
     timings_until_now,
     while_waiting,
 )
-from gateway.store import StoreRegistry
+from gateway.store import Store, StoreRegistry
 from gateway.tokens import counter_for
 from gateway.types import Record, first_choice
 from gateway.upstream import Router
@@ -89,6 +90,18 @@ class ChatService:
         self.on_context_refusal: Callable[[str], None] = lambda outcome: None  # metrics hook
 
     # -- preparing ----------------------------------------------------------------------------
+    async def _recap_checked(self, store: Store, cid: str, view: ConversationView) -> ConversationView:
+        """The view whose recap no longer quotes a conversation deleted from since it was made
+        (the lock held: the withdrawal is recorded here, a marker, as a deletion records it)."""
+        others = functools.partial(self.cache.load, store, keep=False)
+        stale = await stale_recap_sources(store, others, view)
+        if not stale:
+            return view
+        await store.append_marker(
+            cid, {"type": "withdraw_recap", "conversations": stale, "withdrawn_at": time.time()}
+        )
+        return await self.cache.load(store, cid, **await self.planner.window_needs(store, cid))
+
     async def prepare(self, request: ChatRequest, tenant: str = "") -> PreparedTurn:
         """Lock and load the conversation, fit the window, and open the response log.
         The caller must `close` the returned turn."""
@@ -107,6 +120,8 @@ class ChatService:
                 ttl, now = self.settings.sessions.ttl, self.clock()
                 if expired(view, ttl, now):
                     view = await archive_expired(store, self.cache, cid)
+                if view.recap is not None:
+                    view = await self._recap_checked(store, cid, view)
             system_in, rest = split_system(request.messages)
             recap: Message | None = None
             recap_from: list[str] = []

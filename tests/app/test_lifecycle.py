@@ -412,3 +412,38 @@ async def test_a_failed_recap_note_does_not_fail_the_committed_turn(
     await say(client, "c", "hi", user="u1")  # (200, or it fails)
     assert len(await store.read_index("c")) == 1
     await client.aclose()
+
+
+async def test_a_recap_withdraws_what_a_deletion_could_not(tmp_path: Path) -> None:
+    """A deletion withdraws what later recaps quote, but not from a recap whose turn was still
+    running (or whose conversation was busy): that recap kept quoting the deleted message to
+    the model on every later turn. The recap's next turn looks, and withdraws it."""
+    app, store, clock, model, client = await make(tmp_path)
+    await say(client, "t", "my card number is CARD-4111", user="u7")
+    await say(client, "v", "hello from the voice channel", user="u7")
+    assert "CARD-4111" in str(model.turns[-1]["messages"])  # the recap quotes it
+    listed = (await client.get("/v1/conversations/t/items", params={"order": "asc"})).json()["data"]
+    rid, position = listed[0]["id"].removeprefix("msg_").rsplit("_", 1)
+    # Deleted without the withdrawal (as when v's first turn was still running):
+    await store.append_marker(
+        "t", {"type": "delete_item", "response_id": rid, "position": int(position), "at": clock()}
+    )
+    await say(client, "v", "what else?", user="u7")
+    assert "CARD-4111" not in str(model.turns[-1]["messages"])
+    assert [e["type"] for e in await store.read_index("v") if isinstance(e, dict)] == ["withdraw_recap"]
+    await client.aclose()
+
+
+async def test_a_quoted_message_of_several_lines_is_one_line_of_the_recap(tmp_path: Path) -> None:
+    """A message's own lines went into the recap as they were: one reading "- [ ] pay rent
+    [overdue]" was read back as another conversation's block, which deleting the conversation
+    then left in the recap (with the PIN on the line after it)."""
+    app, store, clock, model, client = await make(tmp_path)
+    await say(client, "todo", "my list:\n- [ ] pay rent [overdue]\nAlso my PIN is PIN-9931", user="u8")
+    await say(client, "voice", "hello", user="u8")
+    recap = next(m["content"] for m in model.turns[-1]["messages"] if "Earlier today" in str(m["content"]))
+    assert "PIN-9931" in recap and "\n- [ ]" not in recap  # one line, under its conversation's head
+    assert (await client.delete("/v1/conversations/todo")).status_code == 200
+    await say(client, "voice", "what else?", user="u8")
+    assert "PIN-9931" not in str(model.turns[-1]["messages"])
+    await client.aclose()
