@@ -158,7 +158,7 @@ def items_to_messages(items: object, *, param: str = "items") -> list[Message]:
             call: ToolCall = {
                 "id": call_id,
                 "type": "function",
-                "function": {"name": name, "arguments": arguments},
+                "function": {"name": name, "arguments": arguments or "{}"},  # (none: "{}", as stored)
             }
             calls = out[-1].get("tool_calls") if out and out[-1]["role"] == "assistant" else None
             if calls and not out[-1].get("content"):

@@ -62,6 +62,12 @@ async def test_bad_items_store_nothing(
     assert mock_upstream.requests[-1]["messages"] == [{"role": "user", "content": "hi"}]
 
 
+def test_a_function_call_without_arguments_is_stored_with_empty_ones() -> None:
+    """Stored as "", it went to the provider on every later turn (a strict one refuses it)."""
+    [message] = items_to_messages([{"type": "function_call", "call_id": "c1", "name": "now"}])
+    assert message["tool_calls"][0]["function"] == {"name": "now", "arguments": "{}"}
+
+
 def test_tool_output_may_be_text_parts() -> None:
     parts = [{"type": "input_text", "text": "22 "}, {"type": "input_text", "text": "degrees"}]
     out = items_to_messages([CALL, {"type": "function_call_output", "call_id": "c1", "output": parts}])
