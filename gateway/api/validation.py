@@ -4,7 +4,7 @@ it (`messages[2].tool_calls[0]`) and whose message says what that field must be.
 
 from __future__ import annotations
 
-from typing import TypeVar
+from typing import Any, TypeVar
 
 from pydantic import BaseModel, ValidationError
 from pydantic_core import ErrorDetails
@@ -94,5 +94,17 @@ def parse_chat(body: object, *, header_conversation_id: str | None = None) -> Ch
         # `extra_body={"is_feedback": True}`: the SDK's way to flag a turn; it marks the
         # request's last message (the new input of a resending client as of one sending only it).
         body["messages"][-1] = {**body["messages"][-1], "is_feedback": True}
+    _settle_arguments(body["messages"])
     include_usage = bool((request.stream_options or {}).get("include_usage"))
     return ChatRequest(body, request.model, body["messages"], bool(request.stream), include_usage, cid)
+
+
+def _settle_arguments(messages: list[Any]) -> None:
+    """A call the client sends without arguments (left out, null or "") goes on with "{}", as
+    the gateway stores a provider's such call: stored as sent, a strict provider refused every
+    later turn ("arguments not a string")."""
+    for message in messages:
+        for call in message.get("tool_calls") or () if message.get("role") == "assistant" else ():
+            function = call.get("function")
+            if isinstance(function, dict) and not function.get("arguments"):
+                function["arguments"] = "{}"

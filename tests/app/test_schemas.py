@@ -287,6 +287,10 @@ async def test_a_call_sent_back_with_null_arguments_is_taken(
         "/v1/chat/completions", json={"model": "mock/m", "conversation_id": "nul", "messages": messages}
     )
     assert r.status_code == 200, r.text
+    # and it goes on (to the provider, and into the store) with "{}": as sent, a strict
+    # provider refused every later turn
+    sent = mock_upstream.requests[-1]["messages"][1]["tool_calls"][0]["function"]
+    assert sent == {"name": "now", "arguments": "{}"}
 
 
 @pytest.mark.parametrize("model", ["mock/o3-mini", "mock/o1", "mock/gpt-5-nano"])
