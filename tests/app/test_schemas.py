@@ -254,19 +254,25 @@ async def test_a_part_of_the_wrong_shape_is_a_400_and_nothing_is_stored(
     assert r.status_code == 200, r.text
 
 
+async def _called_back(client: httpx.AsyncClient, cid: str, call: dict[str, Any]) -> httpx.Response:
+    """A turn whose history holds `call` and its result, as a client sends it back."""
+    messages = [
+        {"role": "user", "content": "time?"},
+        {"role": "assistant", "content": None, "tool_calls": [call]},
+        {"role": "tool", "tool_call_id": call["id"], "content": "noon"},
+    ]
+    return await client.post(
+        "/v1/chat/completions", json={"model": "mock/m", "conversation_id": cid, "messages": messages}
+    )
+
+
 async def test_a_call_with_an_empty_id_is_a_400(
     app_client: httpx.AsyncClient, mock_upstream: MockUpstream
 ) -> None:
     """Stored, its result named no call and went missing: a call without its result went to the
     provider on every later turn."""
-    call = {"id": "", "type": "function", "function": {"name": "f", "arguments": "{}"}}
-    messages = [
-        {"role": "user", "content": "t"},
-        {"role": "assistant", "content": None, "tool_calls": [call]},
-        {"role": "tool", "tool_call_id": "", "content": "x"},
-    ]
-    r = await app_client.post(
-        "/v1/chat/completions", json={"model": "mock/m", "conversation_id": "e", "messages": messages}
+    r = await _called_back(
+        app_client, "e", {"id": "", "type": "function", "function": {"name": "f", "arguments": "{}"}}
     )
     assert r.status_code == 400 and r.json()["error"]["param"] == "messages[1].tool_calls[0]", r.text
     assert mock_upstream.requests == []
@@ -277,14 +283,8 @@ async def test_a_call_sent_back_with_null_arguments_is_taken(
 ) -> None:
     """A provider's call without arguments reaches the client as null; sent back in the
     history, the gateway refused its own answer (a 400)."""
-    call = {"id": "c1", "type": "function", "function": {"name": "now", "arguments": None}}
-    messages = [
-        {"role": "user", "content": "time?"},
-        {"role": "assistant", "content": None, "tool_calls": [call]},
-        {"role": "tool", "tool_call_id": "c1", "content": "noon"},
-    ]
-    r = await app_client.post(
-        "/v1/chat/completions", json={"model": "mock/m", "conversation_id": "nul", "messages": messages}
+    r = await _called_back(
+        app_client, "nul", {"id": "c1", "type": "function", "function": {"name": "now", "arguments": None}}
     )
     assert r.status_code == 200, r.text
     # and it goes on (to the provider, and into the store) with "{}": as sent, a strict
