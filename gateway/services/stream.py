@@ -148,9 +148,9 @@ class StreamAccumulator:
     def _add_call(self, call: JSONObject) -> None:
         """One piece of a streamed tool call, into its call. OpenAI sends each call's `index`,
         its id and whole name in its first piece, and its arguments in pieces after. Servers
-        that do not are read so: without `index`, a piece continues the latest call; a piece
-        that brings an id other than its call's, or a name when its call has one, starts the
-        next call (Ollama sends `index: 0` for every call of a parallel batch, some servers no
+        that do not are read so: without `index`, a piece continues the latest call unless it
+        brings a name (its call has one); a piece that brings an id other than its call's starts
+        the next call (Ollama sends `index: 0` for every call of a parallel batch, some servers no
         `index` or no id: two calls were merged into one named "ab" with arguments "{}{}"). The
         piece the client gets says the call it went to (`index`) and its id."""
         index = call.get("index")
@@ -160,7 +160,9 @@ class StreamAccumulator:
         name = _object(call.get("function")).get("name")
         if slot is not None and (
             (call.get("id") and slot["id"] not in (None, call["id"]) and at not in self._minted)
-            or (name and slot["function"].get("name"))
+            # (only without `index`: a server that says the name again in each piece of a call
+            # numbers them)
+            or (name and slot["function"].get("name") and not isinstance(index, int))
         ):
             at, slot = max(self.tool_calls) + 1, None
             if isinstance(index, int):
@@ -185,7 +187,7 @@ class StreamAccumulator:
             slot["type"] = cast(str, call["type"])
         fn = _object(call.get("function"))
         function = slot["function"]
-        if fn.get("name"):
+        if fn.get("name") and fn["name"] != function.get("name"):  # (said again: not appended)
             function["name"] = function.get("name", "") + str(fn["name"])
         if fn.get("arguments"):
             function["arguments"] = function.get("arguments", "") + str(fn["arguments"])

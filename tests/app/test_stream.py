@@ -319,6 +319,14 @@ def test_parallel_calls_from_servers_without_index_or_id_stay_apart() -> None:
         ("call_b", "get_weather", '{"city":"Rome"}'),
     ]
     assert [p["index"] for p in sent] == [0, 0, 1, 1]  # what the client's SDK puts together
+    # a server that says the name again in each numbered piece: one call still
+    calls, _ = _calls_of(
+        [
+            {"index": 0, "id": "call_a", "function": {"name": "f", "arguments": '{"x":'}},
+            {"index": 0, "function": {"name": "f", "arguments": " 1}"}},
+        ]
+    )
+    assert calls == [("call_a", "f", '{"x": 1}')]
 
 
 def test_a_whole_answers_call_without_an_id_or_arguments_is_settled_for_client_and_store() -> None:
