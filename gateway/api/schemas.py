@@ -97,13 +97,19 @@ class InputMessage(TypedDict, total=False):
     is_feedback: Annotated[bool, Field(description="Gateway extension: forwarded once, never replayed")]
 
 
+def _ids_apart(calls: list[ToolCall]) -> list[ToolCall]:
+    if len({call["id"] for call in calls}) < len(calls):  # (a result would answer both)
+        raise ValueError("two tool calls with one id")
+    return calls
+
+
 @with_config(MESSAGE)
 class AssistantMessage(TypedDict, total=False):
     role: Required[Literal["assistant"]]
     content: Content
     name: str | None
     tool_call_id: str | None
-    tool_calls: list[ToolCall] | None
+    tool_calls: Annotated[list[ToolCall], AfterValidator(_ids_apart)] | None
     is_feedback: bool
 
 
@@ -129,6 +135,12 @@ def _tool_call_id(param: str, error: ErrorDetails) -> str:
     if error["type"] == "missing" or error["input"] is None:
         return f"{param} is required for a tool message"
     return f"{param} must be a string"
+
+
+def _tool_calls(param: str, error: ErrorDetails) -> str:
+    if error["type"] == "value_error":  # (two calls with one id)
+        return f"{param} has two tool calls with one id"
+    return f"{param} must be an array on an assistant message"
 
 
 class ChatCompletionRequest(BaseModel):
@@ -164,7 +176,7 @@ class ChatCompletionRequest(BaseModel):
         "messages[].content": "{param} must be a string, an array of content parts, or null",
         "messages[].name": "{param} must be a string",
         "messages[].tool_call_id": _tool_call_id,
-        "messages[].tool_calls": "{param} must be an array on an assistant message",
+        "messages[].tool_calls": _tool_calls,
         "messages[].tool_calls[]": "{param} must be {{id, type: 'function', function: {{name, arguments}}}}",
         "messages[].is_feedback": "{param} must be a boolean",
         "max_tokens": f"'max_tokens' {TOKENS}",

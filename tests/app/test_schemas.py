@@ -278,6 +278,22 @@ async def test_a_call_with_an_empty_id_is_a_400(
     assert mock_upstream.requests == []
 
 
+async def test_two_calls_with_one_id_are_a_400(
+    app_client: httpx.AsyncClient, mock_upstream: MockUpstream
+) -> None:
+    """Stored, one result answered both: a call without its result went to the provider on
+    every later turn."""
+    call = {"id": "c1", "type": "function", "function": {"name": "f", "arguments": "{}"}}
+    body = {"model": "mock/m", "conversation_id": "dup", "messages": [
+        {"role": "user", "content": "t"},
+        {"role": "assistant", "content": None, "tool_calls": [call, dict(call)]},
+        {"role": "tool", "tool_call_id": "c1", "content": "x"},
+    ]}  # fmt: skip
+    r = await app_client.post("/v1/chat/completions", json=body)
+    assert r.status_code == 400 and "two tool calls with one id" in r.json()["error"]["message"], r.text
+    assert r.json()["error"]["param"] == "messages[1].tool_calls" and mock_upstream.requests == []
+
+
 async def test_a_call_sent_back_with_null_arguments_is_taken(
     app_client: httpx.AsyncClient, mock_upstream: MockUpstream
 ) -> None:
