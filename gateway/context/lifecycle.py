@@ -112,6 +112,12 @@ def recap_message(
 _Block = tuple[str, str, list[str], bool]  # head line, conversation, lines, lines left out before
 
 
+def _block(head: str, lines: list[str], cut: bool) -> str:
+    """One conversation's block of a recap: its head, a `…` where older lines are left out,
+    and its lines (`_parse` reads it back)."""
+    return "\n".join([head, *(["  …"] if cut else []), *(f"  {line}" for line in lines)])
+
+
 def _pack(
     header: str, blocks: list[_Block], max_tokens: int, count: Callable[[Message], int]
 ) -> tuple[Message | None, list[str]]:
@@ -121,18 +127,17 @@ def _pack(
     used: list[str] = []
     budget = max_tokens - count({"role": "system", "content": header})
     for head, cid, lines, cut in blocks:
-        block = "\n".join([head, *(["  …"] if cut else []), *(f"  {line}" for line in lines)])
+        block = _block(head, lines, cut)
         cost = count({"role": "system", "content": block}) - 3
         if cost > budget:  # its newest lines that fit, after a mark that older ones are left out
             kept: list[str] = []
             for line in reversed(lines):
-                trial = "\n".join([head, "  …", *(f"  {x}" for x in [line, *kept])])
-                if count({"role": "system", "content": trial}) - 3 > budget:
+                if count({"role": "system", "content": _block(head, [line, *kept], True)}) - 3 > budget:
                     break
                 kept.insert(0, line)
             if not kept:
                 continue
-            block = "\n".join([head, "  …", *(f"  {x}" for x in kept)])
+            block = _block(head, kept, True)
             cost = count({"role": "system", "content": block}) - 3
         budget -= cost
         body.append(block)
@@ -186,11 +191,7 @@ def recap_without(recap: Message | None, conversations: Collection[str]) -> Mess
     if parsed is None:
         return recap
     header, blocks = parsed
-    kept = [
-        "\n".join([head, *(["  …"] if cut else []), *(f"  {line}" for line in lines)])
-        for head, cid, lines, cut in blocks
-        if cid not in conversations
-    ]
+    kept = [_block(head, lines, cut) for head, cid, lines, cut in blocks if cid not in conversations]
     return {"role": "system", "content": "\n".join([header, *kept])} if kept else None
 
 
