@@ -10,6 +10,7 @@ from pydantic import BaseModel, ValidationError
 from pydantic_core import ErrorDetails
 
 from gateway.api.schemas import NOT_AN_OBJECT, ChatCompletionRequest, ErrorMessages
+from gateway.context.tools import settle_arguments
 from gateway.exceptions import InvalidRequest
 from gateway.ids import check_conversation_id
 from gateway.services.requests import ChatRequest
@@ -100,11 +101,8 @@ def parse_chat(body: object, *, header_conversation_id: str | None = None) -> Ch
 
 
 def _settle_arguments(messages: list[Any]) -> None:
-    """A call the client sends without arguments (left out, null or "") goes on with "{}", as
-    the gateway stores a provider's such call: stored as sent, a strict provider refused every
-    later turn ("arguments not a string")."""
+    """A call the client sends without arguments goes on with "{}", as the gateway stores a
+    provider's such call (`settle_arguments`)."""
     for message in messages:
         for call in message.get("tool_calls") or () if message.get("role") == "assistant" else ():
-            function = call.get("function")
-            if isinstance(function, dict) and not function.get("arguments"):
-                function["arguments"] = "{}"
+            settle_arguments(call.get("function"))

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 from typing import cast
 
+from gateway.context.tools import settle_arguments
 from gateway.exceptions import InvalidRequest
 from gateway.types import ContentPart, ImageURL, JSONObject, Message, ToolCall, ascii_int
 
@@ -158,8 +159,9 @@ def items_to_messages(items: object, *, param: str = "items") -> list[Message]:
             call: ToolCall = {
                 "id": call_id,
                 "type": "function",
-                "function": {"name": name, "arguments": arguments or "{}"},  # (none: "{}", as stored)
+                "function": {"name": name, "arguments": arguments},
             }
+            settle_arguments(call["function"])
             calls = out[-1].get("tool_calls") if out and out[-1]["role"] == "assistant" else None
             if calls and not out[-1].get("content"):
                 calls.append(call)

@@ -9,6 +9,13 @@ from gateway.types import Message
 UNANSWERED_TOOL_RESULT = "[no result: the user continued without answering this tool call]"
 
 
+def settle_arguments(function: object) -> None:
+    """A call's `function` without arguments (left out, null or "") given `"{}"`, what every
+    provider takes back: as it came, a strict provider refused every later turn."""
+    if isinstance(function, dict) and not function.get("arguments"):
+        function["arguments"] = "{}"
+
+
 def repair_tool_calls(messages: Sequence[Message]) -> list[Message]:
     """Make a message list acceptable to providers' tool-call rules without losing anything.
 

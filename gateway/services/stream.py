@@ -5,6 +5,7 @@ from __future__ import annotations
 import secrets
 from typing import cast
 
+from gateway.context.tools import settle_arguments
 from gateway.exceptions import UpstreamProtocolError
 from gateway.types import FunctionCall, JSONObject, Message, ToolCall, Usage
 
@@ -64,9 +65,7 @@ def _settle_calls(calls: list[JSONObject]) -> None:
     for call in calls:
         if not call.get("id"):
             call["id"] = new_call_id()
-        function = call.get("function")
-        if isinstance(function, dict) and not function.get("arguments"):
-            function["arguments"] = "{}"
+        settle_arguments(call.get("function"))
 
 
 def output_message(message: object) -> Message:
@@ -205,8 +204,7 @@ class StreamAccumulator:
         if self.tool_calls:
             message["tool_calls"] = [self.tool_calls[i] for i in sorted(self.tool_calls)]
             for call in message["tool_calls"]:  # a call streamed without arguments: as a whole answer's
-                if not call["function"].get("arguments"):
-                    call["function"]["arguments"] = "{}"
+                settle_arguments(call["function"])
             if not message["content"]:
                 message["content"] = None
         return message
