@@ -169,6 +169,7 @@ async def until_disconnect(work: Coroutine[Any, Any, T], receive: Receive, *, st
             state["gone"] = True
             current.cancel()
 
+    watcher: asyncio.Future[None] | None = None
     if started and time.perf_counter() - started > WAITED_SECONDS:
         # uvicorn's request cycle says it without a trip through the event loop (the trip, with
         # whatever else was due to run then, cost a slow request 1-2 ms)
@@ -177,11 +178,11 @@ async def until_disconnect(work: Coroutine[Any, Any, T], receive: Receive, *, st
             watcher = asyncio.ensure_future(_wait_disconnect(receive))
             await asyncio.sleep(0)
             gone = watcher.done() and not watcher.cancelled() and watcher.exception() is None
-            watcher.cancel()
         if gone:
             work.close()
             raise ClientDisconnected()
-    watcher = asyncio.ensure_future(_wait_disconnect(receive))
+    if watcher is None:
+        watcher = asyncio.ensure_future(_wait_disconnect(receive))
     watcher.add_done_callback(on_watcher_done)
     try:
         return await work
