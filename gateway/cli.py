@@ -386,12 +386,13 @@ def show(
     stored_count = dict(
         zip(zip(view.history_owner, view.history_pos, strict=True), counts[system_count:], strict=True)
     )
+    # What the last turn sent (its snapshot is a full copy): a cut may fall inside a turn.
+    sent_list = last[1].get("messages") if window is not None and last is not None else None
     if as_json:
         messages = [*(view.system or []), *repair_tool_calls(view.history)]
         by_message = {id(m): n for m, n in zip([*(view.system or []), *view.history], counts, strict=True)}
-        sent = last[1].get("messages") if last is not None and window is not None else None
         summary = next(  # the rolling summary as the last turn sent it (its text is not a message)
-            (m for m in (sent if isinstance(sent, list) else []) if is_summary_message(m)), None
+            (m for m in (sent_list if isinstance(sent_list, list) else []) if is_summary_message(m)), None
         )
         out = {
             "conversation_id": conversation_id,
@@ -421,8 +422,6 @@ def show(
         click.echo(render_message(m, tokens=n, note="system prompt"))
     if view.recap is not None:  # sent after the system prompt on every turn (sized to the window)
         click.echo(render_message(view.recap, tokens=count_message(view.recap), note="recap, earlier today"))
-    # What the last turn sent (its snapshot is a full copy): a cut may fall inside a turn.
-    sent_list = last[1].get("messages") if window is not None and last is not None else None
     window_keys = (
         {message_key(cast(Message, m)) for m in sent_list if isinstance(m, dict)}
         if isinstance(sent_list, list)
