@@ -12,6 +12,7 @@ from gateway.context.records import number
 from gateway.exceptions import ConversationBusy, NotFound
 from gateway.store import Store
 from gateway.store.base import now
+from gateway.types import Record
 
 # The recap looks at most at this many of the user's most recently started conversations: its
 # budget holds a few of them, and a user with thousands must not make every new one slower.
@@ -87,13 +88,17 @@ async def withdraw_recaps(
             # (not held up by a long turn of that conversation: its next turn withdraws it
             # then, `stale_recap_sources`; a delete waited, and was a 409, behind such turns)
             async with store.lock(cid, min(lock_timeout, WITHDRAW_LOCK_SECONDS)):
-                marker = {"type": "withdraw_recap", "conversations": [source], "withdrawn_at": now()}
-                await store.append_marker(cid, marker)
+                await store.append_marker(cid, withdrawal([source]))
         except ConversationBusy:
             continue
 
 
 WITHDRAW_LOCK_SECONDS = 2.0
+
+
+def withdrawal(conversations: list[str]) -> Record:
+    """The index marker that takes `conversations` out of a conversation's recap."""
+    return {"type": "withdraw_recap", "conversations": conversations, "withdrawn_at": now()}
 
 
 async def stale_recap_sources(

@@ -38,7 +38,7 @@ from gateway.ids import mint_response_id
 from gateway.services.cache import ConversationCache
 from gateway.services.models import ModelFacts
 from gateway.services.planning import ContextPlan, Planner, off_loop_if_large
-from gateway.services.recap import stale_recap_sources
+from gateway.services.recap import stale_recap_sources, withdrawal
 from gateway.services.requests import FORBIDDEN_FIELDS, GATEWAY_FIELDS, ChatRequest, check_size
 from gateway.services.stream import StreamAccumulator, output_message
 from gateway.services.turn import (
@@ -97,9 +97,11 @@ class ChatService:
         stale = await stale_recap_sources(store, others, view)
         if not stale:
             return view
-        await store.append_marker(
-            cid, {"type": "withdraw_recap", "conversations": stale, "withdrawn_at": time.time()}
-        )
+        await store.append_marker(cid, withdrawal(stale))
+        return await self._load(store, cid)
+
+    async def _load(self, store: Store, cid: str) -> ConversationView:
+        """The conversation as far back as a turn's window needs it."""
         return await self.cache.load(store, cid, **await self.planner.window_needs(store, cid))
 
     async def prepare(self, request: ChatRequest, tenant: str = "") -> PreparedTurn:
@@ -116,7 +118,7 @@ class ChatService:
             view = ConversationView()
             if cid is not None:
                 cid = await lock_conversation(request, store, stack, self.settings.storage.lock_timeout)
-                view = await self.cache.load(store, cid, **await self.planner.window_needs(store, cid))
+                view = await self._load(store, cid)
                 ttl, now = self.settings.sessions.ttl, self.clock()
                 if expired(view, ttl, now):
                     view = await archive_expired(store, self.cache, cid)
