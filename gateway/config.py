@@ -140,6 +140,9 @@ class ContextSettings(_Section):
     # Keep the conversation's first message (and its tool results) when cutting: for clients
     # that send no system prompt and put their instructions in the first user message.
     keep_first: bool = False
+    # Cuts in steps: a window that no longer fits is cut down to this share of the budget, and
+    # the next turns append to an unchanged head until it is full again (prompt caches hit).
+    cut_to: float = Field(0.6, gt=0, le=1)
     strategy: Literal["truncate", "summarize"] = "truncate"
     summary_model: str = ""
     summary_max_tokens: int = Field(500, gt=0)

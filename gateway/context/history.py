@@ -12,6 +12,7 @@ from typing import cast
 
 import orjson
 
+from gateway.context.steps import Head
 from gateway.context.tools import UNANSWERED_TOOL_RESULT as UNANSWERED_TOOL_RESULT
 from gateway.context.tools import repair_tool_calls as repair_tool_calls
 from gateway.types import JSONObject, Message
@@ -118,6 +119,7 @@ class Turn:
     # The client's history diverged (an edit, a regenerate): history is cut back to its first
     # `branch_at` messages before this turn's messages (the rest stays in the logs).
     branch_at: int | None = None
+    head: Head | None = None  # where this turn's window began (None: not recorded)
 
     @property
     def is_feedback_only(self) -> bool:
@@ -184,6 +186,7 @@ class ConversationView:
     transcript_base: int = 0
     # Responses indexed before the loaded part (since the last reset): what they hold is unknown.
     prefix_ids: frozenset[str] = frozenset()
+    head: Head | None = None  # where the newest turn's window began (None: no turn recorded one)
 
     @property
     def partial(self) -> bool:
@@ -232,6 +235,8 @@ class ConversationView:
             self.transcript.append(turn.output)
         self.turns += 1
         self.response_ids.append(turn.response_id)
+        if turn.head is not None:
+            self.head = turn.head
         if turn.is_feedback_only:
             return
         counts_in = turn.input_tokens if same_encoding and turn.input_tokens is not None else None
@@ -316,6 +321,20 @@ class ConversationView:
                 self._ends()
                 return
 
+    def position_of(self, key: str) -> int | None:
+        """Where the stored message with item key `key` is in history (None: not in the loaded
+        history: deleted, cut by a branch, or older than what is loaded)."""
+        response_id, _, position = key.rpartition("#")
+        end = self.history_end.get(response_id)
+        if end is None or not position.lstrip("-").isdigit():
+            return None
+        for i in range(end - 1 - self.history_base, -1, -1):
+            if self.history_owner[i] != response_id:
+                return None
+            if self.history_pos[i] == int(position):
+                return i + self.history_base
+        return None
+
     def sent_items(self) -> set[tuple[str, int]]:
         """(response id, position) of every stored message the model still gets: not deleted,
         not cut by a later edit, not a tool result whose call was deleted (the window's repair
@@ -379,6 +398,7 @@ class ConversationView:
         self._keys = {}
         self.history_base = self.transcript_base = 0
         self.prefix_ids = frozenset()
+        self.head = None
         self.needs_count = self.system_tokens is not None and None in self.system_tokens
 
     def count_tokens(self, encoding: str, count: Callable[[Message], int]) -> None:

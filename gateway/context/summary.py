@@ -67,6 +67,11 @@ def current_summary(records: list[Record], view: ConversationView) -> Summary | 
     return next(_applicable(records, view), None)
 
 
+def summary_version(records: list[Record], view: ConversationView, version: int) -> Summary | None:
+    """Summary `version` when it still applies to this view (see `current_summary`)."""
+    return next((s for s in _applicable(records, view) if s.version == version), None)
+
+
 def applicable_versions(records: list[Record], view: ConversationView) -> set[int]:
     """The versions that still apply to this view (see `current_summary`), for the inspector."""
     return {summary.version for summary in _applicable(records, view)}

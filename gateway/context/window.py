@@ -8,6 +8,11 @@ newest `keep_recent` messages ignore the latter). So the answer before the newes
 dropped only with everything older. A cut drops whole turns: the kept history does not begin
 with an answer whose question was left out (but for the answer before the current request).
 Where history was cut, a marker system message says so.
+
+Cuts are made in steps (`hold`, `cut_share`): a window whose history still fits from where the
+previous turn's began keeps that start, so the head of the prompt is unchanged and the
+provider's prompt cache holds; one that does not is cut down to `cut_share` of the budget, and
+the following turns append to that new head until it is full again.
 """
 
 from __future__ import annotations
@@ -15,6 +20,7 @@ from __future__ import annotations
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
+from gateway.context.steps import cut_start, holds
 from gateway.context.tools import UNANSWERED_TOOL_RESULT
 from gateway.exceptions import ContextLengthExceeded
 from gateway.types import Message
@@ -65,6 +71,7 @@ class Window:
     history_start: int  # index in `conversation` of the first message kept
     omitted: int  # history messages left out (after any summary's coverage)
     tokens: dict[str, int] = field(default_factory=dict)
+    held: bool = False  # the history starts where `hold` said: the head of the prompt is unchanged
 
     @property
     def total_tokens(self) -> int:
@@ -90,6 +97,8 @@ def fit_window(
     first_tokens: Sequence[int] = (),
     keep_recent: int = 0,
     tools_tokens: int = 0,
+    hold: int | None = None,
+    cut_share: float = 1.0,
 ) -> Window:
     """Choose the messages to send.
 
@@ -97,9 +106,12 @@ def fit_window(
     messages, starting at `first_new`; `conversation_tokens` are their counts;
     `omitted_before` history messages were already left out before `conversation`; `first` is
     the conversation's first unit, sent ahead of the marker when it fits (`keep_first`);
-    `tools_tokens` is what the request's tool definitions cost (fixed, like the request). Raises
-    ContextLengthExceeded when even the fixed part (system, summary, recap, current request)
-    does not fit the budget.
+    `tools_tokens` is what the request's tool definitions cost (fixed, like the request).
+    `hold` is where in `conversation` the previous window's history began: the history starts
+    there again when all of it fits (`Window.held`). Otherwise it is cut: kept newest first
+    within `cut_share` of the budget (and of `max_history_messages`), the newest unit within the
+    whole budget. Raises ContextLengthExceeded when even the fixed part (system, summary,
+    recap, current request) does not fit the budget.
     """
     n = len(conversation)
     # The current request, plus the stored tool-call message its tool results answer.
@@ -134,31 +146,28 @@ def fit_window(
         dropped_first, first, first_cost = len(first), (), 0
     fixed += first_cost
     room = budget - fixed
-    kept_from = pinned_from
-    used = 0
-    kept_messages = 0
-    end = pinned_from
-    while end > 0:
-        start = end - 1
-        cost = conversation_tokens[start]
-        while start > 0 and conversation[start].get("role") == "tool":
-            start -= 1
-            cost += conversation_tokens[start]
-        size = end - start
-        marker = marker_bound if omitted_before + start else 0
-        over_count = kept_messages + size > max_history_messages and kept_messages >= keep_recent
-        if over_count or used + cost + marker > room:
-            break
-        used += cost
-        kept_messages += size
-        kept_from = start
-        end = start
+    held = hold is not None and holds(
+        conversation_tokens[hold:pinned_from],
+        room - (marker_bound if omitted_before + hold else 0),
+        max(max_history_messages, keep_recent),
+    )
+    kept_from = hold if held and hold is not None else cut_start(
+        conversation,
+        conversation_tokens,
+        pinned_from,
+        room=room,
+        low_room=int(budget * cut_share) - fixed,
+        max_messages=max_history_messages if cut_share >= 1 else int(max_history_messages * cut_share),
+        keep_recent=keep_recent,
+        marker=lambda start: marker_bound if omitted_before + start else 0,
+    )
     # Whole turns: a cut never leaves an answer whose question was left out at the head of the
     # history (chat templates that require user/assistant alternation reject it); the window
     # starts at the next question, unless that answer is the one before the current request
     # or among the newest keep_recent messages.
     while (
-        (omitted_before or kept_from)
+        not held
+        and (omitted_before or kept_from)
         and kept_from < pinned_from
         and conversation[kept_from].get("role") == "assistant"
     ):
@@ -202,4 +211,7 @@ def fit_window(
     if tools_tokens:  # the request's tool definitions: the provider counts them in the prompt
         tokens["tools"] = tools_tokens
     tokens["total"] = sum(tokens.values())
-    return Window(messages=messages, budget=budget, history_start=kept_from, omitted=omitted, tokens=tokens)
+    return Window(
+        messages=messages, budget=budget, history_start=kept_from, omitted=omitted, tokens=tokens, held=held
+    )
+

@@ -13,7 +13,7 @@ from typing import Any
 
 import orjson
 
-from gateway.config import Settings
+from gateway.config import ContextSettings, Settings
 from gateway.context import (
     ConversationView,
     Message,
@@ -21,8 +21,10 @@ from gateway.context import (
     repair_tool_calls,
 )
 from gateway.context.calibration import UNCALIBRATED
+from gateway.context.history import item_key
 from gateway.context.lifecycle import shrink_recap, zone
-from gateway.context.summary import Summary, current_summary, snap_to_turn_end
+from gateway.context.steps import Head, high_water
+from gateway.context.summary import Summary, current_summary, snap_to_turn_end, summary_version
 from gateway.context.window import REQUEST_OVERHEAD_TOKENS, Window, fit_window, omitted_marker
 from gateway.exceptions import ContextLengthExceeded, InvalidRequest
 from gateway.services.models import ModelFacts, WindowFacts
@@ -127,6 +129,212 @@ def cut_to(model: str) -> Callable[[Message, int], Message]:
 
 
 @dataclass(frozen=True, slots=True)
+class _Frame:
+    """What every window planned for a turn shares: the view, the request and the head's room."""
+
+    settings: ContextSettings
+    view: ConversationView
+    system: list[Message]
+    system_tokens: list[int]
+    new: list[Message]
+    new_tokens: list[int]
+    count: Callable[[Message], int]
+    model: str
+    encoding: str
+    recap: Message | None
+    tools_tokens: int
+    head_room: int  # the window less the answer, the framing, the system prompt and the tools
+
+    def part(self, summary: Summary | None) -> _Part:
+        """The stored history a window drawing on `summary` may send, and the request."""
+        ctx, view, count = self.settings, self.view, self.count
+        covered = summary.covered if summary else 0
+        # Positions count every stored message; a partial view holds its newest ones (the
+        # loaded part is `history`, from `loaded_from`): NotLoaded when more is needed.
+        history, total = view.history, view.history_count
+        # The first unit, kept ahead of the cut when configured and no summary covers it.
+        first_end = 0
+        if ctx.keep_first and covered == 0 and total:
+            first_end = 1 + view.loaded_from(0)
+            while first_end < len(history) and history[first_end].get("role") == "tool":
+                first_end += 1
+        # Only the newest max_history_messages (or keep_recent_messages) can be sent.
+        newest = max(ctx.max_history_messages, ctx.keep_recent_messages)
+        lower = max(covered, first_end, total - newest - 1)
+        while lower > max(covered, first_end) and history[view.loaded_from(lower)].get("role") == "tool":
+            lower -= 1
+        hist = history[view.loaded_from(lower) :]
+        hist_tokens = [int(n or 0) for n in view.history_tokens[view.loaded_from(lower) :]]
+        clean_new = [clean_message(m) for m in self.new]
+        combined = [*hist, *clean_new]
+        repaired = view.has_tools or any("tool_calls" in m or m.get("role") == "tool" for m in clean_new)
+        if repaired:
+            known = {id(m): n for m, n in zip(combined, [*hist_tokens, *self.new_tokens], strict=True)}
+            conversation = repair_tool_calls(combined)
+            conversation_tokens = [known[id(m)] if id(m) in known else count(m) for m in conversation]
+            new_ids = {id(m) for m in clean_new}
+            first_new = next((i for i, m in enumerate(conversation) if id(m) in new_ids), len(conversation))
+            if clean_new and first_new == len(conversation):
+                raise orphan_results(clean_new)
+        else:  # no tool calls anywhere: nothing to repair
+            conversation = combined
+            conversation_tokens = [*hist_tokens, *self.new_tokens]
+            first_new = len(hist)
+        first = [clean_message(m) for m in history[:first_end]] if first_end and lower > 0 else []
+        return _Part(
+            frame=self,
+            summary=summary,
+            lower=lower,
+            hist=hist,
+            new_of={id(m): i for i, m in enumerate(clean_new)},
+            conversation=conversation,
+            conversation_tokens=conversation_tokens,
+            first_new=first_new,
+            repaired=repaired,
+            first=first,
+            first_tokens=[count(m) for m in first],
+            first_end=first_end if lower > 0 else 0,
+        )
+
+
+@dataclass(frozen=True, slots=True)
+class _Part:
+    """The messages a window may draw on, from stored position `lower` on, with the request."""
+
+    frame: _Frame
+    summary: Summary | None
+    lower: int
+    hist: list[Message]
+    new_of: dict[int, int]  # id of a new message -> its index in the request's new messages
+    conversation: list[Message]
+    conversation_tokens: list[int]
+    first_new: int
+    repaired: bool
+    first: list[Message]
+    first_tokens: list[int]
+    first_end: int  # the first unit's end, when it is kept ahead of the cut (else 0)
+
+    def index_of(self, position: int) -> int | None:
+        """Stored history position `position` as an index into `conversation` (None: not in it)."""
+        if position < self.lower or position - self.lower > len(self.hist):
+            return None
+        if not self.repaired:
+            return position - self.lower
+        if position - self.lower == len(self.hist):
+            return self.first_new
+        message = self.hist[position - self.lower]
+        return next((i for i, m in enumerate(self.conversation) if m is message), None)
+
+    def absolute(self, index: int, total: int) -> int:
+        """`conversation[index]` as a stored history position (`total`: a new message)."""
+        if not self.repaired:
+            return self.lower + min(index, len(self.hist))
+        positions = {id(m): self.lower + i for i, m in enumerate(self.hist)}
+        return next((positions[id(m)] for m in self.conversation[index:] if id(m) in positions), total)
+
+    def new_index(self, index: int) -> int | None:
+        """The request's first new message kept from `conversation[index]` on, when no stored
+        message is (its index among the new messages)."""
+        kept = self.conversation[index:]
+        if any(id(m) not in self.new_of for m in kept[: max(0, self.first_new - index)]):
+            return None
+        return next((self.new_of[id(m)] for m in kept if id(m) in self.new_of), None)
+
+    def fit(
+        self,
+        first_new: int,
+        conversation: list[Message],
+        conversation_tokens: list[int],
+        first: list[Message],
+        first_tokens: list[int],
+        budget: int,
+        hold: int | None,
+    ) -> Window:
+        """`fit_window` over these messages, the summary and recap sized for the window."""
+        frame, summary = self.frame, self.summary
+        ctx, count = frame.settings, frame.count
+        # Summary and recap: together at most half of what the system prompt and the request
+        # leave (the rest is for the newest turns). Sized from the window as a whole first, so
+        # that they are the same on every turn; from what this request leaves when that fails.
+        request_tokens = sum(conversation_tokens[first_new:])
+        left = budget - REQUEST_OVERHEAD_TOKENS - sum(frame.system_tokens) - request_tokens
+        for free in (frame.head_room, left):
+            summary_message, summary_tokens = Planner.sized(
+                summary.message() if summary else None, free // 3, count, cut_to(frame.model)
+            )
+            # A recap is packed again as it was built (newest conversations, their newest lines).
+            recap_message, recap_tokens = Planner.sized(
+                frame.recap, free // 6, count, lambda message, limit: shrink_recap(message, limit, count)[0]
+            )
+            # A summary with too little room to say anything is left out: what it covers is
+            # then simply omitted (the marker counts it), and nothing claims it was sent.
+            covered = summary.covered if summary else 0
+            unsent = covered if summary is not None and summary_message is None else 0
+            try:
+                return fit_window(
+                    tools_tokens=frame.tools_tokens,
+                    system=frame.system,
+                    system_tokens=frame.system_tokens,
+                    conversation=conversation,
+                    conversation_tokens=conversation_tokens,
+                    first_new=first_new,
+                    budget=budget,
+                    max_history_messages=ctx.max_history_messages,
+                    marker_tokens=lambda n: marker_cost(frame.encoding, n),
+                    summary=summary_message,
+                    summary_tokens=summary_tokens,
+                    recap=recap_message,
+                    recap_tokens=recap_tokens,
+                    omitted_before=self.lower - covered + unsent - self.first_end,
+                    first=first,
+                    first_tokens=first_tokens,
+                    keep_recent=ctx.keep_recent_messages,
+                    hold=hold if first_new == self.first_new else None,
+                    cut_share=ctx.cut_to,
+                )
+            except ContextLengthExceeded:
+                if free != frame.head_room or not (summary_tokens or recap_tokens):
+                    raise
+        raise AssertionError("unreachable")  # (the second size raises or returns)
+
+    def fit_request(self, hold: int | None, budget: int) -> Window:
+        """The window within `budget`; what the client resent before its newest user message is
+        history, cut oldest first, when the request does not fit whole."""
+        conversation, tokens = self.conversation, self.conversation_tokens
+        try:
+            return self.fit(self.first_new, conversation, tokens, self.first, self.first_tokens, budget, hold)
+        except ContextLengthExceeded:
+            # What the client sent before its newest user message (a chat moved onto the
+            # gateway in one request, or everything after an edited message) is history it
+            # resent: cut oldest first, as stored history is. Only the newest user message
+            # and what follows it are the request proper.
+            request_from = newest_user_message(conversation, self.first_new)
+            if request_from is None:
+                raise
+            ctx, total = self.frame.settings, self.frame.view.history_count
+            covered = self.summary.covered if self.summary else 0
+            unit = first_unit(conversation) if ctx.keep_first and not total and not covered else 0
+            if 0 < unit < request_from:  # the conversation's first message came in this request
+                return self.fit(
+                    request_from - unit,
+                    conversation[unit:],
+                    tokens[unit:],
+                    conversation[:unit],
+                    tokens[:unit],
+                    budget,
+                    None,
+                )
+            return self.fit(request_from, conversation, tokens, self.first, self.first_tokens, budget, None)
+
+
+@dataclass(frozen=True, slots=True)
+class _Fitted:
+    window: Window
+    part: _Part
+    server_tokens: int | None
+
+
+@dataclass(frozen=True, slots=True)
 class ContextPlan:
     """The window chosen for a turn and the facts behind it (the manifest)."""
 
@@ -139,8 +347,21 @@ class ContextPlan:
     summary_target: str | None  # response id a new summary should cover through
     facts: WindowFacts | None = None
     server_tokens: int | None = None  # the server's own count of the prompt, when it gave one
+    new_from: int | None = None  # no stored message sent: the first new message sent, by index
 
-    def snapshot(self, view: ConversationView, new_messages: int, sent: list[Message]) -> Record:
+    def window_from(self, view: ConversationView, response_id: str) -> str | None:
+        """The item key of the first stored message the history began with (the turn's own
+        first message sent when none was; None: the conversation's first message)."""
+        if self.kept_from == 0:
+            return None
+        if self.kept_from < view.history_count:
+            i = view.loaded_from(self.kept_from)
+            return item_key(view.history_owner[i], view.history_pos[i])
+        return item_key(response_id, self.new_from) if self.new_from is not None else None
+
+    def snapshot(
+        self, view: ConversationView, new_messages: int, sent: list[Message], response_id: str
+    ) -> Record:
         included = list(dict.fromkeys(view.history_owner[view.loaded_from(self.kept_from) :]))
         return {
             "type": "context",
@@ -161,6 +382,9 @@ class ContextPlan:
             "summary_covers_through": self.summary.covers_through if self.summary else None,
             "included_response_ids": included,
             "server_prompt_tokens": self.server_tokens,
+            # The head: where the history began, and whether this turn cut (moved it).
+            "window_from": self.window_from(view, response_id),
+            "cut": not self.window.held,
             "messages": sent,
         }
 
@@ -173,6 +397,8 @@ class Planner:
         self.facts = facts
         # Conversations already warned about (the newest WARNED_LIMIT: bounded memory).
         self._warned_truncation: LRU[str | None, bool] = LRU(WARNED_LIMIT)
+        # (store, conversation) -> the head a summary for the next cut was asked at, and its target.
+        self._asked: LRU[tuple[int, str], tuple[int, str]] = LRU(WARNED_LIMIT)
 
     async def window_needs(self, store: Store, cid: str) -> dict[str, Any]:
         """What a turn's window needs loaded (`ConversationCache.load`'s `tail` and `through`):
@@ -205,9 +431,14 @@ class Planner:
         count: Callable[[Message], int],
         recap: Message | None = None,
         *,
-        with_summary: bool = True,
+        hold: bool = True,
     ) -> ContextPlan:
-        """Decide what of the stored conversation goes upstream (SPEC section 7)."""
+        """Decide what of the stored conversation goes upstream (SPEC section 7).
+
+        The window keeps the previous turn's head (`view.head`: where its history began and the
+        summary it sent) while everything from there fits; otherwise it is cut in a step, down
+        to `cut_to` of the budget, starting at the newest summary's coverage when that fits.
+        `hold=False` cuts regardless (after the provider refused the previous plan)."""
         ctx = self.settings.context
         if view.encoding != encoding or view.needs_count:
             # Counted once per stored message; only a model-family switch recounts.
@@ -220,54 +451,6 @@ class Planner:
         else:
             system = view.system or []
             system_tokens = [int(n or 0) for n in (view.system_tokens or [])]
-        summary = None
-        if ctx.strategy == "summarize" and with_summary:
-            summary = current_summary(await store.read_side("summaries", cid), view)
-        if summary is not None and view.history_base == 0 and view.history_count <= ctx.max_history_messages:
-            # A summary stands in for what no longer fits: while the whole history still fits,
-            # it goes as it is (post-processing's summary covers everything, and once replaced
-            # history that fitted).
-            try:
-                whole = await self.plan(
-                    request, route, view, store, cid, system_in, system_in_tokens, new, new_tokens,
-                    encoding, count, recap, with_summary=False,
-                )  # fmt: skip
-            except ContextLengthExceeded:
-                whole = None
-            if whole is not None and whole.window.omitted == 0:
-                return whole
-        covered = summary.covered if summary else 0
-        # Positions count every stored message; a partial view holds its newest ones (the
-        # loaded part is `history`, from `loaded_from`): NotLoaded when more is needed.
-        history, total = view.history, view.history_count
-        # The first unit, kept ahead of the cut when configured and no summary covers it.
-        first_end = 0
-        if ctx.keep_first and covered == 0 and total:
-            first_end = 1 + view.loaded_from(0)
-            while first_end < len(history) and history[first_end].get("role") == "tool":
-                first_end += 1
-        # Only the newest max_history_messages (or keep_recent_messages) can be sent.
-        newest = max(ctx.max_history_messages, ctx.keep_recent_messages)
-        lower = max(covered, first_end, total - newest - 1)
-        while lower > max(covered, first_end) and history[view.loaded_from(lower)].get("role") == "tool":
-            lower -= 1
-        hist = history[view.loaded_from(lower) :]
-        hist_tokens = [int(n or 0) for n in view.history_tokens[view.loaded_from(lower) :]]
-        clean_new = [clean_message(m) for m in new]
-        combined = [*hist, *clean_new]
-        repaired = view.has_tools or any("tool_calls" in m or m.get("role") == "tool" for m in clean_new)
-        if repaired:
-            known = {id(m): n for m, n in zip(combined, [*hist_tokens, *new_tokens], strict=True)}
-            conversation = repair_tool_calls(combined)
-            conversation_tokens = [known[id(m)] if id(m) in known else count(m) for m in conversation]
-            new_ids = {id(m) for m in clean_new}
-            first_new = next((i for i, m in enumerate(conversation) if id(m) in new_ids), len(conversation))
-            if clean_new and first_new == len(conversation):
-                raise orphan_results(clean_new)
-        else:  # no tool calls anywhere: nothing to repair
-            conversation = combined
-            conversation_tokens = [*hist_tokens, *new_tokens]
-            first_new = len(hist)
         facts = await self.facts.window(route, request.model, store)
         window_size = facts.tokens
         requested = request.body.get("max_completion_tokens") or request.body.get("max_tokens") or 0
@@ -278,77 +461,81 @@ class Planner:
         # planned (below): planned from the calibration's best estimate, without its margin.
         calibration = replace(facts.calibration, margin=0) if facts.counts_prompts else facts.calibration
         budget = calibration.our_budget(window_size - reserve)
-        system_msgs = [clean_message(m) for m in system]
-        first = [clean_message(m) for m in history[:first_end]] if first_end and lower > 0 else []
-        first_tokens = [count(m) for m in first]
         tools = request.body.get("tools")
         tools_tokens = tools_cost(orjson.dumps(tools).decode(), encoding) if tools else 0
+        records = await store.read_side("summaries", cid) if ctx.strategy == "summarize" else []
+        newest = current_summary(records, view) if records else None
+        frame = _Frame(
+            settings=ctx,
+            view=view,
+            system=[clean_message(m) for m in system],
+            system_tokens=system_tokens,
+            new=new,
+            new_tokens=new_tokens,
+            count=count,
+            model=request.model,
+            encoding=encoding,
+            recap=recap,
+            tools_tokens=tools_tokens,
+            # Summary and recap are sized from the window, not from the request: the head of
+            # the prompt stays the same from turn to turn (request-sized when it must shrink).
+            head_room=window_size - reserve - REQUEST_OVERHEAD_TOKENS - sum(system_tokens) - tools_tokens,
+        )
+        head = view.head or Head()  # (none recorded: as if the window began at the beginning)
+        start = view.position_of(head.start) if head.start is not None else 0
+        held_summary = summary_version(records, view, head.summary) if head.summary is not None else None
+        fit = functools.partial(self._fit, frame, budget=budget, limit=window_size - reserve, facts=facts)
+        fitted: _Fitted | None = None
+        if hold and start is not None and (head.summary is None or held_summary is not None):
+            fitted = await fit(held_summary, start, route, request)
+            if not fitted.window.held:
+                fitted = None
+        if fitted is None:  # a cut: the newest summary enters here, and only here
+            fitted = await fit(newest, newest.covered if newest is not None else None, route, request)
+        window, part = fitted.window, fitted.part
+        kept_abs = part.absolute(window.history_start, view.history_count)
+        target = None
+        if ctx.strategy == "summarize" and view.history_count and not (newest and newest.covered > kept_abs):
+            # The summary for the next cut, until there is one: its coverage is chosen once per
+            # head (asking again for the same is no new work; a later one would be).
+            asked = self._asked.get((id(store), cid))
+            if asked is not None and asked[0] == kept_abs:
+                target = asked[1]
+            else:
+                target = self._summary_target(frame, part, window, budget, newest)
+                if target is not None:
+                    self._asked[(id(store), cid)] = (kept_abs, target)
+        summary = part.summary
+        return ContextPlan(
+            window=window,
+            encoding=encoding,
+            context_window=window_size,
+            reserve=reserve,
+            summary=summary if window.tokens.get("summary") else None,  # (None: not sent)
+            kept_from=kept_abs,
+            summary_target=target,
+            facts=facts,
+            server_tokens=fitted.server_tokens,
+            new_from=part.new_index(window.history_start),
+        )
 
-        def fit(
-            first_new: int,
-            conversation: list[Message] = conversation,
-            conversation_tokens: list[int] = conversation_tokens,
-            first: list[Message] = first,
-            first_tokens: list[int] = first_tokens,
-            budget: int = budget,
-        ) -> Window:
-            # Summary and recap are sized from the window: together at most half of what the
-            # system prompt and the current request leave (the rest is for the newest turns).
-            request_tokens = sum(conversation_tokens[first_new:])
-            free = budget - REQUEST_OVERHEAD_TOKENS - sum(system_tokens) - request_tokens
-            summary_message, summary_tokens = self.sized(
-                summary.message() if summary else None, free // 3, count, cut_to(request.model)
-            )
-            # A recap is packed again as it was built (newest conversations, their newest lines).
-            recap_message, recap_tokens = self.sized(
-                recap, free // 6, count, lambda message, limit: shrink_recap(message, limit, count)[0]
-            )
-            # A summary with too little room to say anything is left out: what it covers is then
-            # simply omitted (the marker counts it), and nothing claims it was sent.
-            unsent = covered if summary is not None and summary_message is None else 0
-            return fit_window(
-                tools_tokens=tools_tokens,
-                system=system_msgs,
-                system_tokens=system_tokens,
-                conversation=conversation,
-                conversation_tokens=conversation_tokens,
-                first_new=first_new,
-                budget=budget,
-                max_history_messages=ctx.max_history_messages,
-                marker_tokens=lambda n: marker_cost(encoding, n),
-                summary=summary_message,
-                summary_tokens=summary_tokens,
-                recap=recap_message,
-                recap_tokens=recap_tokens,
-                omitted_before=lower - covered + unsent - (first_end if first_end and lower > 0 else 0),
-                first=first,
-                first_tokens=first_tokens,
-                keep_recent=ctx.keep_recent_messages,
-            )
-
-        def fit_request(budget: int) -> Window:
-            try:
-                return fit(first_new, budget=budget)
-            except ContextLengthExceeded:
-                # What the client sent before its newest user message (a chat moved onto the
-                # gateway in one request, or everything after an edited message) is history it
-                # resent: cut oldest first, as stored history is. Only the newest user message
-                # and what follows it are the request proper.
-                request_from = newest_user_message(conversation, first_new)
-                if request_from is None:
-                    raise
-                unit = first_unit(conversation) if ctx.keep_first and not total and not covered else 0
-                if 0 < unit < request_from:  # the conversation's first message came in this request
-                    return fit(
-                        request_from - unit,
-                        conversation[unit:],
-                        conversation_tokens[unit:],
-                        conversation[:unit],
-                        conversation_tokens[:unit],
-                        budget=budget,
-                    )
-                return fit(request_from, budget=budget)
-
+    async def _fit(
+        self,
+        frame: _Frame,
+        summary: Summary | None,
+        hold_at: int | None,
+        route: Route,
+        request: ChatRequest,
+        *,
+        budget: int,
+        limit: int,
+        facts: WindowFacts,
+    ) -> _Fitted:
+        """The window drawn on `summary` (or none), holding its history at position `hold_at`
+        when all from there fits; checked with the server's own count where it gives one."""
+        part = frame.part(summary)
+        hold = part.index_of(hold_at) if hold_at is not None else None
+        fit_request = functools.partial(part.fit_request, hold)
         try:
             window = fit_request(budget)
         except ContextLengthExceeded as exc:
@@ -363,40 +550,37 @@ class Planner:
                 # digits can make it large): a request that fits the best estimate without it
                 # is sent, and the provider has the last word (a refusal is learned from and
                 # retried once).
-                best = replace(facts.calibration, margin=0).our_budget(window_size - reserve)
+                best = replace(facts.calibration, margin=0).our_budget(limit)
                 if best <= budget:
                     raise
                 window = fit_request(best)
         server_tokens = None
         if facts.counts_prompts:
-            window, server_tokens = await self._fit_exactly(
-                route, request, window, fit_request, budget, window_size - reserve, facts
-            )
-        if repaired:
-            positions = {id(m): lower + i for i, m in enumerate(hist)}
-            kept_abs = next(
-                (positions[id(m)] for m in conversation[window.history_start :] if id(m) in positions),
-                total,
-            )
-        else:
-            kept_abs = lower + min(window.history_start, len(hist))
-        target = None
-        if ctx.strategy == "summarize" and window.omitted > 0 and total:
-            # Cover what fell out plus half of what is kept, so the next turns fit too.
-            end = snap_to_turn_end(view, kept_abs + (total - kept_abs) // 2)
-            if end > covered:
-                target = view.history_owner[view.loaded_from(end - 1)]
-        return ContextPlan(
-            window=window,
-            encoding=encoding,
-            context_window=window_size,
-            reserve=reserve,
-            summary=summary if window.tokens.get("summary") else None,  # (None: not sent)
-            kept_from=kept_abs,
-            summary_target=target,
-            facts=facts,
-            server_tokens=server_tokens,
-        )
+            exact = await self._fit_exactly(route, request, window, fit_request, budget, limit, facts)
+            window, server_tokens = exact
+        return _Fitted(window, part, server_tokens)
+
+    def _summary_target(
+        self, frame: _Frame, part: _Part, window: Window, budget: int, newest: Summary | None
+    ) -> str | None:
+        """The response a new summary should cover through, asked for once the prompt passes
+        the high-water mark: up to where the next cut will begin (the newest turns that fill
+        `cut_to` of the budget), so that it is ready at that cut and applied there."""
+        ctx = frame.settings
+        share = high_water(ctx.cut_to)
+        kept = len(part.conversation) - window.history_start - (len(part.conversation) - part.first_new)
+        if window.total_tokens < share * budget and kept < share * ctx.max_history_messages:
+            return None
+        try:
+            cut = frame.part(newest).fit_request(None, budget)
+        except ContextLengthExceeded:
+            cut = window
+        view = frame.view
+        covered = newest.covered if newest is not None else 0
+        end = snap_to_turn_end(view, max(part.absolute(cut.history_start, view.history_count), covered + 1))
+        if end <= covered or end > view.history_count:
+            return None
+        return view.history_owner[view.loaded_from(end - 1)]
 
     async def _fit_exactly(
         self,

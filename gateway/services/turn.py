@@ -17,6 +17,7 @@ from typing import Any, TypeVar, cast
 import orjson
 
 from gateway.context import ConversationView, Turn
+from gateway.context.steps import Head
 from gateway.exceptions import ContextLengthExceeded, GatewayError, NotFound, UpstreamStatusError
 from gateway.services.cache import ConversationCache
 from gateway.services.models import ModelFacts
@@ -92,7 +93,7 @@ class PreparedTurn:
     output_tokens: int | None = None
     finish_reason: str | None = None
     first_of_user: str | None = None  # a new conversation of this end user: index it for recaps
-    replan: Callable[[], Awaitable[ContextPlan]] | None = None  # after a provider's refusal
+    replan: Callable[..., Awaitable[ContextPlan]] | None = None  # after a provider's refusal (hold=False)
     refits: int = 0
     tenant: str = ""
     branch_at: int | None = None  # history cut back here first (the client's version diverged)
@@ -349,7 +350,7 @@ async def refit(
         ) from exc
     turn.refits += 1
     try:
-        plan = await turn.replan()  # ContextLengthExceeded if the request alone cannot fit
+        plan = await turn.replan(hold=False)  # ContextLengthExceeded if the request alone cannot fit
     except ContextLengthExceeded:
         on_refusal("refused")  # no second call: the client gets the 400
         raise
@@ -359,7 +360,7 @@ async def refit(
     options = turn.upstream_body.get("options")
     if plan.facts is not None and plan.facts.num_ctx_option and isinstance(options, dict):
         options["num_ctx"] = plan.facts.tokens
-    snapshot = plan.snapshot(turn.view, len(turn.new), plan.window.messages)
+    snapshot = plan.snapshot(turn.view, len(turn.new), plan.window.messages, turn.response_id)
     snapshot["after_refusal"] = {"message": refusal.message[:500], "window": refusal.window}
     turn.note_context(snapshot)
 
@@ -382,4 +383,5 @@ def stored_turn(turn: PreparedTurn, message: Message, output_tokens: int | None)
         recap=turn.recap,
         timezone=body.get("user_timezone") if isinstance(body.get("user_timezone"), str) else None,
         branch_at=turn.branch_at,
+        head=Head.of(turn.context) if turn.context is not None else None,
     )

@@ -232,7 +232,7 @@ class ChatService:
                 request, response_id, route, upstream_body, response_log, new, stored_system, stack, started
             )
             if plan is not None:
-                snapshot = plan.snapshot(view, len(new), sent)
+                snapshot = plan.snapshot(view, len(new), sent, response_id)
                 # The conversations of the recap as sent (sized to this window: maybe fewer).
                 sent_recap = next((m for m in sent if is_recap(m)), None) if recap or view.recap else None
                 snapshot["recap_conversations"] = recap_conversations(sent_recap) if sent_recap else None

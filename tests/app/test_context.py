@@ -449,10 +449,13 @@ async def test_a_summary_left_out_for_lack_of_room_is_not_claimed() -> None:
     store = MemoryStore()
     async with build_client(settings, store, MockUpstream()) as client:
         await say_each(client, "s", [f"my fact number {n} is {n * 7}" for n in range(6)])
-        await app_of(client).state.summarizer.wait_idle()
-        (summarized,) = await say_each(client, "s", ["and one more"])
+        for n in range(6):  # a summary enters at a cut: the turn with one sent
+            await app_of(client).state.summarizer.wait_idle()
+            (summarized,) = await say_each(client, "s", [f"and one more, {n}"])
+            sent = next(r for r in store.responses[summarized] if r["type"] == "context")
+            if sent["summary_version"]:
+                break
         (crowded,) = await say_each(client, "s", ["word " * 700])  # leaves under 72 tokens free
-    sent = next(r for r in store.responses[summarized] if r["type"] == "context")
     assert sent["summary_version"] and sent["tokens"]["summary"] > 0  # (a summary to leave out)
     left_out = next(r for r in store.responses[crowded] if r["type"] == "context")
     assert left_out["tokens"]["summary"] == 0

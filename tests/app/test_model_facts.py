@@ -461,8 +461,10 @@ async def test_discovered_window_with_no_configuration_every_turn_fits() -> None
             r = await ask(client, f"{i}: " + SENTENCE * 4, max_tokens=16)
             assert r.status_code == 200, r.text
     assert llama.refused == 0
-    # Calibrated after the first answers: the later prompts fill most of the window.
-    assert min(llama.prompts[6:]) >= 0.7 * 512 and max(llama.prompts) <= 512 - 16
+    # Calibrated after the first answers: the later prompts are cut in steps, from a full window
+    # down to the low-water mark (cut_to = 0.6 of it, whole messages of ~100 tokens below).
+    assert min(llama.prompts[6:]) >= 0.4 * 512 and max(llama.prompts[6:]) >= 0.8 * 512
+    assert max(llama.prompts) <= 512 - 16
 
 
 async def test_the_answer_reserve_is_max_tokens_when_sent_else_a_quarter_of_a_small_window() -> None:
@@ -884,7 +886,8 @@ async def test_a_server_that_counts_prompts_gets_windows_that_fit_its_count_exac
         for i in range(12):  # then English again: the whole room is used, not a third of it
             assert (await ask(client, f"{i}: " + SENTENCE * 2, cid="after", max_tokens=64)).status_code == 200
     assert llama.refused == 0 and max(llama.prompts) <= 512 - 64  # never over window - max_tokens
-    assert min(llama.prompts[first_english + 8 :]) > 0.8 * (512 - 64)  # truncating, yet nearly full
+    later = llama.prompts[first_english + 8 :]  # cut in steps: from nearly full to the low-water mark
+    assert max(later) > 0.85 * (512 - 64) and min(later) > 0.55 * (512 - 64)
     assert upstream.counted >= len(llama.prompts)
     contexts = [r for records in store.responses.values() for r in records if r["type"] == "context"]
     assert all(c["server_prompt_tokens"] in llama.prompts for c in contexts)
