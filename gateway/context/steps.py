@@ -38,12 +38,6 @@ class Head:
         )
 
 
-def high_water(cut_to: float) -> float:
-    """The share of the budget from which the summary for the next cut is asked for: halfway
-    between the low-water mark and a full window."""
-    return (1.0 + cut_to) / 2
-
-
 def holds(tokens: Sequence[int], room: int, max_messages: int) -> bool:
     """Does the history from the previous window's start still fit (tokens and count)?"""
     return len(tokens) <= max_messages and sum(tokens) <= room

@@ -23,7 +23,7 @@ from gateway.context import (
 from gateway.context.calibration import UNCALIBRATED
 from gateway.context.history import item_key
 from gateway.context.lifecycle import shrink_recap, zone
-from gateway.context.steps import Head, high_water
+from gateway.context.steps import Head
 from gateway.context.summary import Summary, current_summary, snap_to_turn_end, summary_version
 from gateway.context.window import REQUEST_OVERHEAD_TOKENS, Window, fit_window, omitted_marker
 from gateway.exceptions import ContextLengthExceeded, InvalidRequest
@@ -348,6 +348,7 @@ class ContextPlan:
     facts: WindowFacts | None = None
     server_tokens: int | None = None  # the server's own count of the prompt, when it gave one
     new_from: int | None = None  # no stored message sent: the first new message sent, by index
+    cut: bool = False  # the window was cut (its head changed) rather than held as it was
 
     def window_from(self, view: ConversationView, response_id: str) -> str | None:
         """The item key of the first stored message the history began with (the turn's own
@@ -384,7 +385,7 @@ class ContextPlan:
             "server_prompt_tokens": self.server_tokens,
             # The head: where the history began, and whether this turn cut (moved it).
             "window_from": self.window_from(view, response_id),
-            "cut": not self.window.held,
+            "cut": self.cut,
             "messages": sent,
         }
 
@@ -490,6 +491,7 @@ class Planner:
             fitted = await fit(held_summary, start, route, request)
             if not fitted.window.held:
                 fitted = None
+        cut = fitted is None
         if fitted is None:  # a cut: the newest summary enters here, and only here
             fitted = await fit(newest, newest.covered if newest is not None else None, route, request)
         window, part = fitted.window, fitted.part
@@ -502,7 +504,7 @@ class Planner:
             if asked is not None and asked[0] == kept_abs:
                 target = asked[1]
             else:
-                target = self._summary_target(frame, part, window, budget, newest)
+                target = self._summary_target(frame, part, window, budget)
                 if target is not None:
                     self._asked[(id(store), cid)] = (kept_abs, target)
         summary = part.summary
@@ -517,6 +519,7 @@ class Planner:
             facts=facts,
             server_tokens=fitted.server_tokens,
             new_from=part.new_index(window.history_start),
+            cut=cut,
         )
 
     async def _fit(
@@ -560,27 +563,29 @@ class Planner:
             window, server_tokens = exact
         return _Fitted(window, part, server_tokens)
 
-    def _summary_target(
-        self, frame: _Frame, part: _Part, window: Window, budget: int, newest: Summary | None
-    ) -> str | None:
-        """The response a new summary should cover through, asked for once the prompt passes
-        the high-water mark: up to where the next cut will begin (the newest turns that fill
-        `cut_to` of the budget), so that it is ready at that cut and applied there."""
-        ctx = frame.settings
-        share = high_water(ctx.cut_to)
-        kept = len(part.conversation) - window.history_start - (len(part.conversation) - part.first_new)
-        if window.total_tokens < share * budget and kept < share * ctx.max_history_messages:
+    def _summary_target(self, frame: _Frame, part: _Part, window: Window, budget: int) -> str | None:
+        """The response a new summary should cover through: the oldest turns of this window's
+        history that the next cut will drop, (1 - cut_to) of the budget (or of
+        max_history_messages). Asked for as soon as the history holds them, so that it is ready
+        at that cut, where the window then starts with the summary and nothing in between."""
+        ctx, view = frame.settings, frame.view
+        start, end = window.history_start, part.first_new
+        tokens = part.conversation_tokens
+        ends = []
+        need, used = (1 - ctx.cut_to) * budget, 0
+        for i in range(start, end):
+            used += tokens[i]
+            if used >= need:
+                ends.append(i + 1)
+                break
+        if ctx.max_history_messages and end - start >= math.ceil((1 - ctx.cut_to) * ctx.max_history_messages):
+            ends.append(start + math.ceil((1 - ctx.cut_to) * ctx.max_history_messages))
+        if not ends:
             return None
-        try:
-            cut = frame.part(newest).fit_request(None, budget)
-        except ContextLengthExceeded:
-            cut = window
-        view = frame.view
-        covered = newest.covered if newest is not None else 0
-        end = snap_to_turn_end(view, max(part.absolute(cut.history_start, view.history_count), covered + 1))
-        if end <= covered or end > view.history_count:
+        position = snap_to_turn_end(view, part.absolute(max(ends), view.history_count))
+        if position <= (part.summary.covered if part.summary else 0) or position > view.history_count:
             return None
-        return view.history_owner[view.loaded_from(end - 1)]
+        return view.history_owner[view.loaded_from(position - 1)]
 
     async def _fit_exactly(
         self,

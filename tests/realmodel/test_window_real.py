@@ -121,8 +121,9 @@ def test_no_window_configured_8_turns_fit_and_fill_the_window(tmp_path: Path, ll
         assert snapshot["server_prompt_tokens"] == r["prompt_tokens"], (r, snapshot["tokens"])
         truncating = truncating or snapshot["truncated"] > 0
         if truncating:
-            # Once the history is larger than the window, every prompt uses at least 55% of it.
-            assert r["prompt_tokens"] >= 0.55 * N_CTX, (r, snapshot["tokens"])
+            # Once the history is larger than the window, every prompt uses at least 40% of it
+            # (cut in steps down to cut_to = 0.6 of the budget, in whole turns of ~120 tokens).
+            assert r["prompt_tokens"] >= 0.4 * N_CTX, (r, snapshot["tokens"])
         assert r["prompt_tokens"] + 16 <= N_CTX
     assert truncating, "the history never outgrew the window: the test proves nothing"
 

@@ -8,7 +8,7 @@ from typing import Any
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from gateway.context.steps import Head, high_water
+from gateway.context.steps import Head
 from gateway.context.window import fit_window
 from tests.unit.test_window import a, count, marker_tokens, u
 
@@ -114,7 +114,3 @@ def test_head_from_a_context_snapshot() -> None:
     assert Head.of({"window_from": None, "summary_version": None}) == Head(None, None)
     assert Head.of({"truncated": 2}) is None  # recorded before heads: unknown
     assert Head.of({"window_from": 5, "summary_version": True}) == Head(None, None)
-
-
-def test_high_water_is_halfway_to_full() -> None:
-    assert high_water(0.6) == 0.8 and high_water(1.0) == 1.0
