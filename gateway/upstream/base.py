@@ -113,6 +113,12 @@ class ServerWindow:
     # /apply-template, then POST /tokenize) or "vllm" (POST /tokenize with the messages). The
     # window is then checked with its exact count (`Upstream.count_prompt`).
     prompt_counter: str = ""
+    # llama.cpp: its slots (`total_slots` of GET /props), each keeping one prompt cached; 0 elsewhere.
+    total_slots: int = 0
+
+    @property
+    def is_llamacpp(self) -> bool:
+        return self.prompt_counter == "llama.cpp"
 
 
 def error_fields(payload: object) -> tuple[str | None, str | None, str | None, str | None]:
