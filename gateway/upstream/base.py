@@ -139,7 +139,9 @@ def error_fields(payload: object) -> tuple[str | None, str | None, str | None, s
 
 
 class Upstream(ABC):
-    """One configured provider. `body["model"]` is already the provider's own model name."""
+    """One configured provider. `body["model"]` is already the provider's own model name; a
+    conversation's body also carries `cache_hints.CACHE_KEY`, which an implementation takes out
+    (and turns into the provider's own prompt-cache hints, if it has any)."""
 
     name: str = "upstream"
     url: str = ""
