@@ -181,6 +181,9 @@ class ProviderSettings(_Section):
     # litellm only: the litellm provider prefix (defaults to the provider's own name).
     litellm_provider: str = ""
     headers: dict[str, str] = Field(default_factory=dict)
+    # Tell the provider how to keep a conversation's prompt cached (gateway/upstream/cache_hints.py):
+    # `prompt_cache_key`, llama.cpp's `cache_prompt`/`id_slot`, Anthropic's `cache_control`.
+    cache_hints: bool = True
 
 
 class ModelSettings(_Section):

@@ -34,6 +34,7 @@ KNOWN_ARGUMENTS = frozenset(
         "logprobs", "top_logprobs", "user", "tools", "tool_choice", "parallel_tool_calls",
         "response_format", "seed", "metadata", "store", "reasoning_effort", "modalities", "audio",
         "prediction", "service_tier", "web_search_options", "functions", "function_call",
+        "prompt_cache_key",
     }
 )  # fmt: skip
 KNOWN_MESSAGE_FIELDS = frozenset(

@@ -60,6 +60,7 @@ from gateway.tokens import counter_for
 from gateway.types import Record, first_choice
 from gateway.upstream import Router
 from gateway.upstream.base import Chunk
+from gateway.upstream.cache_hints import CACHE_KEY, cache_key
 from gateway.writers import writer
 
 log = logging.getLogger("gateway.services")
@@ -191,6 +192,7 @@ class ChatService:
                 if k not in GATEWAY_FIELDS and k not in FORBIDDEN_FIELDS and k != "messages"
             }
             upstream_body = {**params, "model": route.model, "messages": sent}
+            upstream_body[CACHE_KEY] = cache_key(tenant, cid)  # for the provider's cache hints, never sent on
             if plan is not None and plan.facts is not None and plan.facts.num_ctx_option:
                 # Ollama cuts prompts to its runtime num_ctx silently: say the window planned for.
                 options = upstream_body.get("options")

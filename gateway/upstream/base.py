@@ -113,6 +113,12 @@ class ServerWindow:
     # /apply-template, then POST /tokenize) or "vllm" (POST /tokenize with the messages). The
     # window is then checked with its exact count (`Upstream.count_prompt`).
     prompt_counter: str = ""
+    # llama.cpp: its slots (`total_slots` of GET /props), each keeping one prompt cached; 0 elsewhere.
+    total_slots: int = 0
+
+    @property
+    def is_llamacpp(self) -> bool:
+        return self.prompt_counter == "llama.cpp"
 
 
 def error_fields(payload: object) -> tuple[str | None, str | None, str | None, str | None]:
@@ -133,7 +139,9 @@ def error_fields(payload: object) -> tuple[str | None, str | None, str | None, s
 
 
 class Upstream(ABC):
-    """One configured provider. `body["model"]` is already the provider's own model name."""
+    """One configured provider. `body["model"]` is already the provider's own model name; a
+    conversation's body also carries `cache_hints.CACHE_KEY`, which an implementation takes out
+    (and turns into the provider's own prompt-cache hints, if it has any)."""
 
     name: str = "upstream"
     url: str = ""

@@ -1,6 +1,7 @@
 """Asking an OpenAI-compatible server for the context window it runs a model with: llama.cpp's
 `/props`, vLLM's `max_model_len`, Ollama's `/api/ps` and `/api/show`. Each reader takes one
-answer and returns the window, or None when that answer does not say. Then, where the server
+answer and returns the window, or None when that answer does not say (llama.cpp's also says
+how many slots it keeps prompts in). Then, where the server
 offers it, its own count of a prompt (`count_prompt`)."""
 
 from __future__ import annotations
@@ -23,6 +24,11 @@ def window_from_llamacpp_props(props: object) -> int | None:
     """llama.cpp `GET /props`: the runtime (per-slot) window, not the training one."""
     settings = props.get("default_generation_settings") if isinstance(props, dict) else None
     return _positive(settings.get("n_ctx")) if isinstance(settings, dict) else None
+
+
+def slots_from_llamacpp_props(props: object) -> int:
+    """llama.cpp `GET /props`: its slots (`total_slots`, from `--parallel`), 0 when it does not say."""
+    return (_positive(props.get("total_slots")) if isinstance(props, dict) else None) or 0
 
 
 def window_from_models(listing: object, model: str) -> int | None:
@@ -123,9 +129,16 @@ async def describe_openai_compatible(
         except (aiohttp.ClientError, orjson.JSONDecodeError, ValueError):
             return None
 
-    found = window_from_llamacpp_props(await get_json("GET", f"{root}/props"))
+    props = await get_json("GET", f"{root}/props")
+    found = window_from_llamacpp_props(props)
     if found:
-        return ServerWindow(found, "llama.cpp GET /props", refuses_overlong=True, prompt_counter="llama.cpp")
+        return ServerWindow(
+            found,
+            "llama.cpp GET /props",
+            refuses_overlong=True,
+            prompt_counter="llama.cpp",
+            total_slots=slots_from_llamacpp_props(props),
+        )
     found = window_from_models(await get_json("GET", f"{base_url}/models"), model)
     if found:
         source = "vLLM GET /v1/models max_model_len"

@@ -38,12 +38,15 @@ from gateway.upstream.base import (
     error_fields,
     stream_with_retries,
 )
+from gateway.upstream.cache_hints import take_cache_key, with_cache_breakpoints
 from gateway.upstream.refusal import parse_refusal
 
 _litellm: Any = None
 # litellm's prefixes for Ollama's native API, and the address litellm uses without a base_url.
 OLLAMA_PREFIXES = frozenset({"ollama", "ollama_chat"})
 OLLAMA_DEFAULT_URL = "http://localhost:11434"
+# litellm's prefix for Anthropic's own API, whose prompt cache is asked for with breakpoints.
+ANTHROPIC_PREFIX = "anthropic"
 
 
 def _install_hint() -> str:
@@ -218,8 +221,14 @@ class LitellmUpstream(Upstream):
         keep_url_secrets(settings.base_url)
 
     def _kwargs(self, body: Body) -> dict[str, Any]:
+        body, conversation = take_cache_key(body)
         kwargs = {k: v for k, v in body.items() if k in OPENAI_CHAT_PARAMS}
         kwargs["model"] = f"{self.prefix}/{body['model']}"
+        messages = kwargs.get("messages")
+        cached = conversation is not None and self.settings.cache_hints and self.prefix == ANTHROPIC_PREFIX
+        if cached and isinstance(messages, list):
+            # A conversation's prompt: its next turn reads Anthropic's cache up to the breakpoints.
+            kwargs["messages"] = with_cache_breakpoints(messages, kwargs.get("tools"))
         if self.url:
             kwargs["api_base"] = self.url
         if self.settings.api_key_env:

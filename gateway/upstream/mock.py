@@ -20,6 +20,7 @@ from gateway.upstream.base import (
     chunks_from_completion,
     completion_from_text,
 )
+from gateway.upstream.cache_hints import take_cache_key
 from gateway.upstream.demo import demo_reply
 
 # A handler answers a request body with the reply text, the assistant message, or a whole
@@ -50,6 +51,7 @@ class MockUpstream(Upstream):
         self.record = True
 
     def _completion(self, body: Body) -> Body:
+        body, _ = take_cache_key(body)  # (as every provider: the gateway's own field is not sent)
         self.requests.append(copy.deepcopy(body) if self.record else body)
         reply = self.handler(body)
         model = str(body.get("model", "mock"))

@@ -44,6 +44,12 @@ from gateway.upstream.base import (
     error_fields,
     stream_with_retries,
 )
+from gateway.upstream.cache_hints import (
+    SlotTable,
+    take_cache_key,
+    with_llamacpp_hints,
+    with_prompt_cache_key,
+)
 from gateway.upstream.discovery import count_prompt, describe_openai_compatible, list_openai_models
 from gateway.upstream.refusal import parse_refusal
 
@@ -238,6 +244,9 @@ class OpenAIUpstream(Upstream):
         self.max_response_bytes = settings.max_response_bytes
         self._session: aiohttp.ClientSession | None = None
         self._prompt_counter = ""  # how the server counts a prompt (from `describe`), if it can
+        self._cache_hints = settings.cache_hints
+        self._llamacpp = False  # known to be llama.cpp (from `describe`): its own cache hints
+        self._slots: SlotTable | None = None  # a llama.cpp server's slots, when it has several
         self.retries = settings.retries
         self._pool: http1.Pool | None = None
         # Plain HTTP goes through the gateway's own client, unless the environment's proxy
@@ -275,13 +284,29 @@ class OpenAIUpstream(Upstream):
         window = await describe_openai_compatible(self._client(), self.url, model)
         if window is not None and window.prompt_counter:
             self._prompt_counter = window.prompt_counter  # (one server behind one base_url)
+        if window is not None:
+            self._llamacpp = window.is_llamacpp
+            if window.total_slots < 2:
+                self._slots = None
+            elif self._slots is None or self._slots.total != window.total_slots:
+                self._slots = SlotTable(window.total_slots)
         return window
+
+    def _outgoing(self, body: Body) -> bytes:
+        """The body as the provider gets it: the gateway's cache key taken out, the cache hints
+        it stands for put in (llama.cpp's own, else `prompt_cache_key`)."""
+        body, key = take_cache_key(body)
+        if self._cache_hints and self._llamacpp:
+            body = with_llamacpp_hints(body, key, self._slots)
+        elif self._cache_hints:
+            body = with_prompt_cache_key(body, key)
+        return orjson.dumps(body)
 
     async def count_prompt(self, body: Body) -> int | None:
         return await count_prompt(self._client(), self.url, self._prompt_counter, body)
 
     async def complete(self, body: Body) -> Body:
-        data = orjson.dumps(body)
+        data = self._outgoing(body)
         return await complete_with_retries(
             self.name, self.retries, is_retryable, lambda: self._complete_once(data)
         )
@@ -319,7 +344,7 @@ class OpenAIUpstream(Upstream):
         return result
 
     def stream(self, body: Body) -> AsyncIterator[Chunk]:
-        data = orjson.dumps(body)
+        data = self._outgoing(body)
         wants_usage = bool(as_object(body.get("stream_options")).get("include_usage"))
         return stream_with_retries(
             self.name,

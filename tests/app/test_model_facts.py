@@ -122,7 +122,9 @@ async def serving(kind: str) -> AsyncIterator[str]:
         (
             "llama.cpp",
             "smol.gguf",
-            ServerWindow(512, "llama.cpp GET /props", refuses_overlong=True, prompt_counter="llama.cpp"),
+            ServerWindow(
+                512, "llama.cpp GET /props", refuses_overlong=True, prompt_counter="llama.cpp", total_slots=1
+            ),
         ),
         (
             "vllm",
