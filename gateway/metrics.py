@@ -70,6 +70,13 @@ class Metrics:
             ["provider", "kind"],
             registry=r,
         )
+        self.calibration_rejected = Counter(
+            "gateway_calibration_rejected",
+            "Provider prompt counts not learned from: outside what real tokenizers do (under 0.5x or "
+            "over 3x the gateway's own count of that prompt)",
+            ["provider"],
+            registry=r,
+        )
         self.truncations = Counter(
             "gateway_truncations", "Requests whose history was truncated to fit the window", registry=r
         )

@@ -1,6 +1,7 @@
 """The provider's prompt cache, accounted for: how much of each prompt it served (OpenAI's and
 llama.cpp's shapes, Anthropic's through litellm), kept per turn in the response log, the log
-line, the metrics and the inspector."""
+line, the metrics and the inspector; and calibration, which learns from the whole prompt and
+never from a count no real tokenizer gives."""
 
 from __future__ import annotations
 
@@ -12,10 +13,13 @@ import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 from gateway.context.accounting import prompt_accounting
+from gateway.context.calibration import UNCALIBRATED, fit, plausible
+from gateway.services.models import ModelFacts
 from gateway.store.memory import MemoryStore
+from gateway.upstream import Route
 from gateway.upstream.base import approx_tokens, completion_from_text
 from gateway.upstream.mock import MockUpstream
-from tests.conftest import build_client, make_settings
+from tests.conftest import app_of, build_client, make_settings
 
 # -- reading what a provider said --------------------------------------------------------------------
 
@@ -212,3 +216,108 @@ async def test_a_streamed_llamacpp_answer_keeps_its_timings_cache_figures() -> N
     assert response["cache"] == {"prompt_tokens": 317, "cached_tokens": 300, "source": "llama.cpp timings"}
     assert metrics[("gateway_prompt_tokens_total", (("kind", "cached"), ("provider", "mock")))] == 300
     assert metrics[("gateway_prompt_tokens_total", (("kind", "uncached"), ("provider", "mock")))] == 17
+
+
+async def test_calibration_learns_from_the_whole_prompt_cache_included() -> None:
+    """Anthropic leaves its cache out of `input_tokens`, and some litellm versions left cache
+    writes out of `prompt_tokens`: calibrated on that, a conversation whose every turn writes
+    its new part to the cache looked like a model counting fewer tokens than it does (and the
+    next, larger prompt was planned too big)."""
+    cached = [0]  # what the previous turn wrote: the head of this prompt, read from the cache
+
+    def anthropic_through_litellm(body: dict[str, Any]) -> Any:
+        whole = approx_tokens(body["messages"])  # this model's own count
+        read, uncached = cached[0], 3
+        written = whole - read - uncached
+        cached[0] = whole - uncached
+        completion = completion_from_text("m", "ok", prompt_tokens=0)
+        completion["usage"] = {
+            "prompt_tokens": uncached + read,  # (cache writes left out, as such a version did)
+            "completion_tokens": 1,
+            "prompt_tokens_details": {"cached_tokens": read, "text_tokens": uncached},
+            "cache_read_input_tokens": read,
+            "cache_creation_input_tokens": written,
+        }
+        return completion
+
+    upstream = MockUpstream(anthropic_through_litellm)
+    upstream.reports_real_usage = True
+    store = MemoryStore()
+    async with build_client(make_settings(), store, upstream) as client:
+        for i in range(8):
+            text = f"{i}: " + "the river runs past the old mill " * 6
+            body = {
+                "model": "mock/claude",
+                "conversation_id": "a",
+                "messages": [{"role": "user", "content": text}],
+            }
+            assert (await client.post("/v1/chat/completions", json=body)).status_code == 200
+        route = app_of(client).state.services.router.resolve("mock/claude")
+        calibration = app_of(client).state.services.facts.calibration(route)
+    records = [r for rid in store.indexes["a"] for r in store.responses[rid]]
+    planned = [r["tokens"]["total"] for r in records if r["type"] == "context"]
+    counted = [r["cache"]["prompt_tokens"] for r in records if r["type"] == "response"]
+    assert counted[-1] == approx_tokens(upstream.requests[-1]["messages"])  # the whole prompt
+    assert not any(r.get("upstream_truncation_suspected") for r in records)
+    assert all(
+        calibration.provider_tokens(ours) >= theirs for ours, theirs in zip(planned, counted, strict=True)
+    )
+
+
+# -- readings no real tokenizer gives ------------------------------------------------------------------
+
+
+def test_plausible_counts_are_those_of_real_tokenizers() -> None:
+    assert plausible(1000, 500) and plausible(1000, 3000) and plausible(1000, 1130)
+    assert not plausible(1000, 499) and not plausible(1000, 3100)
+    assert plausible(8, 30)  # a short prompt under a chat template's own system prompt
+    assert not plausible(0, 10)
+    # The fit leaves such readings out (a cached prompt's evaluated part, a made-up figure).
+    assert fit([(1000, 100), (2000, 9000)]) == UNCALIBRATED
+    assert fit([(1000, 1100), (1000, 100)]).ratio == pytest.approx(1.1)
+
+
+def test_a_rejected_reading_is_not_learned_is_counted_and_logged_once_per_model(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    upstream = MockUpstream()
+    upstream.reports_real_usage = True
+    facts = ModelFacts(make_settings())
+    rejected: list[str] = []
+    facts.on_rejected = rejected.append
+    smol, other = Route("mock", upstream, "smol"), Route("mock", upstream, "other")
+    for ours in (300, 400, 500):
+        facts.observe(smol, ours, ours // 10)  # a tenth: the uncached part of a cached prompt
+        facts.observe(other, ours, ours * 4)
+    assert facts.calibration(smol) == UNCALIBRATED and facts.calibration(other) == UNCALIBRATED
+    assert rejected == ["mock"] * 6
+    warnings = [
+        orjson.loads(r.getMessage())
+        for r in caplog.records
+        if "calibration_reading_rejected" in r.getMessage()
+    ]
+    assert [(w["provider"], w["model"]) for w in warnings] == [("mock", "smol"), ("mock", "other")]
+    assert warnings[0]["prompt_tokens"] == 30 and warnings[0]["our_count"] == 300
+    facts.observe(smol, 300, 340)
+    assert facts.calibration(smol).samples == 1  # an ordinary reading is learned from as before
+
+
+async def test_rejected_readings_are_counted_in_the_metrics(caplog: pytest.LogCaptureFixture) -> None:
+    def inflated(body: dict[str, Any]) -> Any:
+        return completion_from_text("m", "ok", prompt_tokens=5 * approx_tokens(body["messages"]) + 100)
+
+    upstream = MockUpstream(inflated)
+    upstream.reports_real_usage = True
+    async with build_client(make_settings(), MemoryStore(), upstream) as client:
+        for i in range(3):
+            body = {
+                "model": "mock/m",
+                "conversation_id": "r",
+                "messages": [{"role": "user", "content": f"hi {i}"}],
+            }
+            assert (await client.post("/v1/chat/completions", json=body)).status_code == 200
+        metrics = samples((await client.get("/metrics")).text)
+        route = app_of(client).state.services.router.resolve("mock/m")
+        assert app_of(client).state.services.facts.calibration(route).samples == 0
+    assert metrics[("gateway_calibration_rejected_total", (("provider", "mock"),))] == 3
+    assert caplog.text.count("calibration_reading_rejected") == 1
