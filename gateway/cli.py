@@ -15,11 +15,20 @@ from typing import Any, TypeVar, cast
 import click
 import orjson
 
-from gateway.cli_render import render_log, render_marker, render_message, render_turn, turn_heading, when
+from gateway.cli_render import (
+    cache_text,
+    render_log,
+    render_marker,
+    render_message,
+    render_turn,
+    turn_heading,
+    when,
+)
 from gateway.config import Settings, load_settings
 from gateway.config_sources import CONFIG_ENV, DEFAULT_CONFIG_PATH
 from gateway.context import Turn
 from gateway.context.history import clean_message, item_key, message_key, repair_tool_calls
+from gateway.context.records import latest
 from gateway.context.summary import is_summary_message
 from gateway.exceptions import GatewayError, NotFound
 from gateway.ids import is_valid_response_id
@@ -348,7 +357,7 @@ def show(
     """The conversation's history as the model will see it."""
     from gateway.tokens import count_message
 
-    async def read(services: Services) -> tuple[Any, list[Turn], tuple[str, Record] | None] | None:
+    async def read(services: Services) -> tuple[Any, list[Turn], tuple[str, Record] | None, Any] | None:
         name, exists = await _conversation_tenant(services, tenant, conversation_id)
         if not exists:
             return None
@@ -357,12 +366,15 @@ def show(
             last = await services.queries.latest_context(name, conversation_id)
         except NotFound:
             last = None
-        return view, await services.queries.turns(name, conversation_id), last
+        # The last turn's prompt figures: its size, and how much the provider's cache served.
+        response = latest(await services.queries.records(name, last[0]), "response") if last else None
+        cache = response.get("cache") if response is not None else None
+        return view, await services.queries.turns(name, conversation_id), last, cache
 
     found = _run(settings, read)
     if found is None:
         raise _no_conversation(settings, conversation_id)
-    view, turns, last = found
+    view, turns, last, cache = found
     # The window of the last turn: which turns it left out (cut, or folded into the summary).
     window: dict[str, Any] | None = None
     cut = last[1].get("truncated") if last is not None else None
@@ -402,6 +414,7 @@ def show(
             "message_tokens": [by_message.get(id(m)) or count_message(m) for m in messages],
             "tokens": sum(counts),
             "turns": [t.to_dict() for t in turns],
+            "last_turn_cache": cache,
             "last_window": None
             if window is None
             else {
@@ -493,6 +506,8 @@ def show(
     if window is not None:
         footer += f" ({in_window_total} of them in the last turn's window)"
     click.echo(click.style(footer, dim=True))
+    if isinstance(cache, dict):
+        click.echo(click.style(f"last turn: {cache_text(cache)}", dim=True))
 
 
 def _summary_line(window: dict[str, Any]) -> None:

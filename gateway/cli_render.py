@@ -183,6 +183,17 @@ def render_context(record: Record, *, show_messages: bool) -> None:
             click.echo("  " + render_message(m))
 
 
+def cache_text(cache: Record) -> str:
+    """A response's prompt figures (its `cache` record) in words."""
+    whole, cached = cache.get("prompt_tokens"), cache.get("cached_tokens")
+    if cached is None:
+        return f"prompt {whole} tokens; the provider said nothing of its prompt cache"
+    text = f"{cached} of {whole if whole is not None else '?'} prompt tokens from the provider's cache"
+    if cache.get("cache_creation_tokens") is not None:
+        text += f", {cache['cache_creation_tokens']} written to it"
+    return f"{text} ({cache.get('source')})"
+
+
 def render_log(records: list[Record], *, show_messages: bool) -> None:
     """A response log for a terminal: request, context manifest, reply, outcome."""
     for record in records:
@@ -207,6 +218,9 @@ def render_log(records: list[Record], *, show_messages: bool) -> None:
                 )
             )
             click.echo(f"usage        {record.get('usage')}")
+            cache = obj(record.get("cache"))
+            if cache:
+                click.echo(f"cache        {cache_text(cache)}")
             click.echo(f"timings      {record.get('timings')}")
         elif kind == "commit":
             click.echo(click.style("committed    yes", fg="green"))

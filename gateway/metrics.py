@@ -62,6 +62,21 @@ class Metrics:
             ["direction"],
             registry=r,
         )
+        self.prompt_tokens = Counter(
+            "gateway_prompt_tokens",
+            "Prompt tokens of answered turns as their provider counted them, by provider and by kind: "
+            "cached (served from the provider's prompt cache) or uncached (counted where the provider "
+            "reports its cached tokens)",
+            ["provider", "kind"],
+            registry=r,
+        )
+        self.calibration_rejected = Counter(
+            "gateway_calibration_rejected",
+            "Provider prompt counts not learned from: outside what real tokenizers do (under 0.5x or "
+            "over 3x the gateway's own count of that prompt)",
+            ["provider"],
+            registry=r,
+        )
         self.truncations = Counter(
             "gateway_truncations", "Requests whose history was truncated to fit the window", registry=r
         )

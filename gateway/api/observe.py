@@ -31,10 +31,13 @@ def observe(metrics: Metrics, outcome: TurnOutcome) -> None:
         # The turn's whole time (preparing, the commit and closing included) less the provider's.
         metrics.overhead.observe(max(0.0, outcome.elapsed_ms - timings["upstream_ms"]) / 1000)
     usage = outcome.usage or {}
-    prompt = usage.get("prompt_tokens")
-    if not isinstance(prompt, int):
-        prompt = (outcome.window_tokens or {}).get("total", 0)
+    cache = outcome.cache or {}  # the whole prompt (Anthropic's input_tokens leaves its cache out)
+    whole, cached = cache.get("prompt_tokens"), cache.get("cached_tokens")
+    prompt = whole if isinstance(whole, int) else (outcome.window_tokens or {}).get("total", 0)
     metrics.child(metrics.tokens, "in").inc(prompt)
+    if isinstance(whole, int) and isinstance(cached, int):
+        metrics.child(metrics.prompt_tokens, outcome.provider, "cached").inc(cached)
+        metrics.child(metrics.prompt_tokens, outcome.provider, "uncached").inc(max(0, whole - cached))
     completion = usage.get("completion_tokens")
     if not isinstance(completion, int):
         completion = outcome.output_tokens
@@ -88,6 +91,8 @@ def log_line(
         line["summary_version"] = outcome.summary_version
         line["stored_messages"] = outcome.stored_messages
         line["included_response_ids"] = outcome.included_response_ids
+    if outcome.cache is not None:
+        line["cache"] = outcome.cache
     if error is not None:
         line["error"] = {"type": error.error_type, "code": error.code, "message": error.message[:300]}
     access_log.info(orjson.dumps(line).decode())

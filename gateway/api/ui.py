@@ -85,6 +85,7 @@ def _turn(records: list[Record], rid: str, index: int) -> JSONObject | None:
         "output": response.get("message"),
         "finish_reason": response.get("finish_reason"),
         "usage": response.get("usage"),
+        "cache": response.get("cache"),  # the prompt's size and what the provider's cache served
         "timings": response.get("timings"),
         "suspected_truncation": response.get("upstream_truncation_suspected"),
         "context": {k: v for k, v in context.items() if k not in ("type", "messages")},

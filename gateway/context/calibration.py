@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from gateway.types import JSONObject
 
@@ -21,10 +21,13 @@ MAX_OBSERVATIONS = 64
 _MIN_SPREAD = 32
 # Added to the worst miss seen: rounding, and prompts a little unlike the ones observed.
 _EXTRA_MARGIN = 2
-# No tokenizer counts text 5x another (nor a fifth): a pair outside is not a count of the same
-# prompt (a provider error's made-up figure, a prompt with parts we did not count) and is left
-# out, so that one such pair cannot shrink a model's window to nothing for good.
-_MIN_RATIO, _MAX_RATIO = 0.2, 5.0
+# Real tokenizers count a text within about half to three times tiktoken's count (and a chat
+# template adds a few dozen tokens of its own): a reading outside is not a count of the same
+# prompt (a provider error's made-up figure, the evaluated part only of a cached prompt, parts
+# we did not count) and is not learned from, so that one such reading cannot shrink or widen a
+# window for good.
+MIN_RATIO, MAX_RATIO = 0.5, 3.0
+TEMPLATE_ALLOWANCE = 64
 
 
 @dataclass(frozen=True, slots=True)
@@ -45,6 +48,11 @@ class Calibration:
         room = provider_budget - self.overhead - self.margin
         return max(0, math.floor(room / self.ratio)) if room > 0 else 0
 
+    def never_below_ours(self) -> Calibration:
+        """This calibration with a ratio of at least 1: the budgets it plans are never more of
+        our tokens than the provider's budget (a configured window is kept in our count too)."""
+        return self if self.ratio >= 1 else replace(self, ratio=1.0)
+
     def to_dict(self) -> JSONObject:
         return {
             "ratio": round(self.ratio, 4),
@@ -61,20 +69,21 @@ UNCALIBRATED = Calibration(ratio=1.2, overhead=32.0, margin=0, samples=0)
 EXACT = Calibration(ratio=1.0, overhead=8.0, margin=0, samples=0)
 
 
+def plausible(ours: int, theirs: int) -> bool:
+    """Can `theirs` be a real tokenizer's count of a prompt we count as `ours`?"""
+    return ours > 0 and MIN_RATIO * ours <= theirs <= MAX_RATIO * ours + TEMPLATE_ALLOWANCE
+
+
 def fit(observations: Sequence[tuple[int, int]], prior: Calibration = UNCALIBRATED) -> Calibration:
     """The calibration explaining `observations` (ours, theirs), conservative: the margin is
     the largest amount by which the fitted line undercounted any of them."""
-    obs = [
-        (float(o), float(t))
-        for o, t in observations[-MAX_OBSERVATIONS:]
-        if o > 0 and t > 0 and _MIN_RATIO <= t / o <= _MAX_RATIO
-    ]
+    obs = [(float(o), float(t)) for o, t in observations[-MAX_OBSERVATIONS:] if plausible(o, t)]
     if not obs:
         return prior
     xs = [o for o, _ in obs]
     ys = [t for _, t in obs]
     ratio, overhead = _line(xs, ys) if len(obs) >= 3 and max(xs) - min(xs) >= _MIN_SPREAD else (0.0, 0.0)
-    if not _MIN_RATIO <= ratio <= _MAX_RATIO or overhead < 0:
+    if not MIN_RATIO <= ratio <= MAX_RATIO or overhead < 0:
         # No usable line (prompts too alike to tell a slope from an intercept, or one unlike
         # the others tilting it): least squares through the origin, the margin covering the
         # rest. Not the largest single ratio: a short prompt under a template's fixed system

@@ -6,8 +6,11 @@ the provider's `context_window`) wins; else asked of the running server once (ll
 refusal); else litellm's model map (read as JSON, without importing litellm; when litellm is
 not installed, the snapshot of it in gateway/data/model_windows.json); else 8192.
 A provider's "prompt too long" refusal caps it with what the provider said.
-Counting is calibrated from every answered prompt (provider `prompt_tokens` against our own
-count) and persisted in the store's `models` side log, so a restart starts calibrated.
+Counting is calibrated from every answered prompt (the provider's count of the whole prompt,
+cached tokens included, against our own count; a count no real tokenizer would give is not
+learned from) and persisted in the store's `models` side log, so a restart starts calibrated.
+A configured `max_context_tokens` is also kept in our own count: no calibration that counts
+fewer tokens than ours plans a prompt larger than it.
 """
 
 from __future__ import annotations
@@ -26,7 +29,7 @@ from pathlib import Path
 import orjson
 
 from gateway.config import Settings
-from gateway.context.calibration import EXACT, MAX_OBSERVATIONS, UNCALIBRATED, Calibration, fit
+from gateway.context.calibration import EXACT, MAX_OBSERVATIONS, UNCALIBRATED, Calibration, fit, plausible
 from gateway.exceptions import GatewayError, Refusal
 from gateway.store.base import LRU, Store
 from gateway.types import JSONObject
@@ -137,6 +140,7 @@ class _Entry:
     saved_at: float | None = None
     urgent: bool = False
     suspected: int | None = None  # the provider's count of the last prompt it seemed to cut
+    rejected: int = 0  # readings not learned from (implausible counts): the first one is logged
 
 
 class ModelFacts:
@@ -148,6 +152,7 @@ class ModelFacts:
         # Keyed by the model a client names: bounded, the least recently used dropped (its
         # calibration is saved in the store and read back if it comes again).
         self._entries: LRU[tuple[str, str], _Entry] = LRU(MAX_MODELS)
+        self.on_rejected: Callable[[str], None] = lambda provider: None  # metrics hook
 
     def _entry(self, route: Route) -> _Entry:
         key = (route.provider, route.model)
@@ -192,10 +197,13 @@ class ModelFacts:
                 tokens, source = found
         if entry.learned is not None and entry.learned < tokens:
             tokens, source = entry.learned, f"{entry.learned_from} (was {tokens} from {source})"
+        calibration = entry.calibration or entry.prior
+        if isinstance(self.settings.context.max_context_tokens, int):
+            calibration = calibration.never_below_ours()  # a budget kept in our count too
         return WindowFacts(
             tokens=tokens,
             source=source,
-            calibration=entry.calibration or entry.prior,
+            calibration=calibration,
             num_ctx_option=bool(server and server.num_ctx_option),
             cuts_silently=not (server is not None and server.refuses_overlong),
             counts_prompts=bool(server and server.prompt_counter),
@@ -238,6 +246,9 @@ class ModelFacts:
         entry = self._entry(route)
         if not route.upstream.reports_real_usage or ours <= 0 or theirs <= 0:
             return
+        if not plausible(ours, theirs):
+            self._reject(entry, route, ours, theirs)
+            return
         entry.suspected = None  # an ordinary count: no run of cut prompts
         entry.observations.append((ours, theirs))
         del entry.observations[:-MAX_OBSERVATIONS]
@@ -253,6 +264,25 @@ class ModelFacts:
             or theirs > current.provider_tokens(ours)
         ):
             entry.calibration = fit(entry.observations, entry.prior)
+
+    def _reject(self, entry: _Entry, route: Route, ours: int, theirs: int) -> None:
+        """A count no real tokenizer gives for that prompt: counted, logged once per model."""
+        entry.rejected += 1
+        self.on_rejected(route.provider)
+        if entry.rejected > 1:
+            return
+        log.warning(
+            orjson.dumps(
+                {
+                    "event": "calibration_reading_rejected",
+                    "provider": route.provider,
+                    "model": route.model,
+                    "prompt_tokens": theirs,
+                    "our_count": ours,
+                    "ratio": round(theirs / ours, 3),
+                }
+            ).decode()
+        )
 
     def refused(self, route: Route, ours: int, refusal: Refusal, window: int) -> None:
         """The provider refused a prompt we counted as `ours` while planning with `window`.

@@ -624,7 +624,10 @@ class Planner:
                 if window.omitted and counted < limit:
                     # Room left (the calibration overestimated this history): one larger try.
                     room = int((limit - counted) * 0.9 / ratio(counted, window))
-                    larger = fit_request(window.tokens.get("total", budget) + room)
+                    larger_budget = window.tokens.get("total", budget) + room
+                    if isinstance(self.settings.context.max_context_tokens, int):
+                        larger_budget = min(larger_budget, budget)  # a configured window is kept
+                    larger = fit_request(larger_budget)
                     if larger.omitted < window.omitted:
                         more = await count(larger)
                         if more is not None and more <= limit:
@@ -688,17 +691,19 @@ class Planner:
     def learn_from_usage(
         self, plan: ContextPlan | None, route: Route, record: Record, cid: str | None, rid: str
     ) -> bool:
-        """Calibrate counting from the provider's `prompt_tokens` (which already includes cached
-        tokens, for OpenAI and llama.cpp alike), and flag a provider that silently dropped part
-        of the prompt (Ollama's num_ctx): it saw under 70% of what it should have."""
-        usage = record.get("usage")
-        if plan is None or not isinstance(usage, dict):
+        """Calibrate counting from the provider's count of the whole prompt (the response's
+        `cache` figures: cached and uncached tokens together, where a provider reports them
+        apart, as Anthropic does), and flag a provider that silently dropped part of the prompt
+        (Ollama's num_ctx): it saw under 70% of what it should have."""
+        cache = record.get("cache")
+        if plan is None or not isinstance(cache, dict):
             return False
-        theirs = usage.get("prompt_tokens")
+        theirs = cache.get("prompt_tokens")
         ours = plan.window.total_tokens
         if not isinstance(theirs, int) or isinstance(theirs, bool) or theirs <= 0:
             return False
-        calibration = plan.facts.calibration if plan.facts is not None else None
+        # (what was learned: the plan's may keep a configured window in our count, ratio 1)
+        calibration = self.facts.calibration(route) if plan.facts is not None else None
         if calibration is not None and calibration.samples > 0:
             expected, ratio = calibration.ratio * ours + calibration.overhead, _TRUNCATION_RATIO
         else:

@@ -112,11 +112,15 @@ class StreamAccumulator:
         self.audio_id: str | None = None
         self.finish_reason: str | None = None
         self.usage: Usage | None = None
+        self.timings: JSONObject | None = None  # llama.cpp's, in its last chunk: its cache figures
 
     def add(self, chunk: JSONObject) -> None:
         usage = chunk.get("usage")
         if isinstance(usage, dict):
             self.usage = cast(Usage, usage)
+        timings = chunk.get("timings")
+        if isinstance(timings, dict):
+            self.timings = timings
         choices = chunk.get("choices")
         for choice in choices if isinstance(choices, list) else ():
             if not isinstance(choice, dict) or choice.get("index", 0) != 0:

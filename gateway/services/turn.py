@@ -17,6 +17,7 @@ from typing import Any, TypeVar, cast
 import orjson
 
 from gateway.context import ConversationView, Turn
+from gateway.context.accounting import prompt_accounting
 from gateway.context.steps import Head
 from gateway.exceptions import ContextLengthExceeded, GatewayError, NotFound, UpstreamStatusError
 from gateway.services.cache import ConversationCache
@@ -59,6 +60,7 @@ class TurnOutcome:
     included_response_ids: list[str] | None = None
     output_tokens: int | None = None  # our count of the answer (None: not counted)
     error: GatewayError | None = None  # why it was not stored, when a GatewayError says so
+    cache: JSONObject | None = None  # the provider's prompt and cached-token figures (accounting)
 
 
 @dataclass(slots=True)
@@ -100,6 +102,7 @@ class PreparedTurn:
     view: ConversationView | None = None
     outcome: TurnOutcome | None = None  # set by the first close
     context: Record | None = None  # the window sent: its latest context snapshot
+    cache: JSONObject | None = None  # the provider's prompt and cached-token figures
 
     def note_context(self, snapshot: Record) -> None:
         """Log the window sent (the context snapshot); the turn's log line repeats its counts."""
@@ -135,6 +138,7 @@ class PreparedTurn:
             included_response_ids=included if isinstance(included, list) else None,
             output_tokens=self.output_tokens,
             error=error,
+            cache=self.cache,
         )
 
     @property
@@ -284,8 +288,14 @@ def timings_until_now(turn: PreparedTurn) -> Timings:
 
 
 def response_record(
-    turn: PreparedTurn, message: Message, finish_reason: object, usage: object, raw: object = None
+    turn: PreparedTurn,
+    message: Message,
+    finish_reason: object,
+    usage: object,
+    raw: object = None,
+    provider_timings: object = None,
 ) -> Record:
+    """The `response` record; `provider_timings`: llama.cpp's `timings`, with its cache figures."""
     timings = timings_until_now(turn)
     record: Record = {
         "type": "response",
@@ -296,6 +306,9 @@ def response_record(
     }
     if raw is not None and raw != message:
         record["upstream_message"] = raw
+    turn.cache = prompt_accounting(usage, provider_timings)
+    if turn.cache is not None:
+        record["cache"] = turn.cache
     turn.timings = timings
     turn.usage = cast(Usage, usage) if isinstance(usage, dict) else None
     turn.finish_reason = finish_reason if isinstance(finish_reason, str) else None

@@ -355,7 +355,8 @@ class ChatService:
             raise UpstreamProtocolError(f"Provider {turn.route.provider!r} returned no choices")
         raw = choice.get("message")
         message = output_message(raw)
-        record = response_record(turn, message, choice.get("finish_reason"), completion.get("usage"), raw)
+        usage, timings = completion.get("usage"), completion.get("timings")
+        record = response_record(turn, message, choice.get("finish_reason"), usage, raw, timings)
         await self._commit(turn, message, record)
         turn.final_message = message
         completion["id"] = turn.response_id
@@ -414,7 +415,7 @@ class ChatService:
                 provider = turn.route.provider
                 raise UpstreamProtocolError(f"Provider {provider!r} ended the stream before finishing")
             message = acc.message()
-            record = response_record(turn, message, acc.finish_reason, acc.usage)
+            record = response_record(turn, message, acc.finish_reason, acc.usage, None, acc.timings)
             await self._commit(turn, message, record)
             turn.final_message = message
             for chunk in held:

@@ -254,6 +254,8 @@ def chunks_from_completion(completion: Body, *, include_usage: bool) -> list[Chu
     )
     if include_usage and completion.get("usage"):
         out.append({**base, "choices": [], "usage": completion["usage"]})
+    if completion.get("timings"):  # llama.cpp's: in the last chunk, usage asked for or not
+        out[-1]["timings"] = completion["timings"]
     return out
 
 

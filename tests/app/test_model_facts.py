@@ -21,7 +21,7 @@ from gateway.context.summary import chunk_budget, summary_cap
 from gateway.context.window import fit_window
 from gateway.services.models import ModelFacts
 from gateway.store.memory import MemoryStore
-from gateway.tokens import count_message
+from gateway.tokens import count_message, get_encoding
 from gateway.upstream import Route
 from gateway.upstream.base import ServerWindow, completion_from_text
 from gateway.upstream.discovery import (
@@ -989,3 +989,42 @@ async def test_vllm_counts_each_window_with_its_own_tokenizer() -> None:
     assert max(prompts) <= 512 - 64 and min(prompts[-4:]) > 0.8 * (512 - 64)  # exact, and full
     contexts = [r for records in store.responses.values() for r in records if r["type"] == "context"]
     assert all(c["server_prompt_tokens"] in prompts for c in contexts)
+
+
+WORDS = ("apple", "river", "stone", "cloud", "music", "garden", "silver", "window", "orange", "paper")
+
+
+def words(n: int, seed: int) -> str:
+    rnd = random.Random(seed)
+    return " ".join(rnd.choice(WORDS) for _ in range(n))
+
+
+async def test_a_configured_window_is_a_budget_kept_in_our_own_count() -> None:
+    """A provider reporting 10 prompt tokens a message (a rough count, or only the part of a
+    prompt its cache did not serve) taught a ratio below 1 on a few short messages: the
+    gateway then planned prompts well over the max_context_tokens it was configured with."""
+    size = [12]  # words in the next answer: as many as the question had
+
+    def provider(body: dict[str, Any]) -> Any:
+        n = len(body["messages"])
+        return completion_from_text("m", words(size[0], seed=n), prompt_tokens=10 * n)
+
+    upstream = real_counting(provider)
+    settings = make_settings()
+    context = settings.context.model_copy(update={"max_context_tokens": 1500})
+    store = MemoryStore()
+    async with build_client(settings.model_copy(update={"context": context}), store, upstream) as client:
+        for i in range(4):  # a few short exchanges first
+            assert (await ask(client, words(12, seed=i))).status_code == 200
+        size[0] = 100
+        for i in range(30):  # then many ~100-word turns
+            assert (await ask(client, words(100, seed=100 + i))).status_code == 200
+    contexts = [r for records in store.responses.values() for r in records if r["type"] == "context"]
+    assert len(contexts) == 34 and max(c["tokens"]["total"] for c in contexts) <= 1500
+    encoding = get_encoding("cl100k_base")  # measured here, as OpenAI counts a chat prompt
+
+    def measured(body: dict[str, Any]) -> int:
+        each = (3 + len(encoding.encode(m["role"] + m["content"])) for m in body["messages"])
+        return 3 + sum(each)
+
+    assert max(measured(body) for body in upstream.requests) <= 1500 * 1.02

@@ -34,10 +34,15 @@ def gw(
 
 
 def seed_offline(
-    tmp_path: Path, context: dict[str, Any], work: Callable[[Any], Awaitable[T]], **sections: dict[str, Any]
+    tmp_path: Path,
+    context: dict[str, Any],
+    work: Callable[[Any], Awaitable[T]],
+    upstream: Any = None,
+    **sections: dict[str, Any],
 ) -> T:
     """Run `work(client)` against the app in this process on the JSONL data dir
-    `tmp_path/var` (no server, no fsync), with these `[context]` settings; its result."""
+    `tmp_path/var` (no server, no fsync), with these `[context]` settings (and `upstream`, a
+    MockUpstream, when given); its result."""
     import asyncio
 
     from gateway.config import load_settings
@@ -59,7 +64,7 @@ def seed_offline(
 
     async def run() -> T:
         store = JsonlStore(tmp_path / "var", durability="none")
-        async with build_client(settings, store, MockUpstream()) as client:
+        async with build_client(settings, store, upstream or MockUpstream()) as client:
             return await work(client)
 
     return asyncio.run(run())
@@ -317,6 +322,31 @@ def test_show_marks_what_the_last_window_left_out(tmp_path: Path) -> None:
         "summary": None,
     }
     assert as_json["recap"] is None
+
+
+def test_context_and_show_say_what_the_providers_cache_served(tmp_path: Path) -> None:
+    import json
+
+    from gateway.upstream.base import completion_from_text
+    from gateway.upstream.mock import MockUpstream
+    from tests.helpers import say_each
+
+    def cached(body: dict[str, Any]) -> Any:
+        completion = completion_from_text("m", "ok", prompt_tokens=1100)
+        completion["usage"]["prompt_tokens_details"] = {"cached_tokens": 1024}
+        return completion
+
+    ids = seed_offline(tmp_path, {}, lambda client: say_each(client, "k", ["q0", "q1"]), MockUpstream(cached))
+    data = ["--data-dir", str(tmp_path / "var")]
+    said = "1024 of 1100 prompt tokens from the provider's cache (usage)"
+    context = gw("context", ids[-1], "--brief", *data)
+    assert context.returncode == 0, context.stderr
+    assert f"cache        {said}" in context.stdout
+    shown = gw("show", "k", *data)
+    assert shown.returncode == 0, shown.stderr
+    assert f"last turn: {said}" in shown.stdout
+    as_json = json.loads(gw("show", "k", "--json", *data).stdout)
+    assert as_json["last_turn_cache"] == {"prompt_tokens": 1100, "cached_tokens": 1024, "source": "usage"}
 
 
 def test_show_says_which_messages_a_rolling_summary_stands_for(tmp_path: Path) -> None:

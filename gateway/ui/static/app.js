@@ -78,7 +78,7 @@ async function showList(more = false) {
 // -- one conversation -------------------------------------------------------------------------
 let current = { id: null, count: 0, entries: 0 };
 
-function bar(context) {
+function bar(context, cache) {
   const windowSize = context.context_window || 1;
   const tokens = context.tokens || {};
   const layers = ["system", "summary", "recap", "history", "marker", "tools", "new", "overhead"];
@@ -90,6 +90,11 @@ function bar(context) {
   }
   node.append(el("div", { class: "seg-free", style: `flex:1`, title: `free: ${Math.max(0, windowSize - used)} tokens` }));
   node.append(el("div", { class: "budget", style: `left:${(100 * (context.budget || 0) / windowSize).toFixed(3)}%`, title: `budget ${context.budget}` }));
+  // The head of the prompt the provider's cache served (its share of the prompt, in the provider's count).
+  if (cache && cache.cached_tokens != null && cache.prompt_tokens) {
+    const share = Math.min(1, cache.cached_tokens / cache.prompt_tokens);
+    node.append(el("div", { class: "cached", style: `width:${(100 * share * used / windowSize).toFixed(3)}%`, title: `cached: ${cache.cached_tokens} of ${cache.prompt_tokens} prompt tokens from the provider's cache` }));
+  }
   return node;
 }
 
@@ -110,7 +115,7 @@ function turnCard(turn, isNew) {
   turn.input.forEach((m, i) => card.append(mark(m, i)));
   if (turn.output) card.append(mark(turn.output, turn.input.length));
   if (ctx.tokens) {
-    card.append(bar(ctx));
+    card.append(bar(ctx, turn.cache));
     const facts = el("div", { class: "facts" });
     const t = ctx.tokens;
     facts.append(el("span", { text: `window ${ctx.context_window} · budget ${ctx.budget} · sent ${t.total} tokens in ${ctx.sent_messages} messages` }));
@@ -119,6 +124,7 @@ function turnCard(turn, isNew) {
     if (ctx.recap) facts.append(el("span", { text: "recap: " + (ctx.recap_conversations || []).join(", ") }));
     if (turn.timings) facts.append(el("span", { text: `upstream ${turn.timings.upstream_ms} ms · total ${turn.timings.total_ms} ms` }));
     if (turn.usage) facts.append(el("span", { text: `usage ${turn.usage.prompt_tokens ?? "?"} in / ${turn.usage.completion_tokens ?? "?"} out` }));
+    if (turn.cache && turn.cache.cached_tokens != null) facts.append(el("span", { class: "cache", text: `cache ${turn.cache.cached_tokens} of ${turn.cache.prompt_tokens ?? "?"} prompt tokens` + (turn.cache.cache_creation_tokens ? ` · ${turn.cache.cache_creation_tokens} written` : "") }));
     if (turn.suspected_truncation) facts.append(el("span", { class: "warn", text: `⚠ upstream truncation suspected (${turn.suspected_truncation.prompt_tokens} vs ${turn.suspected_truncation.our_count})` }));
     card.append(facts);
   }
