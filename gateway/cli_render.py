@@ -169,6 +169,10 @@ def render_context(record: Record, *, show_messages: bool) -> None:
         click.echo(
             f"truncated    {truncated} earlier messages omitted" if truncated else "truncated    nothing"
         )
+        if "cut" in record:
+            start = record.get("window_from") or "the conversation's first message"
+            how = "cut here (a new head)" if record.get("cut") else "held (the previous turn's head)"
+            click.echo(f"head         {how}; history from {start}")
         if record.get("summary_version") is not None:
             covers = record.get("summary_covers_messages")
             through = record.get("summary_covers_through")

@@ -151,15 +151,19 @@ def fit_window(
         room - (marker_bound if omitted_before + hold else 0),
         max(max_history_messages, keep_recent),
     )
-    kept_from = hold if held and hold is not None else cut_start(
-        conversation,
-        conversation_tokens,
-        pinned_from,
-        room=room,
-        low_room=int(budget * cut_share) - fixed,
-        max_messages=max_history_messages if cut_share >= 1 else int(max_history_messages * cut_share),
-        keep_recent=keep_recent,
-        marker=lambda start: marker_bound if omitted_before + start else 0,
+    kept_from = (
+        hold
+        if held and hold is not None
+        else cut_start(
+            conversation,
+            conversation_tokens,
+            pinned_from,
+            room=room,
+            low_room=int(budget * cut_share) - fixed,
+            max_messages=max_history_messages if cut_share >= 1 else int(max_history_messages * cut_share),
+            keep_recent=keep_recent,
+            marker=lambda start: marker_bound if omitted_before + start else 0,
+        )
     )
     # Whole turns: a cut never leaves an answer whose question was left out at the head of the
     # history (chat templates that require user/assistant alternation reject it); the window
@@ -214,4 +218,3 @@ def fit_window(
     return Window(
         messages=messages, budget=budget, history_start=kept_from, omitted=omitted, tokens=tokens, held=held
     )
-

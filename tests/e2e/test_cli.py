@@ -116,6 +116,8 @@ def test_conversations_show_context(gateway: GatewayProcess, upstream: MockServe
     ctx = gw("context", ids[1], *data)
     assert ctx.returncode == 0 and "sent 3 messages" in ctx.stdout and "committed" in ctx.stdout
     assert "Your name is Cli." in ctx.stdout and "sent (exact):" in ctx.stdout
+    # The second turn kept the first one's head: the provider's cache could serve all before it.
+    assert "head         held (the previous turn's head); history from the conversation's first" in ctx.stdout
 
 
 def test_a_response_id_that_begins_with_a_dash_is_an_argument(

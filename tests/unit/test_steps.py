@@ -18,9 +18,7 @@ SYSTEM = [{"role": "system", "content": "be brief"}]
 
 def turn_sizes() -> st.SearchStrategy[list[tuple[int, int, bool]]]:
     """Per turn: words in the question, words in the answer, whether the answer calls a tool."""
-    return st.lists(
-        st.tuples(st.integers(1, 60), st.integers(1, 40), st.booleans()), min_size=2, max_size=40
-    )
+    return st.lists(st.tuples(st.integers(1, 60), st.integers(1, 40), st.booleans()), min_size=2, max_size=40)
 
 
 def words(n: int, tag: str) -> str:
