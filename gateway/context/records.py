@@ -67,7 +67,7 @@ def turn_from_records(records: list[Record]) -> Turn | None:
         output_tokens = response.get("message_tokens")
     system = request.get("system")
     created, branch_at = request.get("created"), request.get("branch_at")
-    context = latest(records, "context")
+    head = obj(response.get("head")) if response is not None else None
     return Turn(
         response_id=str(request.get("response_id")),
         input=tuple(messages(request.get("input"))),
@@ -83,7 +83,7 @@ def turn_from_records(records: list[Record]) -> Turn | None:
         recap=message(request.get("recap")),
         timezone=text(request.get("user_timezone")),
         branch_at=branch_at if isinstance(branch_at, int) else None,
-        head=Head.of(context) if context is not None else None,
+        head=Head.of(head) if head is not None else None,
     )
 
 

@@ -28,7 +28,8 @@ class Head:
 
     @classmethod
     def of(cls, context: JSONObject) -> Head | None:
-        """The head a context snapshot recorded (None for a snapshot from before heads)."""
+        """The head a context snapshot (or a response record's `head`) recorded; None for one
+        written before heads were."""
         if "window_from" not in context:
             return None
         start, summary = context.get("window_from"), context.get("summary_version")

@@ -4,6 +4,7 @@ sized from the model's window and calibration; and learning from what the provid
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import functools
 import logging
 import math
@@ -488,8 +489,9 @@ class Planner:
         fit = functools.partial(self._fit, frame, budget=budget, limit=window_size - reserve, facts=facts)
         fitted: _Fitted | None = None
         if hold and start is not None and (head.summary is None or held_summary is not None):
-            fitted = await fit(held_summary, start, route, request)
-            if not fitted.window.held:
+            with contextlib.suppress(ContextLengthExceeded):  # (the cut decides what the request needs)
+                fitted = await fit(held_summary, start, route, request)
+            if fitted is not None and not fitted.window.held:
                 fitted = None
         cut = fitted is None
         if fitted is None:  # a cut: the newest summary enters here, and only here

@@ -309,6 +309,9 @@ def response_record(
     turn.cache = prompt_accounting(usage, provider_timings)
     if turn.cache is not None:
         record["cache"] = turn.cache
+    if turn.context is not None and "window_from" in turn.context:
+        # The head the window had, for the next turn (a turn is read back without its context).
+        record["head"] = {k: turn.context.get(k) for k in ("window_from", "summary_version")}
     turn.timings = timings
     turn.usage = cast(Usage, usage) if isinstance(usage, dict) else None
     turn.finish_reason = finish_reason if isinstance(finish_reason, str) else None
@@ -396,5 +399,5 @@ def stored_turn(turn: PreparedTurn, message: Message, output_tokens: int | None)
         recap=turn.recap,
         timezone=body.get("user_timezone") if isinstance(body.get("user_timezone"), str) else None,
         branch_at=turn.branch_at,
-        head=Head.of(turn.context) if turn.context is not None else None,
+        head=Head.of(turn.context) if turn.context is not None else None,  # (as `head` records it)
     )
