@@ -78,6 +78,14 @@ _THREAD_LOAD_FILES = 16
 _HELD: contextvars.ContextVar[frozenset[str]] = contextvars.ContextVar("gateway_held", default=frozenset())
 
 
+
+def writable(root: Path) -> None:
+    """Raise OSError unless a file can be created in `root` (a read-only mount, say)."""
+    probe = root / f".writable-{os.getpid()}"
+    with open(probe, "wb"):
+        pass
+    probe.unlink()
+
 class JsonlStore(Store):
     def __init__(
         self,
@@ -139,17 +147,29 @@ class JsonlStore(Store):
             log.error("fsync failed, refusing further writes: %s", self.sync_failed)
 
     async def open(self) -> None:
-        for d in (self.responses_dir, self.conversations_dir, self.locks_dir, self.summaries_dir):
-            d.mkdir(parents=True, exist_ok=True)
+        try:
+            for d in (self.responses_dir, self.conversations_dir, self.locks_dir, self.summaries_dir):
+                d.mkdir(parents=True, exist_ok=True)
+            await asyncio.to_thread(writable, self.root)
+        except OSError as exc:
+            raise StorageError(self.unwritable(exc)) from exc
         await asyncio.to_thread(sweep, self.spares.folder)
         await self.recover()
+
+    def unwritable(self, exc: OSError, doing: str = "") -> str:
+        """A start-up failure to write, naming the data dir and the cause."""
+        what = f"{doing}: " if doing else ""
+        return (
+            f"{what}the data dir {self.root} cannot be written ({exc.strerror or exc}); "
+            "the gateway stores every turn there: mount it read-write or give another --data-dir"
+        )
 
     async def recover(self) -> int:
         """Replay the journals of processes that stopped (see recovery.py)."""
         try:
             return await asyncio.to_thread(recovery.recover, self)
         except OSError as exc:
-            raise StorageError(f"could not replay the journal: {exc.strerror or exc}") from exc
+            raise StorageError(self.unwritable(exc, "could not replay the journal")) from exc
 
     # -- paths: the only place ids become file names ---------------------------------------
     def shown(self, path: Path) -> str:

@@ -1,0 +1,42 @@
+"""Start-up checks of the JSONL store: a data dir that cannot be written is named, with the cause."""
+
+from __future__ import annotations
+
+import errno
+from pathlib import Path
+
+import pytest
+
+from gateway.exceptions import StorageError
+from gateway.store.jsonl import recovery, store
+from gateway.store.jsonl.store import JsonlStore
+
+
+def read_only(*args: object) -> None:
+    raise OSError(errno.EROFS, "Read-only file system")
+
+
+async def test_an_unwritable_data_dir_is_named_at_start(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(store, "writable", read_only)
+    with pytest.raises(StorageError) as raised:
+        await JsonlStore(tmp_path / "var").open()
+    message = str(raised.value)
+    assert f"the data dir {tmp_path / 'var'} cannot be written (Read-only file system)" in message
+
+
+async def test_a_journal_that_cannot_be_replayed_names_the_data_dir(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """After a clean stop, a read-only mount failed with 'could not replay the journal: Read-only
+    file system', naming neither the data dir nor what to do."""
+    monkeypatch.setattr(recovery, "recover", read_only)
+    with pytest.raises(StorageError) as raised:
+        await JsonlStore(tmp_path / "var").open()
+    assert str(raised.value).startswith(f"could not replay the journal: the data dir {tmp_path / 'var'}")
+
+
+async def test_a_writable_data_dir_leaves_no_probe_behind(tmp_path: Path) -> None:
+    s = JsonlStore(tmp_path / "var")
+    await s.open()
+    assert not [p for p in (tmp_path / "var").iterdir() if p.name.startswith(".writable")]
+    await s.close()
