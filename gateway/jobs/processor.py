@@ -15,6 +15,7 @@ from pathlib import Path
 
 from gateway.config import Settings
 from gateway.context.lifecycle import State
+from gateway.exceptions import StorageError
 from gateway.services.sessions import Sessions
 
 log = logging.getLogger("gateway.lifecycle")
@@ -72,6 +73,7 @@ class Processor:
         sessions = self.settings.sessions
         shortest = min(x for x in (sessions.idle_after, sessions.ttl) if x > 0)
         interval = max(1.0, min(60.0, shortest / 4))
+        failing = False
         while True:
             await self.sleep(interval)
             try:
@@ -79,8 +81,16 @@ class Processor:
                     await self.run_once()
             except asyncio.CancelledError:
                 raise
+            except StorageError as exc:  # once until a pass succeeds: the store says its outages
+                if not failing:
+                    log.warning(
+                        "lifecycle processor pass failed: %s (said once until a pass succeeds)", exc
+                    )
+                failing = True
+                continue
             except Exception:  # noqa: BLE001 - the loop must survive anything
                 log.exception("lifecycle processor pass failed")
+            failing = False
 
     async def run_once(self) -> None:
         for tenant in await self.sessions.tenants():

@@ -16,7 +16,9 @@ def read_only(*args: object) -> None:
     raise OSError(errno.EROFS, "Read-only file system")
 
 
-async def test_an_unwritable_data_dir_is_named_at_start(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+async def test_an_unwritable_data_dir_is_named_at_start(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
     monkeypatch.setattr(store, "writable", read_only)
     with pytest.raises(StorageError) as raised:
         await JsonlStore(tmp_path / "var").open()

@@ -13,6 +13,7 @@ import asyncpg
 
 from gateway.exceptions import StorageError
 from gateway.redact import redact_dsn
+from gateway.store.postgres.outage import Outage, quiet_asyncpg_pool
 from gateway.store.postgres.schema import (
     COMMAND_TIMEOUT,
     POOL_SIZE,
@@ -42,6 +43,8 @@ class _Backend:
         self._lock_mutex = asyncio.Lock()
         self._tasks: set[asyncio.Future[Any]] = set()
         self._local: weakref.WeakValueDictionary[int, asyncio.Lock] = weakref.WeakValueDictionary()
+        self.outage = Outage(redact_dsn(dsn))
+        quiet_asyncpg_pool()
 
     def local_lock(self, key: int) -> asyncio.Lock:
         lock = self._local.get(key)
@@ -66,7 +69,7 @@ class _Backend:
         async with self._opening:
             if self.pool is None:
                 with (
-                    map_errors(f"cannot open PostgreSQL storage at {redact_dsn(self.dsn)}"),
+                    map_errors(f"cannot open PostgreSQL storage at {redact_dsn(self.dsn)}", self.outage),
                     bad_dsn(self.dsn),
                 ):
                     pool = await asyncpg.create_pool(
@@ -115,15 +118,15 @@ class _Backend:
         async with self._lock_mutex:
             conn = self._lock_conn
             if conn is None or conn.is_closed():
-                if conn is not None:
+                if conn is not None and not self.outage.ongoing:
                     log.warning("the PostgreSQL lock connection was lost; reconnecting")
-                with map_errors("cannot connect for conversation locks"):
+                with map_errors("cannot connect for conversation locks", self.outage):
                     conn = self._lock_conn = await asyncpg.connect(
                         self.dsn,
                         command_timeout=COMMAND_TIMEOUT,
                         server_settings={"application_name": "gateway-locks"},
                     )
-            with map_errors("conversation lock"):
+            with map_errors("conversation lock", self.outage):
                 return bool(await conn.fetchval(sql, *args))
 
     async def try_lock(self, key: int, line: tuple[int, int] | None = None) -> bool:

@@ -103,7 +103,7 @@ class _PostgresLog(ResponseLog):
         if self._created is not None:
             await asyncio.wait([self._created])
         try:
-            with map_errors("could not record the response durably"):
+            with map_errors("could not record the response durably", backend.outage):
                 async with backend.open_pool.acquire() as conn:
                     async with conn.transaction():
                         await store._insert_rows(conn, _INSERT_RECORDS, self.response_id, rows, 0)
@@ -135,7 +135,7 @@ class _PostgresLog(ResponseLog):
         while True:
             await asyncio.sleep(0.05)  # (a COMMIT the server had when the connection went is done)
             try:
-                with map_errors("could not tell whether the commit was done"):
+                with map_errors("could not tell whether the commit was done", backend.outage):
                     row = await backend.open_pool.fetchrow(
                         _LANDED, self.store.namespace, cid, self.response_id
                     )

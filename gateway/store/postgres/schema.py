@@ -13,6 +13,7 @@ import orjson
 
 from gateway.exceptions import ConversationBusy, GatewayError, StorageError
 from gateway.redact import redact_dsn
+from gateway.store.postgres.outage import UNREACHABLE, Outage
 from gateway.types import Record
 
 if TYPE_CHECKING:
@@ -126,15 +127,23 @@ def bad_dsn(dsn: str) -> Iterator[None]:
 
 
 @contextmanager
-def map_errors(action: str) -> Iterator[None]:
-    """asyncpg and socket errors become StorageError (503): the one place they are translated."""
+def map_errors(action: str, outage: Outage | None = None) -> Iterator[None]:
+    """asyncpg and socket errors become StorageError (503): the one place they are translated.
+    `outage` is told whether the database was reached."""
     try:
         yield
     except GatewayError:
         raise
     except _DB_ERRORS as exc:
         detail = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+        if outage is not None:
+            if isinstance(exc, UNREACHABLE):
+                outage.failed(f"{action}: {detail}")
+            else:
+                outage.reached()
         raise StorageError(f"{action}: {detail}") from exc
+    if outage is not None:
+        outage.reached()
 
 
 _PROCESSOR_LOCK = int.from_bytes(

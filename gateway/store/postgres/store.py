@@ -182,7 +182,7 @@ class PostgresStore(Store):
 
     async def _fetch(self, action: str, sql: str, *args: object) -> list[Row]:
         backend = await self._open_backend()
-        with map_errors(action):
+        with map_errors(action, backend.outage):
             return list(await backend.open_pool.fetch(sql, *args))
 
     async def _write(self, action: str, work: Callable[[Conn], Awaitable[T]]) -> T:
@@ -191,7 +191,7 @@ class PostgresStore(Store):
         backend = await self._open_backend()
 
         async def run() -> T:
-            with map_errors(action):
+            with map_errors(action, backend.outage):
                 async with backend.open_pool.acquire() as conn:
                     async with conn.transaction():
                         return await work(conn)
@@ -209,7 +209,7 @@ class PostgresStore(Store):
     ) -> None:
         backend = await self._open_backend()
         sql = _INSERT_UNLESS_COMMITTED if unless_committed else _INSERT_RECORDS
-        with map_errors("could not write the response log"):
+        with map_errors("could not write the response log", backend.outage):
             async with backend.open_pool.acquire() as conn:
                 await self._insert_rows(conn, sql, response_id, rows, first_seq)
 
