@@ -319,7 +319,8 @@ async def test_a_resent_history_loads_all_of_it_and_matches(tmp_path: Path) -> N
 async def test_a_summary_is_loaded_with_what_follows_it(covers: int, tmp_path: Path) -> None:
     """The newest summary covers through a recent turn (in the tail) or an old one (read back
     to it): the window is the summary and what follows, as with a whole load."""
-    settings = settings_for(tmp_path, strategy="summarize", summary_model="mock/m")
+    # (cut_to = 1: every turn past max_history_messages is a cut, where a summary enters)
+    settings = settings_for(tmp_path, strategy="summarize", summary_model="mock/m", cut_to=1.0)
     cid = await grow(tmp_path / "grown", "plain", settings)
     store = JsonlStore(tmp_path / "grown" / "var", durability="none")
     await store.open()

@@ -147,9 +147,9 @@ class JsonlStore(Store):
             log.error("fsync failed, refusing further writes: %s", self.sync_failed)
 
     async def open(self) -> None:
+        for d in (self.responses_dir, self.conversations_dir, self.locks_dir, self.summaries_dir):
+            d.mkdir(parents=True, exist_ok=True)
         try:
-            for d in (self.responses_dir, self.conversations_dir, self.locks_dir, self.summaries_dir):
-                d.mkdir(parents=True, exist_ok=True)
             await asyncio.to_thread(writable, self.root)
         except OSError as exc:
             raise StorageError(self.unwritable(exc)) from exc

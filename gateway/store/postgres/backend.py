@@ -69,7 +69,7 @@ class _Backend:
         async with self._opening:
             if self.pool is None:
                 with (
-                    map_errors(f"cannot open PostgreSQL storage at {redact_dsn(self.dsn)}", self.outage),
+                    map_errors(f"cannot open PostgreSQL storage at {redact_dsn(self.dsn)}"),
                     bad_dsn(self.dsn),
                 ):
                     pool = await asyncpg.create_pool(
