@@ -1,5 +1,8 @@
-"""Planning a turn's window: what of the stored conversation goes upstream (SPEC section 7),
-sized from the model's window and calibration; and learning from what the provider reported."""
+"""Plan a turn's window: what of the stored conversation goes upstream (SPEC section 7).
+
+The window is sized from the model's window and calibration (`ModelFacts`), held or cut in
+steps (`gateway.context.steps`), drawn from the messages `gateway.context.draw` lays out, and
+checked with the server's own count where it gives one."""
 
 from __future__ import annotations
 
@@ -14,25 +17,24 @@ from typing import Any
 
 import orjson
 
-from gateway.config import ContextSettings, Settings
+from gateway.config import Settings
 from gateway.context import (
     ConversationView,
     Message,
     clean_message,
-    repair_tool_calls,
 )
-from gateway.context.calibration import UNCALIBRATED
+from gateway.context.draw import Frame, Part, request_alone
 from gateway.context.history import item_key
-from gateway.context.lifecycle import shrink_recap, zone
+from gateway.context.lifecycle import zone
 from gateway.context.steps import Head
 from gateway.context.summary import Summary, current_summary, snap_to_turn_end, summary_version
-from gateway.context.window import REQUEST_OVERHEAD_TOKENS, Window, fit_window, omitted_marker
-from gateway.exceptions import ContextLengthExceeded, InvalidRequest
+from gateway.context.window import REQUEST_OVERHEAD_TOKENS, Window
+from gateway.exceptions import ContextLengthExceeded
 from gateway.services.models import ModelFacts, WindowFacts
 from gateway.services.recap import build_recap
 from gateway.services.requests import ChatRequest
 from gateway.store.base import LRU, Store
-from gateway.tokens import count_message, get_encoding, truncate_text
+from gateway.tokens import get_encoding
 from gateway.types import Record
 from gateway.upstream import Route
 
@@ -40,31 +42,10 @@ log = logging.getLogger("gateway.services")
 
 # Counting more text than this runs in a worker thread, off the event loop.
 _COUNT_OFF_LOOP_CHARS = 20_000
-# A provider reporting fewer prompt tokens than this share of ours probably cut the prompt.
-_TRUNCATION_RATIO = 0.7
-_UNCALIBRATED_TRUNCATION_RATIO = 0.5
-_TRUNCATION_MIN_TOKENS = 256
-# Conversations whose suspected truncation was logged (the newest this many are remembered).
-WARNED_LIMIT = 4096
-# A summary or recap squeezed below this many tokens is left out instead.
-_MIN_SIZED_TOKENS = 24
+# Conversations whose summary target is remembered (the newest this many).
+ASKED_LIMIT = 4096
 # Windows checked against a server's own count before one is sent as it is.
 _EXACT_TRIES = 4
-
-
-_MARKER_COSTS: dict[tuple[str, int], int] = {}
-
-
-def marker_cost(encoding: str, omitted: int) -> int:
-    """Tokens of the `[N earlier messages omitted]` marker; depends only on N's digit count
-    (counted once per encoding and width, with the widest number of that width)."""
-    digits = len(str(omitted))
-    key = (encoding, digits)
-    cost = _MARKER_COSTS.get(key)
-    if cost is None:
-        model = "gpt-4o" if encoding == "o200k_base" else ""
-        cost = _MARKER_COSTS[key] = count_message(omitted_marker(int("9" * digits)), model)
-    return cost
 
 
 def history_needed(max_history_messages: int, keep_recent_messages: int) -> int:
@@ -81,257 +62,16 @@ def _size(messages: list[Message]) -> int:
     return total
 
 
-def first_unit(conversation: list[Message]) -> int:
-    """How many messages the conversation's first unit holds (its first message, with the tool
-    results that follow it)."""
-    end = 1 if conversation else 0
-    while end < len(conversation) and conversation[end].get("role") == "tool":
-        end += 1
-    return end
-
-
-def newest_user_message(conversation: list[Message], first_new: int) -> int | None:
-    """Where the newest user message is, when the new messages have others before it."""
-    for i in range(len(conversation) - 1, first_new, -1):
-        if conversation[i].get("role") == "user":
-            return i
-    return None
-
-
-def request_alone(fit_request: Callable[[int], Window], exc: ContextLengthExceeded) -> Window:
-    """The window of the request alone (no history): planned with the budget the refusal said
-    it needs (its marker's cost added when that comes next)."""
-    for _ in range(3):
-        if exc.needs is None:
-            raise exc
-        try:
-            return fit_request(exc.needs)
-        except ContextLengthExceeded as again:
-            if again.needs is None or again.needs <= exc.needs:
-                raise
-            exc = again
-    raise exc
-
-
 async def off_loop_if_large(messages: list[Message], work: Callable[[], Any]) -> Any:
     if _size(messages) > _COUNT_OFF_LOOP_CHARS:
         return await asyncio.to_thread(work)
     return work()
 
 
-def cut_to(model: str) -> Callable[[Message, int], Message]:
-    """A summary's text cut to a number of tokens (its start kept)."""
-
-    def cut(message: Message, limit: int) -> Message:
-        text = message.get("content")
-        return {**message, "content": truncate_text(text, limit - 8, model) if isinstance(text, str) else ""}
-
-    return cut
-
-
-@dataclass(frozen=True, slots=True)
-class _Frame:
-    """What every window planned for a turn shares: the view, the request and the head's room."""
-
-    settings: ContextSettings
-    view: ConversationView
-    system: list[Message]
-    system_tokens: list[int]
-    new: list[Message]
-    new_tokens: list[int]
-    count: Callable[[Message], int]
-    model: str
-    encoding: str
-    recap: Message | None
-    tools_tokens: int
-    head_room: int  # the window less the answer, the framing, the system prompt and the tools
-
-    def part(self, summary: Summary | None) -> _Part:
-        """The stored history a window drawing on `summary` may send, and the request."""
-        ctx, view, count = self.settings, self.view, self.count
-        covered = summary.covered if summary else 0
-        # Positions count every stored message; a partial view holds its newest ones (the
-        # loaded part is `history`, from `loaded_from`): NotLoaded when more is needed.
-        history, total = view.history, view.history_count
-        # The first unit, kept ahead of the cut when configured and no summary covers it.
-        first_end = 0
-        if ctx.keep_first and covered == 0 and total:
-            first_end = 1 + view.loaded_from(0)
-            while first_end < len(history) and history[first_end].get("role") == "tool":
-                first_end += 1
-        # Only the newest max_history_messages (or keep_recent_messages) can be sent.
-        newest = max(ctx.max_history_messages, ctx.keep_recent_messages)
-        lower = max(covered, first_end, total - newest - 1)
-        while lower > max(covered, first_end) and history[view.loaded_from(lower)].get("role") == "tool":
-            lower -= 1
-        hist = history[view.loaded_from(lower) :]
-        hist_tokens = [int(n or 0) for n in view.history_tokens[view.loaded_from(lower) :]]
-        clean_new = [clean_message(m) for m in self.new]
-        combined = [*hist, *clean_new]
-        repaired = view.has_tools or any("tool_calls" in m or m.get("role") == "tool" for m in clean_new)
-        if repaired:
-            known = {id(m): n for m, n in zip(combined, [*hist_tokens, *self.new_tokens], strict=True)}
-            conversation = repair_tool_calls(combined)
-            conversation_tokens = [known[id(m)] if id(m) in known else count(m) for m in conversation]
-            new_ids = {id(m) for m in clean_new}
-            first_new = next((i for i, m in enumerate(conversation) if id(m) in new_ids), len(conversation))
-            if clean_new and first_new == len(conversation):
-                raise orphan_results(clean_new)
-        else:  # no tool calls anywhere: nothing to repair
-            conversation = combined
-            conversation_tokens = [*hist_tokens, *self.new_tokens]
-            first_new = len(hist)
-        first = [clean_message(m) for m in history[:first_end]] if first_end and lower > 0 else []
-        return _Part(
-            frame=self,
-            summary=summary,
-            lower=lower,
-            hist=hist,
-            new_of={id(m): i for i, m in enumerate(clean_new)},
-            conversation=conversation,
-            conversation_tokens=conversation_tokens,
-            first_new=first_new,
-            repaired=repaired,
-            first=first,
-            first_tokens=[count(m) for m in first],
-            first_end=first_end if lower > 0 else 0,
-        )
-
-
-@dataclass(frozen=True, slots=True)
-class _Part:
-    """The messages a window may draw on, from stored position `lower` on, with the request."""
-
-    frame: _Frame
-    summary: Summary | None
-    lower: int
-    hist: list[Message]
-    new_of: dict[int, int]  # id of a new message -> its index in the request's new messages
-    conversation: list[Message]
-    conversation_tokens: list[int]
-    first_new: int
-    repaired: bool
-    first: list[Message]
-    first_tokens: list[int]
-    first_end: int  # the first unit's end, when it is kept ahead of the cut (else 0)
-
-    def index_of(self, position: int) -> int | None:
-        """Stored history position `position` as an index into `conversation` (None: not in it)."""
-        if position < self.lower or position - self.lower > len(self.hist):
-            return None
-        if not self.repaired:
-            return position - self.lower
-        if position - self.lower == len(self.hist):
-            return self.first_new
-        message = self.hist[position - self.lower]
-        return next((i for i, m in enumerate(self.conversation) if m is message), None)
-
-    def absolute(self, index: int, total: int) -> int:
-        """`conversation[index]` as a stored history position (`total`: a new message)."""
-        if not self.repaired:
-            return self.lower + min(index, len(self.hist))
-        positions = {id(m): self.lower + i for i, m in enumerate(self.hist)}
-        return next((positions[id(m)] for m in self.conversation[index:] if id(m) in positions), total)
-
-    def new_index(self, index: int) -> int | None:
-        """The request's first new message kept from `conversation[index]` on, when no stored
-        message is (its index among the new messages)."""
-        kept = self.conversation[index:]
-        if any(id(m) not in self.new_of for m in kept[: max(0, self.first_new - index)]):
-            return None
-        return next((self.new_of[id(m)] for m in kept if id(m) in self.new_of), None)
-
-    def fit(
-        self,
-        first_new: int,
-        conversation: list[Message],
-        conversation_tokens: list[int],
-        first: list[Message],
-        first_tokens: list[int],
-        budget: int,
-        hold: int | None,
-    ) -> Window:
-        """`fit_window` over these messages, the summary and recap sized for the window."""
-        frame, summary = self.frame, self.summary
-        ctx, count = frame.settings, frame.count
-        # Summary and recap: together at most half of what the system prompt and the request
-        # leave (the rest is for the newest turns). Sized from the window as a whole first, so
-        # that they are the same on every turn; from what this request leaves when that fails.
-        request_tokens = sum(conversation_tokens[first_new:])
-        left = budget - REQUEST_OVERHEAD_TOKENS - sum(frame.system_tokens) - request_tokens
-        for free in (frame.head_room, left):
-            summary_message, summary_tokens = Planner.sized(
-                summary.message() if summary else None, free // 3, count, cut_to(frame.model)
-            )
-            # A recap is packed again as it was built (newest conversations, their newest lines).
-            recap_message, recap_tokens = Planner.sized(
-                frame.recap, free // 6, count, lambda message, limit: shrink_recap(message, limit, count)[0]
-            )
-            # A summary with too little room to say anything is left out: what it covers is
-            # then simply omitted (the marker counts it), and nothing claims it was sent.
-            covered = summary.covered if summary else 0
-            unsent = covered if summary is not None and summary_message is None else 0
-            try:
-                return fit_window(
-                    tools_tokens=frame.tools_tokens,
-                    system=frame.system,
-                    system_tokens=frame.system_tokens,
-                    conversation=conversation,
-                    conversation_tokens=conversation_tokens,
-                    first_new=first_new,
-                    budget=budget,
-                    max_history_messages=ctx.max_history_messages,
-                    marker_tokens=lambda n: marker_cost(frame.encoding, n),
-                    summary=summary_message,
-                    summary_tokens=summary_tokens,
-                    recap=recap_message,
-                    recap_tokens=recap_tokens,
-                    omitted_before=self.lower - covered + unsent - self.first_end,
-                    first=first,
-                    first_tokens=first_tokens,
-                    keep_recent=ctx.keep_recent_messages,
-                    hold=hold if first_new == self.first_new else None,
-                    cut_share=ctx.cut_to,
-                )
-            except ContextLengthExceeded:
-                if free != frame.head_room or not (summary_tokens or recap_tokens):
-                    raise
-        raise AssertionError("unreachable")  # (the second size raises or returns)
-
-    def fit_request(self, hold: int | None, budget: int) -> Window:
-        """The window within `budget`; what the client resent before its newest user message is
-        history, cut oldest first, when the request does not fit whole."""
-        conversation, tokens = self.conversation, self.conversation_tokens
-        try:
-            return self.fit(self.first_new, conversation, tokens, self.first, self.first_tokens, budget, hold)
-        except ContextLengthExceeded:
-            # What the client sent before its newest user message (a chat moved onto the
-            # gateway in one request, or everything after an edited message) is history it
-            # resent: cut oldest first, as stored history is. Only the newest user message
-            # and what follows it are the request proper.
-            request_from = newest_user_message(conversation, self.first_new)
-            if request_from is None:
-                raise
-            ctx, total = self.frame.settings, self.frame.view.history_count
-            covered = self.summary.covered if self.summary else 0
-            unit = first_unit(conversation) if ctx.keep_first and not total and not covered else 0
-            if 0 < unit < request_from:  # the conversation's first message came in this request
-                return self.fit(
-                    request_from - unit,
-                    conversation[unit:],
-                    tokens[unit:],
-                    conversation[:unit],
-                    tokens[:unit],
-                    budget,
-                    None,
-                )
-            return self.fit(request_from, conversation, tokens, self.first, self.first_tokens, budget, None)
-
-
 @dataclass(frozen=True, slots=True)
 class _Fitted:
     window: Window
-    part: _Part
+    part: Part
     server_tokens: int | None
 
 
@@ -397,10 +137,8 @@ class Planner:
     def __init__(self, settings: Settings, facts: ModelFacts) -> None:
         self.settings = settings
         self.facts = facts
-        # Conversations already warned about (the newest WARNED_LIMIT: bounded memory).
-        self._warned_truncation: LRU[str | None, bool] = LRU(WARNED_LIMIT)
         # (store, conversation) -> the head a summary for the next cut was asked at, and its target.
-        self._asked: LRU[tuple[int, str], tuple[int, str]] = LRU(WARNED_LIMIT)
+        self._asked: LRU[tuple[int, str], tuple[int, str]] = LRU(ASKED_LIMIT)
 
     async def window_needs(self, store: Store, cid: str) -> dict[str, Any]:
         """What a turn's window needs loaded (`ConversationCache.load`'s `tail` and `through`):
@@ -448,41 +186,17 @@ class Planner:
                 await asyncio.to_thread(view.count_tokens, encoding, count)
             else:
                 view.count_tokens(encoding, count)
-        if system_in:
-            system, system_tokens = system_in, list(system_in_tokens or [])
-        else:
-            system = view.system or []
-            system_tokens = [int(n or 0) for n in (view.system_tokens or [])]
         facts = await self.facts.window(route, request.model, store)
         window_size = facts.tokens
-        requested = request.body.get("max_completion_tokens") or request.body.get("max_tokens") or 0
-        requested = requested if isinstance(requested, int) and requested > 0 else 0
-        # The client's own max_tokens when sent; else reserve_tokens, at most a quarter of the window.
-        reserve = requested or min(ctx.reserve_tokens, window_size // 4)
-        # A server that counts prompts itself is asked for the exact count of the window
-        # planned (below): planned from the calibration's best estimate, without its margin.
-        calibration = replace(facts.calibration, margin=0) if facts.counts_prompts else facts.calibration
-        budget = calibration.our_budget(window_size - reserve)
-        tools = request.body.get("tools")
-        tools_tokens = tools_cost(orjson.dumps(tools).decode(), encoding) if tools else 0
+        reserve, budget = self._budget(request, facts)
         records = await store.read_side("summaries", cid) if ctx.strategy == "summarize" else []
         newest = current_summary(records, view) if records else None
-        frame = _Frame(
-            settings=ctx,
-            view=view,
-            system=[clean_message(m) for m in system],
-            system_tokens=system_tokens,
-            new=new,
-            new_tokens=new_tokens,
-            count=count,
-            model=request.model,
-            encoding=encoding,
-            recap=recap,
-            tools_tokens=tools_tokens,
-            # Summary and recap are sized from the window, not from the request: the head of
-            # the prompt stays the same from turn to turn (request-sized when it must shrink).
-            head_room=window_size - reserve - REQUEST_OVERHEAD_TOKENS - sum(system_tokens) - tools_tokens,
+        frame = self._frame(
+            request, view, system_in, system_in_tokens, new, new_tokens, encoding, count, recap
         )
+        # Summary and recap are sized from the window, not from the request: the head of the
+        # prompt stays the same from turn to turn (request-sized when it must shrink).
+        frame = replace(frame, head_room=window_size - reserve + frame.head_room)
         head = view.head or Head()  # (none recorded: as if the window began at the beginning)
         start = view.position_of(head.start) if head.start is not None else 0
         held_summary = summary_version(records, view, head.summary) if head.summary is not None else None
@@ -500,15 +214,7 @@ class Planner:
         kept_abs = part.absolute(window.history_start, view.history_count)
         target = None
         if ctx.strategy == "summarize" and view.history_count and not (newest and newest.covered > kept_abs):
-            # The summary for the next cut, until there is one: its coverage is chosen once per
-            # head (asking again for the same is no new work; a later one would be).
-            asked = self._asked.get((id(store), cid))
-            if asked is not None and asked[0] == kept_abs:
-                target = asked[1]
-            else:
-                target = self._summary_target(frame, part, window, budget)
-                if target is not None:
-                    self._asked[(id(store), cid)] = (kept_abs, target)
+            target = self._next_summary((id(store), cid), kept_abs, frame, part, window, budget)
         summary = part.summary
         return ContextPlan(
             window=window,
@@ -524,9 +230,60 @@ class Planner:
             cut=cut,
         )
 
+    def _frame(
+        self,
+        request: ChatRequest,
+        view: ConversationView,
+        system_in: list[Message],
+        system_in_tokens: list[int] | None,
+        new: list[Message],
+        new_tokens: list[int],
+        encoding: str,
+        count: Callable[[Message], int],
+        recap: Message | None,
+    ) -> Frame:
+        """What every window of the turn shares; its `head_room` is what the system prompt,
+        the framing and the tools take (negative: the window and reserve are added by the caller)."""
+        ctx = self.settings.context
+        if system_in:
+            system, system_tokens = system_in, list(system_in_tokens or [])
+        else:
+            system = view.system or []
+            system_tokens = [int(n or 0) for n in (view.system_tokens or [])]
+        tools = request.body.get("tools")
+        tools_tokens = tools_cost(orjson.dumps(tools).decode(), encoding) if tools else 0
+        return Frame(
+            max_history=ctx.max_history_messages,
+            keep_recent=ctx.keep_recent_messages,
+            keep_first=ctx.keep_first,
+            cut_to=ctx.cut_to,
+            view=view,
+            system=[clean_message(m) for m in system],
+            system_tokens=system_tokens,
+            new=new,
+            new_tokens=new_tokens,
+            count=count,
+            model=request.model,
+            encoding=encoding,
+            recap=recap,
+            tools_tokens=tools_tokens,
+            head_room=-REQUEST_OVERHEAD_TOKENS - sum(system_tokens) - tools_tokens,
+        )
+
+    def _budget(self, request: ChatRequest, facts: WindowFacts) -> tuple[int, int]:
+        """The answer's reserve (in the provider's tokens) and the prompt's budget (in ours)."""
+        requested = request.body.get("max_completion_tokens") or request.body.get("max_tokens") or 0
+        requested = requested if isinstance(requested, int) and requested > 0 else 0
+        # The client's own max_tokens when sent; else reserve_tokens, at most a quarter of the window.
+        reserve = requested or min(self.settings.context.reserve_tokens, facts.tokens // 4)
+        # A server that counts prompts itself is asked for the exact count of the window
+        # planned (below): planned from the calibration's best estimate, without its margin.
+        calibration = replace(facts.calibration, margin=0) if facts.counts_prompts else facts.calibration
+        return reserve, calibration.our_budget(facts.tokens - reserve)
+
     async def _fit(
         self,
-        frame: _Frame,
+        frame: Frame,
         summary: Summary | None,
         hold_at: int | None,
         route: Route,
@@ -565,23 +322,37 @@ class Planner:
             window, server_tokens = exact
         return _Fitted(window, part, server_tokens)
 
-    def _summary_target(self, frame: _Frame, part: _Part, window: Window, budget: int) -> str | None:
+    def _next_summary(
+        self, key: tuple[int, str], kept_from: int, frame: Frame, part: Part, window: Window, budget: int
+    ) -> str | None:
+        """The summary for the next cut, until there is one: its coverage is chosen once per head
+        (asking again for the same is no new work; a later one would be)."""
+        asked = self._asked.get(key)
+        if asked is not None and asked[0] == kept_from:
+            return asked[1]
+        target = self._summary_target(frame, part, window, budget)
+        if target is not None:
+            self._asked[key] = (kept_from, target)
+        return target
+
+    def _summary_target(self, frame: Frame, part: Part, window: Window, budget: int) -> str | None:
         """The response a new summary should cover through: the oldest turns of this window's
         history that the next cut will drop, (1 - cut_to) of the budget (or of
         max_history_messages). Asked for as soon as the history holds them, so that it is ready
         at that cut, where the window then starts with the summary and nothing in between."""
-        ctx, view = frame.settings, frame.view
+        view, share = frame.view, 1 - frame.cut_to
         start, end = window.history_start, part.first_new
         tokens = part.conversation_tokens
         ends = []
-        need, used = (1 - ctx.cut_to) * budget, 0
+        need, used = share * budget, 0
         for i in range(start, end):
             used += tokens[i]
             if used >= need:
                 ends.append(i + 1)
                 break
-        if ctx.max_history_messages and end - start >= math.ceil((1 - ctx.cut_to) * ctx.max_history_messages):
-            ends.append(start + math.ceil((1 - ctx.cut_to) * ctx.max_history_messages))
+        drops = math.ceil(share * frame.max_history)
+        if frame.max_history and end - start >= drops:
+            ends.append(start + drops)
         if not ends:
             return None
         position = snap_to_turn_end(view, part.absolute(max(ends), view.history_count))
@@ -652,25 +423,6 @@ class Planner:
                 ) from None
         return window, None  # (still over: sent, and the server has the last word)
 
-    @staticmethod
-    def sized(
-        message: Message | None,
-        limit: int,
-        count: Callable[[Message], int],
-        shrink: Callable[[Message, int], Message | None],
-    ) -> tuple[Message | None, int]:
-        """`message` (a summary or recap) within `limit` tokens, made smaller by `shrink` when
-        it is larger; None when too little room is left for it to say anything."""
-        if message is None:
-            return None, 0
-        tokens = count(message)
-        if tokens <= limit:
-            return message, tokens
-        if limit < _MIN_SIZED_TOKENS:
-            return None, 0
-        smaller = shrink(message, limit)
-        return (smaller, count(smaller)) if smaller is not None else (None, 0)
-
     async def recap(
         self,
         request: ChatRequest,
@@ -690,82 +442,9 @@ class Planner:
             store, load, user, tz, exclude=cid, now=now, max_tokens=sessions.recap_max_tokens, count=count
         )
 
-    def learn_from_usage(
-        self, plan: ContextPlan | None, route: Route, record: Record, cid: str | None, rid: str
-    ) -> bool:
-        """Calibrate counting from the provider's count of the whole prompt (the response's
-        `cache` figures: cached and uncached tokens together, where a provider reports them
-        apart, as Anthropic does), and flag a provider that silently dropped part of the prompt
-        (Ollama's num_ctx): it saw under 70% of what it should have."""
-        cache = record.get("cache")
-        if plan is None or not isinstance(cache, dict):
-            return False
-        theirs = cache.get("prompt_tokens")
-        ours = plan.window.total_tokens
-        if not isinstance(theirs, int) or isinstance(theirs, bool) or theirs <= 0:
-            return False
-        # (what was learned: the plan's may keep a configured window in our count, ratio 1)
-        calibration = self.facts.calibration(route) if plan.facts is not None else None
-        if calibration is not None and calibration.samples > 0:
-            expected, ratio = calibration.ratio * ours + calibration.overhead, _TRUNCATION_RATIO
-        else:
-            # Not calibrated yet: a provider may simply count fewer tokens than we do (a larger
-            # vocabulary, a rough count), so only a cut to under half is taken for truncation.
-            expected, ratio = float(ours), _UNCALIBRATED_TRUNCATION_RATIO
-        if ours < _TRUNCATION_MIN_TOKENS or theirs >= expected * ratio:
-            prior = calibration or UNCALIBRATED
-            if theirs < prior.ratio * ours + prior.overhead and _has_tools(plan.window):
-                # Chat templates render tool definitions and calls their own way, or not at all
-                # (SmolLM2's leaves them out): such a prompt may teach that the model counts
-                # more, never that it counts less (it once halved the planned ratio).
-                return False
-            self.facts.observe(route, ours, theirs)
-            return False
-        if plan.facts is not None and not plan.facts.cuts_silently:
-            # llama.cpp and vLLM refuse what does not fit: a low count is their chat template's
-            # (one that leaves `tools` out), not a cut. Not learned from: it would understate.
-            return False
-        record["upstream_truncation_suspected"] = {"prompt_tokens": theirs, "our_count": ours}
-        if route.upstream.reports_real_usage:
-            self.facts.truncated(route, theirs)
-        if self._warned_truncation.get(cid):
-            return True  # recorded on every response, logged once per conversation
-        self._warned_truncation[cid] = True
-        log.warning(
-            orjson.dumps(
-                {
-                    "event": "upstream_truncation_suspected",
-                    "response_id": rid,
-                    "conversation_id": cid,
-                    "provider": route.provider,
-                    "prompt_tokens": theirs,
-                    "our_count": ours,
-                }
-            ).decode()
-        )
-        return True
-
-
-def _has_tools(window: Window) -> bool:
-    """Did the prompt carry tool definitions, tool calls or tool results?"""
-    return bool(window.tokens.get("tools")) or any(
-        m.get("tool_calls") or m.get("role") == "tool" for m in window.messages
-    )
-
 
 @functools.lru_cache(maxsize=64)
 def tools_cost(tools_json: str, encoding: str) -> int:
     """Tokens of a request's tool definitions: counted once, as a client sends the same
     definitions with every turn."""
     return len(get_encoding(encoding).encode(tools_json, disallowed_special=()))
-
-
-def orphan_results(new: list[Message]) -> InvalidRequest:
-    """The request's new input was only `tool` results that answer no pending call: there is
-    nothing to send (providers refuse an orphan result, and an empty list)."""
-    ids = ", ".join(repr(m.get("tool_call_id")) for m in new)
-    return InvalidRequest(
-        f"The request's new messages are only tool results that answer no tool call (tool_call_id {ids}): "
-        "a 'tool' message must follow the assistant message whose tool_calls it answers",
-        param="messages",
-    )

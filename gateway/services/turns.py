@@ -55,6 +55,7 @@ from gateway.services.turn import (
     timings_until_now,
     while_waiting,
 )
+from gateway.services.usage import UsageLearning
 from gateway.store import Store, StoreRegistry
 from gateway.tokens import counter_for
 from gateway.types import Record, first_choice
@@ -86,6 +87,7 @@ class ChatService:
         # Asks the background summarizer for coverage (tenant, conversation, through, model).
         self.schedule_summary: Callable[[str, str, str, str], None] = lambda *args: None
         self.planner = Planner(settings, self.facts)
+        self.usage = UsageLearning(self.facts)
         self.clock: Callable[[], float] = time.time
         self.warm_up: asyncio.Future[Any] | None = None  # tokenizer loading, set at startup
         self.on_context_refusal: Callable[[str], None] = lambda outcome: None  # metrics hook
@@ -276,9 +278,10 @@ class ChatService:
             _, count = counter_for(turn.request.model)
             output_tokens = await off_loop_if_large([message], lambda: count(message))
             record["message_tokens"] = turn.output_tokens = output_tokens
-        turn.upstream_truncated = self.planner.learn_from_usage(
-            turn.plan, turn.route, record, turn.conversation_id, turn.response_id
-        )
+        if turn.plan is not None:
+            turn.upstream_truncated = self.usage.learn(
+                turn.plan.window, turn.plan.facts, turn.route, record, turn.conversation_id, turn.response_id
+            )
         turn.log.append(record)
         stored = stored_turn(turn, message, output_tokens)
         # Shielded: a client disconnect must never interrupt the write of an answered turn.

@@ -9,7 +9,7 @@ from gateway.jobs import summarizer as summarizer_module
 from gateway.metrics import ACTIVE_LIMIT, Metrics
 from gateway.services.cache import ConversationCache
 from gateway.services.models import MAX_MODELS, ModelFacts
-from gateway.services.planning import WARNED_LIMIT, Planner
+from gateway.services.usage import WARNED_LIMIT, UsageLearning
 from gateway.store.base import LRU
 from gateway.store.jsonl import JsonlStore
 from gateway.store.memory import MemoryStore
@@ -99,10 +99,10 @@ def test_model_facts_of_client_chosen_models_are_bounded() -> None:
 
 
 def test_suspected_truncation_warnings_are_remembered_for_a_bounded_set() -> None:
-    planner = Planner(make_settings(), ModelFacts(make_settings()))
+    usage = UsageLearning(ModelFacts(make_settings()))
     for n in range(WARNED_LIMIT * 2):
-        planner._warned_truncation[f"c{n}"] = True
-    assert len(planner._warned_truncation) == WARNED_LIMIT
+        usage._warned_truncation[f"c{n}"] = True
+    assert len(usage._warned_truncation) == WARNED_LIMIT
 
 
 async def test_summarizer_failure_counts_are_bounded(monkeypatch: pytest.MonkeyPatch) -> None:
