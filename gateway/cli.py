@@ -453,7 +453,7 @@ def show(
             continue
         aside = None  # why the model is not given this turn
         if turn.response_id not in live:
-            aside = "no longer sent to the model: edited away, reset or deleted"
+            aside = "no longer sent to the model: left behind by a branch, reset or deleted"
         elif window is not None and turn.response_id not in window["included"]:
             where = f"outside the last turn's window ({window['response_id']})"
             aside = f"{where}: {'in the rolling summary' if summarized else 'left out'}"
@@ -489,7 +489,7 @@ def show(
                 elif (turn.response_id, pos) in in_history:
                     why = "its tool call deleted"
                 else:
-                    why = "edited away"
+                    why = "left behind by a branch"
                 click.echo(click.style(render_message(m, note=f"{why}: no longer sent"), dim=True))
                 continue
             n = stored_count.get((turn.response_id, pos)) or count_message(m)

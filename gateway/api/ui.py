@@ -93,7 +93,12 @@ def _turn(records: list[Record], rid: str, index: int) -> JSONObject | None:
         "context": {k: v for k, v in context.items() if k not in ("type", "messages")},
         "sent": context.get("messages") or [],
         "outcome": records[-1].get("type") if records else None,
+        # Where the client's version branched (history kept up to `branch_at`), whether it was
+        # "edited" or "regenerated" (None: recorded before the two were told apart), and the
+        # first stored message the branch left behind ({response_id, position}).
         "branch_at": request.get("branch_at"),
+        "branch": request.get("branch"),
+        "branch_left": request.get("branch_left"),
     }
 
 
