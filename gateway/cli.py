@@ -453,7 +453,7 @@ def show(
             continue
         aside = None  # why the model is not given this turn
         if turn.response_id not in live:
-            aside = "no longer sent to the model: edited away, reset or deleted"
+            aside = "no longer sent to the model: left behind by a branch, reset or deleted"
         elif window is not None and turn.response_id not in window["included"]:
             where = f"outside the last turn's window ({window['response_id']})"
             aside = f"{where}: {'in the rolling summary' if summarized else 'left out'}"
@@ -489,7 +489,7 @@ def show(
                 elif (turn.response_id, pos) in in_history:
                     why = "its tool call deleted"
                 else:
-                    why = "edited away"
+                    why = "left behind by a branch"
                 click.echo(click.style(render_message(m, note=f"{why}: no longer sent"), dim=True))
                 continue
             n = stored_count.get((turn.response_id, pos)) or count_message(m)
@@ -548,17 +548,30 @@ def _poll_seconds(ctx: click.Context, param: click.Parameter, seconds: float) ->
     show_default=True,
     help="Seconds between checks.",
 )
+@click.option(
+    "-f",
+    "--follow",
+    is_flag=True,
+    help="Follow the conversation, as `tail -f` does. This is the default: the flag changes nothing.",
+)
 @_tenant_option
 def tail(
-    settings: Settings, *, config_path: str | None, conversation_id: str, poll: float, tenant: str | None
+    settings: Settings,
+    *,
+    config_path: str | None,
+    conversation_id: str,
+    poll: float,
+    follow: bool,
+    tenant: str | None,
 ) -> None:
-    """Follow a conversation live, rendered (Ctrl-C to stop); one that does not exist yet is
-    waited for."""
+    """Follow a conversation live, rendered, like `tail -f` (Ctrl-C to stop): its turns so far,
+    then each new one as it lands; one that does not exist yet is waited for. Following is the
+    default, so `-f`/`--follow` may be given or left out."""
     from gateway.ids import check_conversation_id
 
     check_conversation_id(conversation_id)
 
-    async def follow(services: Services) -> None:
+    async def watch(services: Services) -> None:
         name, exists = await _conversation_tenant(services, tenant, conversation_id)
         folder = Path(settings.storage.data_dir) / ("tenants/" + name if name else "")
         where = f"{folder / 'logs' / 'conversations' / conversation_id}.jsonl"
@@ -570,7 +583,7 @@ def tail(
             click.echo(render_turn(entry) if isinstance(entry, Turn) else render_marker(entry))
 
     try:
-        _run(settings, follow)
+        _run(settings, watch)
     except KeyboardInterrupt:
         pass
 

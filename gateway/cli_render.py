@@ -79,11 +79,18 @@ def render_marker(marker: Record) -> str:
 
 
 def turn_heading(turn: Turn) -> str:
-    """A turn's head line: its response id, and where an edit made the client's version branch."""
+    """A turn's head line: its response id, and where the client's version branched: its edit
+    of a message, or the same messages resent for a new answer (regenerated)."""
     if turn.branch_at is None:
         return f"── {turn.response_id}"
+    if turn.branch == "regenerated":
+        why = "regenerated: the client asked again for an answer"
+    elif turn.branch == "edited":
+        why = "the client's edit"
+    else:  # (recorded before the two were told apart)
+        why = "the client's version branched"
     return (
-        f"── {turn.response_id} (the client's edit: continues after message {turn.branch_at}; "
+        f"── {turn.response_id} ({why}: continues after message {turn.branch_at}; "
         "what followed is no longer sent)"
     )
 

@@ -3,22 +3,19 @@ the conversation use cases (`services/conversations.py`, `services/queries.py`),
 
 from __future__ import annotations
 
-from collections.abc import Callable
-from typing import Any
-
 from starlette.requests import Request
 from starlette.responses import Response
 
 from gateway.api.http import JSONBody, read_json, services_of, tenant_of
+from gateway.api.pages import NEWEST_FIRST, list_params, page, paginate
 from gateway.api.schemas import ConversationCreate, ConversationUpdate, ItemsCreate
 from gateway.api.validation import validate
 from gateway.context import ConversationView
-from gateway.context.items import Item
 from gateway.context.lifecycle import State
-from gateway.exceptions import InvalidRequest, NotFound
+from gateway.exceptions import InvalidRequest
 from gateway.ids import check_conversation_id
 from gateway.services.conversations import find_item, item_place, view_items
-from gateway.types import JSONObject, ascii_int
+from gateway.types import JSONObject
 
 
 def _cid(request: Request) -> str:
@@ -41,60 +38,6 @@ def conversation_object(cid: str, view: ConversationView, ttl: float = 0.0, **ex
 
 def _ttl(request: Request) -> float:
     return float(request.app.state.settings.sessions.ttl)
-
-
-def _page(items: list[Item], *, first: bool = True) -> dict[str, Any]:
-    return {
-        "object": "list",
-        "data": items,
-        "first_id": items[0]["id"] if items else None,
-        "last_id": items[-1]["id"] if items else None,
-        "has_more": False,
-    }
-
-
-def _limit(request: Request) -> int:
-    raw = request.query_params.get("limit", "20")
-    limit = ascii_int(raw)
-    if limit is None or not 1 <= limit <= 100:
-        raise InvalidRequest("'limit' must be an integer between 1 and 100", param="limit")
-    return limit
-
-
-def paginate(
-    items: list[Item],
-    request: Request,
-    *,
-    default_order: str,
-    place: Callable[[str], tuple[int, ...] | None] | None = None,
-) -> dict[str, Any]:
-    """A page of `items` (oldest first). `place` gives an item id's place in that order, even
-    for an item no longer listed: a page may go on after a cursor deleted since (the SDK's
-    loop that lists items and deletes each one)."""
-    order = request.query_params.get("order", default_order)
-    if order not in ("asc", "desc"):
-        raise InvalidRequest("'order' must be 'asc' or 'desc'", param="order")
-    limit = _limit(request)
-    ordered = items if order == "asc" else list(reversed(items))
-    after = request.query_params.get("after")
-    if after:
-        ids = [item["id"] for item in ordered]
-        if after in ids:
-            ordered = ordered[ids.index(after) + 1 :]
-        else:
-            cursor = place(after) if place is not None else None
-            if place is None or cursor is None:
-                raise NotFound(f"No item {after!r} in this list", param="after")
-            kept = []
-            for item in ordered:
-                at = place(str(item["id"]))
-                if at is not None and (at > cursor if order == "asc" else at < cursor):
-                    kept.append(item)
-            ordered = kept
-    page = ordered[:limit]
-    result = _page(page)
-    result["has_more"] = len(ordered) > limit
-    return result
 
 
 # -- routes -------------------------------------------------------------------------------------
@@ -142,8 +85,9 @@ async def delete_conversation(request: Request) -> Response:
 
 
 async def list_conversations(request: Request) -> Response:
+    params = list_params(request.query_params, orders=NEWEST_FIRST)
     rows, has_more = await services_of(request).queries.conversations(
-        tenant_of(request), limit=_limit(request), after=request.query_params.get("after")
+        tenant_of(request), limit=params.limit, after=params.after
     )
     data = [
         conversation_object(
@@ -157,9 +101,7 @@ async def list_conversations(request: Request) -> Response:
         )
         for row in rows
     ]
-    result = _page(data)
-    result["has_more"] = has_more
-    return JSONBody(result)
+    return JSONBody(page(data, has_more))
 
 
 async def reset_conversation(request: Request) -> Response:
@@ -177,7 +119,8 @@ async def reset_conversation(request: Request) -> Response:
 
 async def list_items(request: Request) -> Response:
     view = await services_of(request).conversations.get(tenant_of(request), _cid(request))
-    return JSONBody(paginate(view_items(view), request, default_order="desc", place=item_place(view)))
+    params = list_params(request.query_params)
+    return JSONBody(paginate(view_items(view), params, place=item_place(view)))
 
 
 async def create_items(request: Request) -> Response:
@@ -188,7 +131,7 @@ async def create_items(request: Request) -> Response:
         raise InvalidRequest("'items' is required", param="items")
     validate(ItemsCreate, body)  # then turned into messages (and checked again) by the service
     created = await services.conversations.add_items(tenant_of(request), cid, body["items"])
-    return JSONBody(_page(created))
+    return JSONBody(page(created, False))
 
 
 async def get_item(request: Request) -> Response:

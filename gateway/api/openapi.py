@@ -10,6 +10,7 @@ from pydantic import BaseModel, TypeAdapter
 
 from gateway import __version__
 from gateway.api import replies, schemas
+from gateway.api.pages import NEWEST_FIRST, ORDERS
 from gateway.ids import CONVERSATION_ID_RE
 
 Schema = dict[str, object]
@@ -78,11 +79,15 @@ PATH_PARAMETERS: dict[str, Schema] = {
     for name in ("conversation_id", "response_id", "item_id", "model")
 }
 PATH_PARAMETERS["conversation_id"]["description"] = f"Matches ^{CONVERSATION_ID_RE.pattern}$, else a 400"
-PAGE: list[Schema] = [
-    {"name": "limit", "in": "query", "schema": {"type": "integer", "minimum": 1, "maximum": 100}},
-    {"name": "order", "in": "query", "schema": {"type": "string", "enum": ["asc", "desc"]}},
-    {"name": "after", "in": "query", "schema": {"type": "string"}},
-]
+
+
+def _page(orders: tuple[str, ...]) -> list[Schema]:
+    """The query parameters of a list (`api/pages.py` checks them)."""
+    return [
+        {"name": "limit", "in": "query", "schema": {"type": "integer", "minimum": 1, "maximum": 100}},
+        {"name": "order", "in": "query", "schema": {"type": "string", "enum": list(orders)}},
+        {"name": "after", "in": "query", "schema": {"type": "string"}},
+    ]
 
 
 def _json(schema: Schema, description: str) -> Schema:
@@ -106,7 +111,8 @@ def _operation(method: str, path: str, body: str | None, answer: str, errors: tu
     if path == "/readyz":
         responses["503"] = _json({"type": "object"}, "Not ready")
     parameters = [PATH_PARAMETERS[name] for name in re.findall(r"{(\w+)}", path)]
-    parameters += PAGE if method == "get" and answer == "Page" else []
+    if method == "get" and answer == "Page":
+        parameters += _page(NEWEST_FIRST if path == "/v1/conversations" else ORDERS)
     operation: Schema = {"responses": responses, **({"parameters": parameters} if parameters else {})}
     if body is not None:
         schema = {"schema": REFS[body.rstrip("?")]}

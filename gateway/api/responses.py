@@ -17,7 +17,6 @@ from typing import Any
 from starlette.requests import Request
 from starlette.responses import Response
 
-from gateway.api.conversations import paginate
 from gateway.api.http import (
     ClientDisconnected,
     JSONBody,
@@ -30,6 +29,7 @@ from gateway.api.http import (
     until_disconnect,
 )
 from gateway.api.observe import log_failure, log_line, refused, stream_closed
+from gateway.api.pages import list_params, paginate
 from gateway.api.response_shapes import response_events, response_object
 from gateway.api.schemas import ResponseCreate
 from gateway.api.validation import parse_chat, validate
@@ -300,4 +300,4 @@ async def list_input_items(request: Request) -> Response:
         items.extend(message_to_items(message, rid, -(k + 1)))
     for pos, message in enumerate(stored.input):
         items.extend(message_to_items(message, rid, pos))
-    return JSONBody(paginate(items, request, default_order="desc"))
+    return JSONBody(paginate(items, list_params(request.query_params)))

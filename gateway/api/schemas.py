@@ -54,13 +54,14 @@ class ImageURL(TypedDict, total=False):
 
 @with_config(MESSAGE)
 class ContentPart(TypedDict, total=False):
-    """A content part (text, image_url, ...): an object with a string `type`; its text and its
-    image's URL are strings (stored, a number went back to the provider on every later turn,
-    and the items API refuses it); what else is in it is the provider's to check."""
+    """A content part (text, image_url, ...): an object with a string `type`; its text is a
+    string (stored, a number went back to the provider on every later turn, and the items API
+    refuses it); its image is checked by the content rules every way in shares
+    (`context/content.py`); what else is in it is the provider's to check."""
 
     type: str
     text: str
-    image_url: str | ImageURL
+    image_url: SkipValidation[ImageURL]
 
 
 def _text_has_text(part: ContentPart) -> ContentPart:

@@ -12,6 +12,7 @@ from starlette.requests import Request
 from starlette.responses import FileResponse, Response
 
 from gateway.api.http import JSONBody, services_of, tenant_of
+from gateway.api.pages import NEWEST_FIRST, list_params
 from gateway.context.records import first, latest
 from gateway.exceptions import InvalidRequest, NotFound
 from gateway.ids import check_conversation_id
@@ -20,6 +21,7 @@ from gateway.types import JSONObject, Record, ascii_int
 
 STATIC = Path(__file__).resolve().parent.parent / "ui" / "static"
 _FILES = {"index.html": "text/html", "app.js": "text/javascript", "style.css": "text/css"}
+PAGE = 200  # conversations listed at most by one request (the page asks for older ones after)
 
 
 def _enabled(request: Request) -> None:
@@ -42,11 +44,11 @@ async def static(request: Request) -> Response:
 
 async def conversations(request: Request) -> Response:
     _enabled(request)
-    after = request.query_params.get("after") or None
-    if after is not None:
-        check_conversation_id(after, param="after")
+    params = list_params(request.query_params, orders=NEWEST_FIRST, default_limit=PAGE, max_limit=PAGE)
+    if params.after is not None:
+        check_conversation_id(params.after, param="after")
     rows, next_after = await services_of(request).queries.search(
-        tenant_of(request), request.query_params.get("q", ""), after=after
+        tenant_of(request), request.query_params.get("q", ""), limit=params.limit, after=params.after
     )
     out = [
         {
@@ -91,7 +93,12 @@ def _turn(records: list[Record], rid: str, index: int) -> JSONObject | None:
         "context": {k: v for k, v in context.items() if k not in ("type", "messages")},
         "sent": context.get("messages") or [],
         "outcome": records[-1].get("type") if records else None,
+        # Where the client's version branched (history kept up to `branch_at`), whether it was
+        # "edited" or "regenerated" (None: recorded before the two were told apart), and the
+        # first stored message the branch left behind ({response_id, position}).
         "branch_at": request.get("branch_at"),
+        "branch": request.get("branch"),
+        "branch_left": request.get("branch_left"),
     }
 
 

@@ -10,6 +10,7 @@ from pydantic import BaseModel, ValidationError
 from pydantic_core import ErrorDetails
 
 from gateway.api.schemas import NOT_AN_OBJECT, ChatCompletionRequest, ErrorMessages
+from gateway.context.content import check_messages, check_model
 from gateway.context.tools import settle_arguments
 from gateway.exceptions import InvalidRequest
 from gateway.ids import check_conversation_id
@@ -81,6 +82,8 @@ def parse_chat(body: object, *, header_conversation_id: str | None = None) -> Ch
     if not isinstance(body, dict):
         raise InvalidRequest(NOT_AN_OBJECT)
     request = validate(ChatCompletionRequest, body)
+    check_model(request.model)
+    check_messages(body["messages"])
     cid: str | None = None
     # The first id present names the conversation; ids after it are not looked at.
     if request.conversation_id is not None:

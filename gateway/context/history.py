@@ -117,8 +117,11 @@ class Turn:
     recap: Message | None = None  # "Earlier today" system message injected when it started
     timezone: str | None = None
     # The client's history diverged (an edit, a regenerate): history is cut back to its first
-    # `branch_at` messages before this turn's messages (the rest stays in the logs).
+    # `branch_at` messages before this turn's messages (the rest stays in the logs). `branch`
+    # says which it was ("edited" or "regenerated", `context.reconcile.Reconciled`); None for a
+    # branch recorded before the gateway told them apart.
     branch_at: int | None = None
+    branch: str | None = None
     head: Head | None = None  # where this turn's window began (None: not recorded)
 
     @property

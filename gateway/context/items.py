@@ -9,6 +9,7 @@ from __future__ import annotations
 
 from typing import cast
 
+from gateway.context.content import image_detail, image_url
 from gateway.context.tools import settle_arguments
 from gateway.exceptions import InvalidRequest
 from gateway.types import ContentPart, ImageURL, JSONObject, Message, ToolCall, ascii_int
@@ -79,28 +80,20 @@ def _chat_content(content: object, where: str, where_role: str = "user") -> str 
     return parts
 
 
-IMAGE_DETAILS = ("auto", "low", "high", "original")
-
-
 def _image(part: JSONObject, at: str, param: str) -> ImageURL:
-    """An input_image as chat completions take it: by URL or data URL, with a detail they know.
-    Anything else is a 400: stored, it would go to the provider on every later turn (a file
-    id sent as an image URL made every turn of its conversation a provider's 400)."""
+    """An input_image as chat completions take it: by URL or data URL, with a detail they know
+    (the content rules, `context/content.py`). A file id is a 400: sent as an image URL, it made
+    every later turn of its conversation a provider's 400."""
     url = part.get("image_url")
-    if not isinstance(url, str) or not url:
-        if isinstance(part.get("file_id"), str):
-            raise InvalidRequest(
-                f"{at}: an input_image by file_id cannot be sent: chat completions take an image by "
-                "URL or data URL (give image_url)",
-                param=param,
-            )
-        raise InvalidRequest(f"{at}: an input_image needs image_url (a URL or a data URL)", param=param)
-    if not url.startswith(("http://", "https://", "data:")):
-        raise InvalidRequest(f"{at}: image_url must be an http(s) URL or a data URL", param=param)
-    image: ImageURL = {"url": url}
-    detail = part.get("detail")
-    if detail is not None and detail not in IMAGE_DETAILS:
-        raise InvalidRequest(f"{at}: detail must be one of {', '.join(IMAGE_DETAILS)}", param=param)
+    if url is None and isinstance(part.get("file_id"), str):
+        raise InvalidRequest(
+            f"{at}: an input_image by file_id cannot be sent: chat completions take an image by "
+            "URL or data URL (give image_url)",
+            param=param,
+            code="invalid_image",
+        )
+    image: ImageURL = {"url": image_url(url, at, param)}
+    detail = image_detail(part.get("detail"), at, param)
     if detail is not None and detail != "auto":
         image["detail"] = detail
     return image

@@ -21,10 +21,27 @@ def _common_prefix(incoming: Sequence[Message], stored_keys: Sequence[bytes]) ->
 @dataclass(frozen=True, slots=True)
 class Reconciled:
     """What a request adds to the stored conversation: its new messages, and where the
-    stored history is cut first when the client's version diverged from it (None: nowhere)."""
+    stored history is cut first when the client's version diverged from it (None: nowhere).
+
+    A branch is a regeneration when the new messages are the first of those it leaves behind,
+    unchanged: the client resent its history up to before an answer, to have another one. Any
+    other branch is an edit: a message of the client's differs from the stored one."""
 
     new: list[Message]
     branch_at: int | None = None
+    regenerated: bool = False
+    # The first stored message the branch leaves behind: (its response id, its position there).
+    left_from: tuple[str, int] | None = None
+
+
+def _branch(new: Sequence[Message], branch_at: int, view: ConversationView) -> Reconciled:
+    """The branch at `branch_at` (a position in the stored history, loaded whole) adding `new`."""
+    left = view.keys("history")[branch_at:]
+    regenerated = 0 < len(new) <= len(left) and all(
+        message_key(message) == key for message, key in zip(new, left, strict=False)
+    )
+    left_from = (view.history_owner[branch_at], view.history_pos[branch_at]) if left else None
+    return Reconciled(list(new), branch_at, regenerated, left_from)
 
 
 def reconcile(incoming: Sequence[Message], view: ConversationView) -> Reconciled:
@@ -61,9 +78,9 @@ def reconcile(incoming: Sequence[Message], view: ConversationView) -> Reconciled
         # The client's copy still holds messages left out of history (deleted since, or
         # feedback): it diverges where it leaves the transcript, and what it resends before
         # that is not new.
-        return Reconciled(list(incoming[common:]), branch_at=_in_history(transcript[:common], history))
+        return _branch(incoming[common:], _in_history(transcript[:common], history), view)
     if shared > 0 and answered:
-        return Reconciled(list(incoming[shared:]), branch_at=shared)
+        return _branch(incoming[shared:], shared, view)
     keys = [message_key(msg) for msg in incoming[: n - 1]]
     # The longest overlap with the stored tail: the transcript's (a copy that still holds
     # messages left out of history since), else the history's (a copy without them).
@@ -78,11 +95,11 @@ def reconcile(incoming: Sequence[Message], view: ConversationView) -> Reconciled
         trimmed = _trimmed_divergence(keys, table, first_answer, transcript)
         if trimmed is not None:  # a run of the transcript: branch after its history messages
             shared, end = trimmed
-            return Reconciled(list(incoming[shared:]), branch_at=_in_history(transcript[:end], history))
+            return _branch(incoming[shared:], _in_history(transcript[:end], history), view)
         trimmed = _trimmed_divergence(keys, table, first_answer, history)
         if trimmed is not None:
             shared, branch_at = trimmed
-            return Reconciled(list(incoming[shared:]), branch_at=branch_at)
+            return _branch(incoming[shared:], branch_at, view)
     return Reconciled(list(incoming))
 
 

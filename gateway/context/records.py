@@ -66,7 +66,7 @@ def turn_from_records(records: list[Record]) -> Turn | None:
             return None
         output_tokens = response.get("message_tokens")
     system = request.get("system")
-    created, branch_at = request.get("created"), request.get("branch_at")
+    created, branch_at, branch = request.get("created"), request.get("branch_at"), request.get("branch")
     head = obj(response.get("head")) if response is not None else None
     return Turn(
         response_id=str(request.get("response_id")),
@@ -83,6 +83,7 @@ def turn_from_records(records: list[Record]) -> Turn | None:
         recap=message(request.get("recap")),
         timezone=text(request.get("user_timezone")),
         branch_at=branch_at if isinstance(branch_at, int) else None,
+        branch=branch if isinstance(branch_at, int) and branch in ("edited", "regenerated") else None,
         head=Head.of(head) if head is not None else None,
     )
 

@@ -20,6 +20,7 @@ from gateway.config import Settings
 from gateway.context import (
     ConversationView,
     Message,
+    Reconciled,
     Turn,
     clean_message,
     reconcile,
@@ -138,7 +139,7 @@ class ChatService:
                 await asyncio.shield(self.warm_up)  # never load a tokenizer on the event loop
             encoding, count = counter_for(request.model)
             plan: ContextPlan | None = None
-            branch_at: int | None = None
+            branch: Reconciled | None = None  # (a branch: where, and which kind)
             if cid is None:
                 new = list(rest)
                 sent = [clean_message(m) for m in request.messages]
@@ -148,9 +149,10 @@ class ChatService:
                 for attempt in range(2):
                     try:
                         reconciled = reconcile(rest, view)
-                        new, branch_at = reconciled.new, reconciled.branch_at
-                        if branch_at is not None:
-                            view = view.branched(branch_at)  # planned on the client's version
+                        new = reconciled.new
+                        branch = reconciled if reconciled.branch_at is not None else None
+                        if reconciled.branch_at is not None:
+                            view = view.branched(reconciled.branch_at)  # planned on the client's version
                         # + 1: the reply this turn would store
                         check_size(self.settings.storage.max_conversation_messages, cid, view, len(new) + 1)
                         new_tokens = await off_loop_if_large(
@@ -220,8 +222,12 @@ class ChatService:
             if recap is not None:
                 record["recap"] = recap
                 record["recap_conversations"] = recap_from
-            if branch_at is not None:
-                record["branch_at"] = branch_at  # the client's history diverged here
+            if branch is not None:
+                record["branch_at"] = branch.branch_at  # the client's history diverged here
+                record["branch"] = "regenerated" if branch.regenerated else "edited"
+                if branch.left_from is not None:  # the first stored message it leaves behind
+                    rid, position = branch.left_from
+                    record["branch_left"] = {"response_id": rid, "position": position}
             if request.echo is not None:
                 record["responses"] = request.echo
             if isinstance(request.body.get("user_timezone"), str):
@@ -257,7 +263,7 @@ class ChatService:
             turn.store = store
             turn.view = view
             turn.tenant = tenant
-            turn.branch_at = branch_at
+            turn.branch_at = branch.branch_at if branch is not None else None
             if plan is not None:
                 turn.replan = replan
             turn.created = created

@@ -52,6 +52,20 @@ def test_the_rules_with_examples() -> None:
     assert trimmed_edit.new == [u("q2, better")] and trimmed_edit.branch_at == 2
     trimmed_regenerate = reconcile([a("a1"), u("q2")], view)
     assert trimmed_regenerate.new == [u("q2")] and trimmed_regenerate.branch_at == 2
+    # a regenerate resends the messages the branch leaves behind unchanged; an edit does not
+    assert regenerated.regenerated and trimmed_regenerate.regenerated
+    assert not edited.regenerated and not trimmed_edit.regenerated
+    # the first stored message the branch leaves behind: q2, the input of r1
+    assert regenerated.left_from == edited.left_from == ("r1", 0)
+    # a regenerate of an older answer leaves more behind: still the same message asked again
+    older = reconcile([u("q1")], view_of(("q1", "a1"), ("q2", "a2")))
+    assert older.branch_at is None  # (one message: new, as ever)
+    older = reconcile([u("q1"), a("a1"), u("q2")], view_of(("q1", "a1"), ("q2", "a2"), ("q3", "a3")))
+    assert older.regenerated and older.branch_at == 2 and older.left_from == ("r1", 0)
+    # an edited answer is an edit, though the question before it is resent unchanged
+    answer_edited = reconcile([u("q1"), a("a1"), u("q2"), a("a2, better"), u("q3")], view)
+    assert answer_edited.branch_at == 3 and not answer_edited.regenerated
+    assert answer_edited.left_from == ("r1", 1)
     # the same text as an earlier question, no answer in the request: new, not a regenerate
     assert reconcile([u("q1")], view).new == [u("q1")] and reconcile([u("q1")], view).branch_at is None
     # two new messages, the first equal to the conversation's first: not an edit (no answer shared)
@@ -119,6 +133,11 @@ async def test_what_reaches_the_provider_is_what_a_careful_client_would_send(
         for step, (action, pick) in enumerate(actions):
             question = u(f"question {step}")
             users = [i for i, m in enumerate(history) if m["role"] == "user" and i >= 2]
+            branch = None  # what the request record must say of the branch
+            if action in ("edit", "trimmed edit") and users:
+                branch = "edited"
+            elif action in ("regenerate", "trimmed regenerate") and len(history) >= 4:
+                branch = "regenerated"
             if action == "new" or not history:
                 sent, history = [question], [*history, question]
             elif action == "full":
@@ -152,6 +171,8 @@ async def test_what_reaches_the_provider_is_what_a_careful_client_would_send(
             )
             assert r.status_code == 200, r.text
             assert upstream.requests[-1]["messages"] == history, (action, sent)
+            record = (await client.get(f"/v1/responses/{r.json()['id']}")).json()["gateway"]["request"]
+            assert record.get("branch") == branch, (action, sent)
             history = [*history, r.json()["choices"][0]["message"]]
 
 
@@ -273,3 +294,67 @@ def test_the_linear_matching_finds_what_the_quadratic_one_did() -> None:
                 (k for k in range(1, min(end, len(keys)) + 1) if stored[end - k : end] == keys[:k]), default=0
             )
             assert runs[end - 1] == longest
+
+
+def test_a_regenerated_answer_is_labelled_so_and_an_edit_as_an_edit(tmp_path: Any) -> None:
+    """A regenerated answer (the history resent up to before it) was labelled "the client's edit"
+    in `gateway show` and `gateway tail`, and the inspector did not say where a branch started."""
+    import asyncio
+
+    from click.testing import CliRunner
+
+    from gateway.cli import main
+    from gateway.store.jsonl import JsonlStore
+
+    async def converse() -> dict[str, Any]:
+        store = JsonlStore(tmp_path / "var")
+        await store.open()
+        upstream = MockUpstream(lambda body: f"answer {len(upstream.requests)}")
+        async with build_client(make_settings(tmp_path), store, upstream) as client:
+
+            async def say(messages: list[dict[str, Any]]) -> dict[str, Any]:
+                body = {"model": "mock/m", "messages": messages, "conversation_id": "c"}
+                r = await client.post("/v1/chat/completions", json=body)
+                assert r.status_code == 200, r.text
+                return dict(r.json()["choices"][0]["message"])
+
+            history = [u("first question")]
+            history.append(await say(history))
+            await say([*history, u("second question")])
+            history.append(u("second, edited"))  # the client edits its second question
+            history.append(await say(history))
+            history.append(u("third question"))
+            await say(history)
+            await say(history)  # and has the answer to its third question regenerated
+            return dict((await client.get("/ui/api/conversations/c")).json())
+
+    ui = asyncio.run(converse())
+    result = CliRunner().invoke(main, ["show", "c", "--data-dir", str(tmp_path / "var")])
+    assert result.exit_code == 0, result.output
+    [edit] = [line for line in result.output.splitlines() if "continues after message 2" in line]
+    [regenerated] = [line for line in result.output.splitlines() if "continues after message 4" in line]
+    assert "the client's edit" in edit and "regenerated" not in edit
+    assert "regenerated" in regenerated and "the client's edit" not in regenerated
+    # The inspector: which kind each branch was, and the message each one left behind.
+    turns = ui["turns"]
+    assert [t["branch"] for t in turns] == [None, None, "edited", None, "regenerated"]
+    assert [t["branch_at"] for t in turns] == [None, None, 2, None, 4]
+    assert turns[2]["branch_left"] == {"response_id": turns[1]["response_id"], "position": 0}
+    assert turns[4]["branch_left"] == {"response_id": turns[3]["response_id"], "position": 0}
+    assert [t["not_sent"] for t in turns] == [[], [0, 1], [], [0, 1], []]
+
+
+def test_a_turn_heading_names_the_kind_of_branch() -> None:
+    from gateway.cli_render import turn_heading
+
+    def heading(**branch: Any) -> str:
+        return turn_heading(Turn("r9", (u("q"),), a("x"), **branch))
+
+    assert heading() == "── r9"
+    assert "(regenerated: the client asked again for an answer: continues after message 2;" in heading(
+        branch_at=2, branch="regenerated"
+    )
+    assert "(the client's edit: continues after message 2;" in heading(branch_at=2, branch="edited")
+    # recorded before the two were told apart: neither
+    older = heading(branch_at=2)
+    assert "continues after message 2" in older and "edit" not in older and "regenerated" not in older

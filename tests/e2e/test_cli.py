@@ -189,6 +189,7 @@ def test_tail_follows_new_turns(gateway: GatewayProcess, upstream: MockServer) -
                 "-m",
                 "gateway",
                 "tail",
+                "-f",  # (as `tail -f` takes it: following is the default)
                 "cli-tail",  # its own conversation: the module's gateway is shared
                 "--poll",
                 "0.1",

@@ -209,3 +209,32 @@ def test_inspector_live_view_follows_resets_deletions_and_edits(
     page.wait_for_function(said)
     assert page.locator("#conversation-view").is_hidden()
     assert errors == []
+
+
+def test_inspector_marks_where_each_branch_starts(inspector: GatewayProcess, browser: Any) -> None:
+    """Abandoned turns were struck through, but nothing said where the client's version branched,
+    nor whether it edited a message or had an answer regenerated."""
+    first = chat(inspector, "forks", "first question")
+    history = [{"role": "user", "content": "first question"}, first["choices"][0]["message"]]
+    chat(inspector, "forks", "", messages=[*history, {"role": "user", "content": "second question"}])
+    edited = chat(inspector, "forks", "", messages=[*history, {"role": "user", "content": "second, edited"}])
+    history += [{"role": "user", "content": "second, edited"}, edited["choices"][0]["message"]]
+    chat(inspector, "forks", "", messages=[*history, {"role": "user", "content": "third question"}])
+    chat(inspector, "forks", "", messages=[*history, {"role": "user", "content": "third question"}])
+    page = browser.new_page(viewport={"width": 1200, "height": 900})
+    page.goto(f"{inspector.url}/ui#/c/forks")
+    page.wait_for_function("document.querySelectorAll('.turn').length === 5")
+    starts = page.locator(".msg.branch-start")
+    assert starts.count() == 2
+    assert "second, edited" in starts.nth(0).inner_text() and "third question" in starts.nth(1).inner_text()
+    notes = page.locator(".branch-note").all_inner_texts()
+    assert any(n.startswith("↪ edited") and "after message 2" in n for n in notes), notes
+    assert any(n.startswith("↪ regenerated") and "after message 4" in n for n in notes), notes
+    # Where each branch leaves the old line: the first message it left behind, struck through.
+    points = page.locator(".msg.branch-point")
+    assert points.count() == 2
+    assert "second question" in points.nth(0).inner_text() and "not-sent" in (
+        points.nth(0).get_attribute("class") or ""
+    )
+    assert "third question" in points.nth(1).inner_text()
+    page.screenshot(path=str(ARTIFACTS / "inspector-branches.png"), full_page=True)

@@ -98,7 +98,21 @@ function bar(context, cache) {
   return node;
 }
 
-function turnCard(turn, isNew) {
+// Where each branch starts: "responseId:position" of the first message it left behind -> its turn.
+function branchPoints(turns) {
+  const points = new Map();
+  for (const t of turns) if (t.branch_left) points.set(`${t.branch_left.response_id}:${t.branch_left.position}`, t);
+  return points;
+}
+
+function branchWords(turn) {
+  const after = `continues after message ${turn.branch_at}`;
+  if (turn.branch === "regenerated") return `regenerated: the same message asked again for a new answer (${after})`;
+  if (turn.branch === "edited") return `edited: the client's version of the conversation branches here (${after})`;
+  return `the client's version of the conversation branches here (${after})`;
+}
+
+function turnCard(turn, isNew, points = new Map()) {
   if (turn.marker === "reset") return el("div", { class: "marker-reset", text: `— conversation reset ${when(turn.at)} —` });
   if (turn.marker === "delete_item") return el("div", { class: "marker-reset", text: `— item ${turn.position} of ${turn.response_id} deleted ${when(turn.at)} —` });
   if (turn.marker === "delete_response") return el("div", { class: "marker-reset", text: `— response ${turn.response_id} deleted ${when(turn.at)} —` });
@@ -107,13 +121,29 @@ function turnCard(turn, isNew) {
   card.append(el("div", { class: "turn-head" },
     el("span", { text: `#${turn.index + 1} · ${turn.response_id} · ${turn.model || turn.kind}` }),
     el("span", { text: when(turn.created) + (turn.outcome !== "commit" ? " · " + turn.outcome : "") })));
-  // Messages the model no longer gets (deleted, edited away, a tool result whose call was deleted).
+  // Messages the model no longer gets (deleted, left behind by a branch, a tool result whose call was deleted).
   const notSent = new Set(turn.not_sent || []);
   // (a system prompt's messages have positions -1, -2, ...: struck once deleted or replaced)
   const mark = (m, pos, extra = "") => { const b = bubble(m, extra + (notSent.has(pos) ? " not-sent" : "")); if (notSent.has(pos)) b.title = "no longer sent to the model"; return b; };
+  // Where a branch starts: this turn's first message when it branched, and the message a later
+  // branch left behind (struck through with what followed it).
+  const branched = (m, pos) => {
+    const out = [];
+    let extra = "";
+    if (turn.branch_at != null && pos === 0) {
+      out.push(el("div", { class: "branch-note", text: "↪ " + branchWords(turn) }));
+      extra += " branch-start";
+    }
+    const later = points.get(`${turn.response_id}:${pos}`);
+    if (later) {
+      out.push(el("div", { class: "branch-note", text: `↪ the branch of #${later.index + 1} (${later.branch || "branched"}) leaves from here: this and what followed are no longer sent` }));
+      extra += " branch-point";
+    }
+    return [...out, mark(m, pos, extra)];
+  };
   (turn.system || []).forEach((m, i) => card.append(mark(m, -(i + 1), "new-system")));
-  turn.input.forEach((m, i) => card.append(mark(m, i)));
-  if (turn.output) card.append(mark(turn.output, turn.input.length));
+  turn.input.forEach((m, i) => card.append(...branched(m, i)));
+  if (turn.output) card.append(...branched(turn.output, turn.input.length));
   if (ctx.tokens) {
     card.append(bar(ctx, turn.cache));
     const facts = el("div", { class: "facts" });
@@ -154,7 +184,8 @@ async function showConversation(id) {
 function render(data) {
   const y = window.scrollY;
   renderHead(data);
-  $("#turns").replaceChildren(...data.turns.map(turn => turnCard(turn, false)));
+  const points = branchPoints(data.turns);
+  $("#turns").replaceChildren(...data.turns.map(turn => turnCard(turn, false, points)));
   current.count = data.count;
   current.entries = data.entries;
   window.scrollTo(0, y);
