@@ -29,7 +29,7 @@ from gateway.jobs.processor import Processor
 from gateway.jobs.summarizer import Summarizer
 from gateway.metrics import Metrics, MetricsMiddleware, metrics_endpoint
 from gateway.services import Services, StoreBackend
-from gateway.services.models import _litellm_windows
+from gateway.services.models import litellm_windows
 from gateway.tenants import LOOPBACK_HOSTS, AuthMiddleware, Tenants
 from gateway.tokens import get_encoding, release_free_memory
 from gateway.upstream import Router
@@ -41,7 +41,7 @@ def warm_up(settle: bool = False) -> None:
     """Load what the first request would otherwise load on the event loop; then, in a serving
     process (`settle`), settle the garbage collector over what is loaded."""
     get_encoding("cl100k_base")
-    _litellm_windows()
+    litellm_windows()
     if settle:
         settle_gc()  # its one full collection (about 20 ms, the GIL held) serves both
     release_free_memory(collect=not settle)

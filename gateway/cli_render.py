@@ -10,9 +10,8 @@ import click
 import orjson
 
 from gateway.context import Message, Turn
-from gateway.context.records import message, messages, number, obj
 from gateway.tokens import count_message
-from gateway.types import Record, as_list
+from gateway.types import Record, as_list, message, messages, number, obj
 from gateway.writers import gone
 
 

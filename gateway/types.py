@@ -127,3 +127,31 @@ def ascii_int(text: str, max_digits: int = 18) -> int | None:
     if text.isascii() and text.isdigit() and len(text) <= max_digits:
         return int(text)
     return None
+
+
+# Narrowing: values read from disk or from clients, typed once (None or empty when not so).
+
+
+def text(value: object) -> str | None:
+    return value if isinstance(value, str) else None
+
+
+def number(value: object) -> float | None:
+    return float(value) if isinstance(value, int | float) and not isinstance(value, bool) else None
+
+
+def obj(value: object) -> JSONObject | None:
+    return cast(JSONObject, value) if isinstance(value, dict) else None
+
+
+def message(value: object) -> Message | None:
+    return cast(Message, value) if isinstance(value, dict) else None
+
+
+def messages(value: object) -> list[Message]:
+    """A stored list of messages (anything that is not a message object left out)."""
+    return [cast(Message, m) for m in value if isinstance(m, dict)] if isinstance(value, list) else []
+
+
+def ints(value: object) -> tuple[int, ...] | None:
+    return tuple(v for v in value if isinstance(v, int)) if isinstance(value, list) else None

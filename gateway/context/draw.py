@@ -12,7 +12,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 from gateway.context.history import ConversationView, clean_message, repair_tool_calls
-from gateway.context.lifecycle import shrink_recap
+from gateway.context.recap_text import shrink_recap
 from gateway.context.summary import Summary
 from gateway.context.window import REQUEST_OVERHEAD_TOKENS, Window, fit_window, omitted_marker
 from gateway.exceptions import ContextLengthExceeded, InvalidRequest

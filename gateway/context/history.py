@@ -12,6 +12,7 @@ from typing import cast
 
 import orjson
 
+from gateway.context.recap_text import recap_without
 from gateway.context.steps import Head
 from gateway.context.tools import UNANSWERED_TOOL_RESULT as UNANSWERED_TOOL_RESULT
 from gateway.context.tools import repair_tool_calls as repair_tool_calls
@@ -301,8 +302,6 @@ class ConversationView:
             if isinstance(rid, str) and isinstance(pos, int):
                 self.delete_item(rid, pos)
         elif kind == "withdraw_recap":  # other conversations' content deleted since it was made
-            from gateway.context.lifecycle import recap_without  # (lifecycle reads views)
-
             withdrawn = marker.get("conversations")
             if isinstance(withdrawn, list) and self.recap is not None:
                 self.recap = recap_without(self.recap, {str(cid) for cid in withdrawn})

@@ -9,7 +9,7 @@ from typing import Literal, cast
 
 from gateway.context.history import Turn
 from gateway.context.steps import Head
-from gateway.types import JSONObject, Message, Record, Usage
+from gateway.types import JSONObject, Message, Record, Usage, ints, message, messages, number, obj, text
 
 
 def is_committed(records: list[Record]) -> bool:
@@ -23,31 +23,6 @@ def first(records: list[Record], kind: str) -> Record | None:
 def latest(records: list[Record], kind: str) -> Record | None:
     """The last record of a kind (a refitted turn has two `context` records: the last was sent)."""
     return next((r for r in reversed(records) if r.get("type") == kind), None)
-
-
-def text(value: object) -> str | None:
-    return value if isinstance(value, str) else None
-
-
-def number(value: object) -> float | None:
-    return float(value) if isinstance(value, int | float) and not isinstance(value, bool) else None
-
-
-def obj(value: object) -> JSONObject | None:
-    return cast(JSONObject, value) if isinstance(value, dict) else None
-
-
-def message(value: object) -> Message | None:
-    return cast(Message, value) if isinstance(value, dict) else None
-
-
-def messages(value: object) -> list[Message]:
-    """A stored list of messages (anything that is not a message object left out)."""
-    return [cast(Message, m) for m in value if isinstance(m, dict)] if isinstance(value, list) else []
-
-
-def ints(value: object) -> tuple[int, ...] | None:
-    return tuple(v for v in value if isinstance(v, int)) if isinstance(value, list) else None
 
 
 def turn_from_records(records: list[Record]) -> Turn | None:

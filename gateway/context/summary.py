@@ -7,8 +7,7 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 
 from gateway.context.history import ConversationView, NotLoaded
-from gateway.context.records import number
-from gateway.types import Message, Record
+from gateway.types import Message, Record, number
 
 SUMMARY_INSTRUCTIONS = (
     "You maintain the running summary of a conversation between a user and an assistant. "

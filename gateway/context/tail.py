@@ -5,8 +5,7 @@ responses its window needs instead of all of them."""
 from __future__ import annotations
 
 from gateway.context.history import ConversationView, Turn
-from gateway.context.records import number, obj, text
-from gateway.types import JSONObject, Record
+from gateway.types import JSONObject, Record, number, obj, text
 
 _COUNTS = ("entries", "history", "transcript", "turns")
 

@@ -11,13 +11,13 @@ from dataclasses import dataclass
 
 from gateway.context import ConversationView, Turn
 from gateway.context.lifecycle import State, derive_state
-from gateway.context.records import latest, number, turn_from_records
+from gateway.context.records import latest, turn_from_records
 from gateway.context.summary import applicable_versions
 from gateway.exceptions import CorruptRecord, NotFound
 from gateway.services.cache import ConversationCache
 from gateway.store import Store, StoreRegistry
 from gateway.tokens import count_message
-from gateway.types import Record
+from gateway.types import Record, number
 
 log = logging.getLogger("gateway.services")
 

@@ -7,12 +7,12 @@ from collections.abc import Awaitable, Callable
 from zoneinfo import ZoneInfo
 
 from gateway.context import ConversationView, Message
-from gateway.context.lifecycle import local_day, recap_conversations, recap_message, todays_lines, user_key
-from gateway.context.records import number
+from gateway.context.lifecycle import local_day, todays_lines, user_key
+from gateway.context.recap_text import recap_conversations, recap_message
 from gateway.exceptions import ConversationBusy, NotFound
 from gateway.store import Store
 from gateway.store.base import now
-from gateway.types import Record
+from gateway.types import Record, number
 
 # The recap looks at most at this many of the user's most recently started conversations: its
 # budget holds a few of them, and a user with thousands must not make every new one slower.

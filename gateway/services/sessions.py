@@ -22,10 +22,10 @@ from gateway.context.lifecycle import (
     user_key,
     zone,
 )
-from gateway.context.records import number
 from gateway.services.cache import ConversationCache
 from gateway.services.summaries import Summaries
 from gateway.store import Store, StoreRegistry
+from gateway.types import number
 
 log = logging.getLogger("gateway.lifecycle")
 

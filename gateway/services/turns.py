@@ -27,7 +27,8 @@ from gateway.context import (
     split_system,
 )
 from gateway.context.history import NotLoaded
-from gateway.context.lifecycle import is_recap, recap_conversations, user_key, zone
+from gateway.context.lifecycle import user_key, zone
+from gateway.context.recap_text import is_recap, recap_conversations
 from gateway.context.tail import checkpoint
 from gateway.exceptions import (
     GatewayError,

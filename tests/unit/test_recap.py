@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from zoneinfo import ZoneInfo
 
-from gateway.context.lifecycle import recap_message
+from gateway.context.recap_text import recap_message
 from gateway.tokens import count_message
 
 
@@ -39,7 +39,7 @@ def test_a_recap_too_large_for_a_small_window_is_packed_again_not_cut_from_its_e
     """Built at recap_max_tokens, a recap sized to a 512-token window was cut from its end: the
     newest conversation kept its oldest line, cut mid-sentence, and the manifest still named a
     conversation no longer in the text."""
-    from gateway.context.lifecycle import recap_conversations, shrink_recap
+    from gateway.context.recap_text import recap_conversations, shrink_recap
 
     newest = [f"user: detail number {i} of the trip, with a few more words to it" for i in range(6)]
     newest.append("user: aisle seat, row 12")
