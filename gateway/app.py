@@ -21,6 +21,7 @@ import gateway.metrics
 from gateway.api import conversations as conv
 from gateway.api import health, ui
 from gateway.api import responses as resp
+from gateway.api.background import BackgroundRuns
 from gateway.api.chat import chat_completions
 from gateway.config import Settings, load_settings
 from gateway.exceptions import GatewayError
@@ -71,6 +72,7 @@ def create_app(
         metrics.requests, route, str(status)
     ).inc()
     processor = Processor(settings, services.sessions)
+    background = BackgroundRuns(settings.server.background_responses, settings.server.background_events)
     trimmer = HeapTrimmer()
 
     @asynccontextmanager
@@ -88,6 +90,7 @@ def create_app(
             yield
         finally:
             app.state.ready = False
+            await background.aclose()  # (each closed as cancelled: nothing half-written)
             await trimmer.stop()
             await processor.stop()
             await summarizer.aclose()
@@ -112,6 +115,7 @@ def create_app(
         Route("/v1/responses", resp.create_response, methods=["POST"]),
         Route("/v1/responses/{response_id}", resp.get_response, methods=["GET"]),
         Route("/v1/responses/{response_id}", resp.delete_response, methods=["DELETE"]),
+        Route("/v1/responses/{response_id}/cancel", resp.cancel_response, methods=["POST"]),
         Route("/v1/responses/{response_id}/input_items", resp.list_input_items, methods=["GET"]),
         Route("/metrics", metrics_endpoint, methods=["GET"]),
         Route("/ui", ui.page, methods=["GET"]),
@@ -151,6 +155,7 @@ def create_app(
     app.state.services = services
     app.state.service = service
     app.state.started = time.time()
+    app.state.background = background
     app.state.ready = False
     return app
 

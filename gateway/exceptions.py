@@ -12,6 +12,7 @@ GatewayError
 ├── NotFound                404    unknown conversation, response or model
 ├── ConversationBusy        409    another request holds the conversation too long
 ├── BodyTooLarge            413    request body over server.max_body_bytes
+├── TooManyBackground       429    a key already runs server.background_responses background turns
 ├── StorageError            503    the store cannot acknowledge a write
 │   └── CorruptRecord              a stored line that cannot be decoded (keeps path and line)
 └── UpstreamError           502    the provider failed
@@ -158,6 +159,14 @@ class BodyTooLarge(GatewayError):
 
     def headers(self) -> dict[str, str]:
         return {"connection": "close"}  # the rest of the body is not read (see BodyTimeout)
+
+
+class TooManyBackground(GatewayError):
+    """A key already has as many background responses running as `server.background_responses`."""
+
+    status_code = 429
+    error_type = "rate_limit_error"
+    code = "too_many_background_responses"
 
 
 class ShuttingDown(GatewayError):

@@ -67,6 +67,7 @@ OPERATIONS: list[Operation] = [
     ("post", "/v1/responses", "ResponseCreate", "Response", TURN, "Responses API bridge"),
     ("get", RESPONSE, None, "Response", READ, "Retrieve a response (and its log)"),
     ("delete", RESPONSE, None, "Deleted", DELETE, "Delete a response"),
+    ("post", f"{RESPONSE}/cancel", None, "Response", (*READ, 409), "Cancel a background response"),
     ("get", f"{RESPONSE}/input_items", None, "Page", READ, "A response's input items"),
     ("get", "/healthz", None, "Alive", (), "Liveness"),
     ("get", "/readyz", None, "Ready", (), "Readiness: 503 while starting, stopping or unable to write"),

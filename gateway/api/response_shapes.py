@@ -4,7 +4,7 @@ stream a streaming `POST /v1/responses` sends (built from the turn's chat chunks
 from __future__ import annotations
 
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Iterator
 from typing import Any
 
 import orjson
@@ -81,6 +81,7 @@ def response_object(
         "previous_response_id": previous_response_id,
         "conversation": {"id": conversation_id} if conversation_id else None,
         "store": params.get("store", True),
+        "background": bool(params.get("background", False)),
         "truncation": params.get("truncation", "auto"),
         "text": params.get("text") or {"format": {"type": "text"}},
         "reasoning": params.get("reasoning") or {"effort": None, "summary": None},
@@ -214,6 +215,15 @@ async def response_events(
         **common,
     )
     announced = {*calls_seen.values(), *((0,) if text_open else ())}
+    for frame in finishing_events(final, announced, seq):
+        yield frame
+    del output_index
+
+
+def finishing_events(final: dict[str, Any], announced: set[int], seq: int) -> Iterator[bytes]:
+    """The events that end a response stream: each output item's done events (added first when
+    no delta announced it: `announced` are the output indexes that were), then
+    `response.completed`; numbered after `seq`."""
     for index, item in enumerate(final["output"]):
         if index not in announced:
             # No delta announced it (an empty answer, a refusal): added before it is done, as
@@ -283,4 +293,33 @@ async def response_events(
         yield event("response.output_item.done", seq, output_index=index, item=item)
     seq += 1
     yield event("response.completed", seq, response=final)
-    del output_index
+
+
+def replayed_events(final: dict[str, Any]) -> Iterator[bytes]:
+    """A stored response as the events of a whole answer (a background response whose own
+    events are no longer kept): created, in progress, then every item's done events."""
+    skeleton = {**final, "status": "in_progress", "output": [], "error": None}
+    yield event("response.created", 0, response=skeleton)
+    yield event("response.in_progress", 1, response=skeleton)
+    yield from finishing_events(final, set(), 1)
+
+
+def failed_events(created: float, exc: GatewayError, common: dict[str, Any]) -> Iterator[bytes]:
+    """The events of a response that failed before its provider's stream began."""
+    skeleton = response_object(
+        created=created, message=None, finish_reason=None, usage=None, status="in_progress", **common
+    )
+    err = exc.to_dict()["error"]
+    failed = response_object(
+        created=created,
+        message=None,
+        finish_reason=None,
+        usage=None,
+        status="failed",
+        error={"code": str(err.get("code") or "server_error"), "message": err["message"]},
+        **common,
+    )
+    yield event("response.created", 0, response=skeleton)
+    yield event("response.in_progress", 1, response=skeleton)
+    yield event("error", 2, code=err.get("code"), message=err["message"], param=err.get("param"))
+    yield event("response.failed", 3, response=failed)

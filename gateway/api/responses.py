@@ -9,14 +9,17 @@ ids are the gateway's minted ids, so chat-completions and Responses turns see ea
 
 from __future__ import annotations
 
+import asyncio
 import re
 import secrets
 import time
+from collections.abc import AsyncIterator
 from typing import Any
 
 from starlette.requests import Request
 from starlette.responses import Response
 
+from gateway.api.background import BackgroundRuns, Run, sequence_of
 from gateway.api.http import (
     ClientDisconnected,
     JSONBody,
@@ -30,14 +33,15 @@ from gateway.api.http import (
 )
 from gateway.api.observe import log_failure, log_line, refused, stream_closed
 from gateway.api.pages import list_params, paginate
-from gateway.api.response_shapes import response_events, response_object
+from gateway.api.response_shapes import failed_events, replayed_events, response_events, response_object
 from gateway.api.schemas import ResponseCreate
 from gateway.api.validation import parse_chat, validate
 from gateway.context import Message
 from gateway.context.items import Item, items_to_messages, message_to_items
-from gateway.exceptions import GatewayError, InvalidRequest, shutting_down
+from gateway.exceptions import ConversationBusy, GatewayError, InvalidRequest, shutting_down
 from gateway.ids import check_conversation_id
 from gateway.services import Services
+from gateway.services.turn import PreparedTurn
 from gateway.types import Record
 
 # OpenAI's reasoning models refuse `max_tokens` ("Use 'max_completion_tokens' instead").
@@ -114,8 +118,13 @@ def _chat_body(body: dict[str, Any], request: ResponseCreate) -> tuple[dict[str,
         chat["tool_choice"] = _tool_choice(body["tool_choice"])
     if request.max_output_tokens is not None:
         chat[_output_cap(request.model)] = request.max_output_tokens
-    if body.get("background"):
-        raise InvalidRequest("'background' responses are not supported: leave it out", param="background")
+    background = body.get("background")
+    if background is not None and not isinstance(background, bool):
+        raise InvalidRequest("'background' must be true or false", param="background")
+    if background and body.get("store") is False:
+        raise InvalidRequest("A background response must be stored: leave out 'store: false'", param="store")
+    if background:  # (run as a stream: its events are kept for clients that follow it)
+        chat["stream"] = True
     text = body.get("text")
     response_format = _response_format(text)
     if response_format is not None:
@@ -139,6 +148,7 @@ def _chat_body(body: dict[str, Any], request: ResponseCreate) -> tuple[dict[str,
         "user": body.get("user"),
         "text": text if response_format is not None else None,
         "reasoning": reasoning if isinstance(reasoning, dict) else None,
+        "background": bool(background),
     }
     return chat, params
 
@@ -185,6 +195,8 @@ async def create_response(request: Request) -> Response:
         chat.previous_response_id = previous
         # What the Responses API echoes back, kept in the request record for a later GET.
         chat.echo = {**params, "previous_response_id": previous}
+        if params["background"]:
+            request.app.state.background.check_room(tenant)
         turn = await service.prepare(chat, tenant)
     except GatewayError as exc:
         refused(request, body, exc, started, event="response")
@@ -200,6 +212,19 @@ async def create_response(request: Request) -> Response:
         "previous_response_id": previous,
     }
     headers = turn_headers(turn)
+    if params["background"]:
+        run = start_background(request, turn, common)
+        if body.get("stream"):
+            return SSEResponse(run.follow(-1), headers=headers, on_close=_nothing)
+        queued = response_object(
+            created=turn.created or time.time(),
+            message=None,
+            finish_reason=None,
+            usage=None,
+            status="queued",
+            **common,
+        )
+        return JSONBody(queued, headers=headers)
     if not chat.stream:
         try:
             await until_disconnect(service.complete(turn), request.receive, started=started)
@@ -237,6 +262,41 @@ async def create_response(request: Request) -> Response:
     return SSEResponse(response_events(service, turn, chunks, common), headers=headers, on_close=on_close)
 
 
+async def _nothing(exc: BaseException | None) -> None:
+    """A follower of a background response left: the response goes on without it."""
+
+
+def start_background(request: Request, turn: PreparedTurn, common: dict[str, Any]) -> Run:
+    """Run a prepared turn to its end as a background response, its events kept."""
+    service = services_of(request).turns
+    metrics = request.app.state.metrics
+
+    async def work(run: Run) -> None:
+        failure: BaseException | None = None
+        try:
+            chunks = await service.open_chunks(turn)
+            async for frame in response_events(service, turn, chunks, common):
+                run.add(frame)
+        except asyncio.CancelledError as exc:
+            failure = exc
+            raise
+        except Exception as exc:  # noqa: BLE001 - said in the run's events and its log
+            failure = exc
+            error = exc if isinstance(exc, GatewayError) else GatewayError(repr(exc)[:300])
+            for frame in failed_events(turn.created or time.time(), error, common):
+                run.add(frame)
+        finally:
+            outcome = await service.close(turn, None if failure is None else turn_outcome(failure))
+            stream_closed(outcome, failure, metrics, event="response")
+
+    async def abandon() -> None:
+        cancelled = asyncio.CancelledError()
+        stream_closed(await service.close(turn, cancelled), cancelled, metrics, event="response")
+
+    runs: BackgroundRuns = request.app.state.background
+    return runs.start(turn.response_id, tenant_of(request), work, abandon)
+
+
 def _without_type(record: Record | None) -> Record | None:
     return {k: v for k, v in record.items() if k != "type"} if record is not None else None
 
@@ -244,15 +304,16 @@ def _without_type(record: Record | None) -> Record | None:
 async def get_response(request: Request) -> Response:
     """The response in the Responses API shape, plus the gateway's log (`gateway`)."""
     rid = request.path_params["response_id"]
-    if request.query_params.get("stream", "false").lower() not in ("false", "0"):
-        # (OpenAI streams a background response's events again; the SDK's stream then read
-        # nothing, without an error)
-        raise InvalidRequest(
-            "A stored response is not streamed again (background responses are not supported): "
-            "retrieve it without stream",
-            param="stream",
-        )
-    stored = await services_of(request).responses.get(tenant_of(request), rid)
+    tenant = tenant_of(request)
+    streamed = request.query_params.get("stream", "false").lower() not in ("false", "0")
+    run = request.app.state.background.get(rid, tenant)
+    if streamed:
+        after = _starting_after(request.query_params.get("starting_after"))
+        if run is not None:
+            return SSEResponse(run.follow(after), headers={}, on_close=_nothing)
+    elif run is not None and not run.done:
+        return JSONBody(await _in_progress(request, rid, tenant, "in_progress" if run.started else "queued"))
+    stored = await services_of(request).responses.get(tenant, rid)
     params = stored.params
     echo = stored.request.get("responses")  # a Responses-API turn: what its create returned
     obj = response_object(
@@ -274,9 +335,26 @@ async def get_response(request: Request) -> Response:
         },
         conversation_id=stored.conversation_id,
         previous_response_id=echo.get("previous_response_id") if isinstance(echo, dict) else None,
-        status=stored.status if stored.status != "completed" else None,
+        status=_status(stored.status, stored.outcome, echo),
         error=stored.error,
     )
+    if streamed:
+        if not (isinstance(echo, dict) and echo.get("background")):
+            # (OpenAI streams only a background response's events again)
+            raise InvalidRequest(
+                "Only a background response is streamed again: retrieve this one without stream",
+                param="stream",
+            )
+        if obj["status"] == "in_progress":
+            raise ConversationBusy(
+                f"Response {rid!r} is running in another gateway process: poll it, or stream it from there"
+            )
+        frames = [
+            f
+            for f in replayed_events(obj)
+            if sequence_of(f) > _starting_after(request.query_params.get("starting_after"))
+        ]
+        return SSEResponse(_frames(frames), headers={}, on_close=_nothing)
     obj["gateway"] = {
         "request": _without_type(stored.request),
         "context": _without_type(stored.context),
@@ -284,6 +362,70 @@ async def get_response(request: Request) -> Response:
         "outcome": stored.outcome,
     }
     return JSONBody(obj)
+
+
+def _status(status: str, outcome: Record, echo: object) -> str | None:
+    """The Responses status of a stored response (None: from its finish reason): a background
+    response stopped by a cancel is `cancelled`."""
+    background = isinstance(echo, dict) and echo.get("background")
+    if background and outcome.get("type") == "incomplete" and outcome.get("reason") == "cancelled":
+        return "cancelled"
+    return status if status != "completed" else None
+
+
+async def _frames(frames: list[bytes]) -> AsyncIterator[bytes]:
+    for frame in frames:
+        yield frame
+
+
+def _starting_after(value: str | None) -> int:
+    if value is None:
+        return -1
+    try:
+        after = int(value)
+    except ValueError:
+        after = -2
+    if after < -1:
+        raise InvalidRequest("'starting_after' must be a sequence number (0 or more)", param="starting_after")
+    return after
+
+
+async def _in_progress(request: Request, rid: str, tenant: str, status: str) -> dict[str, Any]:
+    """A background response still running here, as a poll sees it."""
+    stored = await services_of(request).responses.get(tenant, rid)
+    echo = stored.request.get("responses")
+    params = echo if isinstance(echo, dict) else {}
+    return response_object(
+        response_id=rid,
+        created=stored.created,
+        model=stored.model,
+        message=None,
+        position=len(stored.input),
+        finish_reason=None,
+        usage=None,
+        params=params,
+        conversation_id=stored.conversation_id,
+        previous_response_id=params.get("previous_response_id"),
+        status=status,
+    )
+
+
+async def cancel_response(request: Request) -> Response:
+    """`POST /v1/responses/{id}/cancel`: a background response still running stops; its turn is
+    closed as cancelled (nothing enters the conversation, which takes its next turn)."""
+    rid = request.path_params["response_id"]
+    tenant = tenant_of(request)
+    runs: BackgroundRuns = request.app.state.background
+    run = runs.get(rid, tenant)
+    stored = await services_of(request).responses.get(tenant, rid)
+    echo = stored.request.get("responses")
+    if not (isinstance(echo, dict) and echo.get("background")):
+        raise InvalidRequest("Only a background response can be cancelled", param="response_id")
+    if run is not None:
+        await runs.cancel(run)
+    elif stored.status == "in_progress":
+        raise ConversationBusy(f"Response {rid!r} is running in another gateway process: cancel it there")
+    return await get_response(request)
 
 
 async def delete_response(request: Request) -> Response:

@@ -1,0 +1,160 @@
+"""Background responses (`background: true`): polled to completion, cancelled, and their event
+stream resumed from any sequence number, byte for byte as the uncut stream."""
+
+from __future__ import annotations
+
+import asyncio
+from typing import Any
+
+import httpx
+
+from gateway.upstream.mock import MockUpstream
+from tests.conftest import app_of, build_client, make_settings
+
+
+class Slow(MockUpstream):
+    """A mock whose stream sends its chunks one at a time, released by the test (or at once)."""
+
+    def __init__(self) -> None:
+        super().__init__(lambda body: "one two three four five six seven eight nine ten eleven twelve")
+        self.gate: asyncio.Event | None = None
+
+    async def stream(self, body: dict[str, Any]) -> Any:  # type: ignore[override]
+        completion = await self.complete(body)
+        from gateway.upstream.base import chunks_from_completion
+
+        text = completion["choices"][0]["message"]["content"]
+        words = text.split(" ")
+        chunks = chunks_from_completion(completion, include_usage=True)
+        head, tail = chunks[0], chunks[1:]
+        yield head
+        for k, word in enumerate(words):
+            if self.gate is not None:
+                await self.gate.wait()
+            yield {**head, "choices": [{"index": 0, "delta": {"content": ("" if k == 0 else " ") + word}}]}
+        for chunk in tail:
+            if chunk.get("choices") and chunk["choices"][0].get("delta", {}).get("content"):
+                continue
+            yield chunk
+
+
+def events(body: bytes) -> list[bytes]:
+    return [frame + b"\n\n" for frame in body.split(b"\n\n") if frame]
+
+
+async def poll(client: httpx.AsyncClient, rid: str, until: set[str]) -> dict[str, Any]:
+    for _ in range(200):
+        got = (await client.get(f"/v1/responses/{rid}")).json()
+        if got["status"] in until:
+            return got
+        await asyncio.sleep(0.01)
+    raise AssertionError(got)
+
+
+async def test_a_background_response_is_polled_to_completed() -> None:
+    async with build_client(make_settings(), None, Slow()) as client:
+        r = await client.post("/v1/responses", json={"model": "mock/m", "input": "hi", "background": True})
+        assert r.status_code == 200, r.text
+        created = r.json()
+        assert created["status"] == "queued" and created["background"] is True
+        done = await poll(client, created["id"], {"completed"})
+        assert done["output"][0]["content"][0]["text"].startswith("one two three")
+        assert done["background"] is True
+
+
+async def test_a_cancelled_background_response_frees_its_conversation() -> None:
+    upstream = Slow()
+    upstream.gate = asyncio.Event()  # never set: the answer hangs until cancelled
+    async with build_client(make_settings(), None, upstream) as client:
+        conv = (await client.post("/v1/conversations", json={})).json()["id"]
+        body = {"model": "mock/m", "input": "hi", "background": True, "conversation": conv}
+        rid = (await client.post("/v1/responses", json=body)).json()["id"]
+        cancelled = await client.post(f"/v1/responses/{rid}/cancel")  # (queued, maybe)
+        assert cancelled.status_code == 200 and cancelled.json()["status"] == "cancelled"
+        assert (await client.get(f"/v1/responses/{rid}")).json()["status"] == "cancelled"
+        upstream.gate = None
+        after = {"model": "mock/m", "input": "again", "conversation": conv}
+        r = await client.post("/v1/responses", json=after)
+        assert r.status_code == 200 and r.json()["status"] == "completed"
+        items = (await client.get(f"/v1/conversations/{conv}/items?order=asc")).json()["data"]
+        texts = [part.get("text") for item in items for part in item.get("content", [])]
+        assert "hi" not in texts and "again" in texts  # the cancelled turn added nothing
+
+
+async def test_a_resumed_stream_gives_exactly_the_remaining_events() -> None:
+    async with build_client(make_settings(), None, Slow()) as client:
+        body = {"model": "mock/m", "input": "hi", "background": True, "stream": True}
+        async with client.stream("POST", "/v1/responses", json=body) as r:
+            whole = b"".join([chunk async for chunk in r.aiter_bytes()])
+        frames = events(whole)
+        assert len(frames) > 14 and b"response.completed" in frames[-1]
+        rid = [line for line in whole.split(b"\n") if b'"response.created"' in line][0]
+        rid = httpx.Response(200, content=rid.removeprefix(b"data: ")).json()["response"]["id"]
+        resumed = await client.get(f"/v1/responses/{rid}?stream=true&starting_after=10")
+        assert resumed.status_code == 200
+        assert resumed.content == b"".join(frames[11:])  # sequence numbers 11 and on, as sent
+
+
+async def test_a_stream_followed_while_it_runs_and_resumed_later() -> None:
+    upstream = Slow()
+    upstream.gate = asyncio.Event()
+    async with build_client(make_settings(), None, upstream) as client:
+        body = {"model": "mock/m", "input": "hi", "background": True}
+        rid = (await client.post("/v1/responses", json=body)).json()["id"]
+        await poll(client, rid, {"queued", "in_progress"})
+        follow = asyncio.ensure_future(client.get(f"/v1/responses/{rid}?stream=true&starting_after=1"))
+        await asyncio.sleep(0.05)
+        upstream.gate.set()
+        live = (await follow).content
+        replay = (await client.get(f"/v1/responses/{rid}?stream=true")).content
+        assert events(replay)[2:] == events(live) and b"response.completed" in live
+
+
+async def test_background_limits_and_bad_values() -> None:
+    settings = make_settings()
+    settings = settings.model_copy(
+        update={"server": settings.server.model_copy(update={"background_responses": 1})}
+    )
+    upstream = Slow()
+    upstream.gate = asyncio.Event()
+    async with build_client(settings, None, upstream) as client:
+        first = await client.post("/v1/responses", json={"model": "mock/m", "input": "a", "background": True})
+        assert first.status_code == 200
+        second = await client.post(
+            "/v1/responses", json={"model": "mock/m", "input": "b", "background": True}
+        )
+        assert second.status_code == 429 and second.json()["error"]["code"] == "too_many_background_responses"
+        bad = await client.post("/v1/responses", json={"model": "mock/m", "input": "b", "background": "yes"})
+        assert bad.status_code == 400
+        unstored = {"model": "mock/m", "input": "b", "background": True, "store": False}
+        assert (await client.post("/v1/responses", json=unstored)).status_code == 400
+        rid = first.json()["id"]
+        assert (await client.get(f"/v1/responses/{rid}?stream=true&starting_after=x")).status_code == 400
+        upstream.gate.set()
+        await app_of(client).state.background.aclose()
+
+
+async def test_a_background_response_cancelled_mid_answer_keeps_nothing() -> None:
+    upstream = Slow()
+    upstream.gate = asyncio.Event()
+    async with build_client(make_settings(), None, upstream) as client:
+        conv = (await client.post("/v1/conversations", json={})).json()["id"]
+        body = {"model": "mock/m", "input": "first", "background": True, "conversation": conv}
+        rid = (await client.post("/v1/responses", json=body)).json()["id"]
+        await asyncio.sleep(0.05)  # its task runs: the answer has begun
+        assert (await client.get(f"/v1/responses/{rid}")).json()["status"] == "in_progress"
+        assert (await client.post(f"/v1/responses/{rid}/cancel")).json()["status"] == "cancelled"
+        again = await client.post(f"/v1/responses/{rid}/cancel")  # (a second cancel: as it is)
+        assert again.status_code == 200 and again.json()["status"] == "cancelled"
+        upstream.gate = None
+        r = await client.post(
+            "/v1/responses", json={"model": "mock/m", "input": "second", "conversation": conv}
+        )
+        assert r.status_code == 200
+        items = (await client.get(f"/v1/conversations/{conv}/items?order=asc")).json()["data"]
+        assert [p.get("text") for i in items for p in i.get("content", []) if i["role"] == "user"] == [
+            "second"
+        ]
+        plain = (await client.post("/v1/responses", json={"model": "mock/m", "input": "x"})).json()["id"]
+        refused = await client.post(f"/v1/responses/{plain}/cancel")
+        assert refused.status_code == 400  # not a background response
