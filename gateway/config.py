@@ -174,7 +174,10 @@ class ProviderSettings(_Section):
     kind: Literal["openai", "litellm", "demo"]
     base_url: str = ""
     api_key_env: str = ""
+    # A deadline: a whole answer within it; a stream's first event within it (from the ask).
     timeout: Duration = 600.0
+    # A stream's longest wait between events, after its first (unset: `timeout`; "0": none).
+    stream_idle_timeout: Duration | None = None
     connect_timeout: Duration = 10.0
     # Extra attempts after a connection failure or a 502/503/504, only before any byte of the
     # answer has reached the client (never after a stream started; 429 is passed through).

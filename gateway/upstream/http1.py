@@ -34,11 +34,15 @@ class Disconnected(ConnectionError):
 
 
 class ReadTimedOut(TimeoutError):
-    """Nothing arrived from the provider for longer than the read timeout."""
+    """The answer was not received by its deadline."""
 
 
 class BadResponse(ValueError):
     """The provider's answer is not well-formed HTTP/1.1 (or is encoded in an unknown way)."""
+
+
+class HeadTooLarge(BadResponse):
+    """The answer's head is larger than HEAD_LIMIT bytes or has more than HEAD_FIELDS fields."""
 
 
 class BodyCut(BadResponse):
@@ -61,10 +65,18 @@ class Streamed:
     status: int
     headers: dict[str, str]  # names in lower case
     read: Callable[[], Awaitable[bytes]]  # the body's next bytes; b"" at its end
+    # Moves the answer's deadline (loop time; None: none): a reader that knows where the
+    # provider is in its answer (a stream's events) gives it more time as it goes.
+    expire_at: Callable[[float | None], None]
 
 
 # A stream's bytes buffered unread past this pause the connection until they are read.
 _STREAM_BUFFER = 262144
+# An answer's head (status line and header fields) is read up to this size and field count, as
+# a client's head is: past either the connection is closed (httptools keeps a field whole in
+# memory, however long, and copies it as it grows).
+HEAD_LIMIT = 65536
+HEAD_FIELDS = 100
 
 
 class _Stop(Exception):
@@ -73,14 +85,15 @@ class _Stop(Exception):
 
 class _Connection(asyncio.Protocol):
     """One keep-alive connection; carries one request at a time, answered whole (`waiter` has
-    the body) or streamed (`waiter` has the head; `read` gives the body as it comes)."""
+    the body) or streamed (`waiter` has the head; `read` gives the body as it comes), failed
+    with ReadTimedOut if it is not done by its `deadline`."""
 
     def __init__(self, loop: asyncio.AbstractEventLoop) -> None:
         self.loop = loop
         self.transport: asyncio.Transport | None = None
         self.parser = httptools.HttpResponseParser(self)
         self.closed = False
-        self.last_read = 0.0
+        self.deadline: float | None = None  # loop time
         self.timer: asyncio.TimerHandle | None = None
         self._reset(None, 0, 0, streaming=False)
 
@@ -94,6 +107,8 @@ class _Connection(asyncio.Protocol):
         self.error_limit = error_limit
         self.status = 0
         self.headers: dict[str, str] = {}
+        self.head_size = 0  # bytes received before the head was complete
+        self.fields = 0
         self.parts: list[bytes] = []
         self.size = 0
         self.truncate = False
@@ -119,10 +134,26 @@ class _Connection(asyncio.Protocol):
             self._fail(Disconnected(f"the connection closed before the answer ({exc or 'EOF'})"))
 
     def data_received(self, data: bytes) -> None:
-        self.last_read = self.loop.time()
         if not self.active:
             self.close()  # nothing was asked on this connection: it cannot be trusted
             return
+        if self.headers_done:
+            self._feed(data)
+            return
+        room = HEAD_LIMIT - self.head_size
+        self.head_size += len(data)
+        if len(data) <= room:
+            self._feed(data)
+            return
+        self._feed(data[:room])  # the head must end within its limit
+        if not self.active:
+            self.close()  # (answered, with bytes after the answer: the connection is not reused)
+        elif self.headers_done:
+            self._feed(data[room:])
+        else:
+            self._fail(HeadTooLarge(f"the answer's head is larger than {HEAD_LIMIT} bytes"))
+
+    def _feed(self, data: bytes) -> None:
         try:
             self.parser.feed_data(data)
         except (httptools.HttpParserCallbackError, _Stop):
@@ -135,6 +166,10 @@ class _Connection(asyncio.Protocol):
 
     # -- parser callbacks -------------------------------------------------------------------
     def on_header(self, name: bytes, value: bytes) -> None:
+        self.fields += 1
+        if self.fields > HEAD_FIELDS:
+            self.failure = HeadTooLarge(f"the answer's head has more than {HEAD_FIELDS} fields")
+            raise _Stop
         self.headers[name.decode("latin-1").lower()] = value.decode("latin-1")
 
     def on_headers_complete(self) -> None:
@@ -234,6 +269,27 @@ class _Connection(asyncio.Protocol):
             self.timer.cancel()
             self.timer = None
 
+    def expire_at(self, when: float | None) -> None:
+        """Fail the request in progress if it is not done by `when` (loop time; None: never).
+        Moving the deadline later costs no timer: the one set goes off and looks again."""
+        self.deadline = when
+        if when is None or not self.active:
+            return
+        if self.timer is not None:
+            if self.timer.when() <= when:
+                return
+            self.timer.cancel()
+        self.timer = self.loop.call_at(when, self._check_deadline)
+
+    def _check_deadline(self) -> None:
+        self.timer = None
+        if not self.active or self.deadline is None:
+            return
+        if self.loop.time() < self.deadline:
+            self.timer = self.loop.call_at(self.deadline, self._check_deadline)
+            return
+        self._fail(ReadTimedOut("the answer did not arrive by its deadline"))
+
     async def read(self) -> bytes:
         """A stream's next bytes (all that arrived since the last call); b"" at its end."""
         while not self.parts:
@@ -279,7 +335,7 @@ class Pool:
     """Keep-alive connections to one `http://` origin, for POSTs of JSON bodies."""
 
     def __init__(
-        self, url: str, headers: dict[str, str], *, connect_timeout: float | None, read_timeout: float | None
+        self, url: str, headers: dict[str, str], *, connect_timeout: float | None, timeout: float | None
     ) -> None:
         parts = urlsplit(url)
         if parts.scheme != "http" or not parts.hostname:
@@ -288,7 +344,8 @@ class Pool:
         self.port = parts.port or 80
         self.target = (parts.path or "/") + (f"?{parts.query}" if parts.query else "")
         self.connect_timeout = connect_timeout
-        self.read_timeout = read_timeout
+        # An answer's deadline, counted from when it is asked for (its connection included).
+        self.timeout = timeout
         given = {name.lower(): value for name, value in headers.items()}
         given.pop("content-length", None)  # ours, per request
         given.setdefault("host", parts.netloc)
@@ -313,6 +370,7 @@ class Pool:
     async def _send(self, body: bytes, limit: int, error_limit: int, *, streaming: bool) -> _Connection:
         """Write the request on an idle connection (or a new one); its `waiter` has the answer."""
         loop = asyncio.get_running_loop()
+        deadline = loop.time() + self.timeout if self.timeout else None
         connection = None
         while self._idle:
             candidate = self._idle.pop()
@@ -326,9 +384,7 @@ class Pool:
         connection._reset(loop.create_future(), limit, error_limit, streaming=streaming)
         assert connection.transport is not None
         connection.transport.write(self._head + str(len(body)).encode() + b"\r\n\r\n" + body)
-        if self.read_timeout:
-            connection.last_read = loop.time()
-            connection.timer = loop.call_later(self.read_timeout, self._check_read, connection)
+        connection.expire_at(deadline)
         return connection
 
     def _release(self, connection: _Connection) -> None:
@@ -341,7 +397,7 @@ class Pool:
 
     async def post(self, body: bytes, *, limit: int, error_limit: int) -> Answer:
         """POST `body`; the answer, whose body may be at most `limit` bytes (an error status's
-        body is cut to `error_limit`)."""
+        body is cut to `error_limit`), whole within the pool's `timeout`."""
         connection = await self._send(body, limit, error_limit, streaming=False)
         assert connection.waiter is not None
         try:
@@ -352,26 +408,15 @@ class Pool:
     @asynccontextmanager
     async def stream(self, body: bytes) -> AsyncIterator[Streamed]:
         """POST `body`; the answer's status and headers, and its body as it arrives (sizes are
-        the caller's to check). Leaving early closes the connection."""
+        the caller's to check; its deadline is the caller's to move). Leaving early closes the
+        connection."""
         connection = await self._send(body, 0, 0, streaming=True)
         assert connection.waiter is not None
         try:
             head = await connection.waiter
-            yield Streamed(head.status, head.headers, connection.read)
+            yield Streamed(head.status, head.headers, connection.read, connection.expire_at)
         finally:
             self._release(connection)
-
-    def _check_read(self, connection: _Connection) -> None:
-        connection.timer = None
-        if not connection.active or self.read_timeout is None:
-            return
-        quiet = connection.loop.time() - connection.last_read
-        if quiet < self.read_timeout:
-            connection.timer = connection.loop.call_later(
-                self.read_timeout - quiet, self._check_read, connection
-            )
-            return
-        connection._fail(ReadTimedOut(f"nothing received for {self.read_timeout:g} s"))
 
     def close(self) -> None:
         for connection in self._idle:

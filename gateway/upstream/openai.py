@@ -5,7 +5,10 @@ Calls to an `http://` provider go through `http1.Pool`, a small keep-alive clien
 providers and discovery use one pooled aiohttp session per provider
 (measured faster than httpx here, notably under concurrency: see bench/). The body is
 serialized once with orjson; client exceptions are translated to gateway errors in exactly
-one place, `map_upstream_errors`. A failed attempt is
+one place, `map_upstream_errors`. Both ways read at most HEAD_LIMIT bytes and HEAD_FIELDS
+fields of an answer's head, and hold `timeout` as a deadline: a whole answer within it, a
+stream's first event within it, then at most `stream_idle_timeout` between events (the time a
+stream's reader spends handing a chunk on is not counted). A failed attempt is
 retried (`retries`, default 1) only when nothing of its answer has been produced yet: after a
 connection failure or a 502/503/504, never after the first chunk of a stream, never on a 429.
 """
@@ -17,7 +20,7 @@ import logging
 import os
 import urllib.request
 from collections.abc import AsyncGenerator, AsyncIterator, Awaitable, Callable, Iterator, Mapping
-from contextlib import contextmanager
+from contextlib import AsyncExitStack, contextmanager
 from urllib.parse import urlsplit
 
 import aiohttp
@@ -103,6 +106,10 @@ def map_upstream_errors(name: str, url: str) -> Iterator[None]:
         raise
     except (aiohttp.ConnectionTimeoutError, http1.ConnectTimedOut) as exc:
         raise UpstreamTimeout(f"Provider {name!r} at {url} timed out while connecting") from exc
+    except aiohttp.ClientResponseError as exc:  # (raise_for_status is never called: the parser's)
+        raise UpstreamProtocolError(
+            f"Provider {name!r} at {url} sent an answer that is not valid HTTP: {exc.message}"
+        ) from exc
     except _TIMEOUTS as exc:
         raise UpstreamTimeout(f"Provider {name!r} at {url} timed out ({type(exc).__name__})") from exc
     except _UNREACHABLE as exc:
@@ -223,6 +230,23 @@ def _is_tool_call_delta(call: object) -> bool:
     )
 
 
+class _TimedContent:
+    """An aiohttp body read against a deadline its reader moves, as `http1.Streamed`'s is."""
+
+    def __init__(self, content: aiohttp.StreamReader, deadline: float | None) -> None:
+        self._content = content
+        self.deadline = deadline
+
+    async def read(self) -> bytes:
+        if self.deadline is None:
+            return await self._content.readany()
+        async with asyncio.timeout_at(self.deadline):
+            return await self._content.readany()
+
+    def expire_at(self, when: float | None) -> None:
+        self.deadline = when
+
+
 class OpenAIUpstream(Upstream):
     def __init__(self, name: str, settings: ProviderSettings) -> None:
         self.name = name
@@ -234,12 +258,15 @@ class OpenAIUpstream(Upstream):
         keep_url_secrets(settings.base_url)
         if key:
             self._headers["authorization"] = f"Bearer {key}"
+        # The deadlines are the gateway's own (aiohttp's socket timeouts would be idle timers).
         self._timeout = aiohttp.ClientTimeout(
             total=None,
             connect=settings.connect_timeout or None,
             sock_connect=settings.connect_timeout or None,
-            sock_read=settings.timeout or None,
         )
+        self.deadline = settings.timeout or None  # seconds
+        idle = settings.timeout if settings.stream_idle_timeout is None else settings.stream_idle_timeout
+        self.stream_idle = idle or None  # seconds
         self._endpoint = f"{self.url}/chat/completions"
         self.max_response_bytes = settings.max_response_bytes
         self._session: aiohttp.ClientSession | None = None
@@ -256,7 +283,7 @@ class OpenAIUpstream(Upstream):
                 self._endpoint,
                 self._headers,
                 connect_timeout=settings.connect_timeout or None,
-                read_timeout=settings.timeout or None,
+                timeout=self.deadline,
             )
 
     def _client(self) -> aiohttp.ClientSession:
@@ -268,6 +295,11 @@ class OpenAIUpstream(Upstream):
                 headers=self._headers,
                 auto_decompress=True,
                 trust_env=True,  # HTTP(S)_PROXY and NO_PROXY, as the OpenAI SDK and litellm
+                # An answer's head, as http1's: each line at most 8 KiB (aiohttp's default),
+                # HEAD_FIELDS fields; `_check_head` holds the whole to HEAD_LIMIT.
+                max_line_size=8190,
+                max_field_size=8190,
+                max_headers=http1.HEAD_FIELDS,
             )
         return self._session
 
@@ -312,7 +344,7 @@ class OpenAIUpstream(Upstream):
         )
 
     async def _complete_once(self, data: bytes) -> Body:
-        with map_upstream_errors(self.name, self.url):
+        with map_upstream_errors(self.name, self.url), self._in_time("no whole answer within"):
             if self._pool is not None:
                 try:
                     answer = await self._pool.post(
@@ -323,7 +355,11 @@ class OpenAIUpstream(Upstream):
                 status, content = answer.status, answer.body
                 headers: Mapping[str, str] = answer.headers
             else:
-                async with self._client().post(self._endpoint, data=data) as response:
+                async with (
+                    asyncio.timeout(self.deadline),
+                    self._client().post(self._endpoint, data=data) as response,
+                ):
+                    self._check_head(response)
                     status = response.status
                     headers = response.headers
                     # An error body is only quoted: its start is enough.
@@ -359,25 +395,35 @@ class OpenAIUpstream(Upstream):
 
     async def _stream_once(self, data: bytes, wants_usage: bool) -> AsyncGenerator[Chunk, None]:
         with map_upstream_errors(self.name, self.url):
-            if self._pool is not None:
-                async with self._pool.stream(data) as answer:
+            async with AsyncExitStack() as stack:
+                with self._in_time("no stream event within"):
+                    answer = await self._open_stream(stack, data)
                     if answer.status >= 400:
                         content = await _read_cut(answer.read, _ERROR_BODY_BYTES)
                         raise status_error(self.name, answer.status, content, answer.headers)
-                    async for chunk in self._events(answer.read, answer.headers, wants_usage):
-                        yield chunk
-                return
-            async with self._client().post(self._endpoint, data=data) as response:
-                if response.status >= 400:
-                    content = await self._read_limited(response, _ERROR_BODY_BYTES, truncate=True)
-                    raise status_error(self.name, response.status, content, response.headers)
-                async for chunk in self._events(response.content.readany, response.headers, wants_usage):
+                async for chunk in self._events(answer, wants_usage):
                     yield chunk
 
-    async def _events(
-        self, read: Callable[[], Awaitable[bytes]], headers: Mapping[str, str], wants_usage: bool
-    ) -> AsyncGenerator[Chunk, None]:
-        """The checked chunks of an SSE body read with `read` (b"" at its end)."""
+    async def _open_stream(self, stack: AsyncExitStack, data: bytes) -> http1.Streamed:
+        """The stream's status and headers, once they came (within the deadline), and its body,
+        closed with `stack`."""
+        if self._pool is not None:
+            return await stack.enter_async_context(self._pool.stream(data))
+        deadline = asyncio.get_running_loop().time() + self.deadline if self.deadline else None
+        async with asyncio.timeout_at(deadline):
+            response = await stack.enter_async_context(self._client().post(self._endpoint, data=data))
+        self._check_head(response)
+        body = _TimedContent(response.content, deadline)
+        headers = {name.lower(): value for name, value in response.headers.items()}
+        return http1.Streamed(response.status, headers, body.read, body.expire_at)
+
+    async def _events(self, answer: http1.Streamed, wants_usage: bool) -> AsyncGenerator[Chunk, None]:
+        """The checked chunks of an SSE body (`answer.read` gives b"" at its end). The answer's
+        deadline, its first event's until then, moves with each complete line after it."""
+        read, expire_at, headers = answer.read, answer.expire_at, answer.headers
+        loop = asyncio.get_running_loop()
+        idle = self.stream_idle
+        started = False  # a chunk was yielded: the idle limit applies
         buffer = b""
         received_bytes = 0
         unfinished: set[object] = set()  # choice indexes still without a finish_reason
@@ -392,9 +438,12 @@ class OpenAIUpstream(Upstream):
                     async with asyncio.timeout(grace):
                         received = await read()
                 except TimeoutError:
-                    return  # a complete answer without `[DONE]`
+                    return  # a complete answer without `[DONE]` (or one gone quiet after it)
             else:
-                received = await read()
+                try:
+                    received = await read()
+                except TimeoutError as exc:
+                    raise self._late(started) from exc
             received_bytes += len(received)
             if received_bytes > self.max_response_bytes:
                 raise self._too_large()
@@ -412,6 +461,8 @@ class OpenAIUpstream(Upstream):
                 if chunk is True:
                     return
                 if not isinstance(chunk, dict):
+                    if started and line:  # a comment (`: ping`) or a field of its own: alive
+                        expire_at(loop.time() + idle if idle else None)
                     continue
                 for item in as_list(chunk.get("choices")):
                     choice = as_object(item)
@@ -423,7 +474,45 @@ class OpenAIUpstream(Upstream):
                         unfinished.add(index)
                 if isinstance(chunk.get("usage"), dict):
                     seen_usage = True
+                expire_at(None)  # while the chunk is handed on, the wait is not the provider's
                 yield chunk
+                started = True
+                expire_at(loop.time() + idle if idle else None)
+
+    @contextmanager
+    def _in_time(self, late: str) -> Iterator[None]:
+        """Say `late` ("no whole answer within", ...) in the 504 of an answer past its deadline
+        (a connect timeout is `map_upstream_errors`'s to say)."""
+        try:
+            yield
+        except (aiohttp.ConnectionTimeoutError, http1.ConnectTimedOut):
+            raise
+        except TimeoutError as exc:
+            if self.deadline is None:
+                raise  # not the answer's deadline: there is none
+            raise self._timed_out(late, self.deadline, "timeout") from exc
+
+    def _late(self, started: bool) -> UpstreamTimeout:
+        """The 504 of a stream whose next event did not come in time."""
+        if started:
+            return self._timed_out("no stream event for", self.stream_idle, "stream_idle_timeout")
+        return self._timed_out("no stream event within", self.deadline, "timeout")
+
+    def _timed_out(self, late: str, seconds: float | None, key: str) -> UpstreamTimeout:
+        return UpstreamTimeout(
+            f"Provider {self.name!r} at {self.url} sent {late} {seconds or 0:g} s "
+            f"(providers.{self.name}.{key})"
+        )
+
+    def _check_head(self, response: aiohttp.ClientResponse) -> None:
+        """Refuse a head larger than http1.HEAD_LIMIT in all (aiohttp holds each line and the
+        number of fields)."""
+        size = sum(len(name) + len(value) + 4 for name, value in response.raw_headers)
+        if size + len(response.reason or "") + 15 > http1.HEAD_LIMIT:
+            raise UpstreamProtocolError(
+                f"Provider {self.name!r} at {self.url} failed: the answer's head is larger than "
+                f"{http1.HEAD_LIMIT} bytes"
+            )
 
     def _too_large(self) -> UpstreamProtocolError:
         return UpstreamProtocolError(

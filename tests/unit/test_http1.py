@@ -93,12 +93,12 @@ async def serve() -> AsyncIterator[Callable[[Script], Awaitable[Scripted]]]:
         scripted.server.close()
 
 
-def pool(url: str, *, read_timeout: float | None = 5.0) -> http1.Pool:
+def pool(url: str, *, timeout: float | None = 5.0) -> http1.Pool:
     return http1.Pool(
         url,
         {"content-type": "application/json", "authorization": "Bearer k"},
         connect_timeout=2.0,
-        read_timeout=read_timeout,
+        timeout=timeout,
     )
 
 
@@ -133,7 +133,7 @@ async def test_configured_headers_replace_the_defaults(
         server.url,
         {"Host": "models.internal", "User-Agent": "mine/1", "Content-Length": "999"},
         connect_timeout=2.0,
-        read_timeout=5.0,
+        timeout=5.0,
     )
     await client.post(b'{"q": 1}', limit=100, error_limit=100)
     client.close()
@@ -217,7 +217,7 @@ async def test_failures_map_to_gateway_errors_and_say_whether_to_retry(
         return b"NOT HTTP AT ALL\r\n\r\n"
 
     server = await serve(script)
-    client = pool(server.url, read_timeout=0.3)
+    client = pool(server.url, timeout=0.3)
     raised: list[BaseException] = []
     for _ in range(3):
         with pytest.raises(Exception) as info, map_upstream_errors("p", server.url):
@@ -357,7 +357,7 @@ async def test_a_stream_cut_short_or_gone_quiet_fails_its_reader(
         return [STREAM_HEAD + chunk(b"data: 1\n\n")]  # then nothing
 
     server = await serve(script)
-    client = pool(server.url, read_timeout=0.3)
+    client = pool(server.url, timeout=0.3)
     for expected in (http1.BodyCut, http1.ReadTimedOut):
         async with client.stream(b"{}") as answer:
             assert await answer.read() == b"data: 1\n\n"

@@ -1,7 +1,8 @@
 """A fault-injecting OpenAI-compatible upstream that speaks HTTP/1.1 by hand over asyncio TCP.
 
 Unlike a framework mock it can misbehave at the byte level: answer in 1-byte chunks, reset the
-connection mid-stream, hang before or after the status line, send garbage. Each request pops the
+connection mid-stream, hang before or after the status line, send garbage, a huge header, or an
+answer dripped a byte at a time. Each request pops the
 next behaviour from a script (`server.script(b1, b2, ...)`), else runs `server.default`. Every
 connection is watched, so tests can see when the gateway closed it (`FaultRequest.closed_at`).
 """
@@ -224,6 +225,47 @@ def stream_then(events: int, fault: str, *, text: str | None = None, pause: floa
             await req.wait_closed()
             return
         await req.end()
+
+    return run
+
+
+def huge_head(size: int) -> Behaviour:
+    """A 200 whose head carries one header of `size` bytes, then a correct whole answer (for a
+    client still reading)."""
+
+    async def run(req: FaultRequest) -> None:
+        await req.write(b"HTTP/1.1 200 X\r\ncontent-type: application/json\r\nx-padding: ")
+        piece = b"a" * 65536
+        for _ in range(size // len(piece)):
+            await req.write(piece)
+        data = orjson.dumps(req.completion())
+        await req.write(b"\r\ncontent-length: %d\r\nconnection: close\r\n\r\n%s" % (len(data), data))
+
+    return run
+
+
+def drip(pause: float = 1.0) -> Behaviour:
+    """A correct answer (JSON or SSE, as the request asks) whose head comes at once and whose
+    body comes a byte every `pause` seconds, until the client hangs up."""
+
+    async def run(req: FaultRequest) -> None:
+        streamed = bool(req.body.get("stream"))
+        if streamed:
+            await req.head()
+            body = b"".join(req.sse_events()) + b"data: [DONE]\n\n"
+        else:
+            body = orjson.dumps(req.completion())
+            await req.write(
+                b"HTTP/1.1 200 X\r\ncontent-type: application/json\r\n"
+                b"content-length: %d\r\nconnection: close\r\n\r\n" % len(body)
+            )
+        for byte in body:
+            if req.closed.is_set():
+                return
+            await (req.chunk(bytes([byte])) if streamed else req.write(bytes([byte])))
+            await asyncio.sleep(pause)
+        if streamed:
+            await req.end()
 
     return run
 
