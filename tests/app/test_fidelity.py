@@ -112,8 +112,8 @@ async def test_text_format_reasoning_and_image_detail_reach_the_provider(
         "url": "https://x/y.png",
         "detail": "high",
     }
-    with pytest.raises(Exception) as refused:
-        await sdk.responses.create(model="mock/m", input="later", background=True)
+    with pytest.raises(Exception) as refused:  # (a background response must be stored)
+        await sdk.responses.create(model="mock/m", input="later", background=True, store=False)
     assert getattr(refused.value, "status_code", None) == 400
     with pytest.raises(NotFoundError) as unknown:
         await sdk.responses.create(model="mock/m", input="x", previous_response_id="resp_nope")

@@ -42,6 +42,7 @@ OPERATIONS = {
     ("post", "/v1/responses"),
     ("delete", "/v1/responses/{response_id}"),
     ("get", "/v1/responses/{response_id}/input_items"),
+    ("post", "/v1/responses/{response_id}/cancel"),
 }
 TURN = {200, 400, 401, 404, 408, 409, 413, 429, 502, 503, 504}
 
