@@ -113,6 +113,7 @@ def create_app(
         Route("/v1/conversations/{conversation_id}/items/{item_id}", conv.get_item, methods=["GET"]),
         Route("/v1/conversations/{conversation_id}/items/{item_id}", conv.delete_item, methods=["DELETE"]),
         Route("/v1/responses", resp.create_response, methods=["POST"]),
+        Route("/v1/responses/input_tokens", resp.count_input_tokens, methods=["POST"]),
         Route("/v1/responses/{response_id}", resp.get_response, methods=["GET"]),
         Route("/v1/responses/{response_id}", resp.delete_response, methods=["DELETE"]),
         Route("/v1/responses/{response_id}/cancel", resp.cancel_response, methods=["POST"]),

@@ -24,6 +24,7 @@ MODELS: dict[str, type[BaseModel]] = {
         *(schemas.ChatCompletionRequest, schemas.ResponseCreate, schemas.ConversationCreate, schemas.Reset),
         *(schemas.ConversationUpdate, schemas.ItemsCreate, replies.Error, replies.ChatCompletion),
         *(replies.Page, replies.ModelList, replies.Conversation, replies.Deleted),
+        *(schemas.InputTokensCount, replies.InputTokens),
     )
 }
 MODELS["Response"] = replies.ResponseObject  # and "Item", the union schemas.Item
@@ -43,8 +44,10 @@ ERRORS = {
 }
 BODY, READ, DELETE = (400, 401, 408, 413), (400, 401, 404), (400, 401, 404, 409, 503)
 TURN, CREATE, WRITE = (*BODY, 404, 409, 429, 502, 503, 504), (*BODY, 409, 503), (*BODY, 404, 409, 503)
+COUNT = (*BODY, 404, 503)  # (a read: no lock, no provider call but the server's own count)
 CONVERSATION = "/v1/conversations/{conversation_id}"
-RESPONSE = "/v1/responses/{response_id}"
+RESPONSES = "/v1/responses"
+RESPONSE = f"{RESPONSES}/{{response_id}}"
 
 # (method, path, request body: a component, "?" when optional; 200: a component or words;
 # error statuses, summary). A GET answered with a Page takes limit/order/after.
@@ -65,6 +68,7 @@ OPERATIONS: list[Operation] = [
     ("get", f"{CONVERSATION}/items/{{item_id}}", None, "Item", READ, "Retrieve an item"),
     ("delete", f"{CONVERSATION}/items/{{item_id}}", None, "Conversation", DELETE, "Delete an item"),
     ("post", "/v1/responses", "ResponseCreate", "Response", TURN, "Responses API bridge"),
+    ("post", f"{RESPONSES}/input_tokens", "InputTokensCount", "InputTokens", COUNT, "Count a turn's input"),
     ("get", RESPONSE, None, "Response", READ, "Retrieve a response (and its log)"),
     ("delete", RESPONSE, None, "Deleted", DELETE, "Delete a response"),
     ("post", f"{RESPONSE}/cancel", None, "Response", (*READ, 409), "Cancel a background response"),

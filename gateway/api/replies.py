@@ -71,3 +71,11 @@ class ResponseObject(_Reply):
     object: Literal["response"]
     status: str | None = None
     output: list[Fields] | None = None
+
+
+class InputTokens(_Reply):
+    object: Literal["response.input_tokens"]
+    input_tokens: int = Field(
+        description="What the prompt would hold: the server's own count (llama.cpp, vLLM), else the "
+        "gateway's through its calibration for the provider; `gateway` says which and why"
+    )

@@ -34,13 +34,15 @@ from gateway.api.http import (
 from gateway.api.observe import log_failure, log_line, refused, stream_closed
 from gateway.api.pages import list_params, paginate
 from gateway.api.response_shapes import failed_events, replayed_events, response_events, response_object
-from gateway.api.schemas import ResponseCreate
+from gateway.api.schemas import InputTokensCount, ResponseCreate
 from gateway.api.validation import parse_chat, validate
 from gateway.context import Message
+from gateway.context.content import check_model
 from gateway.context.items import Item, items_to_messages, message_to_items
 from gateway.exceptions import ConversationBusy, GatewayError, InvalidRequest, shutting_down
 from gateway.ids import check_conversation_id
 from gateway.services import Services
+from gateway.services.requests import ChatRequest
 from gateway.services.turn import PreparedTurn
 from gateway.types import Record
 
@@ -94,18 +96,24 @@ async def _conversation_for(
     return f"resp-{secrets.token_hex(12)}", None
 
 
-def _chat_body(body: dict[str, Any], request: ResponseCreate) -> tuple[dict[str, Any], dict[str, Any]]:
-    """The chat-completions request for a Responses request, and the params to echo back."""
-    raw_input = body["input"]
-    if isinstance(raw_input, str):
-        messages: list[Message] = [{"role": "user", "content": raw_input}]
+def _chat_body(
+    body: dict[str, Any], request: ResponseCreate, *, input_optional: bool = False
+) -> tuple[dict[str, Any], dict[str, Any]]:
+    """The chat-completions request for a Responses request, and the params to echo back.
+    `input_optional`: no messages at all is no error (a count of a conversation as it stands)."""
+    raw_input = body.get("input")
+    if raw_input is None:
+        messages: list[Message] = []
+    elif isinstance(raw_input, str):
+        messages = [{"role": "user", "content": raw_input}]
     else:
         messages = items_to_messages(raw_input, param="input")
     instructions = request.instructions
     if instructions is not None:
         messages = [{"role": "system", "content": instructions}, *messages]
-    if not messages:
-        raise InvalidRequest("'input' is empty", param="input")
+    if not messages and not input_optional:
+        said = "'input' is empty" if raw_input is not None else "'input' is required"
+        raise InvalidRequest(said, param="input")
     truncation = request.truncation
     tools = _tools(body.get("tools"))
     chat: dict[str, Any] = {"model": request.model, "messages": messages, "stream": bool(request.stream)}
@@ -193,10 +201,14 @@ async def create_response(request: Request) -> Response:
         if cid is not None:
             chat_body["conversation_id"] = chat.conversation_id = cid
         chat.previous_response_id = previous
+        chat.truncation = params["truncation"]
         # What the Responses API echoes back, kept in the request record for a later GET.
         chat.echo = {**params, "previous_response_id": previous}
         if params["background"]:
             request.app.state.background.check_room(tenant)
+        if previous is not None and chat.truncation == "disabled":
+            # A window it refuses is refused before a turn on an earlier response makes its branch.
+            await service.count(chat, tenant)
         turn = await service.prepare(chat, tenant)
     except GatewayError as exc:
         refused(request, body, exc, started, event="response")
@@ -295,6 +307,42 @@ def start_background(request: Request, turn: PreparedTurn, common: dict[str, Any
 
     runs: BackgroundRuns = request.app.state.background
     return runs.start(turn.response_id, tenant_of(request), work, abandon)
+async def count_input_tokens(request: Request) -> Response:
+    """`POST /v1/responses/input_tokens`: the prompt `POST /v1/responses` with this body would
+    send, counted. The same window is planned (history, instructions, tools, the new input);
+    nothing is sent or stored, and the conversation is only read."""
+    services = services_of(request)
+    tenant = tenant_of(request)
+    body = await read_json(request, services.settings.server.max_body_bytes)
+    checked = validate(InputTokensCount, body)
+    named = body.get("conversation") is not None or body.get("previous_response_id") is not None
+    chat_body, params = _chat_body(body, checked, input_optional=named)
+    if chat_body["messages"]:
+        chat = parse_chat(chat_body)
+    else:  # the conversation alone
+        check_model(checked.model)
+        chat = ChatRequest(chat_body, checked.model, [], False, False, None)
+    # (counted as the stored turn it would be: `store` is none of a count's parameters)
+    cid, chat.previous_response_id = await _conversation_for(services, tenant, {**body, "store": True})
+    chat.conversation_id = cid
+    chat.truncation = params["truncation"]
+    counted = await services.turns.count(chat, tenant)
+    plan = counted.plan
+    return JSONBody(
+        {
+            "object": "response.input_tokens",
+            "input_tokens": counted.input_tokens,
+            "gateway": {
+                "counted_by": counted.counted_by,
+                "tokens": plan.window.tokens,  # the gateway's own count, by part (as a context snapshot)
+                "context_window": plan.context_window,
+                "reserve_tokens": plan.reserve,
+                "sent_messages": len(plan.window.messages),
+                "truncated": plan.window.omitted,
+                "summary_version": plan.summary.version if plan.summary else None,
+            },
+        }
+    )
 
 
 def _without_type(record: Record | None) -> Record | None:

@@ -345,6 +345,13 @@ class ResponseCreate(BaseModel):
     }
 
 
+class InputTokensCount(ResponseCreate):
+    """`POST /v1/responses/input_tokens`: a `POST /v1/responses` body, counted instead of sent.
+    Without `input`, the conversation (or the response's) is counted as it stands."""
+
+    input: ResponseInput | None = None  # type: ignore[assignment]  # (optional here only)
+
+
 # -- the Conversations API -----------------------------------------------------------------------
 
 

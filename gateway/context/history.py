@@ -362,9 +362,11 @@ class ConversationView:
         for j, owner in enumerate(self.history_owner, start=self.history_base + 1):
             self.history_end[owner] = j
 
-    def branched(self, keep: int) -> ConversationView:
-        """A copy cut back to its first `keep` history messages (this view is not changed)."""
-        copy = dataclasses.replace(
+    def copy(self) -> ConversationView:
+        """A copy whose changes (counts filled in, a branch cut) never reach this view, nor
+        this view's later changes it: a reader that plans without the conversation's lock
+        works on one."""
+        return dataclasses.replace(
             self,
             history=list(self.history),
             transcript=list(self.transcript),
@@ -376,8 +378,14 @@ class ConversationView:
             deleted_items=set(self.deleted_items),
             metadata=dict(self.metadata),
             created_of=dict(self.created_of),
+            system=list(self.system) if self.system is not None else None,
+            system_tokens=list(self.system_tokens) if self.system_tokens is not None else None,
             _keys={},
         )
+
+    def branched(self, keep: int) -> ConversationView:
+        """A copy cut back to its first `keep` history messages (this view is not changed)."""
+        copy = self.copy()
         copy.cut_history(keep)
         return copy
 

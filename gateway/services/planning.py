@@ -131,6 +131,25 @@ class ContextPlan:
         }
 
 
+# OpenAI's words for an input over the model's window with `truncation: "disabled"`.
+INPUT_TOO_LONG = (
+    "Your input exceeds the context window of this model. Please adjust your input and try again."
+)
+
+
+def refuse_cut(plan: ContextPlan) -> None:
+    """`truncation: "disabled"`: the window must send the whole conversation, nothing left out
+    and nothing folded into a summary; else the 400 OpenAI answers an input over the window."""
+    left_out = plan.window.omitted + (plan.summary.covered if plan.summary is not None else 0)
+    if left_out:
+        raise ContextLengthExceeded(
+            f"{INPUT_TOO_LONG} (truncation is 'disabled', and the window the gateway plans for this "
+            f"model ({plan.context_window} tokens, less {plan.reserve} for the answer) would leave out "
+            f"{left_out} earlier messages of the conversation; with 'auto' the gateway cuts them.)",
+            param="input",
+        )
+
+
 class Planner:
     """Plans windows for one gateway: the model facts and summarizer it asks are shared."""
 
@@ -216,7 +235,7 @@ class Planner:
         if ctx.strategy == "summarize" and view.history_count and not (newest and newest.covered > kept_abs):
             target = self._next_summary((id(store), cid), kept_abs, frame, part, window, budget)
         summary = part.summary
-        return ContextPlan(
+        chosen = ContextPlan(
             window=window,
             encoding=encoding,
             context_window=window_size,
@@ -229,6 +248,9 @@ class Planner:
             new_from=part.new_index(window.history_start),
             cut=cut,
         )
+        if request.truncation == "disabled":
+            refuse_cut(chosen)
+        return chosen
 
     def _frame(
         self,

@@ -47,3 +47,6 @@ class ChatRequest:
     previous_response_id: str | None = None
     # The Responses API's own parameters (instructions, metadata, ...): recorded, never sent.
     echo: dict[str, Any] | None = None
+    # The Responses API's `truncation`: "auto", the gateway's window; "disabled", a window
+    # that would leave out any of the conversation is refused instead (`planning.refuse_cut`).
+    truncation: str = "auto"

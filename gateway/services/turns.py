@@ -11,6 +11,7 @@ from __future__ import annotations
 import asyncio
 import functools
 import logging
+import secrets
 import time
 from collections.abc import AsyncIterator, Callable
 from contextlib import AsyncExitStack
@@ -38,6 +39,7 @@ from gateway.exceptions import (
 )
 from gateway.ids import mint_response_id
 from gateway.services.cache import ConversationCache
+from gateway.services.counting import PromptCount, branch_view, prompt_count
 from gateway.services.models import ModelFacts
 from gateway.services.planning import ContextPlan, Planner, off_loop_if_large
 from gateway.services.recap import stale_recap_sources, withdrawal
@@ -434,3 +436,76 @@ class ChatService:
             aclose = getattr(chunks, "aclose", None)
             if aclose is not None:
                 await aclose()
+
+    # -- counting -----------------------------------------------------------------------------
+    async def count(self, request: ChatRequest, tenant: str = "") -> PromptCount:
+        """Plan the window a turn of `request` would send, as `prepare` does, and stop there: no
+        lock held, no response log, nothing stored or sent. The conversation is read as it
+        stands (as any reader reads it) and planned on a copy; a turn of another request may
+        land meanwhile, as it may before the counted turn itself is sent."""
+        store = await self.stores.get(tenant)
+        route = self.router.resolve(request.model)
+        cid = request.conversation_id
+        assert cid is not None  # (a new conversation: an id no conversation has, as a new turn's)
+        view, planned_as = await self._counted_view(store, cid, request.previous_response_id)
+        system_in, rest = split_system(request.messages)
+        if self.warm_up is not None and not self.warm_up.done():
+            await asyncio.shield(self.warm_up)  # never load a tokenizer on the event loop
+        encoding, count = counter_for(request.model)
+        for attempt in range(2):
+            try:
+                reconciled = reconcile(rest, view)
+                if reconciled.branch_at is not None:
+                    view = view.branched(reconciled.branch_at)
+                new = reconciled.new
+                check_size(self.settings.storage.max_conversation_messages, cid, view, len(new) + 1)
+                new_tokens = await off_loop_if_large(
+                    [*system_in, *new],
+                    lambda: [count(clean_message(m)) for m in new],  # noqa: B023 - run at once
+                )
+                system_tokens = [count(m) for m in system_in] if system_in else None
+                recap: Message | None = None
+                if view.turns == 0:
+                    others = functools.partial(self.cache.load, store, keep=False)
+                    now = self.clock()
+                    recap, _ = await self.planner.recap(request, store, others, planned_as, count, now)
+                plan = await self.planner.plan(
+                    request,
+                    route,
+                    view,
+                    store,
+                    planned_as,
+                    system_in,
+                    system_tokens,
+                    new,
+                    new_tokens,
+                    encoding,
+                    count,
+                    recap or view.recap,
+                )
+                return prompt_count(plan, self.facts.calibration(route))
+            except NotLoaded:  # a partial view cannot tell: the whole conversation can
+                if attempt:
+                    raise
+                view, planned_as = await self._counted_view(store, cid, None, whole=True)
+        raise AssertionError("unreachable")  # (the second attempt returns or raises)
+
+    async def _counted_view(
+        self, store: Store, cid: str, previous: str | None, *, whole: bool = False
+    ) -> tuple[ConversationView, str]:
+        """A copy of the view a turn would plan on, and the conversation id it plans as: the
+        branch a turn would make at `previous` when that is not the newest response (planned as
+        a new branch: no summaries yet); an expired conversation as the fresh one it becomes;
+        a recap that quotes deleted conversations without them, as a turn withdraws them."""
+        branch = await branch_view(store, cid, previous, self.cache.skipped) if previous else None
+        if branch is not None:
+            view, cid = branch, f"{cid[:100]}.fork-{secrets.token_hex(6)}"
+        else:
+            view = (await (self.cache.load(store, cid) if whole else self._load(store, cid))).copy()
+        if expired(view, self.settings.sessions.ttl, self.clock()):
+            return ConversationView(), cid
+        others = functools.partial(self.cache.load, store, keep=False)
+        stale = await stale_recap_sources(store, others, view)
+        if stale:
+            view.apply_marker(withdrawal(stale))
+        return view, cid

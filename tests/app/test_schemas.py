@@ -40,6 +40,7 @@ OPERATIONS = {
     ("get", "/metrics"),
     # The Responses API bridge.
     ("post", "/v1/responses"),
+    ("post", "/v1/responses/input_tokens"),
     ("delete", "/v1/responses/{response_id}"),
     ("get", "/v1/responses/{response_id}/input_items"),
     ("post", "/v1/responses/{response_id}/cancel"),
@@ -65,6 +66,7 @@ def test_the_generated_document_keeps_every_operation_and_status() -> None:
         503,
     }
     assert statuses["delete", "/v1/responses/{response_id}"] == {200, 400, 401, 404, 409, 503}
+    assert statuses["post", "/v1/responses/input_tokens"] == {200, 400, 401, 404, 408, 413, 503}
     assert statuses["get", "/v1/models"] == {200, 401} and statuses["get", "/readyz"] == {200, 503}
 
 
