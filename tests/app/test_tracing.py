@@ -20,6 +20,7 @@ from opentelemetry.trace import SpanKind, StatusCode
 from gateway.config import ModelSettings, Settings
 from gateway.exceptions import UpstreamStatusError, UpstreamTimeout
 from gateway.otel import OtelTracing
+from gateway.services.summaries import SummaryCall
 from gateway.store.memory import MemoryStore
 from gateway.upstream.base import approx_tokens, completion_from_text
 from gateway.upstream.mock import MockUpstream
@@ -325,3 +326,26 @@ async def test_the_responses_api_turn_is_traced_too(traced: Traced) -> None:
     facts = attributes(span)
     assert facts["gateway.api"] == "response" and facts["gen_ai.response.id"] == r.json()["id"]
     assert facts["gen_ai.conversation.id"] == conversation
+
+
+def test_a_failed_summarizer_call_is_a_span_with_its_error(traced: Traced) -> None:
+    timeout = UpstreamTimeout("Provider 'mock' did not answer in 600 s")
+    traced.tracing.summary_call(SummaryCall("conv-9", "mock", "summ", 500, 0.25, None, timeout))
+    traced.tracing.summary_call(SummaryCall("conv-9", "mock", "summ", 500, 0.5, None, ConnectionResetError()))
+    failed, reset = traced.spans("summary")
+    assert failed.name == "chat summ" and failed.kind is SpanKind.CLIENT
+    assert failed.status.status_code is StatusCode.ERROR
+    assert attributes(failed) == {
+        "gen_ai.operation.name": "chat",
+        "gen_ai.provider.name": "mock",
+        "gen_ai.request.model": "summ",
+        "gen_ai.request.max_tokens": 500,
+        "gen_ai.conversation.id": "conv-9",
+        "server.address": "mock.invalid",
+        "server.port": 80,
+        "error.type": "upstream_timeout",
+        "gateway.operation": "summary",
+    }
+    assert failed.end_time is not None and failed.start_time is not None
+    assert failed.end_time - failed.start_time == 250_000_000
+    assert attributes(reset)["error.type"] == "ConnectionResetError"
