@@ -5,7 +5,8 @@ ARG BASE_IMAGE=docker.io/library/python:3.12-slim-bookworm
 
 # -- build: a virtualenv with the gateway and its runtime dependencies ---------------------------
 FROM ${BASE_IMAGE} AS build
-# EXTRAS=litellm adds kind = "litellm" providers (Anthropic, Gemini, Bedrock, ...), ~240 MB.
+# EXTRAS=litellm adds kind = "litellm" providers (Anthropic, Gemini, Bedrock, ...), ~240 MB;
+# EXTRAS=tracing the OpenTelemetry SDK for [tracing]; EXTRAS=litellm,tracing both.
 ARG EXTRAS=""
 ENV PIP_DISABLE_PIP_VERSION_CHECK=1 PIP_NO_CACHE_DIR=1 PIP_ROOT_USER_ACTION=ignore
 RUN python3 -m venv /opt/gateway

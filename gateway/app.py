@@ -8,8 +8,10 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import os
+import sys
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Mapping
 from contextlib import asynccontextmanager
 
 from starlette.applications import Starlette
@@ -33,6 +35,7 @@ from gateway.services import Services, StoreBackend
 from gateway.services.models import litellm_windows
 from gateway.tenants import LOOPBACK_HOSTS, AuthMiddleware, Tenants
 from gateway.tokens import get_encoding, release_free_memory
+from gateway.tracing import EXTRA_HINT, Tracing, export_targets
 from gateway.upstream import Router
 
 log = logging.getLogger("gateway")
@@ -48,20 +51,46 @@ def warm_up(settle: bool = False) -> None:
     release_free_memory(collect=not settle)
 
 
+def tracing_for(settings: Settings, environ: Mapping[str, str] | None = None) -> Tracing:
+    """The app's tracing: exporting where configured (`gateway.tracing.export_targets`), else off
+    and opentelemetry not imported. Configured without the `tracing` extra: a warning, and off."""
+    targets = export_targets(settings.tracing, os.environ if environ is None else environ)
+    if targets is None:
+        return Tracing()
+    try:
+        from gateway.otel import OtelTracing
+    except ImportError as exc:
+        log.warning(
+            "tracing is configured (%s) but the OpenTelemetry SDK is not installed (%s): "
+            "%s -m pip install %s (the `tracing` extra; an image: --build-arg EXTRAS=tracing); "
+            "running without tracing",
+            targets.traces,
+            exc.name,
+            sys.executable,
+            EXTRA_HINT,
+        )
+        return Tracing()
+    return OtelTracing(settings, targets)
+
+
 def create_app(
     settings: Settings | None = None,
     *,
     store: StoreBackend | None = None,
     router: Router | None = None,
+    tracing: Tracing | None = None,
     settle: bool = False,
 ) -> Starlette:
     """`settle`: this process serves only this app (`gateway serve`): once started, its garbage
-    collector is settled (gateway.jobs.heap.settle_gc). Tests and embedders leave it off."""
+    collector is settled (gateway.jobs.heap.settle_gc). Tests and embedders leave it off.
+    `tracing`: instead of what `[tracing]` configures (tests pass one with an in-memory exporter)."""
     settings = settings or load_settings()
     services = Services.from_settings(settings, store=store, router=router)
     stores, router, service = services.stores, services.router, services.turns
     tenants = Tenants.from_settings(settings)
-    metrics = Metrics(active_window=settings.sessions.idle_after or 900.0)
+    tracing = tracing or tracing_for(settings)
+    metrics = Metrics(active_window=settings.sessions.idle_after or 900.0, tracing=tracing)
+    services.summaries.on_call = tracing.summary_call
     summarizer = Summarizer(services.summaries)
     service.schedule_summary = summarizer.schedule
     summarizer.on_outcome = lambda outcome: metrics.summaries.labels(outcome).inc()
@@ -95,6 +124,7 @@ def create_app(
             await processor.stop()
             await summarizer.aclose()
             await services.aclose()
+            await asyncio.to_thread(tracing.shutdown)  # the spans still pending are exported
 
     routes = [
         Route("/v1/chat/completions", chat_completions, methods=["POST"]),
@@ -148,6 +178,7 @@ def create_app(
     app.state.settings = settings
     app.state.stores = stores
     app.state.metrics = metrics
+    app.state.tracing = tracing
     app.state.processor = processor
     app.state.trimmer = trimmer
     app.state.summarizer = summarizer

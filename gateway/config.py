@@ -170,6 +170,23 @@ class AuthSettings(_Section):
     keys_env: str = ""
 
 
+def _otlp_endpoint(value: object) -> object:
+    """An OTLP/HTTP base URL (http:// or https://), or "" for none."""
+    if isinstance(value, str) and value.strip() and not re.match(r"^https?://[^/\s]", value.strip()):
+        raise ValueError('must be an http:// or https:// URL, e.g. "http://127.0.0.1:4318", or ""')
+    return value.strip().rstrip("/") if isinstance(value, str) else value
+
+
+class TracingSettings(_Section):
+    # OTLP/HTTP base URL: spans go to {endpoint}/v1/traces, metrics to {endpoint}/v1/metrics.
+    # Empty: the standard OTEL_EXPORTER_OTLP_*ENDPOINT variables, if set; else off (gateway.tracing).
+    endpoint: Annotated[str, BeforeValidator(_otlp_endpoint)] = ""
+    service_name: str = Field("gateway", min_length=1)
+    # Opt-in (GenAI conventions): the messages sent and the answer, in a span event.
+    capture_content: bool = False
+    metrics: bool = True  # also the GenAI metrics (gen_ai.client.*), to {endpoint}/v1/metrics
+
+
 class ProviderSettings(_Section):
     kind: Literal["openai", "litellm", "demo"]
     base_url: str = ""
@@ -212,6 +229,7 @@ class Settings(BaseSettings):
     context: ContextSettings = ContextSettings()
     sessions: SessionsSettings = SessionsSettings()
     auth: AuthSettings = AuthSettings()
+    tracing: TracingSettings = TracingSettings()
     ui: UISettings = UISettings()
     providers: dict[str, ProviderSettings] = Field(default_factory=_default_providers)
     models: dict[str, ModelSettings] = Field(default_factory=dict)

@@ -1,5 +1,6 @@
 """Prometheus metrics: requests, gateway overhead vs upstream latency, tokens, truncations,
-summaries and active conversations. One registry per app (per worker process)."""
+summaries and active conversations. One registry per app (per worker process); beside it, the
+app's OpenTelemetry tracing (`tracing`, off unless configured), told of the same turns."""
 
 from __future__ import annotations
 
@@ -18,6 +19,7 @@ from starlette.responses import Response
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from gateway.exceptions import shutting_down
+from gateway.tracing import Tracing
 
 _FAST = (0.0005, 0.001, 0.002, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0)
 # The active-conversations gauge remembers at most this many (a busy gateway's new conversations
@@ -41,7 +43,8 @@ _SLOW = (0.01, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0)
 
 
 class Metrics:
-    def __init__(self, active_window: float = 900.0) -> None:
+    def __init__(self, active_window: float = 900.0, tracing: Tracing | None = None) -> None:
+        self.tracing = tracing or Tracing()
         self.registry = CollectorRegistry(auto_describe=True)
         r = self.registry
         self.requests = Counter(

@@ -21,6 +21,7 @@ from gateway.app import create_app
 from gateway.config import Settings, load_settings
 from gateway.store.base import Store
 from gateway.store.memory import MemoryStore
+from gateway.tracing import Tracing
 from gateway.upstream import Router
 from gateway.upstream.mock import MockUpstream
 from tests.mockserver import MockServer, mock_server
@@ -196,8 +197,10 @@ def memory_store() -> MemoryStore:
     return MemoryStore()
 
 
-def build_client(settings: Settings, store: Store | None, upstream: MockUpstream) -> httpx.AsyncClient:
-    app = create_app(settings, store=store, router=Router({"mock": upstream}, "mock"))
+def build_client(
+    settings: Settings, store: Store | None, upstream: MockUpstream, *, tracing: Tracing | None = None
+) -> httpx.AsyncClient:
+    app = create_app(settings, store=store, router=Router({"mock": upstream}, "mock"), tracing=tracing)
     return httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://gateway.test")
 
 

@@ -1,5 +1,6 @@
 """What every turn leaves behind, whichever API carried it: one JSON log line (`gateway.access`)
-and the same metrics; also for requests refused before any provider was asked. Requests that
+and the same metrics, and with tracing configured its GenAI span; also for requests refused
+before any provider was asked (a line and a metric: no provider call, no span). Requests that
 are not turns get the metrics middleware's line (`http.request`)."""
 
 from __future__ import annotations
@@ -68,6 +69,7 @@ def log_line(
             observe(metrics, outcome)
         else:
             metrics.child(metrics.failed_turns, result).inc()
+        metrics.tracing.turn(outcome, status, result, api=event, error=error)
     _mark_logged()
     if not access_log.isEnabledFor(logging.INFO):
         return

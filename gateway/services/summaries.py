@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Awaitable, Callable
+from dataclasses import dataclass
 
 from gateway.config import Settings
 from gateway.context.history import ConversationView, item_key
@@ -49,6 +50,19 @@ async def withdraw(
         await store.append_side("summaries", cid, record)
 
 
+@dataclass(frozen=True, slots=True)
+class SummaryCall:
+    """One call to the summarizer model, as the tracing hook is told of it."""
+
+    conversation_id: str
+    provider: str
+    model: str  # the provider's own model name
+    max_tokens: int
+    seconds: float
+    completion: Body | None  # the provider's answer (None: the call failed)
+    error: BaseException | None = None
+
+
 def _calls_tools(message: Message) -> bool:
     return message.get("role") == "assistant" and bool(message.get("tool_calls"))
 
@@ -83,6 +97,8 @@ class Summaries:
         self.cache = cache
         # Called once per summary version written (rolling or post-processing): the metrics hook.
         self.on_version: Callable[[], None] = lambda: None
+        # Called after each call to the summarizer model, answered or failed: the tracing hook.
+        self.on_call: Callable[[SummaryCall], None] = lambda call: None
 
     def model_for(self, model: str) -> str:
         """The model that summarizes a conversation held with `model`."""
@@ -100,7 +116,15 @@ class Summaries:
         return summary.text if summary else ""
 
     async def _fold_text(
-        self, route: Route, window: int, cap: int, limit: int, model: str, text: str, chunk: list[Message]
+        self,
+        cid: str,
+        route: Route,
+        window: int,
+        cap: int,
+        limit: int,
+        model: str,
+        text: str,
+        chunk: list[Message],
     ) -> str:
         """The summary `text` with `chunk` folded in: one call to the summarizer model."""
         rendered = truncate_text(render_for_summary(chunk), limit, model)
@@ -116,12 +140,18 @@ class Summaries:
             "max_tokens": cap,
             "stream": False,
         }
+        started = time.perf_counter()
         try:
             completion = await route.upstream.complete(body)
-        except UpstreamStatusError as exc:
-            if exc.refusal is not None:  # learned from; the retry plans smaller chunks
+        except BaseException as exc:
+            seconds = time.perf_counter() - started
+            self.on_call(SummaryCall(cid, route.provider, route.model, cap, seconds, None, exc))
+            if isinstance(exc, UpstreamStatusError) and exc.refusal is not None:
+                # Learned from; the retry plans smaller chunks.
                 self.facts.refused(route, 0, exc.refusal, window)
             raise
+        seconds = time.perf_counter() - started
+        self.on_call(SummaryCall(cid, route.provider, route.model, cap, seconds, completion))
         reply = as_object(first_choice(completion).get("message")).get("content") or ""
         return truncate_text(str(reply).strip(), cap, model)
 
@@ -187,7 +217,7 @@ class Summaries:
             # A turn larger than one call (a long chat sent in one request) goes in several
             # calls; its version is recorded once all of it is folded in.
             for part in _parts(messages[i:j], costs, limit):
-                text = await self._fold_text(route, facts.tokens, cap, limit, model, text, part)
+                text = await self._fold_text(cid, route, facts.tokens, cap, limit, model, text, part)
             folded = [item_key(owner, pos) for owner, pos in zip(owners[i:j], positions[i:j], strict=True)]
             async with store.lock(cid, self.settings.storage.lock_timeout):
                 # What was deleted, reset or summarized meanwhile is not folded in (or over).

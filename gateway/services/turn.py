@@ -61,6 +61,11 @@ class TurnOutcome:
     output_tokens: int | None = None  # our count of the answer (None: not counted)
     error: GatewayError | None = None  # why it was not stored, when a GatewayError says so
     cache: JSONObject | None = None  # the provider's prompt and cached-token figures (accounting)
+    upstream_body: JSONObject | None = None  # what the provider was sent: its model, parameters, messages
+    response_model: str | None = None  # the model the provider says answered
+    cut: bool | None = None  # this turn moved the window's head (None: stateless)
+    summary_covers: int | None = None  # history messages the summary sent stands for
+    recap: bool = False  # an "earlier today" recap was sent
 
 
 @dataclass(slots=True)
@@ -103,6 +108,7 @@ class PreparedTurn:
     outcome: TurnOutcome | None = None  # set by the first close
     context: Record | None = None  # the window sent: its latest context snapshot
     cache: JSONObject | None = None  # the provider's prompt and cached-token figures
+    response_model: str | None = None  # the model the provider says answered
 
     def note_context(self, snapshot: Record) -> None:
         """Log the window sent (the context snapshot); the turn's log line repeats its counts."""
@@ -114,6 +120,7 @@ class PreparedTurn:
         messages = self.upstream_body.get("messages")
         context = self.context or {}
         stored, included = context.get("stored_messages"), context.get("included_response_ids")
+        cut, covers = context.get("cut"), context.get("summary_covers_messages")
         return TurnOutcome(
             response_id=self.response_id,
             conversation_id=self.conversation_id,
@@ -139,6 +146,11 @@ class PreparedTurn:
             output_tokens=self.output_tokens,
             error=error,
             cache=self.cache,
+            upstream_body=self.upstream_body,
+            response_model=self.response_model,
+            cut=cut if isinstance(cut, bool) else None,
+            summary_covers=covers if isinstance(covers, int) and covers > 0 else None,
+            recap=context.get("recap") is True,
         )
 
     @property

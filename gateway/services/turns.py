@@ -367,6 +367,9 @@ class ChatService:
             raise UpstreamProtocolError(f"Provider {turn.route.provider!r} returned no choices")
         raw = choice.get("message")
         message = output_message(raw)
+        answered_by = completion.get("model")
+        if isinstance(answered_by, str):
+            turn.response_model = answered_by
         usage, timings = completion.get("usage"), completion.get("timings")
         record = response_record(turn, message, choice.get("finish_reason"), usage, raw, timings)
         await self._commit(turn, message, record)
@@ -411,6 +414,9 @@ class ChatService:
             chunk = first
             while chunk is not None:
                 acc.add(chunk)
+                answered_by = chunk.get("model")
+                if turn.response_model is None and isinstance(answered_by, str):
+                    turn.response_model = answered_by
                 chunk["id"] = turn.response_id
                 chunk["model"] = model
                 if cid is not None:

@@ -139,3 +139,38 @@ def test_a_litellm_provider_loads_nothing_at_start() -> None:
     )
     assert result.returncode == 0, result.stderr
     assert result.stdout.strip() == "[]"
+
+
+def test_opentelemetry_is_imported_only_when_tracing_is_configured() -> None:
+    """Tracing off (no [tracing] endpoint, no OTEL_EXPORTER_OTLP_* variable): starting the app and
+    a turn, streamed and not, never import opentelemetry (it is the `tracing` extra)."""
+    code = textwrap.dedent(
+        """
+        import asyncio, sys
+        import httpx
+        from pathlib import Path
+        import gateway.app
+        from gateway.config import load_settings
+
+        async def main():
+            settings = load_settings(Path("tests/empty.toml"), environ={}, overrides={
+                "default_provider": "demo", "storage": {"backend": "memory"}})
+            app = gateway.app.create_app(settings)
+            transport = httpx.ASGITransport(app=app)
+            async with httpx.AsyncClient(transport=transport, base_url="http://gw") as client:
+                for stream in (False, True):
+                    r = await client.post("/v1/chat/completions", json={
+                        "model": "demo", "conversation_id": "c", "stream": stream,
+                        "messages": [{"role": "user", "content": "my dog is Rex"}]})
+                    assert r.status_code == 200, r.text
+
+        asyncio.run(main())
+        print(sorted(m for m in sys.modules if m.split(".")[0] == "opentelemetry"))
+        """
+    )
+    env = {k: v for k, v in os.environ.items() if not k.startswith("OTEL_")}
+    result = subprocess.run(
+        [sys.executable, "-c", code], cwd=REPO, env=env, capture_output=True, text=True, timeout=60
+    )
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.strip() == "[]"

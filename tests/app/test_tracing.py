@@ -1,0 +1,351 @@
+"""OpenTelemetry GenAI spans and metrics of turns (`[tracing]`), read with the SDK's in-memory
+exporter and reader: the GenAI attributes, the gateway's window facts as its context snapshot
+says them, failures' `error.type`, content only when asked for, and summarizer calls."""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterator
+from typing import Any
+
+import pytest
+
+pytest.importorskip("opentelemetry.sdk")
+
+from opentelemetry.sdk.metrics.export import InMemoryMetricReader
+from opentelemetry.sdk.trace import ReadableSpan
+from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
+from opentelemetry.trace import SpanKind, StatusCode
+
+from gateway.config import ModelSettings, Settings
+from gateway.exceptions import UpstreamStatusError, UpstreamTimeout
+from gateway.otel import OtelTracing
+from gateway.services.summaries import SummaryCall
+from gateway.store.memory import MemoryStore
+from gateway.upstream.base import approx_tokens, completion_from_text
+from gateway.upstream.mock import MockUpstream
+from tests.conftest import app_of, build_client, make_settings
+
+SUMMARIZER_PROMPT = "You maintain the running summary"
+
+
+class Traced:
+    """A tracing that keeps what it records: finished spans and GenAI metric points."""
+
+    def __init__(self, settings: Settings) -> None:
+        self.exporter = InMemorySpanExporter()
+        self.reader = InMemoryMetricReader()
+        self.tracing = OtelTracing(settings, span_exporter=self.exporter, metric_reader=self.reader)
+
+    def spans(self, operation: str = "turn") -> list[ReadableSpan]:
+        self.tracing.flush()
+        return [
+            s
+            for s in self.exporter.get_finished_spans()
+            if (s.attributes or {}).get("gateway.operation") == operation
+        ]
+
+    def points(self, name: str) -> list[Any]:
+        data = self.reader.get_metrics_data()
+        assert data is not None
+        return [
+            point
+            for resource in data.resource_metrics
+            for scope in resource.scope_metrics
+            for metric in scope.metrics
+            if metric.name == name
+            for point in metric.data.data_points
+        ]
+
+    def close(self) -> None:
+        self.tracing.shutdown()
+
+
+@pytest.fixture
+def traced() -> Iterator[Traced]:
+    settings = make_settings()
+    traced = Traced(settings)
+    yield traced
+    traced.close()
+
+
+def answer(body: dict[str, Any]) -> Any:
+    """A provider that names its model's version, counts the prompt and says what its cache served."""
+    messages = body["messages"]
+    if str(messages[0].get("content") or "").startswith(SUMMARIZER_PROMPT):
+        return "The user counted turns."
+    completion = completion_from_text(
+        "m-2024-08", "ok " + "word " * 20, prompt_tokens=approx_tokens(messages)
+    )
+    completion["usage"]["prompt_tokens_details"] = {"cached_tokens": 128}
+    return completion
+
+
+def attributes(span: ReadableSpan) -> dict[str, Any]:
+    return dict(span.attributes or {})
+
+
+async def test_a_turn_is_one_client_span_with_the_genai_attributes(traced: Traced) -> None:
+    body = {
+        "model": "mock/m",
+        "conversation_id": "conv-1",
+        "max_tokens": 50,
+        "temperature": 0.2,
+        "messages": [{"role": "user", "content": "hello"}],
+    }
+    async with build_client(
+        make_settings(), MemoryStore(), MockUpstream(answer), tracing=traced.tracing
+    ) as c:
+        r = await c.post("/v1/chat/completions", json=body)
+    assert r.status_code == 200, r.text
+    (span,) = traced.spans()
+    assert span.name == "chat m" and span.kind is SpanKind.CLIENT
+    assert span.status.status_code is StatusCode.UNSET
+    usage = r.json()["usage"]
+    assert attributes(span) | {"gateway.upstream.duration": 0} == {
+        "gen_ai.operation.name": "chat",
+        "gen_ai.provider.name": "mock",
+        "gen_ai.request.model": "m",  # as the provider was asked ("mock/m" routed to provider mock)
+        "gen_ai.request.max_tokens": 50,
+        "gen_ai.request.temperature": 0.2,
+        "gen_ai.response.id": r.json()["id"],  # the response id the client got
+        "gen_ai.response.model": "m-2024-08",
+        "gen_ai.response.finish_reasons": ("stop",),
+        "gen_ai.conversation.id": "conv-1",
+        "gen_ai.usage.input_tokens": usage["prompt_tokens"],
+        "gen_ai.usage.output_tokens": usage["completion_tokens"],
+        "gen_ai.usage.cache_read.input_tokens": 128,
+        "server.address": "mock.invalid",
+        "server.port": 80,
+        "gateway.operation": "turn",
+        "gateway.api": "chat.completion",
+        "gateway.request.model": "mock/m",
+        "gateway.outcome": "complete",
+        "gateway.status": 200,
+        "gateway.upstream.duration": 0,
+        "gateway.messages.new": 1,
+        "gateway.messages.sent": 1,
+        "gateway.messages.stored": 0,
+        "gateway.window.budget": attributes(span)["gateway.window.budget"],
+        "gateway.window.tokens": attributes(span)["gateway.window.tokens"],
+        "gateway.window.truncated": 0,
+        "gateway.window.cut": False,
+        "gateway.recap.sent": False,
+        "gateway.upstream.truncation_suspected": False,
+    }
+    # The span is the turn's whole time: the provider's share is within it.
+    assert span.end_time is not None and span.start_time is not None
+    assert (span.end_time - span.start_time) / 1e9 >= attributes(span)["gateway.upstream.duration"] > 0
+    # Never the message contents, unless capture_content says so.
+    assert span.events == ()
+
+
+async def test_the_window_facts_are_the_context_snapshots(traced: Traced) -> None:
+    """Turn after turn into a small window with rolling summaries: each span says what its
+    response's context snapshot says (stored vs sent, budget, tokens, the cut, the summary)."""
+    settings = make_settings()
+    settings = settings.model_copy(
+        update={
+            "models": {"mock/m": ModelSettings(context_window=1024)},
+            "context": settings.context.model_copy(
+                update={"strategy": "summarize", "summary_model": "mock/m"}
+            ),
+        }
+    )
+    store = MemoryStore()
+    async with build_client(settings, store, MockUpstream(answer), tracing=traced.tracing) as client:
+        for i in range(14):
+            text = f"turn {i}: " + "some filler words to fill the window " * 12
+            body = {
+                "model": "mock/m",
+                "conversation_id": "long",
+                "messages": [{"role": "user", "content": text}],
+            }
+            r = await client.post("/v1/chat/completions", json=body)
+            assert r.status_code == 200, r.text
+            await app_of(client).state.summarizer.wait_idle()
+    spans = traced.spans()
+    assert len(spans) == 14
+    for span in spans:
+        facts = attributes(span)
+        (context,) = [
+            record for record in store.responses[facts["gen_ai.response.id"]] if record["type"] == "context"
+        ]
+        assert facts["gateway.messages.stored"] == context["stored_messages"]
+        assert facts["gateway.messages.sent"] == context["sent_messages"]
+        assert facts["gateway.window.budget"] == context["budget"]
+        assert facts["gateway.window.tokens"] == context["tokens"]["total"]
+        assert facts["gateway.window.truncated"] == context["truncated"]
+        assert facts["gateway.window.cut"] == context["cut"]
+        assert facts.get("gateway.summary.version") == context["summary_version"]
+        assert facts.get("gateway.summary.covers_messages", 0) == context["summary_covers_messages"]
+    cuts = [attributes(s) for s in spans if attributes(s)["gateway.window.cut"]]
+    assert cuts, "the window was never cut"
+    assert cuts[0]["gateway.summary.version"] >= 1 and cuts[0]["gateway.summary.covers_messages"] > 0
+    assert cuts[0]["gateway.messages.sent"] < cuts[0]["gateway.messages.stored"]
+    # The summarizer's calls are spans of their own, in the conversation.
+    summaries = [attributes(s) for s in traced.spans("summary")]
+    assert summaries and all(
+        s["gen_ai.conversation.id"] == "long" and s["gen_ai.request.model"] == "m" and "error.type" not in s
+        for s in summaries
+    )
+
+
+async def test_a_stream_says_it_is_one(traced: Traced) -> None:
+    body = {
+        "model": "mock/m",
+        "conversation_id": "s",
+        "stream": True,
+        "stream_options": {"include_usage": True},
+        "messages": [{"role": "user", "content": "hello"}],
+    }
+    async with build_client(
+        make_settings(), MemoryStore(), MockUpstream(answer), tracing=traced.tracing
+    ) as c:
+        r = await c.post("/v1/chat/completions", json=body)
+    assert r.status_code == 200 and r.text.rstrip().endswith("data: [DONE]")
+    (span,) = traced.spans()
+    facts = attributes(span)
+    assert facts["gen_ai.request.stream"] is True and facts["gen_ai.response.model"] == "m-2024-08"
+    assert facts["gen_ai.response.finish_reasons"] == ("stop",) and facts["gen_ai.usage.output_tokens"] > 0
+    assert facts["gen_ai.response.id"] == r.headers["x-response-id"]
+
+
+@pytest.mark.parametrize(
+    ("fault", "error_type", "status"),
+    [
+        (UpstreamTimeout("Provider 'mock' did not answer in 5 s"), "upstream_timeout", 504),
+        (UpstreamStatusError("overloaded", upstream_status=503), "503", 502),
+        (UpstreamStatusError("slow down", upstream_status=429, code="rate_limit_exceeded"), "429", 429),
+    ],
+)
+async def test_a_failed_turn_has_its_error_type(
+    traced: Traced, fault: Exception, error_type: str, status: int
+) -> None:
+    def failing(body: dict[str, Any]) -> Any:
+        raise fault
+
+    body = {"model": "mock/m", "conversation_id": "f", "messages": [{"role": "user", "content": "hello"}]}
+    async with build_client(
+        make_settings(), MemoryStore(), MockUpstream(failing), tracing=traced.tracing
+    ) as c:
+        r = await c.post("/v1/chat/completions", json=body)
+    assert r.status_code == status
+    (span,) = traced.spans()
+    facts = attributes(span)
+    assert facts["error.type"] == error_type
+    assert facts["gateway.outcome"] == "error" and facts["gateway.status"] == status
+    assert (
+        facts["gen_ai.conversation.id"] == "f" and facts["gen_ai.response.id"] == r.headers["x-response-id"]
+    )
+    assert "gen_ai.usage.output_tokens" not in facts and "gen_ai.response.finish_reasons" not in facts
+    assert span.status.status_code is StatusCode.ERROR
+    (duration,) = traced.points("gen_ai.client.operation.duration")
+    assert duration.attributes["error.type"] == error_type and duration.count == 1
+    assert traced.points("gen_ai.client.token.usage") == []  # no answer, no usage
+
+
+async def test_content_is_captured_only_when_configured() -> None:
+    settings = make_settings()
+    settings = settings.model_copy(
+        update={"tracing": settings.tracing.model_copy(update={"capture_content": True})}
+    )
+    traced = Traced(settings)
+    body = {
+        "model": "mock/m",
+        "conversation_id": "content",
+        "messages": [
+            {"role": "system", "content": "Be brief."},
+            {"role": "user", "content": "my dog is Rex"},
+        ],
+    }
+    try:
+        async with build_client(settings, MemoryStore(), MockUpstream(), tracing=traced.tracing) as c:
+            r = await c.post("/v1/chat/completions", json=body)
+        assert r.status_code == 200, r.text
+        (span,) = traced.spans()
+    finally:
+        traced.close()
+    (event,) = span.events
+    assert event.name == "gen_ai.client.inference.operation.details"
+    details = dict(event.attributes or {})
+    assert json.loads(str(details["gen_ai.input.messages"])) == [
+        {"role": "system", "parts": [{"type": "text", "content": "Be brief."}]},
+        {"role": "user", "parts": [{"type": "text", "content": "my dog is Rex"}]},
+    ]
+    assert json.loads(str(details["gen_ai.output.messages"])) == [
+        {
+            "role": "assistant",
+            "parts": [{"type": "text", "content": r.json()["choices"][0]["message"]["content"]}],
+            "finish_reason": "stop",
+        }
+    ]
+
+
+async def test_the_genai_metrics_count_tokens_by_type_and_time_each_turn(traced: Traced) -> None:
+    async with build_client(
+        make_settings(), MemoryStore(), MockUpstream(answer), tracing=traced.tracing
+    ) as c:
+        for i in range(3):
+            body = {
+                "model": "mock/m",
+                "conversation_id": "m",
+                "messages": [{"role": "user", "content": f"q{i}"}],
+            }
+            assert (await c.post("/v1/chat/completions", json=body)).status_code == 200
+    spans = [attributes(s) for s in traced.spans()]
+    usage = {p.attributes["gen_ai.token.type"]: p for p in traced.points("gen_ai.client.token.usage")}
+    assert usage.keys() == {"input", "output"}
+    assert usage["input"].count == 3 and usage["input"].sum == sum(
+        s["gen_ai.usage.input_tokens"] for s in spans
+    )
+    assert usage["output"].sum == sum(s["gen_ai.usage.output_tokens"] for s in spans)
+    assert usage["input"].explicit_bounds[:3] == (1, 4, 16)  # the conventions' advised buckets
+    (duration,) = traced.points("gen_ai.client.operation.duration")
+    assert duration.count == 3 and duration.explicit_bounds[0] == 0.01
+    # Few values each: no conversation or response ids in a metric's attributes.
+    assert dict(duration.attributes) == {
+        "gen_ai.operation.name": "chat",
+        "gen_ai.provider.name": "mock",
+        "gen_ai.request.model": "m",
+        "gen_ai.response.model": "m-2024-08",
+        "server.address": "mock.invalid",
+        "server.port": 80,
+    }
+
+
+async def test_the_responses_api_turn_is_traced_too(traced: Traced) -> None:
+    async with build_client(
+        make_settings(), MemoryStore(), MockUpstream(answer), tracing=traced.tracing
+    ) as c:
+        conversation = (await c.post("/v1/conversations", json={})).json()["id"]
+        body = {"model": "mock/m", "input": "hello", "conversation": conversation}
+        r = await c.post("/v1/responses", json=body)
+    assert r.status_code == 200, r.text
+    (span,) = traced.spans()
+    facts = attributes(span)
+    assert facts["gateway.api"] == "response" and facts["gen_ai.response.id"] == r.json()["id"]
+    assert facts["gen_ai.conversation.id"] == conversation
+
+
+def test_a_failed_summarizer_call_is_a_span_with_its_error(traced: Traced) -> None:
+    timeout = UpstreamTimeout("Provider 'mock' did not answer in 600 s")
+    traced.tracing.summary_call(SummaryCall("conv-9", "mock", "summ", 500, 0.25, None, timeout))
+    traced.tracing.summary_call(SummaryCall("conv-9", "mock", "summ", 500, 0.5, None, ConnectionResetError()))
+    failed, reset = traced.spans("summary")
+    assert failed.name == "chat summ" and failed.kind is SpanKind.CLIENT
+    assert failed.status.status_code is StatusCode.ERROR
+    assert attributes(failed) == {
+        "gen_ai.operation.name": "chat",
+        "gen_ai.provider.name": "mock",
+        "gen_ai.request.model": "summ",
+        "gen_ai.request.max_tokens": 500,
+        "gen_ai.conversation.id": "conv-9",
+        "server.address": "mock.invalid",
+        "server.port": 80,
+        "error.type": "upstream_timeout",
+        "gateway.operation": "summary",
+    }
+    assert failed.end_time is not None and failed.start_time is not None
+    assert failed.end_time - failed.start_time == 250_000_000
+    assert attributes(reset)["error.type"] == "ConnectionResetError"
