@@ -69,6 +69,24 @@ async def off_loop_if_large(messages: list[Message], work: Callable[[], Any]) ->
 
 
 @dataclass(frozen=True, slots=True)
+class TurnInputs:
+    """What a turn's window is planned from (and planned again from, after a refusal)."""
+
+    request: ChatRequest
+    route: Route
+    view: ConversationView
+    store: Store
+    cid: str
+    system_in: list[Message]
+    system_tokens: list[int] | None
+    new: list[Message]
+    new_tokens: list[int]
+    encoding: str
+    count: Callable[[Message], int]
+    recap: Message | None
+
+
+@dataclass(frozen=True, slots=True)
 class _Fitted:
     window: Window
     part: Part
@@ -175,44 +193,32 @@ class Planner:
             "through": through,
         }
 
-    async def plan(
-        self,
-        request: ChatRequest,
-        route: Route,
-        view: ConversationView,
-        store: Store,
-        cid: str,
-        system_in: list[Message],
-        system_in_tokens: list[int] | None,
-        new: list[Message],
-        new_tokens: list[int],
-        encoding: str,
-        count: Callable[[Message], int],
-        recap: Message | None = None,
-        *,
-        hold: bool = True,
-    ) -> ContextPlan:
+    async def plan(self, inputs: TurnInputs, *, hold: bool = True) -> ContextPlan:
         """Decide what of the stored conversation goes upstream (SPEC section 7).
 
         The window keeps the previous turn's head (`view.head`: where its history began and the
         summary it sent) while everything from there fits; otherwise it is cut in a step, down
         to `cut_to` of the budget, starting at the newest summary's coverage when that fits.
         `hold=False` cuts regardless (after the provider refused the previous plan)."""
-        ctx = self.settings.context
-        if view.encoding != encoding or view.needs_count:
+        ctx, view, route, request, store = (
+            self.settings.context,
+            inputs.view,
+            inputs.route,
+            inputs.request,
+            inputs.store,
+        )
+        if view.encoding != inputs.encoding or view.needs_count:
             # Counted once per stored message; only a model-family switch recounts.
             if len(view.history) > 64:
-                await asyncio.to_thread(view.count_tokens, encoding, count)
+                await asyncio.to_thread(view.count_tokens, inputs.encoding, inputs.count)
             else:
-                view.count_tokens(encoding, count)
+                view.count_tokens(inputs.encoding, inputs.count)
         facts = await self.facts.window(route, request.model, store)
         window_size = facts.tokens
         reserve, budget = self._budget(request, facts)
-        records = await store.read_side("summaries", cid) if ctx.strategy == "summarize" else []
+        records = await store.read_side("summaries", inputs.cid) if ctx.strategy == "summarize" else []
         newest = current_summary(records, view) if records else None
-        frame = self._frame(
-            request, view, system_in, system_in_tokens, new, new_tokens, encoding, count, recap
-        )
+        frame = self._frame(inputs)
         # Summary and recap are sized from the window, not from the request: the head of the
         # prompt stays the same from turn to turn (request-sized when it must shrink).
         frame = replace(frame, head_room=window_size - reserve + frame.head_room)
@@ -233,11 +239,11 @@ class Planner:
         kept_abs = part.absolute(window.history_start, view.history_count)
         target = None
         if ctx.strategy == "summarize" and view.history_count and not (newest and newest.covered > kept_abs):
-            target = self._next_summary((id(store), cid), kept_abs, frame, part, window, budget)
+            target = self._next_summary((id(store), inputs.cid), kept_abs, frame, part, window, budget)
         summary = part.summary
         chosen = ContextPlan(
             window=window,
-            encoding=encoding,
+            encoding=inputs.encoding,
             context_window=window_size,
             reserve=reserve,
             summary=summary if window.tokens.get("summary") else None,  # (None: not sent)
@@ -252,28 +258,17 @@ class Planner:
             refuse_cut(chosen)
         return chosen
 
-    def _frame(
-        self,
-        request: ChatRequest,
-        view: ConversationView,
-        system_in: list[Message],
-        system_in_tokens: list[int] | None,
-        new: list[Message],
-        new_tokens: list[int],
-        encoding: str,
-        count: Callable[[Message], int],
-        recap: Message | None,
-    ) -> Frame:
+    def _frame(self, inputs: TurnInputs) -> Frame:
         """What every window of the turn shares; its `head_room` is what the system prompt,
         the framing and the tools take (negative: the window and reserve are added by the caller)."""
-        ctx = self.settings.context
-        if system_in:
-            system, system_tokens = system_in, list(system_in_tokens or [])
+        ctx, view = self.settings.context, inputs.view
+        if inputs.system_in:
+            system, system_tokens = inputs.system_in, list(inputs.system_tokens or [])
         else:
             system = view.system or []
             system_tokens = [int(n or 0) for n in (view.system_tokens or [])]
-        tools = request.body.get("tools")
-        tools_tokens = tools_cost(orjson.dumps(tools).decode(), encoding) if tools else 0
+        tools = inputs.request.body.get("tools")
+        tools_tokens = tools_cost(orjson.dumps(tools).decode(), inputs.encoding) if tools else 0
         return Frame(
             max_history=ctx.max_history_messages,
             keep_recent=ctx.keep_recent_messages,
@@ -282,12 +277,12 @@ class Planner:
             view=view,
             system=[clean_message(m) for m in system],
             system_tokens=system_tokens,
-            new=new,
-            new_tokens=new_tokens,
-            count=count,
-            model=request.model,
-            encoding=encoding,
-            recap=recap,
+            new=inputs.new,
+            new_tokens=inputs.new_tokens,
+            count=inputs.count,
+            model=inputs.request.model,
+            encoding=inputs.encoding,
+            recap=inputs.recap,
             tools_tokens=tools_tokens,
             head_room=-REQUEST_OVERHEAD_TOKENS - sum(system_tokens) - tools_tokens,
         )

@@ -16,17 +16,28 @@ from typing import Any, TypeVar, cast
 
 import orjson
 
-from gateway.context import ConversationView, Turn
+from gateway.context import ConversationView, Turn, clean_message, split_system
 from gateway.context.accounting import prompt_accounting
+from gateway.context.lifecycle import zone
+from gateway.context.recap_text import is_recap, recap_conversations
+from gateway.context.reconcile import Reconciled
 from gateway.context.steps import Head
-from gateway.exceptions import ContextLengthExceeded, GatewayError, NotFound, UpstreamStatusError
+from gateway.context.tail import checkpoint
+from gateway.exceptions import (
+    ContextLengthExceeded,
+    GatewayError,
+    InvalidRequest,
+    NotFound,
+    UpstreamStatusError,
+)
 from gateway.services.cache import ConversationCache
 from gateway.services.models import ModelFacts
-from gateway.services.planning import ContextPlan
-from gateway.services.requests import ChatRequest
+from gateway.services.planning import ContextPlan, TurnInputs
+from gateway.services.requests import FORBIDDEN_FIELDS, GATEWAY_FIELDS, ChatRequest
 from gateway.store.base import ResponseLog, Store
 from gateway.types import JSONObject, Message, Record, Timings, Usage
 from gateway.upstream import Route
+from gateway.writers import writer
 
 T = TypeVar("T")
 log = logging.getLogger("gateway.services")
@@ -297,6 +308,122 @@ def timings_until_now(turn: PreparedTurn) -> Timings:
         "upstream_ms": round((end - turn.upstream_started) * 1000, 3),
         "total_ms": round((end - turn.started) * 1000, 3),
     }
+
+
+@dataclass(frozen=True, slots=True)
+class Planned:
+    """What a turn decided before its response log opens: what is new, and the window for it."""
+
+    view: ConversationView
+    new: list[Message]
+    system_in: list[Message]
+    encoding: str | None = None
+    new_tokens: list[int] | None = None
+    system_tokens: list[int] | None = None
+    branch: Reconciled | None = None  # the client's history diverged: where, and which kind
+    recap: Message | None = None  # the recap this turn starts its conversation with
+    recap_from: list[str] = field(default_factory=list)
+    inputs: TurnInputs | None = None  # (None: a stateless request, nothing planned)
+    plan: ContextPlan | None = None
+
+    @classmethod
+    def stateless(cls, request: ChatRequest) -> Planned:
+        system_in, rest = split_system(request.messages)
+        return cls(view=ConversationView(), new=list(rest), system_in=system_in)
+
+    @property
+    def sent(self) -> list[Message]:
+        """The messages the provider gets."""
+        if self.plan is None:
+            return [clean_message(m) for m in [*self.system_in, *self.new]]
+        return self.plan.window.messages
+
+    @property
+    def stored_system(self) -> list[Message] | None:
+        """The system prompt this turn sets, when it changes the stored one."""
+        return self.system_in if self.system_in and self.system_in != self.view.system else None
+
+
+def check_timezone(request: ChatRequest, default: str) -> None:
+    """`user_timezone`, when sent, names an IANA zone (a 400 otherwise)."""
+    value = request.body.get("user_timezone")
+    if value is None:
+        return
+    if not isinstance(value, str):
+        raise InvalidRequest("'user_timezone' must be an IANA zone name", param="user_timezone")
+    zone(value, default)
+
+
+def client_params(request: ChatRequest) -> JSONObject:
+    """The client's parameters a provider may see (gateway-only and forbidden fields left out)."""
+    return {
+        k: v
+        for k, v in request.body.items()
+        if k not in GATEWAY_FIELDS and k not in FORBIDDEN_FIELDS and k != "messages"
+    }
+
+
+def request_record(
+    request: ChatRequest, response_id: str, route: Route, cid: str | None, created: float, planned: Planned
+) -> Record:
+    """The `request` record a response log opens with."""
+    params = client_params(request)
+    record: Record = {
+        "type": "request",
+        "response_id": response_id,
+        "conversation_id": cid,
+        "created": created,
+        "writer": writer(),  # host/pid/start: a reader can tell an attempt whose process died
+        "model": request.model,
+        "provider": route.provider,
+        "upstream_model": route.model,
+        "stream": request.stream,
+        "params": {k: v for k, v in params.items() if k != "model"},
+        "system": planned.stored_system,
+        "input": planned.new,
+    }
+    if cid is not None:
+        record["before"] = checkpoint(planned.view)  # lets a later load start at this turn
+    if planned.recap is not None:
+        record["recap"] = planned.recap
+        record["recap_conversations"] = planned.recap_from
+    branch = planned.branch
+    if branch is not None:
+        record["branch_at"] = branch.branch_at  # the client's history diverged here
+        record["branch"] = "regenerated" if branch.regenerated else "edited"
+        if branch.left_from is not None:  # the first stored message it leaves behind
+            rid, position = branch.left_from
+            record["branch_left"] = {"response_id": rid, "position": position}
+    if request.echo is not None:
+        record["responses"] = request.echo
+    if isinstance(request.body.get("user_timezone"), str):
+        record["user_timezone"] = request.body["user_timezone"]
+    if planned.new_tokens is not None:
+        record["encoding"] = planned.encoding
+        record["input_tokens"] = planned.new_tokens
+        if planned.stored_system is not None:
+            record["system_tokens"] = planned.system_tokens
+    return record
+
+
+def context_snapshot(planned: Planned, response_id: str) -> Record:
+    """The `context` record: the window sent and the figures behind it (SPEC section 7)."""
+    sent, view, plan = planned.sent, planned.view, planned.plan
+    if plan is None:
+        return {
+            "type": "context",
+            "stateless": True,
+            "new_messages": len(planned.new),
+            "sent_messages": len(sent),
+            "messages": sent,
+        }
+    snapshot = plan.snapshot(view, len(planned.new), sent, response_id)
+    recapped = planned.recap or view.recap
+    # The conversations of the recap as sent (sized to this window: maybe fewer).
+    sent_recap = next((m for m in sent if is_recap(m)), None) if recapped else None
+    snapshot["recap_conversations"] = recap_conversations(sent_recap) if sent_recap else None
+    snapshot["recap"] = bool(recapped)
+    return snapshot
 
 
 def response_record(

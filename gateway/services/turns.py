@@ -13,7 +13,7 @@ import functools
 import logging
 import secrets
 import time
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable
 from contextlib import AsyncExitStack
 from typing import Any
 
@@ -21,19 +21,15 @@ from gateway.config import Settings
 from gateway.context import (
     ConversationView,
     Message,
-    Reconciled,
     Turn,
     clean_message,
     reconcile,
     split_system,
 )
 from gateway.context.history import NotLoaded
-from gateway.context.lifecycle import user_key, zone
-from gateway.context.recap_text import is_recap, recap_conversations
-from gateway.context.tail import checkpoint
+from gateway.context.lifecycle import user_key
 from gateway.exceptions import (
     GatewayError,
-    InvalidRequest,
     UpstreamProtocolError,
     UpstreamStatusError,
 )
@@ -41,17 +37,22 @@ from gateway.ids import mint_response_id
 from gateway.services.cache import ConversationCache
 from gateway.services.counting import PromptCount, branch_view, prompt_count
 from gateway.services.models import ModelFacts
-from gateway.services.planning import ContextPlan, Planner, off_loop_if_large
+from gateway.services.planning import Planner, TurnInputs, off_loop_if_large
 from gateway.services.recap import stale_recap_sources, withdrawal
-from gateway.services.requests import FORBIDDEN_FIELDS, GATEWAY_FIELDS, ChatRequest, check_size
+from gateway.services.requests import ChatRequest, check_size
 from gateway.services.stream import StreamAccumulator, output_message
 from gateway.services.turn import (
+    Planned,
     PreparedTurn,
     TurnOutcome,
     archive_expired,
+    check_timezone,
+    client_params,
+    context_snapshot,
     expired,
     lock_conversation,
     refit,
+    request_record,
     response_record,
     run_to_end,
     settle,
@@ -62,11 +63,10 @@ from gateway.services.turn import (
 from gateway.services.usage import UsageLearning
 from gateway.store import Store, StoreRegistry
 from gateway.tokens import counter_for
-from gateway.types import Record, first_choice
-from gateway.upstream import Router
+from gateway.types import JSONObject, Record, first_choice
+from gateway.upstream import Route, Router
 from gateway.upstream.base import Chunk
 from gateway.upstream.cache_hints import CACHE_KEY, cache_key
-from gateway.writers import writer
 
 log = logging.getLogger("gateway.services")
 
@@ -121,165 +121,138 @@ class ChatService:
         response_id = mint_response_id(request.model)
         stack = AsyncExitStack()
         try:
-            cid = request.conversation_id
-            view = ConversationView()
-            if cid is not None:
-                cid = await lock_conversation(request, store, stack, self.settings.storage.lock_timeout)
-                view = await self._load(store, cid)
-                ttl, now = self.settings.sessions.ttl, self.clock()
-                if expired(view, ttl, now):
-                    view = await archive_expired(store, self.cache, cid)
-                if view.recap is not None:
-                    view = await self._recap_checked(store, cid, view)
-            system_in, rest = split_system(request.messages)
-            recap: Message | None = None
-            recap_from: list[str] = []
-            if request.body.get("user_timezone") is not None:
-                if not isinstance(request.body["user_timezone"], str):
-                    raise InvalidRequest("'user_timezone' must be an IANA zone name", param="user_timezone")
-                zone(request.body["user_timezone"], self.settings.sessions.default_timezone)
-            if self.warm_up is not None and not self.warm_up.done():
-                await asyncio.shield(self.warm_up)  # never load a tokenizer on the event loop
-            encoding, count = counter_for(request.model)
-            plan: ContextPlan | None = None
-            branch: Reconciled | None = None  # (a branch: where, and which kind)
-            if cid is None:
-                new = list(rest)
-                sent = [clean_message(m) for m in request.messages]
-                new_tokens: list[int] | None = None
-                system_tokens: list[int] | None = None
+            cid, view = await self._locked_view(request, store, stack)
+            check_timezone(request, self.settings.sessions.default_timezone)
+            if cid is None:  # stateless: the request as it is, nothing planned
+                planned = Planned.stateless(request)
             else:
-                for attempt in range(2):
-                    try:
-                        reconciled = reconcile(rest, view)
-                        new = reconciled.new
-                        branch = reconciled if reconciled.branch_at is not None else None
-                        if reconciled.branch_at is not None:
-                            view = view.branched(reconciled.branch_at)  # planned on the client's version
-                        # + 1: the reply this turn would store
-                        check_size(self.settings.storage.max_conversation_messages, cid, view, len(new) + 1)
-                        new_tokens = await off_loop_if_large(
-                            [*system_in, *new],
-                            lambda: [count(clean_message(m)) for m in new],  # noqa: B023 - run at once
-                        )
-                        system_tokens = [count(m) for m in system_in] if system_in else None
-                        if view.turns == 0:
-                            others = functools.partial(
-                                self.cache.load, store, keep=False
-                            )  # not cached for a recap
-                            recap, recap_from = await self.planner.recap(
-                                request, store, others, cid, count, self.clock()
-                            )
-                        replan = functools.partial(
-                            self.planner.plan,
-                            request,
-                            route,
-                            view,
-                            store,
-                            cid,
-                            system_in,
-                            system_tokens,
-                            new,
-                            new_tokens,
-                            encoding,
-                            count,
-                            recap or view.recap,
-                        )
-                        plan = await replan()
-                        sent = plan.window.messages
-                        break
-                    except NotLoaded:  # a partial view cannot tell: the whole conversation can
-                        if attempt:
-                            raise
-                        view = await self.cache.load(store, cid)
-            stored_system = system_in if system_in and system_in != view.system else None
-            params = {
-                k: v
-                for k, v in request.body.items()
-                if k not in GATEWAY_FIELDS and k not in FORBIDDEN_FIELDS and k != "messages"
-            }
-            upstream_body = {**params, "model": route.model, "messages": sent}
-            upstream_body[CACHE_KEY] = cache_key(tenant, cid)  # for the provider's cache hints, never sent on
-            if plan is not None and plan.facts is not None and plan.facts.num_ctx_option:
-                # Ollama cuts prompts to its runtime num_ctx silently: say the window planned for.
-                options = upstream_body.get("options")
-                if options is None or (isinstance(options, dict) and "num_ctx" not in options):
-                    upstream_body["options"] = {**(options or {}), "num_ctx": plan.facts.tokens}
+                reload = functools.partial(self.cache.load, store, cid)
+                planned = await self._planned(request, route, store, cid, cid, view, reload)
+            view = planned.view
+            upstream_body = self._upstream_body(request, route, tenant, cid, planned)
             created = self.clock()
-            record: Record = {
-                "type": "request",
-                "response_id": response_id,
-                "conversation_id": cid,
-                "created": created,
-                "writer": writer(),  # host/pid/start: a reader can tell an attempt whose process died
-                "model": request.model,
-                "provider": route.provider,
-                "upstream_model": route.model,
-                "stream": request.stream,
-                "params": {k: v for k, v in params.items() if k != "model"},
-                "system": stored_system,
-                "input": new,
-            }
-            if cid is not None:
-                record["before"] = checkpoint(view)  # lets a later load start at this turn
-            if recap is not None:
-                record["recap"] = recap
-                record["recap_conversations"] = recap_from
-            if branch is not None:
-                record["branch_at"] = branch.branch_at  # the client's history diverged here
-                record["branch"] = "regenerated" if branch.regenerated else "edited"
-                if branch.left_from is not None:  # the first stored message it leaves behind
-                    rid, position = branch.left_from
-                    record["branch_left"] = {"response_id": rid, "position": position}
-            if request.echo is not None:
-                record["responses"] = request.echo
-            if isinstance(request.body.get("user_timezone"), str):
-                record["user_timezone"] = request.body["user_timezone"]
-            if new_tokens is not None:
-                record["encoding"] = encoding
-                record["input_tokens"] = new_tokens
-                if stored_system is not None:
-                    record["system_tokens"] = system_tokens
+            record = request_record(request, response_id, route, cid, created, planned)
             response_log = store.start(response_id, record)
             turn = PreparedTurn(
-                request, response_id, route, upstream_body, response_log, new, stored_system, stack, started
-            )
-            if plan is not None:
-                snapshot = plan.snapshot(view, len(new), sent, response_id)
-                # The conversations of the recap as sent (sized to this window: maybe fewer).
-                sent_recap = next((m for m in sent if is_recap(m)), None) if recap or view.recap else None
-                snapshot["recap_conversations"] = recap_conversations(sent_recap) if sent_recap else None
-                snapshot["recap"] = bool(recap or view.recap)
-            else:
-                snapshot = {
-                    "type": "context",
-                    "stateless": True,
-                    "new_messages": len(new),
-                    "sent_messages": len(sent),
-                    "messages": sent,
-                }
-            turn.note_context(snapshot)
-            turn.encoding = encoding
-            turn.new_tokens = new_tokens
-            turn.system_tokens = system_tokens if stored_system is not None else None
-            turn.plan = plan
-            turn.store = store
-            turn.view = view
-            turn.tenant = tenant
-            turn.branch_at = branch.branch_at if branch is not None else None
-            if plan is not None:
-                turn.replan = replan
-            turn.created = created
-            turn.recap = recap
-            turn.first_of_user = (
-                request.body["user"]
+                request,
+                response_id,
+                route,
+                upstream_body,
+                response_log,
+                planned.new,
+                planned.stored_system,
+                stack,
+                started,
+                encoding=planned.encoding,
+                new_tokens=planned.new_tokens,
+                system_tokens=planned.system_tokens if planned.stored_system is not None else None,
+                plan=planned.plan,
+                store=store,
+                view=view,
+                tenant=tenant,
+                branch_at=planned.branch.branch_at if planned.branch is not None else None,
+                replan=functools.partial(self.planner.plan, planned.inputs) if planned.inputs else None,
+                created=created,
+                recap=planned.recap,
+                first_of_user=request.body["user"]
                 if view.turns == 0 and isinstance(request.body.get("user"), str)
-                else None
+                else None,
             )
+            turn.note_context(context_snapshot(planned, response_id))
             return turn
         except BaseException:
             await stack.aclose()
             raise
+
+    async def _locked_view(
+        self, request: ChatRequest, store: Store, stack: AsyncExitStack
+    ) -> tuple[str | None, ConversationView]:
+        """The conversation's id (a branch's, when the turn makes one) and view, its lock held
+        in `stack`; an expired conversation archived, a recap quoting deleted ones withdrawn."""
+        if request.conversation_id is None:
+            return None, ConversationView()
+        cid = await lock_conversation(request, store, stack, self.settings.storage.lock_timeout)
+        view = await self._load(store, cid)
+        if expired(view, self.settings.sessions.ttl, self.clock()):
+            view = await archive_expired(store, self.cache, cid)
+        if view.recap is not None:
+            view = await self._recap_checked(store, cid, view)
+        return cid, view
+
+    async def _planned(
+        self,
+        request: ChatRequest,
+        route: Route,
+        store: Store,
+        cid: str,
+        planned_as: str,
+        view: ConversationView,
+        reload: Callable[[], Awaitable[ConversationView]],
+    ) -> Planned:
+        """What of `view` is new in the request, and the window planned for it (a turn's, or a
+        count's): `reload` gives the whole conversation when a partial view cannot tell."""
+        if self.warm_up is not None and not self.warm_up.done():
+            await asyncio.shield(self.warm_up)  # never load a tokenizer on the event loop
+        encoding, count = counter_for(request.model)
+        system_in, rest = split_system(request.messages)
+        for attempt in range(2):
+            try:
+                reconciled = reconcile(rest, view)
+                new = reconciled.new
+                branch = reconciled if reconciled.branch_at is not None else None
+                if reconciled.branch_at is not None:
+                    view = view.branched(reconciled.branch_at)  # planned on the client's version
+                # + 1: the reply this turn would store
+                check_size(self.settings.storage.max_conversation_messages, cid, view, len(new) + 1)
+                new_tokens = await off_loop_if_large(
+                    [*system_in, *new],
+                    lambda: [count(clean_message(m)) for m in new],  # noqa: B023 - run at once
+                )
+                system_tokens = [count(m) for m in system_in] if system_in else None
+                recap: Message | None = None
+                recap_from: list[str] = []
+                if view.turns == 0:
+                    others = functools.partial(self.cache.load, store, keep=False)  # (not cached)
+                    recap, recap_from = await self.planner.recap(
+                        request, store, others, planned_as, count, self.clock()
+                    )
+                inputs = TurnInputs(
+                    request, route, view, store, planned_as, system_in, system_tokens, new, new_tokens,
+                    encoding, count, recap or view.recap,
+                )  # fmt: skip
+                plan = await self.planner.plan(inputs)
+                return Planned(
+                    view=view,
+                    new=new,
+                    system_in=system_in,
+                    encoding=encoding,
+                    new_tokens=new_tokens,
+                    system_tokens=system_tokens,
+                    branch=branch,
+                    recap=recap,
+                    recap_from=recap_from,
+                    inputs=inputs,
+                    plan=plan,
+                )
+            except NotLoaded:  # a partial view cannot tell: the whole conversation can
+                if attempt:
+                    raise
+                view = await reload()
+        raise AssertionError("unreachable")  # (the second attempt returns or raises)
+
+    def _upstream_body(
+        self, request: ChatRequest, route: Route, tenant: str, cid: str | None, planned: Planned
+    ) -> JSONObject:
+        """The request the provider gets: the client's parameters, the window's messages."""
+        upstream_body = {**client_params(request), "model": route.model, "messages": planned.sent}
+        upstream_body[CACHE_KEY] = cache_key(tenant, cid)  # for the provider's cache hints, never sent on
+        plan = planned.plan
+        if plan is not None and plan.facts is not None and plan.facts.num_ctx_option:
+            # Ollama cuts prompts to its runtime num_ctx silently: say the window planned for.
+            options = upstream_body.get("options")
+            if options is None or (isinstance(options, dict) and "num_ctx" not in options):
+                upstream_body["options"] = {**(options or {}), "num_ctx": plan.facts.tokens}
+        return upstream_body
 
     async def _commit(self, turn: PreparedTurn, message: Message, record: Record) -> None:
         output_tokens = None
@@ -454,47 +427,13 @@ class ChatService:
         cid = request.conversation_id
         assert cid is not None  # (a new conversation: an id no conversation has, as a new turn's)
         view, planned_as = await self._counted_view(store, cid, request.previous_response_id)
-        system_in, rest = split_system(request.messages)
-        if self.warm_up is not None and not self.warm_up.done():
-            await asyncio.shield(self.warm_up)  # never load a tokenizer on the event loop
-        encoding, count = counter_for(request.model)
-        for attempt in range(2):
-            try:
-                reconciled = reconcile(rest, view)
-                if reconciled.branch_at is not None:
-                    view = view.branched(reconciled.branch_at)
-                new = reconciled.new
-                check_size(self.settings.storage.max_conversation_messages, cid, view, len(new) + 1)
-                new_tokens = await off_loop_if_large(
-                    [*system_in, *new],
-                    lambda: [count(clean_message(m)) for m in new],  # noqa: B023 - run at once
-                )
-                system_tokens = [count(m) for m in system_in] if system_in else None
-                recap: Message | None = None
-                if view.turns == 0:
-                    others = functools.partial(self.cache.load, store, keep=False)
-                    now = self.clock()
-                    recap, _ = await self.planner.recap(request, store, others, planned_as, count, now)
-                plan = await self.planner.plan(
-                    request,
-                    route,
-                    view,
-                    store,
-                    planned_as,
-                    system_in,
-                    system_tokens,
-                    new,
-                    new_tokens,
-                    encoding,
-                    count,
-                    recap or view.recap,
-                )
-                return prompt_count(plan, self.facts.calibration(route))
-            except NotLoaded:  # a partial view cannot tell: the whole conversation can
-                if attempt:
-                    raise
-                view, planned_as = await self._counted_view(store, cid, None, whole=True)
-        raise AssertionError("unreachable")  # (the second attempt returns or raises)
+
+        async def reload() -> ConversationView:
+            return (await self._counted_view(store, cid, None, whole=True))[0]
+
+        planned = await self._planned(request, route, store, cid, planned_as, view, reload)
+        assert planned.plan is not None  # (a conversation's turn is always planned)
+        return prompt_count(planned.plan, self.facts.calibration(route))
 
     async def _counted_view(
         self, store: Store, cid: str, previous: str | None, *, whole: bool = False
