@@ -15,7 +15,9 @@ dir older than the catalog, rebuilt at start), the first page cold (the first re
 start) and warm (p50 of `--repeat`), `limit=100`, the second page (`after`), the inspector's
 list (200 rows) and a search (bounded: at most 500 conversations read), `gateway conversations`
 wall time (a new process: imports + catalog load + the page), and RSS after listing and after
-creating `--create` more conversations over HTTP. Writes var/bench/listing-latest.json.
+creating `--create` more conversations over HTTP. Then a list page with a conversation of
+10,000 messages on it, and the cold first request on that conversation (bench/listing_long.py;
+`--no-long` skips it). Writes var/bench/listing-latest.json.
 """
 
 from __future__ import annotations
@@ -356,6 +358,8 @@ def ratios(results: dict[str, Any], big: str, small: str) -> dict[str, float]:
 
 
 def main(argv: list[str] | None = None) -> int:
+    import listing_long  # (it builds on this module)
+
     parser = argparse.ArgumentParser(description="listing at 100,000 conversations")
     parser.add_argument("--quick", action="store_true", help="10,000 conversations, few repeats")
     parser.add_argument("--conversations", type=int, default=100_000)
@@ -372,9 +376,12 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--baseline", default=None, help="another version's checkout, measured at --small")
     parser.add_argument("--no-postgres", action="store_true")
     parser.add_argument("--no-jsonl", action="store_true")
+    parser.add_argument("--no-long", action="store_true", help="skip listing_long.py")
+    listing_long.add_arguments(parser)
     args = parser.parse_args(argv)
     if args.quick:
         args.conversations, args.repeat, args.cli_repeat, args.create = 10_000, 10, 1, 200
+        args.long_copies, args.long_repeat = 2, 5
     args.turned = min(args.turned, args.small)
     args.turned_pg = min(args.turned_pg, args.small)
     tmp = Path(tempfile.mkdtemp(prefix="gateway-listing-"))
@@ -397,6 +404,7 @@ def main(argv: list[str] | None = None) -> int:
         postgres = "skipped (--no-postgres)"
         if not args.no_postgres:
             postgres = run_postgres(tmp, args, results)
+        long = {} if args.no_long else listing_long.run(args, tmp)
         summary = {
             "jsonl_ratio_big_to_small": ratios(results, f"jsonl_{args.conversations}", f"jsonl_{args.small}"),
             "postgres_ratio_big_to_small": ratios(
@@ -414,10 +422,13 @@ def main(argv: list[str] | None = None) -> int:
             "postgres": postgres,
             "seeding": seeds,
             "results": results,
+            "long": long,
             "summary": summary,
             "wall_seconds": round(time.perf_counter() - wall, 1),
         }
         print_table(result)
+        if long:
+            listing_long.print_table(long)
         out_dir = REPO / "var" / "bench"
         out_dir.mkdir(parents=True, exist_ok=True)
         (out_dir / "listing-latest.json").write_bytes(orjson.dumps(result, option=orjson.OPT_INDENT_2))

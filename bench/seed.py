@@ -20,6 +20,7 @@ from __future__ import annotations
 import os
 import secrets
 import time
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -77,6 +78,24 @@ def clone_conversation(
     data_dir: Path, conversation_id: str, messages: int, template: list[list[Record]]
 ) -> list[str]:
     """Write a committed conversation of `messages` stored messages made of template turns."""
+    responses = data_dir / "logs" / "responses"
+    index = data_dir / "logs" / "conversations" / f"{conversation_id}.jsonl"
+    if index.exists():
+        raise FileExistsError(f"{index} already exists")
+    new_ids = []
+    for rid, out in cloned_turns(conversation_id, messages, template):
+        (responses / f"{rid}.jsonl").write_bytes(b"".join(orjson.dumps(r) + b"\n" for r in out))
+        new_ids.append(rid)
+    # The index last: it must never name a response file that is not complete.
+    index.write_bytes("".join(f"{rid}\n" for rid in new_ids).encode())
+    return new_ids
+
+
+def cloned_turns(
+    conversation_id: str, messages: int, template: list[list[Record]]
+) -> Iterator[tuple[str, list[Record]]]:
+    """The committed turns (response id, records) of a conversation of `messages` stored
+    messages made of template turns, oldest first (for any store to write)."""
     if not template:
         raise ValueError("empty template conversation")
     shapes = [_turn_shape(t) for t in template]
@@ -84,10 +103,6 @@ def clone_conversation(
         raise ValueError("template turns must be one user message and one reply each")
     if messages % 2:
         raise ValueError("a seeded conversation holds whole turns: an even number of messages")
-    responses = data_dir / "logs" / "responses"
-    index = data_dir / "logs" / "conversations" / f"{conversation_id}.jsonl"
-    if index.exists():
-        raise FileExistsError(f"{index} already exists")
     k = len(template)
     template_ids = [rid for rid, _, _ in shapes]
     template_cid = shapes[0][1]
@@ -140,10 +155,7 @@ def clone_conversation(
         if turn is None:
             raise ValueError(f"seeded turn {t} is not a committed turn")
         view.extend(turn)
-        (responses / f"{new_ids[t]}.jsonl").write_bytes(b"".join(orjson.dumps(r) + b"\n" for r in out))
-    # The index last: it must never name a response file that is not complete.
-    index.write_bytes("".join(f"{rid}\n" for rid in new_ids).encode())
-    return new_ids
+        yield new_ids[t], out
 
 
 def probe_filesystem(folder: Path, files: int = 200, syncs: int = 50) -> dict[str, float]:

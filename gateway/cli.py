@@ -33,7 +33,7 @@ from gateway.context.summary import is_summary_message
 from gateway.exceptions import GatewayError, NotFound
 from gateway.ids import is_valid_response_id
 from gateway.services import Services
-from gateway.services.queries import stored_tokens
+from gateway.services.listing import stored_tokens
 from gateway.types import Message, Record
 
 F = TypeVar("F", bound=Callable[..., Any])
@@ -326,7 +326,8 @@ def conversations(settings: Settings, *, config_path: str | None, limit: int, te
         for name in tenants:
             page, _ = await services.queries.conversations(name, limit=limit)
             for row in page:
-                rows.append((name, row.summary, row.state.state, row.view.last_activity, row.state.attempts))
+                last = row.listing.last_activity
+                rows.append((name, row.summary, row.state.state, last, row.state.attempts))
         rows.sort(key=lambda r: r[3] or r[1].last_activity or 0.0, reverse=True)
         return rows[:limit], len(tenants) > 1 or bool(chosen)
 

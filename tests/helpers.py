@@ -100,6 +100,15 @@ async def commit_turn(
     return rid
 
 
+async def commit_with_row(store: Store, cid: str, row: dict[str, Any] | None) -> None:
+    """One turn, with the list row it brings (`ResponseLog.list_as`)."""
+    rid = mint_response_id("test/model")
+    log = store.start(rid, request_record(rid, cid, [user("hi")]))
+    log.append({"type": "response", "message": reply("yo"), "finish_reason": "stop", "usage": None})
+    log.list_as(row)
+    await log.commit(cid)
+
+
 async def say_each(client: Any, cid: str, texts: Sequence[str], model: str = "mock/m") -> list[str]:
     """One turn per text on conversation `cid` through an app client; the response ids."""
     ids = []

@@ -3,6 +3,8 @@ the conversation use cases (`services/conversations.py`, `services/queries.py`),
 
 from __future__ import annotations
 
+from typing import Protocol
+
 from starlette.requests import Request
 from starlette.responses import Response
 
@@ -10,7 +12,6 @@ from gateway.api.http import JSONBody, read_json, services_of, tenant_of
 from gateway.api.pages import NEWEST_FIRST, list_params, page, paginate
 from gateway.api.schemas import ConversationCreate, ConversationUpdate, ItemsCreate
 from gateway.api.validation import validate
-from gateway.context import ConversationView
 from gateway.context.lifecycle import State
 from gateway.exceptions import InvalidRequest
 from gateway.ids import check_conversation_id
@@ -22,7 +23,18 @@ def _cid(request: Request) -> str:
     return check_conversation_id(request.path_params["conversation_id"], param="conversation_id")
 
 
-def conversation_object(cid: str, view: ConversationView, ttl: float = 0.0, **extra: object) -> JSONObject:
+class Described(Protocol):
+    """What a conversation object says of a conversation (a view, or a list's listing)."""
+
+    @property
+    def created_at(self) -> float | None: ...
+    @property
+    def metadata(self) -> dict[str, str]: ...
+    @property
+    def last_activity(self) -> float | None: ...
+
+
+def conversation_object(cid: str, view: Described, ttl: float = 0.0, **extra: object) -> JSONObject:
     """OpenAI's conversation object, plus `expires_at` when `sessions.ttl` is set: when it
     expires if nothing more is said (null: it never does, or nothing was said yet)."""
     expires = view.last_activity + ttl if ttl > 0 and view.last_activity is not None else None
@@ -92,7 +104,7 @@ async def list_conversations(request: Request) -> Response:
     data = [
         conversation_object(
             row.conversation_id,
-            row.view,
+            row.listing,
             _ttl(request),
             turns=row.summary.turns,
             messages=row.summary.messages,

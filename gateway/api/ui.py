@@ -16,7 +16,6 @@ from gateway.api.pages import NEWEST_FIRST, list_params
 from gateway.context.records import first, latest
 from gateway.exceptions import InvalidRequest, NotFound
 from gateway.ids import check_conversation_id
-from gateway.services.queries import text_of
 from gateway.types import JSONObject, Record, ascii_int
 
 STATIC = Path(__file__).resolve().parent.parent / "ui" / "static"
@@ -56,12 +55,10 @@ async def conversations(request: Request) -> Response:
             "turns": row.summary.turns,
             "messages": row.summary.messages,
             "tokens": row.summary.tokens,
-            "last_activity": row.view.last_activity or row.summary.last_activity,
-            "user": row.view.user,
+            "last_activity": row.listing.last_activity or row.summary.last_activity,
+            "user": row.listing.user,
             "state": row.state.state,
-            "preview": next(
-                (text_of(m)[:120] for m in reversed(row.view.history) if m.get("role") == "user"), ""
-            ),
+            "preview": row.listing.preview,
         }
         for row in rows
     ]

@@ -6,7 +6,7 @@ No I/O and no async: every function takes plain lists of OpenAI message dicts.
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import cast
 
@@ -20,6 +20,7 @@ from gateway.types import JSONObject, Message
 
 SYSTEM_ROLES = frozenset({"system", "developer"})
 GATEWAY_MESSAGE_FIELDS = ("is_feedback",)
+PREVIEW_CHARS = 120  # how much of the newest user message a list shows
 
 
 def is_feedback(message: Message) -> bool:
@@ -31,6 +32,14 @@ def clean_message(message: Message) -> Message:
     if "is_feedback" not in message:
         return message
     return cast(Message, {k: v for k, v in message.items() if k not in GATEWAY_MESSAGE_FIELDS})
+
+
+def text_of(message: Mapping[str, object]) -> str:
+    """A message's text: its content, or its text parts joined by spaces."""
+    content = message.get("content")
+    if isinstance(content, list):
+        return " ".join(str(p.get("text", "")) for p in content if isinstance(p, dict))
+    return content if isinstance(content, str) else ""
 
 
 def split_system(messages: Sequence[Message]) -> tuple[list[Message], list[Message]]:
@@ -191,6 +200,10 @@ class ConversationView:
     # Responses indexed before the loaded part (since the last reset): what they hold is unknown.
     prefix_ids: frozenset[str] = frozenset()
     head: Head | None = None  # where the newest turn's window began (None: no turn recorded one)
+    # What the history messages not loaded add up to, as their checkpoint recorded it (None:
+    # it did not): their tokens, and the newest user message's text among them ("": none).
+    tokens_base: int | None = 0
+    preview_base: str | None = ""
 
     @property
     def partial(self) -> bool:
@@ -203,6 +216,53 @@ class ConversationView:
     @property
     def transcript_count(self) -> int:
         return self.transcript_base + len(self.transcript)
+
+    def history_tokens_total(self) -> int | None:
+        """The tokens of every history message, those not loaded included, as counted; None
+        when one is not counted yet, or the part not loaded did not record its own."""
+        if self.tokens_base is None:
+            return None
+        try:
+            return self.tokens_base + sum(cast(list[int], self.history_tokens))
+        except TypeError:  # a message not counted yet
+            return None
+
+    def preview(self) -> str | None:
+        """The newest user message's text, cut to PREVIEW_CHARS ("" when there is none; None
+        when it is in the part not loaded and that part did not record it)."""
+        for message in reversed(self.history):
+            if message.get("role") == "user":
+                return text_of(message)[:PREVIEW_CHARS]
+        return self.preview_base
+
+    def at_end(self) -> ConversationView:
+        """An empty view standing where this one ends, holding none of its messages: what is
+        appended next (a turn, or a marker that names no stored message) applies to it as to
+        this one, at the cost of that change alone, and its counts then say what the
+        conversation holds after it (what a list shows: `services/listing.py`). A change that
+        needs the messages (a branch cut before the end) raises NotLoaded."""
+        return ConversationView(
+            system=list(self.system) if self.system is not None else None,
+            turns=self.turns,
+            system_tokens=list(self.system_tokens) if self.system_tokens is not None else None,
+            encoding=self.encoding,
+            system_owner=self.system_owner,
+            created_at=self.created_at,
+            metadata=dict(self.metadata),
+            last_deletion=self.last_deletion,
+            last_activity=self.last_activity,
+            last_model=self.last_model,
+            user=self.user,
+            timezone=self.timezone,
+            recap=self.recap,
+            entries=self.entries,
+            recap_owner=self.recap_owner,
+            history_base=self.history_count,
+            transcript_base=self.transcript_count,
+            head=self.head,
+            tokens_base=self.history_tokens_total(),
+            preview_base=self.preview(),
+        )
 
     def loaded_from(self, position: int) -> int:
         """`position` in history as an index into the loaded `history` (NotLoaded below it)."""
@@ -225,7 +285,7 @@ class ConversationView:
         if turn.recap is not None:
             self.recap, self.recap_owner = turn.recap, turn.response_id
         same_encoding = turn.encoding is not None and turn.encoding == self.encoding
-        if self.encoding is None and turn.encoding is not None and not self.history:
+        if self.encoding is None and turn.encoding is not None and not self.history_count:
             self.encoding = turn.encoding
             same_encoding = True
         if turn.system is not None:
@@ -409,6 +469,7 @@ class ConversationView:
         self.history_base = self.transcript_base = 0
         self.prefix_ids = frozenset()
         self.head = None
+        self.tokens_base, self.preview_base = 0, ""
         self.needs_count = self.system_tokens is not None and None in self.system_tokens
 
     def count_tokens(self, encoding: str, count: Callable[[Message], int]) -> None:

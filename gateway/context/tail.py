@@ -27,6 +27,9 @@ def checkpoint(view: ConversationView) -> JSONObject:
         "model": view.last_model,
         "user": view.user,
         "timezone": view.timezone,
+        # What a list shows of the history so far (None: not known, e.g. not counted yet).
+        "tokens": view.history_tokens_total(),
+        "preview": view.preview(),
     }
 
 
@@ -64,6 +67,10 @@ def resume(
         timezone=text(point.get("timezone")),
         prefix_ids=prefix_ids,
     )
+    if counts["history"]:
+        counted, preview = point.get("tokens"), point.get("preview")
+        view.tokens_base = counted if type(counted) is int and counted >= 0 else None
+        view.preview_base = preview if isinstance(preview, str) else None
     if system is not None and system.system is not None:
         view.system, view.system_owner = list(system.system), system.response_id
         tokens = (

@@ -81,9 +81,13 @@ class ConversationCache:
         view = self._apply(key, cached, since, read, keep)
         return view if view is not None else await self.load(store, cid, keep=keep)
 
-    async def load_many(self, store: Store, cids: list[str], *, keep: bool = True) -> list[ConversationView]:
+    async def load_many(
+        self, store: Store, cids: list[str], *, keep: bool = True, tail: int = 0
+    ) -> list[ConversationView]:
         """`load` of several conversations with one `read_many` (a page of a list: one query
-        on PostgreSQL instead of one per row)."""
+        on PostgreSQL instead of one per row); with `tail`, each as `load` with it."""
+        if tail:
+            return [await self.load(store, cid, keep=keep, tail=tail) for cid in cids]
         keys = [(id(store), cid) for cid in cids]
         cached = [self._views.get(key) for key in keys]
         cached = [c if c is not None and not c.view.partial else None for c in cached]  # all of it

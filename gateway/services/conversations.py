@@ -17,12 +17,13 @@ from gateway.context.tail import checkpoint
 from gateway.exceptions import InvalidRequest, NotFound
 from gateway.ids import check_conversation_id, mint_response_id
 from gateway.services.cache import ConversationCache
+from gateway.services.listing import Listing
 from gateway.services.recap import withdraw_recaps
 from gateway.services.requests import check_size
 from gateway.services.summaries import withdraw
 from gateway.store import Store, StoreRegistry
 from gateway.store.base import now
-from gateway.types import Record, ascii_int
+from gateway.types import JSONObject, Record, ascii_int
 
 MAX_ADDED_ITEMS = 100
 
@@ -67,6 +68,13 @@ def find_item(view: ConversationView, item_id: str) -> Item:
     raise NotFound(f"No item {item_id!r} in this conversation", param="item_id")
 
 
+def _row_after(view: ConversationView, marker: Record) -> JSONObject | None:
+    """The list row of the conversation once `marker` (one that names no stored message) is
+    appended to `view`'s conversation."""
+    listing = Listing.after(view, lambda stand_in: stand_in.apply_marker(marker))
+    return listing.record() if listing is not None else None
+
+
 class Conversations:
     def __init__(self, settings: Settings, stores: StoreRegistry, cache: ConversationCache) -> None:
         self.settings = settings
@@ -97,9 +105,8 @@ class Conversations:
                 raise InvalidRequest(
                     f"Conversation {cid!r} already exists", param="id", code="conversation_exists"
                 )
-            await store.append_marker(
-                cid, {"type": "conversation", "created_at": int(time.time()), "metadata": metadata}
-            )
+            marker: Record = {"type": "conversation", "created_at": int(time.time()), "metadata": metadata}
+            await store.append_marker(cid, marker, _row_after(ConversationView(), marker))
             if items:
                 try:
                     await self._add_items(store, cid, items, locked=True)
@@ -117,8 +124,8 @@ class Conversations:
     async def _marker(self, tenant: str, cid: str, marker: Record) -> ConversationView:
         store = await self.stores.get(tenant)
         async with store.lock(cid, self.lock_timeout):
-            await self._existing(store, cid)
-            await store.append_marker(cid, marker)
+            view = await self._existing(store, cid)
+            await store.append_marker(cid, marker, _row_after(view, marker))
             return await self.cache.load(store, cid)
 
     async def update_metadata(self, tenant: str, cid: str, metadata: dict[str, str]) -> ConversationView:
@@ -183,6 +190,8 @@ class Conversations:
             record["before"] = checkpoint(view)
             log = store.start(rid, record)
             turn = Turn(rid, tuple(rest), None, tuple(system) if system else None, created=created_at)
+            listing = Listing.after(view, lambda stand_in: stand_in.extend(turn))
+            log.list_as(listing.record() if listing is not None else None)
             try:
                 appended = await log.commit(cid)
             except BaseException:

@@ -1,28 +1,33 @@
 """Read-only use cases: conversation lists with their lifecycle state (the API, the inspector
 and `gateway conversations` share one), a conversation's turns, a response's log, the latest
-context snapshot. No lock: reads never write (a torn last line is left to the lock's holder)."""
+context snapshot. No lock: reads never write (a torn last line is left to the lock's holder);
+a list only hands the store the rows it made for lack of kept ones (`services/listing.py`)."""
 
 from __future__ import annotations
 
 import asyncio
 import logging
-from collections.abc import AsyncIterator, Mapping
+from collections.abc import AsyncIterator
 from dataclasses import dataclass
 
 from gateway.context import ConversationView, Turn
+from gateway.context.history import text_of
 from gateway.context.lifecycle import State, derive_state
 from gateway.context.records import latest, turn_from_records
 from gateway.context.summary import applicable_versions
 from gateway.exceptions import CorruptRecord, NotFound
 from gateway.services.cache import ConversationCache
+from gateway.services.listing import Listing, stored_tokens
 from gateway.store import Store, StoreRegistry
-from gateway.tokens import count_message
+from gateway.store.base import Listed
 from gateway.types import Record, number
 
 log = logging.getLogger("gateway.services")
 
 # The most conversations one search request reads (the inspector then offers to go on).
 SEARCH_SCAN = 500
+# What a list loads of a conversation whose row it makes: its newest turns (from their checkpoint).
+_ROW_TAIL = 1
 
 
 @dataclass(frozen=True, slots=True)
@@ -38,40 +43,30 @@ class ConversationSummary:
         return cls(cid, view.turns, len(view.history), changed, tokens=sum(stored_tokens(view)))
 
 
-def stored_tokens(view: ConversationView) -> list[int]:
-    """Each message's tokens, system prompt first then history: as counted for its turn, or
-    (a message added through the Conversations API, or counted for another encoding) by
-    cl100k_base now."""
-    system = view.system or []
-    system_counts = view.system_tokens or [None] * len(system)
-    pairs = [*zip(system, system_counts, strict=False), *zip(view.history, view.history_tokens, strict=True)]
-    return [n if n is not None else count_message(m) for m, n in pairs]
-
-
 @dataclass(frozen=True, slots=True)
 class ConversationRow:
-    """One conversation in a list: its counts, its assembled view and its lifecycle state."""
+    """One conversation in a list: its counts, the rest of what a list shows of it, and its
+    lifecycle state."""
 
     summary: ConversationSummary
-    view: ConversationView
+    listing: Listing
     state: State
 
     @property
     def conversation_id(self) -> str:
         return self.summary.conversation_id
 
+    @classmethod
+    def of(cls, listed: Listed, listing: Listing, lifecycle: list[Record]) -> ConversationRow:
+        cid = listed.conversation_id
+        summary = ConversationSummary(cid, listing.turns, listing.messages, listed.changed, listing.tokens)
+        return cls(summary, listing, derive_state(lifecycle, listing.last_activity))
 
-def text_of(message: Mapping[str, object]) -> str:
-    content = message.get("content")
-    if isinstance(content, list):
-        return " ".join(str(p.get("text", "")) for p in content if isinstance(p, dict))
-    return content if isinstance(content, str) else ""
 
-
-def _matches(row: ConversationRow, query: str) -> bool:
-    if query in row.conversation_id.lower() or query in (row.view.user or "").lower():
+def _matches(row: ConversationRow, view: ConversationView | None, query: str) -> bool:
+    if query in row.conversation_id.lower() or query in (row.listing.user or "").lower():
         return True
-    return any(query in text_of(m).lower() for m in row.view.transcript)
+    return view is not None and any(query in text_of(m).lower() for m in view.transcript)
 
 
 class Queries:
@@ -79,46 +74,86 @@ class Queries:
         self.stores = stores
         self.cache = cache
 
-    async def _row(self, store: Store, cid: str, changed: float) -> ConversationRow | None:
-        """The row of one conversation; None when it cannot be read (a damaged record: skipped
-        with a warning, the list still answers)."""
+    async def _rows(
+        self, store: Store, page: list[Listed], views: list[ConversationView | None] | None = None
+    ) -> list[ConversationRow | None]:
+        """The rows of a page: each conversation's listing as its store keeps it, else made from
+        the conversation (from `views` when the caller read them whole, else from its newest
+        turns, then kept by the store for the next list); and the lifecycle logs, read in one
+        go. None for a conversation that cannot be read (a damaged record: skipped with a
+        warning, the list still answers)."""
+        listings = [Listing.from_record(listed.row) for listed in page]
+        missing = [i for i, listing in enumerate(listings) if listing is None]
+        if missing:
+            made = (
+                [Listing.of(v) if v is not None else None for v in (views[i] for i in missing)]
+                if views is not None
+                else await self._made(store, [page[i] for i in missing])
+            )
+            for i, listing in zip(missing, made, strict=True):
+                listings[i] = listing
+        lifecycles = await store.read_sides("lifecycle", [listed.conversation_id for listed in page])
+        return [
+            ConversationRow.of(listed, listing, records) if listing is not None else None
+            for listed, listing, records in zip(page, listings, lifecycles, strict=True)
+        ]
+
+    async def _made(self, store: Store, page: list[Listed]) -> list[Listing | None]:
+        """The listings of conversations the store keeps none for (as they are now), made from
+        their newest turns (`load_many` with a tail: one read for the page where the store can)
+        and handed to the store to keep (best effort)."""
+        cids = [listed.conversation_id for listed in page]
         try:
-            view = await self.cache.load(store, cid, keep=False)
+            views: list[ConversationView | None] = list(
+                await self.cache.load_many(store, cids, keep=False, tail=_ROW_TAIL)
+            )
+        except CorruptRecord:
+            views = [await self._view_or_none(store, cid, tail=_ROW_TAIL) for cid in cids]
+        made: list[Listing | None] = []
+        for cid, view in zip(cids, views, strict=True):
+            listing = Listing.of(view) if view is not None else None
+            if view is not None and listing is None:  # checkpoints of older gateways: all of it
+                whole = await self._view_or_none(store, cid)
+                listing = Listing.of(whole) if whole is not None else None
+            made.append(listing)
+        kept = [
+            (listed.conversation_id, listed.version, listing.record())
+            for listed, listing in zip(page, made, strict=True)
+            if listing is not None and listed.version is not None
+        ]
+        if kept:
+            await store.keep_rows(kept)
+        return made
+
+    async def _view_or_none(self, store: Store, cid: str, *, tail: int = 0) -> ConversationView | None:
+        """The conversation (from its newest turns, with `tail`); None when it cannot be read
+        (a damaged record: skipped with a warning)."""
+        try:
+            return await self.cache.load(store, cid, keep=False, tail=tail)
         except CorruptRecord as exc:
             log.warning("skipping conversation %s: %s", cid, exc.message)
             return None
-        state = derive_state(await store.read_side("lifecycle", cid, keep=False), view.last_activity)
-        return ConversationRow(ConversationSummary.of(cid, view, changed), view, state)
 
-    async def _rows(self, store: Store, page: list[tuple[str, float]]) -> list[ConversationRow | None]:
-        """The rows of a page: its conversations and lifecycle logs read in one go each
-        (`read_many`, `read_sides`); row by row when one cannot be read (then skipped)."""
-        cids = [cid for cid, _ in page]
+    async def _whole_views(self, store: Store, cids: list[str]) -> list[ConversationView | None]:
         try:
-            views = await self.cache.load_many(store, cids, keep=False)
+            return list(await self.cache.load_many(store, cids, keep=False))
         except CorruptRecord:
-            return [await self._row(store, cid, changed) for cid, changed in page]
-        lifecycles = await store.read_sides("lifecycle", cids)
-        return [
-            ConversationRow(
-                ConversationSummary.of(cid, view, changed), view, derive_state(records, view.last_activity)
-            )
-            for (cid, changed), view, records in zip(page, views, lifecycles, strict=True)
-        ]
+            return [await self._view_or_none(store, cid) for cid in cids]
 
     async def conversations(
         self, tenant: str, *, limit: int, after: str | None = None
     ) -> tuple[list[ConversationRow], bool]:
         """Most recently active first; (a page of rows, whether more follow). A page costs its
-        own rows: the store hands out the page's ids (its catalog, or one keyset query)."""
+        own rows, not the length of their conversations: the store hands out the page's ids
+        with the rows it keeps (its catalog, or one keyset query)."""
         store = await self.stores.get(tenant)
         rows: list[ConversationRow] = []
         while True:
-            page, more = await store.list_conversations(limit - len(rows), after)
+            page, more = await store.list_rows(limit - len(rows), after)
             rows += [row for row in await self._rows(store, page) if row is not None]
             if len(rows) == limit or not more or not page:
                 return rows, more
-            after = page[-1][0]  # some could not be read: fill the page from the next ones
+            after = page[-1].conversation_id  # some could not be read: fill the page from the next ones
 
     async def search(
         self, tenant: str, query: str, *, limit: int = 200, after: str | None = None, scan: int = SEARCH_SCAN
@@ -126,21 +161,25 @@ class Queries:
         """Conversations whose id, user or text contains `query` (case-insensitive), most
         recently active first, looking at no more than `scan` conversations (after conversation
         `after`); (the matches, the last conversation looked at when older ones remain: where
-        the next search goes on, else None). An empty query lists the first `limit`."""
+        the next search goes on, else None). An empty query lists the first `limit`; a query
+        reads each conversation looked at (its text), whole."""
         store = await self.stores.get(tenant)
         query = query.strip().lower()
         out: list[ConversationRow] = []
         looked = 0
         while looked < scan:
             size = min(100 if query else limit - len(out), scan - looked)
-            page, more = await store.list_conversations(size, after)
-            for (cid, _), row in zip(page, await self._rows(store, page), strict=True):
+            page, more = await store.list_rows(size, after)
+            cids = [listed.conversation_id for listed in page]
+            views = await self._whole_views(store, cids) if query else None
+            rows = await self._rows(store, page, views)
+            for n, (cid, row) in enumerate(zip(cids, rows, strict=True)):
                 looked += 1
                 after = cid
-                if row is not None and (not query or _matches(row, query)):
+                if row is not None and (not query or _matches(row, views[n] if views else None, query)):
                     out.append(row)
                     if len(out) == limit:
-                        return out, after if more or cid != page[-1][0] else None
+                        return out, after if more or cid != cids[-1] else None
             if not more or not page:
                 return out, None
         return out, after

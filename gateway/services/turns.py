@@ -36,6 +36,7 @@ from gateway.exceptions import (
 from gateway.ids import mint_response_id
 from gateway.services.cache import ConversationCache
 from gateway.services.counting import PromptCount, branch_view, prompt_count
+from gateway.services.listing import Listing
 from gateway.services.models import ModelFacts
 from gateway.services.planning import Planner, TurnInputs, off_loop_if_large
 from gateway.services.recap import stale_recap_sources, withdrawal
@@ -274,6 +275,11 @@ class ChatService:
 
     async def _commit_and_note(self, turn: PreparedTurn, stored: Turn) -> None:
         cid = turn.conversation_id
+        # What a list shows of the conversation with this turn, kept with it (the lock is held:
+        # the view the turn was planned on is the conversation as it stands).
+        view = turn.view if cid is not None else None
+        listing = Listing.after(view, lambda stand_in: stand_in.extend(stored)) if view is not None else None
+        turn.log.list_as(listing.record() if listing is not None else None)
         appended = await turn.log.commit(cid)
         if cid is not None and turn.store is not None:
             self.cache.appended(turn.store, cid, appended, lambda view: view.extend(stored))

@@ -128,6 +128,19 @@ class IndexList:
 
 
 @dataclass(frozen=True, slots=True)
+class Listed:
+    """A conversation on a page of the list: its id, its last change, the version it is at (None:
+    not known), and the row kept for it at that version, if any (`row` of an append, or
+    `keep_rows`): a row kept for another version is never handed out. A row is the services'
+    JSON (what a list shows of the conversation); stores keep it as it is."""
+
+    conversation_id: str
+    changed: float
+    version: Version | None = None
+    row: JSONObject | None = None
+
+
+@dataclass(frozen=True, slots=True)
 class Damage:
     """What `Store.check` found (`gateway fsck`): where (a file relative to the store's root
     and its line, or a table and row), what is wrong, and what repairing does or did about it."""
@@ -161,10 +174,17 @@ class ResponseLog(ABC):
     def append(self, record: Record) -> None:
         """Add a record (not yet durable: only `commit` makes the response count)."""
 
+    row: JSONObject | None = None  # see `list_as`
+
+    def list_as(self, row: JSONObject | None) -> None:
+        """What a list shows of the conversation once this response is in it (see `Listed`):
+        `commit` keeps it with the index append."""
+        self.row = row
+
     @abstractmethod
     async def commit(self, conversation_id: str | None) -> Appended | None:
         """Write the commit record, make it durable, then append the id to the index (the
-        append, when there is a conversation)."""
+        append, when there is a conversation), with the row of `list_as`."""
 
     @abstractmethod
     async def abandon(self, reason: str, error: JSONObject | None = None) -> None:
@@ -249,9 +269,11 @@ class Store(ABC):
         """The raw index entries (response ids and marker records); NotFound if none."""
 
     @abstractmethod
-    async def append_marker(self, conversation_id: str, marker: Record) -> Appended:
+    async def append_marker(
+        self, conversation_id: str, marker: Record, row: JSONObject | None = None
+    ) -> Appended:
         """Append a marker (creation, metadata, reset, item deletion) to the index durably.
-        Call under `lock`; creates the conversation if it does not exist."""
+        Call under `lock`; creates the conversation if it does not exist. `row`: as `commit`'s."""
 
     @abstractmethod
     async def delete_conversation(self, conversation_id: str, *, archive: bool = False) -> bool:
@@ -321,6 +343,16 @@ class Store(ABC):
                 raise NotFound(f"No conversation {after!r} in this list", param="after")
             start = names.index(after) + 1
         return ids[start : start + limit], len(ids) > start + limit
+
+    async def list_rows(self, limit: int, after: str | None = None) -> tuple[list[Listed], bool]:
+        """`list_conversations`, each conversation with the row kept for it as it is now. This
+        default keeps none (every row is then made from the conversation)."""
+        page, more = await self.list_conversations(limit, after)
+        return [Listed(cid, changed) for cid, changed in page], more
+
+    async def keep_rows(self, rows: list[tuple[str, Version, JSONObject]]) -> None:  # noqa: B027 - optional
+        """Keep each (conversation, version, row): a row a list made for lack of one, for the
+        next list. Best effort, and never for another version than the one named."""
 
     async def read_many(self, wanted: list[tuple[str, Version | None]]) -> list[IndexRead]:
         """`read_conversation` of several conversations (each after its version), in one go

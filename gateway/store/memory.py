@@ -13,6 +13,7 @@ from gateway.store.base import (
     IndexEntry,
     IndexList,
     IndexRead,
+    Listed,
     ResponseLog,
     SideLog,
     Store,
@@ -44,7 +45,7 @@ class _MemoryLog(ResponseLog):
         self.records.append({"type": "commit", "status": "complete", "committed": now()})
         if conversation_id is None:
             return None
-        return self.store._append(conversation_id, self.response_id)
+        return self.store._append(conversation_id, self.response_id, self.row)
 
     async def abandon(self, reason: str, error: JSONObject | None = None) -> None:
         if self.closed:
@@ -67,18 +68,22 @@ class MemoryStore(Store):
         self._locks: dict[str, asyncio.Lock] = {}
         self._generations: dict[str, int] = {}  # a new one each time an index is (re)created
         self._next_generation = 0
+        self.rows: dict[str, tuple[Version, JSONObject]] = {}  # the list's rows, by the version they describe
 
     def _version(self, cid: str) -> Version:
         return Version(self._generations.get(cid, -1), len(self.indexes.get(cid, [])))
 
-    def _append(self, cid: str, entry: str | Record) -> Appended:
+    def _append(self, cid: str, entry: str | Record, row: JSONObject | None) -> Appended:
         if cid not in self.indexes:
             self._next_generation += 1
             self._generations[cid] = self._next_generation
         before = self._version(cid)
         self.indexes.setdefault(cid, []).append(entry)
         self.activity[cid] = now()
-        return Appended(before, self._version(cid))
+        after = self._version(cid)
+        if row is not None:
+            self.rows[cid] = (after, copy.deepcopy(row))
+        return Appended(before, after)
 
     @asynccontextmanager
     async def lock(self, conversation_id: str, timeout: float) -> AsyncIterator[None]:
@@ -129,10 +134,12 @@ class MemoryStore(Store):
             raise NotFound(f"No conversation {conversation_id!r}")
         return list(self.indexes[conversation_id])
 
-    async def append_marker(self, conversation_id: str, marker: Record) -> Appended:
+    async def append_marker(
+        self, conversation_id: str, marker: Record, row: JSONObject | None = None
+    ) -> Appended:
         if self.fail_commit is not None:
             raise self.fail_commit
-        return self._append(conversation_id, copy.deepcopy(marker))
+        return self._append(conversation_id, copy.deepcopy(marker), row)
 
     async def delete_conversation(self, conversation_id: str, *, archive: bool = False) -> bool:
         entries = self.indexes.pop(conversation_id, None)
@@ -148,6 +155,7 @@ class MemoryStore(Store):
         self.summaries.pop(conversation_id, None)
         self.side.pop(("lifecycle", conversation_id), None)
         self.activity.pop(conversation_id, None)
+        self.rows.pop(conversation_id, None)
         return True
 
     async def fork(self, source: str, target: str, through: str) -> None:
@@ -184,3 +192,18 @@ class MemoryStore(Store):
 
     async def conversation_ids(self) -> list[tuple[str, float]]:
         return sorted(self._index_times(), key=lambda pair: pair[1], reverse=True)
+
+    async def list_rows(self, limit: int, after: str | None = None) -> tuple[list[Listed], bool]:
+        page, more = await self.list_conversations(limit, after)
+        out = []
+        for cid, changed in page:
+            version = self._version(cid)
+            kept = self.rows.get(cid)
+            row = copy.deepcopy(kept[1]) if kept is not None and kept[0] == version else None
+            out.append(Listed(cid, changed, version, row))
+        return out, more
+
+    async def keep_rows(self, rows: list[tuple[str, Version, JSONObject]]) -> None:
+        for cid, version, row in rows:
+            if cid in self.indexes and self._version(cid) == version:
+                self.rows[cid] = (version, copy.deepcopy(row))

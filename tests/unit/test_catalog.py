@@ -17,7 +17,7 @@ from gateway.services.queries import Queries
 from gateway.store import StoreRegistry
 from gateway.store.jsonl import JsonlStore
 from tests.conftest import make_settings
-from tests.helpers import commit_turn
+from tests.helpers import commit_turn, commit_with_row
 
 
 async def fresh(root: Path) -> JsonlStore:
@@ -226,3 +226,83 @@ async def test_an_import_shows_in_a_running_process_list(tmp_path: Path) -> None
     assert await ids(target) == ["local"]
     await asyncio.to_thread(import_data, make_settings(tmp_path), tmp_path / "source")
     assert sorted(await ids(target)) == ["imported", "local"]
+
+
+# -- list rows (catalog/rows.jsonl) ----------------------------------------------------------------
+
+
+async def rows(store: JsonlStore, limit: int = 100) -> dict[str, Any]:
+    page, _ = await store.list_rows(limit)
+    return {listed.conversation_id: listed.row for listed in page}
+
+
+async def test_rows_survive_a_compaction_and_a_rebuild(
+    jstore: JsonlStore, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    import gateway.store.jsonl.catalog as catalog_module
+
+    monkeypatch.setattr(catalog_module, "_COMPACT_FLOOR", 4)
+    root = tmp_path / "var"
+    await commit_turn(jstore, "quiet", "hi")
+    await ids(jstore)
+    await commit_with_row(jstore, "quiet", {"n": "quiet"})
+    for i in range(30):
+        await commit_with_row(jstore, "talkative", {"n": i})
+    await commit_turn(jstore, "rowless", "hi")
+    expected = {"rowless": None, "talkative": {"n": 29}, "quiet": {"n": "quiet"}}
+    assert await rows(jstore) == expected
+    other = await fresh(root)
+    await other.warm()  # compacted at load
+    assert len((root / "catalog" / "conversations.jsonl").read_bytes().splitlines()) == 3
+    assert len((root / "catalog" / "rows.jsonl").read_bytes().splitlines()) == 2
+    assert await rows(other) == expected
+    assert await rows(jstore) == expected  # a process that read the old files notices the new ones
+    (root / "logs" / "conversations" / "copied.jsonl").write_bytes(b"")  # out of step: rebuilt
+    third = await fresh(root)
+    await third.warm()
+    assert await rows(third) == {**expected, "copied": None}
+
+
+async def test_a_row_is_not_handed_out_once_its_index_moved_on(jstore: JsonlStore, tmp_path: Path) -> None:
+    """A change the catalog did not hear of (a journal replayed after a crash, a repair, a copy):
+    the index is no longer at the row's version."""
+    root = tmp_path / "var"
+    await commit_turn(jstore, "c", "hi")
+    await ids(jstore)
+    await commit_with_row(jstore, "c", {"n": 1})
+    assert await rows(await fresh(root)) == {"c": {"n": 1}}  # (the first page read from the end)
+    index = root / "logs" / "conversations" / "c.jsonl"
+    line = index.read_bytes().splitlines()[0]
+    with open(index, "ab") as f:
+        f.write(line + b"\n")
+    assert await rows(jstore) == {"c": None}
+    assert await rows(await fresh(root)) == {"c": None}
+
+
+async def test_damaged_rows_are_no_rows(jstore: JsonlStore, tmp_path: Path) -> None:
+    root = tmp_path / "var"
+    await commit_turn(jstore, "a", "hi")
+    await ids(jstore)
+    await commit_with_row(jstore, "a", {"n": "a"})
+    await commit_with_row(jstore, "b", {"n": "b"})
+    rows_file = root / "catalog" / "rows.jsonl"
+    data = rows_file.read_bytes()
+    rows_file.write_bytes(data[: len(data) // 2 + 5])  # b's row torn (a's maybe too)
+    assert (await rows(jstore))["b"] is None
+    rows_file.write_bytes(b"x" * len(data))
+    assert await rows(await fresh(root)) == {"a": None, "b": None}
+    rows_file.unlink()
+    assert await rows(await fresh(root)) == {"a": None, "b": None}
+
+
+async def test_an_import_forgets_the_rows(tmp_path: Path) -> None:
+    from gateway.store.jsonl.catalog import forget_catalogs
+
+    store = await fresh(tmp_path / "var")
+    await commit_turn(store, "a", "hi")
+    await ids(store)
+    await commit_with_row(store, "a", {"n": 1})
+    assert (tmp_path / "var" / "catalog" / "rows.jsonl").exists()
+    forget_catalogs(tmp_path / "var")
+    assert not (tmp_path / "var" / "catalog").joinpath("rows.jsonl").exists()
+    assert await rows(await fresh(tmp_path / "var")) == {"a": None}

@@ -30,7 +30,7 @@ from gateway.store.memory import MemoryStore
 from gateway.store.postgres import PostgresStore
 from gateway.writers import writer
 from tests.conftest import REPO
-from tests.helpers import commit_turn, reply, request_record, user
+from tests.helpers import commit_turn, commit_with_row, reply, request_record, user
 from tests.postgres.cluster import postgres_cluster  # noqa: F401 - the session's PostgreSQL, for "postgres"
 from tests.views import list_conversations, load
 
@@ -1216,3 +1216,34 @@ async def test_a_waiter_queued_behind_its_own_process_keeps_its_place_too(durabl
             if other.returncode is None:
                 other.kill()
             await other.wait()
+
+
+# -- list rows: kept with the append that describes them, handed out only for that version ------
+
+
+async def row_of(store: Store, cid: str) -> Any:
+    page, _ = await store.list_rows(20)
+    return next(listed.row for listed in page if listed.conversation_id == cid)
+
+
+async def test_a_list_row_is_handed_out_only_for_its_version(store: Store, second: Store) -> None:
+    await store.append_marker("c", {"type": "conversation", "created_at": 1, "metadata": {}}, {"n": 0})
+    await store.list_rows(20)  # (a JSONL data dir gets its catalog at its first list)
+    await commit_with_row(store, "c", {"n": 1})
+    assert await row_of(store, "c") == {"n": 1}
+    assert await row_of(second, "c") == {"n": 1}  # another process (or replica) reads it too
+    await store.append_marker("c", {"type": "metadata", "metadata": {"k": "v"}, "at": now()})
+    assert await row_of(store, "c") is None and await row_of(second, "c") is None  # a change without one
+    await store.append_marker("c", {"type": "metadata", "metadata": {}, "at": now()}, {"n": 2})
+    assert await row_of(second, "c") == {"n": 2}
+    [listed], _ = await store.list_rows(1)
+    await commit_with_row(store, "c", None)  # moved on since that version was listed
+    await store.keep_rows([("c", listed.version, {"n": 3})])  # type: ignore[list-item]
+    assert await row_of(second, "c") is None  # a row for another version is never handed out
+    [listed], _ = await second.list_rows(1)
+    assert listed.version is not None
+    await second.keep_rows([("c", listed.version, {"n": 4})])
+    assert await row_of(store, "c") == {"n": 4} and await row_of(second, "c") == {"n": 4}
+    assert await store.delete_conversation("c")
+    await commit_with_row(store, "c", None)  # begun anew: nothing of the old one
+    assert await row_of(second, "c") is None

@@ -161,7 +161,8 @@ class JsonlLog(ResponseLog):
 
     def finish(self, tail: bytes, conversation_id: str | None) -> Appended | None:
         """Write the rest of the response file, then the index line (no sync of their own:
-        the journal already holds both); return the index append.
+        the journal already holds both), then the catalog's line (with the list row, if any);
+        return the index append.
 
         On any failure nothing is acknowledged: an index line already written is taken back
         and the response log is marked incomplete (as far as the disk still allows), so that
@@ -187,10 +188,12 @@ class JsonlLog(ResponseLog):
                 write_all(fd, line)
             finally:
                 os.close(fd)
-            self.store.catalog.changed(conversation_id, now())
+            after = Version(generation, before + len(line))
+            row = (after, self.row) if self.row is not None else None
+            self.store.catalog.changed(conversation_id, now(), row)
             if self.store.unmarked:
                 self.store.mark_unmarked()
-            return Appended(Version(generation, before), Version(generation, before + len(line)))
+            return Appended(Version(generation, before), after)
         except OSError as exc:
             reason = exc.strerror or str(exc)
             if not (written and before < 0):  # else: complete, not indexed (as a crash leaves it)

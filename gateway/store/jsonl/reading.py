@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import logging
 import os
+from pathlib import Path
 from typing import TYPE_CHECKING
 
 from gateway.store.base import Version
@@ -54,3 +55,17 @@ def read_index_after(
         log.warning("repairing torn last line of %s", path)
         os.truncate(path, start + consumed)
     return raw, Version(generation, start + consumed), restarted
+
+
+def index_version(path: Path) -> Version | None:
+    """The version an index is at now, without reading it: its generation and its size (None:
+    there is no index). One with a torn last line is at no version a reader was given."""
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
+    except FileNotFoundError:
+        return None
+    try:
+        stat = os.fstat(fd)
+        return Version(index_generation(fd, stat), stat.st_size)
+    finally:
+        os.close(fd)

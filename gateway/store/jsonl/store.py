@@ -39,6 +39,7 @@ from gateway.store.base import (
     IndexEntry,
     IndexList,
     IndexRead,
+    Listed,
     ResponseLog,
     SideLog,
     Store,
@@ -66,7 +67,7 @@ from gateway.store.jsonl.locks import CrossProcessLock, arrival, busy
 from gateway.store.jsonl.log import JsonlLog
 from gateway.store.jsonl.reading import read_index_after
 from gateway.store.jsonl.spares import Spares, sweep
-from gateway.types import Record
+from gateway.types import JSONObject, Record
 
 log = logging.getLogger("gateway.store")
 
@@ -354,7 +355,9 @@ class JsonlStore(Store):
         entries, _ = parse_index(data, path=self.shown(path))
         return entries
 
-    async def append_marker(self, conversation_id: str, marker: Record) -> Appended:
+    async def append_marker(
+        self, conversation_id: str, marker: Record, row: JSONObject | None = None
+    ) -> Appended:
         path = self.index_path(conversation_id)
         line = orjson.dumps(marker) + b"\n"
 
@@ -371,9 +374,9 @@ class JsonlStore(Store):
                 os.close(fd)
             if stat.st_size == 0 and self.fsync:
                 self._sync(fsync_dir, self.conversations_dir)
-            after = stat.st_size + len(line)
-            self.catalog.changed(conversation_id, now())
-            return Appended(Version(generation, stat.st_size), Version(generation, after))
+            after = Version(generation, stat.st_size + len(line))
+            self.catalog.changed(conversation_id, now(), (after, row) if row is not None else None)
+            return Appended(Version(generation, stat.st_size), after)
 
         try:
             return await asyncio.to_thread(write)
@@ -445,13 +448,23 @@ class JsonlStore(Store):
     async def list_conversations(
         self, limit: int, after: str | None = None
     ) -> tuple[list[tuple[str, float]], bool]:
+        page, more = await self._listed(limit, after, rows=False)
+        return [(listed.conversation_id, listed.changed) for listed in page], more
+
+    async def list_rows(self, limit: int, after: str | None = None) -> tuple[list[Listed], bool]:
+        return await self._listed(limit, after, rows=True)
+
+    async def _listed(self, limit: int, after: str | None, *, rows: bool) -> tuple[list[Listed], bool]:
         if after is not None:
             check_conversation_id(after, param="after")
         with os_errors("list the conversations"):
-            page = await asyncio.to_thread(self.catalog.checked_page, limit, after)
+            page = await asyncio.to_thread(self.catalog.listed, limit, after, rows=rows)
         if page is None:
             raise NotFound(f"No conversation {after!r} in this list", param="after")
         return page
+
+    async def keep_rows(self, rows: list[tuple[str, Version, JSONObject]]) -> None:
+        await asyncio.to_thread(self.catalog.keep, rows)
 
     async def conversation_ids(self) -> list[tuple[str, float]]:
         """A scan of the folder (file times: the lifecycle pass's clock); lists use the catalog."""

@@ -36,7 +36,7 @@ WITH gone AS (
     INSERT INTO gateway_archive (namespace, archive_id, path, content, archived_at)
     SELECT $1::text, $4::text, $5::text, $6::text, extract(epoch FROM clock_timestamp())::float8 FROM gone
 )
-UPDATE gateway_conversations SET incarnation = nextval('gateway_incarnations')
+UPDATE gateway_conversations SET incarnation = nextval('gateway_incarnations'), listing = NULL
  WHERE namespace = $1 AND conversation_id = $2 AND EXISTS (SELECT 1 FROM gone)
 """
 

@@ -84,7 +84,7 @@ class _PostgresLog(ResponseLog):
         hold = store._holds.get(conversation_id) if conversation_id is not None else None
         expected = hold.expected if hold is not None else None
         backend = await store._open_backend()
-        task = backend.spawn(self._commit(backend, rows, conversation_id, expected))
+        task = backend.spawn(self._commit(backend, rows, conversation_id, expected, self.row))
         incarnation, seq = await asyncio.shield(task)
         if conversation_id is None:
             return None
@@ -98,6 +98,7 @@ class _PostgresLog(ResponseLog):
         rows: list[tuple[str, str]],
         cid: str | None,
         expected: tuple[int | None, int] | None,
+        listing: JSONObject | None,
     ) -> tuple[int, int]:
         store = self.store
         if self._created is not None:
@@ -109,7 +110,7 @@ class _PostgresLog(ResponseLog):
                         await store._insert_rows(conn, _INSERT_RECORDS, self.response_id, rows, 0)
                         if cid is None:
                             return 0, 0
-                        return await store._append_entry(conn, cid, self.response_id, None, expected)
+                        return await store._append_entry(conn, cid, self.response_id, None, expected, listing)
         except _Conflict:
             await self._mark_failed(rows[:-1], "conflict", "the conversation changed on another replica")
             raise _busy(cid or "") from None

@@ -101,6 +101,13 @@ MIGRATIONS: list[tuple[int, str]] = [
         DROP INDEX gateway_conversations_recent;
         """,
     ),
+    (
+        4,
+        # Each conversation's list row (the services' JSON), valid while `listing_seq = last_seq`.
+        """
+        ALTER TABLE gateway_conversations ADD COLUMN listing json, ADD COLUMN listing_seq bigint;
+        """,
+    ),
 ]
 SCHEMA_VERSION = MIGRATIONS[-1][0]
 
@@ -194,22 +201,27 @@ WHERE NOT EXISTS (SELECT 1 FROM gateway_responses
 ON CONFLICT DO NOTHING
 """
 # Appending an index entry: the conversation row hands out the next seq (and is where the tail
-# the turn was built on is checked); the entry takes it.
+# the turn was built on is checked); the entry takes it. The list row ($5, or NULL) is the one
+# the append brings.
 _NEXT_SEQ = {
     "any": f"""
-        INSERT INTO gateway_conversations AS c (namespace, conversation_id, last_seq, updated_at)
-        VALUES ($1, $2, 1, {_NOW})
+        INSERT INTO gateway_conversations AS c
+               (namespace, conversation_id, last_seq, updated_at, listing, listing_seq)
+        VALUES ($1, $2, 1, {_NOW}, $5::json, 1)
         ON CONFLICT (namespace, conversation_id)
-        DO UPDATE SET last_seq = c.last_seq + 1, updated_at = {_NOW}
+        DO UPDATE SET last_seq = c.last_seq + 1, updated_at = {_NOW}, listing = $5::json,
+                      listing_seq = c.last_seq + 1
         RETURNING c.incarnation, c.last_seq, c.updated_at""",
     "new": f"""
-        INSERT INTO gateway_conversations AS c (namespace, conversation_id, last_seq, updated_at)
-        VALUES ($1, $2, 1, {_NOW})
+        INSERT INTO gateway_conversations AS c
+               (namespace, conversation_id, last_seq, updated_at, listing, listing_seq)
+        VALUES ($1, $2, 1, {_NOW}, $5::json, 1)
         ON CONFLICT (namespace, conversation_id) DO NOTHING
         RETURNING c.incarnation, c.last_seq, c.updated_at""",
     "tail": f"""
-        UPDATE gateway_conversations AS c SET last_seq = c.last_seq + 1, updated_at = {_NOW}
-        WHERE c.namespace = $1 AND c.conversation_id = $2 AND c.incarnation = $5 AND c.last_seq = $6
+        UPDATE gateway_conversations AS c SET last_seq = c.last_seq + 1, updated_at = {_NOW},
+               listing = $5::json, listing_seq = c.last_seq + 1
+        WHERE c.namespace = $1 AND c.conversation_id = $2 AND c.incarnation = $6 AND c.last_seq = $7
         RETURNING c.incarnation, c.last_seq, c.updated_at""",
 }
 _APPEND_ENTRY = """
@@ -232,7 +244,9 @@ WHERE c.namespace = $1 AND c.conversation_id = $2
 ORDER BY i.seq, r.seq
 """
 _PAGE = """
-SELECT conversation_id, updated_at FROM gateway_conversations
+SELECT conversation_id, updated_at, incarnation, last_seq,
+       CASE WHEN listing_seq = last_seq THEN listing END AS listing
+FROM gateway_conversations
 WHERE namespace = $1 {after}
 ORDER BY updated_at DESC, conversation_id DESC LIMIT $2
 """

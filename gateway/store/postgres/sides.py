@@ -4,19 +4,22 @@ that row being gone) that another replica deleted the log. And pages of the conv
 
 from __future__ import annotations
 
+import logging
 from typing import TYPE_CHECKING
 
 import orjson
 
-from gateway.exceptions import NotFound
+from gateway.exceptions import NotFound, StorageError
 from gateway.ids import check_conversation_id, is_valid_conversation_id
-from gateway.store.base import SIDE_LOGS, IndexEntry, IndexRead, SideLog, Version
+from gateway.store.base import SIDE_LOGS, IndexEntry, IndexRead, Listed, SideLog, Version
 from gateway.store.postgres.log import _SideCache
 from gateway.store.postgres.schema import _FIRST_PAGE, _LOAD_MANY, _NEXT_PAGE, Conn, Row, _decode
-from gateway.types import Record
+from gateway.types import JSONObject, Record
 
 if TYPE_CHECKING:
     from gateway.store.postgres.store import PostgresStore
+
+log = logging.getLogger("gateway.store")
 
 
 def check_side(kind: str, key: str) -> None:
@@ -70,9 +73,10 @@ async def read_side(store: PostgresStore, kind: SideLog, key: str, *, keep: bool
     return list(cached.records)
 
 
-async def page(store: PostgresStore, limit: int, after: str | None) -> tuple[list[tuple[str, float]], bool]:
+async def page(store: PostgresStore, limit: int, after: str | None) -> tuple[list[Listed], bool]:
     """One keyset query on (updated_at, conversation_id), newest first (index
-    `gateway_conversations_page`); a second, small one to find `after`."""
+    `gateway_conversations_page`), each row with its version and list row; a second, small one
+    to find `after`."""
     action = "could not list conversations"
     if after is None:
         rows = await store._fetch(action, _FIRST_PAGE, store.namespace, limit + 1)
@@ -88,8 +92,50 @@ async def page(store: PostgresStore, limit: int, after: str | None) -> tuple[lis
             raise NotFound(f"No conversation {after!r} in this list", param="after")
         at = found[0]["updated_at"]
         rows = await store._fetch(action, _NEXT_PAGE, store.namespace, limit + 1, at, after)
-    listed = [(str(row["conversation_id"]), float(row["updated_at"])) for row in rows]
-    return [p for p in listed[:limit] if is_valid_conversation_id(p[0])], len(listed) > limit
+    listed = [
+        Listed(
+            str(row["conversation_id"]),
+            float(row["updated_at"]),
+            Version(int(row["incarnation"]), int(row["last_seq"])),
+            _listing(row["listing"]),
+        )
+        for row in rows[:limit]
+    ]
+    return [r for r in listed if is_valid_conversation_id(r.conversation_id)], len(rows) > limit
+
+
+# Rows a list made, each kept only while its conversation is still at the version it was made at.
+_KEEP_ROWS = """
+UPDATE gateway_conversations AS c SET listing = w.listing::json, listing_seq = w.seq
+FROM unnest($2::text[], $3::bigint[], $4::bigint[], $5::text[]) AS w(cid, incarnation, seq, listing)
+WHERE c.namespace = $1 AND c.conversation_id = w.cid AND c.incarnation = w.incarnation
+  AND c.last_seq = w.seq
+"""
+
+
+def _listing(text: str | None) -> JSONObject | None:
+    value = _decode(text) if text is not None else None
+    return value if isinstance(value, dict) else None
+
+
+async def keep_rows(store: PostgresStore, rows: list[tuple[str, Version, JSONObject]]) -> None:
+    """One statement for all of them, each kept only at its version; best effort."""
+    if not rows:
+        return
+    columns = (
+        [cid for cid, _, _ in rows],
+        [int(v.generation) for _, v, _ in rows],
+        [v.position for _, v, _ in rows],
+        [orjson.dumps(row).decode() for _, _, row in rows],
+    )
+
+    async def work(conn: Conn) -> None:
+        await conn.execute(_KEEP_ROWS, store.namespace, *columns)
+
+    try:
+        await store._write("could not keep the list's rows", work)
+    except StorageError as exc:  # (a read-only replica): the next list makes them again
+        log.warning("%s", exc.message)
 
 
 def index_read(rows: list[Row], after: Version | None) -> IndexRead | None:

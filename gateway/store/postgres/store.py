@@ -38,6 +38,7 @@ from gateway.store.base import (
     Damage,
     IndexList,
     IndexRead,
+    Listed,
     ResponseLog,
     SideLog,
     Store,
@@ -64,7 +65,7 @@ from gateway.store.postgres.schema import (
     advisory_key,
     map_errors,
 )
-from gateway.types import Record, as_object
+from gateway.types import JSONObject, Record, as_object
 
 log = logging.getLogger("gateway.store")
 
@@ -220,6 +221,7 @@ class PostgresStore(Store):
         response_id: str | None,
         marker: str | None,
         expected: tuple[int | None, int] | None,
+        listing: JSONObject | None = None,
     ) -> tuple[int, int]:
         extra: list[int | None] = []
         if expected is None:
@@ -228,7 +230,8 @@ class PostgresStore(Store):
             sql = _APPEND["new"]
         else:
             sql, extra = _APPEND["tail"], list(expected)
-        row = await conn.fetchrow(sql, self.namespace, cid, response_id, marker, *extra)
+        text = orjson.dumps(listing).decode() if listing is not None else None
+        row = await conn.fetchrow(sql, self.namespace, cid, response_id, marker, text, *extra)
         if row is None:
             raise _Conflict()
         return int(row["incarnation"]), int(row["last_seq"])
@@ -390,13 +393,15 @@ class PostgresStore(Store):
         return bool(rows)
 
     # -- writing ------------------------------------------------------------------------------------
-    async def append_marker(self, conversation_id: str, marker: Record) -> Appended:
+    async def append_marker(
+        self, conversation_id: str, marker: Record, row: JSONObject | None = None
+    ) -> Appended:
         check_conversation_id(conversation_id)
         text = orjson.dumps(marker).decode()
         expected = self._expected(conversation_id)
 
         async def work(conn: Conn) -> tuple[int, int]:
-            return await self._append_entry(conn, conversation_id, None, text, expected)
+            return await self._append_entry(conn, conversation_id, None, text, expected, row)
 
         try:
             incarnation, seq = await self._write("could not record the change durably", work)
@@ -474,7 +479,14 @@ class PostgresStore(Store):
     async def list_conversations(
         self, limit: int, after: str | None = None
     ) -> tuple[list[tuple[str, float]], bool]:
+        page, more = await sides.page(self, limit, after)
+        return [(listed.conversation_id, listed.changed) for listed in page], more
+
+    async def list_rows(self, limit: int, after: str | None = None) -> tuple[list[Listed], bool]:
         return await sides.page(self, limit, after)
+
+    async def keep_rows(self, rows: list[tuple[str, Version, JSONObject]]) -> None:
+        await sides.keep_rows(self, rows)
 
     async def namespaces(self) -> list[str]:
         """Every tenant with conversations or side logs in this database ("" included)."""
