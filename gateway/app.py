@@ -18,8 +18,8 @@ from starlette.middleware import Middleware
 from starlette.routing import Route
 
 import gateway.metrics
+from gateway.api import compaction, health, ui
 from gateway.api import conversations as conv
-from gateway.api import health, ui
 from gateway.api import responses as resp
 from gateway.api.chat import chat_completions
 from gateway.config import Settings, load_settings
@@ -110,6 +110,7 @@ def create_app(
         Route("/v1/conversations/{conversation_id}/items/{item_id}", conv.get_item, methods=["GET"]),
         Route("/v1/conversations/{conversation_id}/items/{item_id}", conv.delete_item, methods=["DELETE"]),
         Route("/v1/responses", resp.create_response, methods=["POST"]),
+        Route("/v1/responses/compact", compaction.compact_response, methods=["POST"]),
         Route("/v1/responses/{response_id}", resp.get_response, methods=["GET"]),
         Route("/v1/responses/{response_id}", resp.delete_response, methods=["DELETE"]),
         Route("/v1/responses/{response_id}/input_items", resp.list_input_items, methods=["GET"]),

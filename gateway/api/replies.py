@@ -71,3 +71,13 @@ class ResponseObject(_Reply):
     object: Literal["response"]
     status: str | None = None
     output: list[Fields] | None = None
+
+
+class CompactedResponse(_Reply):
+    """OpenAI's compacted response (`POST /v1/responses/compact`)."""
+
+    id: str
+    object: Literal["response.compaction"]
+    created_at: int
+    output: list[Fields] = Field(description="The user messages, as they were, then one compaction item")
+    usage: Fields

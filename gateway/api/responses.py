@@ -17,6 +17,7 @@ from typing import Any
 from starlette.requests import Request
 from starlette.responses import Response
 
+from gateway.api.compaction import compact_before_turn, input_compactions, lead_items
 from gateway.api.http import (
     ClientDisconnected,
     JSONBody,
@@ -90,13 +91,16 @@ async def _conversation_for(
     return f"resp-{secrets.token_hex(12)}", None
 
 
-def _chat_body(body: dict[str, Any], request: ResponseCreate) -> tuple[dict[str, Any], dict[str, Any]]:
-    """The chat-completions request for a Responses request, and the params to echo back."""
+def _chat_body(
+    body: dict[str, Any], request: ResponseCreate, compactions: dict[str, Message] | None = None
+) -> tuple[dict[str, Any], dict[str, Any]]:
+    """The chat-completions request for a Responses request, and the params to echo back
+    (`compactions`: the messages its compaction items stand for, `input_compactions`)."""
     raw_input = body["input"]
     if isinstance(raw_input, str):
         messages: list[Message] = [{"role": "user", "content": raw_input}]
     else:
-        messages = items_to_messages(raw_input, param="input")
+        messages = items_to_messages(raw_input, param="input", compactions=compactions)
     instructions = request.instructions
     if instructions is not None:
         messages = [{"role": "system", "content": instructions}, *messages]
@@ -177,7 +181,8 @@ async def create_response(request: Request) -> Response:
             raise InvalidRequest(
                 "'prompt' templates are not supported: send the 'input' itself", param="prompt"
             )
-        chat_body, params = _chat_body(body, validate(ResponseCreate, body))
+        parsed = validate(ResponseCreate, body)
+        chat_body, params = _chat_body(body, parsed, await input_compactions(services, tenant, body["input"]))
         chat = parse_chat(chat_body)  # every validation error before a fork is made
         cid, previous = await _conversation_for(services, tenant, body)
         if cid is not None:
@@ -185,6 +190,7 @@ async def create_response(request: Request) -> Response:
         chat.previous_response_id = previous
         # What the Responses API echoes back, kept in the request record for a later GET.
         chat.echo = {**params, "previous_response_id": previous}
+        lead = await compact_before_turn(services, tenant, body, chat, previous)
         turn = await service.prepare(chat, tenant)
     except GatewayError as exc:
         refused(request, body, exc, started, event="response")
@@ -217,6 +223,7 @@ async def create_response(request: Request) -> Response:
                 message=outcome.message,
                 finish_reason=outcome.finish_reason,
                 usage=outcome.usage,
+                lead=lead,
                 **common,
             ),
             headers=headers,
@@ -234,7 +241,9 @@ async def create_response(request: Request) -> Response:
         outcome = await service.close(turn, None if exc is None else turn_outcome(exc))
         stream_closed(outcome, exc, metrics, event="response")
 
-    return SSEResponse(response_events(service, turn, chunks, common), headers=headers, on_close=on_close)
+    return SSEResponse(
+        response_events(service, turn, chunks, common, lead), headers=headers, on_close=on_close
+    )
 
 
 def _without_type(record: Record | None) -> Record | None:
@@ -276,6 +285,7 @@ async def get_response(request: Request) -> Response:
         previous_response_id=echo.get("previous_response_id") if isinstance(echo, dict) else None,
         status=stored.status if stored.status != "completed" else None,
         error=stored.error,
+        lead=lead_items(echo),
     )
     obj["gateway"] = {
         "request": _without_type(stored.request),

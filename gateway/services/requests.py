@@ -47,3 +47,6 @@ class ChatRequest:
     previous_response_id: str | None = None
     # The Responses API's own parameters (instructions, metadata, ...): recorded, never sent.
     echo: dict[str, Any] | None = None
+    # The summary version a compaction made for this turn (Responses `context_management`):
+    # the window is cut to start with it, whatever the previous turn's head was.
+    compaction_version: int | None = None
