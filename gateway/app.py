@@ -20,8 +20,8 @@ from starlette.middleware import Middleware
 from starlette.routing import Route
 
 import gateway.metrics
+from gateway.api import compaction, health, ui
 from gateway.api import conversations as conv
-from gateway.api import health, ui
 from gateway.api import responses as resp
 from gateway.api.background import BackgroundRuns
 from gateway.api.chat import chat_completions
@@ -144,6 +144,7 @@ def create_app(
         Route("/v1/conversations/{conversation_id}/items/{item_id}", conv.delete_item, methods=["DELETE"]),
         Route("/v1/responses", resp.create_response, methods=["POST"]),
         Route("/v1/responses/input_tokens", resp.count_input_tokens, methods=["POST"]),
+        Route("/v1/responses/compact", compaction.compact_response, methods=["POST"]),
         Route("/v1/responses/{response_id}", resp.get_response, methods=["GET"]),
         Route("/v1/responses/{response_id}", resp.delete_response, methods=["DELETE"]),
         Route("/v1/responses/{response_id}/cancel", resp.cancel_response, methods=["POST"]),

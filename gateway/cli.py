@@ -17,6 +17,7 @@ import orjson
 
 from gateway.cli_render import (
     cache_text,
+    render_compaction,
     render_log,
     render_marker,
     render_message,
@@ -358,7 +359,9 @@ def show(
     """The conversation's history as the model will see it."""
     from gateway.tokens import count_message
 
-    async def read(services: Services) -> tuple[Any, list[Turn], tuple[str, Record] | None, Any] | None:
+    async def read(
+        services: Services,
+    ) -> tuple[Any, list[Turn], tuple[str, Record] | None, Any, list[Record]] | None:
         name, exists = await _conversation_tenant(services, tenant, conversation_id)
         if not exists:
             return None
@@ -370,12 +373,13 @@ def show(
         # The last turn's prompt figures: its size, and how much the provider's cache served.
         response = latest(await services.queries.records(name, last[0]), "response") if last else None
         cache = response.get("cache") if response is not None else None
-        return view, await services.queries.turns(name, conversation_id), last, cache
+        compactions = await services.queries.compactions(name, conversation_id)
+        return view, await services.queries.turns(name, conversation_id), last, cache, compactions
 
     found = _run(settings, read)
     if found is None:
         raise _no_conversation(settings, conversation_id)
-    view, turns, last, cache = found
+    view, turns, last, cache, compactions = found
     # The window of the last turn: which turns it left out (cut, or folded into the summary).
     window: dict[str, Any] | None = None
     cut = last[1].get("truncated") if last is not None else None
@@ -415,6 +419,7 @@ def show(
             "message_tokens": [by_message.get(id(m)) or count_message(m) for m in messages],
             "tokens": sum(counts),
             "turns": [t.to_dict() for t in turns],
+            "compactions": [{k: v for k, v in c.items() if k != "type"} for c in compactions],
             "last_turn_cache": cache,
             "last_window": None
             if window is None
@@ -448,7 +453,14 @@ def show(
     # Turns up to the one the rolling summary covers through were sent as the summary; its line
     # follows that turn. Those after it, outside the window, were left out (the marker's).
     summarized = window is not None and window["summary_covers_through"] is not None
+    after: dict[object, list[Record]] = {}  # compactions, by the turn they cover through
+    for record in compactions:
+        after.setdefault(record.get("covers_through"), []).append(record)
+    previous: str | None = None
     for turn in turns:
+        for record in after.pop(previous, []):  # (said after the turn it covers through)
+            click.echo(click.style(f"── {render_compaction(record)}", fg="magenta"))
+        previous = turn.response_id
         if turn.is_feedback_only:
             click.echo(click.style(f"── {turn.response_id} (feedback turn: not replayed)", dim=True))
             continue
@@ -503,6 +515,8 @@ def show(
                 _window_marker(window)
             in_window_total += n
             click.echo(render_message(m, tokens=n))
+    for record in after.pop(previous, []):
+        click.echo(click.style(f"── {render_compaction(record)}", fg="magenta"))
     footer = f"{view.turns} turns, {len(view.history)} messages, {sum(counts)} tokens"
     if window is not None:
         footer += f" ({in_window_total} of them in the last turn's window)"

@@ -50,11 +50,27 @@ def render_message(message: Message, *, tokens: int | None = None, note: str = "
         extra.append(f"{tokens} tok")
     if message.get("is_feedback"):
         extra.append("feedback")
+    if isinstance(message.get("compaction"), dict):
+        extra.append("a compaction item the client sent back: the summary it stands for")
     if note:
         extra.append(note)
     suffix = click.style(f"  ({', '.join(extra)})", dim=True) if extra else ""
     body = textwrap.indent(text(message), " " * 11).lstrip()
     return f"{head}  {body}{suffix}"
+
+
+def render_compaction(record: Record) -> str:
+    """Where a compaction happened (a `compaction` line of the summaries log): what it folded."""
+    through, count = record.get("covers_through"), record.get("covered_messages")
+    if record.get("trigger") == "context_management":
+        why = f"context_management, past {record.get('threshold')} tokens"
+        then = f"; from then on the window starts with summary v{record.get('summary_version')}"
+    else:
+        why, then = "POST /v1/responses/compact", "; the conversation itself goes on unchanged"
+    folded = f"the {count} messages through {through}"
+    if record.get("input_messages"):
+        folded += f" and the {record['input_messages']} sent with the request"
+    return f"compaction {record.get('id')} ({why}): {folded} summarized for the client{then}"
 
 
 def render_marker(marker: Record) -> str:

@@ -64,6 +64,7 @@ class Message(TypedDict, total=False):
     function_call: FunctionCall  # the legacy single call (functions API)
     audio: JSONObject  # an audio answer: {"id"} (as it is replayed)
     is_feedback: bool  # a gateway field: stored, never sent to a provider
+    compaction: JSONObject  # a gateway field: the compaction item this summary is (stored, never sent)
 
 
 class Usage(TypedDict, total=False):

@@ -22,6 +22,7 @@ MODELS: dict[str, type[BaseModel]] = {
     m.__name__: m
     for m in (
         *(schemas.ChatCompletionRequest, schemas.ResponseCreate, schemas.ConversationCreate, schemas.Reset),
+        *(schemas.ResponseCompact, replies.CompactedResponse),
         *(schemas.ConversationUpdate, schemas.ItemsCreate, replies.Error, replies.ChatCompletion),
         *(replies.Page, replies.ModelList, replies.Conversation, replies.Deleted),
         *(schemas.InputTokensCount, replies.InputTokens),
@@ -69,6 +70,7 @@ OPERATIONS: list[Operation] = [
     ("delete", f"{CONVERSATION}/items/{{item_id}}", None, "Conversation", DELETE, "Delete an item"),
     ("post", "/v1/responses", "ResponseCreate", "Response", TURN, "Responses API bridge"),
     ("post", f"{RESPONSES}/input_tokens", "InputTokensCount", "InputTokens", COUNT, "Count a turn's input"),
+    ("post", "/v1/responses/compact", "ResponseCompact", "CompactedResponse", TURN, "Compact a conversation"),
     ("get", RESPONSE, None, "Response", READ, "Retrieve a response (and its log)"),
     ("delete", RESPONSE, None, "Deleted", DELETE, "Delete a response"),
     ("post", f"{RESPONSE}/cancel", None, "Response", (*READ, 409), "Cancel a background response"),

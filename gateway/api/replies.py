@@ -79,3 +79,13 @@ class InputTokens(_Reply):
         description="What the prompt would hold: the server's own count (llama.cpp, vLLM), else the "
         "gateway's through its calibration for the provider; `gateway` says which and why"
     )
+
+
+class CompactedResponse(_Reply):
+    """OpenAI's compacted response (`POST /v1/responses/compact`)."""
+
+    id: str
+    object: Literal["response.compaction"]
+    created_at: int
+    output: list[Fields] = Field(description="The user messages, as they were, then one compaction item")
+    usage: Fields

@@ -52,7 +52,10 @@ def response_object(
     previous_response_id: str | None,
     status: str | None = None,
     error: JSONObject | None = None,
+    lead: list[JSONObject] | None = None,
 ) -> dict[str, Any]:
+    """The Responses API's `response` object; `lead`: output items before the answer's (the
+    compaction item of a turn that compacted its conversation)."""
     prompt = int((usage or {}).get("prompt_tokens") or 0)
     completion = int((usage or {}).get("completion_tokens") or 0)
     prompt_details = (usage or {}).get("prompt_tokens_details")
@@ -65,7 +68,7 @@ def response_object(
         "created_at": int(created),
         "status": status,
         "model": model,
-        "output": output_items(message, response_id, position),
+        "output": [*(lead or ()), *output_items(message, response_id, position)],
         "error": error,
         "incomplete_details": {"reason": "max_output_tokens"}
         if status == "incomplete" and not error
@@ -111,9 +114,14 @@ def event(kind: str, seq: int, **fields: object) -> bytes:
 
 
 async def response_events(
-    service: ChatService, turn: PreparedTurn, chunks: AsyncIterator[dict[str, Any]], common: dict[str, Any]
+    service: ChatService,
+    turn: PreparedTurn,
+    chunks: AsyncIterator[dict[str, Any]],
+    common: dict[str, Any],
+    lead: list[JSONObject] | None = None,
 ) -> AsyncIterator[bytes]:
-    """Chat chunks as the Responses event stream."""
+    """Chat chunks as the Responses event stream; `lead`: items done before the answer (a
+    compaction item), sent first."""
     seq = 0
     created = turn.created or time.time()
     skeleton = response_object(
@@ -122,12 +130,18 @@ async def response_events(
     yield event("response.created", seq, response=skeleton)
     seq += 1
     yield event("response.in_progress", seq, response=skeleton)
+    lead = lead or []
+    for index, item in enumerate(lead):
+        seq += 1
+        yield event("response.output_item.added", seq, output_index=index, item=item)
+        seq += 1
+        yield event("response.output_item.done", seq, output_index=index, item=item)
     rid, position = turn.response_id, common["position"]
     text_id = f"msg_{rid}_{position}"
     acc = StreamAccumulator()
     text_open = False
     calls_seen: dict[int, int] = {}  # tool call index -> output index
-    output_index = 0
+    output_index = len(lead)
     try:
         async for chunk in chunks:
             acc.add(chunk)
@@ -169,7 +183,7 @@ async def response_events(
                     k = int(call.get("index", 0))
                     fn = call.get("function") or {}
                     if k not in calls_seen:
-                        calls_seen[k] = len(calls_seen) + (1 if text_open else 0)
+                        calls_seen[k] = len(lead) + len(calls_seen) + (1 if text_open else 0)
                         item = {
                             "type": "function_call",
                             "id": f"fc_{rid}_{position}_{k}",
@@ -201,6 +215,7 @@ async def response_events(
             usage=None,
             status="failed",
             error={"code": str(err.get("code") or "server_error"), "message": err["message"]},
+            lead=lead,
             **common,
         )
         seq += 1
@@ -212,19 +227,25 @@ async def response_events(
         message=outcome.message,
         finish_reason=outcome.finish_reason,
         usage=acc.usage,
+        lead=lead,
         **common,
     )
-    announced = {*calls_seen.values(), *((0,) if text_open else ())}
-    for frame in finishing_events(final, announced, seq):
+    announced = {*calls_seen.values(), *((len(lead),) if text_open else ())}
+    for frame in finishing_events(final, announced, seq, skip=len(lead)):
         yield frame
     del output_index
 
 
-def finishing_events(final: dict[str, Any], announced: set[int], seq: int) -> Iterator[bytes]:
+def finishing_events(
+    final: dict[str, Any], announced: set[int], seq: int, *, skip: int = 0
+) -> Iterator[bytes]:
     """The events that end a response stream: each output item's done events (added first when
     no delta announced it: `announced` are the output indexes that were), then
-    `response.completed`; numbered after `seq`."""
+    `response.completed`; numbered after `seq`. The first `skip` items were done before the
+    answer began (a compaction item)."""
     for index, item in enumerate(final["output"]):
+        if index < skip:
+            continue  # (done before the answer began)
         if index not in announced:
             # No delta announced it (an empty answer, a refusal): added before it is done, as
             # clients that assemble the stream (the SDK's `responses.stream`) require.

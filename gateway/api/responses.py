@@ -20,6 +20,7 @@ from starlette.requests import Request
 from starlette.responses import Response
 
 from gateway.api.background import BackgroundRuns, Run, sequence_of
+from gateway.api.compaction import compact_before_turn, input_compactions, lead_items
 from gateway.api.http import (
     ClientDisconnected,
     JSONBody,
@@ -44,7 +45,7 @@ from gateway.ids import check_conversation_id
 from gateway.services import Services
 from gateway.services.requests import ChatRequest
 from gateway.services.turn import PreparedTurn
-from gateway.types import Record
+from gateway.types import JSONObject, Record
 
 # OpenAI's reasoning models refuse `max_tokens` ("Use 'max_completion_tokens' instead").
 _REASONING_MODELS = re.compile(r"(o\d|gpt-5)")
@@ -97,9 +98,14 @@ async def _conversation_for(
 
 
 def _chat_body(
-    body: dict[str, Any], request: ResponseCreate, *, input_optional: bool = False
+    body: dict[str, Any],
+    request: ResponseCreate,
+    compactions: dict[str, Message] | None = None,
+    *,
+    input_optional: bool = False,
 ) -> tuple[dict[str, Any], dict[str, Any]]:
-    """The chat-completions request for a Responses request, and the params to echo back.
+    """The chat-completions request for a Responses request, and the params to echo back
+    (`compactions`: the messages its compaction items stand for, `input_compactions`).
     `input_optional`: no messages at all is no error (a count of a conversation as it stands)."""
     raw_input = body.get("input")
     if raw_input is None:
@@ -107,7 +113,7 @@ def _chat_body(
     elif isinstance(raw_input, str):
         messages = [{"role": "user", "content": raw_input}]
     else:
-        messages = items_to_messages(raw_input, param="input")
+        messages = items_to_messages(raw_input, param="input", compactions=compactions)
     instructions = request.instructions
     if instructions is not None:
         messages = [{"role": "system", "content": instructions}, *messages]
@@ -195,7 +201,10 @@ async def create_response(request: Request) -> Response:
             raise InvalidRequest(
                 "'prompt' templates are not supported: send the 'input' itself", param="prompt"
             )
-        chat_body, params = _chat_body(body, validate(ResponseCreate, body))
+        parsed = validate(ResponseCreate, body)
+        chat_body, params = _chat_body(
+            body, parsed, await input_compactions(services, tenant, body.get("input"))
+        )
         chat = parse_chat(chat_body)  # every validation error before a fork is made
         cid, previous = await _conversation_for(services, tenant, body)
         if cid is not None:
@@ -209,6 +218,7 @@ async def create_response(request: Request) -> Response:
         if previous is not None and chat.truncation == "disabled":
             # A window it refuses is refused before a turn on an earlier response makes its branch.
             await service.count(chat, tenant)
+        lead = await compact_before_turn(services, tenant, body, chat, previous)
         turn = await service.prepare(chat, tenant)
     except GatewayError as exc:
         refused(request, body, exc, started, event="response")
@@ -225,7 +235,7 @@ async def create_response(request: Request) -> Response:
     }
     headers = turn_headers(turn)
     if params["background"]:
-        run = start_background(request, turn, common)
+        run = start_background(request, turn, common, lead)
         if body.get("stream"):
             return SSEResponse(run.follow(-1), headers=headers, on_close=_nothing)
         queued = response_object(
@@ -234,6 +244,7 @@ async def create_response(request: Request) -> Response:
             finish_reason=None,
             usage=None,
             status="queued",
+            lead=lead,
             **common,
         )
         return JSONBody(queued, headers=headers)
@@ -254,6 +265,7 @@ async def create_response(request: Request) -> Response:
                 message=outcome.message,
                 finish_reason=outcome.finish_reason,
                 usage=outcome.usage,
+                lead=lead,
                 **common,
             ),
             headers=headers,
@@ -271,14 +283,18 @@ async def create_response(request: Request) -> Response:
         outcome = await service.close(turn, None if exc is None else turn_outcome(exc))
         stream_closed(outcome, exc, metrics, event="response")
 
-    return SSEResponse(response_events(service, turn, chunks, common), headers=headers, on_close=on_close)
+    return SSEResponse(
+        response_events(service, turn, chunks, common, lead), headers=headers, on_close=on_close
+    )
 
 
 async def _nothing(exc: BaseException | None) -> None:
     """A follower of a background response left: the response goes on without it."""
 
 
-def start_background(request: Request, turn: PreparedTurn, common: dict[str, Any]) -> Run:
+def start_background(
+    request: Request, turn: PreparedTurn, common: dict[str, Any], lead: list[JSONObject] | None
+) -> Run:
     """Run a prepared turn to its end as a background response, its events kept."""
     service = services_of(request).turns
     metrics = request.app.state.metrics
@@ -287,7 +303,7 @@ def start_background(request: Request, turn: PreparedTurn, common: dict[str, Any
         failure: BaseException | None = None
         try:
             chunks = await service.open_chunks(turn)
-            async for frame in response_events(service, turn, chunks, common):
+            async for frame in response_events(service, turn, chunks, common, lead):
                 run.add(frame)
         except asyncio.CancelledError as exc:
             failure = exc
@@ -307,6 +323,8 @@ def start_background(request: Request, turn: PreparedTurn, common: dict[str, Any
 
     runs: BackgroundRuns = request.app.state.background
     return runs.start(turn.response_id, tenant_of(request), work, abandon)
+
+
 async def count_input_tokens(request: Request) -> Response:
     """`POST /v1/responses/input_tokens`: the prompt `POST /v1/responses` with this body would
     send, counted. The same window is planned (history, instructions, tools, the new input);
@@ -385,6 +403,7 @@ async def get_response(request: Request) -> Response:
         previous_response_id=echo.get("previous_response_id") if isinstance(echo, dict) else None,
         status=_status(stored.status, stored.outcome, echo),
         error=stored.error,
+        lead=lead_items(echo),
     )
     if streamed:
         if not (isinstance(echo, dict) and echo.get("background")):

@@ -246,6 +246,32 @@ Item = Annotated[
 ]
 
 
+@with_config(_documented_as_required("type", "encrypted_content"))
+class CompactionItem(TypedDict, total=False):
+    """A compaction item sent back (Responses `input`): the gateway's own reference, expanded
+    into the summary it stands for (a 400 `invalid_encrypted_content` when it is not one)."""
+
+    type: Required[Literal["compaction"]]
+    encrypted_content: SkipValidation[str]
+    id: SkipValidation[str | None]
+
+
+def _response_item_kind(item: object) -> str | None:
+    is_compaction = isinstance(item, dict) and item.get("type") == "compaction"
+    return "compaction item" if is_compaction else _item_kind(item)
+
+
+ResponseItem = Annotated[
+    Annotated[MessageItem, Tag("message item")]
+    | Annotated[FunctionCallItem, Tag("call item")]
+    | Annotated[FunctionCallOutputItem, Tag("output item")]
+    | Annotated[CompactionItem, Tag("compaction item")],
+    Discriminator(
+        _response_item_kind, custom_error_type="unknown_type", custom_error_message="unknown item type"
+    ),
+]
+
+
 def _unsupported_item(param: str, error: ErrorDetails) -> str:
     item = error["input"]
     kind = item.get("type") if isinstance(item, dict) else None
@@ -299,8 +325,14 @@ def _input_kind(value: object) -> str:
 
 
 ResponseInput = Annotated[
-    Annotated[str, Tag("text")] | Annotated[list[Item], Tag("items")], Discriminator(_input_kind)
+    Annotated[str, Tag("text")] | Annotated[list[ResponseItem], Tag("items")], Discriminator(_input_kind)
 ]
+
+
+@with_config(BODY)
+class ContextManagement(TypedDict):
+    type: Literal["compaction"]
+    compact_threshold: NotRequired[Annotated[int, Field(ge=1)] | None]
 
 
 class ResponseCreate(BaseModel):
@@ -322,6 +354,9 @@ class ResponseCreate(BaseModel):
     previous_response_id: SkipValidation[str | None] = Field(None, description="404 unless a stored response")
     store: bool = True
     metadata: Metadata | None = None
+    context_management: list[ContextManagement] | None = Field(
+        None, description="Compaction when the conversation's prompt passes compact_threshold tokens"
+    )
     # Passed on to the provider.
     temperature: SkipValidation[float | None] = None
     top_p: SkipValidation[float | None] = None
@@ -342,6 +377,35 @@ class ResponseCreate(BaseModel):
         "max_output_tokens": f"'max_output_tokens' {TOKENS}",
         "store": "'store' must be a boolean",
         "metadata": _metadata,
+        "context_management": "'context_management' must be an array of compaction entries",
+        "context_management[]": "{param} must be {{type: 'compaction', compact_threshold: an integer ≥ 1}}",
+    }
+
+
+class ResponseCompact(BaseModel):
+    """`POST /v1/responses/compact`: what to compact (`input`, after the history of
+    `previous_response_id` or of the gateway's `conversation`)."""
+
+    model_config = ConfigDict(
+        extra="allow",
+        strict=True,
+        json_schema_extra={"not": {"required": ["conversation", "previous_response_id"]}},
+    )
+
+    model: Annotated[str, Field(min_length=1)]
+    input: ResponseInput | None = None
+    instructions: str | None = None
+    previous_response_id: SkipValidation[str | None] = Field(None, description="404 unless a stored response")
+    conversation: SkipValidation[ConversationId | ConversationRef | None] = Field(
+        None, description="Gateway extension: compact this conversation's history"
+    )
+
+    error_messages: ClassVar[ErrorMessages] = {
+        "": NOT_AN_OBJECT,
+        "model": "'model' is required",
+        "input": "'input' must be a string or an array of items",
+        **item_errors("input"),
+        "instructions": "'instructions' must be a string",
     }
 
 

@@ -20,6 +20,8 @@ from gateway.types import JSONObject, Record, ascii_int
 
 STATIC = Path(__file__).resolve().parent.parent / "ui" / "static"
 _FILES = {"index.html": "text/html", "app.js": "text/javascript", "style.css": "text/css"}
+# What the page shows of each compaction made of a conversation (where, what it covered, why).
+_COMPACTION_FIELDS = ("id", "trigger", "covers_through", "covered_messages", "summary_version", "created")
 PAGE = 200  # conversations listed at most by one request (the page asks for older ones after)
 
 
@@ -139,6 +141,7 @@ async def conversation(request: Request) -> Response:
                 turns.append(turn)
         index += 1
     summaries = await queries.summaries(tenant, cid, view)
+    compactions = await queries.compactions(tenant, cid)
     state = await queries.state(tenant, cid, view)
     return JSONBody(
         {
@@ -154,6 +157,8 @@ async def conversation(request: Request) -> Response:
                 }
                 for s in summaries
             ],
+            # Where compactions happened: what each covered (through a response) and why.
+            "compactions": [{k: c.get(k) for k in _COMPACTION_FIELDS} for c in compactions],
             "count": index,
             # Every index line (turns and markers): when it changed with no new turn, or a new
             # entry is a marker or an edit, what was sent before may have changed too.

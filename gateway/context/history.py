@@ -19,7 +19,7 @@ from gateway.context.tools import repair_tool_calls as repair_tool_calls
 from gateway.types import JSONObject, Message
 
 SYSTEM_ROLES = frozenset({"system", "developer"})
-GATEWAY_MESSAGE_FIELDS = ("is_feedback",)
+GATEWAY_MESSAGE_FIELDS = ("is_feedback", "compaction")
 PREVIEW_CHARS = 120  # how much of the newest user message a list shows
 
 
@@ -29,7 +29,7 @@ def is_feedback(message: Message) -> bool:
 
 def clean_message(message: Message) -> Message:
     """The message as a provider may see it: gateway-only fields removed."""
-    if "is_feedback" not in message:
+    if "is_feedback" not in message and "compaction" not in message:
         return message
     return cast(Message, {k: v for k, v in message.items() if k not in GATEWAY_MESSAGE_FIELDS})
 
@@ -43,9 +43,10 @@ def text_of(message: Mapping[str, object]) -> str:
 
 
 def split_system(messages: Sequence[Message]) -> tuple[list[Message], list[Message]]:
-    """Leading system/developer messages (the system prompt) and the rest."""
+    """Leading system/developer messages (the system prompt) and the rest. A compaction's
+    summary (`compaction`) is history where it stands, never the system prompt."""
     i = 0
-    while i < len(messages) and messages[i].get("role") in SYSTEM_ROLES:
+    while i < len(messages) and messages[i].get("role") in SYSTEM_ROLES and "compaction" not in messages[i]:
         i += 1
     return list(messages[:i]), list(messages[i:])
 

@@ -2,11 +2,12 @@
 
 A stored message is named by its response and its position there, so an item id is
 `msg_{response_id}_{position}` (function calls: `fc_..._{k}`, tool outputs: `fco_...`, system
-prompt messages: `sys_{response_id}_{k}`).
+prompt messages: `sys_{response_id}_{k}`, the summary a compaction item stood for: `cmp_...`).
 """
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from typing import cast
 
 from gateway.context.content import image_detail, image_url
@@ -113,10 +114,14 @@ def _tool_output(output: object, where: str) -> str:
     )
 
 
-def items_to_messages(items: object, *, param: str = "items") -> list[Message]:
+def items_to_messages(
+    items: object, *, param: str = "items", compactions: Mapping[str, Message] | None = None
+) -> list[Message]:
     """Responses-style input items as chat messages (consecutive function calls merge into one
     assistant message with several tool_calls). A field of the wrong type is a 400: what is
-    stored is replayed on every later turn, so it must be what a provider accepts."""
+    stored is replayed on every later turn, so it must be what a provider accepts. A
+    `compaction` item becomes the message `compactions` resolved its `encrypted_content` to
+    (`context.compaction`); where none is given, it is an unsupported item."""
     if not isinstance(items, list):
         raise InvalidRequest(f"'{param}' must be an array", param=param)
     out: list[Message] = []
@@ -168,6 +173,11 @@ def items_to_messages(items: object, *, param: str = "items") -> list[Message]:
                 )
             output = _tool_output(item.get("output", ""), where)
             out.append({"role": "tool", "tool_call_id": call_id, "content": output})
+        elif kind == "compaction" and isinstance(item.get("encrypted_content"), str) and compactions:
+            resolved = compactions.get(str(item["encrypted_content"]))
+            if resolved is None:
+                raise InvalidRequest(f"{where}: the compaction item was not resolved", param=where)
+            out.append(cast(Message, dict(resolved)))
         else:
             raise InvalidRequest(f"{where}: unsupported item type {kind!r}", param=f"{where}.type")
     return out
@@ -213,6 +223,10 @@ def message_to_items(message: Message, response_id: str, position: int) -> list[
     """One stored chat message as Conversations API items (as OpenAI returns them)."""
     role = message.get("role")
     base = f"{response_id}_{position}"
+    mark = message.get("compaction")
+    if isinstance(mark, dict):  # the summary of a compaction item: listed as that item again
+        content = mark.get("encrypted_content")
+        return [{"type": "compaction", "id": f"cmp_{base}", "encrypted_content": content}]
     if role == "tool":
         return [
             {
@@ -257,7 +271,7 @@ def message_to_items(message: Message, response_id: str, position: int) -> list[
 def parse_item_id(item_id: str) -> tuple[str, int] | None:
     """(response_id, position) a stored item id names, or None if it is not one of ours."""
     prefix, _, rest = item_id.partition("_")
-    if prefix not in ("msg", "fc", "fco", "sys") or not rest:
+    if prefix not in ("msg", "fc", "fco", "sys", "cmp") or not rest:
         return None
     if prefix == "fc":
         rest = rest.rsplit("_", 1)[0]

@@ -14,6 +14,7 @@ from gateway.config import Settings
 from gateway.exceptions import GatewayError
 from gateway.services.cache import ConversationCache
 from gateway.services.catalog import Catalog
+from gateway.services.compaction import Compactions
 from gateway.services.conversations import Conversations
 from gateway.services.fsck import Fsck
 from gateway.services.models import ModelFacts
@@ -46,6 +47,7 @@ class Services:
         self.cache = ConversationCache.of(settings)
         self.turns = ChatService(settings, router, stores=stores, facts=self.facts, cache=self.cache)
         self.summaries = Summaries(settings, router, stores, self.facts, self.cache)
+        self.compactions = Compactions(settings, stores, self.cache, self.summaries, self.facts, router)
         self.sessions = Sessions(settings, stores, self.summaries, self.cache)
         self.conversations = Conversations(settings, stores, self.cache)
         self.responses = StoredResponses(settings, stores, self.cache)

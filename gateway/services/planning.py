@@ -199,7 +199,8 @@ class Planner:
         The window keeps the previous turn's head (`view.head`: where its history began and the
         summary it sent) while everything from there fits; otherwise it is cut in a step, down
         to `cut_to` of the budget, starting at the newest summary's coverage when that fits.
-        `hold=False` cuts regardless (after the provider refused the previous plan)."""
+        `hold=False` cuts regardless (after the provider refused the previous plan), as does a
+        compaction made for this turn (`request.compaction_version`)."""
         ctx, view, route, request, store = (
             self.settings.context,
             inputs.view,
@@ -216,13 +217,18 @@ class Planner:
         facts = await self.facts.window(route, request.model, store)
         window_size = facts.tokens
         reserve, budget = self._budget(request, facts)
-        records = await store.read_side("summaries", inputs.cid) if ctx.strategy == "summarize" else []
+        head = view.head or Head()  # (none recorded: as if the window began at the beginning)
+        compacted = request.compaction_version is not None  # for this turn: a cut, to start at it
+        hold = hold and not compacted
+        # Summaries are read when made (summarize), or when one is in use or just made (a
+        # compaction, on any strategy: the conversation goes on from it).
+        reads = ctx.strategy == "summarize" or head.summary is not None or compacted
+        records = await store.read_side("summaries", inputs.cid) if reads else []
         newest = current_summary(records, view) if records else None
         frame = self._frame(inputs)
         # Summary and recap are sized from the window, not from the request: the head of the
         # prompt stays the same from turn to turn (request-sized when it must shrink).
         frame = replace(frame, head_room=window_size - reserve + frame.head_room)
-        head = view.head or Head()  # (none recorded: as if the window began at the beginning)
         start = view.position_of(head.start) if head.start is not None else 0
         held_summary = summary_version(records, view, head.summary) if head.summary is not None else None
         fit = functools.partial(self._fit, frame, budget=budget, limit=window_size - reserve, facts=facts)

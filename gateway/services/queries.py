@@ -233,6 +233,12 @@ class Queries:
             if r.get("type") == "summary"
         ]
 
+    async def compactions(self, tenant: str, cid: str) -> list[Record]:
+        """The compactions made of the conversation (its summaries log's `compaction` lines),
+        oldest first: what each covered and why it was made."""
+        records = await (await self.stores.get(tenant)).read_side("summaries", cid)
+        return [r for r in records if r.get("type") == "compaction"]
+
     async def turns(self, tenant: str, cid: str) -> list[Turn]:
         """The committed turns named by the conversation's index, oldest first."""
         store = await self.stores.get(tenant)

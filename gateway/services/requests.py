@@ -50,3 +50,6 @@ class ChatRequest:
     # The Responses API's `truncation`: "auto", the gateway's window; "disabled", a window
     # that would leave out any of the conversation is refused instead (`planning.refuse_cut`).
     truncation: str = "auto"
+    # The summary version a compaction made for this turn (Responses `context_management`):
+    # the window is cut to start with it, whatever the previous turn's head was.
+    compaction_version: int | None = None

@@ -67,6 +67,11 @@ def _calls_tools(message: Message) -> bool:
     return message.get("role") == "assistant" and bool(message.get("tool_calls"))
 
 
+def _count(value: object) -> int | None:
+    """A token count a provider reported, or None."""
+    return value if isinstance(value, int) and not isinstance(value, bool) and value >= 0 else None
+
+
 def _parts(messages: list[Message], costs: list[int], limit: int) -> list[list[Message]]:
     """`messages` in consecutive parts of at most `limit` tokens each (a single message larger
     than that is a part of its own, cut when rendered)."""
@@ -125,18 +130,19 @@ class Summaries:
         model: str,
         text: str,
         chunk: list[Message],
+        usage: dict[str, int] | None = None,
     ) -> str:
-        """The summary `text` with `chunk` folded in: one call to the summarizer model."""
+        """The summary `text` with `chunk` folded in: one call to the summarizer model (its
+        usage added to `usage`, when given)."""
         rendered = truncate_text(render_for_summary(chunk), limit, model)
+        asked = f"Current summary:\n{text or '(none yet)'}\n\nNew messages:\n" + rendered
+        sent: list[Message] = [
+            {"role": "system", "content": SUMMARY_INSTRUCTIONS.format(max_tokens=cap)},
+            {"role": "user", "content": asked},
+        ]
         body: Body = {
             "model": route.model,
-            "messages": [
-                {"role": "system", "content": SUMMARY_INSTRUCTIONS.format(max_tokens=cap)},
-                {
-                    "role": "user",
-                    "content": f"Current summary:\n{text or '(none yet)'}\n\nNew messages:\n" + rendered,
-                },
-            ],
+            "messages": sent,
             "max_tokens": cap,
             "stream": False,
         }
@@ -153,7 +159,35 @@ class Summaries:
         seconds = time.perf_counter() - started
         self.on_call(SummaryCall(cid, route.provider, route.model, cap, seconds, completion))
         reply = as_object(first_choice(completion).get("message")).get("content") or ""
-        return truncate_text(str(reply).strip(), cap, model)
+        text = truncate_text(str(reply).strip(), cap, model)
+        if usage is not None:  # the provider's counts, else our own
+            reported = as_object(completion.get("usage"))
+            prompt, answer = _count(reported.get("prompt_tokens")), _count(reported.get("completion_tokens"))
+            if prompt is None:
+                prompt = sum(count_message(m, model) for m in sent)
+            usage["prompt_tokens"] += prompt
+            usage["completion_tokens"] += answer if answer is not None else count_text(text, model)
+        return text
+
+    async def summarize(
+        self, tenant: str, model: str, messages: list[Message], text: str = ""
+    ) -> tuple[str, dict[str, int]]:
+        """`messages` folded into the summary `text` now, by `model` (in parts that fit its
+        window), recorded nowhere: the new text and the summarizer's usage (`prompt_tokens`,
+        `completion_tokens`). For compaction, which the client asks for and waits on."""
+        store = await self.stores.get(tenant)
+        route = self.router.resolve(model)
+        facts = await self.facts.window(route, model, store)
+        cap = summary_cap(self.settings.context.summary_max_tokens, facts.tokens)
+        calib = facts.calibration
+        limit = chunk_budget(facts.tokens, cap, calib.ratio, calib.overhead, calib.margin)
+        text = truncate_text(text, cap, model)
+        usage = {"prompt_tokens": 0, "completion_tokens": 0}
+        if messages:
+            costs = [count_message(m, model) for m in messages]
+            for part in _parts(messages, costs, limit):
+                text = await self._fold_text("", route, facts.tokens, cap, limit, model, text, part, usage)
+        return text, usage
 
     async def record_failure(self, tenant: str, cid: str, attempt: int, message: str) -> None:
         store = await self.stores.get(tenant)

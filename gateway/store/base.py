@@ -82,7 +82,7 @@ class LRU(OrderedDict[K, V]):
 
 
 # The side logs every backend keeps beside the conversations (`append_side` / `read_side`).
-SideLog = Literal["summaries", "lifecycle", "users", "digests", "models"]
+SideLog = Literal["summaries", "lifecycle", "users", "digests", "models", "compactions"]
 SIDE_LOGS: frozenset[str] = frozenset(get_args(SideLog))
 
 
@@ -316,7 +316,7 @@ class Store(ABC):
     @abstractmethod
     async def append_side(self, kind: SideLog, key: str, record: Record) -> None:
         """Append to a side log: `summaries`/`lifecycle` (key: conversation id), `users` (key:
-        hashed user), `digests` (key: hashed user and day)."""
+        hashed user), `digests` (key: hashed user and day), `compactions` (key: compaction id)."""
 
     @abstractmethod
     async def read_side(self, kind: SideLog, key: str, *, keep: bool = True) -> list[Record]:

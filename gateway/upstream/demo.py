@@ -2,6 +2,8 @@
 
 It remembers facts of the form "my X is Y" and answers "what is my X?", so continuity is
 visible without any provider: if the gateway forgot a turn, the demo model forgets it too.
+Asked to summarize (the gateway's rolling summaries and compaction), it answers with the facts
+it was given, in those words, so that a summary carries them.
 """
 
 from __future__ import annotations
@@ -25,6 +27,7 @@ _QUESTION = re.compile(
 )
 _NAMING = re.compile(r"^(?:called|named)\s+", re.IGNORECASE)
 _FIRST = re.compile(r"\bwhat did i (?:first )?(?:say|ask)\b", re.IGNORECASE)
+_SUMMARIZER = "You maintain the running summary"  # (the gateway's summarizer instructions)
 
 
 def _text(message: Mapping[str, object]) -> str:
@@ -36,8 +39,25 @@ def _text(message: Mapping[str, object]) -> str:
     return ""
 
 
+def _summary_reply(prompt: str) -> str:
+    """A summary of what the summarizer's `prompt` holds (the current summary, new messages):
+    each fact stated in it, as "The user said my X is Y."; without any, the current summary
+    and what the user said, quoted."""
+    facts: dict[str, str] = {}
+    for key, value in _FACT.findall(prompt):
+        facts[key.strip().lower()] = _NAMING.sub("", value.strip())
+    if facts:
+        return " ".join(f"The user said my {key} is {value}." for key, value in facts.items())
+    current, _, new = prompt.partition("\n\nNew messages:\n")
+    earlier = current.removeprefix("Current summary:\n")
+    said = [f'The user said "{line[6:]}".' for line in new.splitlines() if line.startswith("user: ")]
+    return " ".join([*([] if earlier == "(none yet)" else [earlier]), *said]) or "Nothing to remember yet."
+
+
 def demo_reply(messages: Sequence[Mapping[str, object]]) -> str:
     """The demo model's answer to a message list (pure, deterministic)."""
+    if messages and messages[0].get("role") == "system" and _text(messages[0]).startswith(_SUMMARIZER):
+        return _summary_reply(_text(messages[-1]))
     users = [_text(m) for m in messages if m.get("role") == "user"]
     if not users:
         return "Hello! Tell me something about yourself."

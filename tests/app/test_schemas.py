@@ -44,6 +44,7 @@ OPERATIONS = {
     ("delete", "/v1/responses/{response_id}"),
     ("get", "/v1/responses/{response_id}/input_items"),
     ("post", "/v1/responses/{response_id}/cancel"),
+    ("post", "/v1/responses/compact"),
 }
 TURN = {200, 400, 401, 404, 408, 409, 413, 429, 502, 503, 504}
 
@@ -55,6 +56,7 @@ def test_the_generated_document_keeps_every_operation_and_status() -> None:
         (m, p): {int(s) for s in op["responses"]} for p, ops in paths.items() for m, op in ops.items()
     }
     assert statuses["post", "/v1/chat/completions"] == statuses["post", "/v1/responses"] == TURN
+    assert statuses["post", "/v1/responses/compact"] == TURN  # (the summarizer is a provider call)
     assert statuses["post", "/v1/conversations/{conversation_id}/items"] == {
         200,
         400,

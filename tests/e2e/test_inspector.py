@@ -238,3 +238,45 @@ def test_inspector_marks_where_each_branch_starts(inspector: GatewayProcess, bro
     )
     assert "third question" in points.nth(1).inner_text()
     page.screenshot(path=str(ARTIFACTS / "inspector-branches.png"), full_page=True)
+
+
+def test_inspector_marks_compactions(inspector: GatewayProcess, browser: Any) -> None:
+    """Where a compaction happened (after the turn it covers through, also when it happens
+    while the page is open), and the summary a compaction item sent back stands for."""
+    url = f"{inspector.url}/v1/responses"
+    manage = [{"type": "compaction", "compact_threshold": 40}]
+    previous = None
+    for text in ["my name is Bob", "my city is Oslo"]:
+        body = {
+            "model": "mock/m",
+            "input": text,
+            "previous_response_id": previous,
+            "context_management": manage,
+        }
+        r = httpx.post(url, json=body)
+        assert r.status_code == 200, r.text
+        previous = r.json()["id"]
+    cid = r.json()["conversation"]["id"]
+    page = browser.new_page(viewport={"width": 1200, "height": 900})
+    page.goto(f"{inspector.url}/ui#/c/{cid}")
+    page.wait_for_function("document.querySelectorAll('.turn').length === 2")
+    assert page.locator(".marker-compaction").count() == 0
+    third = {
+        "model": "mock/m",
+        "input": "what is my name?",
+        "previous_response_id": previous,
+        "context_management": manage,
+    }
+    done = httpx.post(url, json=third).json()
+    assert done["output"][0]["type"] == "compaction"
+    page.wait_for_selector(".marker-compaction", timeout=10_000)
+    assert "context_management" in page.locator(".marker-compaction").first.inner_text()
+    # A compaction item sent back: its summary, marked, in a conversation of its own.
+    # (it covers the turns before the newest: the name, not yet the city)
+    back = {"model": "mock/m", "input": [done["output"][0], {"role": "user", "content": "what is my name?"}]}
+    other = httpx.post(url, json=back).json()
+    assert other["output"][0]["content"][0]["text"] == "Your name is Bob."
+    page.goto(f"{inspector.url}/ui#/c/{other['conversation']['id']}")
+    page.wait_for_selector(".msg.compaction")
+    assert "compaction item" in page.locator(".msg.compaction").inner_text().lower()
+    page.screenshot(path=str(ARTIFACTS / "inspector-compaction.png"), full_page=True)

@@ -38,8 +38,26 @@ function textOf(message) {
 }
 function bubble(message, extra = "") {
   const role = message.role || "unknown";
-  return el("div", { class: `msg ${role} ${message.is_feedback ? "feedback" : ""} ${extra}` },
-    el("span", { class: "role", text: role + (message.is_feedback ? " · feedback (not replayed)" : "") }), textOf(message));
+  const label = role + (message.is_feedback ? " · feedback (not replayed)" : "")
+    + (message.compaction ? " · compaction item sent back: the summary it stands for" : "");
+  return el("div", { class: `msg ${role} ${message.is_feedback ? "feedback" : ""} ${message.compaction ? "compaction" : ""} ${extra}` },
+    el("span", { class: "role", text: label }), textOf(message));
+}
+
+// Where a compaction happened: after the turn it covers through.
+function compactionMark(c) {
+  const why = c.trigger === "context_management"
+    ? `context_management: from here on the window starts with summary v${c.summary_version}`
+    : "POST /v1/responses/compact: the conversation itself goes on unchanged";
+  return el("div", { class: "marker-compaction", text: `⧉ compaction ${c.id}: the ${c.covered_messages} messages through ${c.covers_through} summarized (${why}) ${when(c.created)}` });
+}
+function withCompactions(cards, turns, compactions) {
+  const out = [];
+  cards.forEach((card, i) => {
+    out.push(card);
+    for (const c of compactions || []) if (turns[i].response_id && c.covers_through === turns[i].response_id) out.push(compactionMark(c));
+  });
+  return out;
 }
 
 // -- list -----------------------------------------------------------------------------------
@@ -76,7 +94,7 @@ async function showList(more = false) {
 }
 
 // -- one conversation -------------------------------------------------------------------------
-let current = { id: null, count: 0, entries: 0 };
+let current = { id: null, count: 0, entries: 0, compactions: 0 };
 
 function bar(context, cache) {
   const windowSize = context.context_window || 1;
@@ -170,7 +188,7 @@ async function showConversation(id) {
   stopPolling();
   $("#list-view").hidden = true;
   $("#conversation-view").hidden = false;
-  current = { id, count: 0, entries: 0 };
+  current = { id, count: 0, entries: 0, compactions: 0 };
   $("#turns").replaceChildren();
   try {
     const data = await api("/ui/api/conversations/" + encodeURIComponent(id));
@@ -185,9 +203,11 @@ function render(data) {
   const y = window.scrollY;
   renderHead(data);
   const points = branchPoints(data.turns);
-  $("#turns").replaceChildren(...data.turns.map(turn => turnCard(turn, false, points)));
+  const cards = data.turns.map(turn => turnCard(turn, false, points));
+  $("#turns").replaceChildren(...withCompactions(cards, data.turns, data.compactions));
   current.count = data.count;
   current.entries = data.entries;
+  current.compactions = (data.compactions || []).length;
   window.scrollTo(0, y);
 }
 
@@ -213,9 +233,11 @@ async function poll() {
     const data = await api(`/ui/api/conversations/${encodeURIComponent(id)}?since=${current.count}`);
     if (id !== current.id) return;  // (another conversation was opened meanwhile)
     renderHead(data);
-    if (data.entries === current.entries) return;  // nothing new in its index
-    // A reset, a deletion or an edit changes what earlier turns still send: draw them all again.
-    if (data.entries !== current.entries + data.turns.length || data.turns.some(t => t.marker || t.branch_at != null)) {
+    const compacted = (data.compactions || []).length !== current.compactions;
+    if (data.entries === current.entries && !compacted) return;  // nothing new in its index
+    // A reset, a deletion or an edit changes what earlier turns still send, and a compaction
+    // is marked after a turn already drawn: draw them all again.
+    if (compacted || data.entries !== current.entries + data.turns.length || data.turns.some(t => t.marker || t.branch_at != null)) {
       const whole = await api("/ui/api/conversations/" + encodeURIComponent(id));
       if (id === current.id) render(whole);
       return;
@@ -236,7 +258,7 @@ function route() {
   try { id = decodeURIComponent(match[1]); } catch {
     // A malformed escape (%E0%A4%A): said, and nothing of another conversation left on screen.
     stopPolling();
-    current = { id: null, count: 0, entries: 0 };
+    current = { id: null, count: 0, entries: 0, compactions: 0 };
     $("#list-view").hidden = true;
     $("#conversation-view").hidden = true;
     status("Invalid conversation id in the address: " + match[1]);
