@@ -9,7 +9,7 @@ from typing import TYPE_CHECKING
 import orjson
 
 from gateway.exceptions import NotFound
-from gateway.ids import check_conversation_id, is_valid_conversation_id
+from gateway.ids import check_conversation_id, check_side_key, is_valid_conversation_id
 from gateway.store.base import SIDE_LOGS, IndexEntry, IndexRead, SideLog, Version
 from gateway.store.postgres.log import _SideCache
 from gateway.store.postgres.schema import _FIRST_PAGE, _LOAD_MANY, _NEXT_PAGE, Conn, Row, _decode
@@ -22,7 +22,7 @@ if TYPE_CHECKING:
 def check_side(kind: str, key: str) -> None:
     if kind not in SIDE_LOGS:
         raise ValueError(f"unknown side log {kind!r}")
-    check_conversation_id(key, param="key")
+    check_side_key(key)
 
 
 async def append_side(store: PostgresStore, kind: SideLog, key: str, record: Record) -> None:
