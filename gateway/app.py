@@ -21,6 +21,7 @@ from starlette.routing import Route
 
 import gateway.metrics
 from gateway.api import compaction, health, ui
+from gateway.api import completions as stored
 from gateway.api import conversations as conv
 from gateway.api import responses as resp
 from gateway.api.background import BackgroundRuns
@@ -129,6 +130,11 @@ def create_app(
     routes = [
         Route("/v1/chat/completions", chat_completions, methods=["POST"]),
         Route("/chat/completions", chat_completions, methods=["POST"]),
+        Route("/v1/chat/completions", stored.list_completions, methods=["GET"]),
+        Route("/v1/chat/completions/{completion_id}", stored.get_completion, methods=["GET"]),
+        Route("/v1/chat/completions/{completion_id}", stored.update_completion, methods=["POST"]),
+        Route("/v1/chat/completions/{completion_id}", stored.delete_completion, methods=["DELETE"]),
+        Route("/v1/chat/completions/{completion_id}/messages", stored.list_messages, methods=["GET"]),
         Route("/v1/models", health.models, methods=["GET"]),
         Route("/v1/models/{model:path}", health.model, methods=["GET"]),
         Route("/v1/conversations", conv.create_conversation, methods=["POST"]),

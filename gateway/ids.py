@@ -75,3 +75,15 @@ def is_valid_response_id(value: object) -> bool:
     return (
         isinstance(value, str) and RESPONSE_ID_RE.fullmatch(value) is not None and not value.startswith(".")
     )
+
+
+def is_valid_side_key(value: object) -> bool:
+    """A side log's key: a conversation id, or a response id (side logs kept per response)."""
+    return is_valid_conversation_id(value) or is_valid_response_id(value)
+
+
+def check_side_key(value: object) -> str:
+    """Return the key if it is one (`is_valid_side_key`), else raise a 400 naming `key`."""
+    if is_valid_side_key(value):
+        return value  # type: ignore[return-value]
+    return check_conversation_id(value, param="key")  # (raises, with the pattern)

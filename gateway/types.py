@@ -105,6 +105,18 @@ class Chunk(TypedDict, total=False):
 
 RecordType = Literal["request", "context", "response", "commit", "incomplete", "deleted"]
 
+# The API a response log's request came through (`request_api`).
+Api = Literal["chat", "responses", "items"]
+
+
+def request_api(request: Record) -> Api:
+    """Which API a request record came through: `items` added through the Conversations API
+    (`"kind": "items"`), a Responses API turn (it keeps what its create returned, `responses`),
+    else chat completions. (PostgreSQL's listing says the same in SQL: store/postgres/schema.py.)"""
+    if request.get("kind") == "items":
+        return "items"
+    return "responses" if "responses" in request else "chat"
+
 
 def as_object(value: object) -> JSONObject:
     """`value` if it is a JSON object, else an empty one (for reading untrusted JSON)."""

@@ -24,6 +24,7 @@ MODELS: dict[str, type[BaseModel]] = {
         *(schemas.ChatCompletionRequest, schemas.ResponseCreate, schemas.ConversationCreate, schemas.Reset),
         *(schemas.ResponseCompact, replies.CompactedResponse),
         *(schemas.ConversationUpdate, schemas.ItemsCreate, replies.Error, replies.ChatCompletion),
+        schemas.ChatCompletionUpdate,
         *(replies.Page, replies.ModelList, replies.Conversation, replies.Deleted),
         *(schemas.InputTokensCount, replies.InputTokens),
     )
@@ -49,12 +50,18 @@ COUNT = (*BODY, 404, 503)  # (a read: no lock, no provider call but the server's
 CONVERSATION = "/v1/conversations/{conversation_id}"
 RESPONSES = "/v1/responses"
 RESPONSE = f"{RESPONSES}/{{response_id}}"
+COMPLETION = "/v1/chat/completions/{completion_id}"
 
 # (method, path, request body: a component, "?" when optional; 200: a component or words;
 # error statuses, summary). A GET answered with a Page takes limit/order/after.
 Operation = tuple[str, str, str | None, str, tuple[int, ...], str]
 OPERATIONS: list[Operation] = [
     ("post", "/v1/chat/completions", "ChatCompletionRequest", "ChatCompletion", TURN, "Chat completion"),
+    ("get", "/v1/chat/completions", None, "Page", READ, "List stored chat completions"),
+    ("get", COMPLETION, None, "ChatCompletion", READ, "Retrieve a stored chat completion"),
+    ("post", COMPLETION, "ChatCompletionUpdate", "ChatCompletion", WRITE, "Set its metadata"),
+    ("delete", COMPLETION, None, "Deleted", DELETE, "Delete a stored chat completion"),
+    ("get", f"{COMPLETION}/messages", None, "Page", READ, "A stored chat completion's messages"),
     ("get", "/v1/models", None, "ModelList", (401,), "Configured models"),
     ("get", "/v1/models/{model}", None, "The model, as listed", (401, 404), "Retrieve a model"),
     ("post", "/v1/conversations", "ConversationCreate?", "Conversation", CREATE, "Create a conversation"),
@@ -83,7 +90,7 @@ OPERATIONS: list[Operation] = [
 STREAMS = {"/v1/chat/completions": "chat.completion.chunk", "/v1/responses": "response events"}
 PATH_PARAMETERS: dict[str, Schema] = {
     name: {"name": name, "in": "path", "required": True, "schema": {"type": "string"}}
-    for name in ("conversation_id", "response_id", "item_id", "model")
+    for name in ("conversation_id", "response_id", "item_id", "model", "completion_id")
 }
 PATH_PARAMETERS["conversation_id"]["description"] = f"Matches ^{CONVERSATION_ID_RE.pattern}$, else a 400"
 
@@ -97,34 +104,50 @@ def _page(orders: tuple[str, ...]) -> list[Schema]:
     ]
 
 
+# The filters of the list of stored chat completions (`api/completions.py`).
+COMPLETION_FILTERS: list[Schema] = [
+    {"name": "model", "in": "query", "schema": {"type": "string"}},
+    {
+        "name": "metadata",
+        "in": "query",
+        "style": "deepObject",
+        "explode": True,
+        "description": "metadata[key]=value: only those holding every pair given",
+        "schema": {"type": "object", "additionalProperties": {"type": "string"}, "maxProperties": 16},
+    },
+]
+
+
 def _json(schema: Schema, description: str) -> Schema:
     return {"description": description, "content": {JSON: {"schema": schema}}}
 
 
-def _ok(path: str, answer: str) -> Schema:
+def _ok(method: str, path: str, answer: str) -> Schema:
     if path == "/metrics":
         return {"description": answer, "content": {"text/plain": {}}}
     if answer not in REFS:  # an object described in words
         return _json({"type": "object"}, answer)
-    if path not in STREAMS:
+    if method != "post" or path not in STREAMS:
         return _json(REFS[answer], answer)
     described = f"A {answer} (stream=true: an event stream of {STREAMS[path]})"
     return {"description": described, "content": {JSON: {"schema": REFS[answer]}, "text/event-stream": {}}}
 
 
 def _operation(method: str, path: str, body: str | None, answer: str, errors: tuple[int, ...]) -> Schema:
-    responses: Schema = {"200": _ok(path, answer)}
+    responses: Schema = {"200": _ok(method, path, answer)}
     responses.update({str(s): {"$ref": f"#/components/responses/E{s}"} for s in errors})
     if path == "/readyz":
         responses["503"] = _json({"type": "object"}, "Not ready")
     parameters = [PATH_PARAMETERS[name] for name in re.findall(r"{(\w+)}", path)]
     if method == "get" and answer == "Page":
         parameters += _page(NEWEST_FIRST if path == "/v1/conversations" else ORDERS)
+    if method == "get" and path == "/v1/chat/completions":
+        parameters += COMPLETION_FILTERS
     operation: Schema = {"responses": responses, **({"parameters": parameters} if parameters else {})}
     if body is not None:
         schema = {"schema": REFS[body.rstrip("?")]}
         operation["requestBody"] = {"required": not body.endswith("?"), "content": {JSON: schema}}
-    if path == "/v1/chat/completions":
+    if method == "post" and path == "/v1/chat/completions":
         operation["operationId"] = "createChatCompletion"
     return operation
 

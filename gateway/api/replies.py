@@ -30,10 +30,12 @@ class Error(_Reply):
 class ChatCompletion(_Reply):
     id: str = Field(description="The minted response id, {model-slug}-{12 hex}")
     object: str
+    created: int | None = None
     model: str | None = None
     conversation_id: str | None = None
     choices: list[Fields]
     usage: Fields | None = None
+    metadata: dict[str, str] | None = Field(None, description="Stored chat completions: its metadata now")
 
 
 class ModelList(_Reply):

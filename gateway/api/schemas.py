@@ -458,3 +458,17 @@ class Reset(BaseModel):
     model_config = BODY
 
     keep_system_message: SkipValidation[bool] = False
+
+
+# -- stored chat completions ---------------------------------------------------------------------
+
+
+class ChatCompletionUpdate(BaseModel):
+    """`POST /v1/chat/completions/{completion_id}`: a stored chat completion's metadata, all of it
+    (null clears it)."""
+
+    model_config = BODY
+
+    metadata: Metadata | None
+
+    error_messages: ClassVar[ErrorMessages] = {"": NOT_AN_OBJECT, "metadata": _metadata}

@@ -9,7 +9,19 @@ from typing import Literal, cast
 
 from gateway.context.history import Turn
 from gateway.context.steps import Head
-from gateway.types import JSONObject, Message, Record, Usage, ints, message, messages, number, obj, text
+from gateway.types import (
+    JSONObject,
+    Message,
+    Record,
+    Usage,
+    ints,
+    message,
+    messages,
+    number,
+    obj,
+    request_api,
+    text,
+)
 
 
 def is_committed(records: list[Record]) -> bool:
@@ -122,6 +134,13 @@ class StoredResponse:
         return message(self.response.get("message")) if self.response else None
 
     @property
+    def answered(self) -> Message | None:
+        """The reply as the client got it: the provider's own message where the one kept for
+        history differs from it (fields the gateway does not replay), else that one."""
+        raw = message(self.response.get("upstream_message")) if self.response else None
+        return raw if raw is not None else self.message
+
+    @property
     def finish_reason(self) -> str | None:
         return text(self.response.get("finish_reason")) if self.response else None
 
@@ -133,3 +152,41 @@ class StoredResponse:
     @property
     def error(self) -> JSONObject | None:
         return obj(self.outcome.get("error")) if self.status == "failed" else None
+
+
+def string_pairs(value: object) -> dict[str, str] | None:
+    """A stored metadata object (its string values), or None when it is not an object."""
+    if not isinstance(value, dict):
+        return None
+    return {k: v for k, v in value.items() if isinstance(k, str) and isinstance(v, str)}
+
+
+@dataclass(frozen=True, slots=True)
+class StoredCompletion:
+    """A chat-completion turn as OpenAI's stored chat completions show it: its response log
+    (context snapshots left out) and its metadata now."""
+
+    stored: StoredResponse
+    metadata: dict[str, str]
+
+    @classmethod
+    def of(cls, response_id: str, records: list[Record], updates: list[Record]) -> StoredCompletion | None:
+        """The stored chat completion a response log holds, with the metadata set on it since
+        (`updates`, the last one holds); None unless a committed chat-completion turn with a reply
+        (a failed or deleted one, a Responses API turn, items added to a conversation)."""
+        stored = StoredResponse.of(response_id, records)
+        if stored.status != "completed" or not stored.request or request_api(stored.request) != "chat":
+            return None
+        if stored.message is None:
+            return None
+        metadata = string_pairs(stored.params.get("metadata")) or {}
+        for update in updates:  # (the last one holds; {} clears)
+            pairs = string_pairs(update.get("metadata"))
+            metadata = pairs if pairs is not None else metadata
+        return cls(stored, metadata)
+
+    @property
+    def messages(self) -> list[Message]:
+        """What the request carried, as the gateway stored it: its system message when it set
+        the system prompt, then its new messages (a history the client resent is not repeated)."""
+        return [*self.stored.system, *self.stored.input]

@@ -15,6 +15,7 @@ from gateway.exceptions import GatewayError
 from gateway.services.cache import ConversationCache
 from gateway.services.catalog import Catalog
 from gateway.services.compaction import Compactions
+from gateway.services.completions import StoredCompletions
 from gateway.services.conversations import Conversations
 from gateway.services.fsck import Fsck
 from gateway.services.models import ModelFacts
@@ -51,6 +52,7 @@ class Services:
         self.sessions = Sessions(settings, stores, self.summaries, self.cache)
         self.conversations = Conversations(settings, stores, self.cache)
         self.responses = StoredResponses(settings, stores, self.cache)
+        self.completions = StoredCompletions(stores, self.responses)
         self.queries = Queries(stores, self.cache)
         self.catalog = Catalog(settings, router)
         self.fsck = Fsck(settings, stores)

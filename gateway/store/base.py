@@ -18,7 +18,7 @@ from dataclasses import dataclass
 from typing import Literal, TypeVar, get_args
 
 from gateway.exceptions import InvalidRequest, NotFound, StorageError
-from gateway.types import JSONObject, Record
+from gateway.types import Api, JSONObject, Record
 
 K = TypeVar("K")
 V = TypeVar("V")
@@ -82,7 +82,7 @@ class LRU(OrderedDict[K, V]):
 
 
 # The side logs every backend keeps beside the conversations (`append_side` / `read_side`).
-SideLog = Literal["summaries", "lifecycle", "users", "digests", "models", "compactions"]
+SideLog = Literal["summaries", "lifecycle", "users", "digests", "models", "compactions", "metadata"]
 SIDE_LOGS: frozenset[str] = frozenset(get_args(SideLog))
 
 
@@ -314,9 +314,28 @@ class Store(ABC):
         return True
 
     @abstractmethod
+    async def list_responses(
+        self,
+        limit: int,
+        *,
+        api: Api,
+        model: str | None = None,
+        after: str | None = None,
+        descending: bool = False,
+    ) -> tuple[list[str], bool]:
+        """A page of the committed responses not deleted since whose request came through `api`
+        (`gateway.types.request_api`) and, with `model`, named that model: at most `limit` ids in
+        the order of their request's `created` time (ties: by id), oldest first unless
+        `descending`, after response `after` (any response log with a request record, a deleted
+        one included: NotFound when there is none); and whether more follow. No backend reads
+        every response for a page (each says what a page costs)."""
+
+    @abstractmethod
     async def append_side(self, kind: SideLog, key: str, record: Record) -> None:
         """Append to a side log: `summaries`/`lifecycle` (key: conversation id), `users` (key:
-        hashed user), `digests` (key: hashed user and day), `compactions` (key: compaction id)."""
+        hashed user), `digests` (key: hashed user and day), `models` (key: provider and model),
+        `compactions` (key: compaction id), `metadata` (key: response id; metadata set on a stored
+        chat completion since)."""
 
     @abstractmethod
     async def read_side(self, kind: SideLog, key: str, *, keep: bool = True) -> list[Record]:

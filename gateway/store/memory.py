@@ -20,7 +20,7 @@ from gateway.store.base import (
     Version,
     now,
 )
-from gateway.types import JSONObject, Record
+from gateway.types import Api, JSONObject, Record, request_api
 
 
 class _MemoryLog(ResponseLog):
@@ -150,6 +150,8 @@ class MemoryStore(Store):
             if isinstance(entry, str):
                 # A fork shares its prefix's responses: those stay while an index names them.
                 records = self.responses.get(entry) if entry in shared else self.responses.pop(entry, None)
+                if entry not in shared:
+                    self.side.pop(("metadata", entry), None)
                 if archive and records is not None:
                     self.archived.setdefault(conversation_id, []).append(copy.deepcopy(records))
         self.summaries.pop(conversation_id, None)
@@ -175,6 +177,41 @@ class MemoryStore(Store):
         if response_id not in self.responses:
             raise NotFound(f"No response {response_id!r}")
         self.responses[response_id].append({"type": "deleted", "at": now()})
+
+    async def list_responses(
+        self,
+        limit: int,
+        *,
+        api: Api,
+        model: str | None = None,
+        after: str | None = None,
+        descending: bool = False,
+    ) -> tuple[list[str], bool]:
+        """A sort of every response (a test twin holds few)."""
+        keys: dict[str, tuple[float, str]] = {}
+        for rid, records in self.responses.items():
+            request = records[0] if records and records[0].get("type") == "request" else None
+            created = request.get("created") if request is not None else None
+            if isinstance(created, int | float) and not isinstance(created, bool):
+                keys[rid] = (float(created), rid)
+        order = sorted(keys.values(), reverse=descending)
+        if after is not None:
+            if after not in keys:
+                raise NotFound(f"No response {after!r} in this list", param="after")
+            cursor = keys[after]
+            order = [k for k in order if (k < cursor if descending else k > cursor)]
+        out = []
+        for _, rid in order:
+            records = self.responses[rid]
+            request = records[0]
+            if records[-1].get("type") != "commit" or request_api(request) != api:
+                continue
+            if model is not None and request.get("model") != model:
+                continue
+            out.append(rid)
+            if len(out) > limit:
+                break
+        return out[:limit], len(out) > limit
 
     def _index_times(self) -> list[tuple[str, float]]:
         return [(cid, self.activity.get(cid, 0.0)) for cid in self.indexes]

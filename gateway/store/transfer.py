@@ -15,7 +15,7 @@ import asyncpg
 import orjson
 
 from gateway.exceptions import GatewayError, StorageError
-from gateway.ids import is_valid_conversation_id, is_valid_response_id
+from gateway.ids import is_valid_conversation_id, is_valid_response_id, is_valid_side_key
 from gateway.redact import redact_dsn
 from gateway.store.base import SIDE_LOGS
 from gateway.store.jsonl import parse_index, parse_jsonl
@@ -146,7 +146,7 @@ async def _export_namespace(conn: Conn, ns: str, root: Path, stats: TransferStat
         ns,
     ):
         kind, _, key = str(kind_key).partition("/")
-        if kind in SIDE_LOGS and is_valid_conversation_id(key):
+        if kind in SIDE_LOGS and is_valid_side_key(key):
             _write_file(logs / kind / f"{key}.jsonl", [r[1] for r in rows])
             stats.side_records += len(rows)
     for row in await conn.fetch(
@@ -273,7 +273,7 @@ async def _import_namespace(conn: Conn, ns: str, root: Path, stats: TransferStat
     for kind in sorted(SIDE_LOGS):
         for path in _jsonl_files(logs / kind):
             key = path.name[: -len(".jsonl")]
-            if not is_valid_conversation_id(key):
+            if not is_valid_side_key(key):
                 log.warning("skipping %s: not a side log", path)
                 continue
             side += [(ns, kind, key, line) for line in _complete_lines(path, stats)]

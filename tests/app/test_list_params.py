@@ -14,6 +14,8 @@ LISTS = {
     "conversations": ("/v1/conversations", ("desc",), 100),
     "items": (f"/v1/conversations/{CID}/items", ("asc", "desc"), 100),
     "input items": ("/v1/responses/{rid}/input_items", ("asc", "desc"), 100),
+    "stored chat completions": ("/v1/chat/completions", ("asc", "desc"), 100),
+    "stored messages": ("/v1/chat/completions/{rid}/messages", ("asc", "desc"), 100),
     "inspector": ("/ui/api/conversations", ("desc",), 200),
 }
 BAD = {

@@ -45,6 +45,12 @@ OPERATIONS = {
     ("get", "/v1/responses/{response_id}/input_items"),
     ("post", "/v1/responses/{response_id}/cancel"),
     ("post", "/v1/responses/compact"),
+    # Stored chat completions.
+    ("get", "/v1/chat/completions"),
+    ("get", "/v1/chat/completions/{completion_id}"),
+    ("post", "/v1/chat/completions/{completion_id}"),
+    ("delete", "/v1/chat/completions/{completion_id}"),
+    ("get", "/v1/chat/completions/{completion_id}/messages"),
 }
 TURN = {200, 400, 401, 404, 408, 409, 413, 429, 502, 503, 504}
 
@@ -69,6 +75,9 @@ def test_the_generated_document_keeps_every_operation_and_status() -> None:
     }
     assert statuses["delete", "/v1/responses/{response_id}"] == {200, 400, 401, 404, 409, 503}
     assert statuses["post", "/v1/responses/input_tokens"] == {200, 400, 401, 404, 408, 413, 503}
+    assert statuses["delete", "/v1/chat/completions/{completion_id}"] == {200, 400, 401, 404, 409, 503}
+    assert statuses["get", "/v1/chat/completions"] == statuses["get", "/v1/chat/completions/{completion_id}"]
+    assert statuses["get", "/v1/chat/completions"] == {200, 400, 401, 404}
     assert statuses["get", "/v1/models"] == {200, 401} and statuses["get", "/readyz"] == {200, 503}
 
 

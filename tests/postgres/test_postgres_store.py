@@ -12,7 +12,7 @@ import pytest
 
 from gateway.exceptions import ConversationBusy, InvalidRequest, NotFound, StorageError
 from gateway.store.postgres import SCHEMA_VERSION, PostgresStore, migrate
-from gateway.store.postgres.schema import map_errors
+from gateway.store.postgres.schema import map_errors, responses_walk
 from tests.helpers import commit_turn, reply, request_record, user
 from tests.views import load
 
@@ -61,6 +61,65 @@ async def test_migrations_are_versioned_and_idempotent(pg_dsn: str) -> None:
     newer = PostgresStore(pg_dsn)
     with pytest.raises(Exception, match="newer than this gateway"):
         await newer.open()
+
+
+@pytest.mark.parametrize("descending", [False, True])
+@pytest.mark.parametrize("after", [False, True])
+async def test_a_page_of_responses_is_a_walk_of_their_created_index(
+    pg_store: PostgresStore, pg_dsn: str, after: bool, descending: bool
+) -> None:
+    """Each walk of the listing is an ordered scan of `gateway_responses_created` (its key
+    written as the index's expression) that stops at its LIMIT: never a sort of every request."""
+    for n in range(300):
+        await commit_turn(pg_store, f"c{n % 5}", "hi")
+    args: list[object] = ["", 21, *([2e9 if descending else 0.0, ""] if after else [])]
+    conn = await asyncpg.connect(pg_dsn)
+    try:
+        await conn.execute("ANALYZE")
+        sql = responses_walk(after=after, descending=descending)
+        plan = "\n".join(row[0] for row in await conn.fetch(f"EXPLAIN ANALYZE {sql}", *args))
+        assert len(await conn.fetch(sql, *args)) == 21
+    finally:
+        await conn.close()
+    assert "Index Scan" in plan and "gateway_responses_created" in plan and "Sort" not in plan, plan
+    assert "Seq Scan" not in plan, plan
+    assert "rows=21 loops=1" in plan.splitlines()[1], plan
+
+
+async def test_a_page_walks_on_past_what_it_leaves_out(
+    pg_store: PostgresStore, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A page is filled from as many walks as it takes (here of 3 rows: `limit` is 1)."""
+    import gateway.store.postgres.store as module
+
+    monkeypatch.setattr(module, "WALK_BATCH", 3)
+    wanted = []
+    for n in range(12):
+        rid = await commit_turn(pg_store, "c", f"{n}")
+        if n % 4 == 3:
+            wanted.append(rid)
+        else:
+            await pg_store.tombstone(rid)
+    pages, after = [], None
+    while True:
+        page, more = await pg_store.list_responses(1, api="chat", after=after)
+        pages += page
+        if not more:
+            break
+        after = page[-1]
+    assert pages == wanted
+    assert (await pg_store.list_responses(2, api="chat", descending=True))[0] == wanted[::-1][:2]
+
+
+async def test_a_request_holding_a_nul_character_is_stored_and_not_listed(pg_store: PostgresStore) -> None:
+    """PostgreSQL's json operators refuse text holding `\\u0000`, which `json` keeps: the index of
+    request times must not fail such a turn's insert; it is left out of lists (and read by id)."""
+    listed = await commit_turn(pg_store, "c", "plain")
+    nul = await commit_turn(pg_store, "c", "a\x00b")
+    assert (await pg_store.read_response(nul))[0]["input"] == [user("a\x00b")]
+    assert await pg_store.list_responses(10, api="chat") == ([listed], False)
+    with pytest.raises(NotFound):
+        await pg_store.list_responses(10, api="chat", after=nul)
 
 
 async def test_records_round_trip_exactly(pg_store: PostgresStore) -> None:

@@ -313,6 +313,8 @@ async def test_delete_takes_the_index_its_responses_and_side_logs(store: Store, 
     for cid in ("doomed", "spared"):
         await store.append_side("summaries", cid, {"type": "summary", "version": 1})
         await store.append_side("lifecycle", cid, {"state": "processed", "at": 1.0})
+    for response in (rid, other):  # metadata set on a stored chat completion
+        await store.append_side("metadata", response, {"metadata": {"k": "v"}, "at": 1.0})
     assert await store.delete_conversation("doomed", archive=archive)
     assert not await store.delete_conversation("doomed", archive=archive)  # once only
     with pytest.raises(NotFound):
@@ -321,9 +323,22 @@ async def test_delete_takes_the_index_its_responses_and_side_logs(store: Store, 
         await store.read_response(rid)
     assert await store.read_side("summaries", "doomed") == []
     assert await store.read_side("lifecycle", "doomed") == []
+    assert await store.read_sides("metadata", [rid, other]) == [[], [{"metadata": {"k": "v"}, "at": 1.0}]]
     assert [cid for cid, _ in await store.conversation_ids()] == ["spared"]
     assert await store.read_index("spared") == [other]
     assert await store.read_side("summaries", "spared") == [{"type": "summary", "version": 1}]
+
+
+@pytest.mark.parametrize("archive", [False, True])
+async def test_the_metadata_of_a_response_a_fork_still_names_stays(store: Store, archive: bool) -> None:
+    shared = await commit_turn(store, "trunk", "one")
+    own = await commit_turn(store, "trunk", "two")
+    await store.fork("trunk", "trunk.fork-0123456789ab", shared)
+    record = {"metadata": {"k": "v"}, "at": 1.0}
+    for rid in (shared, own):
+        await store.append_side("metadata", rid, record)
+    assert await store.delete_conversation("trunk", archive=archive)
+    assert await store.read_sides("metadata", [shared, own]) == [[record], []]
 
 
 async def test_side_logs_are_kept_per_kind_and_key_in_order(store: Store) -> None:
@@ -405,6 +420,74 @@ async def test_list_pages_newest_first_with_a_cursor(store: Store, second: Store
     page, more = await second.list_conversations(10)
     assert [cid for cid, _ in page] == ["c4.fork-0123456789ab", "c2", "c4", "c3", "c1"] and not more
     assert [cid for cid, _ in await second.conversation_ids()] == [cid for cid, _ in page]
+
+
+async def logged(
+    store: Store,
+    cid: str | None,
+    created: float,
+    *,
+    model: str = "test/model",
+    end: str = "commit",
+    **extra: Any,
+) -> str:
+    """A response log whose request was made at `created` (`extra`: more request fields), ended
+    with `end`: commit, incomplete, or none (still under way)."""
+    rid = mint_response_id(model)
+    request = {**request_record(rid, cid, [user("hi")]), "created": created, "model": model, **extra}
+    log = store.start(rid, request)
+    log.append({"type": "context", "stored_messages": 0, "sent_messages": 1})
+    log.meanwhile()
+    if end == "commit":
+        log.append({"type": "response", "message": reply("hello"), "finish_reason": "stop", "usage": None})
+        await log.commit(cid)
+    elif end == "incomplete":
+        await log.abandon("upstream_error")
+    return rid
+
+
+async def test_list_responses_by_request_time_api_and_model(store: Store, second: Store) -> None:
+    """`list_responses`: the committed responses not deleted of one API (and model), in the
+    order of their request's time, ties by id, keyset pages both ways, `after` any response
+    with a request (a deleted one too); what one instance writes another lists."""
+    t = 1_700_000_000.0
+    a = await logged(store, "conv", t + 1, model="m1")
+    b = await logged(store, "conv", t + 2, model="m2")
+    b2 = await logged(store, None, t + 2, model="m1")  # stateless, at the same time as b
+    await logged(store, "conv", t + 3, responses={"instructions": None})  # a Responses API turn
+    items = await logged(store, "conv", t + 4, kind="items")  # items added to a conversation
+    await logged(store, "conv", t + 5, end="incomplete")  # failed
+    under_way = await logged(store, "conv", t + 6, end="")
+    gone = await logged(store, "conv", t + 7)
+    await store.tombstone(gone)
+    last = await logged(store, None, t + 8, model="m2")
+    chat = sorted([(t + 1, a), (t + 2, b), (t + 2, b2), (t + 8, last)])
+    ids = [rid for _, rid in chat]
+    for s in (store, second):
+        assert await s.list_responses(10, api="chat") == (ids, False)
+        assert await s.list_responses(10, api="chat", descending=True) == (ids[::-1], False)
+        assert await s.list_responses(2, api="chat") == (ids[:2], True)
+        assert await s.list_responses(2, api="chat", after=ids[1]) == (ids[2:], False)
+        assert await s.list_responses(1, api="chat", after=ids[2], descending=True) == ([ids[1]], True)
+        assert await s.list_responses(10, api="chat", model="m2") == ([b, last], False)
+        assert await s.list_responses(10, api="chat", model="m2", descending=True) == ([last, b], False)
+        assert await s.list_responses(10, api="chat", model="none") == ([], False)
+        assert await s.list_responses(10, api="items") == ([items], False)
+        assert len((await s.list_responses(10, api="responses"))[0]) == 1
+        # A cursor deleted since, failed, or of another API keeps its place.
+        assert await s.list_responses(10, api="chat", after=gone) == ([last], False)
+        before = await s.list_responses(10, api="chat", after=under_way, descending=True)
+        assert before == (ids[:3][::-1], False)
+        assert await s.list_responses(10, api="chat", after=ids[-1]) == ([], False)
+        for unknown in (mint_response_id("test/model"), "not a response id", "../etc"):
+            with pytest.raises(NotFound):
+                await s.list_responses(10, api="chat", after=unknown)
+    later = await logged(second, "conv", t + 9)
+    assert await store.list_responses(10, api="chat", after=last) == ([later], False)
+    assert await store.delete_conversation("conv")
+    assert await second.list_responses(10, api="chat") == ([b2, last], False)
+    with pytest.raises(NotFound):
+        await store.list_responses(10, api="chat", after=a)
 
 
 async def test_exists_follows_creation_and_deletion(store: Store, second: Store) -> None:

@@ -49,6 +49,11 @@ async def delete_conversation(store: JsonlStore, conversation_id: str, *, archiv
                 os.replace(summaries, folder / "summaries.jsonl")
             if lifecycle.exists():
                 os.replace(lifecycle, folder / "lifecycle.jsonl")
+            for rid in owned:  # metadata set on a stored chat completion
+                metadata = store.side_path("metadata", rid)
+                if metadata.exists():
+                    (folder / "metadata").mkdir(exist_ok=True)
+                    os.replace(metadata, folder / "metadata" / f"{rid}.jsonl")
             for rid in ids:
                 try:
                     if rid in shared:  # still a fork's: the archive gets a copy
@@ -59,7 +64,8 @@ async def delete_conversation(store: JsonlStore, conversation_id: str, *, archiv
                     pass
         else:
             os.unlink(index)
-            for path in [summaries, lifecycle, *(store.response_path(rid) for rid in owned)]:
+            metadatas = [store.side_path("metadata", rid) for rid in owned]
+            for path in [summaries, lifecycle, *(store.response_path(rid) for rid in owned), *metadatas]:
                 try:
                     os.unlink(path)
                 except FileNotFoundError:

@@ -6,6 +6,7 @@
     {data_dir}/logs/journal/                          write-ahead journals (journal.py, recovery.py)
     {data_dir}/locks/conversations.lock               byte-range locks per conversation, across processes
     {data_dir}/catalog/conversations.jsonl            each conversation's last change (see catalog.py)
+    {data_dir}/catalog/responses.jsonl                each response's request time, model, API (heads.py)
 
 A turn's commit is made durable in the process's journal (one fdatasync shared by the turns
 committing together), then its response file is completed and its id appended to the index, so
@@ -30,7 +31,7 @@ from typing import Any
 import orjson
 
 from gateway.exceptions import NotFound, StorageError
-from gateway.ids import check_conversation_id, is_valid_response_id
+from gateway.ids import check_conversation_id, check_side_key, is_valid_response_id
 from gateway.store.base import (
     LRU,
     SIDE_LOGS,
@@ -62,12 +63,13 @@ from gateway.store.jsonl.files import (
     read_turn_records,
     write_all,
 )
+from gateway.store.jsonl.heads import Heads, last_record_type
 from gateway.store.jsonl.journal import PREALLOCATE, Journal
 from gateway.store.jsonl.locks import CrossProcessLock, arrival, busy
 from gateway.store.jsonl.log import JsonlLog
 from gateway.store.jsonl.reading import read_index_after
 from gateway.store.jsonl.spares import Spares, sweep
-from gateway.types import JSONObject, Record
+from gateway.types import Api, JSONObject, Record
 
 log = logging.getLogger("gateway.store")
 
@@ -111,6 +113,7 @@ class JsonlStore(Store):
         # Index sizes last seen: only to know whether an index file exists yet (no views here).
         self._index_paths = NamedFiles(self.conversations_dir, check_conversation_id, 4 * cache_size)
         self.catalog = Catalog(self)
+        self.heads = Heads(self.responses_dir, self.root / "catalog" / "responses.jsonl")
         self._lock_fd = -1  # locks/conversations.lock, for this store's byte-range locks
         self._locks: weakref.WeakValueDictionary[str, asyncio.Lock] = weakref.WeakValueDictionary()
         # Set by the first failed fsync: the kernel may have dropped the dirty pages, and a
@@ -398,7 +401,7 @@ class JsonlStore(Store):
     def side_path(self, kind: str, key: str) -> Path:
         if kind not in SIDE_LOGS:
             raise ValueError(f"unknown side log {kind!r}")
-        return self.root / "logs" / kind / f"{check_conversation_id(key, param='key')}.jsonl"
+        return self.root / "logs" / kind / f"{check_side_key(key)}.jsonl"
 
     async def append_side(self, kind: SideLog, key: str, record: Record) -> None:
         path = self.side_path(kind, key)
@@ -465,6 +468,39 @@ class JsonlStore(Store):
 
     async def keep_rows(self, rows: list[tuple[str, Version, JSONObject]]) -> None:
         await asyncio.to_thread(self.catalog.keep, rows)
+
+    async def list_responses(
+        self,
+        limit: int,
+        *,
+        api: Api,
+        model: str | None = None,
+        after: str | None = None,
+        descending: bool = False,
+    ) -> tuple[list[str], bool]:
+        """A walk of the response heads (heads.py): a page costs a stat of `logs/responses/`
+        and, when files were added or removed since the last page, a listing of its names and
+        the first record of each new log; then, for each log walked, its last line (and nothing
+        for the other APIs' logs, nor for other models'). The first list of a data dir reads
+        every log's first record once, and saves them in `catalog/responses.jsonl`."""
+
+        def walk() -> tuple[list[str], bool] | None:
+            self.heads.refresh()
+            return self.heads.page(
+                limit, api=api, model=model, after=after, descending=descending, taken=self._committed
+            )
+
+        page = None
+        if after is None or is_valid_response_id(after):
+            with os_errors("list the responses"):
+                page = await asyncio.to_thread(walk)
+        if page is None:
+            raise NotFound(f"No response {after!r} in this list", param="after")
+        return page
+
+    def _committed(self, response_id: str) -> bool:
+        """Is the log's last record its commit (not failed, under way, or deleted since)?"""
+        return last_record_type(self.response_path(response_id)) == "commit"
 
     async def conversation_ids(self) -> list[tuple[str, float]]:
         """A scan of the folder (file times: the lifecycle pass's clock); lists use the catalog."""

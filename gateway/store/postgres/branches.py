@@ -36,7 +36,16 @@ async def delete_conversation(store: PostgresStore, conversation_id: str, *, arc
             return False
         if archive:
             await conn.execute(_ARCHIVE, ns, conversation_id, f"{conversation_id}-{int(now() * 1000)}")
-        # Responses a fork shares (its prefix) stay while another index names them.
+        # Responses a fork shares (its prefix) stay while another index names them, and so does
+        # the metadata set on them (stored chat completions).
+        await conn.execute(
+            "DELETE FROM gateway_side s WHERE namespace = $1 AND kind = 'metadata' AND key IN "
+            "(SELECT response_id FROM gateway_index WHERE namespace = $1 AND conversation_id = $2) "
+            "AND NOT EXISTS (SELECT 1 FROM gateway_index o WHERE o.namespace = $1 "
+            "AND o.response_id = s.key AND o.conversation_id <> $2)",
+            ns,
+            conversation_id,
+        )
         await conn.execute(
             "DELETE FROM gateway_responses r WHERE namespace = $1 AND response_id IN "
             "(SELECT response_id FROM gateway_index WHERE namespace = $1 AND conversation_id = $2) "

@@ -108,6 +108,21 @@ MIGRATIONS: list[tuple[int, str]] = [
         ALTER TABLE gateway_conversations ADD COLUMN listing json, ADD COLUMN listing_seq bigint;
         """,
     ),
+    (
+        5,
+        # Listing responses (stored chat completions) by their request's time: a keyset range
+        # over request records only. The expression is `_CREATED`'s, which queries repeat.
+        r"""
+        CREATE INDEX gateway_responses_created
+            ON gateway_responses (
+                namespace,
+                (CASE WHEN strpos(record::text, E'\\u0000') > 0 THEN NULL
+                      WHEN json_typeof(record->'created') = 'number' THEN (record->>'created')::float8 END),
+                response_id
+            )
+            WHERE kind = 'request';
+        """,
+    ),
 ]
 SCHEMA_VERSION = MIGRATIONS[-1][0]
 
@@ -277,6 +292,43 @@ LEFT JOIN gateway_responses r
        ON r.namespace = i.namespace AND r.response_id = i.response_id AND r.kind <> 'context'
 ORDER BY w.n, i.seq, r.seq
 """
+# A request record's `created`: the key of index gateway_responses_created, written the same
+# way. PostgreSQL's json operators refuse a text that holds a NUL character (`\u0000`, which
+# `json` keeps): such a record gets no key (it is not listed) rather than failing its insert.
+# (WHEN clauses are tried in order: the json is never read when it holds one.)
+_CREATED = (
+    r"(CASE WHEN strpos(r.record::text, E'\\u0000') > 0 THEN NULL "
+    "WHEN json_typeof(r.record->'created') = 'number' THEN (r.record->>'created')::float8 END)"
+)
+# The API a request came through (gateway.types.request_api, in SQL), read only of records that
+# have a key (and so no NUL character).
+_API = (
+    "(CASE WHEN r.record->>'kind' = 'items' THEN 'items' "
+    "WHEN r.record->'responses' IS NOT NULL THEN 'responses' ELSE 'chat' END)"
+)
+RESPONSE_CREATED = f"SELECT {_CREATED} AS created FROM gateway_responses r "
+RESPONSE_CREATED += "WHERE r.namespace = $1 AND r.response_id = $2 AND r.kind = 'request'"
+
+
+def responses_walk(*, after: bool, descending: bool) -> str:
+    """Request records in (created, id) order from a cursor, `$2` of them: a walk of index
+    gateway_responses_created (asked nothing else of the rows, so that the planner never trades
+    it for a sort of them all), with what `list_responses` checks of each: its API, its model,
+    and the kind of its last record (`ending`: committed, and not deleted since, when it is
+    "commit"), one probe of the primary key per row walked (a scalar subquery: never hashed over
+    the whole table). Arguments: namespace, limit, then the cursor's (created, response id)
+    with `after`."""
+    sign, direction = ("<", "DESC") if descending else (">", "ASC")
+    cursor = f" AND ({_CREATED}, r.response_id) {sign} ($3::float8, $4::text)" if after else ""
+    return (
+        f"SELECT r.response_id, {_CREATED} AS created, {_API} AS api, r.record->>'model' AS model, "
+        "(SELECT e.kind FROM gateway_responses e WHERE e.namespace = r.namespace "
+        "AND e.response_id = r.response_id ORDER BY e.seq DESC LIMIT 1) AS ending "
+        f"FROM gateway_responses r WHERE r.namespace = $1 AND r.kind = 'request' AND {_CREATED} IS NOT NULL"
+        f"{cursor} ORDER BY {_CREATED} {direction}, r.response_id {direction} LIMIT $2"
+    )
+
+
 _ARCHIVE = f"""
 INSERT INTO gateway_archive (namespace, archive_id, path, content, archived_at)
 SELECT $1::text, $3::text, 'conversation.jsonl',
@@ -286,6 +338,13 @@ UNION ALL
 SELECT $1::text, $3::text, kind || '.jsonl', string_agg(record::text, E'\\n' ORDER BY id) || E'\\n', {_NOW}
   FROM gateway_side WHERE namespace = $1 AND kind IN ('summaries', 'lifecycle') AND key = $2
  GROUP BY kind
+UNION ALL
+SELECT $1::text, $3::text, 'metadata/' || key || '.jsonl',
+       string_agg(record::text, E'\\n' ORDER BY id) || E'\\n', {_NOW}
+  FROM gateway_side
+ WHERE namespace = $1 AND kind = 'metadata' AND key IN (SELECT response_id FROM gateway_index
+                                                        WHERE namespace = $1 AND conversation_id = $2)
+ GROUP BY key
 UNION ALL
 SELECT $1::text, $3::text, 'responses/' || response_id || '.jsonl',
        string_agg(record::text, E'\\n' ORDER BY seq) || E'\\n', {_NOW}

@@ -10,7 +10,7 @@ from typing import TYPE_CHECKING
 import orjson
 
 from gateway.exceptions import NotFound, StorageError
-from gateway.ids import check_conversation_id, is_valid_conversation_id
+from gateway.ids import check_conversation_id, check_side_key, is_valid_conversation_id
 from gateway.store.base import SIDE_LOGS, IndexEntry, IndexRead, Listed, SideLog, Version
 from gateway.store.postgres.log import _SideCache
 from gateway.store.postgres.schema import _FIRST_PAGE, _LOAD_MANY, _NEXT_PAGE, Conn, Row, _decode
@@ -25,7 +25,7 @@ log = logging.getLogger("gateway.store")
 def check_side(kind: str, key: str) -> None:
     if kind not in SIDE_LOGS:
         raise ValueError(f"unknown side log {kind!r}")
-    check_conversation_id(key, param="key")
+    check_side_key(key)
 
 
 async def append_side(store: PostgresStore, kind: SideLog, key: str, record: Record) -> None:

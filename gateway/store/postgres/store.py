@@ -6,7 +6,7 @@ Same contract as the JSONL store, in tables instead of files, one namespace per 
     gateway_conversations  (namespace, conversation_id)       incarnation, last_seq, updated_at
     gateway_index          (namespace, conversation_id, seq)  response_id | marker
     gateway_side           (namespace, kind, key, id)         record   summaries, lifecycle, users,
-                                                                       digests, models
+                                                                       digests, models, metadata
     gateway_archive        (namespace, archive_id, path)      content  deleted conversations, as files
 
 Records are `json`, not `jsonb`: json keeps the exact text (key order, `\\u0000`), so an export
@@ -56,6 +56,7 @@ from gateway.store.postgres.schema import (
     _LOAD_INDEX,
     _PROCESSOR_LOCK,
     _TURNS,
+    RESPONSE_CREATED,
     Conn,
     Row,
     _busy,
@@ -64,8 +65,9 @@ from gateway.store.postgres.schema import (
     _encode,
     advisory_key,
     map_errors,
+    responses_walk,
 )
-from gateway.types import JSONObject, Record, as_object
+from gateway.types import Api, JSONObject, Record, as_object
 
 log = logging.getLogger("gateway.store")
 
@@ -74,6 +76,8 @@ READ_ONLY_HOLD = 5.0  # seconds a database seen read-only is taken to be so
 T = TypeVar("T")
 
 MARK_RETRY_SECONDS = 2.0
+# A list of responses walks their requests this many (or a page's worth) at a time.
+WALK_BATCH = 100
 
 
 class PostgresStore(Store):
@@ -487,6 +491,44 @@ class PostgresStore(Store):
 
     async def keep_rows(self, rows: list[tuple[str, Version, JSONObject]]) -> None:
         await sides.keep_rows(self, rows)
+
+    async def list_responses(
+        self,
+        limit: int,
+        *,
+        api: Api,
+        model: str | None = None,
+        after: str | None = None,
+        descending: bool = False,
+    ) -> tuple[list[str], bool]:
+        """Walks of index gateway_responses_created (`schema.responses_walk`), WALK_BATCH rows
+        or a page's worth at a time: a page costs its rows, plus those it walks past (other
+        APIs' turns, other models', failed or deleted ones); a small query finds `after`."""
+        action = "could not list responses"
+        cursor: tuple[float, str] | None = None
+        if after is not None:
+            found = (
+                await self._fetch(action, RESPONSE_CREATED, self.namespace, after)
+                if is_valid_response_id(after)
+                else []
+            )
+            if not found or found[0]["created"] is None:
+                raise NotFound(f"No response {after!r} in this list", param="after")
+            cursor = (float(found[0]["created"]), after)
+        batch = max(limit + 1, WALK_BATCH)
+        out: list[str] = []
+        while True:
+            sql = responses_walk(after=cursor is not None, descending=descending)
+            rows = await self._fetch(action, sql, self.namespace, batch, *(cursor or ()))
+            for row in rows:
+                wanted = row["api"] == api and (model is None or row["model"] == model)
+                if wanted and row["ending"] == "commit":
+                    out.append(str(row["response_id"]))
+                    if len(out) > limit:
+                        return out[:limit], True
+            if len(rows) < batch:
+                return out, False
+            cursor = (float(rows[-1]["created"]), str(rows[-1]["response_id"]))
 
     async def namespaces(self) -> list[str]:
         """Every tenant with conversations or side logs in this database ("" included)."""
