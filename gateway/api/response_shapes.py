@@ -249,14 +249,8 @@ def finishing_events(
         if index not in announced:
             # No delta announced it (an empty answer, a refusal): added before it is done, as
             # clients that assemble the stream (the SDK's `responses.stream`) require.
-            empty: JSONObject = {"content": []} if item["type"] == "message" else {"arguments": ""}
             seq += 1
-            yield event(
-                "response.output_item.added",
-                seq,
-                output_index=index,
-                item={**item, **empty, "status": "in_progress"},
-            )
+            yield event("response.output_item.added", seq, output_index=index, item=_added(item))
         if item["type"] == "message":
             parts = item["content"] or [{"type": "output_text", "text": "", "annotations": []}]
             for k, part in enumerate(parts):
@@ -314,6 +308,15 @@ def finishing_events(
         yield event("response.output_item.done", seq, output_index=index, item=item)
     seq += 1
     yield event("response.completed", seq, response=final)
+
+
+def _added(item: JSONObject) -> JSONObject:
+    """An output item as announced before its content (a compaction item: whole)."""
+    if item["type"] == "message":
+        return {**item, "content": [], "status": "in_progress"}
+    if item["type"] == "function_call":
+        return {**item, "arguments": "", "status": "in_progress"}
+    return item
 
 
 def replayed_events(final: dict[str, Any]) -> Iterator[bytes]:

@@ -215,10 +215,10 @@ async def create_response(request: Request) -> Response:
         chat.echo = {**params, "previous_response_id": previous}
         if params["background"]:
             request.app.state.background.check_room(tenant)
+        lead = await compact_before_turn(services, tenant, body, chat, previous)
         if previous is not None and chat.truncation == "disabled":
             # A window it refuses is refused before a turn on an earlier response makes its branch.
             await service.count(chat, tenant)
-        lead = await compact_before_turn(services, tenant, body, chat, previous)
         turn = await service.prepare(chat, tenant)
     except GatewayError as exc:
         refused(request, body, exc, started, event="response")
@@ -334,7 +334,8 @@ async def count_input_tokens(request: Request) -> Response:
     body = await read_json(request, services.settings.server.max_body_bytes)
     checked = validate(InputTokensCount, body)
     named = body.get("conversation") is not None or body.get("previous_response_id") is not None
-    chat_body, params = _chat_body(body, checked, input_optional=named)
+    compactions = await input_compactions(services, tenant, body.get("input"))
+    chat_body, params = _chat_body(body, checked, compactions, input_optional=named)
     if chat_body["messages"]:
         chat = parse_chat(chat_body)
     else:  # the conversation alone

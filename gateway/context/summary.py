@@ -41,6 +41,7 @@ class Summary:
     covered: int  # history messages covered, as of the view it applies to
     text: str
     model: str
+    compaction: bool = False  # made by a compaction the client asked for (`context_management`)
 
     def message(self) -> Message:
         return {"role": "system", "content": f"{SUMMARY_HEAD}{self.text}"}
@@ -79,6 +80,7 @@ def applicable_versions(records: list[Record], view: ConversationView) -> set[in
 def _applicable(records: list[Record], view: ConversationView) -> Iterator[Summary]:
     """The summaries that apply to this view, newest first."""
     bound: int | None = None  # history messages a summary older than the withdrawals may cover
+    compacted = {r.get("summary_version") for r in records if r.get("type") == "compaction"}
     for record in reversed(records):
         kind = record.get("type")
         if kind == "withdrawn":
@@ -95,12 +97,14 @@ def _applicable(records: list[Record], view: ConversationView) -> Iterator[Summa
         covered = view.history_end[rid]
         if bound is not None and covered > bound:
             continue  # it folded in a message deleted since
+        version = int(number(record.get("version")) or 0)
         yield Summary(
-            version=int(number(record.get("version")) or 0),
+            version=version,
             covers_through=rid,
             covered=covered,
             text=str(record.get("text", "")),
             model=str(record.get("model", "")),
+            compaction=version in compacted,
         )
 
 

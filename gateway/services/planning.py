@@ -157,8 +157,11 @@ INPUT_TOO_LONG = (
 
 def refuse_cut(plan: ContextPlan) -> None:
     """`truncation: "disabled"`: the window must send the whole conversation, nothing left out
-    and nothing folded into a summary; else the 400 OpenAI answers an input over the window."""
-    left_out = plan.window.omitted + (plan.summary.covered if plan.summary is not None else 0)
+    and nothing folded into a summary (but a compaction's, which the client asked for: the
+    conversation goes on from it); else the 400 OpenAI answers an input over the window."""
+    summary = plan.summary
+    folded = summary.covered if summary is not None and not summary.compaction else 0
+    left_out = plan.window.omitted + folded
     if left_out:
         raise ContextLengthExceeded(
             f"{INPUT_TOO_LONG} (truncation is 'disabled', and the window the gateway plans for this "

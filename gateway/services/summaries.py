@@ -170,11 +170,12 @@ class Summaries:
         return text
 
     async def summarize(
-        self, tenant: str, model: str, messages: list[Message], text: str = ""
+        self, tenant: str, cid: str, model: str, messages: list[Message], text: str = ""
     ) -> tuple[str, dict[str, int]]:
-        """`messages` folded into the summary `text` now, by `model` (in parts that fit its
-        window), recorded nowhere: the new text and the summarizer's usage (`prompt_tokens`,
-        `completion_tokens`). For compaction, which the client asks for and waits on."""
+        """`messages` (of conversation `cid`, as the tracing hook is told) folded into the
+        summary `text` now, by `model` (in parts that fit its window), recorded nowhere: the
+        new text and the summarizer's usage (`prompt_tokens`, `completion_tokens`). For
+        compaction, which the client asks for and waits on."""
         store = await self.stores.get(tenant)
         route = self.router.resolve(model)
         facts = await self.facts.window(route, model, store)
@@ -186,7 +187,7 @@ class Summaries:
         if messages:
             costs = [count_message(m, model) for m in messages]
             for part in _parts(messages, costs, limit):
-                text = await self._fold_text("", route, facts.tokens, cap, limit, model, text, part, usage)
+                text = await self._fold_text(cid, route, facts.tokens, cap, limit, model, text, part, usage)
         return text, usage
 
     async def record_failure(self, tenant: str, cid: str, attempt: int, message: str) -> None:

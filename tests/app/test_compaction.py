@@ -4,6 +4,7 @@ twin, with the mock model: its summarizer keeps the facts it is given (the demo 
 
 from __future__ import annotations
 
+import asyncio
 import base64
 import json
 from typing import Any
@@ -271,3 +272,80 @@ async def test_context_management_is_checked(client: Any) -> None:
         )
         assert r.status_code == 400, r.text
         assert r.json()["error"]["param"].startswith("context_management")
+
+
+async def test_with_truncation_disabled_a_compaction_is_not_a_cut(client: Any) -> None:
+    """`truncation: "disabled"` refuses a window that leaves messages out or folds them into a
+    rolling summary; a compaction the client asked for is the conversation it goes on from."""
+    manage = [{"type": "compaction", "compact_threshold": 40}]
+    previous = None
+    kinds = []
+    for text in ["my name is Bob", "my city is Oslo", "my dog is Rex", "what is my name?"]:
+        body = {"input": text, "previous_response_id": previous, "truncation": "disabled"}
+        r = await respond(client, **body, context_management=manage)
+        kinds.append(r["output"][0]["type"])
+        previous = r["id"]
+    assert "compaction" in kinds and text_of(r) == "Your name is Bob."
+    after = await respond(
+        client, input="what is my city?", previous_response_id=previous, truncation="disabled"
+    )
+    assert text_of(after) == "Your city is Oslo."
+
+
+async def test_input_tokens_counts_a_compaction_item_as_its_summary(client: Any) -> None:
+    made = await client.post("/v1/responses/compact", json={"model": "mock/m", "input": "my name is Bob"})
+    item = made.json()["output"][-1]
+    body = {"model": "mock/m", "input": [item, {"role": "user", "content": "what is my name?"}]}
+    counted = await client.post("/v1/responses/input_tokens", json=body)
+    assert counted.status_code == 200, counted.text
+    alone = await client.post("/v1/responses/input_tokens", json={**body, "input": body["input"][1:]})
+    assert counted.json()["input_tokens"] > alone.json()["input_tokens"]
+    forged = {**body, "input": [{**item, "encrypted_content": "gAAAAABforged=="}]}
+    refused = await client.post("/v1/responses/input_tokens", json=forged)
+    assert refused.status_code == 400 and refused.json()["error"]["code"] == "invalid_encrypted_content"
+
+
+async def test_a_background_response_keeps_its_compaction_item(client: Any) -> None:
+    manage = [{"type": "compaction", "compact_threshold": 20}]
+    r1 = await respond(client, input="my name is Bob")
+    r2 = await respond(client, input="my city is Oslo", previous_response_id=r1["id"])
+    queued = await respond(
+        client,
+        input="my dog is Rex",
+        previous_response_id=r2["id"],
+        background=True,
+        context_management=manage,
+    )
+    assert queued["status"] == "queued" and queued["output"][0]["type"] == "compaction"
+    for _ in range(200):
+        done = (await client.get(f"/v1/responses/{queued['id']}")).json()
+        if done["status"] == "completed":
+            break
+        await asyncio.sleep(0.01)
+    assert [i["type"] for i in done["output"]] == ["compaction", "message"]
+    replay = await client.get(f"/v1/responses/{queued['id']}?stream=true")
+    frames = [json.loads(line[6:]) for line in replay.text.splitlines() if line.startswith("data: ")]
+    added = [
+        (e["output_index"], e["item"]["type"]) for e in frames if e["type"] == "response.output_item.added"
+    ]
+    assert added == [(0, "compaction"), (1, "message")]
+
+
+def test_a_replayed_response_announces_its_compaction_item_whole() -> None:
+    """Replayed as the events of a whole answer (a background response's, elsewhere or after a
+    restart), the compaction item is added as it is: not given a message's or a call's fields."""
+    from gateway.api.response_shapes import replayed_events
+
+    item = {"type": "compaction", "id": "cmp_1", "encrypted_content": "AVhU"}
+    message = {
+        "type": "message",
+        "id": "msg_r_1",
+        "role": "assistant",
+        "status": "completed",
+        "content": [{"type": "output_text", "text": "hi", "annotations": []}],
+    }
+    final = {"id": "r", "object": "response", "status": "completed", "output": [item, message]}
+    frames = [json.loads(f.split(b"data: ", 1)[1]) for f in replayed_events(final)]
+    added = [(e["output_index"], e["item"]) for e in frames if e["type"] == "response.output_item.added"]
+    assert added[0] == (0, item) and added[1][1]["content"] == []
+    assert [e["output_index"] for e in frames if e["type"] == "response.output_item.done"] == [0, 1]
