@@ -48,36 +48,7 @@ KNOWN_CYCLES: set[frozenset[str]] = {
     ),
     frozenset(f"gateway.store.postgres.{m}" for m in ["branches", "fsck", "log", "sides", "store"]),
 }
-KNOWN_PRIVATE = {
-    ("gateway.store.postgres.log", "gateway.store.postgres.backend", "_Backend"),
-    ("gateway.store.postgres.log", "gateway.store.postgres.schema", "_INSERT_RECORDS"),
-    ("gateway.store.postgres.log", "gateway.store.postgres.schema", "_busy"),
-    ("gateway.store.postgres.log", "gateway.store.postgres.schema", "_Conflict"),
-    ("gateway.store.postgres.log", "gateway.store.postgres.schema", "_encode"),
-    ("gateway.store.postgres.sides", "gateway.store.postgres.log", "_SideCache"),
-    ("gateway.store.postgres.sides", "gateway.store.postgres.schema", "_FIRST_PAGE"),
-    ("gateway.store.postgres.sides", "gateway.store.postgres.schema", "_LOAD_MANY"),
-    ("gateway.store.postgres.sides", "gateway.store.postgres.schema", "_NEXT_PAGE"),
-    ("gateway.store.postgres.sides", "gateway.store.postgres.schema", "_decode"),
-    ("gateway.store.postgres.branches", "gateway.store.postgres.schema", "_ARCHIVE"),
-    ("gateway.store.postgres.branches", "gateway.store.postgres.schema", "_NOW"),
-    ("gateway.store.postgres.store", "gateway.store.postgres.backend", "_Backend"),
-    ("gateway.store.postgres.store", "gateway.store.postgres.backend", "_backend_for"),
-    ("gateway.store.postgres.store", "gateway.store.postgres.log", "_Hold"),
-    ("gateway.store.postgres.store", "gateway.store.postgres.log", "_PostgresLog"),
-    ("gateway.store.postgres.store", "gateway.store.postgres.log", "_SideCache"),
-    ("gateway.store.postgres.store", "gateway.store.postgres.schema", "_APPEND"),
-    ("gateway.store.postgres.store", "gateway.store.postgres.schema", "_INSERT_RECORDS"),
-    ("gateway.store.postgres.store", "gateway.store.postgres.schema", "_INSERT_UNLESS_COMMITTED"),
-    ("gateway.store.postgres.store", "gateway.store.postgres.schema", "_LOAD"),
-    ("gateway.store.postgres.store", "gateway.store.postgres.schema", "_LOAD_INDEX"),
-    ("gateway.store.postgres.store", "gateway.store.postgres.schema", "_PROCESSOR_LOCK"),
-    ("gateway.store.postgres.store", "gateway.store.postgres.schema", "_TURNS"),
-    ("gateway.store.postgres.store", "gateway.store.postgres.schema", "_busy"),
-    ("gateway.store.postgres.store", "gateway.store.postgres.schema", "_Conflict"),
-    ("gateway.store.postgres.store", "gateway.store.postgres.schema", "_decode"),
-    ("gateway.store.postgres.store", "gateway.store.postgres.schema", "_encode"),
-}
+KNOWN_PRIVATE: set[tuple[str, str, str]] = set()
 
 Imports = dict[str, set[tuple[str, str]]]  # module -> (module imported from, name)
 

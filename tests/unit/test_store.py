@@ -1191,7 +1191,7 @@ from gateway.store.jsonl import JsonlStore
 from gateway.store.postgres import PostgresStore
 
 from gateway.store.jsonl.locks import CrossProcessLock
-from gateway.store.postgres.backend import _Backend
+from gateway.store.postgres.backend import SharedBackend
 
 def in_line(real):  # says when this process's waiter stands in line (once)
     def wrapped(*args):
@@ -1202,12 +1202,12 @@ def in_line(real):  # says when this process's waiter stands in line (once)
         return result
     return wrapped
 
-async def stand(self, line, real=_Backend.stand_in_line):
+async def stand(self, line, real=SharedBackend.stand_in_line):
     await real(self, line)
     print("in line", flush=True)
 
 CrossProcessLock.wait_in_line = in_line(CrossProcessLock.wait_in_line)
-_Backend.stand_in_line = stand
+SharedBackend.stand_in_line = stand
 
 async def main():
     kind, where, namespace = sys.argv[1:4]

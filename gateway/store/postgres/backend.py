@@ -28,7 +28,7 @@ T = TypeVar("T")
 # -- one pool and one lock connection per (dsn, durability, event loop) -----------------------
 
 
-class _Backend:
+class SharedBackend:
     """Shared by the stores of every tenant: a pool for queries and one session that holds the
     advisory locks of this process's busy conversations."""
 
@@ -187,16 +187,16 @@ SELECT CASE WHEN EXISTS (
 """
 
 
-_BACKENDS: weakref.WeakKeyDictionary[asyncio.AbstractEventLoop, dict[tuple[str, str], _Backend]] = (
+_BACKENDS: weakref.WeakKeyDictionary[asyncio.AbstractEventLoop, dict[tuple[str, str], SharedBackend]] = (
     weakref.WeakKeyDictionary()
 )
 
 
-async def _backend_for(dsn: str, durability: str) -> _Backend:
+async def backend_for(dsn: str, durability: str) -> SharedBackend:
     loop = asyncio.get_running_loop()
     backends = _BACKENDS.setdefault(loop, {})
     backend = backends.get((dsn, durability))
     if backend is None:
-        backend = backends[(dsn, durability)] = _Backend(dsn, durability, loop)
+        backend = backends[(dsn, durability)] = SharedBackend(dsn, durability, loop)
     await backend.acquire()
     return backend

@@ -9,8 +9,8 @@ from gateway.exceptions import InvalidRequest, NotFound
 from gateway.ids import check_conversation_id
 from gateway.store.base import now
 from gateway.store.postgres.schema import (
-    _ARCHIVE,
-    _NOW,
+    ARCHIVE,
+    NOW,
     Conn,
 )
 
@@ -35,7 +35,7 @@ async def delete_conversation(store: PostgresStore, conversation_id: str, *, arc
         if found is None:
             return False
         if archive:
-            await conn.execute(_ARCHIVE, ns, conversation_id, f"{conversation_id}-{int(now() * 1000)}")
+            await conn.execute(ARCHIVE, ns, conversation_id, f"{conversation_id}-{int(now() * 1000)}")
         # Responses a fork shares (its prefix) stay while another index names them, and so does
         # the metadata set on them (stored chat completions).
         await conn.execute(
@@ -103,14 +103,14 @@ async def fork(store: PostgresStore, source: str, target: str, through: str) -> 
             )
         await conn.execute(
             f"INSERT INTO gateway_conversations (namespace, conversation_id, last_seq, updated_at) "
-            f"VALUES ($1, $2, $3, {_NOW})",
+            f"VALUES ($1, $2, $3, {NOW})",
             ns,
             target,
             upto,
         )
         await conn.execute(
             f"INSERT INTO gateway_index (namespace, conversation_id, seq, response_id, marker, at) "
-            f"SELECT namespace, $3, seq, response_id, marker, {_NOW} FROM gateway_index "
+            f"SELECT namespace, $3, seq, response_id, marker, {NOW} FROM gateway_index "
             f"WHERE namespace = $1 AND conversation_id = $2 AND seq <= $4",
             ns,
             source,

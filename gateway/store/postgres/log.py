@@ -10,12 +10,12 @@ from typing import TYPE_CHECKING, Any
 
 from gateway.exceptions import StorageError
 from gateway.store.base import Appended, ResponseLog, Version, now
-from gateway.store.postgres.backend import _Backend
+from gateway.store.postgres.backend import SharedBackend
 from gateway.store.postgres.schema import (
-    _INSERT_RECORDS,
-    _busy,
-    _Conflict,
-    _encode,
+    INSERT_RECORDS,
+    Conflict,
+    busy_error,
+    encode_record,
     map_errors,
 )
 from gateway.types import JSONObject, Record
@@ -30,7 +30,7 @@ if TYPE_CHECKING:
 
 
 @dataclass(slots=True)
-class _Hold:
+class LockHold:
     """This process holds a conversation: the tail its holder loaded, which writes must extend."""
 
     task: asyncio.Task[Any] | None
@@ -38,7 +38,7 @@ class _Hold:
 
 
 @dataclass(slots=True)
-class _SideCache:
+class SideCache:
     last_id: int
     records: list[Record] = field(default_factory=list)
 
@@ -52,11 +52,11 @@ _LANDED = (
 )
 
 
-class _PostgresLog(ResponseLog):
+class PostgresLog(ResponseLog):
     def __init__(self, store: PostgresStore, response_id: str, request: Record) -> None:
         self.store = store
         self.response_id = response_id
-        self._rows: list[tuple[str, str]] = [_encode(request)]
+        self._rows: list[tuple[str, str]] = [encode_record(request)]
         self._closed = False
         self._created: asyncio.Future[None] | None = None
         try:
@@ -75,12 +75,12 @@ class _PostgresLog(ResponseLog):
         await self.store._insert(self.response_id, list(self._rows), 0)
 
     def append(self, record: Record) -> None:
-        self._rows.append(_encode(record))
+        self._rows.append(encode_record(record))
 
     async def commit(self, conversation_id: str | None) -> Appended | None:
         self._closed = True
         store = self.store
-        rows = [*self._rows, _encode({"type": "commit", "status": "complete", "committed": now()})]
+        rows = [*self._rows, encode_record({"type": "commit", "status": "complete", "committed": now()})]
         hold = store._holds.get(conversation_id) if conversation_id is not None else None
         expected = hold.expected if hold is not None else None
         backend = await store._open_backend()
@@ -94,7 +94,7 @@ class _PostgresLog(ResponseLog):
 
     async def _commit(
         self,
-        backend: _Backend,
+        backend: SharedBackend,
         rows: list[tuple[str, str]],
         cid: str | None,
         expected: tuple[int | None, int] | None,
@@ -107,13 +107,13 @@ class _PostgresLog(ResponseLog):
             with map_errors("could not record the response durably", backend.outage):
                 async with backend.open_pool.acquire() as conn:
                     async with conn.transaction():
-                        await store._insert_rows(conn, _INSERT_RECORDS, self.response_id, rows, 0)
+                        await store._insert_rows(conn, INSERT_RECORDS, self.response_id, rows, 0)
                         if cid is None:
                             return 0, 0
                         return await store._append_entry(conn, cid, self.response_id, None, expected, listing)
-        except _Conflict:
+        except Conflict:
             await self._mark_failed(rows[:-1], "conflict", "the conversation changed on another replica")
-            raise _busy(cid or "") from None
+            raise busy_error(cid or "") from None
         except StorageError as exc:
             landed = await self._landed(backend, cid) if cid is not None else None
             if landed is not None:
@@ -127,7 +127,7 @@ class _PostgresLog(ResponseLog):
             await self._mark_failed(rows[:-1], "storage_error", exc.message)
             raise
 
-    async def _landed(self, backend: _Backend, cid: str) -> tuple[int, int] | None:
+    async def _landed(self, backend: SharedBackend, cid: str) -> tuple[int, int] | None:
         """After a failed commit (the conversation's lock still held, so nobody else appends):
         its index entry if the commit was done after all, None if not or if that cannot be known
         within LANDED_WAIT (the database still away)."""
@@ -149,7 +149,7 @@ class _PostgresLog(ResponseLog):
     async def _mark_failed(self, rows: list[tuple[str, str]], reason: str, message: str) -> None:
         """Best effort after a failed commit: end the log with `incomplete` (never after a commit
         record, in case the failure hid a commit that did happen)."""
-        rows = [*rows, _encode({"type": "incomplete", "reason": reason, "error": {"message": message}})]
+        rows = [*rows, encode_record({"type": "incomplete", "reason": reason, "error": {"message": message}})]
         try:
             await self.store._insert(self.response_id, rows, 0, unless_committed=True)
         except StorageError as exc:
@@ -160,7 +160,7 @@ class _PostgresLog(ResponseLog):
         if self._closed:
             return
         self._closed = True
-        rows = [*self._rows, _encode({"type": "incomplete", "reason": reason, "error": error})]
+        rows = [*self._rows, encode_record({"type": "incomplete", "reason": reason, "error": error})]
         try:
             backend = await self.store._open_backend()
             if self._created is not None:

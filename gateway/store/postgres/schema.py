@@ -30,7 +30,7 @@ T = TypeVar("T")
 POOL_SIZE = 10
 COMMAND_TIMEOUT = 60.0
 _MIGRATION_LOCK = 0x6761746577617901  # "gateway\x01": one migrating replica at a time
-_NOW = "extract(epoch FROM clock_timestamp())::float8"
+NOW = "extract(epoch FROM clock_timestamp())::float8"
 
 # Versioned migrations, applied in order at open() under an advisory lock; never edit one
 # that has shipped: add the next version.
@@ -168,7 +168,7 @@ def map_errors(action: str, outage: Outage | None = None) -> Iterator[None]:
         outage.reached()
 
 
-_PROCESSOR_LOCK = int.from_bytes(
+PROCESSOR_LOCK = int.from_bytes(
     hashlib.blake2b(b"gateway\0lifecycle-processor", digest_size=8).digest(), "big", signed=True
 )
 
@@ -202,13 +202,13 @@ async def migrate(conn: Conn) -> int:
 
 # -- SQL -------------------------------------------------------------------------------------------
 
-_INSERT_RECORDS = """
+INSERT_RECORDS = """
 INSERT INTO gateway_responses (namespace, response_id, seq, kind, record)
 SELECT $1::text, $2::text, s, k, r::json FROM unnest($3::int[], $4::text[], $5::text[]) AS t(s, k, r)
 ON CONFLICT DO NOTHING
 """
 # Only a response that has no commit record may be marked incomplete.
-_INSERT_UNLESS_COMMITTED = """
+INSERT_UNLESS_COMMITTED = """
 INSERT INTO gateway_responses (namespace, response_id, seq, kind, record)
 SELECT $1::text, $2::text, s, k, r::json FROM unnest($3::int[], $4::text[], $5::text[]) AS t(s, k, r)
 WHERE NOT EXISTS (SELECT 1 FROM gateway_responses
@@ -222,19 +222,19 @@ _NEXT_SEQ = {
     "any": f"""
         INSERT INTO gateway_conversations AS c
                (namespace, conversation_id, last_seq, updated_at, listing, listing_seq)
-        VALUES ($1, $2, 1, {_NOW}, $5::json, 1)
+        VALUES ($1, $2, 1, {NOW}, $5::json, 1)
         ON CONFLICT (namespace, conversation_id)
-        DO UPDATE SET last_seq = c.last_seq + 1, updated_at = {_NOW}, listing = $5::json,
+        DO UPDATE SET last_seq = c.last_seq + 1, updated_at = {NOW}, listing = $5::json,
                       listing_seq = c.last_seq + 1
         RETURNING c.incarnation, c.last_seq, c.updated_at""",
     "new": f"""
         INSERT INTO gateway_conversations AS c
                (namespace, conversation_id, last_seq, updated_at, listing, listing_seq)
-        VALUES ($1, $2, 1, {_NOW}, $5::json, 1)
+        VALUES ($1, $2, 1, {NOW}, $5::json, 1)
         ON CONFLICT (namespace, conversation_id) DO NOTHING
         RETURNING c.incarnation, c.last_seq, c.updated_at""",
     "tail": f"""
-        UPDATE gateway_conversations AS c SET last_seq = c.last_seq + 1, updated_at = {_NOW},
+        UPDATE gateway_conversations AS c SET last_seq = c.last_seq + 1, updated_at = {NOW},
                listing = $5::json, listing_seq = c.last_seq + 1
         WHERE c.namespace = $1 AND c.conversation_id = $2 AND c.incarnation = $6 AND c.last_seq = $7
         RETURNING c.incarnation, c.last_seq, c.updated_at""",
@@ -247,8 +247,8 @@ entry AS (
 )
 SELECT incarnation, last_seq FROM c
 """
-_APPEND = {name: _APPEND_ENTRY.format(next_seq=sql) for name, sql in _NEXT_SEQ.items()}
-_LOAD = """
+APPEND = {name: _APPEND_ENTRY.format(next_seq=sql) for name, sql in _NEXT_SEQ.items()}
+LOAD = """
 SELECT c.incarnation, c.last_seq, i.seq, i.response_id, i.marker, r.record
 FROM gateway_conversations c
 LEFT JOIN gateway_index i
@@ -265,10 +265,10 @@ FROM gateway_conversations
 WHERE namespace = $1 {after}
 ORDER BY updated_at DESC, conversation_id DESC LIMIT $2
 """
-_FIRST_PAGE = _PAGE.format(after="")
-_NEXT_PAGE = _PAGE.format(after="AND (updated_at, conversation_id) < ($3, $4)")
-# The index alone (`records=False`): the responses a view needs are read with _TURNS.
-_LOAD_INDEX = """
+FIRST_PAGE = _PAGE.format(after="")
+NEXT_PAGE = _PAGE.format(after="AND (updated_at, conversation_id) < ($3, $4)")
+# The index alone (`records=False`): the responses a view needs are read with SELECT_TURNS.
+LOAD_INDEX = """
 SELECT c.incarnation, c.last_seq, i.seq, i.response_id, i.marker, NULL::json AS record
 FROM gateway_conversations c
 LEFT JOIN gateway_index i
@@ -276,13 +276,13 @@ LEFT JOIN gateway_index i
 WHERE c.namespace = $1 AND c.conversation_id = $2
 ORDER BY i.seq
 """
-_TURNS = """
+SELECT_TURNS = """
 SELECT response_id, record FROM gateway_responses
 WHERE namespace = $1 AND response_id = ANY($2::text[]) AND kind <> 'context'
 ORDER BY response_id, seq
 """
-# `_LOAD` of several conversations, each after its own seq.
-_LOAD_MANY = """
+# `LOAD` of several conversations, each after its own seq.
+LOAD_MANY = """
 SELECT w.n, c.incarnation, c.last_seq, i.seq, i.response_id, i.marker, r.record
 FROM unnest($2::text[], $3::bigint[]) WITH ORDINALITY AS w(cid, since, n)
 JOIN gateway_conversations c ON c.namespace = $1 AND c.conversation_id = w.cid
@@ -329,25 +329,25 @@ def responses_walk(*, after: bool, descending: bool) -> str:
     )
 
 
-_ARCHIVE = f"""
+ARCHIVE = f"""
 INSERT INTO gateway_archive (namespace, archive_id, path, content, archived_at)
 SELECT $1::text, $3::text, 'conversation.jsonl',
-       string_agg(coalesce(response_id, marker::text), E'\\n' ORDER BY seq) || E'\\n', {_NOW}
+       string_agg(coalesce(response_id, marker::text), E'\\n' ORDER BY seq) || E'\\n', {NOW}
   FROM gateway_index WHERE namespace = $1 AND conversation_id = $2
 UNION ALL
-SELECT $1::text, $3::text, kind || '.jsonl', string_agg(record::text, E'\\n' ORDER BY id) || E'\\n', {_NOW}
+SELECT $1::text, $3::text, kind || '.jsonl', string_agg(record::text, E'\\n' ORDER BY id) || E'\\n', {NOW}
   FROM gateway_side WHERE namespace = $1 AND kind IN ('summaries', 'lifecycle') AND key = $2
  GROUP BY kind
 UNION ALL
 SELECT $1::text, $3::text, 'metadata/' || key || '.jsonl',
-       string_agg(record::text, E'\\n' ORDER BY id) || E'\\n', {_NOW}
+       string_agg(record::text, E'\\n' ORDER BY id) || E'\\n', {NOW}
   FROM gateway_side
  WHERE namespace = $1 AND kind = 'metadata' AND key IN (SELECT response_id FROM gateway_index
                                                         WHERE namespace = $1 AND conversation_id = $2)
  GROUP BY key
 UNION ALL
 SELECT $1::text, $3::text, 'responses/' || response_id || '.jsonl',
-       string_agg(record::text, E'\\n' ORDER BY seq) || E'\\n', {_NOW}
+       string_agg(record::text, E'\\n' ORDER BY seq) || E'\\n', {NOW}
   FROM gateway_responses
  WHERE namespace = $1 AND response_id IN (SELECT response_id FROM gateway_index
                                           WHERE namespace = $1 AND conversation_id = $2)
@@ -355,20 +355,20 @@ SELECT $1::text, $3::text, 'responses/' || response_id || '.jsonl',
 """
 
 
-class _Conflict(Exception):
+class Conflict(Exception):
     """The conversation moved on since the turn loaded it (a lost lock, another writer)."""
 
 
-def _busy(conversation_id: str) -> ConversationBusy:
+def busy_error(conversation_id: str) -> ConversationBusy:
     return ConversationBusy(
         f"Conversation {conversation_id!r} changed while this request was being answered "
         "(another replica wrote to it); retry"
     )
 
 
-def _encode(record: Record) -> tuple[str, str]:
+def encode_record(record: Record) -> tuple[str, str]:
     return str(record.get("type") or ""), orjson.dumps(record).decode()
 
 
-def _decode(text: str) -> object:
+def decode_record(text: str) -> object:
     return orjson.loads(text)

@@ -12,8 +12,8 @@ import orjson
 from gateway.exceptions import NotFound, StorageError
 from gateway.ids import check_conversation_id, check_side_key, is_valid_conversation_id
 from gateway.store.base import SIDE_LOGS, IndexEntry, IndexRead, Listed, SideLog, Version
-from gateway.store.postgres.log import _SideCache
-from gateway.store.postgres.schema import _FIRST_PAGE, _LOAD_MANY, _NEXT_PAGE, Conn, Row, _decode
+from gateway.store.postgres.log import SideCache
+from gateway.store.postgres.schema import FIRST_PAGE, LOAD_MANY, NEXT_PAGE, Conn, Row, decode_record
 from gateway.types import JSONObject, Record
 
 if TYPE_CHECKING:
@@ -61,9 +61,9 @@ async def read_side(store: PostgresStore, kind: SideLog, key: str, *, keep: bool
         cached = None
         rows = await store._fetch(f"could not read {kind}", sql, store.namespace, kind, key, 0)
     if cached is None:
-        cached = _SideCache(0)
+        cached = SideCache(0)
     fresh = [row for row in rows if row["id"] > cached.last_id]
-    cached.records.extend(r for r in (_decode(row["record"]) for row in fresh) if isinstance(r, dict))
+    cached.records.extend(r for r in (decode_record(row["record"]) for row in fresh) if isinstance(r, dict))
     if fresh:
         cached.last_id = int(fresh[-1]["id"])
     if cached.last_id and (keep or (kind, key) in store._side):
@@ -79,7 +79,7 @@ async def page(store: PostgresStore, limit: int, after: str | None) -> tuple[lis
     to find `after`."""
     action = "could not list conversations"
     if after is None:
-        rows = await store._fetch(action, _FIRST_PAGE, store.namespace, limit + 1)
+        rows = await store._fetch(action, FIRST_PAGE, store.namespace, limit + 1)
     else:
         check_conversation_id(after, param="after")
         found = await store._fetch(
@@ -91,7 +91,7 @@ async def page(store: PostgresStore, limit: int, after: str | None) -> tuple[lis
         if not found:
             raise NotFound(f"No conversation {after!r} in this list", param="after")
         at = found[0]["updated_at"]
-        rows = await store._fetch(action, _NEXT_PAGE, store.namespace, limit + 1, at, after)
+        rows = await store._fetch(action, NEXT_PAGE, store.namespace, limit + 1, at, after)
     listed = [
         Listed(
             str(row["conversation_id"]),
@@ -114,7 +114,7 @@ WHERE c.namespace = $1 AND c.conversation_id = w.cid AND c.incarnation = w.incar
 
 
 def _listing(text: str | None) -> JSONObject | None:
-    value = _decode(text) if text is not None else None
+    value = decode_record(text) if text is not None else None
     return value if isinstance(value, dict) else None
 
 
@@ -139,7 +139,7 @@ async def keep_rows(store: PostgresStore, rows: list[tuple[str, Version, JSONObj
 
 
 def index_read(rows: list[Row], after: Version | None) -> IndexRead | None:
-    """A conversation's `_LOAD` rows as an IndexRead; None when the conversation was replaced
+    """A conversation's `LOAD` rows as an IndexRead; None when the conversation was replaced
     since `after` (read it again from the start)."""
     incarnation, last_seq = int(rows[0]["incarnation"]), int(rows[0]["last_seq"])
     if after is not None and (after.generation != incarnation or last_seq < after.position):
@@ -151,11 +151,11 @@ def index_read(rows: list[Row], after: Version | None) -> IndexRead | None:
             continue  # nothing new
         if row["seq"] != current:
             current = row["seq"]
-            marker = _decode(row["marker"]) if row["marker"] is not None else None
+            marker = decode_record(row["marker"]) if row["marker"] is not None else None
             marker = marker if isinstance(marker, dict) else None
             entries.append(IndexEntry(row["response_id"], marker, []))
         if row["record"] is not None:
-            value = _decode(row["record"])
+            value = decode_record(row["record"])
             if isinstance(value, dict) and value.get("type") != "context":
                 entries[-1].records.append(value)
     return IndexRead(entries, Version(incarnation, last_seq), after is None)
@@ -167,7 +167,7 @@ async def read_many(store: PostgresStore, wanted: list[tuple[str, Version | None
         check_conversation_id(cid)
     since = [after.position if after is not None else 0 for _, after in wanted]
     rows = await store._fetch(
-        "could not load the conversations", _LOAD_MANY, store.namespace, [c for c, _ in wanted], since
+        "could not load the conversations", LOAD_MANY, store.namespace, [c for c, _ in wanted], since
     )
     grouped: dict[int, list[Row]] = {}
     for row in rows:
@@ -193,7 +193,7 @@ async def read_sides(store: PostgresStore, kind: SideLog, keys: list[str]) -> li
     )
     found: dict[str, list[Record]] = {}
     for row in rows:
-        value = _decode(row["record"])
+        value = decode_record(row["record"])
         if isinstance(value, dict):
             found.setdefault(row["key"], []).append(value)
     return [found.get(key, []) for key in keys]

@@ -46,24 +46,24 @@ from gateway.store.base import (
     now,
 )
 from gateway.store.postgres import branches, fsck, sides
-from gateway.store.postgres.backend import _Backend, _backend_for
-from gateway.store.postgres.log import _Hold, _PostgresLog, _SideCache
+from gateway.store.postgres.backend import SharedBackend, backend_for
+from gateway.store.postgres.log import LockHold, PostgresLog, SideCache
 from gateway.store.postgres.schema import (
-    _APPEND,
-    _INSERT_RECORDS,
-    _INSERT_UNLESS_COMMITTED,
-    _LOAD,
-    _LOAD_INDEX,
-    _PROCESSOR_LOCK,
-    _TURNS,
+    APPEND,
+    INSERT_RECORDS,
+    INSERT_UNLESS_COMMITTED,
+    LOAD,
+    LOAD_INDEX,
+    PROCESSOR_LOCK,
     RESPONSE_CREATED,
+    SELECT_TURNS,
+    Conflict,
     Conn,
     Row,
-    _busy,
-    _Conflict,
-    _decode,
-    _encode,
     advisory_key,
+    busy_error,
+    decode_record,
+    encode_record,
     map_errors,
     responses_walk,
 )
@@ -96,11 +96,11 @@ class PostgresStore(Store):
         self.namespace = namespace
         self.durability = durability
         self.cache_size = cache_size
-        self._backend: _Backend | None = None
-        self._side: LRU[tuple[str, str], _SideCache] = LRU(
+        self._backend: SharedBackend | None = None
+        self._side: LRU[tuple[str, str], SideCache] = LRU(
             4 * cache_size, weigh=lambda v: len(v.records) + 1, budget=4 * cache_size
         )
-        self._holds: dict[str, _Hold] = {}
+        self._holds: dict[str, LockHold] = {}
         # Endings of failed attempts the database was down for: written once it is back, so that
         # those attempts read as failed, not in progress (response id -> its rows, from seq 0).
         self._unmarked: LRU[str, list[tuple[str, str]]] = LRU(1024)
@@ -114,11 +114,11 @@ class PostgresStore(Store):
         return f"PostgresStore({redact_dsn(self.dsn)!r}, namespace={self.namespace!r})"
 
     # -- connections ------------------------------------------------------------------------------
-    async def _open_backend(self) -> _Backend:
+    async def _open_backend(self) -> SharedBackend:
         backend = self._backend
         if backend is None or backend.loop is not asyncio.get_running_loop() or backend.pool is None:
             # First use, or a new event loop (a CLI command may run several): connect anew.
-            self._backend = backend = await _backend_for(self.dsn, self.durability)
+            self._backend = backend = await backend_for(self.dsn, self.durability)
         return backend
 
     async def open(self) -> None:
@@ -174,7 +174,7 @@ class PostgresStore(Store):
         backend = await self._open_backend()
         if getattr(backend, "processor_lease", False):
             return True
-        granted = await backend.try_lock(_PROCESSOR_LOCK)
+        granted = await backend.try_lock(PROCESSOR_LOCK)
         backend.processor_lease = granted  # type: ignore[attr-defined]
         return granted
 
@@ -213,7 +213,7 @@ class PostgresStore(Store):
         self, response_id: str, rows: list[tuple[str, str]], first_seq: int, *, unless_committed: bool = False
     ) -> None:
         backend = await self._open_backend()
-        sql = _INSERT_UNLESS_COMMITTED if unless_committed else _INSERT_RECORDS
+        sql = INSERT_UNLESS_COMMITTED if unless_committed else INSERT_RECORDS
         with map_errors("could not write the response log", backend.outage):
             async with backend.open_pool.acquire() as conn:
                 await self._insert_rows(conn, sql, response_id, rows, first_seq)
@@ -229,15 +229,15 @@ class PostgresStore(Store):
     ) -> tuple[int, int]:
         extra: list[int | None] = []
         if expected is None:
-            sql = _APPEND["any"]
+            sql = APPEND["any"]
         elif expected[0] is None:
-            sql = _APPEND["new"]
+            sql = APPEND["new"]
         else:
-            sql, extra = _APPEND["tail"], list(expected)
+            sql, extra = APPEND["tail"], list(expected)
         text = orjson.dumps(listing).decode() if listing is not None else None
         row = await conn.fetchrow(sql, self.namespace, cid, response_id, marker, text, *extra)
         if row is None:
-            raise _Conflict()
+            raise Conflict()
         return int(row["incarnation"]), int(row["last_seq"])
 
     # -- locking ------------------------------------------------------------------------------------
@@ -257,7 +257,7 @@ class PostgresStore(Store):
         # Per backend, not per store: two stores of one tenant in a process share the session,
         # and session advisory locks are reentrant, so only this lock keeps them apart.
         lock = candidate.local_lock(key)
-        backend: _Backend | None = None
+        backend: SharedBackend | None = None
         in_line = False
         try:
             if lock.locked():  # behind this process's own turns: in line for the other replicas now
@@ -286,7 +286,7 @@ class PostgresStore(Store):
             if in_line:
                 in_line = False
                 await candidate.leave_line(line)
-            self._holds[conversation_id] = _Hold(asyncio.current_task())
+            self._holds[conversation_id] = LockHold(asyncio.current_task())
             yield
         finally:
             self._holds.pop(conversation_id, None)
@@ -319,7 +319,7 @@ class PostgresStore(Store):
         query (one round trip when nothing changed)."""
         check_conversation_id(conversation_id)
         since = after.position if after is not None else 0
-        sql = _LOAD if records else _LOAD_INDEX
+        sql = LOAD if records else LOAD_INDEX
         rows = await self._fetch(
             "could not load the conversation", sql, self.namespace, conversation_id, since
         )
@@ -346,7 +346,7 @@ class PostgresStore(Store):
     def start(self, response_id: str, request: Record) -> ResponseLog:
         if not is_valid_response_id(response_id):
             raise NotFound(f"No response {response_id!r}", param="response_id")
-        return _PostgresLog(self, response_id, request)
+        return PostgresLog(self, response_id, request)
 
     async def read_response(self, response_id: str) -> list[Record]:
         if not is_valid_response_id(response_id):
@@ -359,13 +359,15 @@ class PostgresStore(Store):
         )
         if not rows:
             raise NotFound(f"No response {response_id!r}", param="response_id")
-        return [r for r in (_decode(row["record"]) for row in rows) if isinstance(r, dict)]
+        return [r for r in (decode_record(row["record"]) for row in rows) if isinstance(r, dict)]
 
     async def read_turns(self, response_ids: Sequence[str]) -> list[list[Record]]:
-        rows = await self._fetch("could not read the responses", _TURNS, self.namespace, list(response_ids))
+        rows = await self._fetch(
+            "could not read the responses", SELECT_TURNS, self.namespace, list(response_ids)
+        )
         found: dict[str, list[Record]] = {}
         for row in rows:
-            value = _decode(row["record"])
+            value = decode_record(row["record"])
             if isinstance(value, dict):
                 found.setdefault(str(row["response_id"]), []).append(value)
         return [found.get(rid, []) for rid in response_ids]
@@ -382,7 +384,7 @@ class PostgresStore(Store):
         if not rows:
             raise NotFound(f"No conversation {conversation_id!r}", param="conversation_id")
         return [
-            str(row["response_id"]) if row["marker"] is None else as_object(_decode(row["marker"]))
+            str(row["response_id"]) if row["marker"] is None else as_object(decode_record(row["marker"]))
             for row in rows
         ]
 
@@ -409,9 +411,9 @@ class PostgresStore(Store):
 
         try:
             incarnation, seq = await self._write("could not record the change durably", work)
-        except _Conflict:
+        except Conflict:
             self._forget(conversation_id)
-            raise _busy(conversation_id) from None
+            raise busy_error(conversation_id) from None
         except StorageError:
             self._forget(conversation_id)
             raise
@@ -443,7 +445,7 @@ class PostgresStore(Store):
     async def tombstone(self, response_id: str) -> None:
         if not is_valid_response_id(response_id):
             raise NotFound(f"No response {response_id!r}", param="response_id")
-        kind, text = _encode({"type": "deleted", "at": now()})
+        kind, text = encode_record({"type": "deleted", "at": now()})
 
         async def work(conn: Conn) -> object:
             return await conn.fetchval(
