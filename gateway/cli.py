@@ -356,8 +356,7 @@ def conversations(settings: Settings, *, config_path: str | None, limit: int, te
 def show(
     settings: Settings, *, config_path: str | None, conversation_id: str, as_json: bool, tenant: str | None
 ) -> None:
-    """The conversation's history as the model will see it."""
-    from gateway.tokens import count_message
+    """Print the conversation's history as the model will see it."""
 
     async def read(
         services: Services,
@@ -380,149 +379,199 @@ def show(
     if found is None:
         raise _no_conversation(settings, conversation_id)
     view, turns, last, cache, compactions = found
-    # The window of the last turn: which turns it left out (cut, or folded into the summary).
-    window: dict[str, Any] | None = None
-    cut = last[1].get("truncated") if last is not None else None
-    covers = last[1].get("summary_covers_messages") if last is not None else None
-    cut = cut if isinstance(cut, int) and cut > 0 else 0
-    covers = covers if isinstance(covers, int) and covers > 0 else 0
-    if last is not None and (cut or covers):  # some of the history was not sent as it is
-        ids = last[1].get("included_response_ids")
-        included = {*(ids if isinstance(ids, list) else []), last[0]}
-        window = {
-            "response_id": last[0],
-            "omitted_messages": cut,
-            "included": included,
-            "summary_version": last[1].get("summary_version") if covers else None,
-            "summary_covers_messages": covers,
-            "summary_covers_through": last[1].get("summary_covers_through") if covers else None,
-        }
-    # Each message's tokens as `gateway conversations` counts them (its turn's count if any).
-    counts = stored_tokens(view)
-    system_count = len(view.system or [])
-    stored_count = dict(
-        zip(zip(view.history_owner, view.history_pos, strict=True), counts[system_count:], strict=True)
-    )
+    window = _last_window(last)
     # What the last turn sent (its snapshot is a full copy): a cut may fall inside a turn.
     sent_list = last[1].get("messages") if window is not None and last is not None else None
+    sent_list = sent_list if isinstance(sent_list, list) else None
     if as_json:
-        messages = [*(view.system or []), *repair_tool_calls(view.history)]
-        by_message = {id(m): n for m, n in zip([*(view.system or []), *view.history], counts, strict=True)}
-        summary = next(  # the rolling summary as the last turn sent it (its text is not a message)
-            (m for m in (sent_list if isinstance(sent_list, list) else []) if is_summary_message(m)), None
-        )
-        out = {
-            "conversation_id": conversation_id,
-            "system": view.system,
-            "recap": view.recap,  # sent after the system prompt on every turn (sized to the window)
-            "messages": messages,
-            "message_tokens": [by_message.get(id(m)) or count_message(m) for m in messages],
-            "tokens": sum(counts),
-            "turns": [t.to_dict() for t in turns],
-            "compactions": [{k: v for k, v in c.items() if k != "type"} for c in compactions],
-            "last_turn_cache": cache,
-            "last_window": None
-            if window is None
-            else {
-                "response_id": window["response_id"],
-                "omitted_messages": window["omitted_messages"],
-                "included_response_ids": sorted(window["included"]),
-                "summary_version": window["summary_version"],
-                "summary_covers_messages": window["summary_covers_messages"],
-                "summary_covers_through": window["summary_covers_through"],
-                "summary": summary if window["summary_version"] is not None else None,
-            },
-        }
+        out = _show_json(conversation_id, view, turns, window, sent_list, cache, compactions)
         click.echo(orjson.dumps(out, option=orjson.OPT_INDENT_2).decode())
         return
-    in_window_total = 0
-    for m, n in zip(view.system or [], counts, strict=False):
-        in_window_total += n
-        click.echo(render_message(m, tokens=n, note="system prompt"))
-    if view.recap is not None:  # sent after the system prompt on every turn (sized to the window)
-        click.echo(render_message(view.recap, tokens=count_message(view.recap), note="recap, earlier today"))
-    window_keys = (
-        {message_key(cast(Message, m)) for m in sent_list if isinstance(m, dict)}
-        if isinstance(sent_list, list)
-        else None
-    )
-    live = set(view.history_owner)  # turns whose messages the model still gets
-    sent = view.sent_items()  # and which of their messages
-    in_history = set(zip(view.history_owner, view.history_pos, strict=True))
-    marked = False
-    # Turns up to the one the rolling summary covers through were sent as the summary; its line
-    # follows that turn. Those after it, outside the window, were left out (the marker's).
-    summarized = window is not None and window["summary_covers_through"] is not None
-    after: dict[object, list[Record]] = {}  # compactions, by the turn they cover through
-    for record in compactions:
-        after.setdefault(record.get("covers_through"), []).append(record)
-    previous: str | None = None
-    for turn in turns:
-        for record in after.pop(previous, []):  # (said after the turn it covers through)
+    _ShowText(view, window, sent_list).print(turns, compactions, cache)
+
+
+def _last_window(last: tuple[str, Record] | None) -> dict[str, Any] | None:
+    """What the last turn's window left out (cut, or folded into the summary); None: nothing."""
+    if last is None:
+        return None
+    cut, covers = last[1].get("truncated"), last[1].get("summary_covers_messages")
+    cut = cut if isinstance(cut, int) and cut > 0 else 0
+    covers = covers if isinstance(covers, int) and covers > 0 else 0
+    if not (cut or covers):  # all of the history was sent as it is
+        return None
+    ids = last[1].get("included_response_ids")
+    return {
+        "response_id": last[0],
+        "omitted_messages": cut,
+        "included": {*(ids if isinstance(ids, list) else []), last[0]},
+        "summary_version": last[1].get("summary_version") if covers else None,
+        "summary_covers_messages": covers,
+        "summary_covers_through": last[1].get("summary_covers_through") if covers else None,
+    }
+
+
+def _show_json(
+    conversation_id: str,
+    view: Any,
+    turns: list[Turn],
+    window: dict[str, Any] | None,
+    sent_list: list[Any] | None,
+    cache: Any,
+    compactions: list[Record],
+) -> dict[str, Any]:
+    """`gateway show --json`: the history, its token counts and the last turn's window."""
+    from gateway.tokens import count_message
+
+    counts = stored_tokens(view)
+    messages = [*(view.system or []), *repair_tool_calls(view.history)]
+    by_message = {id(m): n for m, n in zip([*(view.system or []), *view.history], counts, strict=True)}
+    # The rolling summary as the last turn sent it (its text is not a message).
+    summary = next((m for m in (sent_list or []) if is_summary_message(m)), None)
+    return {
+        "conversation_id": conversation_id,
+        "system": view.system,
+        "recap": view.recap,  # sent after the system prompt on every turn (sized to the window)
+        "messages": messages,
+        "message_tokens": [by_message.get(id(m)) or count_message(m) for m in messages],
+        "tokens": sum(counts),
+        "turns": [t.to_dict() for t in turns],
+        "compactions": [{k: v for k, v in c.items() if k != "type"} for c in compactions],
+        "last_turn_cache": cache,
+        "last_window": None
+        if window is None
+        else {
+            "response_id": window["response_id"],
+            "omitted_messages": window["omitted_messages"],
+            "included_response_ids": sorted(window["included"]),
+            "summary_version": window["summary_version"],
+            "summary_covers_messages": window["summary_covers_messages"],
+            "summary_covers_through": window["summary_covers_through"],
+            "summary": summary if window["summary_version"] is not None else None,
+        },
+    }
+
+
+class _ShowText:
+    """`gateway show` for a terminal: every turn, what of it the model is given and why not."""
+
+    def __init__(self, view: Any, window: dict[str, Any] | None, sent_list: list[Any] | None) -> None:
+        self.view, self.window = view, window
+        # Each message's tokens as `gateway conversations` counts them (its turn's count if any).
+        self.counts = stored_tokens(view)
+        system_count = len(view.system or [])
+        pairs = zip(view.history_owner, view.history_pos, strict=True)
+        self.stored_count = dict(zip(pairs, self.counts[system_count:], strict=True))
+        self.window_keys = (
+            {message_key(cast(Message, m)) for m in sent_list if isinstance(m, dict)}
+            if sent_list is not None
+            else None
+        )
+        self.live = set(view.history_owner)  # turns whose messages the model still gets
+        self.sent = view.sent_items()  # and which of their messages
+        self.in_history = set(zip(view.history_owner, view.history_pos, strict=True))
+        self.marked = False
+        # Turns up to the one the rolling summary covers through were sent as the summary; its
+        # line follows that turn. Those after it, outside the window, were left out (the marker's).
+        self.summarized = window is not None and window["summary_covers_through"] is not None
+        self.in_window_total = 0
+
+    def print(self, turns: list[Turn], compactions: list[Record], cache: Any) -> None:
+        from gateway.tokens import count_message
+
+        view = self.view
+        for m, n in zip(view.system or [], self.counts, strict=False):
+            self.in_window_total += n
+            click.echo(render_message(m, tokens=n, note="system prompt"))
+        if view.recap is not None:  # sent after the system prompt on every turn (sized to the window)
+            note = "recap, earlier today"
+            click.echo(render_message(view.recap, tokens=count_message(view.recap), note=note))
+        after: dict[object, list[Record]] = {}  # compactions, by the turn they cover through
+        for record in compactions:
+            after.setdefault(record.get("covers_through"), []).append(record)
+        previous: str | None = None
+        for turn in turns:
+            for record in after.pop(previous, []):  # (said after the turn it covers through)
+                click.echo(click.style(f"── {render_compaction(record)}", fg="magenta"))
+            previous = turn.response_id
+            self.turn(turn)
+        for record in after.pop(previous, []):
             click.echo(click.style(f"── {render_compaction(record)}", fg="magenta"))
-        previous = turn.response_id
+        footer = f"{view.turns} turns, {len(view.history)} messages, {sum(self.counts)} tokens"
+        if self.window is not None:
+            footer += f" ({self.in_window_total} of them in the last turn's window)"
+        click.echo(click.style(footer, dim=True))
+        if isinstance(cache, dict):
+            click.echo(click.style(f"last turn: {cache_text(cache)}", dim=True))
+
+    def aside(self, turn: Turn) -> str | None:
+        """Why the model is not given this turn (None: it is)."""
+        window = self.window
+        if turn.response_id not in self.live:
+            return "no longer sent to the model: left behind by a branch, reset or deleted"
+        if window is not None and turn.response_id not in window["included"]:
+            where = f"outside the last turn's window ({window['response_id']})"
+            return f"{where}: {'in the rolling summary' if self.summarized else 'left out'}"
+        return None
+
+    def in_window(self, turn: Turn, m: Message, pos: int) -> bool:
+        """Was it in the last turn's window (or is it that turn's answer)?"""
+        if self.window_keys is None or self.window is None:
+            return True
+        if turn.response_id == self.window["response_id"] and pos == len(turn.input):
+            return True
+        return message_key(clean_message(m)) in self.window_keys
+
+    def turn(self, turn: Turn) -> None:
+        window = self.window
         if turn.is_feedback_only:
             click.echo(click.style(f"── {turn.response_id} (feedback turn: not replayed)", dim=True))
-            continue
-        aside = None  # why the model is not given this turn
-        if turn.response_id not in live:
-            aside = "no longer sent to the model: left behind by a branch, reset or deleted"
-        elif window is not None and turn.response_id not in window["included"]:
-            where = f"outside the last turn's window ({window['response_id']})"
-            aside = f"{where}: {'in the rolling summary' if summarized else 'left out'}"
+            return
+        messages = [*turn.input, *([turn.output] if turn.output is not None else [])]
+        aside = self.aside(turn)
         if aside is not None:
             click.echo(click.style(f"── {turn.response_id} ({aside})", dim=True))
-            for m in [*turn.input, *([turn.output] if turn.output is not None else [])]:
+            for m in messages:
                 click.echo(click.style(render_message(m), dim=True))
-            if window is not None and summarized and turn.response_id == window["summary_covers_through"]:
-                summarized = False
+            if (
+                window is not None
+                and self.summarized
+                and turn.response_id == window["summary_covers_through"]
+            ):
+                self.summarized = False
                 _summary_line(window)
-            continue
-        messages = [*turn.input, *([turn.output] if turn.output is not None else [])]
-
-        def in_window(m: Message, pos: int, turn: Turn = turn) -> bool:
-            """Was it in the last turn's window (or is it that turn's answer)?"""
-            if window_keys is None or window is None:
-                return True
-            if turn.response_id == window["response_id"] and pos == len(turn.input):
-                return True
-            return message_key(clean_message(m)) in window_keys
-
-        if window is not None and not marked and messages and in_window(messages[0], 0):
-            marked = True
+            return
+        if window is not None and not self.marked and messages and self.in_window(turn, messages[0], 0):
+            self.marked = True
             _window_marker(window)
         click.echo(click.style(turn_heading(turn), dim=True))
         for pos, m in enumerate(messages):
-            if m.get("is_feedback"):
-                click.echo(render_message(m, note="not replayed"))
-                continue
-            if (turn.response_id, pos) not in sent:  # deleted, cut by a later edit, or an orphan
-                if item_key(turn.response_id, pos) in view.deleted_items:
-                    why = "deleted"
-                elif (turn.response_id, pos) in in_history:
-                    why = "its tool call deleted"
-                else:
-                    why = "left behind by a branch"
-                click.echo(click.style(render_message(m, note=f"{why}: no longer sent"), dim=True))
-                continue
-            n = stored_count.get((turn.response_id, pos)) or count_message(m)
-            if not in_window(m, pos):
-                note = "outside the last turn's window: left out or summarized"
-                click.echo(click.style(render_message(m, tokens=n, note=note), dim=True))
-                continue
-            if window is not None and not marked:  # the window begins inside this turn
-                marked = True
-                _window_marker(window)
-            in_window_total += n
-            click.echo(render_message(m, tokens=n))
-    for record in after.pop(previous, []):
-        click.echo(click.style(f"── {render_compaction(record)}", fg="magenta"))
-    footer = f"{view.turns} turns, {len(view.history)} messages, {sum(counts)} tokens"
-    if window is not None:
-        footer += f" ({in_window_total} of them in the last turn's window)"
-    click.echo(click.style(footer, dim=True))
-    if isinstance(cache, dict):
-        click.echo(click.style(f"last turn: {cache_text(cache)}", dim=True))
+            self.message(turn, m, pos)
+
+    def message(self, turn: Turn, m: Message, pos: int) -> None:
+        from gateway.tokens import count_message
+
+        if m.get("is_feedback"):
+            click.echo(render_message(m, note="not replayed"))
+            return
+        if (turn.response_id, pos) not in self.sent:  # deleted, cut by a later edit, or an orphan
+            if item_key(turn.response_id, pos) in self.view.deleted_items:
+                why = "deleted"
+            elif (turn.response_id, pos) in self.in_history:
+                why = "its tool call deleted"
+            else:
+                why = "left behind by a branch"
+            click.echo(click.style(render_message(m, note=f"{why}: no longer sent"), dim=True))
+            return
+        n = self.stored_count.get((turn.response_id, pos)) or count_message(m)
+        if not self.in_window(turn, m, pos):
+            note = "outside the last turn's window: left out or summarized"
+            click.echo(click.style(render_message(m, tokens=n, note=note), dim=True))
+            return
+        if self.window is not None and not self.marked:  # the window begins inside this turn
+            self.marked = True
+            _window_marker(self.window)
+        self.in_window_total += n
+        click.echo(render_message(m, tokens=n))
 
 
 def _summary_line(window: dict[str, Any]) -> None:
