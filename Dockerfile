@@ -27,7 +27,7 @@ RUN groupadd --gid 10001 gateway \
 COPY --from=build /opt/gateway /opt/gateway
 COPY config/gateway.toml /etc/gateway/gateway.toml
 # The shipped config, listening on every interface of the container, data in the volume.
-# Any key can be overridden with GATEWAY_<SECTION>__<KEY> (see the README).
+# Any key can be overridden with GATEWAY_<SECTION>__<KEY> (see docs/configuration.md).
 ENV PATH=/opt/gateway/bin:$PATH \
     PYTHONUNBUFFERED=1 \
     PYTHONDONTWRITEBYTECODE=1 \

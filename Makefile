@@ -92,7 +92,7 @@ lint: install-dev
 	$(VENV)/bin/mypy gateway
 
 # Build the image and run it (podman), then compose.yaml with PostgreSQL: slow (3-5 min), so
-# neither make test nor CI runs it. See "Containers" in the README.
+# neither make test nor CI runs it. See "Containers" in docs/deployment.md.
 image-smoke:
 	scripts/image-smoke
 

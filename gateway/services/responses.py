@@ -36,7 +36,7 @@ class StoredResponses:
         index = await self._index(store, cid) if stored.status == "in_progress" and cid is not None else []
         if rid in index:
             # An index names only committed responses: this log lost its end (a damaged file),
-            # as every reader of the conversation treats it (README "Damaged files").
+            # as every reader of the conversation treats it (docs/storage.md, "Damaged files").
             raise NotFound(
                 f"No response found with id {rid!r}: its log is not complete (gateway fsck reports it)",
                 param="response_id",

@@ -73,7 +73,7 @@ async def test_every_reader_skips_the_turn_and_a_direct_read_is_404(
     assert "message 0" in texts and "message 2" in texts and "message 1" not in texts
     assert inspector.status_code == 200 and again.status_code == 200
     turns = inspector.json()["turns"]
-    if damage == "uncommitted":  # the inspector shows it, marked (README "Damaged files")
+    if damage == "uncommitted":  # the inspector shows it, marked (docs/storage.md, "Damaged files")
         assert [t["response_id"] for t in turns] == [first, second, third]
     else:
         assert [t["response_id"] for t in turns] == [first, third]

@@ -18,7 +18,7 @@ from gateway.upstream.mock import MockUpstream
 U = {"role": "user", "content": "hi"}
 CALL = {"id": "c1", "type": "function", "function": {"name": "f", "arguments": "{}"}}
 
-# SPEC.md section 5, and the Responses API (README): every operation the document must keep.
+# SPEC.md section 5, and the Responses API (docs/http-api.md): every operation the document must keep.
 OPERATIONS = {
     ("post", "/v1/chat/completions"),
     ("get", "/v1/models"),

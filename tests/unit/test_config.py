@@ -259,7 +259,7 @@ def test_env_beats_file_at_every_level(tmp_path: Path) -> None:
 
 
 def test_gateway_variables_that_are_not_keys_are_left_alone() -> None:
-    # auth.keys_env may name a GATEWAY_ variable (the README's example); tests use others.
+    # auth.keys_env may name a GATEWAY_ variable (the example in docs/http-api.md); tests use others.
     s = load_settings(SHIPPED, environ={"GATEWAY_KEYS": "k1,k2", "GATEWAY_TEST_CACHE": "/tmp/x"})
     assert s.server.port == 8080
     message = config_error(path=SHIPPED, environ={"GATEWAY_KEYS": "k1"}, overrides={"server": {"port": -1}})

@@ -1,4 +1,5 @@
-"""The README's configuration table and the settings model name the same keys, with the same defaults."""
+"""The configuration table of docs/configuration.md and the settings model name the same keys, with the
+same defaults."""
 
 from __future__ import annotations
 
@@ -13,7 +14,7 @@ from pydantic import BaseModel
 
 from gateway.config import ProviderSettings, Settings
 
-README = Path(__file__).resolve().parents[2] / "README.md"
+PAGE = Path(__file__).resolve().parents[2] / "docs" / "configuration.md"
 NAME = "NAME"  # how the table spells a provider's or a model's own name
 
 
@@ -31,7 +32,7 @@ def _literals(annotation: object) -> list[str]:
 
 
 def model_keys() -> dict[str, tuple[type[BaseModel], str]]:
-    """Every settings key, dotted as the README writes it, with the model and field that hold it."""
+    """Every settings key, dotted as the page writes it, with the model and field that hold it."""
     keys: dict[str, tuple[type[BaseModel], str]] = {}
     for name, field in Settings.model_fields.items():
         section = _models_in(field.annotation)
@@ -46,15 +47,17 @@ def model_keys() -> dict[str, tuple[type[BaseModel], str]]:
     return keys
 
 
-def readme_rows() -> list[tuple[list[str], str, str]]:
+def documented_rows() -> list[tuple[list[str], str, str]]:
     """The configuration table: ([keys], default cell, meaning cell) per row.
 
     A row may name several keys, `server.host` / `server.port`; a later one without a dot is in
     the first one's table (`sessions.recap` / `recap_max_tokens`).
     """
-    text = README.read_text(encoding="utf-8")
-    section = text[text.index("\n## Configuration\n") :]
-    section = section[: section.index("\n## ", 1)]
+    text = PAGE.read_text(encoding="utf-8")
+    assert "\n## Keys\n" in text, "docs/configuration.md: no '## Keys' section"
+    section = text[text.index("\n## Keys\n") :]
+    end = section.find("\n## ", 1)
+    section = section if end == -1 else section[:end]
     rows = []
     for line in section.splitlines():
         if not line.startswith("| `"):
@@ -65,33 +68,33 @@ def readme_rows() -> list[tuple[list[str], str, str]]:
         table = names[0].rpartition(".")[0]
         keys = [name if "." in name or not table else f"{table}.{name}" for name in names]
         rows.append((keys, cells[1], cells[2]))
-    assert rows, "README.md: no configuration table under '## Configuration'"
+    assert rows, "docs/configuration.md: no configuration table under '## Keys'"
     return rows
 
 
-def test_every_settings_key_is_in_the_readme_table_and_every_table_key_exists() -> None:
-    documented = [key for keys, _, _ in readme_rows() for key in keys]
+def test_every_settings_key_is_in_the_table_and_every_table_key_exists() -> None:
+    documented = [key for keys, _, _ in documented_rows() for key in keys]
     keys = model_keys()
-    assert sorted(set(keys) - set(documented)) == [], "settings keys missing from README.md's table"
-    assert sorted(set(documented) - set(keys)) == [], "README.md's table names keys the settings lack"
+    assert sorted(set(keys) - set(documented)) == [], "settings keys missing from the page's table"
+    assert sorted(set(documented) - set(keys)) == [], "the page's table names keys the settings lack"
     assert len(documented) == len(set(documented)), "a key has two rows"
 
 
 def test_every_choice_of_a_key_is_named_in_its_row() -> None:
     keys = model_keys()
-    for names, default, meaning in readme_rows():
+    for names, default, meaning in documented_rows():
         for name in names:
             model, field = keys[name]
             for choice in _literals(model.model_fields[field].annotation):
                 assert f"`{choice}`" in default + meaning or f'`"{choice}"`' in default + meaning, (
-                    f"README.md: the row of {name} does not name its choice {choice!r}"
+                    f"docs/configuration.md: the row of {name} does not name its choice {choice!r}"
                 )
 
 
 def _documented_defaults() -> list[tuple[str, str]]:
     """(key, default cell) where the cell is one value (or "—") per key of its row, not words."""
     pairs = []
-    for names, default, _ in readme_rows():
+    for names, default, _ in documented_rows():
         cells = default.split(" / ")
         if len(cells) == len(names) and all(re.fullmatch(r"`[^`]+`|—", cell) for cell in cells):
             pairs.extend(zip(names, cells, strict=True))
@@ -113,4 +116,4 @@ def test_documented_default_is_the_default(key: str, cell: str) -> None:
     required = {"kind": "demo"} if model is ProviderSettings else {}
     documented = model.model_validate({**required, field: value})
     default = model.model_validate(required)
-    assert getattr(documented, field) == getattr(default, field), f"README.md: default of {key}"
+    assert getattr(documented, field) == getattr(default, field), f"docs/configuration.md: default of {key}"
