@@ -39,6 +39,9 @@ BODY = ConfigDict(extra="allow", strict=True)
 MESSAGE = ConfigDict(strict=True, json_schema_extra={"additionalProperties": True})
 ConversationId = Annotated[str, Field(pattern=f"^{CONVERSATION_ID_RE.pattern}$")]
 AnswerTokens = Annotated[int, Field(ge=1, le=MAX_ANSWER_TOKENS)]
+# A model name: no control character (C0, DEL or C1). Said in the schema; checked by the content
+# rules (`context.content`), which every way in applies with one error (`invalid_model`).
+ModelName = Annotated[str, Field(min_length=1, json_schema_extra={"pattern": "^[^\\x00-\\x1f\\x7f-\\x9f]+$"})]
 TOKENS = f"must be an integer between 1 and {MAX_ANSWER_TOKENS}"
 NOT_AN_OBJECT = "The request body must be a JSON object"
 
@@ -147,7 +150,7 @@ def _tool_calls(param: str, error: ErrorDetails) -> str:
 class ChatCompletionRequest(BaseModel):
     model_config = BODY
 
-    model: Annotated[str, Field(min_length=1)]
+    model: ModelName
     # Checked only: what is forwarded and stored is the client's own list (`body["messages"]`).
     messages: Annotated[list[Message], Field(min_length=1)]
     max_tokens: AnswerTokens | None = None
@@ -325,7 +328,9 @@ def _input_kind(value: object) -> str:
 
 
 ResponseInput = Annotated[
-    Annotated[str, Tag("text")] | Annotated[list[ResponseItem], Tag("items")], Discriminator(_input_kind)
+    Annotated[str, Field(min_length=1), Tag("text")]
+    | Annotated[list[ResponseItem], Field(min_length=1), Tag("items")],
+    Discriminator(_input_kind),
 ]
 
 
@@ -342,7 +347,7 @@ class ResponseCreate(BaseModel):
         json_schema_extra={"not": {"required": ["conversation", "previous_response_id"]}},
     )
 
-    model: Annotated[str, Field(min_length=1)]
+    model: ModelName
     input: ResponseInput
     instructions: str | None = None
     truncation: Literal["auto", "disabled"] | None = None
@@ -392,7 +397,7 @@ class ResponseCompact(BaseModel):
         json_schema_extra={"not": {"required": ["conversation", "previous_response_id"]}},
     )
 
-    model: Annotated[str, Field(min_length=1)]
+    model: ModelName
     input: ResponseInput | None = None
     instructions: str | None = None
     previous_response_id: SkipValidation[str | None] = Field(None, description="404 unless a stored response")

@@ -77,7 +77,7 @@ def test_truncation_keeps_the_prompt_cache(tmp_path: Path, llama: LlamaServer) -
 def test_summaries_enter_at_cuts_and_leave_no_gap(tmp_path: Path, llama: LlamaServer) -> None:
     gateway = gateway_for(tmp_path, llama, '[context]\nstrategy = "summarize"\nsummary_max_tokens = 64\n')
     try:
-        results = list(converse(gateway.url, "summarized-cache", range(1, 25), seed=8))
+        results = list(converse(gateway.url, "summarized-cache", range(1, 21), seed=8))
     finally:
         gateway.stop()
     later = after_first_cut(gateway.data_dir, results)
@@ -99,8 +99,8 @@ def two_slots(tmp_path_factory: pytest.TempPathFactory) -> Iterator[LlamaServer]
 def test_two_conversations_on_two_slots_keep_their_caches(tmp_path: Path, two_slots: LlamaServer) -> None:
     gateway = gateway_for(tmp_path, two_slots)
     try:
-        a = converse(gateway.url, "left", range(1, TURNS + 1), seed=9)
-        b = converse(gateway.url, "right", range(1, TURNS + 1), seed=10)
+        a = converse(gateway.url, "left", range(1, 21), seed=9)  # (a first cut near turn 11)
+        b = converse(gateway.url, "right", range(1, 21), seed=10)
         results: dict[str, list[dict[str, Any]]] = {"left": [], "right": []}
         for left, right in zip(a, b, strict=True):  # interleaved, one turn each
             results["left"].append(left)
