@@ -424,9 +424,10 @@ class Bench:
             ended_while_opening=first.ends,
         )
         steady = last.t - first.t
-        if steady >= MIN_STEADY_SECONDS:  # a cross-check: every stream open, only chunks flowing
+        # A cross-check: every stream open, only chunks flowing (a steady flow: N x 5 at least).
+        if steady >= MIN_STEADY_SECONDS and last.events - first.events >= 5 * n:
             row["cpu_us_per_chunk_steady"] = round(
-                (last.cpu_ns - first.cpu_ns) / 1e3 / max(1, last.events - first.events), 2
+                (last.cpu_ns - first.cpu_ns) / 1e3 / (last.events - first.events), 2
             )
         if first.ends > n * MAX_ENDED_WHILE_OPENING:
             return row  # the split below would rest on the few streams still open
