@@ -8,7 +8,7 @@ content-length, or relayed chunk by chunk when it is `text/event-stream`. This i
 any Python proxy on the same stack (uvicorn, uvloop, httptools, httpx) has to do, so
 "gateway overhead / forwarder overhead" says how much the continuity work costs on top.
 `--client aiohttp` swaps httpx for an aiohttp session (a reference: how much of the floor is
-the HTTP client library itself).
+the HTTP client library itself); `--max-connections` sets its pool's limit (512; 0 for none).
 """
 
 from __future__ import annotations
@@ -30,14 +30,16 @@ SERVE_OPTIONS: dict[str, Any] = {
 }
 _UPSTREAM_ENV = "BENCH_FORWARDER_UPSTREAM"
 _CLIENT_ENV = "BENCH_FORWARDER_CLIENT"
+_CONNECTIONS_ENV = "BENCH_FORWARDER_CONNECTIONS"
 _PASS_HEADERS = (b"content-type", b"authorization")
 
 
 class AiohttpForwarder:
     """The same forwarder over an aiohttp ClientSession instead of httpx."""
 
-    def __init__(self, upstream: str) -> None:
+    def __init__(self, upstream: str, connections: int = 512) -> None:
         self.upstream = upstream.rstrip("/")
+        self.connections = connections
         self.session: Any = None
 
     async def _lifespan(self, receive: Any, send: Any) -> None:
@@ -47,7 +49,7 @@ class AiohttpForwarder:
             message = await receive()
             if message["type"] == "lifespan.startup":
                 self.session = aiohttp.ClientSession(
-                    connector=aiohttp.TCPConnector(limit=512),
+                    connector=aiohttp.TCPConnector(limit=self.connections),
                     timeout=aiohttp.ClientTimeout(total=600, connect=10),
                     auto_decompress=False,
                 )
@@ -193,7 +195,9 @@ async def _send_whole(send: Any, status: int, ctype: bytes, body: bytes) -> None
 def from_env() -> AiohttpForwarder | Forwarder:
     """The forwarder `main` was asked for (in a worker process: from its environment)."""
     upstream = os.environ[_UPSTREAM_ENV]
-    return AiohttpForwarder(upstream) if os.environ[_CLIENT_ENV] == "aiohttp" else Forwarder(upstream)
+    if os.environ[_CLIENT_ENV] == "aiohttp":
+        return AiohttpForwarder(upstream, int(os.environ.get(_CONNECTIONS_ENV, "512")))
+    return Forwarder(upstream)
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -203,8 +207,16 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--upstream", required=True, help="e.g. http://127.0.0.1:9000")
     parser.add_argument("--client", choices=("httpx", "aiohttp"), default="httpx")
     parser.add_argument("--workers", type=int, default=1, help="processes sharing the port (uvicorn's)")
+    parser.add_argument(
+        "--max-connections",
+        type=int,
+        default=512,
+        help="aiohttp client: upstream connections at most (0: no limit; the gateway's own "
+        "streams have none)",
+    )
     args = parser.parse_args(argv)
     os.environ[_UPSTREAM_ENV], os.environ[_CLIENT_ENV] = args.upstream, args.client
+    os.environ[_CONNECTIONS_ENV] = str(args.max_connections)
     uvicorn.run(
         # Several workers take the app by name, as `gateway serve --workers N` does.
         "forwarder:from_env" if args.workers > 1 else from_env(),

@@ -7,9 +7,16 @@ reply, as JSON or, with `"stream": true`, as SSE `chat.completion.chunk` events 
 chunk when `stream_options.include_usage` is set). No sleeps: a raw `asyncio.Protocol` HTTP/1.1
 server over uvloop with the httptools parser, so the mock is never the bottleneck.
 
+Paced mode (`--stream-chunks 100 --stream-interval-ms 20`, the streaming scenario of
+bench/streams.py): every streamed answer sends its head at once, then that many
+`chat.completion.chunk` events of a few tokens each, one every interval (the first at once,
+each on its own schedule from the request's arrival, so a late timer does not shift the rest),
+then, one interval after the last, the finish chunk, the usage chunk when asked for and
+`[DONE]`. Non-streaming answers stay immediate.
+
 Bench-only endpoints:
     GET /_bench/last    the raw body of the last chat request received (byte for byte)
-    GET /_bench/stats   {"requests": N}
+    GET /_bench/stats   {"requests": N, "open_streams": M}
     GET /healthz        {"status": "ok"}
 """
 
@@ -32,12 +39,15 @@ _CHAT_PATHS = frozenset({b"/v1/chat/completions", b"/chat/completions"})
 
 
 class _State:
-    __slots__ = ("last_body", "requests", "seq")
+    __slots__ = ("last_body", "requests", "seq", "chunks", "interval", "open_streams")
 
     def __init__(self) -> None:
         self.last_body = b"{}"
         self.requests = 0
         self.seq = 0
+        self.chunks = 0  # paced mode: content chunks per stream (0: the fixed short reply)
+        self.interval = 0.0  # paced mode: seconds between two chunks
+        self.open_streams = 0
 
 
 STATE = _State()
@@ -77,13 +87,21 @@ def _chunk(frame: bytes) -> bytes:
     return b"%x\r\n%b\r\n" % (len(frame), frame)
 
 
-def chat_response(body: bytes, keep_alive: bool) -> bytes:
+def _parse_chat(body: bytes, keep_alive: bool) -> dict[str, Any] | bytes:
+    """The request, or the error response to send."""
     try:
         req = orjson.loads(body)
     except orjson.JSONDecodeError:
         return _error(b"400 Bad Request", "body is not valid JSON", keep_alive)
     if not isinstance(req, dict) or not isinstance(req.get("messages"), list) or not req["messages"]:
         return _error(b"400 Bad Request", "'messages' must be a non-empty array", keep_alive)
+    return req
+
+
+def chat_response(body: bytes, keep_alive: bool) -> bytes:
+    req = _parse_chat(body, keep_alive)
+    if isinstance(req, bytes):
+        return req
     STATE.seq += 1
     cid = f"chatcmpl-mock{STATE.seq:012d}"
     model = req.get("model") or "mock"
@@ -123,17 +141,96 @@ def chat_response(body: bytes, keep_alive: bool) -> bytes:
     return b"".join(out)
 
 
+def _paced_word(k: int) -> str:
+    return f" token {k} of the"  # a few tokens per chunk
+
+
+class PacedStream:
+    """One paced SSE answer (paced mode): chunk k is written at start + k * interval."""
+
+    __slots__ = ("transport", "keep_alive", "frames", "start", "k", "loop", "handle")
+
+    def __init__(
+        self, transport: asyncio.Transport, req: dict[str, Any], body_bytes: int, keep_alive: bool
+    ) -> None:
+        STATE.seq += 1
+        base = {
+            "id": f"chatcmpl-mock{STATE.seq:012d}",
+            "object": "chat.completion.chunk",
+            "created": int(time.time()),
+            "model": req.get("model") or "mock",
+        }
+        frames: list[bytes] = []
+        for k in range(STATE.chunks):
+            delta: dict[str, str] = {"role": "assistant"} if k == 0 else {}
+            delta["content"] = _paced_word(k)
+            event = {**base, "choices": [{"index": 0, "delta": delta, "finish_reason": None}]}
+            frames.append(_chunk(b"data: " + orjson.dumps(event) + b"\n\n"))
+        tail = [{**base, "choices": [{"index": 0, "delta": {}, "finish_reason": "stop"}]}]
+        options = req.get("stream_options")
+        if isinstance(options, dict) and options.get("include_usage") is True:
+            prompt = max(1, body_bytes // 4)
+            completion = 4 * STATE.chunks
+            usage = {
+                "prompt_tokens": prompt,
+                "completion_tokens": completion,
+                "total_tokens": prompt + completion,
+            }
+            tail.append({**base, "choices": [], "usage": usage})
+        last = b"".join(_chunk(b"data: " + orjson.dumps(e) + b"\n\n") for e in tail)
+        frames.append(last + _chunk(b"data: [DONE]\n\n") + b"0\r\n\r\n")
+        self.transport = transport
+        self.keep_alive = keep_alive
+        self.frames = frames
+        self.loop = asyncio.get_running_loop()
+        self.start = self.loop.time()
+        self.k = 0
+        self.handle: asyncio.TimerHandle | None = None
+        STATE.open_streams += 1
+        transport.write(_head(b"200 OK", b"text/event-stream", None, keep_alive))
+        self._tick()
+
+    def _tick(self) -> None:
+        transport = self.transport
+        if transport.is_closing():
+            self.stop()
+            return
+        transport.write(self.frames[self.k])
+        self.k += 1
+        if self.k < len(self.frames):
+            self.handle = self.loop.call_at(self.start + self.k * STATE.interval, self._tick)
+            return
+        self.handle = None
+        STATE.open_streams -= 1
+        if not self.keep_alive:
+            transport.close()
+
+    def stop(self) -> None:
+        if self.handle is not None:
+            self.handle.cancel()
+            self.handle = None
+        if self.k < len(self.frames):
+            self.k = len(self.frames)
+            STATE.open_streams -= 1
+
+
 class MockProtocol(asyncio.Protocol):
-    __slots__ = ("transport", "parser", "url", "body")
+    __slots__ = ("transport", "parser", "url", "body", "paced")
 
     def __init__(self) -> None:
         self.transport: asyncio.Transport | None = None
         self.parser = httptools.HttpRequestParser(self)
         self.url = b""
         self.body: list[bytes] = []
+        self.paced: PacedStream | None = None
 
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
         self.transport = transport  # type: ignore[assignment]
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        if self.paced is not None:
+            self.paced.stop()
+            self.paced = None
 
     def data_received(self, data: bytes) -> None:
         try:
@@ -165,11 +262,16 @@ class MockProtocol(asyncio.Protocol):
             body = self.body[0] if len(self.body) == 1 else b"".join(self.body)
             STATE.last_body = body
             STATE.requests += 1
-            transport.write(chat_response(body, keep_alive))
+            req = _parse_chat(body, keep_alive) if STATE.chunks else None
+            if isinstance(req, dict) and req.get("stream") is True:
+                self.paced = PacedStream(transport, req, len(body), keep_alive)
+            else:
+                transport.write(chat_response(body, keep_alive))
         elif method == b"GET" and path == b"/_bench/last":
             transport.write(_json_response(b"200 OK", STATE.last_body, keep_alive))
         elif method == b"GET" and path == b"/_bench/stats":
-            transport.write(_json_response(b"200 OK", {"requests": STATE.requests}, keep_alive))
+            stats = {"requests": STATE.requests, "open_streams": STATE.open_streams}
+            transport.write(_json_response(b"200 OK", stats, keep_alive))
         elif method == b"GET" and path in (b"/healthz", b"/readyz", b"/health"):
             transport.write(_json_response(b"200 OK", {"status": "ok"}, keep_alive))
         elif method == b"GET" and path in (b"/v1/models", b"/models"):
@@ -202,7 +304,15 @@ def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--host", default="127.0.0.1")
     parser.add_argument("--port", type=int, default=9000)
+    parser.add_argument(
+        "--stream-chunks", type=int, default=0, help="paced mode: content chunks per streamed answer"
+    )
+    parser.add_argument(
+        "--stream-interval-ms", type=float, default=20.0, help="paced mode: ms between two chunks"
+    )
     args = parser.parse_args(argv)
+    STATE.chunks = max(0, args.stream_chunks)
+    STATE.interval = args.stream_interval_ms / 1000
     try:
         import uvloop
 

@@ -1,10 +1,13 @@
 """`make bench`: the gateway's overhead against a bare forwarder, side by side, in one run.
 
     .venv/bin/python bench/run.py [--quick] [--keep]
+    .venv/bin/python bench/run.py --scenario streams [--streams 100,300,1000]
 
 Starts the mock upstream, the bare forwarder and the real `gateway serve` as subprocesses on
 loopback, measures every scenario with one keep-alive client (bench/client.py), prints a
-table and writes var/bench/result-<timestamp>.json and var/bench/latest.json.
+table and writes var/bench/result-<timestamp>.json and var/bench/latest.json. Then N concurrent
+long streams (bench/streams.py; N = 100 here, `--scenario streams` for 100 and 300 alone) and
+the lists at 100,000 conversations (bench/listing.py).
 Set LITELLM_BIN to a `litellm` executable to add a LiteLLM proxy column. See bench/README.md.
 """
 
@@ -246,8 +249,31 @@ def main(argv: list[str] | None = None) -> int:
         action="store_true",
         help="skip bench/listing.py (lists with 100,000 conversations; run after the rest)",
     )
+    parser.add_argument(
+        "--scenario",
+        choices=("all", "streams"),
+        default="all",
+        help="streams: only N concurrent long streams (bench/streams.py, N = 100 and 300 unless "
+        "--streams says otherwise); all (default): every scenario, the streams at N = 100 only",
+    )
+    parser.add_argument(
+        "--streams",
+        default=None,
+        help="stream counts of the streams scenario, comma-separated (e.g. 100,300,1000)",
+    )
+    parser.add_argument(
+        "--stream-rounds", type=int, default=3, help="rounds per stream count in the streams scenario"
+    )
+    parser.add_argument(
+        "--no-streams", action="store_true", help="skip the streams scenario in the default run"
+    )
     args = parser.parse_args(argv)
+    if args.scenario == "streams":
+        return run_streams(args, args.streams or "100,300")
     rc = run(args)
+    if rc == 0 and not args.no_streams:
+        print("\nbench: concurrent long streams (bench/streams.py)", flush=True)
+        rc = run_streams(args, args.streams or "100")
     if rc == 0 and not args.no_listing:
         import listing
 
@@ -257,6 +283,17 @@ def main(argv: list[str] | None = None) -> int:
         print("\nbench: listing (bench/listing.py)", flush=True)
         rc = listing.main(extra)
     return rc
+
+
+def run_streams(args: argparse.Namespace, streams: str) -> int:
+    """N concurrent long streams through the aiohttp forwarder and the gateways (bench/streams.py),
+    with processes of its own: var/bench/streams-latest.json."""
+    import streams as streams_bench
+
+    extra = ["--quick"] if args.quick else ["--streams", streams, "--stream-rounds", str(args.stream_rounds)]
+    extra += ["--keep"] if args.keep else []
+    extra += ["--tmp-dir", args.tmp_dir] if args.tmp_dir else []
+    return int(streams_bench.main(extra))
 
 
 def run(args: argparse.Namespace) -> int:
