@@ -20,7 +20,7 @@ from starlette.middleware import Middleware
 from starlette.routing import Route
 
 import gateway.metrics
-from gateway.api import compaction, health, ui
+from gateway.api import compaction, health, messages, ui
 from gateway.api import completions as stored
 from gateway.api import conversations as conv
 from gateway.api import responses as resp
@@ -155,6 +155,8 @@ def create_app(
         Route("/v1/responses/{response_id}", resp.delete_response, methods=["DELETE"]),
         Route("/v1/responses/{response_id}/cancel", resp.cancel_response, methods=["POST"]),
         Route("/v1/responses/{response_id}/input_items", resp.list_input_items, methods=["GET"]),
+        Route("/v1/messages", messages.create_message, methods=["POST"]),
+        Route("/v1/messages/count_tokens", messages.count_tokens, methods=["POST"]),
         Route("/metrics", metrics_endpoint, methods=["GET"]),
         Route("/ui", ui.page, methods=["GET"]),
         Route("/ui/", ui.page, methods=["GET"]),

@@ -60,13 +60,19 @@ class Tenants:
         """One of the keys (the first configured), for a client in this process (`gateway demo`)."""
         return next(iter(self._by_key), None)
 
-    def authenticate(self, authorization: str | None) -> str:
-        """The tenant for an `Authorization: Bearer KEY` header; 401 otherwise."""
+    def authenticate(self, authorization: str | None, api_key: str | None = None) -> str:
+        """The tenant for an `Authorization: Bearer KEY` header, else an `x-api-key: KEY` header
+        (Anthropic's clients send that one); 401 otherwise."""
         if not self.enabled:
             return DEFAULT_TENANT
-        if not authorization or not authorization.lower().startswith("bearer "):
-            raise AuthenticationError("Missing gateway key: send 'Authorization: Bearer <key>'")
-        presented = authorization[7:].strip()
+        if authorization and authorization.lower().startswith("bearer "):
+            presented = authorization[7:].strip()
+        elif api_key:
+            presented = api_key.strip()
+        else:
+            raise AuthenticationError(
+                "Missing gateway key: send 'Authorization: Bearer <key>' (or 'x-api-key: <key>')"
+            )
         for key, tenant in self._by_key.items():
             if hmac.compare_digest(key.encode(), presented.encode()):
                 return tenant
@@ -92,25 +98,26 @@ class AuthMiddleware:
         if not self.tenants.enabled:
             refused = self._cross_origin(scope)
             if refused is not None:
-                from gateway.api.http import error_response
+                from gateway.api.http import error_response_at
 
-                await error_response(refused)(scope, receive, send)
+                await error_response_at(path, refused)(scope, receive, send)
                 return
         if not self.tenants.enabled or path in OPEN_PATHS or is_page:
             scope["gateway.tenant"] = DEFAULT_TENANT
             await self.app(scope, receive, send)
             return
-        header = None
+        header = api_key = None
         for name, value in scope["headers"]:
-            if name == b"authorization":
+            if name == b"authorization" and header is None:
                 header = value.decode("latin-1")
-                break
+            elif name == b"x-api-key" and api_key is None:
+                api_key = value.decode("latin-1")
         try:
-            scope["gateway.tenant"] = self.tenants.authenticate(header)
+            scope["gateway.tenant"] = self.tenants.authenticate(header, api_key)
         except AuthenticationError as exc:
-            from gateway.api.http import error_response
+            from gateway.api.http import error_response_at
 
-            await error_response(exc)(scope, receive, send)
+            await error_response_at(path, exc)(scope, receive, send)
             return
         await self.app(scope, receive, send)
 

@@ -1,5 +1,6 @@
 """Service endpoints: models, the OpenAPI document, liveness and readiness; and the error
-handlers that render every failure in OpenAI's error shape."""
+handlers that render every failure in the shape of the API its path belongs to (OpenAI's, or
+Anthropic's under /v1/messages)."""
 
 from __future__ import annotations
 
@@ -10,7 +11,7 @@ from starlette.exceptions import HTTPException
 from starlette.requests import Request
 from starlette.responses import Response
 
-from gateway.api.http import JSONBody, error_response, services_of
+from gateway.api.http import JSONBody, error_response_at, services_of
 from gateway.api.openapi import build_schema
 from gateway.exceptions import GatewayError, NotFound, StorageError
 
@@ -60,17 +61,19 @@ async def readyz(request: Request) -> Response:
 
 async def gateway_error(request: Request, exc: Exception) -> Response:
     assert isinstance(exc, GatewayError)
-    return error_response(exc)
+    return error_response_at(request.url.path, exc)
 
 
 async def http_error(request: Request, exc: Exception) -> Response:
     assert isinstance(exc, HTTPException)
     if exc.status_code == 404:
-        return error_response(NotFound(f"Unknown path {request.url.path}", code="unknown_url"))
+        return error_response_at(
+            request.url.path, NotFound(f"Unknown path {request.url.path}", code="unknown_url")
+        )
     err = GatewayError(str(exc.detail))
     err.status_code = exc.status_code
     err.error_type = "invalid_request_error"
-    return error_response(err)
+    return error_response_at(request.url.path, err)
 
 
 async def os_error(request: Request, exc: Exception) -> Response:
@@ -78,9 +81,9 @@ async def os_error(request: Request, exc: Exception) -> Response:
     assert isinstance(exc, OSError)
     log.error("the system refused an operation on %s: %r", request.url.path, exc)
     reason = exc.strerror or type(exc).__name__
-    return error_response(StorageError(f"the system refused an operation: {reason}"))
+    return error_response_at(request.url.path, StorageError(f"the system refused an operation: {reason}"))
 
 
 async def unexpected(request: Request, exc: Exception) -> Response:
     log.exception("unhandled error on %s", request.url.path)
-    return error_response(GatewayError("Internal gateway error; see the gateway log"))
+    return error_response_at(request.url.path, GatewayError("Internal gateway error; see the gateway log"))

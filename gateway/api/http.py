@@ -1,5 +1,6 @@
-"""HTTP plumbing shared by the routes: bounded body reading (size and time), OpenAI-shaped errors,
-disconnect watching, and a server-sent-events response that reports how it ended."""
+"""HTTP plumbing shared by the routes: bounded body reading (size and time), errors in the shape
+of the API a path belongs to (OpenAI's; Anthropic's under /v1/messages), disconnect watching, and
+a server-sent-events response that reports how it ended."""
 
 from __future__ import annotations
 
@@ -13,6 +14,7 @@ from starlette.requests import ClientDisconnect, Request
 from starlette.responses import Response
 from starlette.types import Receive, Scope, Send
 
+from gateway.context.anthropic import error_body
 from gateway.exceptions import BodyTimeout, BodyTooLarge, ClientGone, GatewayError, InvalidRequest
 from gateway.services import Services
 from gateway.services.turn import PreparedTurn
@@ -31,8 +33,26 @@ class JSONBody(Response):
         return orjson.dumps(content)
 
 
+# Anthropic's Messages API: its errors are in Anthropic's shape.
+ANTHROPIC_PATHS = "/v1/messages"
+
+
 def error_response(exc: GatewayError) -> Response:
     return JSONBody(exc.to_dict(), status_code=exc.status_code, headers=exc.headers())
+
+
+def anthropic_error_response(exc: GatewayError) -> Response:
+    body = error_body(exc.status_code, exc.message)
+    return JSONBody(body, status_code=exc.status_code, headers=exc.headers())
+
+
+def is_anthropic_path(path: str) -> bool:
+    return path == ANTHROPIC_PATHS or path.startswith(ANTHROPIC_PATHS + "/")
+
+
+def error_response_at(path: str, exc: GatewayError) -> Response:
+    """The error in the shape of the API `path` belongs to."""
+    return anthropic_error_response(exc) if is_anthropic_path(path) else error_response(exc)
 
 
 def tenant_of(request: Request) -> str:

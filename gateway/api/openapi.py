@@ -10,6 +10,7 @@ from pydantic import BaseModel, TypeAdapter
 
 from gateway import __version__
 from gateway.api import replies, schemas
+from gateway.api.http import is_anthropic_path
 from gateway.api.pages import NEWEST_FIRST, ORDERS
 from gateway.ids import CONVERSATION_ID_RE
 
@@ -27,6 +28,8 @@ MODELS: dict[str, type[BaseModel]] = {
         schemas.ChatCompletionUpdate,
         *(replies.Page, replies.ModelList, replies.Conversation, replies.Deleted),
         *(schemas.InputTokensCount, replies.InputTokens),
+        *(schemas.MessageCreate, schemas.CountTokensRequest, replies.AnthropicError),
+        *(replies.MessageObject, replies.MessageTokensCount),
     )
 }
 MODELS["Response"] = replies.ResponseObject  # and "Item", the union schemas.Item
@@ -82,12 +85,33 @@ OPERATIONS: list[Operation] = [
     ("delete", RESPONSE, None, "Deleted", DELETE, "Delete a response"),
     ("post", f"{RESPONSE}/cancel", None, "Response", (*READ, 409), "Cancel a background response"),
     ("get", f"{RESPONSE}/input_items", None, "Page", READ, "A response's input items"),
+    ("post", "/v1/messages", "MessageCreate", "MessageObject", TURN, "Anthropic's Messages API"),
+    (
+        "post",
+        "/v1/messages/count_tokens",
+        "CountTokensRequest",
+        "MessageTokensCount",
+        COUNT,
+        "Count input tokens",
+    ),
     ("get", "/healthz", None, "Alive", (), "Liveness"),
     ("get", "/readyz", None, "Ready", (), "Readiness: 503 while starting, stopping or unable to write"),
     ("get", "/metrics", None, "Text exposition", (), "Prometheus metrics"),
 ]
 # The operations whose 200 is an event stream with `"stream": true`, and what the events are.
-STREAMS = {"/v1/chat/completions": "chat.completion.chunk", "/v1/responses": "response events"}
+STREAMS = {
+    "/v1/chat/completions": "chat.completion.chunk",
+    "/v1/responses": "response events",
+    "/v1/messages": "Anthropic's message events (message_start ... message_stop)",
+}
+# Anthropic's API: its errors in its own shape, its version header required, its key header too.
+ANTHROPIC_VERSION: Schema = {
+    "name": "anthropic-version",
+    "in": "header",
+    "required": True,
+    "schema": {"type": "string", "minLength": 1, "pattern": "\\S"},
+    "description": "Required, as by Anthropic (any version is accepted); without it a 400",
+}
 PATH_PARAMETERS: dict[str, Schema] = {
     name: {"name": name, "in": "path", "required": True, "schema": {"type": "string"}}
     for name in ("conversation_id", "response_id", "item_id", "model", "completion_id")
@@ -135,10 +159,13 @@ def _ok(method: str, path: str, answer: str) -> Schema:
 
 def _operation(method: str, path: str, body: str | None, answer: str, errors: tuple[int, ...]) -> Schema:
     responses: Schema = {"200": _ok(method, path, answer)}
-    responses.update({str(s): {"$ref": f"#/components/responses/E{s}"} for s in errors})
+    shape = "A" if is_anthropic_path(path) else "E"
+    responses.update({str(s): {"$ref": f"#/components/responses/{shape}{s}"} for s in errors})
     if path == "/readyz":
         responses["503"] = _json({"type": "object"}, "Not ready")
     parameters = [PATH_PARAMETERS[name] for name in re.findall(r"{(\w+)}", path)]
+    if is_anthropic_path(path):
+        parameters.append(ANTHROPIC_VERSION)
     if method == "get" and answer == "Page":
         parameters += _page(NEWEST_FIRST if path == "/v1/conversations" else ORDERS)
     if method == "get" and path == "/v1/chat/completions":
@@ -149,6 +176,8 @@ def _operation(method: str, path: str, body: str | None, answer: str, errors: tu
         operation["requestBody"] = {"required": not body.endswith("?"), "content": {JSON: schema}}
     if method == "post" and path == "/v1/chat/completions":
         operation["operationId"] = "createChatCompletion"
+    if is_anthropic_path(path):
+        operation["security"] = [{}, {"gatewayKey": []}, {"anthropicKey": []}]
     return operation
 
 
@@ -179,8 +208,14 @@ def build_schema() -> Schema:
         "paths": paths,
         "components": {
             "schemas": component_schemas(),
-            "responses": {f"E{status}": _json(REFS["Error"], text) for status, text in ERRORS.items()},
-            "securitySchemes": {"gatewayKey": {"type": "http", "scheme": "bearer"}},
+            "responses": {
+                **{f"E{status}": _json(REFS["Error"], text) for status, text in ERRORS.items()},
+                **{f"A{status}": _json(REFS["AnthropicError"], text) for status, text in ERRORS.items()},
+            },
+            "securitySchemes": {
+                "gatewayKey": {"type": "http", "scheme": "bearer"},
+                "anthropicKey": {"type": "apiKey", "in": "header", "name": "x-api-key"},
+            },
         },
         "security": [{}, {"gatewayKey": []}],
     }

@@ -91,3 +91,34 @@ class CompactedResponse(_Reply):
     created_at: int
     output: list[Fields] = Field(description="The user messages, as they were, then one compaction item")
     usage: Fields
+
+
+class AnthropicErrorDetail(_Reply):
+    type: str
+    message: str
+
+
+class AnthropicError(_Reply):
+    """Anthropic's error shape, for every error status of the Messages API."""
+
+    type: Literal["error"]
+    error: AnthropicErrorDetail
+
+
+class MessageObject(_Reply):
+    """The Messages API's `message`."""
+
+    id: str = Field(description="The minted response id, {model-slug}-{12 hex}")
+    type: Literal["message"]
+    role: Literal["assistant"]
+    model: str
+    content: list[Fields]
+    stop_reason: str | None
+    stop_sequence: str | None
+    usage: Fields
+    conversation_id: str | None = None
+
+
+class MessageTokensCount(_Reply):
+    input_tokens: int = Field(description="What the prompt would hold (as /v1/responses/input_tokens counts)")
+    gateway: Fields | None = Field(None, description="Extension: how it was counted, and the window counted")

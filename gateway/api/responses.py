@@ -43,6 +43,7 @@ from gateway.context.items import Item, items_to_messages, message_to_items
 from gateway.exceptions import ConversationBusy, GatewayError, InvalidRequest, shutting_down
 from gateway.ids import check_conversation_id
 from gateway.services import Services
+from gateway.services.counting import PromptCount
 from gateway.services.requests import ChatRequest
 from gateway.services.turn import PreparedTurn
 from gateway.types import JSONObject, Record
@@ -51,7 +52,7 @@ from gateway.types import JSONObject, Record
 _REASONING_MODELS = re.compile(r"(o\d|gpt-5)")
 
 
-def _output_cap(model: str) -> str:
+def output_cap(model: str) -> str:
     """The chat field `max_output_tokens` goes in: `max_completion_tokens` for OpenAI's reasoning
     models (o1, o3, o4-mini, gpt-5...), else `max_tokens`, which every OpenAI-compatible server
     knows (not all of them know the newer name)."""
@@ -131,7 +132,7 @@ def _chat_body(
     if body.get("tool_choice") is not None:
         chat["tool_choice"] = _tool_choice(body["tool_choice"])
     if request.max_output_tokens is not None:
-        chat[_output_cap(request.model)] = request.max_output_tokens
+        chat[output_cap(request.model)] = request.max_output_tokens
     background = body.get("background")
     if background is not None and not isinstance(background, bool):
         raise InvalidRequest("'background' must be true or false", param="background")
@@ -346,22 +347,28 @@ async def count_input_tokens(request: Request) -> Response:
     chat.conversation_id = cid
     chat.truncation = params["truncation"]
     counted = await services.turns.count(chat, tenant)
-    plan = counted.plan
     return JSONBody(
         {
             "object": "response.input_tokens",
             "input_tokens": counted.input_tokens,
-            "gateway": {
-                "counted_by": counted.counted_by,
-                "tokens": plan.window.tokens,  # the gateway's own count, by part (as a context snapshot)
-                "context_window": plan.context_window,
-                "reserve_tokens": plan.reserve,
-                "sent_messages": len(plan.window.messages),
-                "truncated": plan.window.omitted,
-                "summary_version": plan.summary.version if plan.summary else None,
-            },
+            "gateway": count_details(counted),
         }
     )
+
+
+def count_details(counted: PromptCount) -> JSONObject:
+    """What a count says beside its `input_tokens` (the extension `gateway`): how it was counted,
+    and the window it counts."""
+    plan = counted.plan
+    return {
+        "counted_by": counted.counted_by,
+        "tokens": plan.window.tokens,  # the gateway's own count, by part (as a context snapshot)
+        "context_window": plan.context_window,
+        "reserve_tokens": plan.reserve,
+        "sent_messages": len(plan.window.messages),
+        "truncated": plan.window.omitted,
+        "summary_version": plan.summary.version if plan.summary else None,
+    }
 
 
 def _without_type(record: Record | None) -> Record | None:

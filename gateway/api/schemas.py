@@ -477,3 +477,179 @@ class ChatCompletionUpdate(BaseModel):
     metadata: Metadata | None
 
     error_messages: ClassVar[ErrorMessages] = {"": NOT_AN_OBJECT, "metadata": _metadata}
+
+
+# -- Anthropic's Messages API --------------------------------------------------------------------
+# The blocks are documented here and checked where they become chat messages
+# (`context/anthropic.py`), which names the place of a bad one as Anthropic's request has it.
+
+
+@with_config(BODY)
+class TextBlock(TypedDict):
+    type: Literal["text"]
+    text: str
+
+
+@with_config(BODY)
+class Base64Source(TypedDict):
+    type: Literal["base64"]
+    media_type: Literal["image/jpeg", "image/png", "image/gif", "image/webp"]
+    data: str
+
+
+@with_config(BODY)
+class URLSource(TypedDict):
+    type: Literal["url"]
+    url: Annotated[str, Field(pattern=r"^https?://[A-Za-z0-9]")]
+
+
+@with_config(BODY)
+class ImageBlock(TypedDict):
+    type: Literal["image"]
+    source: Annotated[Base64Source | URLSource, Field(discriminator="type")]
+
+
+@with_config(BODY)
+class PDFSource(TypedDict):
+    type: Literal["base64"]
+    media_type: Literal["application/pdf"]
+    data: str
+
+
+@with_config(BODY)
+class PlainTextSource(TypedDict):
+    type: Literal["text"]
+    media_type: Literal["text/plain"]
+    data: str
+
+
+@with_config(BODY)
+class DocumentBlock(TypedDict):
+    type: Literal["document"]
+    source: Annotated[PDFSource | PlainTextSource, Field(discriminator="type")]
+    title: NotRequired[str | None]
+
+
+@with_config(BODY)
+class ToolUseBlock(TypedDict):
+    type: Literal["tool_use"]
+    id: Annotated[str, Field(min_length=1)]
+    name: Annotated[str, Field(min_length=1)]
+    input: dict[str, object]
+
+
+@with_config(BODY)
+class ToolResultBlock(TypedDict):
+    type: Literal["tool_result"]
+    tool_use_id: Annotated[str, Field(min_length=1)]
+    content: NotRequired[str | list[Annotated[TextBlock | ImageBlock, Field(discriminator="type")]]]
+    is_error: NotRequired[bool]
+
+
+@with_config(BODY)
+class ThinkingBlock(TypedDict):
+    """Accepted in an assistant message and left out (a chat provider takes none back)."""
+
+    type: Literal["thinking", "redacted_thinking"]
+
+
+UserBlock = Annotated[TextBlock | ImageBlock | DocumentBlock | ToolResultBlock, Field(discriminator="type")]
+AssistantBlock = Annotated[TextBlock | ToolUseBlock | ThinkingBlock, Field(discriminator="type")]
+
+
+@with_config(MESSAGE)
+class UserTurn(TypedDict):
+    role: Literal["user"]
+    content: str | Annotated[list[SkipValidation[UserBlock]], Field(min_length=1)]
+
+
+@with_config(MESSAGE)
+class AssistantTurn(TypedDict):
+    role: Literal["assistant"]
+    content: str | list[SkipValidation[AssistantBlock]]
+
+
+AnthropicMessage = Annotated[UserTurn | AssistantTurn, Field(discriminator="role")]
+
+
+@with_config(BODY)
+class ToolChoice(TypedDict):
+    type: Literal["auto", "any", "tool", "none"]
+    name: NotRequired[Annotated[str, Field(min_length=1, description="With type: tool")]]
+    disable_parallel_tool_use: NotRequired[bool]
+
+
+@with_config(BODY)
+class AnthropicTool(TypedDict):
+    name: Annotated[str, Field(min_length=1)]
+    description: NotRequired[str]
+    input_schema: dict[str, object]
+
+
+@with_config(BODY)
+class AnthropicMetadata(TypedDict, total=False):
+    user_id: str | None
+
+
+def _messages(param: str, error: ErrorDetails) -> str:
+    return "'messages' is required" if error["type"] == "missing" else "'messages' must be a non-empty array"
+
+
+ANTHROPIC_ERRORS: ErrorMessages = {
+    "": NOT_AN_OBJECT,
+    "model": "'model' is required and must be a non-empty string",
+    "messages": _messages,
+    "messages[]": "{param} must be an object with a role and content",
+    "messages[].role": "{param} must be 'user' or 'assistant'",
+    "messages[].content": "{param} must be a string or a non-empty array of content blocks",
+    "system": "'system' must be a string or an array of text blocks",
+    "tools": "'tools' must be an array",
+    "tools[]": "{param} must be a client tool: {{name, description, input_schema}}",
+    "metadata": "'metadata' must be an object whose user_id is a string",
+}
+
+
+class MessageCreate(BaseModel):
+    """`POST /v1/messages` (Anthropic's Messages API); the header `anthropic-version` is required."""
+
+    model_config = BODY
+
+    model: Annotated[str, Field(min_length=1)]
+    max_tokens: AnswerTokens
+    messages: Annotated[list[AnthropicMessage], Field(min_length=1)]
+    system: str | list[SkipValidation[TextBlock]] | None = None
+    stream: bool | None = None
+    stop_sequences: list[str] | None = None
+    tools: list[AnthropicTool] | None = None
+    tool_choice: SkipValidation[ToolChoice | None] = None
+    metadata: AnthropicMetadata | None = None
+    # The gateway's own fields (the SDK's `extra_body`), as on chat completions.
+    conversation_id: SkipValidation[ConversationId | None] = Field(
+        None, description="Gateway extension: the conversation this turn continues (or starts)"
+    )
+    session_id: SkipValidation[ConversationId | None] = Field(None, description="Without conversation_id")
+    agent_id: SkipValidation[ConversationId | None] = Field(None, description="Without session_id")
+    # Passed on to the provider.
+    temperature: SkipValidation[float | None] = None
+    top_p: SkipValidation[float | None] = None
+
+    error_messages: ClassVar[ErrorMessages] = {
+        **ANTHROPIC_ERRORS,
+        "max_tokens": f"'max_tokens' is required and {TOKENS}",
+        "stream": "'stream' must be a boolean",
+        "stop_sequences": "'stop_sequences' must be an array of strings",
+    }
+
+
+class CountTokensRequest(BaseModel):
+    """`POST /v1/messages/count_tokens`: a Messages request without `max_tokens`."""
+
+    model_config = BODY
+
+    model: Annotated[str, Field(min_length=1)]
+    messages: Annotated[list[AnthropicMessage], Field(min_length=1)]
+    system: str | list[SkipValidation[TextBlock]] | None = None
+    tools: list[AnthropicTool] | None = None
+    tool_choice: SkipValidation[ToolChoice | None] = None
+
+    error_messages: ClassVar[ErrorMessages] = ANTHROPIC_ERRORS

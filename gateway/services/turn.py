@@ -168,6 +168,12 @@ class PreparedTurn:
     def conversation_id(self) -> str | None:
         return self.request.conversation_id
 
+    @property
+    def planned_tokens(self) -> int | None:
+        """The prompt as the window plan counted it, in the gateway's count (None: a stateless
+        turn, not planned)."""
+        return self.plan.window.total_tokens if self.plan is not None else None
+
 
 def run_to_end(work: Coroutine[Any, Any, None]) -> asyncio.Future[None]:
     """Start `work`, which must run to its end whatever becomes of the caller (a commit); the

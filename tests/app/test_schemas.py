@@ -51,6 +51,9 @@ OPERATIONS = {
     ("post", "/v1/chat/completions/{completion_id}"),
     ("delete", "/v1/chat/completions/{completion_id}"),
     ("get", "/v1/chat/completions/{completion_id}/messages"),
+    # Anthropic's Messages API.
+    ("post", "/v1/messages"),
+    ("post", "/v1/messages/count_tokens"),
 }
 TURN = {200, 400, 401, 404, 408, 409, 413, 429, 502, 503, 504}
 
@@ -63,6 +66,13 @@ def test_the_generated_document_keeps_every_operation_and_status() -> None:
     }
     assert statuses["post", "/v1/chat/completions"] == statuses["post", "/v1/responses"] == TURN
     assert statuses["post", "/v1/responses/compact"] == TURN  # (the summarizer is a provider call)
+    assert statuses["post", "/v1/messages"] == TURN
+    assert statuses["post", "/v1/messages/count_tokens"] == {200, 400, 401, 404, 408, 413, 503}
+    # Anthropic's errors in Anthropic's shape, and its version header required.
+    messages = paths["/v1/messages"]["post"]
+    assert messages["responses"]["401"] == {"$ref": "#/components/responses/A401"}
+    [version] = messages["parameters"]
+    assert (version["name"], version["in"], version["required"]) == ("anthropic-version", "header", True)
     assert statuses["post", "/v1/conversations/{conversation_id}/items"] == {
         200,
         400,

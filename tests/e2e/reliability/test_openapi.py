@@ -86,7 +86,7 @@ def test_no_5xx_and_documented_responses(case: schemathesis.Case, gateway: Gatew
     case.call_and_validate(base_url=gateway.url, checks=CHECKS, timeout=10)
 
 
-@pytest.mark.parametrize("path", ["/v1/chat/completions", "/v1/responses"])
+@pytest.mark.parametrize("path", ["/v1/chat/completions", "/v1/responses", "/v1/messages"])
 def test_schema_valid_turns_complete_and_continue(path: str, gateway: GatewayProcess) -> None:
     """Schema-valid turns only (random roles, content parts, tool calls, feedback flags, ids):
     most complete with 200, none is a 5xx, and each stored conversation can be continued."""

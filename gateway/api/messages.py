@@ -1,0 +1,237 @@
+"""Anthropic's Messages API: `POST /v1/messages` (streaming and not) and
+`POST /v1/messages/count_tokens`, in Anthropic's shapes, run as chat turns.
+
+A request is translated into a chat-completions request (`context/anthropic.py`) and driven
+through the same service as `/v1/chat/completions`, so a conversation continues across chat
+completions, Responses and Messages in any order. The message `id` is the gateway's minted
+response id (`{model-slug}-{12 hex}`, not Anthropic's `msg_...`: Anthropic's SDKs take any id,
+and the id names the response log, as on the other APIs). Errors are in Anthropic's shape (the
+app's error handlers render every error under /v1/messages so), after the stream began as an
+`error` event.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import secrets
+import time
+from collections.abc import AsyncIterator
+from typing import Any
+
+import orjson
+from starlette.requests import Request
+from starlette.responses import Response
+
+from gateway.api.http import (
+    ClientDisconnected,
+    JSONBody,
+    SSEResponse,
+    anthropic_error_response,
+    read_json,
+    services_of,
+    tenant_of,
+    turn_headers,
+    turn_outcome,
+    until_disconnect,
+)
+from gateway.api.observe import log_failure, log_line, refused, stream_closed
+from gateway.api.responses import count_details, output_cap
+from gateway.api.schemas import NOT_AN_OBJECT, CountTokensRequest, MessageCreate
+from gateway.api.validation import parse_chat, validate
+from gateway.context import anthropic
+from gateway.exceptions import GatewayError, InvalidRequest, UpstreamProtocolError, shutting_down
+from gateway.metrics import Metrics
+from gateway.services.requests import ChatRequest
+from gateway.services.turn import PreparedTurn, TurnOutcome
+from gateway.services.turns import ChatService
+from gateway.types import JSONObject, as_list
+
+log = logging.getLogger("gateway.api")
+
+EVENT = "message"  # the log line's `event`
+# The gateway's own fields, as chat completions take them (the SDK's `extra_body`): the
+# conversation's name and the user's time zone.
+EXTENSIONS = ("conversation_id", "session_id", "agent_id", "user_timezone")
+
+
+def _check_version(request: Request) -> None:
+    """Anthropic's API requires `anthropic-version`: any version is accepted, none is a 400."""
+    if not request.headers.get("anthropic-version"):
+        raise InvalidRequest("anthropic-version: header is required", param="anthropic-version")
+
+
+def _chat(body: object, header_conversation_id: str | None) -> ChatRequest:
+    """The chat turn of a Messages request, checked."""
+    if not isinstance(body, dict):
+        raise InvalidRequest(NOT_AN_OBJECT)
+    validate(MessageCreate, body)
+    model = body["model"]
+    chat_body = anthropic.chat_request(body, cap=output_cap(model))
+    chat_body.update({key: body[key] for key in EXTENSIONS if body.get(key) is not None})
+    return parse_chat(chat_body, header_conversation_id=header_conversation_id)
+
+
+def _headers(turn: PreparedTurn) -> dict[str, str]:
+    """A turn's headers, and its response id as `request-id` (the SDK's `_request_id`)."""
+    return {**turn_headers(turn), "request-id": turn.response_id}
+
+
+def _message(turn: PreparedTurn, outcome: TurnOutcome, completion: JSONObject | None) -> JSONObject:
+    """The `message` of a completed turn: what was stored, with the provider's usage."""
+    choices = as_list((completion or {}).get("choices"))
+    choice = choices[0] if choices and isinstance(choices[0], dict) else {}
+    stop = anthropic.matched_stop(choice.get("stop_reason"), turn.request.body.get("stop"))
+    usage = anthropic.message_usage(
+        outcome.usage,
+        outcome.cache,
+        output_tokens=outcome.output_tokens,
+        estimate=(outcome.window_tokens or {}).get("total"),
+    )
+    message = anthropic.message_object(
+        message_id=turn.response_id,
+        model=turn.request.model,
+        message=outcome.message,
+        finish_reason=outcome.finish_reason,
+        usage=usage,
+        matched=stop,
+    )
+    if turn.conversation_id is not None:
+        message["conversation_id"] = turn.conversation_id
+    return message
+
+
+def _failed(turn: PreparedTurn, outcome: TurnOutcome, exc: BaseException, metrics: Metrics) -> Response:
+    """The response for a turn that failed before any byte was sent (as chat completions')."""
+    log_failure(outcome, exc, metrics, event=EVENT)
+    if isinstance(exc, ClientDisconnected):
+        return Response(status_code=499)
+    if not isinstance(exc, GatewayError):
+        raise exc
+    response = anthropic_error_response(exc)
+    response.headers.update(_headers(turn))
+    return response
+
+
+def sse(payload: JSONObject) -> bytes:
+    """One of Anthropic's events: its `type` is the event's name."""
+    return b"event: " + str(payload["type"]).encode() + b"\ndata: " + orjson.dumps(payload) + b"\n\n"
+
+
+async def message_events(
+    service: ChatService, turn: PreparedTurn, chunks: AsyncIterator[JSONObject]
+) -> AsyncIterator[bytes]:
+    """The turn's chunks as Anthropic's event stream: `message_start`, `ping`, the content
+    blocks, `message_delta` (how it stopped, the usage), `message_stop`. The turn is committed
+    before `message_delta`; any failure once the stream began is an `error` event, as Anthropic
+    sends it, after which nothing more comes."""
+    model = turn.request.model
+    yield sse(anthropic.message_start(turn.response_id, model, turn.planned_tokens or 0))
+    yield sse({"type": "ping"})
+    blocks = anthropic.BlockEvents()
+    try:
+        try:
+            async for chunk in chunks:
+                for payload in blocks.feed(chunk):
+                    yield sse(payload)
+        except asyncio.CancelledError as cancelled:  # the server's shutdown: said in-band too
+            raise shutting_down(cancelled) or cancelled from None
+    except Exception as exc:  # noqa: BLE001 - headers are sent: every failure is reported in-band
+        error = (
+            exc
+            if isinstance(exc, GatewayError)
+            else UpstreamProtocolError(
+                f"Provider {turn.route.provider!r} sent a malformed stream ({type(exc).__name__})"
+            )
+        )
+        if not isinstance(exc, GatewayError):
+            log.warning("malformed stream from %s: %r", turn.route.provider, exc)
+        await service.close(turn, error)
+        yield sse(anthropic.error_body(error.status_code, error.message))
+        return
+    finally:
+        aclose = getattr(chunks, "aclose", None)
+        if aclose is not None:
+            await aclose()
+    for payload in blocks.close():
+        yield sse(payload)
+    outcome = await service.close(turn)  # committed by now: the lock is released early
+    calls = bool(outcome.message and outcome.message.get("tool_calls"))
+    stop = anthropic.matched_stop(blocks.provider_stop, turn.request.body.get("stop"))
+    usage = anthropic.message_usage(
+        outcome.usage, outcome.cache, output_tokens=outcome.output_tokens, estimate=turn.planned_tokens
+    )
+    yield sse(
+        anthropic.message_delta(
+            anthropic.stop_reason(outcome.finish_reason, calls=calls, matched=stop), usage
+        )
+    )
+    yield sse({"type": "message_stop"})
+
+
+async def create_message(request: Request) -> Response:
+    """`POST /v1/messages`: the request as a chat turn, its answer as a `message` or its events."""
+    service = services_of(request).turns
+    metrics = request.app.state.metrics
+    started = time.perf_counter()
+    body: Any = None
+    try:
+        try:
+            _check_version(request)
+            body = await read_json(request, service.settings.server.max_body_bytes)
+            chat = _chat(body, request.headers.get("x-conversation-id"))
+            turn = await service.prepare(chat, tenant_of(request))
+        except asyncio.CancelledError as exc:
+            raise shutting_down(exc) or exc from None
+    except GatewayError as exc:
+        refused(request, body, exc, started, event=EVENT)
+        raise
+    if not chat.stream:
+        try:
+            completion = await until_disconnect(service.complete(turn), request.receive, started=started)
+        except BaseException as exc:
+            exc = shutting_down(exc) or exc
+            return _failed(turn, await service.close(turn, turn_outcome(exc)), exc, metrics)
+        outcome = await service.close(turn)
+        # The log line before the answer: whoever has the answer finds its line written.
+        log_line(outcome, 200, "complete", metrics, event=EVENT)
+        return JSONBody(_message(turn, outcome, completion), headers=_headers(turn))
+
+    try:
+        chunks = await until_disconnect(service.open_chunks(turn), request.receive, started=started)
+    except BaseException as exc:
+        exc = shutting_down(exc) or exc
+        return _failed(turn, await service.close(turn, turn_outcome(exc)), exc, metrics)
+
+    async def on_close(exc: BaseException | None) -> None:
+        outcome = await service.close(turn, None if exc is None else turn_outcome(exc))
+        stream_closed(outcome, exc, metrics, event=EVENT)
+
+    return SSEResponse(message_events(service, turn, chunks), headers=_headers(turn), on_close=on_close)
+
+
+async def count_tokens(request: Request) -> Response:
+    """`POST /v1/messages/count_tokens`: the prompt `POST /v1/messages` with this body would send,
+    counted as `POST /v1/responses/input_tokens` counts (the window planned: the conversation
+    named, else a new one; nothing sent or stored), plus the extension `gateway`: how it was
+    counted, and the window."""
+    services = services_of(request)
+    _check_version(request)
+    body = await read_json(request, services.settings.server.max_body_bytes)
+    if not isinstance(body, dict):
+        raise InvalidRequest(NOT_AN_OBJECT)
+    validate(CountTokensRequest, body)
+    chat_body: JSONObject = {
+        "model": body["model"],
+        "messages": anthropic.chat_messages(body.get("system"), body.get("messages")),
+    }
+    tools = anthropic.chat_tools(body.get("tools"))
+    if tools:
+        chat_body["tools"] = tools
+    anthropic.chat_tool_choice(body.get("tool_choice"))  # (checked as a turn checks it)
+    chat_body.update({key: body[key] for key in EXTENSIONS if body.get(key) is not None})
+    chat = parse_chat(chat_body, header_conversation_id=request.headers.get("x-conversation-id"))
+    if chat.conversation_id is None:  # counted as the first turn of a conversation of its own
+        chat.conversation_id = f"count-{secrets.token_hex(12)}"
+    counted = await services.turns.count(chat, tenant_of(request))
+    return JSONBody({"input_tokens": counted.input_tokens, "gateway": count_details(counted)})

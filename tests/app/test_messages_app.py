@@ -1,0 +1,184 @@
+"""Anthropic's Messages API in-process (the app over a MockUpstream): the one log line and the
+metrics every turn gets, failures before and after the stream began, and the stored turn."""
+
+from __future__ import annotations
+
+import json
+import logging
+from collections.abc import AsyncIterator
+from typing import Any
+
+import pytest
+
+from gateway.exceptions import UpstreamProtocolError, UpstreamTimeout
+from gateway.store.memory import MemoryStore
+from gateway.upstream.base import Body, Chunk
+from gateway.upstream.mock import MockUpstream
+from tests.conftest import build_client, make_settings
+
+VERSION = {"anthropic-version": "2023-06-01"}
+
+
+def request(text: str = "hi", **fields: Any) -> dict[str, Any]:
+    return {"model": "mock/m", "max_tokens": 64, "messages": [{"role": "user", "content": text}], **fields}
+
+
+def events_of(body: str) -> list[tuple[str, dict[str, Any]]]:
+    """(event name, data) of each server-sent event."""
+    out = []
+    for block in body.strip().split("\n\n"):
+        lines = dict(line.split(": ", 1) for line in block.splitlines())
+        out.append((lines["event"], json.loads(lines["data"])))
+    return out
+
+
+async def test_messages_turns_get_the_log_line_and_metrics_chat_turns_get(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    upstream = MockUpstream()
+    async with build_client(make_settings(), MemoryStore(), upstream) as client:
+        with caplog.at_level(logging.INFO, logger="gateway.access"):
+            for stream in (False, True):
+                r = await client.post(
+                    "/v1/messages", json=request(stream=stream, conversation_id="logged"), headers=VERSION
+                )
+                assert r.status_code == 200
+            streamed = events_of(r.text)
+            bad = await client.post("/v1/messages", json={"model": "mock/m", "messages": []}, headers=VERSION)
+            assert bad.status_code == 400
+            counted = await client.post("/v1/messages/count_tokens", json=request(), headers=VERSION)
+            assert counted.status_code == 200 and counted.json()["input_tokens"] > 0
+        metrics = (await client.get("/metrics")).text
+    lines = [json.loads(r.getMessage()) for r in caplog.records if r.name == "gateway.access"]
+    assert [(line["event"], line["status"], line.get("outcome")) for line in lines] == [
+        ("message", 200, "complete"),
+        ("message", 200, "complete"),
+        ("message", 400, "refused"),
+        ("http.request", 200, None),
+    ]
+    assert lines[1]["conversation_id"] == "logged" and lines[1]["tokens"]["total"] > 0
+    # The stream's message_start says the prompt as the window counted it.
+    assert streamed[0][1]["message"]["usage"]["input_tokens"] == lines[1]["tokens"]["total"]
+    assert 'gateway_upstream_seconds_count{provider="mock"} 2.0' in metrics  # both turns counted
+    assert 'gateway_requests_total{route="create_message",status="200"} 2.0' in metrics
+    assert len(upstream.requests) == 2
+
+
+class BreaksMidStream(MockUpstream):
+    """Sends a first chunk, then fails as a provider dropping the connection does."""
+
+    async def stream(self, body: Body) -> AsyncIterator[Chunk]:
+        self.requests.append(body)
+        yield {"id": "x", "object": "chat.completion.chunk", "created": 0, "model": "m",
+               "choices": [{"index": 0, "delta": {"role": "assistant", "content": "Hel"}}]}  # fmt: skip
+        raise UpstreamProtocolError("Provider 'mock' at mock://upstream failed: the connection was reset")
+
+
+async def test_a_stream_that_breaks_after_it_began_ends_with_an_error_event(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    async with build_client(make_settings(), MemoryStore(), BreaksMidStream()) as client:
+        with caplog.at_level(logging.INFO, logger="gateway.access"):
+            r = await client.post(
+                "/v1/messages", json=request(stream=True, conversation_id="cut"), headers=VERSION
+            )
+        assert r.status_code == 200
+        events = events_of(r.text)
+        items = await client.get("/v1/conversations/cut")
+    assert [name for name, _ in events] == [
+        "message_start",
+        "ping",
+        "content_block_start",
+        "content_block_delta",
+        "error",
+    ]
+    assert events[-1][1] == {
+        "type": "error",
+        "error": {
+            "type": "api_error",
+            "message": "Provider 'mock' at mock://upstream failed: the connection was reset",
+        },
+    }
+    assert items.status_code == 404  # nothing stored
+    line = json.loads(next(rec.getMessage() for rec in caplog.records if rec.name == "gateway.access"))
+    assert (line["event"], line["status"], line["outcome"]) == ("message", 200, "error")
+
+
+async def test_a_failure_before_the_answer_is_its_status_in_anthropics_shape() -> None:
+    def times_out(body: Body) -> str:
+        raise UpstreamTimeout("Provider 'mock' did not answer within 5 s")
+
+    async with build_client(make_settings(), MemoryStore(), MockUpstream(times_out)) as client:
+        for stream in (False, True):
+            r = await client.post("/v1/messages", json=request(stream=stream), headers=VERSION)
+            assert r.status_code == 504
+            assert r.json() == {
+                "type": "error",
+                "error": {"type": "timeout_error", "message": "Provider 'mock' did not answer within 5 s"},
+            }
+            assert r.headers["x-response-id"].startswith("mock-m-")  # the attempt's log
+
+
+async def test_the_stored_turn_is_the_chat_turn_the_other_apis_read() -> None:
+    """A Messages turn is stored as chat messages: chat completions and the Responses API read it."""
+    upstream = MockUpstream()
+    async with build_client(make_settings(), MemoryStore(), upstream) as client:
+        history = [
+            {"role": "user", "content": [{"type": "text", "text": "my name is Bob"}]},
+        ]
+        r = await client.post(
+            "/v1/messages",
+            json={**request(), "messages": history, "system": [{"type": "text", "text": "Be brief."}]},
+            headers={**VERSION, "X-Conversation-Id": "shared"},
+        )
+        assert r.status_code == 200
+        rid = r.json()["id"]
+        stored = (await client.get(f"/v1/responses/{rid}")).json()
+        assert stored["output"][0]["content"][0]["text"].startswith("Nice to meet you, Bob")
+        assert stored["gateway"]["request"]["system"] == [{"role": "system", "content": "Be brief."}]
+        assert stored["gateway"]["request"]["input"] == [{"role": "user", "content": "my name is Bob"}]
+        chat = await client.post(
+            "/v1/chat/completions",
+            json={
+                "model": "mock/m",
+                "conversation_id": "shared",
+                "messages": [{"role": "user", "content": "what is my name?"}],
+            },
+        )
+        assert chat.json()["choices"][0]["message"]["content"] == "Your name is Bob."
+    assert upstream.requests[-1]["messages"][0] == {"role": "system", "content": "Be brief."}
+
+
+@pytest.mark.parametrize(
+    ("fields", "message"),
+    [
+        ({"max_tokens": None}, "'max_tokens' is required and must be an integer between 1 and 10000000"),
+        ({"messages": []}, "'messages' must be a non-empty array"),
+        (
+            {"messages": [{"role": "system", "content": "x"}]},
+            "messages[0].role must be 'user' or 'assistant'",
+        ),
+        (
+            {"messages": [{"role": "user", "content": []}]},
+            "messages[0].content must be a string or a non-empty array of content blocks",
+        ),
+        ({"tools": [{"name": "x"}]}, "tools[0] must be a client tool: {name, description, input_schema}"),
+        ({"system": 3}, "'system' must be a string or an array of text blocks"),
+        (
+            {"tool_choice": {"type": "sometimes"}},
+            "'tool_choice' must be {type: auto}, {type: any}, {type: tool, name} or {type: none}",
+        ),  # fmt: skip
+    ],
+)
+async def test_a_bad_request_is_a_400_naming_the_field_as_anthropic_has_it(
+    fields: dict[str, Any], message: str
+) -> None:
+    upstream = MockUpstream()
+    body = {k: v for k, v in {**request(), **fields}.items() if v is not None}
+    async with build_client(make_settings(), MemoryStore(), upstream) as client:
+        r = await client.post("/v1/messages", json=body, headers=VERSION)
+    assert (r.status_code, r.json()) == (
+        400,
+        {"type": "error", "error": {"type": "invalid_request_error", "message": message}},
+    )
+    assert upstream.requests == []
