@@ -106,15 +106,18 @@ class Chunk(TypedDict, total=False):
 RecordType = Literal["request", "context", "response", "commit", "incomplete", "deleted"]
 
 # The API a response log's request came through (`request_api`).
-Api = Literal["chat", "responses", "items"]
+Api = Literal["chat", "responses", "items", "messages"]
 
 
 def request_api(request: Record) -> Api:
     """Which API a request record came through: `items` added through the Conversations API
-    (`"kind": "items"`), a Responses API turn (it keeps what its create returned, `responses`),
-    else chat completions. (PostgreSQL's listing says the same in SQL: store/postgres/schema.py.)"""
+    (`"kind": "items"`), an Anthropic Messages turn (`"api": "messages"`), a Responses API turn
+    (it keeps what its create returned, `responses`), else chat completions. (PostgreSQL's
+    listing says the same in SQL: store/postgres/schema.py.)"""
     if request.get("kind") == "items":
         return "items"
+    if request.get("api") == "messages":
+        return "messages"
     return "responses" if "responses" in request else "chat"
 
 

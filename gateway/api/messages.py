@@ -69,7 +69,9 @@ def _chat(body: object, header_conversation_id: str | None) -> ChatRequest:
     model = body["model"]
     chat_body = anthropic.chat_request(body, cap=output_cap(model))
     chat_body.update({key: body[key] for key in EXTENSIONS if body.get(key) is not None})
-    return parse_chat(chat_body, header_conversation_id=header_conversation_id)
+    chat = parse_chat(chat_body, header_conversation_id=header_conversation_id)
+    chat.from_messages_api = True  # (recorded: not a chat completion for the stored-completions lists)
+    return chat
 
 
 def _headers(turn: PreparedTurn) -> dict[str, str]:

@@ -47,6 +47,9 @@ class ChatRequest:
     previous_response_id: str | None = None
     # The Responses API's own parameters (instructions, metadata, ...): recorded, never sent.
     echo: dict[str, Any] | None = None
+    # Anthropic's Messages API: a turn translated into this request, recorded so (`"api"`), so
+    # that lists of one API's turns tell it apart (`gateway.types.request_api`).
+    from_messages_api: bool = False
     # The Responses API's `truncation`: "auto", the gateway's window; "disabled", a window
     # that would leave out any of the conversation is refused instead (`planning.refuse_cut`).
     truncation: str = "auto"

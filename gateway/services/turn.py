@@ -402,6 +402,8 @@ def request_record(
             record["branch_left"] = {"response_id": rid, "position": position}
     if request.echo is not None:
         record["responses"] = request.echo
+    if request.from_messages_api:
+        record["api"] = "messages"
     if isinstance(request.body.get("user_timezone"), str):
         record["user_timezone"] = request.body["user_timezone"]
     if planned.new_tokens is not None:

@@ -182,3 +182,15 @@ async def test_a_bad_request_is_a_400_naming_the_field_as_anthropic_has_it(
         {"type": "error", "error": {"type": "invalid_request_error", "message": message}},
     )
     assert upstream.requests == []
+
+
+async def test_a_messages_turn_is_no_stored_chat_completion() -> None:
+    async with build_client(make_settings(), MemoryStore(), MockUpstream()) as client:
+        message = await client.post("/v1/messages", json=request(), headers=VERSION)
+        chat = await client.post(
+            "/v1/chat/completions", json={"model": "mock/m", "messages": [{"role": "user", "content": "hi"}]}
+        )
+        listed = (await client.get("/v1/chat/completions")).json()["data"]
+        assert [c["id"] for c in listed] == [chat.json()["id"]]
+        assert (await client.get(f"/v1/chat/completions/{message.json()['id']}")).status_code == 404
+        assert (await client.get(f"/v1/responses/{message.json()['id']}")).status_code == 200

@@ -344,6 +344,10 @@ def test_one_conversation_across_chat_completions_responses_and_messages(
     assert [role for role, _ in stored] == ["user", "assistant"] * len(said)
     sent = upstream.requests[-1]["messages"]
     assert [m["content"] for m in sent if m["role"] == "user"] == said
+    # Each turn is read back by its API: a Messages turn is no stored chat completion.
+    listed = {c.id for c in openai_client.chat.completions.list(model="mock/m", limit=100)}
+    assert city.id in listed and chat.id in listed and name.id not in listed
+    assert openai_client.responses.retrieve(name.id).output_text == "Your name is Eve."
 
 
 def test_tool_calls_cross_apis_both_ways_and_stay_repaired(

@@ -455,6 +455,7 @@ async def test_list_responses_by_request_time_api_and_model(store: Store, second
     b = await logged(store, "conv", t + 2, model="m2")
     b2 = await logged(store, None, t + 2, model="m1")  # stateless, at the same time as b
     await logged(store, "conv", t + 3, responses={"instructions": None})  # a Responses API turn
+    message = await logged(store, "conv", t + 3.5, api="messages")  # an Anthropic Messages turn
     items = await logged(store, "conv", t + 4, kind="items")  # items added to a conversation
     await logged(store, "conv", t + 5, end="incomplete")  # failed
     under_way = await logged(store, "conv", t + 6, end="")
@@ -474,6 +475,7 @@ async def test_list_responses_by_request_time_api_and_model(store: Store, second
         assert await s.list_responses(10, api="chat", model="none") == ([], False)
         assert await s.list_responses(10, api="items") == ([items], False)
         assert len((await s.list_responses(10, api="responses"))[0]) == 1
+        assert await s.list_responses(10, api="messages") == ([message], False)
         # A cursor deleted since, failed, or of another API keeps its place.
         assert await s.list_responses(10, api="chat", after=gone) == ([last], False)
         before = await s.list_responses(10, api="chat", after=under_way, descending=True)

@@ -39,7 +39,7 @@ from gateway.types import Api, request_api
 
 log = logging.getLogger("gateway.store")
 
-APIS: frozenset[str] = frozenset({"chat", "responses", "items"})
+APIS: frozenset[str] = frozenset({"chat", "responses", "items", "messages"})
 # A first record is read this much at a time (a long one: until its end).
 _CHUNK = 8192
 # The end of a log read to find its last record: an ending (commit, incomplete, deleted) is short.

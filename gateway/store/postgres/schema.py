@@ -304,6 +304,7 @@ _CREATED = (
 # have a key (and so no NUL character).
 _API = (
     "(CASE WHEN r.record->>'kind' = 'items' THEN 'items' "
+    "WHEN r.record->>'api' = 'messages' THEN 'messages' "
     "WHEN r.record->'responses' IS NOT NULL THEN 'responses' ELSE 'chat' END)"
 )
 RESPONSE_CREATED = f"SELECT {_CREATED} AS created FROM gateway_responses r "
