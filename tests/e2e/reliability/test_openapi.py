@@ -5,7 +5,9 @@ JSON body matches its documented shape (errors in OpenAI's error shape)."""
 
 from __future__ import annotations
 
+import importlib
 import os
+import pkgutil
 from collections import Counter
 from collections.abc import Iterator
 from pathlib import Path
@@ -27,6 +29,21 @@ from gateway.api.openapi import build_schema
 from gateway.ids import is_valid_response_id
 from tests.conftest import GatewayProcess
 
+
+def _import_every_gateway_module() -> None:
+    """Hypothesis draws some strings from the constants of the local modules loaded in the
+    process: whatever ran before in the same process (another file's tests, under xdist) changed
+    what these derandomized tests generate. With every module of gateway loaded first, they
+    generate the same cases however they are run."""
+    for module in pkgutil.walk_packages(importlib.import_module("gateway").__path__, "gateway."):
+        if module.name != "gateway.__main__":
+            try:
+                importlib.import_module(module.name)
+            except ImportError:  # an optional dependency that is not installed
+                pass
+
+
+_import_every_gateway_module()
 schema = schemathesis.openapi.from_dict(build_schema())
 CHECKS = [not_a_server_error, status_code_conformance, content_type_conformance, response_schema_conformance]
 
