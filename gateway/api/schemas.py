@@ -614,7 +614,7 @@ class MessageCreate(BaseModel):
 
     model_config = BODY
 
-    model: Annotated[str, Field(min_length=1)]
+    model: ModelName
     max_tokens: AnswerTokens
     messages: Annotated[list[AnthropicMessage], Field(min_length=1)]
     system: str | list[SkipValidation[TextBlock]] | None = None
@@ -646,7 +646,7 @@ class CountTokensRequest(BaseModel):
 
     model_config = BODY
 
-    model: Annotated[str, Field(min_length=1)]
+    model: ModelName
     messages: Annotated[list[AnthropicMessage], Field(min_length=1)]
     system: str | list[SkipValidation[TextBlock]] | None = None
     tools: list[AnthropicTool] | None = None
