@@ -81,7 +81,7 @@ def _plain_ids(run: bytes) -> list[str] | None:
     lines = run[:-1].split(b"\n")
     if run[:1] == b"." or b"\n." in run or run.translate(None, _ID_BYTES):
         return None
-    if len(_ID_ENDS.findall(run)) != len(lines) or max(map(len, lines)) > 113 or min(map(len, lines)) < 14:
+    if _ID_ENDS.subn(b"", run)[1] != len(lines) or max(map(len, lines)) > 113 or min(map(len, lines)) < 14:
         return None
     return run[:-1].decode("ascii").split("\n")
 

@@ -98,6 +98,7 @@ class JsonlStore(Store):
         cache_size: int = 1024,
     ) -> None:
         self.root = Path(data_dir)
+        self._root_prefix = os.path.join(str(self.root), "")
         self.responses_dir = self.root / "logs" / "responses"
         self.conversations_dir = self.root / "logs" / "conversations"
         self.locks_dir = self.root / "locks"
@@ -178,6 +179,9 @@ class JsonlStore(Store):
     # -- paths: the only place ids become file names ---------------------------------------
     def shown(self, path: Path) -> str:
         """A file as errors name it to clients: relative to the data dir (no server paths)."""
+        text = str(path)
+        if text.startswith(self._root_prefix):  # (what `relative_to` says, for a fraction of its cost)
+            return text[len(self._root_prefix) :]
         try:
             return str(path.relative_to(self.root))
         except ValueError:
