@@ -45,7 +45,7 @@ import orjson
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from client import Connection  # noqa: E402
-from listing import REPO, Target, get, start_postgres  # noqa: E402
+from listing import REPO, Target, get, start_postgres, wait_idle  # noqa: E402
 from procs import HOST  # noqa: E402
 from seed import clone_conversation, cloned_turns, read_conversation, user_text  # noqa: E402
 
@@ -193,6 +193,7 @@ def run_target(target: Target, args: argparse.Namespace) -> dict[str, Any]:
     target.start()
     try:
         assert target.server is not None
+        wait_idle(target.server.pid)  # startup work (the tokenizer's warm-up) is not the list's
         return asyncio.run(measure(target.port, args))
     finally:
         target.stop()
