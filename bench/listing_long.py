@@ -6,9 +6,9 @@ one, in the same run.
     .venv/bin/python bench/listing_long.py [--quick] [--baseline DIR] [--no-postgres] [--no-jsonl]
 
 (also run by bench/listing.py, so by `make bench`). Every target gets a data dir (or database)
-of its own, seeded the same way: `--conversations` minus `--copies` conversations of one
-creation marker (as `POST /v1/conversations` makes them, a month old), then `--copies`
-conversations of `--messages` messages cloned from a template conversation the gateway served
+of its own, seeded the same way: `--long-conversations` minus `--long-copies` conversations of one
+creation marker (as `POST /v1/conversations` makes them, a month old), then `--long-copies`
+conversations of `--long-messages` messages cloned from a template conversation the gateway served
 (bench/seed.py: the gateway's own records, its `before` checkpoints included). The first copy is
 the newest conversation, so it is on the first page; the others are older than every other
 conversation, so they are not. The template is served once per run by this checkout's gateway
@@ -17,12 +17,14 @@ on its built-in `demo` model, which also answers the measured requests.
 Measured per target, in this order, on a gateway started on the seeded data (the JSONL catalog
 is rebuilt from the folder at start, as for a data dir that predates it):
 - `list_first_ms`: the first `GET /v1/conversations?limit=20` after start;
-- `list_p50_ms`: p50 of `--repeat` more;
+- `list_p50_ms`: p50 of `--long-repeat` more;
 - `cold_first_request_ms`: p50 over the copies of the first chat request on each (one new
   user message; the conversation was never loaded by the gateway before: a list does not keep
   what it read);
-- `list_after_turn_p50_ms`: p50 of `--repeat` lists after those turns (the first copy was
-  just talked to, the others are now on the first page too).
+- `list_after_turn_p50_ms`: p50 of `--long-repeat` lists after those turns (the first copy was
+  just talked to, the others are now on the first page too);
+- `cli_conversations_ms`: `gateway conversations --limit 20` (a new process), once the server
+  has stopped, median of `--long-cli-repeat`.
 Writes `long` into var/bench/listing-latest.json (via bench/listing.py) or, alone,
 var/bench/listing-long-latest.json.
 """
@@ -194,9 +196,11 @@ def run_target(target: Target, args: argparse.Namespace) -> dict[str, Any]:
     try:
         assert target.server is not None
         wait_idle(target.server.pid)  # startup work (the tokenizer's warm-up) is not the list's
-        return asyncio.run(measure(target.port, args))
+        out = asyncio.run(measure(target.port, args))
     finally:
         target.stop()
+    out["cli_conversations_ms"] = round(target.cli_ms(args.long_cli_repeat), 1)
+    return out
 
 
 def run(args: argparse.Namespace, tmp: Path) -> dict[str, Any]:
@@ -243,12 +247,19 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--long-messages", type=int, default=10_000)
     parser.add_argument("--long-copies", type=int, default=5, help="cold requests (their p50)")
     parser.add_argument("--long-repeat", type=int, default=20)
+    parser.add_argument("--long-cli-repeat", type=int, default=3, help="`gateway conversations` runs")
     parser.add_argument("--template-turns", type=int, default=150)
 
 
 def print_table(results: dict[str, Any]) -> None:
     names = [n for n, r in results.items() if isinstance(r, dict)]
-    keys = ["list_first_ms", "list_p50_ms", "cold_first_request_ms", "list_after_turn_p50_ms"]
+    keys = [
+        "list_first_ms",
+        "list_p50_ms",
+        "cold_first_request_ms",
+        "list_after_turn_p50_ms",
+        "cli_conversations_ms",
+    ]
     print("\nlong conversation on the first page".ljust(30) + "".join(n.rjust(20) for n in names))
     for k in keys:
         print(k.ljust(30) + "".join(str(results[n].get(k, "–")).rjust(20) for n in names))
