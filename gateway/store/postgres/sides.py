@@ -161,6 +161,16 @@ def index_read(rows: list[Row], after: Version | None) -> IndexRead | None:
     return IndexRead(entries, Version(incarnation, last_seq), after is None)
 
 
+def index_entries(ids: list[str | None], markers: list[str | None]) -> list[str | Record]:
+    """A whole index from `_LOAD_INDEX`'s arrays, as `index_read` gives its entries: response
+    ids, and marker objects (an entry whose marker is not an object stands as its response id)."""
+    out: list[str | Record] = []
+    for rid, text in zip(ids, markers, strict=True):
+        marker = decode_record(text) if text is not None else None
+        out.append(marker if isinstance(marker, dict) else str(rid))
+    return out
+
+
 async def read_many(store: PostgresStore, wanted: list[tuple[str, Version | None]]) -> list[IndexRead]:
     """Several conversations, each after its version, in one query."""
     for cid, _ in wanted:

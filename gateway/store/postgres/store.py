@@ -308,27 +308,32 @@ class PostgresStore(Store):
         return hold.expected if hold is not None else None
 
     async def read_entries(self, conversation_id: str) -> IndexList:
-        read = await self.read_conversation(conversation_id, records=False)
-        entries = [e.marker if e.marker is not None else str(e.response_id) for e in read.entries]
-        return IndexList(entries, read.version)
+        check_conversation_id(conversation_id)
+        rows = await self._fetch(
+            "could not load the conversation", LOAD_INDEX, self.namespace, conversation_id
+        )
+        if not rows:
+            self._note_load(conversation_id, None, 0)
+            return IndexList([], None)
+        incarnation, seq = int(rows[0]["incarnation"]), int(rows[0]["last_seq"])
+        self._note_load(conversation_id, incarnation, seq)
+        entries = sides.index_entries(rows[0]["ids"] or [], rows[0]["markers"] or [])
+        return IndexList(entries, Version(incarnation, seq))
 
-    async def read_conversation(
-        self, conversation_id: str, after: Version | None = None, *, records: bool = True
-    ) -> IndexRead:
-        """The entries after `after`, with their records unless `records` is False, in one
-        query (one round trip when nothing changed)."""
+    async def read_conversation(self, conversation_id: str, after: Version | None = None) -> IndexRead:
+        """The entries after `after`, with their records, in one query (one round trip when
+        nothing changed)."""
         check_conversation_id(conversation_id)
         since = after.position if after is not None else 0
-        sql = LOAD if records else LOAD_INDEX
         rows = await self._fetch(
-            "could not load the conversation", sql, self.namespace, conversation_id, since
+            "could not load the conversation", LOAD, self.namespace, conversation_id, since
         )
         if not rows:
             self._note_load(conversation_id, None, 0)
             return IndexRead([], None, True)
         read = sides.index_read(rows, after)
         if read is None:
-            return await self.read_conversation(conversation_id, None, records=records)  # begun anew since
+            return await self.read_conversation(conversation_id, None)  # begun anew since
         assert read.version is not None
         self._note_load(conversation_id, int(read.version.generation), read.version.position)
         return read
