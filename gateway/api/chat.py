@@ -10,10 +10,8 @@ from starlette.requests import Request
 from starlette.responses import Response
 
 from gateway.api.http import (
-    ClientDisconnected,
     JSONBody,
     SSEResponse,
-    error_response,
     read_json,
     services_of,
     tenant_of,
@@ -21,25 +19,10 @@ from gateway.api.http import (
     turn_outcome,
     until_disconnect,
 )
-from gateway.api.observe import log_failure, log_line, refused, stream_closed
+from gateway.api.observe import failed_response, log_line, refused, stream_closed
 from gateway.api.sse import chat_events
 from gateway.api.validation import parse_chat
 from gateway.exceptions import GatewayError, shutting_down
-from gateway.metrics import Metrics
-from gateway.services.turn import PreparedTurn, TurnOutcome
-
-
-def _failed(turn: PreparedTurn, outcome: TurnOutcome, exc: BaseException, metrics: Metrics) -> Response:
-    """The response for a turn that failed before any byte was sent: a 499 for a client that
-    went away, else the error, naming the response whose log records the attempt."""
-    log_failure(outcome, exc, metrics)
-    if isinstance(exc, ClientDisconnected):
-        return Response(status_code=499)
-    if not isinstance(exc, GatewayError):
-        raise exc
-    response = error_response(exc)
-    response.headers.update(turn_headers(turn))
-    return response
 
 
 async def chat_completions(request: Request) -> Response:
@@ -61,7 +44,8 @@ async def chat_completions(request: Request) -> Response:
             result = await until_disconnect(service.complete(turn), request.receive, started=started)
         except BaseException as exc:
             exc = shutting_down(exc) or exc
-            return _failed(turn, await service.close(turn, turn_outcome(exc)), exc, request.app.state.metrics)
+            outcome = await service.close(turn, turn_outcome(exc))
+            return failed_response(outcome, exc, request.app.state.metrics, turn_headers(turn))
         # The log line before the answer: whoever has the answer finds its line written.
         log_line(await service.close(turn), 200, "complete", request.app.state.metrics)
         return JSONBody(result, headers=turn_headers(turn))
@@ -70,7 +54,8 @@ async def chat_completions(request: Request) -> Response:
         chunks = await until_disconnect(service.open_chunks(turn), request.receive, started=started)
     except BaseException as exc:
         exc = shutting_down(exc) or exc
-        return _failed(turn, await service.close(turn, turn_outcome(exc)), exc, request.app.state.metrics)
+        outcome = await service.close(turn, turn_outcome(exc))
+        return failed_response(outcome, exc, request.app.state.metrics, turn_headers(turn))
 
     async def on_close(exc: BaseException | None) -> None:
         outcome = await service.close(turn, None if exc is None else turn_outcome(exc))

@@ -24,7 +24,6 @@ from starlette.requests import Request
 from starlette.responses import Response
 
 from gateway.api.http import (
-    ClientDisconnected,
     JSONBody,
     SSEResponse,
     anthropic_error_response,
@@ -35,13 +34,13 @@ from gateway.api.http import (
     turn_outcome,
     until_disconnect,
 )
-from gateway.api.observe import log_failure, log_line, refused, stream_closed
+from gateway.api.observe import failed_response, log_line, refused, stream_closed
 from gateway.api.responses import count_details, output_cap
 from gateway.api.schemas import NOT_AN_OBJECT, CountTokensRequest, MessageCreate
+from gateway.api.sse import stream_error
 from gateway.api.validation import parse_chat, validate
 from gateway.context import anthropic
-from gateway.exceptions import GatewayError, InvalidRequest, UpstreamProtocolError, shutting_down
-from gateway.metrics import Metrics
+from gateway.exceptions import GatewayError, InvalidRequest, shutting_down
 from gateway.services.requests import ChatRequest
 from gateway.services.turn import PreparedTurn, TurnOutcome
 from gateway.services.turns import ChatService
@@ -103,18 +102,6 @@ def _message(turn: PreparedTurn, outcome: TurnOutcome, completion: JSONObject | 
     return message
 
 
-def _failed(turn: PreparedTurn, outcome: TurnOutcome, exc: BaseException, metrics: Metrics) -> Response:
-    """The response for a turn that failed before any byte was sent (as chat completions')."""
-    log_failure(outcome, exc, metrics, event=EVENT)
-    if isinstance(exc, ClientDisconnected):
-        return Response(status_code=499)
-    if not isinstance(exc, GatewayError):
-        raise exc
-    response = anthropic_error_response(exc)
-    response.headers.update(_headers(turn))
-    return response
-
-
 def sse(payload: JSONObject) -> bytes:
     """One of Anthropic's events: its `type` is the event's name."""
     return b"event: " + str(payload["type"]).encode() + b"\ndata: " + orjson.dumps(payload) + b"\n\n"
@@ -139,15 +126,7 @@ async def message_events(
         except asyncio.CancelledError as cancelled:  # the server's shutdown: said in-band too
             raise shutting_down(cancelled) or cancelled from None
     except Exception as exc:  # noqa: BLE001 - headers are sent: every failure is reported in-band
-        error = (
-            exc
-            if isinstance(exc, GatewayError)
-            else UpstreamProtocolError(
-                f"Provider {turn.route.provider!r} sent a malformed stream ({type(exc).__name__})"
-            )
-        )
-        if not isinstance(exc, GatewayError):
-            log.warning("malformed stream from %s: %r", turn.route.provider, exc)
+        error = stream_error(exc, turn.route.provider)
         await service.close(turn, error)
         yield sse(anthropic.error_body(error.status_code, error.message))
         return
@@ -193,7 +172,10 @@ async def create_message(request: Request) -> Response:
             completion = await until_disconnect(service.complete(turn), request.receive, started=started)
         except BaseException as exc:
             exc = shutting_down(exc) or exc
-            return _failed(turn, await service.close(turn, turn_outcome(exc)), exc, metrics)
+            outcome = await service.close(turn, turn_outcome(exc))
+            return failed_response(
+                outcome, exc, metrics, _headers(turn), event=EVENT, render=anthropic_error_response
+            )
         outcome = await service.close(turn)
         # The log line before the answer: whoever has the answer finds its line written.
         log_line(outcome, 200, "complete", metrics, event=EVENT)
@@ -203,7 +185,10 @@ async def create_message(request: Request) -> Response:
         chunks = await until_disconnect(service.open_chunks(turn), request.receive, started=started)
     except BaseException as exc:
         exc = shutting_down(exc) or exc
-        return _failed(turn, await service.close(turn, turn_outcome(exc)), exc, metrics)
+        outcome = await service.close(turn, turn_outcome(exc))
+        return failed_response(
+            outcome, exc, metrics, _headers(turn), event=EVENT, render=anthropic_error_response
+        )
 
     async def on_close(exc: BaseException | None) -> None:
         outcome = await service.close(turn, None if exc is None else turn_outcome(exc))

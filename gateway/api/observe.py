@@ -8,11 +8,13 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
+from collections.abc import Callable
 
 import orjson
 from starlette.requests import Request
+from starlette.responses import Response
 
-from gateway.api.http import ClientDisconnected
+from gateway.api.http import ClientDisconnected, error_response
 from gateway.exceptions import GatewayError
 from gateway.metrics import Metrics, access_log, access_logged
 from gateway.services.turn import TurnOutcome
@@ -156,3 +158,25 @@ def stream_closed(
         log_line(outcome, 200, "error", metrics, event=event, error=outcome.error)
     else:
         log_failure(outcome, exc, metrics, event=event, streaming=True)
+
+
+def failed_response(
+    outcome: TurnOutcome,
+    exc: BaseException,
+    metrics: Metrics,
+    headers: dict[str, str],
+    *,
+    event: str = "chat.completion",
+    render: Callable[[GatewayError], Response] = error_response,
+) -> Response:
+    """The response for a turn that failed before any byte was sent, its line logged: a 499 for
+    a client that went away, else the error (`render`: in the API's own shape) with the turn's
+    `headers`, which name the response whose log records the attempt."""
+    log_failure(outcome, exc, metrics, event=event)
+    if isinstance(exc, ClientDisconnected):
+        return Response(status_code=499)
+    if not isinstance(exc, GatewayError):
+        raise exc
+    response = render(exc)
+    response.headers.update(headers)
+    return response

@@ -205,21 +205,8 @@ async def response_events(
                         )
     except GatewayError as exc:
         await service.close(turn, exc)
-        seq += 1
-        err = exc.to_dict()["error"]
-        yield event("error", seq, code=err.get("code"), message=err["message"], param=err.get("param"))
-        failed = response_object(
-            created=created,
-            message=None,
-            finish_reason=None,
-            usage=None,
-            status="failed",
-            error={"code": str(err.get("code") or "server_error"), "message": err["message"]},
-            lead=lead,
-            **common,
-        )
-        seq += 1
-        yield event("response.failed", seq, response=failed)
+        for frame in failure_events(created, exc, common, seq, lead):
+            yield frame
         return
     outcome = await service.close(turn)  # committed by now: the lock is released early
     final = response_object(
@@ -333,7 +320,18 @@ def failed_events(created: float, exc: GatewayError, common: dict[str, Any]) -> 
     skeleton = response_object(
         created=created, message=None, finish_reason=None, usage=None, status="in_progress", **common
     )
+    yield event("response.created", 0, response=skeleton)
+    yield event("response.in_progress", 1, response=skeleton)
+    yield from failure_events(created, exc, common, 1)
+
+
+def failure_events(
+    created: float, exc: GatewayError, common: dict[str, Any], seq: int, lead: list[JSONObject] | None = None
+) -> Iterator[bytes]:
+    """The events that end a failed response stream, numbered after `seq`: `error`, then
+    `response.failed` (`lead`: items done before the answer, as in `response_object`)."""
     err = exc.to_dict()["error"]
+    yield event("error", seq + 1, code=err.get("code"), message=err["message"], param=err.get("param"))
     failed = response_object(
         created=created,
         message=None,
@@ -341,9 +339,7 @@ def failed_events(created: float, exc: GatewayError, common: dict[str, Any]) -> 
         usage=None,
         status="failed",
         error={"code": str(err.get("code") or "server_error"), "message": err["message"]},
+        lead=lead,
         **common,
     )
-    yield event("response.created", 0, response=skeleton)
-    yield event("response.in_progress", 1, response=skeleton)
-    yield event("error", 2, code=err.get("code"), message=err["message"], param=err.get("param"))
-    yield event("response.failed", 3, response=failed)
+    yield event("response.failed", seq + 2, response=failed)

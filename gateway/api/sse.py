@@ -22,6 +22,15 @@ def sse(payload: Mapping[str, object]) -> bytes:
     return b"data: " + orjson.dumps(payload) + b"\n\n"
 
 
+def stream_error(exc: Exception, provider: str) -> GatewayError:
+    """What a stream that failed after its headers reports in-band: the gateway's own error, or
+    anything else as the provider's malformed stream (logged)."""
+    if isinstance(exc, GatewayError):
+        return exc
+    log.warning("malformed stream from %s: %r", provider, exc)
+    return UpstreamProtocolError(f"Provider {provider!r} sent a malformed stream ({type(exc).__name__})")
+
+
 async def chat_events(
     service: ChatService, turn: PreparedTurn, chunks: AsyncIterator[JSONObject]
 ) -> AsyncIterator[bytes]:
@@ -36,15 +45,7 @@ async def chat_events(
         except asyncio.CancelledError as cancelled:  # the server's shutdown: said in-band too
             raise shutting_down(cancelled) or cancelled from None
     except Exception as exc:  # noqa: BLE001 - headers are sent: every failure is reported in-band
-        error = (
-            exc
-            if isinstance(exc, GatewayError)
-            else UpstreamProtocolError(
-                f"Provider {turn.route.provider!r} sent a malformed stream ({type(exc).__name__})"
-            )
-        )
-        if not isinstance(exc, GatewayError):
-            log.warning("malformed stream from %s: %r", turn.route.provider, exc)
+        error = stream_error(exc, turn.route.provider)
         await service.close(turn, error)
         yield sse(error.to_dict())
         return

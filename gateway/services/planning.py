@@ -228,10 +228,7 @@ class Planner:
         reads = ctx.strategy == "summarize" or head.summary is not None or compacted
         records = await store.read_side("summaries", inputs.cid) if reads else []
         newest = current_summary(records, view) if records else None
-        frame = self._frame(inputs)
-        # Summary and recap are sized from the window, not from the request: the head of the
-        # prompt stays the same from turn to turn (request-sized when it must shrink).
-        frame = replace(frame, head_room=window_size - reserve + frame.head_room)
+        frame = self._frame(inputs, window_size - reserve)
         start = view.position_of(head.start) if head.start is not None else 0
         held_summary = summary_version(records, view, head.summary) if head.summary is not None else None
         fit = functools.partial(self._fit, frame, budget=budget, limit=window_size - reserve, facts=facts)
@@ -267,9 +264,12 @@ class Planner:
             refuse_cut(chosen)
         return chosen
 
-    def _frame(self, inputs: TurnInputs) -> Frame:
-        """What every window of the turn shares; its `head_room` is what the system prompt,
-        the framing and the tools take (negative: the window and reserve are added by the caller)."""
+    def _frame(self, inputs: TurnInputs, room: int) -> Frame:
+        """What every window of the turn shares, `room` being the window less the answer's reserve.
+
+        Summary and recap are sized from the window, not from the request (`head_room`: what the
+        system prompt, the framing and the tools leave of `room`), so that the head of the prompt
+        stays the same from turn to turn (sized from the request only when it must shrink)."""
         ctx, view = self.settings.context, inputs.view
         if inputs.system_in:
             system, system_tokens = inputs.system_in, list(inputs.system_tokens or [])
@@ -293,7 +293,7 @@ class Planner:
             encoding=inputs.encoding,
             recap=inputs.recap,
             tools_tokens=tools_tokens,
-            head_room=-REQUEST_OVERHEAD_TOKENS - sum(system_tokens) - tools_tokens,
+            head_room=room - REQUEST_OVERHEAD_TOKENS - sum(system_tokens) - tools_tokens,
         )
 
     def _budget(self, request: ChatRequest, facts: WindowFacts) -> tuple[int, int]:
