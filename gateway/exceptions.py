@@ -252,6 +252,10 @@ class UpstreamStatusError(UpstreamError):
 _SHUTDOWN_CANCEL = "graceful shutdown"
 
 
+class ClientDisconnected(Exception):
+    """The client went away before the answer was ready (its turn is closed as cancelled)."""
+
+
 def shutting_down(exc: BaseException) -> ShuttingDown | None:
     """A cancellation by the server's shutdown, as the error the client is told (503); None for
     any other exception. The running task is un-cancelled: it still answers and records."""

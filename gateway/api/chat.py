@@ -16,7 +16,6 @@ from gateway.api.http import (
     services_of,
     tenant_of,
     turn_headers,
-    turn_outcome,
     until_disconnect,
 )
 from gateway.api.observe import failed_response, log_line, refused, stream_closed
@@ -39,26 +38,24 @@ async def chat_completions(request: Request) -> Response:
     except GatewayError as exc:
         refused(request, body, exc, started)
         raise
+    metrics = request.app.state.metrics
     if not chat.stream:
         try:
-            result = await until_disconnect(service.complete(turn), request.receive, started=started)
+            async with service.closing(turn):
+                result = await until_disconnect(service.complete(turn), request.receive, started=started)
         except BaseException as exc:
-            exc = shutting_down(exc) or exc
-            outcome = await service.close(turn, turn_outcome(exc))
-            return failed_response(outcome, exc, request.app.state.metrics, turn_headers(turn))
+            return failed_response(turn.closed(), exc, metrics, turn_headers(turn))
         # The log line before the answer: whoever has the answer finds its line written.
-        log_line(await service.close(turn), 200, "complete", request.app.state.metrics)
+        log_line(turn.closed(), 200, "complete", metrics)
         return JSONBody(result, headers=turn_headers(turn))
 
     try:
-        chunks = await until_disconnect(service.open_chunks(turn), request.receive, started=started)
+        async with service.closing(turn, on_failure_only=True):
+            chunks = await until_disconnect(service.open_chunks(turn), request.receive, started=started)
     except BaseException as exc:
-        exc = shutting_down(exc) or exc
-        outcome = await service.close(turn, turn_outcome(exc))
-        return failed_response(outcome, exc, request.app.state.metrics, turn_headers(turn))
+        return failed_response(turn.closed(), exc, metrics, turn_headers(turn))
 
     async def on_close(exc: BaseException | None) -> None:
-        outcome = await service.close(turn, None if exc is None else turn_outcome(exc))
-        stream_closed(outcome, exc, request.app.state.metrics)
+        stream_closed(await chunks.aclose(exc), exc, metrics)
 
-    return SSEResponse(chat_events(service, turn, chunks), headers=turn_headers(turn), on_close=on_close)
+    return SSEResponse(chat_events(turn, chunks), headers=turn_headers(turn), on_close=on_close)

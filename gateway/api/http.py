@@ -15,7 +15,14 @@ from starlette.responses import Response
 from starlette.types import Receive, Scope, Send
 
 from gateway.context.anthropic import error_body
-from gateway.exceptions import BodyTimeout, BodyTooLarge, ClientGone, GatewayError, InvalidRequest
+from gateway.exceptions import (
+    BodyTimeout,
+    BodyTooLarge,
+    ClientDisconnected,
+    ClientGone,
+    GatewayError,
+    InvalidRequest,
+)
 from gateway.services import Services
 from gateway.services.turn import PreparedTurn
 from gateway.types import ascii_int
@@ -151,10 +158,6 @@ async def _wait_disconnect(receive: Receive) -> None:
             return
 
 
-class ClientDisconnected(Exception):
-    """The client went away before the answer was ready."""
-
-
 def turn_headers(turn: PreparedTurn) -> dict[str, str]:
     """A turn's answer headers: its response id (also as the request id, which the OpenAI SDK
     shows as `request_id`) and its conversation."""
@@ -162,11 +165,6 @@ def turn_headers(turn: PreparedTurn) -> dict[str, str]:
     if turn.conversation_id is not None:
         headers["x-conversation-id"] = turn.conversation_id
     return headers
-
-
-def turn_outcome(exc: BaseException) -> BaseException:
-    """What a turn is closed with: a client that went away cancelled it (no server error)."""
-    return asyncio.CancelledError() if isinstance(exc, ClientDisconnected) else exc
 
 
 # A turn that took longer than this to be ready (queued behind its conversation's other turns,

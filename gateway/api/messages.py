@@ -31,19 +31,17 @@ from gateway.api.http import (
     services_of,
     tenant_of,
     turn_headers,
-    turn_outcome,
     until_disconnect,
 )
 from gateway.api.observe import failed_response, log_line, refused, stream_closed
 from gateway.api.responses import count_details, output_cap
 from gateway.api.schemas import NOT_AN_OBJECT, CountTokensRequest, MessageCreate
-from gateway.api.sse import stream_error
 from gateway.api.validation import parse_chat, validate
 from gateway.context import anthropic
 from gateway.exceptions import GatewayError, InvalidRequest, shutting_down
 from gateway.services.requests import ChatRequest
 from gateway.services.turn import PreparedTurn, TurnOutcome
-from gateway.services.turns import ChatService
+from gateway.services.turns import TurnStream
 from gateway.types import JSONObject, as_list
 
 log = logging.getLogger("gateway.api")
@@ -107,36 +105,25 @@ def sse(payload: JSONObject) -> bytes:
     return b"event: " + str(payload["type"]).encode() + b"\ndata: " + orjson.dumps(payload) + b"\n\n"
 
 
-async def message_events(
-    service: ChatService, turn: PreparedTurn, chunks: AsyncIterator[JSONObject]
-) -> AsyncIterator[bytes]:
+async def message_events(turn: PreparedTurn, chunks: TurnStream) -> AsyncIterator[bytes]:
     """The turn's chunks as Anthropic's event stream: `message_start`, `ping`, the content
     blocks, `message_delta` (how it stopped, the usage), `message_stop`. The turn is committed
-    before `message_delta`; any failure once the stream began is an `error` event, as Anthropic
-    sends it, after which nothing more comes."""
+    and closed before `message_delta`; a failure once the stream began is an `error` event, as
+    Anthropic sends it, after which nothing more comes."""
     model = turn.request.model
     yield sse(anthropic.message_start(turn.response_id, model, turn.planned_tokens or 0))
     yield sse({"type": "ping"})
     blocks = anthropic.BlockEvents()
     try:
-        try:
-            async for chunk in chunks:
-                for payload in blocks.feed(chunk):
-                    yield sse(payload)
-        except asyncio.CancelledError as cancelled:  # the server's shutdown: said in-band too
-            raise shutting_down(cancelled) or cancelled from None
-    except Exception as exc:  # noqa: BLE001 - headers are sent: every failure is reported in-band
-        error = stream_error(exc, turn.route.provider)
-        await service.close(turn, error)
+        async for chunk in chunks:
+            for payload in blocks.feed(chunk):
+                yield sse(payload)
+    except GatewayError as error:  # (the stream closed its turn with it)
         yield sse(anthropic.error_body(error.status_code, error.message))
         return
-    finally:
-        aclose = getattr(chunks, "aclose", None)
-        if aclose is not None:
-            await aclose()
     for payload in blocks.close():
         yield sse(payload)
-    outcome = await service.close(turn)  # committed by now: the lock is released early
+    outcome = chunks.outcome  # committed and closed by now: the lock is released early
     calls = bool(outcome.message and outcome.message.get("tool_calls"))
     stop = anthropic.matched_stop(blocks.provider_stop, turn.request.body.get("stop"))
     usage = anthropic.message_usage(
@@ -169,32 +156,29 @@ async def create_message(request: Request) -> Response:
         raise
     if not chat.stream:
         try:
-            completion = await until_disconnect(service.complete(turn), request.receive, started=started)
+            async with service.closing(turn):
+                completion = await until_disconnect(service.complete(turn), request.receive, started=started)
         except BaseException as exc:
-            exc = shutting_down(exc) or exc
-            outcome = await service.close(turn, turn_outcome(exc))
             return failed_response(
-                outcome, exc, metrics, _headers(turn), event=EVENT, render=anthropic_error_response
+                turn.closed(), exc, metrics, _headers(turn), event=EVENT, render=anthropic_error_response
             )
-        outcome = await service.close(turn)
+        outcome = turn.closed()
         # The log line before the answer: whoever has the answer finds its line written.
         log_line(outcome, 200, "complete", metrics, event=EVENT)
         return JSONBody(_message(turn, outcome, completion), headers=_headers(turn))
 
     try:
-        chunks = await until_disconnect(service.open_chunks(turn), request.receive, started=started)
+        async with service.closing(turn, on_failure_only=True):
+            chunks = await until_disconnect(service.open_chunks(turn), request.receive, started=started)
     except BaseException as exc:
-        exc = shutting_down(exc) or exc
-        outcome = await service.close(turn, turn_outcome(exc))
         return failed_response(
-            outcome, exc, metrics, _headers(turn), event=EVENT, render=anthropic_error_response
+            turn.closed(), exc, metrics, _headers(turn), event=EVENT, render=anthropic_error_response
         )
 
     async def on_close(exc: BaseException | None) -> None:
-        outcome = await service.close(turn, None if exc is None else turn_outcome(exc))
-        stream_closed(outcome, exc, metrics, event=EVENT)
+        stream_closed(await chunks.aclose(exc), exc, metrics, event=EVENT)
 
-    return SSEResponse(message_events(service, turn, chunks), headers=_headers(turn), on_close=on_close)
+    return SSEResponse(message_events(turn, chunks), headers=_headers(turn), on_close=on_close)
 
 
 async def count_tokens(request: Request) -> Response:

@@ -14,8 +14,8 @@ import orjson
 from starlette.requests import Request
 from starlette.responses import Response
 
-from gateway.api.http import ClientDisconnected, error_response
-from gateway.exceptions import GatewayError
+from gateway.api.http import error_response
+from gateway.exceptions import ClientDisconnected, GatewayError
 from gateway.metrics import Metrics, access_log, access_logged
 from gateway.services.turn import TurnOutcome
 from gateway.types import JSONObject

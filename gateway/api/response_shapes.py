@@ -12,9 +12,8 @@ import orjson
 from gateway.context import Message
 from gateway.context.items import message_to_items
 from gateway.exceptions import GatewayError
-from gateway.services.stream import StreamAccumulator
 from gateway.services.turn import PreparedTurn
-from gateway.services.turns import ChatService
+from gateway.services.turns import TurnStream
 from gateway.types import JSONObject, Usage
 
 
@@ -114,9 +113,8 @@ def event(kind: str, seq: int, **fields: object) -> bytes:
 
 
 async def response_events(
-    service: ChatService,
     turn: PreparedTurn,
-    chunks: AsyncIterator[dict[str, Any]],
+    chunks: TurnStream,
     common: dict[str, Any],
     lead: list[JSONObject] | None = None,
 ) -> AsyncIterator[bytes]:
@@ -138,14 +136,13 @@ async def response_events(
         yield event("response.output_item.done", seq, output_index=index, item=item)
     rid, position = turn.response_id, common["position"]
     text_id = f"msg_{rid}_{position}"
-    acc = StreamAccumulator()
     text_open = False
     calls_seen: dict[int, int] = {}  # tool call index -> output index
     output_index = len(lead)
     try:
         async for chunk in chunks:
-            acc.add(chunk)
-            for choice in chunk.get("choices") or ():
+            choices: Any = chunk.get("choices") or ()  # (a provider's chunk, checked as it goes)
+            for choice in choices:
                 delta = choice.get("delta") or {}
                 piece = delta.get("content")
                 if isinstance(piece, str) and piece:
@@ -203,17 +200,16 @@ async def response_events(
                             output_index=calls_seen[k],
                             delta=fn["arguments"],
                         )
-    except GatewayError as exc:
-        await service.close(turn, exc)
+    except GatewayError as exc:  # (the stream closed its turn with it)
         for frame in failure_events(created, exc, common, seq, lead):
             yield frame
         return
-    outcome = await service.close(turn)  # committed by now: the lock is released early
+    outcome = chunks.outcome  # committed and closed by now: the lock is released early
     final = response_object(
         created=created,
         message=outcome.message,
         finish_reason=outcome.finish_reason,
-        usage=acc.usage,
+        usage=outcome.usage,
         lead=lead,
         **common,
     )

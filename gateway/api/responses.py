@@ -22,14 +22,12 @@ from starlette.responses import Response
 from gateway.api.background import BackgroundRuns, Run, sequence_of
 from gateway.api.compaction import compact_before_turn, input_compactions, lead_items
 from gateway.api.http import (
-    ClientDisconnected,
     JSONBody,
     SSEResponse,
     read_json,
     services_of,
     tenant_of,
     turn_headers,
-    turn_outcome,
     until_disconnect,
 )
 from gateway.api.observe import log_failure, log_line, refused, stream_closed
@@ -40,7 +38,7 @@ from gateway.api.validation import parse_chat, validate
 from gateway.context import Message
 from gateway.context.content import check_model
 from gateway.context.items import Item, items_to_messages, message_to_items
-from gateway.exceptions import ConversationBusy, GatewayError, InvalidRequest, shutting_down
+from gateway.exceptions import ClientDisconnected, ConversationBusy, GatewayError, InvalidRequest
 from gateway.ids import check_conversation_id
 from gateway.services import Services
 from gateway.services.counting import PromptCount
@@ -251,14 +249,14 @@ async def create_response(request: Request) -> Response:
         return JSONBody(queued, headers=headers)
     if not chat.stream:
         try:
-            await until_disconnect(service.complete(turn), request.receive, started=started)
+            async with service.closing(turn):
+                await until_disconnect(service.complete(turn), request.receive, started=started)
         except BaseException as exc:
-            exc = shutting_down(exc) or exc
-            log_failure(await service.close(turn, turn_outcome(exc)), exc, metrics, event="response")
+            log_failure(turn.closed(), exc, metrics, event="response")
             if isinstance(exc, ClientDisconnected):
                 return Response(status_code=499)
-            raise exc from None
-        outcome = await service.close(turn)
+            raise
+        outcome = turn.closed()
         log_line(outcome, 200, "complete", metrics, event="response")
         return JSONBody(
             response_object(
@@ -272,21 +270,18 @@ async def create_response(request: Request) -> Response:
             headers=headers,
         )
     try:
-        chunks = await until_disconnect(service.open_chunks(turn), request.receive, started=started)
+        async with service.closing(turn, on_failure_only=True):
+            chunks = await until_disconnect(service.open_chunks(turn), request.receive, started=started)
     except BaseException as exc:
-        exc = shutting_down(exc) or exc
-        log_failure(await service.close(turn, turn_outcome(exc)), exc, metrics, event="response")
+        log_failure(turn.closed(), exc, metrics, event="response")
         if isinstance(exc, ClientDisconnected):
             return Response(status_code=499)
-        raise exc from None
+        raise
 
     async def on_close(exc: BaseException | None) -> None:
-        outcome = await service.close(turn, None if exc is None else turn_outcome(exc))
-        stream_closed(outcome, exc, metrics, event="response")
+        stream_closed(await chunks.aclose(exc), exc, metrics, event="response")
 
-    return SSEResponse(
-        response_events(service, turn, chunks, common, lead), headers=headers, on_close=on_close
-    )
+    return SSEResponse(response_events(turn, chunks, common, lead), headers=headers, on_close=on_close)
 
 
 async def _nothing(exc: BaseException | None) -> None:
@@ -303,9 +298,10 @@ def start_background(
     async def work(run: Run) -> None:
         failure: BaseException | None = None
         try:
-            chunks = await service.open_chunks(turn)
-            async for frame in response_events(service, turn, chunks, common, lead):
-                run.add(frame)
+            async with service.closing(turn):
+                chunks = await service.open_chunks(turn)
+                async for frame in response_events(turn, chunks, common, lead):
+                    run.add(frame)
         except asyncio.CancelledError as exc:
             failure = exc
             raise
@@ -315,12 +311,15 @@ def start_background(
             for frame in failed_events(turn.created or time.time(), error, common):
                 run.add(frame)
         finally:
-            outcome = await service.close(turn, None if failure is None else turn_outcome(failure))
-            stream_closed(outcome, failure, metrics, event="response")
+            stream_closed(turn.closed(), failure, metrics, event="response")
 
     async def abandon() -> None:
         cancelled = asyncio.CancelledError()
-        stream_closed(await service.close(turn, cancelled), cancelled, metrics, event="response")
+        try:
+            async with service.closing(turn):
+                raise cancelled
+        except asyncio.CancelledError:
+            stream_closed(turn.closed(), cancelled, metrics, event="response")
 
     runs: BackgroundRuns = request.app.state.background
     return runs.start(turn.response_id, tenant_of(request), work, abandon)

@@ -2,12 +2,15 @@
 
 from __future__ import annotations
 
+import logging
 import secrets
 from typing import cast
 
 from gateway.context.tools import settle_arguments
-from gateway.exceptions import UpstreamProtocolError
+from gateway.exceptions import GatewayError, UpstreamProtocolError
 from gateway.types import FunctionCall, JSONObject, Message, ToolCall, Usage
+
+log = logging.getLogger("gateway.services")
 
 _OUTPUT_FIELDS = ("role", "content", "tool_calls", "function_call", "name", "refusal")
 
@@ -51,6 +54,15 @@ def _is_call(call: object) -> bool:
     if not isinstance(call, dict):
         return False
     return (call.get("id") is None or isinstance(call["id"], str)) and _is_function(call.get("function"))
+
+
+def stream_error(exc: Exception, provider: str) -> GatewayError:
+    """What a stream that failed after its headers reports in-band: the gateway's own error, or
+    anything else as the provider's malformed stream (logged)."""
+    if isinstance(exc, GatewayError):
+        return exc
+    log.warning("malformed stream from %s: %r", provider, exc)
+    return UpstreamProtocolError(f"Provider {provider!r} sent a malformed stream ({type(exc).__name__})")
 
 
 def new_call_id() -> str:

@@ -168,6 +168,13 @@ class PreparedTurn:
     def conversation_id(self) -> str | None:
         return self.request.conversation_id
 
+    def closed(self) -> TurnOutcome:
+        """The outcome of the closed turn (its owner closed it: `ChatService.closing`, the end
+        of its `TurnStream`)."""
+        if self.outcome is None:
+            raise RuntimeError(f"turn {self.response_id} is not closed")
+        return self.outcome
+
     @property
     def planned_tokens(self) -> int | None:
         """The prompt as the window plan counted it, in the gateway's count (None: a stateless

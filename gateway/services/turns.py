@@ -13,8 +13,8 @@ import functools
 import logging
 import secrets
 import time
-from collections.abc import AsyncIterator, Awaitable, Callable
-from contextlib import AsyncExitStack
+from collections.abc import AsyncGenerator, AsyncIterator, Awaitable, Callable
+from contextlib import AsyncExitStack, asynccontextmanager
 from typing import Any
 
 from gateway.config import Settings
@@ -29,9 +29,11 @@ from gateway.context import (
 from gateway.context.history import NotLoaded
 from gateway.context.lifecycle import user_key
 from gateway.exceptions import (
+    ClientDisconnected,
     GatewayError,
     UpstreamProtocolError,
     UpstreamStatusError,
+    shutting_down,
 )
 from gateway.ids import mint_response_id
 from gateway.services.cache import ConversationCache
@@ -41,7 +43,7 @@ from gateway.services.models import ModelFacts
 from gateway.services.planning import Planner, TurnInputs, off_loop_if_large
 from gateway.services.recap import stale_recap_sources, withdrawal
 from gateway.services.requests import ChatRequest, check_size
-from gateway.services.stream import StreamAccumulator, output_message
+from gateway.services.stream import StreamAccumulator, output_message, stream_error
 from gateway.services.turn import (
     Planned,
     PreparedTurn,
@@ -70,6 +72,37 @@ from gateway.upstream.base import Chunk
 from gateway.upstream.cache_hints import CACHE_KEY, cache_key
 
 log = logging.getLogger("gateway.services")
+
+
+class TurnStream:
+    """A turn's chunks as its provider streams them. The stream owns the turn from its first
+    chunk on: the turn is closed when the chunks end (committed), when they fail (with the
+    failure, raised as the gateway's error), or when the stream is closed before that."""
+
+    def __init__(
+        self,
+        turn: PreparedTurn,
+        relay: AsyncGenerator[Chunk, None],
+        close: Callable[[PreparedTurn, BaseException | None], Awaitable[TurnOutcome]],
+    ) -> None:
+        self.turn = turn
+        self.relay = relay
+        self.close_turn = close
+
+    def __aiter__(self) -> AsyncGenerator[Chunk, None]:
+        return self.relay  # (iterated directly: no layer of this object's own per chunk)
+
+    async def aclose(self, exc: BaseException | None = None) -> TurnOutcome:
+        """Stop the stream and close its turn (`exc`: what stopped it, for the turn's outcome:
+        a client that left is a cancellation); the outcome of the turn's first close."""
+        outcome = await self.close_turn(self.turn, exc)
+        await self.relay.aclose()
+        return outcome
+
+    @property
+    def outcome(self) -> TurnOutcome:
+        """The turn's outcome once the stream ended."""
+        return self.turn.closed()
 
 
 class ChatService:
@@ -113,8 +146,9 @@ class ChatService:
         return await self.cache.load(store, cid, **await self.planner.window_needs(store, cid))
 
     async def prepare(self, request: ChatRequest, tenant: str = "") -> PreparedTurn:
-        """Lock and load the conversation, fit the window, and open the response log.
-        The caller must `close` the returned turn."""
+        """Lock and load the conversation, fit the window, and open the response log. The
+        turn is closed by its owner: `closing` (the caller's block), else the `TurnStream` of
+        `open_chunks` once it began."""
         started = time.perf_counter()  # the gateway's own time starts here (lock, load, plan)
         store = await self.stores.get(tenant)
         store.refuse_if_failed()  # before the provider is asked for an answer nobody could keep
@@ -291,6 +325,24 @@ class ChatService:
                 except Exception as exc:  # noqa: BLE001 - the turn is committed: only recaps miss it
                     log.warning("could not note %s among its user's conversations: %s", cid, exc)
 
+    @asynccontextmanager
+    async def closing(
+        self, turn: PreparedTurn, *, on_failure_only: bool = False
+    ) -> AsyncIterator[PreparedTurn]:
+        """The turn, closed when the block ends (`on_failure_only`: only when it fails; a
+        stream that began closes it then). The exception that ends the block is the turn's
+        outcome, a shutdown's cancellation raised on as the error the client is told."""
+        try:
+            yield turn
+        except BaseException as exc:
+            failure = shutting_down(exc) or exc
+            await self.close(turn, failure)
+            if failure is exc:
+                raise
+            raise failure from None
+        if not on_failure_only:
+            await self.close(turn)
+
     async def close(self, turn: PreparedTurn, exc: BaseException | None = None) -> TurnOutcome:
         """Abandon the turn unless it was committed, then release the conversation. Closing
         again gives the first close's outcome."""
@@ -302,7 +354,7 @@ class ChatService:
                 turn.done = True
             if not turn.done:
                 turn.done = True
-                if isinstance(exc, asyncio.CancelledError) or exc is None:
+                if isinstance(exc, asyncio.CancelledError | ClientDisconnected) or exc is None:
                     reason, error = "cancelled", None
                 elif isinstance(exc, GatewayError):
                     reason, error = "error", exc.to_dict()["error"]
@@ -360,10 +412,11 @@ class ChatService:
         return completion
 
     # -- streaming ----------------------------------------------------------------------------
-    async def open_chunks(self, turn: PreparedTurn) -> AsyncIterator[Chunk]:
+    async def open_chunks(self, turn: PreparedTurn) -> TurnStream:
         """Start the provider's stream and wait for its first chunk, so that errors before
         the first byte still become proper HTTP statuses; then return the chunk stream, which
-        commits the turn after the last chunk (and raises GatewayError on a broken stream)."""
+        commits the turn after the last chunk (and raises GatewayError on a broken stream) and
+        closes it."""
         turn.upstream_started = time.perf_counter()
         while True:
             chunks = turn.route.upstream.stream(turn.upstream_body).__aiter__()
@@ -377,11 +430,14 @@ class ChatService:
                 if exc.refusal is None:
                     raise
                 await refit(turn, exc, self.facts, self.on_context_refusal)
-        return self._chunks(turn, chunks, first)
+        return TurnStream(turn, self._chunks(turn, chunks, first), self.close)
 
     async def _chunks(
         self, turn: PreparedTurn, chunks: AsyncIterator[Chunk], first: Chunk | None
-    ) -> AsyncIterator[Chunk]:
+    ) -> AsyncGenerator[Chunk, None]:
+        """The relay: every chunk renamed to the turn's response, the answer committed after
+        the last; the turn closed when it ends or fails (a failure raised as the gateway's
+        error: a shutdown's as `ShuttingDown`, anything else as a malformed stream)."""
         acc = StreamAccumulator()
         cid = turn.conversation_id
         model = turn.request.model
@@ -389,6 +445,7 @@ class ChatService:
         # committed: a client that stops reading at `finish_reason` must not take an answer
         # the store then failed to keep for a saved one (it gets an in-band error instead).
         held: list[Chunk] = []
+        failure: BaseException | None = None
         try:
             chunk = first
             while chunk is not None:
@@ -417,10 +474,23 @@ class ChatService:
             turn.final_message = message
             for chunk in held:
                 yield chunk
+        except GeneratorExit:
+            raise  # (closed by its reader: a cancellation)
+        except asyncio.CancelledError as exc:
+            failure = shutting_down(exc) or exc
+            if failure is exc:
+                raise
+            raise failure from None
+        except Exception as exc:  # noqa: BLE001 - every failure of a stream that began is said
+            failure = stream_error(exc, turn.route.provider)
+            if failure is exc:
+                raise
+            raise failure from None
         finally:
             aclose = getattr(chunks, "aclose", None)
             if aclose is not None:
                 await aclose()
+            await self.close(turn, failure)
 
     # -- counting -----------------------------------------------------------------------------
     async def count(self, request: ChatRequest, tenant: str = "") -> PromptCount:

@@ -609,6 +609,90 @@ async def test_a_closed_turn_gives_one_frozen_outcome(memory_store: MemoryStore)
     assert not outcome.committed and outcome.message is None and outcome.finish_reason is None
 
 
+class _Breaking(MockUpstream):
+    """A provider whose stream breaks after its first chunk with what no gateway error is."""
+
+    async def stream(self, body: Any) -> Any:
+        yield {"choices": [{"index": 0, "delta": {"content": "fo"}, "finish_reason": None}]}
+        raise ValueError("not JSON")
+
+
+def _owned_turns(memory_store: MemoryStore, upstream: MockUpstream | None = None) -> Any:
+    from gateway.services import Services
+    from gateway.upstream import Router
+
+    upstream = upstream or MockUpstream(lambda body: "four")
+    return Services.from_settings(
+        make_settings(), store=memory_store, router=Router({"mock": upstream}, "mock")
+    ).turns
+
+
+async def test_a_stream_closes_its_turn_when_its_chunks_end(memory_store: MemoryStore) -> None:
+    from gateway.api.validation import parse_chat
+
+    turns = _owned_turns(memory_store)
+    body = {"model": "mock/m", "messages": [user("2+2?")], "conversation_id": "s", "stream": True}
+    turn = await turns.prepare(parse_chat(body))
+    stream = await turns.open_chunks(turn)
+    assert turn.outcome is None
+    assert [c async for c in stream]
+    assert stream.outcome.committed and stream.outcome.message == {"role": "assistant", "content": "four"}
+    # The conversation was released by the stream itself: the next turn needs no other close.
+    nxt = await asyncio.wait_for(turns.prepare(parse_chat({**body, "messages": [user("again")]})), 2)
+    assert (await stream.aclose(RuntimeError("late"))) is stream.outcome
+    await turns.close(nxt)
+
+
+async def test_a_stream_closed_before_its_first_read_abandons_its_turn(memory_store: MemoryStore) -> None:
+    from gateway.api.validation import parse_chat
+    from gateway.exceptions import ClientDisconnected
+
+    turns = _owned_turns(memory_store)
+    body = {"model": "mock/m", "messages": [user("2+2?")], "conversation_id": "s", "stream": True}
+    turn = await turns.prepare(parse_chat(body))
+    stream = await turns.open_chunks(turn)
+    outcome = await stream.aclose(ClientDisconnected())
+    assert not outcome.committed and outcome.error is None  # a client that left: a cancellation
+    assert (await memory_store.read_entries("s")).entries == []
+    nxt = await asyncio.wait_for(turns.prepare(parse_chat(body)), 2)  # the lock is free
+    await turns.close(nxt)
+
+
+async def test_a_stream_that_breaks_closes_its_turn_with_the_gateways_error(
+    memory_store: MemoryStore,
+) -> None:
+    from gateway.api.validation import parse_chat
+    from gateway.exceptions import UpstreamProtocolError
+
+    turns = _owned_turns(memory_store, _Breaking())
+    body = {"model": "mock/m", "messages": [user("2+2?")], "conversation_id": "s", "stream": True}
+    turn = await turns.prepare(parse_chat(body))
+    stream = await turns.open_chunks(turn)
+    with pytest.raises(UpstreamProtocolError, match="malformed stream"):
+        async for _ in stream:
+            pass
+    assert isinstance(turn.closed().error, UpstreamProtocolError) and not turn.closed().committed
+
+
+async def test_closing_closes_the_turn_with_what_ended_the_block(memory_store: MemoryStore) -> None:
+    from gateway.api.validation import parse_chat
+
+    turns = _owned_turns(memory_store)
+    body = {"model": "mock/m", "messages": [user("2+2?")], "conversation_id": "k"}
+    turn = await turns.prepare(parse_chat(body))
+    with pytest.raises(UpstreamTimeout):
+        async with turns.closing(turn):
+            raise UpstreamTimeout("slow")
+    assert isinstance(turn.closed().error, UpstreamTimeout) and not turn.closed().committed
+    kept = await turns.prepare(parse_chat(body))
+    async with turns.closing(kept, on_failure_only=True):
+        pass
+    assert kept.outcome is None  # (left open: a stream that began owns it)
+    async with turns.closing(kept):
+        await turns.complete(kept)
+    assert kept.closed().committed
+
+
 async def test_every_request_whichever_api_gets_exactly_one_json_log_line(
     app_client: httpx.AsyncClient, caplog: pytest.LogCaptureFixture
 ) -> None:
