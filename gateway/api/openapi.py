@@ -1,6 +1,6 @@
 """The OpenAPI 3.1 document served at `GET /openapi.json`: bodies generated from the models that
 check requests (`api/schemas.py`) and describe replies (`api/replies.py`), operations from the
-table below. tests/reliability/test_openapi.py fuzzes it against a real `gateway serve`."""
+table of `api/operations.py`. tests/reliability/test_openapi.py fuzzes it against a real `gateway serve`."""
 
 from __future__ import annotations
 
@@ -11,10 +11,17 @@ from pydantic import BaseModel, TypeAdapter
 from gateway import __version__
 from gateway.api import replies, schemas
 from gateway.api.http import is_anthropic_path
+from gateway.api.operations import (
+    ANTHROPIC_VERSION,
+    COMPLETION_FILTERS,
+    ERRORS,
+    OPERATIONS,
+    PATH_PARAMETERS,
+    STREAMS,
+    Schema,
+)
 from gateway.api.pages import NEWEST_FIRST, ORDERS
-from gateway.ids import CONVERSATION_ID_RE
 
-Schema = dict[str, object]
 JSON = "application/json"
 REF = "#/components/schemas/{model}"
 
@@ -35,89 +42,6 @@ MODELS: dict[str, type[BaseModel]] = {
 MODELS["Response"] = replies.ResponseObject  # and "Item", the union schemas.Item
 REFS: dict[str, Schema] = {name: {"$ref": REF.format(model=name)} for name in [*MODELS, "Item"]}
 
-ERRORS = {
-    400: "Invalid request (also: context_length_exceeded, conversation_too_large)",
-    401: "Missing or unknown gateway key",
-    404: "Unknown conversation, response or item (also: another tenant's)",
-    408: "The request body did not arrive within body_timeout",
-    409: "The conversation is busy past lock_timeout, or changed under the request",
-    413: "Request body larger than max_body_bytes",
-    429: "The provider's rate limit, passed through with Retry-After",
-    502: "The provider is unreachable or answered with an error",
-    503: "The store cannot accept writes; nothing was acknowledged",
-    504: "The provider timed out",
-}
-BODY, READ, DELETE = (400, 401, 408, 413), (400, 401, 404), (400, 401, 404, 409, 503)
-TURN, CREATE, WRITE = (*BODY, 404, 409, 429, 502, 503, 504), (*BODY, 409, 503), (*BODY, 404, 409, 503)
-COUNT = (*BODY, 404, 503)  # (a read: no lock, no provider call but the server's own count)
-CONVERSATION = "/v1/conversations/{conversation_id}"
-RESPONSES = "/v1/responses"
-RESPONSE = f"{RESPONSES}/{{response_id}}"
-COMPLETION = "/v1/chat/completions/{completion_id}"
-
-# (method, path, request body: a component, "?" when optional; 200: a component or words;
-# error statuses, summary). A GET answered with a Page takes limit/order/after.
-Operation = tuple[str, str, str | None, str, tuple[int, ...], str]
-OPERATIONS: list[Operation] = [
-    ("post", "/v1/chat/completions", "ChatCompletionRequest", "ChatCompletion", TURN, "Chat completion"),
-    ("get", "/v1/chat/completions", None, "Page", READ, "List stored chat completions"),
-    ("get", COMPLETION, None, "ChatCompletion", READ, "Retrieve a stored chat completion"),
-    ("post", COMPLETION, "ChatCompletionUpdate", "ChatCompletion", WRITE, "Set its metadata"),
-    ("delete", COMPLETION, None, "Deleted", DELETE, "Delete a stored chat completion"),
-    ("get", f"{COMPLETION}/messages", None, "Page", READ, "A stored chat completion's messages"),
-    ("get", "/v1/models", None, "ModelList", (401,), "Configured models"),
-    ("get", "/v1/models/{model}", None, "The model, as listed", (401, 404), "Retrieve a model"),
-    ("post", "/v1/conversations", "ConversationCreate?", "Conversation", CREATE, "Create a conversation"),
-    ("get", "/v1/conversations", None, "Page", READ, "List conversations (extension)"),
-    ("get", CONVERSATION, None, "Conversation", READ, "Retrieve a conversation"),
-    ("post", CONVERSATION, "ConversationUpdate", "Conversation", WRITE, "Update a conversation's metadata"),
-    ("delete", CONVERSATION, None, "Deleted", DELETE, "Delete a conversation"),
-    ("post", f"{CONVERSATION}/reset", "Reset?", "Conversation", WRITE, "Reset a conversation (extension)"),
-    ("get", f"{CONVERSATION}/context", None, "What the model was last given", READ, "Context (extension)"),
-    ("get", f"{CONVERSATION}/items", None, "Page", READ, "List a conversation's items"),
-    ("post", f"{CONVERSATION}/items", "ItemsCreate", "Page", WRITE, "Add items to a conversation"),
-    ("get", f"{CONVERSATION}/items/{{item_id}}", None, "Item", READ, "Retrieve an item"),
-    ("delete", f"{CONVERSATION}/items/{{item_id}}", None, "Conversation", DELETE, "Delete an item"),
-    ("post", "/v1/responses", "ResponseCreate", "Response", TURN, "Responses API bridge"),
-    ("post", f"{RESPONSES}/input_tokens", "InputTokensCount", "InputTokens", COUNT, "Count a turn's input"),
-    ("post", "/v1/responses/compact", "ResponseCompact", "CompactedResponse", TURN, "Compact a conversation"),
-    ("get", RESPONSE, None, "Response", READ, "Retrieve a response (and its log)"),
-    ("delete", RESPONSE, None, "Deleted", DELETE, "Delete a response"),
-    ("post", f"{RESPONSE}/cancel", None, "Response", (*READ, 409), "Cancel a background response"),
-    ("get", f"{RESPONSE}/input_items", None, "Page", READ, "A response's input items"),
-    ("post", "/v1/messages", "MessageCreate", "MessageObject", TURN, "Anthropic's Messages API"),
-    (
-        "post",
-        "/v1/messages/count_tokens",
-        "CountTokensRequest",
-        "MessageTokensCount",
-        COUNT,
-        "Count input tokens",
-    ),
-    ("get", "/healthz", None, "Alive", (), "Liveness"),
-    ("get", "/readyz", None, "Ready", (), "Readiness: 503 while starting, stopping or unable to write"),
-    ("get", "/metrics", None, "Text exposition", (), "Prometheus metrics"),
-]
-# The operations whose 200 is an event stream with `"stream": true`, and what the events are.
-STREAMS = {
-    "/v1/chat/completions": "chat.completion.chunk",
-    "/v1/responses": "response events",
-    "/v1/messages": "Anthropic's message events (message_start ... message_stop)",
-}
-# Anthropic's API: its errors in its own shape, its version header required, its key header too.
-ANTHROPIC_VERSION: Schema = {
-    "name": "anthropic-version",
-    "in": "header",
-    "required": True,
-    "schema": {"type": "string", "minLength": 1, "pattern": "\\S"},
-    "description": "Required, as by Anthropic (any version is accepted); without it a 400",
-}
-PATH_PARAMETERS: dict[str, Schema] = {
-    name: {"name": name, "in": "path", "required": True, "schema": {"type": "string"}}
-    for name in ("conversation_id", "response_id", "item_id", "model", "completion_id")
-}
-PATH_PARAMETERS["conversation_id"]["description"] = f"Matches ^{CONVERSATION_ID_RE.pattern}$, else a 400"
-
 
 def _page(orders: tuple[str, ...]) -> list[Schema]:
     """The query parameters of a list (`api/pages.py` checks them)."""
@@ -126,20 +50,6 @@ def _page(orders: tuple[str, ...]) -> list[Schema]:
         {"name": "order", "in": "query", "schema": {"type": "string", "enum": list(orders)}},
         {"name": "after", "in": "query", "schema": {"type": "string"}},
     ]
-
-
-# The filters of the list of stored chat completions (`api/completions.py`).
-COMPLETION_FILTERS: list[Schema] = [
-    {"name": "model", "in": "query", "schema": {"type": "string"}},
-    {
-        "name": "metadata",
-        "in": "query",
-        "style": "deepObject",
-        "explode": True,
-        "description": "metadata[key]=value: only those holding every pair given",
-        "schema": {"type": "object", "additionalProperties": {"type": "string"}, "maxProperties": 16},
-    },
-]
 
 
 def _json(schema: Schema, description: str) -> Schema:

@@ -106,49 +106,72 @@ def _chat_body(
     """The chat-completions request for a Responses request, and the params to echo back
     (`compactions`: the messages its compaction items stand for, `input_compactions`).
     `input_optional`: no messages at all is no error (a count of a conversation as it stands)."""
-    raw_input = body.get("input")
-    if raw_input is None:
-        messages: list[Message] = []
-    elif isinstance(raw_input, str):
-        messages = [{"role": "user", "content": raw_input}]
-    else:
-        messages = items_to_messages(raw_input, param="input", compactions=compactions)
-    instructions = request.instructions
-    if instructions is not None:
-        messages = [{"role": "system", "content": instructions}, *messages]
-    if not messages and not input_optional:
-        said = "'input' is empty" if raw_input is not None else "'input' is required"
-        raise InvalidRequest(said, param="input")
-    truncation = request.truncation
+    messages = _input_messages(body.get("input"), request.instructions, compactions, input_optional)
     tools = _tools(body.get("tools"))
     chat: dict[str, Any] = {"model": request.model, "messages": messages, "stream": bool(request.stream)}
-    for key in _PASSED:
-        if body.get(key) is not None and key != "metadata":
-            chat[key] = body[key]
+    chat.update({key: body[key] for key in _PASSED if body.get(key) is not None and key != "metadata"})
     if tools:
         chat["tools"] = tools
     if body.get("tool_choice") is not None:
         chat["tool_choice"] = _tool_choice(body["tool_choice"])
     if request.max_output_tokens is not None:
         chat[output_cap(request.model)] = request.max_output_tokens
-    background = body.get("background")
-    if background is not None and not isinstance(background, bool):
-        raise InvalidRequest("'background' must be true or false", param="background")
-    if background and body.get("store") is False:
-        raise InvalidRequest("A background response must be stored: leave out 'store: false'", param="store")
-    if background:  # (run as a stream: its events are kept for clients that follow it)
-        chat["stream"] = True
-    text = body.get("text")
-    response_format = _response_format(text)
+    background = _background(body)
+    response_format = _response_format(body.get("text"))
     if response_format is not None:
         chat["response_format"] = response_format
     reasoning = body.get("reasoning")
     if isinstance(reasoning, dict) and isinstance(reasoning.get("effort"), str):
         chat["reasoning_effort"] = reasoning["effort"]
+    if background:  # (run as a stream: its events are kept for clients that follow it)
+        chat["stream"] = True
     if chat["stream"]:
         chat["stream_options"] = {"include_usage": True}
-    params = {
-        "instructions": instructions,
+    return chat, _echoed(body, request, tools, response_format is not None, background)
+
+
+def _input_messages(
+    raw_input: object,
+    instructions: str | None,
+    compactions: dict[str, Message] | None,
+    input_optional: bool,
+) -> list[Message]:
+    """The messages of a request's `input` (text or items) after its `instructions`."""
+    if raw_input is None:
+        messages: list[Message] = []
+    elif isinstance(raw_input, str):
+        messages = [{"role": "user", "content": raw_input}]
+    else:
+        messages = items_to_messages(raw_input, param="input", compactions=compactions)
+    if instructions is not None:
+        messages = [{"role": "system", "content": instructions}, *messages]
+    if not messages and not input_optional:
+        said = "'input' is empty" if raw_input is not None else "'input' is required"
+        raise InvalidRequest(said, param="input")
+    return messages
+
+
+def _background(body: dict[str, Any]) -> bool:
+    """Whether the request asks for a background response (which must be stored)."""
+    background = body.get("background")
+    if background is not None and not isinstance(background, bool):
+        raise InvalidRequest("'background' must be true or false", param="background")
+    if background and body.get("store") is False:
+        raise InvalidRequest("A background response must be stored: leave out 'store: false'", param="store")
+    return bool(background)
+
+
+def _echoed(
+    body: dict[str, Any],
+    request: ResponseCreate,
+    tools: list[dict[str, Any]] | None,
+    formatted: bool,
+    background: bool,
+) -> dict[str, Any]:
+    """The request's parameters as a response object echoes them back."""
+    reasoning = body.get("reasoning")
+    return {
+        "instructions": request.instructions,
         "metadata": body.get("metadata"),
         "parallel_tool_calls": body.get("parallel_tool_calls", True),
         "temperature": body.get("temperature"),
@@ -157,13 +180,12 @@ def _chat_body(
         "tools": tools,
         "max_output_tokens": body.get("max_output_tokens"),
         "store": body.get("store", True),
-        "truncation": truncation or "auto",
+        "truncation": request.truncation or "auto",
         "user": body.get("user"),
-        "text": text if response_format is not None else None,
+        "text": body.get("text") if formatted else None,
         "reasoning": reasoning if isinstance(reasoning, dict) else None,
-        "background": bool(background),
+        "background": background,
     }
-    return chat, params
 
 
 def _response_format(text: object) -> dict[str, Any] | None:

@@ -272,19 +272,11 @@ class ConversationView:
         return position - self.history_base
 
     def extend(self, turn: Turn) -> None:
+        """Add a stored turn: its facts, its system prompt, its transcript and its history."""
         if turn.branch_at is not None:
             self.cut_history(turn.branch_at)
         self.entries += 1
-        if self.created_at is None and turn.created is not None:
-            self.created_at = turn.created
-        if turn.created is not None:
-            self.last_activity = max(self.last_activity or 0.0, turn.created)
-            self.created_of[turn.response_id] = turn.created
-        self.last_model = turn.model or self.last_model
-        self.user = turn.user or self.user
-        self.timezone = turn.timezone or self.timezone
-        if turn.recap is not None:
-            self.recap, self.recap_owner = turn.recap, turn.response_id
+        self._note_facts(turn)
         same_encoding = turn.encoding is not None and turn.encoding == self.encoding
         if self.encoding is None and turn.encoding is not None and not self.history_count:
             self.encoding = turn.encoding
@@ -302,35 +294,55 @@ class ConversationView:
         self.response_ids.append(turn.response_id)
         if turn.head is not None:
             self.head = turn.head
-        if turn.is_feedback_only:
-            return
+        if not turn.is_feedback_only:
+            self._add_history(turn, same_encoding)
+
+    def _note_facts(self, turn: Turn) -> None:
+        """A turn's time, model, user, time zone and recap, as the conversation's latest."""
+        if turn.created is not None:
+            if self.created_at is None:
+                self.created_at = turn.created
+            self.last_activity = max(self.last_activity or 0.0, turn.created)
+            self.created_of[turn.response_id] = turn.created
+        self.last_model = turn.model or self.last_model
+        self.user = turn.user or self.user
+        self.timezone = turn.timezone or self.timezone
+        if turn.recap is not None:
+            self.recap, self.recap_owner = turn.recap, turn.response_id
+
+    def _add_history(self, turn: Turn, same_encoding: bool) -> None:
+        """A turn's messages the model gets again (not feedback, not deleted), with their counts
+        when they were made in this view's encoding."""
         counts_in = turn.input_tokens if same_encoding and turn.input_tokens is not None else None
         if counts_in is None or turn.output_tokens is None or not same_encoding:
             self.needs_count = True
         deleted = self.deleted_items
+        rid = turn.response_id
         for i, m in enumerate(turn.input):
-            if is_feedback(m) or (deleted and item_key(turn.response_id, i) in deleted):
+            if is_feedback(m) or (deleted and item_key(rid, i) in deleted):
                 continue
-            self.history.append(clean_message(m))
-            if m.get("role") == "tool" or "tool_calls" in m:
+            tokens = counts_in[i] if counts_in is not None and i < len(counts_in) else None
+            self._append(clean_message(m), rid, i, tokens)
+            if m.get("role") == "tool":
                 self.has_tools = True
-            self.history_owner.append(turn.response_id)
-            self.history_pos.append(i)
-            self.history_tokens.append(counts_in[i] if counts_in is not None and i < len(counts_in) else None)
         out = turn.output
-        if out is not None and not (deleted and item_key(turn.response_id, len(turn.input)) in deleted):
-            self.history.append(out)
-            if "tool_calls" in out:
-                self.has_tools = True
-            self.history_owner.append(turn.response_id)
-            self.history_pos.append(len(turn.input))
-            self.history_tokens.append(turn.output_tokens if same_encoding else None)
-        self.history_end[turn.response_id] = self.history_count
+        if out is not None and not (deleted and item_key(rid, len(turn.input)) in deleted):
+            self._append(out, rid, len(turn.input), turn.output_tokens if same_encoding else None)
+        self.history_end[rid] = self.history_count
+
+    def _append(self, message: Message, owner: str, position: int, tokens: int | None) -> None:
+        self.history.append(message)
+        if "tool_calls" in message:
+            self.has_tools = True
+        self.history_owner.append(owner)
+        self.history_pos.append(position)
+        self.history_tokens.append(tokens)
 
     def apply_marker(self, marker: JSONObject) -> None:
         """Index lines that are not response ids: creation, metadata, resets, item deletions."""
         kind = marker.get("type")
-        if kind in ("delete_response", "delete_item") and marker.get("response_id") in self.prefix_ids:
+        deletion = kind in ("delete_response", "delete_item")
+        if deletion and marker.get("response_id") in self.prefix_ids:
             position = marker.get("position")
             if kind == "delete_response" or not isinstance(position, int) or position >= 0:
                 raise NotLoaded("a deletion in the part of history not loaded")
@@ -338,26 +350,16 @@ class ConversationView:
         at = marker.get("at") or marker.get("created_at")
         if isinstance(at, int | float):
             self.last_activity = max(self.last_activity or 0.0, float(at))
-        if kind in ("delete_response", "delete_item") and isinstance(at, int | float):
-            self.last_deletion = max(self.last_deletion or 0.0, float(at))
+            if deletion:
+                self.last_deletion = max(self.last_deletion or 0.0, float(at))
         if kind == "reset":
             self.reset(keep_system_message=bool(marker.get("keep_system_message")))
         elif kind in ("conversation", "metadata"):
-            if kind == "conversation" and self.created_at is None:
-                created = marker.get("created_at")
-                self.created_at = float(created) if isinstance(created, int | float) else None
-            metadata = marker.get("metadata")
-            if isinstance(metadata, dict):
-                self.metadata = {str(k): str(v) for k, v in metadata.items()}
+            self._describe(marker, created=kind == "conversation")
         elif kind == "delete_response":
             owner = marker.get("response_id")
             if isinstance(owner, str):
-                pairs = zip(self.history_owner, self.history_pos, strict=True)
-                for position in [p for o, p in pairs if o == owner]:
-                    self.delete_item(owner, position)
-                if owner in self.response_ids:  # as a load from the files sees it: no turn at all
-                    self.response_ids.remove(owner)
-                    self.turns -= 1
+                self._delete_response(owner)
         elif kind == "delete_item":
             rid, pos = marker.get("response_id"), marker.get("position")
             if isinstance(rid, str) and isinstance(pos, int):
@@ -368,6 +370,24 @@ class ConversationView:
                 self.recap = recap_without(self.recap, {str(cid) for cid in withdrawn})
                 if self.recap is None:
                     self.recap_owner = None
+
+    def _describe(self, marker: JSONObject, *, created: bool) -> None:
+        """A `conversation` (its creation) or `metadata` marker: the time made, the metadata."""
+        if created and self.created_at is None:
+            at = marker.get("created_at")
+            self.created_at = float(at) if isinstance(at, int | float) else None
+        metadata = marker.get("metadata")
+        if isinstance(metadata, dict):
+            self.metadata = {str(k): str(v) for k, v in metadata.items()}
+
+    def _delete_response(self, owner: str) -> None:
+        """Every message of a response deleted; as a load from the files sees it: no turn at all."""
+        pairs = zip(self.history_owner, self.history_pos, strict=True)
+        for position in [p for o, p in pairs if o == owner]:
+            self.delete_item(owner, position)
+        if owner in self.response_ids:
+            self.response_ids.remove(owner)
+            self.turns -= 1
 
     def delete_item(self, response_id: str, position: int) -> None:
         self.deleted_items.add(item_key(response_id, position))

@@ -131,35 +131,9 @@ def items_to_messages(
             raise InvalidRequest(f"{where} must be an object", param=where)
         kind = item.get("type", "message")
         if kind == "message":
-            role = item.get("role")
-            if role not in ("user", "assistant", "system", "developer"):
-                raise InvalidRequest(
-                    f"{where}.role must be user, assistant, system or developer", param=f"{where}.role"
-                )
-            if "content" not in item:
-                raise InvalidRequest(f"{where}.content is required", param=f"{where}.content")
-            content = _chat_content(item["content"], where, role)
-            message: Message = {"role": role, "content": content}
-            if role == "assistant" and not isinstance(content, str):
-                refusal = "".join(p.get("text", "") for p in content if p["type"] == "refusal")
-                message["content"] = _text_of(item.get("content"))
-                if refusal:
-                    message["refusal"] = refusal
-            out.append(message)
+            out.append(_item_message(item, where))
         elif kind == "function_call":
-            call_id = item.get("call_id") or item.get("id")
-            name = item.get("name")
-            if not isinstance(call_id, str) or not call_id or not isinstance(name, str) or not name:
-                raise InvalidRequest(
-                    f"{where}: a function_call needs call_id and name (non-empty strings)", param=where
-                )
-            arguments = _string(item.get("arguments", ""), f"{where}.arguments", f"{where}.arguments")
-            call: ToolCall = {
-                "id": call_id,
-                "type": "function",
-                "function": {"name": name, "arguments": arguments},
-            }
-            settle_arguments(call["function"])
+            call = _item_call(item, where)
             calls = out[-1].get("tool_calls") if out and out[-1]["role"] == "assistant" else None
             if calls and not out[-1].get("content"):
                 calls.append(call)
@@ -181,6 +155,39 @@ def items_to_messages(
         else:
             raise InvalidRequest(f"{where}: unsupported item type {kind!r}", param=f"{where}.type")
     return out
+
+
+def _item_message(item: JSONObject, where: str) -> Message:
+    """A `message` item as a chat message (an assistant's refusal parts as its `refusal`)."""
+    role = item.get("role")
+    if role not in ("user", "assistant", "system", "developer"):
+        raise InvalidRequest(
+            f"{where}.role must be user, assistant, system or developer", param=f"{where}.role"
+        )
+    if "content" not in item:
+        raise InvalidRequest(f"{where}.content is required", param=f"{where}.content")
+    content = _chat_content(item["content"], where, str(role))
+    message: Message = {"role": str(role), "content": content}
+    if role == "assistant" and not isinstance(content, str):
+        refusal = "".join(str(p.get("text", "")) for p in content if p["type"] == "refusal")
+        message["content"] = _text_of(item.get("content"))
+        if refusal:
+            message["refusal"] = refusal
+    return message
+
+
+def _item_call(item: JSONObject, where: str) -> ToolCall:
+    """A `function_call` item as a chat tool call (its arguments settled as stored ones are)."""
+    call_id = item.get("call_id") or item.get("id")
+    name = item.get("name")
+    if not isinstance(call_id, str) or not call_id or not isinstance(name, str) or not name:
+        raise InvalidRequest(
+            f"{where}: a function_call needs call_id and name (non-empty strings)", param=where
+        )
+    arguments = _string(item.get("arguments", ""), f"{where}.arguments", f"{where}.arguments")
+    call: ToolCall = {"id": call_id, "type": "function", "function": {"name": name, "arguments": arguments}}
+    settle_arguments(call["function"])
+    return call
 
 
 def _content_parts(message: Message, role: str) -> list[JSONObject]:
