@@ -136,7 +136,7 @@ class HeadDeadlineProtocol(HttpToolsProtocol):
     # Set from settings in each worker (gateway.app.app_from_env); 0 disables the deadline.
     head_timeout: float = 30.0
 
-    _quiet = False  # uvicorn's parser warning filtered (once uvicorn has set up its logging)
+    parser_warning_filtered = False  # (once uvicorn has set up its logging: by the first connection)
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
@@ -144,8 +144,8 @@ class HeadDeadlineProtocol(HttpToolsProtocol):
         self._head_bytes = 0  # received while the head of the next request is not complete
         self._in_head = True
         self._too_large = False
-        if not HeadDeadlineProtocol._quiet:
-            HeadDeadlineProtocol._quiet = True
+        if not self.parser_warning_filtered:
+            type(self).parser_warning_filtered = True
             self.logger.addFilter(_NotParserWarning())
 
     def _arm(self) -> None:
