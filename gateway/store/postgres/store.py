@@ -42,7 +42,7 @@ from gateway.store.base import (
     Version,
     now,
 )
-from gateway.store.postgres import branches, fsck, sides
+from gateway.store.postgres import branches, fsck, index, sides
 from gateway.store.postgres.db import READ_ONLY, Db
 from gateway.store.postgres.locks import ConversationLocks
 from gateway.store.postgres.log import PendingEndings, PostgresLog
@@ -98,8 +98,7 @@ class PostgresStore(Store):
         await self.db.backend()
 
     async def probe(self) -> None:
-        """One round trip to the database: StorageError when it is down, or when it takes no
-        writes (a hot standby, `default_transaction_read_only`)."""
+        """Make one round trip: StorageError when the database is down or takes no writes."""
         await self.db.probe()
 
     @property
@@ -107,14 +106,17 @@ class PostgresStore(Store):
         return self.db.refusing_writes
 
     def refuse_if_failed(self) -> None:
-        """Before a turn's provider is asked: a database seen taking no writes refuses it (the
-        provider was asked, and its answer thrown away with a 503)."""
+        """Refuse a turn, before its provider is asked, when the database was seen taking no writes.
+
+        Without it the provider was asked, and its answer thrown away with a 503."""
         if self.refusing_writes is not None:
             raise StorageError(f"the database {READ_ONLY}: the turn could not be recorded; retry later")
 
     async def try_processor_lease(self) -> bool | None:
-        """One lifecycle processor per database: a session advisory lock on the lock
-        connection, held until this process exits (PostgreSQL frees it if the process dies)."""
+        """Take the one lifecycle processor's lease of the database, or say it is taken.
+
+        A session advisory lock on the lock connection, held until this process exits
+        (PostgreSQL frees it if the process dies)."""
         backend = await self.db.backend()
         if getattr(backend, "processor_lease", False):
             return True
@@ -128,8 +130,7 @@ class PostgresStore(Store):
 
     # -- locking ------------------------------------------------------------------------------------
     def lock(self, conversation_id: str, timeout: float) -> AbstractAsyncContextManager[None]:
-        """Serialize turns on one conversation, in this process and across replicas
-        (`ConversationLocks.lock`)."""
+        """Serialize turns on one conversation, here and across replicas (`ConversationLocks`)."""
         return self.locks.lock(conversation_id, timeout)
 
     async def read_entries(self, conversation_id: str) -> IndexList:
@@ -142,12 +143,13 @@ class PostgresStore(Store):
             return IndexList([], None)
         incarnation, seq = int(rows[0]["incarnation"]), int(rows[0]["last_seq"])
         self.locks.note_load(conversation_id, incarnation, seq)
-        entries = sides.index_entries(rows[0]["ids"] or [], rows[0]["markers"] or [])
+        entries = index.index_entries(rows[0]["ids"] or [], rows[0]["markers"] or [])
         return IndexList(entries, Version(incarnation, seq))
 
     async def read_conversation(self, conversation_id: str, after: Version | None = None) -> IndexRead:
-        """The entries after `after`, with their records, in one query (one round trip when
-        nothing changed)."""
+        """The entries after `after`, with their records, in one query.
+
+        One round trip when nothing changed."""
         check_conversation_id(conversation_id)
         since = after.position if after is not None else 0
         rows = await self.db.fetch(
@@ -156,7 +158,7 @@ class PostgresStore(Store):
         if not rows:
             self.locks.note_load(conversation_id, None, 0)
             return IndexRead([], None, True)
-        read = sides.index_read(rows, after)
+        read = index.index_read(rows, after)
         if read is None:
             return await self.read_conversation(conversation_id, None)  # begun anew since
         assert read.version is not None
@@ -165,7 +167,7 @@ class PostgresStore(Store):
 
     async def read_many(self, wanted: list[tuple[str, Version | None]]) -> list[IndexRead]:
         """One query for all of them (a page of a list); no lock is held by such readers."""
-        reads = await sides.read_many(self.db, wanted)
+        reads = await index.read_many(self.db, wanted)
         return [
             read if read is not None else await self.read_conversation(cid, None)  # begun anew since
             for read, (cid, _) in zip(reads, wanted, strict=True)
@@ -319,14 +321,14 @@ class PostgresStore(Store):
     async def list_conversations(
         self, limit: int, after: str | None = None
     ) -> tuple[list[tuple[str, float]], bool]:
-        page, more = await sides.page(self.db, limit, after)
+        page, more = await index.page(self.db, limit, after)
         return [(listed.conversation_id, listed.changed) for listed in page], more
 
     async def list_rows(self, limit: int, after: str | None = None) -> tuple[list[Listed], bool]:
-        return await sides.page(self.db, limit, after)
+        return await index.page(self.db, limit, after)
 
     async def keep_rows(self, rows: list[tuple[str, Version, JSONObject]]) -> None:
-        await sides.keep_rows(self.db, rows)
+        await index.keep_rows(self.db, rows)
 
     async def list_responses(
         self,
@@ -337,7 +339,9 @@ class PostgresStore(Store):
         after: str | None = None,
         descending: bool = False,
     ) -> tuple[list[str], bool]:
-        """Walks of index gateway_responses_created (`schema.responses_walk`), WALK_BATCH rows
+        """A page of committed responses of one API (and model), in creation order.
+
+        Walks of index gateway_responses_created (`schema.responses_walk`), WALK_BATCH rows
         or a page's worth at a time: a page costs its rows, plus those it walks past (other
         APIs' turns, other models', failed or deleted ones); a small query finds `after`."""
         action = "could not list responses"
