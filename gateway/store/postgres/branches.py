@@ -1,5 +1,6 @@
-"""Deleting (or archiving) a conversation and branching one at an earlier response, in
-PostgreSQL: index rows are copied, response rows are shared."""
+"""Deleting (or archiving) a conversation and branching one, in PostgreSQL.
+
+A branch copies the index rows up to a response; the response rows are shared."""
 
 from __future__ import annotations
 
@@ -11,8 +12,10 @@ from gateway.store.postgres.schema import ARCHIVE, NOW, Conn
 
 
 async def delete_conversation(db: Db, conversation_id: str, *, archive: bool = False) -> bool:
-    """Delete a conversation (into `gateway_archive` first with `archive`), with the responses
-    and metadata no other conversation shares and its summaries and lifecycle; False if none."""
+    """Delete a conversation (archived first with `archive`); False if there is none.
+
+    With it go the responses and metadata no other conversation shares, and its summaries and
+    lifecycle."""
     check_conversation_id(conversation_id)
     ns = db.namespace
 

@@ -1,9 +1,9 @@
-"""One tenant's database: the shared pool it runs on, its queries and transactions, and
-whether the database takes writes.
+"""One tenant's database: its queries and transactions, and whether it takes writes.
 
-The layer under the store and its helpers: it knows connections, namespaces and the statements
-every write shares (a response's rows, an index entry), nothing of conversations or locks.
-Each operation tells the backend's `Outage` whether the database was reached (`map_errors`).
+The layer under the store and its helpers, on the pool this process shares for the DSN
+(`backend.SharedBackend`): it knows connections, namespaces and the statements every write
+shares (a response's rows, an index entry), nothing of conversations or locks. Each operation
+tells the backend's `Outage` whether the database was reached (`map_errors`).
 """
 
 from __future__ import annotations
@@ -92,8 +92,9 @@ class Db:
             return list(await backend.open_pool.fetch(sql, *args))
 
     async def write(self, action: str, work: Callable[[Conn], Awaitable[T]]) -> T:
-        """Run `work` in one transaction, to its end even if the caller is cancelled (never
-        leaving a pooled connection mid-transaction)."""
+        """Run `work` in one transaction, to its end even if the caller is cancelled.
+
+        A cancelled caller never leaves a pooled connection mid-transaction."""
         backend = await self.backend()
 
         async def run() -> T:
@@ -107,8 +108,9 @@ class Db:
     async def insert(
         self, response_id: str, rows: list[tuple[str, str]], first_seq: int, *, unless_committed: bool = False
     ) -> None:
-        """Write a response's encoded records from `first_seq` on (none of them if the response
-        has a commit record, with `unless_committed`)."""
+        """Write a response's encoded records, numbered from `first_seq`, on a connection of its own.
+
+        With `unless_committed`, none of them when the response has a commit record."""
         backend = await self.backend()
         sql = INSERT_UNLESS_COMMITTED if unless_committed else INSERT_RECORDS
         with map_errors("could not write the response log", backend.outage):
@@ -131,9 +133,10 @@ class Db:
         expected: tuple[int | None, int] | None,
         listing: JSONObject | None = None,
     ) -> tuple[int, int]:
-        """Add an index entry (a response id or a marker's text) to a conversation, creating it
-        if new: its (incarnation, last seq) after. Raises Conflict when its tail is no longer
-        `expected` (None: whatever it is; (None, _): the conversation must be new)."""
+        """Add an index entry to a conversation (created if new): its (incarnation, last seq) after.
+
+        The entry is a response id or a marker's text. Raises Conflict when the tail is no
+        longer `expected` (None: whatever it is; (None, _): the conversation must be new)."""
         extra: list[int | None] = []
         if expected is None:
             sql = APPEND["any"]

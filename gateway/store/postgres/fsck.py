@@ -1,8 +1,10 @@
-"""`gateway fsck` for PostgreSQL: records are `json` the database checked when they were
-written, so what can be wrong is an index row naming a response with no records or without a
-commit (a restore of some tables only, a hand edit). Repairing moves each such row into
-`gateway_archive` (archive id `quarantine-{time}`) under the conversation's lock, and gives
-the conversation a new incarnation so that every reader loads it again."""
+"""`gateway fsck` for PostgreSQL: index rows naming an unusable response.
+
+Records are `json` the database checked when they were written, so what can be wrong is an
+index row naming a response with no records or without a commit (a restore of some tables only,
+a hand edit). Repairing moves each such row into `gateway_archive` (archive id
+`quarantine-{time}`) under the conversation's lock, and gives the conversation a new incarnation
+so that every reader loads it again."""
 
 from __future__ import annotations
 
@@ -47,8 +49,9 @@ def _damage(row: Row, action: str, *, repaired: bool = False) -> Damage:
 
 
 async def check(db: Db, locks: ConversationLocks, *, repair: bool, lock_timeout: float) -> list[Damage]:
-    """The index rows naming an unusable response; with `repair`, each moved to `gateway_archive`
-    under its conversation's lock (one busy past `lock_timeout` is left as it is)."""
+    """The index rows naming an unusable response, each moved to `gateway_archive` with `repair`.
+
+    A row is moved under its conversation's lock; one busy past `lock_timeout` is left as it is."""
     action = "the row is moved to gateway_archive"
     rows = await db.fetch("could not check the index", _UNUSABLE.format(only=""), db.namespace)
     if not repair or not rows:

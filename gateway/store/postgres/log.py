@@ -1,6 +1,7 @@
-"""An open response log in PostgreSQL: its request row is written at once; the commit writes
-the other records, the commit record and the index row in one transaction. And the endings of
-failed attempts the database could not take, written once it is back."""
+"""Response logs in PostgreSQL, and the endings of failed attempts written once it is back.
+
+An open log's request row is written at once; the commit writes the other records, the commit
+record and the index row in one transaction."""
 
 from __future__ import annotations
 
@@ -35,8 +36,9 @@ _LANDED = (
 
 
 class PendingEndings:
-    """Endings of failed attempts the database was down for: written once it is back, so that
-    those attempts read as failed, not in progress."""
+    """Endings of failed attempts the database was down for, written once it is back.
+
+    So those attempts read as failed, not in progress."""
 
     def __init__(self, db: Db) -> None:
         self.db = db
@@ -44,8 +46,9 @@ class PendingEndings:
         self._marking: asyncio.Task[None] | None = None
 
     def mark_later(self, response_id: str, rows: list[tuple[str, str]]) -> None:
-        """Keep an attempt's `incomplete` ending the database could not take now: retried every
-        MARK_RETRY_SECONDS (in the background) until it can."""
+        """Keep an attempt's `incomplete` ending the database could not take now.
+
+        It is retried every MARK_RETRY_SECONDS (in the background) until the database takes it."""
         self._unmarked[response_id] = rows
         if self._marking is None or self._marking.done():
             self._marking = asyncio.ensure_future(self._mark_unmarked())
@@ -148,9 +151,10 @@ class PostgresLog(ResponseLog):
             raise
 
     async def _landed(self, backend: SharedBackend, cid: str) -> tuple[int, int] | None:
-        """After a failed commit (the conversation's lock still held, so nobody else appends):
-        its index entry if the commit was done after all, None if not or if that cannot be known
-        within LANDED_WAIT (the database still away)."""
+        """The index entry of a failed commit that was done after all, else None.
+
+        Asked after the failure, the conversation's lock still held (so nobody else appends);
+        None also when it cannot be known within LANDED_WAIT (the database still away)."""
         loop = asyncio.get_running_loop()
         deadline = loop.time() + LANDED_WAIT
         while True:
@@ -165,8 +169,9 @@ class PostgresLog(ResponseLog):
                 await asyncio.sleep(0.2)
 
     async def _mark_failed(self, rows: list[tuple[str, str]], reason: str, message: str) -> None:
-        """Best effort after a failed commit: end the log with `incomplete` (never after a commit
-        record, in case the failure hid a commit that did happen)."""
+        """End the log with `incomplete` after a failed commit, best effort.
+
+        Never after a commit record, in case the failure hid a commit that did happen."""
         rows = [*rows, encode_record({"type": "incomplete", "reason": reason, "error": {"message": message}})]
         try:
             await self.db.insert(self.response_id, rows, 0, unless_committed=True)
