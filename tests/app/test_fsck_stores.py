@@ -75,8 +75,8 @@ async def test_postgres_index_rows_naming_unusable_responses_move_to_the_archive
     second = await commit_turn(pg, "c", "two")
     third = await commit_turn(pg, "c", "three")
     assert len((await cache.load(pg, "c")).history) == 6
-    await pg._fetch("damage", "DELETE FROM gateway_responses WHERE response_id = $1", first)
-    await pg._fetch(
+    await pg.db.fetch("damage", "DELETE FROM gateway_responses WHERE response_id = $1", first)
+    await pg.db.fetch(
         "damage", "DELETE FROM gateway_responses WHERE response_id = $1 AND kind = 'commit'", third
     )
     found = await pg.check()
@@ -87,7 +87,7 @@ async def test_postgres_index_rows_naming_unusable_responses_move_to_the_archive
     done = await pg.check(repair=True, lock_timeout=2)
     assert [d.where for d in done if d.repaired] == ["gateway_index/c:1", "gateway_index/c:3"]
     assert await pg.check() == []
-    rows = await pg._fetch("read", "SELECT path, content FROM gateway_archive ORDER BY path")
+    rows = await pg.db.fetch("read", "SELECT path, content FROM gateway_archive ORDER BY path")
     assert [row["path"] for row in rows] == ["conversations/c.jsonl.line-1", "conversations/c.jsonl.line-3"]
     assert first in rows[0]["content"]
     assert (await cache.load(pg, "c")).response_ids == [second]  # a new incarnation: loaded again
@@ -97,7 +97,7 @@ async def test_postgres_index_rows_naming_unusable_responses_move_to_the_archive
 
 async def test_postgres_repair_waits_for_the_conversation_lock(pg: PostgresStore) -> None:
     rid = await commit_turn(pg, "c", "one")
-    await pg._fetch("damage", "DELETE FROM gateway_responses WHERE response_id = $1", rid)
+    await pg.db.fetch("damage", "DELETE FROM gateway_responses WHERE response_id = $1", rid)
     async with pg.lock("c", 5):
         task = asyncio.create_task(pg.check(repair=True, lock_timeout=0.2))
         busy = await task

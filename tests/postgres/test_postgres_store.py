@@ -214,7 +214,7 @@ async def test_a_turn_built_on_a_stale_history_is_refused_not_forked(
 
 
 async def _all_responses(store: PostgresStore) -> list[str]:
-    rows = await store._fetch(
+    rows = await store.db.fetch(
         "list", "SELECT DISTINCT response_id FROM gateway_responses WHERE namespace = $1", store.namespace
     )
     return [r["response_id"] for r in rows]
@@ -283,7 +283,7 @@ async def test_fork_tombstone_and_archive(pg_store: PostgresStore) -> None:
         await pg_store.tombstone("m-0123456789ab")
     assert await pg_store.delete_conversation("branch", archive=True)
     assert not await pg_store.exists("branch")
-    rows = await pg_store._fetch("archive", "SELECT archive_id, path, content FROM gateway_archive")
+    rows = await pg_store.db.fetch("archive", "SELECT archive_id, path, content FROM gateway_archive")
     paths = sorted(r["path"] for r in rows)
     assert paths == sorted(["conversation.jsonl", *(f"responses/{r}.jsonl" for r in (r1, r2, r4))])
     assert all(r["archive_id"].startswith("branch-") for r in rows)
@@ -338,8 +338,8 @@ async def test_a_database_that_takes_no_writes_is_not_ready(pg_store: PostgresSt
         await conn.execute(f'ALTER DATABASE "{name}" SET default_transaction_read_only = on')
     finally:
         await conn.close()
-    assert pg_store._backend is not None and pg_store._backend.pool is not None
-    await pg_store._backend.pool.expire_connections()  # (a setting new sessions get)
+    pool = (await pg_store.db.backend()).open_pool
+    await pool.expire_connections()  # (a setting new sessions get)
     with pytest.raises(StorageError, match="takes no writes"):
         await pg_store.probe()
     # A turn is then refused before its provider is asked (it was asked, and its answer lost).
@@ -351,7 +351,7 @@ async def test_a_database_that_takes_no_writes_is_not_ready(pg_store: PostgresSt
         await conn.execute(f'ALTER DATABASE "{name}" RESET default_transaction_read_only')
     finally:
         await conn.close()
-    await pg_store._backend.pool.expire_connections()
+    await pool.expire_connections()
     await pg_store.probe()  # writable again: turns go on
     pg_store.refuse_if_failed()
 
@@ -425,12 +425,12 @@ async def test_an_ending_the_database_could_not_take_is_written_once_it_can(
     pg_store: PostgresStore, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """An attempt that failed while the database was down read `in_progress` for good."""
-    import gateway.store.postgres.store as module
+    import gateway.store.postgres.log as module
 
     monkeypatch.setattr(module, "MARK_RETRY_SECONDS", 0.05)
     rid = "m-00000000dead"
     log = pg_store.start(rid, request_record(rid, "c", [user("q")]))
-    insert = pg_store._insert
+    insert = pg_store.db.insert
     down = True
 
     async def flaky(*args: object, **kwargs: object) -> None:
@@ -438,7 +438,7 @@ async def test_an_ending_the_database_could_not_take_is_written_once_it_can(
             raise StorageError("cannot reach the database: connection refused")
         await insert(*args, **kwargs)  # type: ignore[arg-type]
 
-    monkeypatch.setattr(pg_store, "_insert", flaky)
+    monkeypatch.setattr(pg_store.db, "insert", flaky)
     await log.abandon("storage_error")
     await asyncio.sleep(0.2)
     assert [r["type"] for r in await pg_store.read_response(rid)] == ["request"]  # still down

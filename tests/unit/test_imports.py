@@ -46,7 +46,6 @@ KNOWN_CYCLES: set[frozenset[str]] = {
         f"gateway.store.jsonl.{m}"
         for m in ["branches", "catalog", "fsck", "journal", "locks", "log", "reading", "recovery", "store"]
     ),
-    frozenset(f"gateway.store.postgres.{m}" for m in ["branches", "fsck", "log", "sides", "store"]),
 }
 KNOWN_PRIVATE: set[tuple[str, str, str]] = set()
 

@@ -115,7 +115,7 @@ def fail_next_commits(store: Store, monkeypatch: pytest.MonkeyPatch) -> None:
         async def connection_lost(*args: object) -> tuple[int, int]:
             raise OSError(104, "Connection reset by peer")
 
-        monkeypatch.setattr(store, "_append_entry", connection_lost)
+        monkeypatch.setattr(store.db, "append_entry", connection_lost)
 
 
 # -- contract: every backend -------------------------------------------------------------------

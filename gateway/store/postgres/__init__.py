@@ -1,5 +1,6 @@
-"""The shared store for several gateway replicas: PostgreSQL (the layout and rules are in
-`gateway.store.postgres.store`)."""
+"""The shared store for several gateway replicas: PostgreSQL.
+
+The layout and rules are in `gateway.store.postgres.store`."""
 
 from gateway.store.base import SIDE_LOGS
 from gateway.store.postgres.schema import SCHEMA_VERSION, map_errors, migrate

@@ -1,5 +1,6 @@
-"""One asyncpg pool and one advisory-lock connection per (dsn, durability, event loop), shared
-by every tenant's store in a process."""
+"""One asyncpg pool and one advisory-lock connection per (dsn, durability, event loop).
+
+Shared by every tenant's store in a process."""
 
 from __future__ import annotations
 
@@ -29,8 +30,9 @@ T = TypeVar("T")
 
 
 class SharedBackend:
-    """Shared by the stores of every tenant: a pool for queries and one session that holds the
-    advisory locks of this process's busy conversations."""
+    """A pool for queries and one session for advisory locks, shared by every tenant's store.
+
+    The session holds the advisory locks of this process's busy conversations."""
 
     def __init__(self, dsn: str, durability: str, loop: asyncio.AbstractEventLoop) -> None:
         self.dsn = dsn
@@ -130,8 +132,10 @@ class SharedBackend:
                 return bool(await conn.fetchval(sql, *args))
 
     async def try_lock(self, key: int, line: tuple[int, int] | None = None) -> bool:
-        """The conversation's lock, unless (with `line`: its queue, this waiter's place) a
-        waiter of another replica stands in line before this one."""
+        """Try to take a conversation's advisory lock; False when it is held, or in line.
+
+        With `line` (its queue, this waiter's place), a waiter of another replica standing in
+        line before this one keeps it from being taken."""
         if line is None:
             call = self._lock_call("SELECT pg_try_advisory_lock($1)", key)
         else:
@@ -150,6 +154,7 @@ class SharedBackend:
 
     async def stand_in_line(self, line: tuple[int, int]) -> None:
         """Hold a shared advisory lock (queue, place): replicas' later waiters let this one first.
+
         Runs to completion even if the caller is cancelled (who then leaves the line)."""
         call = self._lock_call("SELECT pg_advisory_lock_shared($1::int4, $2::int4)", *line)
         await asyncio.shield(self.spawn(call))

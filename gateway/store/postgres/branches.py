@@ -1,29 +1,23 @@
-"""Deleting (or archiving) a conversation and branching one at an earlier response, in
-PostgreSQL: index rows are copied, response rows are shared."""
+"""Deleting (or archiving) a conversation and branching one, in PostgreSQL.
+
+A branch copies the index rows up to a response; the response rows are shared."""
 
 from __future__ import annotations
-
-from typing import TYPE_CHECKING
 
 from gateway.exceptions import InvalidRequest, NotFound
 from gateway.ids import check_conversation_id
 from gateway.store.base import now
-from gateway.store.postgres.schema import (
-    ARCHIVE,
-    NOW,
-    Conn,
-)
-
-if TYPE_CHECKING:
-    from gateway.store.postgres.store import PostgresStore
+from gateway.store.postgres.db import Db
+from gateway.store.postgres.schema import ARCHIVE, NOW, Conn
 
 
-async def delete_conversation(store: PostgresStore, conversation_id: str, *, archive: bool = False) -> bool:
+async def delete_conversation(db: Db, conversation_id: str, *, archive: bool = False) -> bool:
+    """Delete a conversation (archived first with `archive`); False if there is none.
+
+    With it go the responses and metadata no other conversation shares, and its summaries and
+    lifecycle."""
     check_conversation_id(conversation_id)
-    ns = store.namespace
-    store._forget(conversation_id)
-    for kind in ("summaries", "lifecycle"):
-        store._side.pop((kind, conversation_id), None)
+    ns = db.namespace
 
     async def work(conn: Conn) -> bool:
         found = await conn.fetchval(
@@ -65,17 +59,14 @@ async def delete_conversation(store: PostgresStore, conversation_id: str, *, arc
         )
         return True
 
-    deleted = await store._write("could not delete the conversation", work)
-    hold = store._holds.get(conversation_id)
-    if hold is not None:
-        hold.expected = (None, 0)
-    return deleted
+    return await db.write("could not delete the conversation", work)
 
 
-async def fork(store: PostgresStore, source: str, target: str, through: str) -> None:
+async def fork(db: Db, source: str, target: str, through: str) -> None:
+    """Start conversation `target` with the index of `source` up to response `through`."""
     check_conversation_id(source)
     check_conversation_id(target)
-    ns = store.namespace
+    ns = db.namespace
 
     async def work(conn: Conn) -> None:
         if await conn.fetchval(
@@ -118,5 +109,4 @@ async def fork(store: PostgresStore, source: str, target: str, through: str) -> 
             upto,
         )
 
-    await store._write("could not branch the conversation", work)
-    store._forget(target)
+    await db.write("could not branch the conversation", work)

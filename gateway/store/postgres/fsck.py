@@ -1,22 +1,22 @@
-"""`gateway fsck` for PostgreSQL: records are `json` the database checked when they were
-written, so what can be wrong is an index row naming a response with no records or without a
-commit (a restore of some tables only, a hand edit). Repairing moves each such row into
-`gateway_archive` (archive id `quarantine-{time}`) under the conversation's lock, and gives
-the conversation a new incarnation so that every reader loads it again."""
+"""`gateway fsck` for PostgreSQL: index rows naming an unusable response.
+
+Records are `json` the database checked when they were written, so what can be wrong is an
+index row naming a response with no records or without a commit (a restore of some tables only,
+a hand edit). Repairing moves each such row into `gateway_archive` (archive id
+`quarantine-{time}`) under the conversation's lock, and gives the conversation a new incarnation
+so that every reader loads it again."""
 
 from __future__ import annotations
 
 import time
-from typing import TYPE_CHECKING
 
 import orjson
 
 from gateway.exceptions import ConversationBusy
 from gateway.store.base import Damage
+from gateway.store.postgres.db import Db
+from gateway.store.postgres.locks import ConversationLocks
 from gateway.store.postgres.schema import Conn, Row
-
-if TYPE_CHECKING:
-    from gateway.store.postgres.store import PostgresStore
 
 _UNUSABLE = """
 SELECT i.conversation_id, i.seq, i.response_id, count(r.seq) AS records,
@@ -48,34 +48,37 @@ def _damage(row: Row, action: str, *, repaired: bool = False) -> Damage:
     return Damage(where, int(row["seq"]), f"{problem} ({row['response_id']})", action, repaired)
 
 
-async def check(store: PostgresStore, *, repair: bool, lock_timeout: float) -> list[Damage]:
+async def check(db: Db, locks: ConversationLocks, *, repair: bool, lock_timeout: float) -> list[Damage]:
+    """The index rows naming an unusable response, each moved to `gateway_archive` with `repair`.
+
+    A row is moved under its conversation's lock; one busy past `lock_timeout` is left as it is."""
     action = "the row is moved to gateway_archive"
-    rows = await store._fetch("could not check the index", _UNUSABLE.format(only=""), store.namespace)
+    rows = await db.fetch("could not check the index", _UNUSABLE.format(only=""), db.namespace)
     if not repair or not rows:
         return [_damage(row, action) for row in rows]
     archive_id = f"quarantine-{time.strftime('%Y%m%dT%H%M%SZ', time.gmtime())}"
     done: list[Damage] = []
     for cid in sorted({row["conversation_id"] for row in rows}):
         try:
-            async with store.lock(cid, lock_timeout):
+            async with locks.lock(cid, lock_timeout):
                 # Decided again under the lock: only what is still unusable moves.
-                again = await store._fetch(
+                again = await db.fetch(
                     "could not check the index",
                     _UNUSABLE.format(only="AND i.conversation_id = $2"),
-                    store.namespace,
+                    db.namespace,
                     cid,
                 )
                 for row in again:
                     path = f"conversations/{cid}.jsonl.line-{row['seq']}"
                     note = orjson.dumps({"seq": row["seq"], "response_id": row["response_id"]}).decode()
-                    args = (store.namespace, cid, int(row["seq"]), archive_id, path, note)
+                    args = (db.namespace, cid, int(row["seq"]), archive_id, path, note)
 
                     async def move(conn: Conn, args: tuple[object, ...] = args) -> None:
                         await conn.execute(_MOVE, *args)
 
-                    await store._write("could not move the index row", move)
+                    await db.write("could not move the index row", move)
                     done.append(_damage(row, f"moved to gateway_archive {archive_id}/{path}", repaired=True))
         except ConversationBusy:
             continue
-    remaining = await store._fetch("could not check the index", _UNUSABLE.format(only=""), store.namespace)
+    remaining = await db.fetch("could not check the index", _UNUSABLE.format(only=""), db.namespace)
     return done + [_damage(row, action) for row in remaining]

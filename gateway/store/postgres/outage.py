@@ -1,5 +1,6 @@
-"""PostgreSQL outages in the log: one line when the database becomes unreachable, one when it
-is back (with how long it was away and how many operations failed meanwhile), no tracebacks.
+"""PostgreSQL outages in the log: one line when the database goes, one when it is back.
+
+The second says how long it was away and how many operations failed meanwhile; no tracebacks.
 
 Clients already get a clean 503 for each failed operation; the log's reader needs to know that
 the database went away and came back, not each of the operations that met it away."""
@@ -67,8 +68,10 @@ class Outage:
 
 
 class QuietFloor(logging.Filter):
-    """asyncpg's pool logs each failed attempt to reconnect its floor of connections with a
-    traceback, several a second while the database is away: the outage's lines say it."""
+    """Drop asyncpg's lines about failing to restore the pool's floor of connections.
+
+    The pool logs each failed attempt with a traceback, several a second while the database is
+    away: the outage's lines say it."""
 
     def filter(self, record: logging.LogRecord) -> bool:
         return not record.getMessage().startswith("Failed to restore the pool connection floor")

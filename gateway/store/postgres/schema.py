@@ -133,8 +133,10 @@ _DB_ERRORS = (asyncpg.PostgresError, asyncpg.InterfaceError, asyncpg.InternalCli
 
 @contextmanager
 def bad_dsn(dsn: str) -> Iterator[None]:
-    """asyncpg's DSN parser raises plain ValueErrors (a port that is not a number, which an
-    unescaped `/` in a password makes): one StorageError line naming the DSN without its password."""
+    """Turn the ValueErrors of asyncpg's DSN parser into one StorageError line.
+
+    A port that is not a number (which an unescaped `/` in a password makes) raises a plain
+    ValueError; the line names the DSN without its password."""
     try:
         yield
     except ValueError:  # (its text may quote part of the password: not repeated)
@@ -150,7 +152,8 @@ def bad_dsn(dsn: str) -> Iterator[None]:
 
 @contextmanager
 def map_errors(action: str, outage: Outage | None = None) -> Iterator[None]:
-    """asyncpg and socket errors become StorageError (503): the one place they are translated.
+    """Turn asyncpg and socket errors into StorageError (503): the one place they are translated.
+
     `outage` is told whether the database was reached."""
     try:
         yield
@@ -314,13 +317,14 @@ RESPONSE_CREATED += "WHERE r.namespace = $1 AND r.response_id = $2 AND r.kind = 
 
 
 def responses_walk(*, after: bool, descending: bool) -> str:
-    """Request records in (created, id) order from a cursor, `$2` of them: a walk of index
-    gateway_responses_created (asked nothing else of the rows, so that the planner never trades
-    it for a sort of them all), with what `list_responses` checks of each: its API, its model,
-    and the kind of its last record (`ending`: committed, and not deleted since, when it is
-    "commit"), one probe of the primary key per row walked (a scalar subquery: never hashed over
-    the whole table). Arguments: namespace, limit, then the cursor's (created, response id)
-    with `after`."""
+    """The query walking `$2` request records in (created, id) order from a cursor.
+
+    A walk of index gateway_responses_created (asked nothing else of the rows, so that the
+    planner never trades it for a sort of them all), with what `list_responses` checks of each:
+    its API, its model, and the kind of its last record (`ending`: committed, and not deleted
+    since, when it is "commit"), one probe of the primary key per row walked (a scalar subquery:
+    never hashed over the whole table). Arguments: namespace, limit, then the cursor's (created,
+    response id) with `after`."""
     sign, direction = ("<", "DESC") if descending else (">", "ASC")
     cursor = f" AND ({_CREATED}, r.response_id) {sign} ($3::float8, $4::text)" if after else ""
     return (

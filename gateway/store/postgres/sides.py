@@ -1,203 +1,98 @@
-"""Side logs in PostgreSQL (`gateway_side`): summaries, lifecycle, users, digests, models. A
-read is cached per process and fetches only the rows after the last one seen; it notices (by
-that row being gone) that another replica deleted the log. And pages of the conversation list."""
+"""Side logs in PostgreSQL (`gateway_side`): summaries, lifecycle, users, digests, models.
+
+A read is cached per process and fetches only the rows after the last one seen; it notices (by
+that row being gone) that another replica deleted the log."""
 
 from __future__ import annotations
 
-import logging
-from typing import TYPE_CHECKING
+from dataclasses import dataclass, field
+from typing import TypeAlias
 
 import orjson
 
-from gateway.exceptions import NotFound, StorageError
-from gateway.ids import check_conversation_id, check_side_key, is_valid_conversation_id
-from gateway.store.base import SIDE_LOGS, IndexEntry, IndexRead, Listed, SideLog, Version
-from gateway.store.postgres.log import SideCache
-from gateway.store.postgres.schema import FIRST_PAGE, LOAD_MANY, NEXT_PAGE, Conn, Row, decode_record
-from gateway.types import JSONObject, Record
+from gateway.ids import check_side_key
+from gateway.store.base import LRU, SIDE_LOGS, SideLog
+from gateway.store.postgres.db import Db
+from gateway.store.postgres.schema import Conn, decode_record
+from gateway.types import Record
 
-if TYPE_CHECKING:
-    from gateway.store.postgres.store import PostgresStore
 
-log = logging.getLogger("gateway.store")
+@dataclass(slots=True)
+class SideCache:
+    """A side log as this process last read it: its records, up to the row `last_id`."""
+
+    last_id: int
+    records: list[Record] = field(default_factory=list)
+
+
+# The side logs this process keeps, by (kind, key).
+SideCaches: TypeAlias = LRU[tuple[str, str], SideCache]
 
 
 def check_side(kind: str, key: str) -> None:
+    """Refuse an unknown kind of side log (ValueError) or an invalid key."""
     if kind not in SIDE_LOGS:
         raise ValueError(f"unknown side log {kind!r}")
     check_side_key(key)
 
 
-async def append_side(store: PostgresStore, kind: SideLog, key: str, record: Record) -> None:
+async def append_side(db: Db, cache: SideCaches, kind: SideLog, key: str, record: Record) -> None:
+    """Add a record to a side log (and drop the log from the cache: the next read fetches it)."""
     check_side(kind, key)
     text = orjson.dumps(record).decode()
 
     async def work(conn: Conn) -> None:
         await conn.execute(
             "INSERT INTO gateway_side (namespace, kind, key, record) VALUES ($1, $2, $3, $4::json)",
-            store.namespace,
+            db.namespace,
             kind,
             key,
             text,
         )
 
-    await store._write(f"could not record {kind}", work)
-    store._side.pop((kind, key), None)
+    await db.write(f"could not record {kind}", work)
+    cache.pop((kind, key), None)
 
 
-async def read_side(store: PostgresStore, kind: SideLog, key: str, *, keep: bool = True) -> list[Record]:
-    """Cached per process; each read fetches only rows after the last one seen, and notices
-    (by that row being gone) that another replica deleted the log."""
+async def read_side(db: Db, cache: SideCaches, kind: SideLog, key: str, *, keep: bool = True) -> list[Record]:
+    """A side log's records, through the cache (kept there unless `keep` is false).
+
+    Each read fetches only rows after the last one seen, and notices (by that row being gone)
+    that another replica deleted the log."""
     check_side(kind, key)
-    cached = store._side.get((kind, key))
+    cached = cache.get((kind, key))
     sql = (
         "SELECT id, record FROM gateway_side WHERE namespace = $1 AND kind = $2 AND key = $3 "
         "AND id >= $4 ORDER BY id"
     )
-    rows = await store._fetch(
-        f"could not read {kind}", sql, store.namespace, kind, key, cached.last_id if cached else 0
+    rows = await db.fetch(
+        f"could not read {kind}", sql, db.namespace, kind, key, cached.last_id if cached else 0
     )
     if cached is not None and (not rows or rows[0]["id"] != cached.last_id):
         cached = None
-        rows = await store._fetch(f"could not read {kind}", sql, store.namespace, kind, key, 0)
+        rows = await db.fetch(f"could not read {kind}", sql, db.namespace, kind, key, 0)
     if cached is None:
         cached = SideCache(0)
     fresh = [row for row in rows if row["id"] > cached.last_id]
     cached.records.extend(r for r in (decode_record(row["record"]) for row in fresh) if isinstance(r, dict))
     if fresh:
         cached.last_id = int(fresh[-1]["id"])
-    if cached.last_id and (keep or (kind, key) in store._side):
-        store._side[(kind, key)] = cached
+    if cached.last_id and (keep or (kind, key) in cache):
+        cache[(kind, key)] = cached
     else:
-        store._side.pop((kind, key), None)
+        cache.pop((kind, key), None)
     return list(cached.records)
 
 
-async def page(store: PostgresStore, limit: int, after: str | None) -> tuple[list[Listed], bool]:
-    """One keyset query on (updated_at, conversation_id), newest first (index
-    `gateway_conversations_page`), each row with its version and list row; a second, small one
-    to find `after`."""
-    action = "could not list conversations"
-    if after is None:
-        rows = await store._fetch(action, FIRST_PAGE, store.namespace, limit + 1)
-    else:
-        check_conversation_id(after, param="after")
-        found = await store._fetch(
-            action,
-            "SELECT updated_at FROM gateway_conversations WHERE namespace = $1 AND conversation_id = $2",
-            store.namespace,
-            after,
-        )
-        if not found:
-            raise NotFound(f"No conversation {after!r} in this list", param="after")
-        at = found[0]["updated_at"]
-        rows = await store._fetch(action, NEXT_PAGE, store.namespace, limit + 1, at, after)
-    listed = [
-        Listed(
-            str(row["conversation_id"]),
-            float(row["updated_at"]),
-            Version(int(row["incarnation"]), int(row["last_seq"])),
-            _listing(row["listing"]),
-        )
-        for row in rows[:limit]
-    ]
-    return [r for r in listed if is_valid_conversation_id(r.conversation_id)], len(rows) > limit
-
-
-# Rows a list made, each kept only while its conversation is still at the version it was made at.
-_KEEP_ROWS = """
-UPDATE gateway_conversations AS c SET listing = w.listing::json, listing_seq = w.seq
-FROM unnest($2::text[], $3::bigint[], $4::bigint[], $5::text[]) AS w(cid, incarnation, seq, listing)
-WHERE c.namespace = $1 AND c.conversation_id = w.cid AND c.incarnation = w.incarnation
-  AND c.last_seq = w.seq
-"""
-
-
-def _listing(text: str | None) -> JSONObject | None:
-    value = decode_record(text) if text is not None else None
-    return value if isinstance(value, dict) else None
-
-
-async def keep_rows(store: PostgresStore, rows: list[tuple[str, Version, JSONObject]]) -> None:
-    """One statement for all of them, each kept only at its version; best effort."""
-    if not rows:
-        return
-    columns = (
-        [cid for cid, _, _ in rows],
-        [int(v.generation) for _, v, _ in rows],
-        [v.position for _, v, _ in rows],
-        [orjson.dumps(row).decode() for _, _, row in rows],
-    )
-
-    async def work(conn: Conn) -> None:
-        await conn.execute(_KEEP_ROWS, store.namespace, *columns)
-
-    try:
-        await store._write("could not keep the list's rows", work)
-    except StorageError as exc:  # (a read-only replica): the next list makes them again
-        log.warning("%s", exc.message)
-
-
-def index_read(rows: list[Row], after: Version | None) -> IndexRead | None:
-    """A conversation's `LOAD` rows as an IndexRead; None when the conversation was replaced
-    since `after` (read it again from the start)."""
-    incarnation, last_seq = int(rows[0]["incarnation"]), int(rows[0]["last_seq"])
-    if after is not None and (after.generation != incarnation or last_seq < after.position):
-        return None
-    entries: list[IndexEntry] = []
-    current = None
-    for row in rows:
-        if row["seq"] is None:
-            continue  # nothing new
-        if row["seq"] != current:
-            current = row["seq"]
-            marker = decode_record(row["marker"]) if row["marker"] is not None else None
-            marker = marker if isinstance(marker, dict) else None
-            entries.append(IndexEntry(row["response_id"], marker, []))
-        if row["record"] is not None:
-            value = decode_record(row["record"])
-            if isinstance(value, dict) and value.get("type") != "context":
-                entries[-1].records.append(value)
-    return IndexRead(entries, Version(incarnation, last_seq), after is None)
-
-
-def index_entries(ids: list[str | None], markers: list[str | None]) -> list[str | Record]:
-    """A whole index from `_LOAD_INDEX`'s arrays, as `index_read` gives its entries: response
-    ids, and marker objects (an entry whose marker is not an object stands as its response id)."""
-    out: list[str | Record] = []
-    for rid, text in zip(ids, markers, strict=True):
-        marker = decode_record(text) if text is not None else None
-        out.append(marker if isinstance(marker, dict) else str(rid))
-    return out
-
-
-async def read_many(store: PostgresStore, wanted: list[tuple[str, Version | None]]) -> list[IndexRead]:
-    """Several conversations, each after its version, in one query."""
-    for cid, _ in wanted:
-        check_conversation_id(cid)
-    since = [after.position if after is not None else 0 for _, after in wanted]
-    rows = await store._fetch(
-        "could not load the conversations", LOAD_MANY, store.namespace, [c for c, _ in wanted], since
-    )
-    grouped: dict[int, list[Row]] = {}
-    for row in rows:
-        grouped.setdefault(int(row["n"]), []).append(row)
-    out = []
-    for n, (cid, after) in enumerate(wanted, start=1):
-        read = index_read(grouped[n], after) if n in grouped else IndexRead([], None, True)
-        out.append(read if read is not None else await store.read_conversation(cid, None))
-    return out
-
-
-async def read_sides(store: PostgresStore, kind: SideLog, keys: list[str]) -> list[list[Record]]:
+async def read_sides(db: Db, kind: SideLog, keys: list[str]) -> list[list[Record]]:
     """Several side logs of one kind in one query (nothing is added to the cache)."""
     for key in keys:
         check_side(kind, key)
-    rows = await store._fetch(
+    rows = await db.fetch(
         f"could not read {kind}",
         "SELECT key, record FROM gateway_side WHERE namespace = $1 AND kind = $2 AND key = ANY($3::text[]) "
         "ORDER BY key, id",
-        store.namespace,
+        db.namespace,
         kind,
         keys,
     )

@@ -20,16 +20,13 @@ A reader gets the entries after a `Version` (incarnation, last seq) in one query
 
 from __future__ import annotations
 
-import asyncio
 import logging
-import time
-from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
-from contextlib import asynccontextmanager
-from typing import TypeVar
+from collections.abc import Sequence
+from contextlib import AbstractAsyncContextManager
 
 import orjson
 
-from gateway.exceptions import ConversationBusy, NotFound, StorageError
+from gateway.exceptions import NotFound, StorageError
 from gateway.ids import check_conversation_id, is_valid_conversation_id, is_valid_response_id
 from gateway.redact import dsn_password, keep_password, redact_dsn
 from gateway.store.base import (
@@ -45,13 +42,11 @@ from gateway.store.base import (
     Version,
     now,
 )
-from gateway.store.postgres import branches, fsck, sides
-from gateway.store.postgres.backend import SharedBackend, backend_for
-from gateway.store.postgres.log import LockHold, PostgresLog, SideCache
+from gateway.store.postgres import branches, fsck, index, sides
+from gateway.store.postgres.db import READ_ONLY, Db
+from gateway.store.postgres.locks import ConversationLocks
+from gateway.store.postgres.log import PendingEndings, PostgresLog
 from gateway.store.postgres.schema import (
-    APPEND,
-    INSERT_RECORDS,
-    INSERT_UNLESS_COMMITTED,
     LOAD,
     LOAD_INDEX,
     PROCESSOR_LOCK,
@@ -59,23 +54,15 @@ from gateway.store.postgres.schema import (
     SELECT_TURNS,
     Conflict,
     Conn,
-    Row,
-    advisory_key,
     busy_error,
     decode_record,
     encode_record,
-    map_errors,
     responses_walk,
 )
 from gateway.types import Api, JSONObject, Record, as_object
 
 log = logging.getLogger("gateway.store")
 
-READ_ONLY = "takes no writes (read-only: a standby, or in recovery)"
-READ_ONLY_HOLD = 5.0  # seconds a database seen read-only is taken to be so
-T = TypeVar("T")
-
-MARK_RETRY_SECONDS = 2.0
 # A list of responses walks their requests this many (or a page's worth) at a time.
 WALK_BATCH = 100
 
@@ -96,82 +83,41 @@ class PostgresStore(Store):
         self.namespace = namespace
         self.durability = durability
         self.cache_size = cache_size
-        self._backend: SharedBackend | None = None
-        self._side: LRU[tuple[str, str], SideCache] = LRU(
+        self.db = Db(dsn, durability, namespace)
+        self.locks = ConversationLocks(self.db)
+        self.endings = PendingEndings(self.db)
+        self._side: sides.SideCaches = LRU(
             4 * cache_size, weigh=lambda v: len(v.records) + 1, budget=4 * cache_size
         )
-        self._holds: dict[str, LockHold] = {}
-        # Endings of failed attempts the database was down for: written once it is back, so that
-        # those attempts read as failed, not in progress (response id -> its rows, from seq 0).
-        self._unmarked: LRU[str, list[tuple[str, str]]] = LRU(1024)
-        self._marking: asyncio.Task[None] | None = None
-        # When the database was last seen taking no writes (a standby): turns are refused
-        # before their provider is asked, for READ_ONLY_HOLD seconds (the probe looks again).
-        self._read_only_at: float | None = None
-        # Test hook: called inside the commit transaction, after the records, before the index.
 
     def __repr__(self) -> str:
         return f"PostgresStore({redact_dsn(self.dsn)!r}, namespace={self.namespace!r})"
 
     # -- connections ------------------------------------------------------------------------------
-    async def _open_backend(self) -> SharedBackend:
-        backend = self._backend
-        if backend is None or backend.loop is not asyncio.get_running_loop() or backend.pool is None:
-            # First use, or a new event loop (a CLI command may run several): connect anew.
-            self._backend = backend = await backend_for(self.dsn, self.durability)
-        return backend
-
     async def open(self) -> None:
-        await self._open_backend()
+        await self.db.backend()
 
     async def probe(self) -> None:
-        """One round trip to the database: StorageError when it is down, or when it takes no
-        writes (a hot standby, `default_transaction_read_only`), which `SELECT 1` did not tell:
-        `/readyz` said ready while every turn was a 503."""
-        rows = await self._fetch(
-            "cannot reach the database", "SELECT current_setting('transaction_read_only')"
-        )
-        if rows and rows[0][0] == "on":
-            self.saw_read_only()
-            raise StorageError(f"the database {READ_ONLY}")
-        self._read_only_at = None
-
-    def saw_read_only(self) -> None:
-        self._read_only_at = time.monotonic()
+        """Make one round trip: StorageError when the database is down or takes no writes."""
+        await self.db.probe()
 
     @property
     def refusing_writes(self) -> str | None:
-        at = self._read_only_at
-        return READ_ONLY if at is not None and time.monotonic() - at < READ_ONLY_HOLD else None
+        return self.db.refusing_writes
 
     def refuse_if_failed(self) -> None:
-        """Before a turn's provider is asked: a database seen taking no writes refuses it (the
-        provider was asked, and its answer thrown away with a 503)."""
+        """Refuse a turn, before its provider is asked, when the database was seen taking no writes.
+
+        Without it the provider was asked, and its answer thrown away with a 503."""
         if self.refusing_writes is not None:
             raise StorageError(f"the database {READ_ONLY}: the turn could not be recorded; retry later")
 
-    def mark_later(self, response_id: str, rows: list[tuple[str, str]]) -> None:
-        """An attempt's `incomplete` ending the database could not take now: retried every
-        MARK_RETRY_SECONDS (in the background) until it can."""
-        self._unmarked[response_id] = rows
-        if self._marking is None or self._marking.done():
-            self._marking = asyncio.ensure_future(self._mark_unmarked())
-
-    async def _mark_unmarked(self) -> None:
-        while self._unmarked:
-            await asyncio.sleep(MARK_RETRY_SECONDS)
-            for rid, rows in list(self._unmarked.items()):
-                try:
-                    await self._insert(rid, rows, 0, unless_committed=True)
-                except StorageError:
-                    break  # still down: the next round
-                self._unmarked.pop(rid, None)
-                log.info("marked %s incomplete", rid)
-
     async def try_processor_lease(self) -> bool | None:
-        """One lifecycle processor per database: a session advisory lock on the lock
-        connection, held until this process exits (PostgreSQL frees it if the process dies)."""
-        backend = await self._open_backend()
+        """Take the one lifecycle processor's lease of the database, or say it is taken.
+
+        A session advisory lock on the lock connection, held until this process exits
+        (PostgreSQL frees it if the process dies)."""
+        backend = await self.db.backend()
         if getattr(backend, "processor_lease", False):
             return True
         granted = await backend.try_lock(PROCESSOR_LOCK)
@@ -179,184 +125,66 @@ class PostgresStore(Store):
         return granted
 
     async def close(self) -> None:
-        if self._marking is not None:
-            self._marking.cancel()
-        backend, self._backend = self._backend, None
-        if backend is not None and backend.loop is asyncio.get_running_loop():
-            await backend.release()
-
-    async def _fetch(self, action: str, sql: str, *args: object) -> list[Row]:
-        backend = await self._open_backend()
-        with map_errors(action, backend.outage):
-            return list(await backend.open_pool.fetch(sql, *args))
-
-    async def _write(self, action: str, work: Callable[[Conn], Awaitable[T]]) -> T:
-        """One transaction, run to its end even if the caller is cancelled (never leaving a pooled
-        connection mid-transaction)."""
-        backend = await self._open_backend()
-
-        async def run() -> T:
-            with map_errors(action, backend.outage):
-                async with backend.open_pool.acquire() as conn:
-                    async with conn.transaction():
-                        return await work(conn)
-
-        return await asyncio.shield(backend.spawn(run()))
-
-    async def _insert_rows(
-        self, conn: Conn, sql: str, response_id: str, rows: list[tuple[str, str]], first_seq: int
-    ) -> None:
-        seqs = list(range(first_seq, first_seq + len(rows)))
-        await conn.execute(sql, self.namespace, response_id, seqs, [k for k, _ in rows], [r for _, r in rows])
-
-    async def _insert(
-        self, response_id: str, rows: list[tuple[str, str]], first_seq: int, *, unless_committed: bool = False
-    ) -> None:
-        backend = await self._open_backend()
-        sql = INSERT_UNLESS_COMMITTED if unless_committed else INSERT_RECORDS
-        with map_errors("could not write the response log", backend.outage):
-            async with backend.open_pool.acquire() as conn:
-                await self._insert_rows(conn, sql, response_id, rows, first_seq)
-
-    async def _append_entry(
-        self,
-        conn: Conn,
-        cid: str,
-        response_id: str | None,
-        marker: str | None,
-        expected: tuple[int | None, int] | None,
-        listing: JSONObject | None = None,
-    ) -> tuple[int, int]:
-        extra: list[int | None] = []
-        if expected is None:
-            sql = APPEND["any"]
-        elif expected[0] is None:
-            sql = APPEND["new"]
-        else:
-            sql, extra = APPEND["tail"], list(expected)
-        text = orjson.dumps(listing).decode() if listing is not None else None
-        row = await conn.fetchrow(sql, self.namespace, cid, response_id, marker, text, *extra)
-        if row is None:
-            raise Conflict()
-        return int(row["incarnation"]), int(row["last_seq"])
+        self.endings.close()
+        await self.db.close()
 
     # -- locking ------------------------------------------------------------------------------------
-    @asynccontextmanager
-    async def lock(self, conversation_id: str, timeout: float) -> AsyncIterator[None]:
-        """In this process, one asyncio.Lock per conversation (FIFO); across replicas, a session
-        advisory lock on the backend's lock connection, polled until `timeout`, in arrival
-        order (a waiter stands in line: see `_TRY_IN_TURN` in backend.py)."""
-        check_conversation_id(conversation_id)
-        busy = ConversationBusy(f"Conversation {conversation_id!r} is busy with another request; retry later")
-        loop = asyncio.get_running_loop()
-        deadline = loop.time() + timeout
-        arrived = int(time.time() * 1000) % (1 << 31)  # this request's place in line
-        candidate = await self._open_backend()
-        key = advisory_key(self.namespace, conversation_id)
-        line = ((key & 0x7FFFFFFF), arrived)
-        # Per backend, not per store: two stores of one tenant in a process share the session,
-        # and session advisory locks are reentrant, so only this lock keeps them apart.
-        lock = candidate.local_lock(key)
-        backend: SharedBackend | None = None
-        in_line = False
-        try:
-            if lock.locked():  # behind this process's own turns: in line for the other replicas now
-                in_line = True  # (first: a cancellation during the call still leaves the line)
-                await candidate.stand_in_line(line)
-            try:
-                async with asyncio.timeout(max(0.0, deadline - loop.time())):
-                    await lock.acquire()
-            except TimeoutError:
-                raise busy from None
-        except BaseException:
-            if in_line:
-                await candidate.leave_line(line)
-            raise
-        try:
-            delay = 0.001
-            while not await candidate.try_lock(key, line):
-                if not in_line:
-                    in_line = True
-                    await candidate.stand_in_line(line)
-                if loop.time() >= deadline:
-                    raise busy
-                await asyncio.sleep(min(delay, max(0.0, deadline - loop.time())))
-                delay = min(delay * 2, 0.01)
-            backend = candidate
-            if in_line:
-                in_line = False
-                await candidate.leave_line(line)
-            self._holds[conversation_id] = LockHold(asyncio.current_task())
-            yield
-        finally:
-            self._holds.pop(conversation_id, None)
-            try:
-                if in_line:
-                    await candidate.leave_line(line)
-                if backend is not None:
-                    await asyncio.shield(backend.spawn(backend.unlock(key)))
-            finally:
-                lock.release()
-
-    def _note_load(self, cid: str, incarnation: int | None, seq: int) -> None:
-        hold = self._holds.get(cid)
-        if hold is not None and hold.task is asyncio.current_task():
-            hold.expected = (incarnation, seq)
-
-    def _expected(self, cid: str) -> tuple[int | None, int] | None:
-        hold = self._holds.get(cid)
-        return hold.expected if hold is not None else None
+    def lock(self, conversation_id: str, timeout: float) -> AbstractAsyncContextManager[None]:
+        """Serialize turns on one conversation, here and across replicas (`ConversationLocks`)."""
+        return self.locks.lock(conversation_id, timeout)
 
     async def read_entries(self, conversation_id: str) -> IndexList:
         check_conversation_id(conversation_id)
-        rows = await self._fetch(
+        rows = await self.db.fetch(
             "could not load the conversation", LOAD_INDEX, self.namespace, conversation_id
         )
         if not rows:
-            self._note_load(conversation_id, None, 0)
+            self.locks.note_load(conversation_id, None, 0)
             return IndexList([], None)
         incarnation, seq = int(rows[0]["incarnation"]), int(rows[0]["last_seq"])
-        self._note_load(conversation_id, incarnation, seq)
-        entries = sides.index_entries(rows[0]["ids"] or [], rows[0]["markers"] or [])
+        self.locks.note_load(conversation_id, incarnation, seq)
+        entries = index.index_entries(rows[0]["ids"] or [], rows[0]["markers"] or [])
         return IndexList(entries, Version(incarnation, seq))
 
     async def read_conversation(self, conversation_id: str, after: Version | None = None) -> IndexRead:
-        """The entries after `after`, with their records, in one query (one round trip when
-        nothing changed)."""
+        """The entries after `after`, with their records, in one query.
+
+        One round trip when nothing changed."""
         check_conversation_id(conversation_id)
         since = after.position if after is not None else 0
-        rows = await self._fetch(
+        rows = await self.db.fetch(
             "could not load the conversation", LOAD, self.namespace, conversation_id, since
         )
         if not rows:
-            self._note_load(conversation_id, None, 0)
+            self.locks.note_load(conversation_id, None, 0)
             return IndexRead([], None, True)
-        read = sides.index_read(rows, after)
+        read = index.index_read(rows, after)
         if read is None:
             return await self.read_conversation(conversation_id, None)  # begun anew since
         assert read.version is not None
-        self._note_load(conversation_id, int(read.version.generation), read.version.position)
+        self.locks.note_load(conversation_id, int(read.version.generation), read.version.position)
         return read
 
     async def read_many(self, wanted: list[tuple[str, Version | None]]) -> list[IndexRead]:
         """One query for all of them (a page of a list); no lock is held by such readers."""
-        return await sides.read_many(self, wanted)
+        reads = await index.read_many(self.db, wanted)
+        return [
+            read if read is not None else await self.read_conversation(cid, None)  # begun anew since
+            for read, (cid, _) in zip(reads, wanted, strict=True)
+        ]
 
     async def read_sides(self, kind: SideLog, keys: list[str]) -> list[list[Record]]:
-        return await sides.read_sides(self, kind, keys)
-
-    def _forget(self, conversation_id: str | None) -> None:
-        """Nothing is cached here (the services cache views): the place to drop it if ever."""
+        return await sides.read_sides(self.db, kind, keys)
 
     def start(self, response_id: str, request: Record) -> ResponseLog:
         if not is_valid_response_id(response_id):
             raise NotFound(f"No response {response_id!r}", param="response_id")
-        return PostgresLog(self, response_id, request)
+        return PostgresLog(self.db, self.locks, self.endings, response_id, request)
 
     async def read_response(self, response_id: str) -> list[Record]:
         if not is_valid_response_id(response_id):
             raise NotFound(f"No response {response_id!r}", param="response_id")
-        rows = await self._fetch(
+        rows = await self.db.fetch(
             "could not read the response",
             "SELECT record FROM gateway_responses WHERE namespace = $1 AND response_id = $2 ORDER BY seq",
             self.namespace,
@@ -367,7 +195,7 @@ class PostgresStore(Store):
         return [r for r in (decode_record(row["record"]) for row in rows) if isinstance(r, dict)]
 
     async def read_turns(self, response_ids: Sequence[str]) -> list[list[Record]]:
-        rows = await self._fetch(
+        rows = await self.db.fetch(
             "could not read the responses", SELECT_TURNS, self.namespace, list(response_ids)
         )
         found: dict[str, list[Record]] = {}
@@ -379,7 +207,7 @@ class PostgresStore(Store):
 
     async def read_index(self, conversation_id: str) -> list[str | Record]:
         check_conversation_id(conversation_id)
-        rows = await self._fetch(
+        rows = await self.db.fetch(
             "could not read the conversation",
             "SELECT response_id, marker FROM gateway_index "
             "WHERE namespace = $1 AND conversation_id = $2 ORDER BY seq",
@@ -395,7 +223,7 @@ class PostgresStore(Store):
 
     async def exists(self, conversation_id: str) -> bool:
         check_conversation_id(conversation_id)
-        rows = await self._fetch(
+        rows = await self.db.fetch(
             "could not read the conversation",
             "SELECT 1 FROM gateway_conversations WHERE namespace = $1 AND conversation_id = $2",
             self.namespace,
@@ -409,35 +237,38 @@ class PostgresStore(Store):
     ) -> Appended:
         check_conversation_id(conversation_id)
         text = orjson.dumps(marker).decode()
-        expected = self._expected(conversation_id)
+        expected = self.locks.expected(conversation_id)
 
         async def work(conn: Conn) -> tuple[int, int]:
-            return await self._append_entry(conn, conversation_id, None, text, expected, row)
+            return await self.db.append_entry(conn, conversation_id, None, text, expected, row)
 
         try:
-            incarnation, seq = await self._write("could not record the change durably", work)
+            incarnation, seq = await self.db.write("could not record the change durably", work)
         except Conflict:
-            self._forget(conversation_id)
             raise busy_error(conversation_id) from None
-        except StorageError:
-            self._forget(conversation_id)
-            raise
-        hold = self._holds.get(conversation_id)
+        hold = self.locks.held(conversation_id)
         if hold is not None:
             hold.expected = (incarnation, seq)
         return Appended(Version(incarnation, seq - 1), Version(incarnation, seq))
 
     async def delete_conversation(self, conversation_id: str, *, archive: bool = False) -> bool:
-        return await branches.delete_conversation(self, conversation_id, archive=archive)
+        check_conversation_id(conversation_id)
+        for kind in ("summaries", "lifecycle"):
+            self._side.pop((kind, conversation_id), None)
+        deleted = await branches.delete_conversation(self.db, conversation_id, archive=archive)
+        hold = self.locks.held(conversation_id)
+        if hold is not None:
+            hold.expected = (None, 0)
+        return deleted
 
     async def fork(self, source: str, target: str, through: str) -> None:
-        await branches.fork(self, source, target, through)
+        await branches.fork(self.db, source, target, through)
 
     async def check(self, *, repair: bool = False, lock_timeout: float = 30.0) -> list[Damage]:
-        return await fsck.check(self, repair=repair, lock_timeout=lock_timeout)
+        return await fsck.check(self.db, self.locks, repair=repair, lock_timeout=lock_timeout)
 
     async def sharing(self, conversation_id: str, response_id: str) -> list[str]:
-        rows = await self._fetch(
+        rows = await self.db.fetch(
             "could not read the conversation",
             "SELECT DISTINCT conversation_id FROM gateway_index WHERE namespace = $1 AND response_id = $2 "
             "AND conversation_id <> $3 ORDER BY conversation_id",
@@ -463,20 +294,20 @@ class PostgresStore(Store):
                 text,
             )
 
-        if await self._write("could not delete the response", work) is None:
+        if await self.db.write("could not delete the response", work) is None:
             raise NotFound(f"No response {response_id!r}", param="response_id")
 
     # -- side logs ----------------------------------------------------------------------------------
     async def append_side(self, kind: SideLog, key: str, record: Record) -> None:
-        await sides.append_side(self, kind, key, record)
+        await sides.append_side(self.db, self._side, kind, key, record)
 
     async def read_side(self, kind: SideLog, key: str, *, keep: bool = True) -> list[Record]:
         """Cached per process; each read fetches only rows after the last one seen."""
-        return await sides.read_side(self, kind, key, keep=keep)
+        return await sides.read_side(self.db, self._side, kind, key, keep=keep)
 
     # -- listing ------------------------------------------------------------------------------------
     async def _index_times(self) -> list[tuple[str, float]]:
-        rows = await self._fetch(
+        rows = await self.db.fetch(
             "could not list conversations",
             "SELECT conversation_id, updated_at FROM gateway_conversations WHERE namespace = $1",
             self.namespace,
@@ -490,14 +321,14 @@ class PostgresStore(Store):
     async def list_conversations(
         self, limit: int, after: str | None = None
     ) -> tuple[list[tuple[str, float]], bool]:
-        page, more = await sides.page(self, limit, after)
+        page, more = await index.page(self.db, limit, after)
         return [(listed.conversation_id, listed.changed) for listed in page], more
 
     async def list_rows(self, limit: int, after: str | None = None) -> tuple[list[Listed], bool]:
-        return await sides.page(self, limit, after)
+        return await index.page(self.db, limit, after)
 
     async def keep_rows(self, rows: list[tuple[str, Version, JSONObject]]) -> None:
-        await sides.keep_rows(self, rows)
+        await index.keep_rows(self.db, rows)
 
     async def list_responses(
         self,
@@ -508,14 +339,16 @@ class PostgresStore(Store):
         after: str | None = None,
         descending: bool = False,
     ) -> tuple[list[str], bool]:
-        """Walks of index gateway_responses_created (`schema.responses_walk`), WALK_BATCH rows
+        """A page of committed responses of one API (and model), in creation order.
+
+        Walks of index gateway_responses_created (`schema.responses_walk`), WALK_BATCH rows
         or a page's worth at a time: a page costs its rows, plus those it walks past (other
         APIs' turns, other models', failed or deleted ones); a small query finds `after`."""
         action = "could not list responses"
         cursor: tuple[float, str] | None = None
         if after is not None:
             found = (
-                await self._fetch(action, RESPONSE_CREATED, self.namespace, after)
+                await self.db.fetch(action, RESPONSE_CREATED, self.namespace, after)
                 if is_valid_response_id(after)
                 else []
             )
@@ -526,7 +359,7 @@ class PostgresStore(Store):
         out: list[str] = []
         while True:
             sql = responses_walk(after=cursor is not None, descending=descending)
-            rows = await self._fetch(action, sql, self.namespace, batch, *(cursor or ()))
+            rows = await self.db.fetch(action, sql, self.namespace, batch, *(cursor or ()))
             for row in rows:
                 wanted = row["api"] == api and (model is None or row["model"] == model)
                 if wanted and row["ending"] == "commit":
@@ -539,7 +372,7 @@ class PostgresStore(Store):
 
     async def namespaces(self) -> list[str]:
         """Every tenant with conversations or side logs in this database ("" included)."""
-        rows = await self._fetch(
+        rows = await self.db.fetch(
             "could not list tenants",
             "SELECT namespace FROM gateway_conversations UNION SELECT namespace FROM gateway_side",
         )
