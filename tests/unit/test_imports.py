@@ -42,10 +42,6 @@ NEVER = {
     ("Services", "Api"): "use cases know no HTTP",
 }
 KNOWN_CYCLES: set[frozenset[str]] = {
-    frozenset(
-        f"gateway.store.jsonl.{m}"
-        for m in ["branches", "catalog", "fsck", "journal", "locks", "log", "reading", "recovery", "store"]
-    ),
     frozenset(f"gateway.store.postgres.{m}" for m in ["branches", "fsck", "log", "sides", "store"]),
 }
 KNOWN_PRIVATE: set[tuple[str, str, str]] = set()
