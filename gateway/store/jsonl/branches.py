@@ -35,8 +35,10 @@ async def delete_conversation(
 def remove_conversation(
     data_dir: DataDir, durability: Durability, catalog: Catalog, conversation_id: str, archive: bool
 ) -> bool:
-    """Take a conversation's index away (so it is gone), then its side logs and the response
-    files no other conversation of its fork family names; False if there is no index."""
+    """Remove a conversation's files; False if it has no index.
+
+    The index goes first (from then on the conversation is gone), then its side logs and the
+    response files no other conversation of its fork family names."""
     durability.refuse_if_failed()
     index = data_dir.index_path(conversation_id)
     try:
@@ -59,8 +61,9 @@ def remove_conversation(
 
 
 def move_to_archive(data_dir: DataDir, conversation_id: str, ids: list[str], shared: set[str]) -> None:
-    """Move a conversation's files to `archive/{id}-{ms}/`; the response files in `shared`
-    (a fork still names them) are copied instead."""
+    """Move a conversation's files to `archive/{id}-{ms}/`.
+
+    The response files in `shared` (a fork still names them) are copied instead."""
     folder = data_dir.archive_dir / f"{conversation_id}-{int(now() * 1000)}"
     (folder / "responses").mkdir(parents=True, exist_ok=True)
     # The index goes first (one rename): from then on the conversation is gone.
@@ -86,8 +89,7 @@ def move_to_archive(data_dir: DataDir, conversation_id: str, ids: list[str], sha
 
 
 def delete_files(data_dir: DataDir, conversation_id: str, owned: list[str]) -> None:
-    """Remove a conversation's index, then its side logs and the response files it `owned`
-    (with their metadata)."""
+    """Remove a conversation's index, side logs, and `owned` response files with their metadata."""
     os.unlink(data_dir.index_path(conversation_id))
     sides = [data_dir.side_path(kind, conversation_id) for kind in ("summaries", "lifecycle")]
     responses = [data_dir.response_path(rid) for rid in owned]
@@ -132,8 +134,9 @@ def sharing(data_dir: DataDir, catalog: Catalog, conversation_id: str, response_
 async def fork(
     data_dir: DataDir, durability: Durability, catalog: Catalog, source: str, target: str, through: str
 ) -> None:
-    """Begin conversation `target` with `source`'s index up to response `through` (the
-    response files are shared, not copied)."""
+    """Begin conversation `target` with `source`'s index up to response `through`.
+
+    The response files are shared, not copied."""
     src, dst = data_dir.index_path(source), data_dir.index_path(target)
 
     def copy_prefix() -> None:

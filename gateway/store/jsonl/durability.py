@@ -27,8 +27,9 @@ class Durability:
         self.failed: str | None = None  # the first failed sync, as "name: reason"
 
     def sync(self, sync: Callable[[Any], None], target: Any) -> None:
-        """Run `sync(target)` (os.fsync, os.fdatasync, fsync_dir, syncfs); a failure is
-        latched (see `failed`), then raised."""
+        """Run `sync(target)`, latching a failure before raising it.
+
+        `sync` is os.fsync, os.fdatasync, fsync_dir or syncfs: its name says which failed."""
         try:
             sync(target)
         except OSError as exc:
@@ -50,7 +51,8 @@ class Durability:
             raise writes_refused(self.failed)
 
     def append_sync(self) -> Callable[[int], None] | None:
-        """The sync an append makes before it is acknowledged (None: none, durability "none");
-        raises first when writes are refused."""
+        """The sync an append makes before it is acknowledged.
+
+        None with durability "none"; raises first when writes are refused."""
         self.refuse_if_failed()
         return self.datasync if self.fsync else None

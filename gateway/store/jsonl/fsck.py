@@ -133,8 +133,10 @@ def survey(data_dir: DataDir) -> Survey:
 
 
 class Walk:
-    """One survey of a data dir: what it found so far, and the response files it read (each
-    once: an index's check reads those it names, the walk of their folder reads the rest)."""
+    """One survey of a data dir: what it found so far, and the response files it read.
+
+    Each response file is read once: an index's check reads those it names, the walk of their
+    folder reads the rest."""
 
     def __init__(self, data_dir: DataDir) -> None:
         self.data_dir = data_dir
@@ -175,8 +177,9 @@ class Walk:
                         self.report(path, cid, lineno, f"{problem} ({entry})", MOVE_LINE)
 
     def response_files(self) -> None:
-        """Each response file's bad lines, and empty files; a file no conversation claims is
-        left alone while it may still be being written."""
+        """Each response file's bad lines, and empty files.
+
+        A file no conversation claims is left alone while it may still be being written."""
         now = time.time()
         for path in _files(self.data_dir.responses_dir, is_valid_response_id):
             rid = path.name[:-6]
@@ -332,8 +335,10 @@ async def repair(
     fsync: bool,
     lock: Callable[[str], AbstractAsyncContextManager[None]],
 ) -> list[Damage]:
-    """Move what `found` names to quarantine: a conversation's files under its `lock` (one
-    that stays busy is left as it is), files of no conversation directly."""
+    """Move what `found` names to quarantine.
+
+    A conversation's files are repaired under its `lock` (one that stays busy is left as it
+    is), files of no conversation directly."""
     q = Quarantine(data_dir, fsync=fsync)
     done: list[Damage] = []
     units: dict[str | None, list[Path]] = {}

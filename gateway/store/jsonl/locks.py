@@ -44,9 +44,10 @@ def busy(conversation_id: str) -> ConversationBusy:
 
 
 class CrossProcessLock:
-    """One conversation's lock across worker processes (see `JsonlStore.lock`): a byte of the
-    file open as `range_fd`, or, without byte-range locks (`range_fd` -1), a file of its own in
-    `folder`."""
+    """One conversation's lock across worker processes (see `JsonlStore.lock`).
+
+    A byte of the file open as `range_fd`; without byte-range locks (`range_fd` -1), a file of
+    its own in `folder`."""
 
     def __init__(self, conversation_id: str, range_fd: int, folder: Path, arrived: int | None = None) -> None:
         self.acquired = False
@@ -115,9 +116,10 @@ class CrossProcessLock:
 
 
 class LockFolder:
-    """The `locks/` folder of a data dir and, opened on first use and kept until `close`, the
-    descriptor of `conversations.lock` that holds this store's byte-range locks (a lock held
-    by an open file description is released when that description closes)."""
+    """The `locks/` folder of a data dir, and the descriptor this store's locks are held by.
+
+    `conversations.lock` is opened on first use and kept until `close`: a lock held by an open
+    file description is released when that description closes."""
 
     def __init__(self, folder: Path) -> None:
         self.folder = folder

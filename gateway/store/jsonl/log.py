@@ -23,9 +23,10 @@ log = logging.getLogger("gateway.store")
 
 
 class UnwrittenEndings:
-    """Response logs whose `incomplete` ending could not be written (a full disk), written
-    once a write succeeds again (the readiness probe, a commit), so that those attempts read
-    as failed, not in progress."""
+    """Response logs whose `incomplete` ending could not be written (a full disk).
+
+    They are written once a write succeeds again (the readiness probe, a commit), so that
+    those attempts read as failed, not in progress."""
 
     def __init__(self, limit: int = 1024) -> None:
         self._endings: LRU[Path, tuple[int, bytes]] = LRU(limit)  # path -> (end of first record, ending)

@@ -29,9 +29,10 @@ def read_from(fd: int, start: int, size: int) -> bytes:
 def read_index_after(
     path: Path, shown: str, after: Version | None, repair: bool
 ) -> tuple[list[str | Record], Version, bool] | None:
-    """The lines of the index at `path` after `after`: (entries, version, restarted); None if
-    there is no index. `shown`: the path as errors name it; `repair`: cut a torn last line
-    (only a holder of the conversation's lock may)."""
+    """The index lines after `after`: (entries, version, restarted); None if no index.
+
+    `shown`: `path` as errors name it; `repair`: cut a torn last line (only a holder of the
+    conversation's lock may)."""
     try:
         fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)  # (no buffered file: four system calls fewer)
     except FileNotFoundError:

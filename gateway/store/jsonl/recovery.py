@@ -115,7 +115,9 @@ def _forgotten(folder: Path) -> dict[str, int]:
     return out
 
 
-def recover(data_dir: DataDir, durability: Durability, locks: LockFolder, lock_timeout: float = 30.0) -> int:
+def recover(
+    data_dir: DataDir, durability: Durability, lock_folder: LockFolder, lock_timeout: float = 30.0
+) -> int:
     """Replay every journal no live process holds; the number of commits that needed a fix."""
     folder = data_dir.journal_dir
     if not folder.is_dir():
@@ -128,7 +130,7 @@ def recover(data_dir: DataDir, durability: Durability, locks: LockFolder, lock_t
         fixed, complete = 0, True
         for entry in entries:
             try:
-                fixed += _replay(data_dir, locks, entry, lock_timeout)
+                fixed += _replay(data_dir, lock_folder, entry, lock_timeout)
             except (OSError, TimeoutError) as exc:
                 complete = False
                 log.error("journal: could not replay %s: %s", entry.response_id, exc)
@@ -158,8 +160,10 @@ def claim_journals(data_dir: DataDir) -> list[tuple[int, Path]]:
 
 
 def due_entries(fds: list[int], forgotten: dict[str, int]) -> list[Entry]:
-    """The commits of the journals open as `fds` that a replay must see to, oldest first: not
-    aborted, and not of a conversation deleted after them (`forgotten`: id -> deleted at)."""
+    """The commits of the journals open as `fds` that a replay must see to, oldest first.
+
+    Left out: those aborted, and those of a conversation deleted after them (`forgotten`:
+    conversation id -> when it was deleted, in ns)."""
     entries: list[Entry] = []
     aborted: set[str] = set()
     for fd in fds:
@@ -177,8 +181,9 @@ def due_entries(fds: list[int], forgotten: dict[str, int]) -> list[Entry]:
 
 
 def remove_journals(data_dir: DataDir, paths: list[Path]) -> None:
-    """Remove replayed journals, and the record of deletions once no journal is left that it
-    could concern."""
+    """Remove replayed journals.
+
+    The record of deletions goes too once no journal is left that it could concern."""
     for path in paths:
         os.unlink(path)
     with file_lock(data_dir.journal_lock):
@@ -186,9 +191,10 @@ def remove_journals(data_dir: DataDir, paths: list[Path]) -> None:
             (data_dir.journal_dir / FORGOTTEN).unlink(missing_ok=True)
 
 
-def _replay(data_dir: DataDir, locks: LockFolder, entry: Entry, lock_timeout: float) -> int:
-    """Complete a commit's response file and index line (under the conversation's lock); 1 if
-    anything had to be written."""
+def _replay(data_dir: DataDir, lock_folder: LockFolder, entry: Entry, lock_timeout: float) -> int:
+    """Complete a commit's response file and index line; 1 if anything had to be written.
+
+    The index is read and appended to under the conversation's lock."""
     fixed = 0
     path = data_dir.response_path(entry.response_id)
     try:
@@ -208,7 +214,7 @@ def _replay(data_dir: DataDir, locks: LockFolder, entry: Entry, lock_timeout: fl
         return fixed
     index = data_dir.index_path(entry.conversation_id)
     line = entry.response_id.encode() + b"\n"
-    lock = locks.conversation(entry.conversation_id)
+    lock = lock_folder.conversation(entry.conversation_id)
     deadline = time.monotonic() + lock_timeout
     while not lock.try_acquire():
         if time.monotonic() > deadline:

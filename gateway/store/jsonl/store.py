@@ -81,11 +81,12 @@ def writable(root: Path) -> None:
 
 
 class JsonlStore(Store):
-    """A data dir of JSONL files, read and written through its parts: `data_dir` (where each
-    file lives), `durability` (when writes are synced, and whether they still may be),
-    `lock_folder` (the conversations' locks across processes), the `journal`, the `catalog`
-    and `heads` (what lists read), `spares` (files made ahead of need) and `endings` (of
-    response logs, still to write)."""
+    """A data dir of JSONL files, read and written through its parts.
+
+    `data_dir` (where each file lives), `durability` (when writes are synced, and whether they
+    still may be), `lock_folder` (the conversations' locks across processes), the `journal`,
+    the `catalog` and `heads` (what lists read), `spares` (files made ahead of need) and
+    `endings` (of response logs, still to write)."""
 
     def __init__(
         self,
