@@ -90,6 +90,13 @@ def now() -> float:
     return time.time()
 
 
+def writes_refused(reason: str) -> StorageError:
+    """The error of every write after an fsync failed (`reason`: which, and why)."""
+    return StorageError(
+        f"storage refuses writes since an fsync failed ({reason}); check the disk and restart the gateway"
+    )
+
+
 @dataclass(frozen=True, slots=True)
 class Version:
     """Where a reader of a conversation's index got to: `generation` changes when the index is
@@ -213,10 +220,7 @@ class Store(ABC):
     def refuse_if_failed(self) -> None:
         reason = self.refusing_writes
         if reason is not None:
-            raise StorageError(
-                f"storage refuses writes since an fsync failed ({reason}); "
-                "check the disk and restart the gateway"
-            )
+            raise writes_refused(reason)
 
     async def open(self) -> None:  # noqa: B027 - optional hook
         """Prepare the backend (create folders, connect)."""

@@ -45,7 +45,7 @@ class _MemoryLog(ResponseLog):
         self.records.append({"type": "commit", "status": "complete", "committed": now()})
         if conversation_id is None:
             return None
-        return self.store._append(conversation_id, self.response_id, self.row)
+        return self.store.append_entry(conversation_id, self.response_id, self.row)
 
     async def abandon(self, reason: str, error: JSONObject | None = None) -> None:
         if self.closed:
@@ -73,7 +73,8 @@ class MemoryStore(Store):
     def _version(self, cid: str) -> Version:
         return Version(self._generations.get(cid, -1), len(self.indexes.get(cid, [])))
 
-    def _append(self, cid: str, entry: str | Record, row: JSONObject | None) -> Appended:
+    def append_entry(self, cid: str, entry: str | Record, row: JSONObject | None) -> Appended:
+        """Add a line to a conversation's index (a response id or a marker), and its list row."""
         if cid not in self.indexes:
             self._next_generation += 1
             self._generations[cid] = self._next_generation
@@ -139,7 +140,7 @@ class MemoryStore(Store):
     ) -> Appended:
         if self.fail_commit is not None:
             raise self.fail_commit
-        return self._append(conversation_id, copy.deepcopy(marker), row)
+        return self.append_entry(conversation_id, copy.deepcopy(marker), row)
 
     async def delete_conversation(self, conversation_id: str, *, archive: bool = False) -> bool:
         entries = self.indexes.pop(conversation_id, None)

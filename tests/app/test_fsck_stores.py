@@ -36,7 +36,7 @@ async def pg(postgres_cluster: PostgresCluster) -> AsyncIterator[PostgresStore]:
 async def test_jsonl_repair_waits_for_the_conversation_lock(jsonl: JsonlStore) -> None:
     rid = await commit_turn(jsonl, "c", "one")
     await commit_turn(jsonl, "c", "two")
-    jsonl.response_path(rid).unlink()
+    jsonl.data_dir.response_path(rid).unlink()
     async with jsonl.lock("c", 5):
         busy = await jsonl.check(repair=True, lock_timeout=0.2)
     assert [(d.where, d.repaired) for d in busy] == [("logs/conversations/c.jsonl:1", False)]
@@ -52,7 +52,7 @@ async def test_jsonl_a_file_with_nothing_readable_is_moved_whole_and_a_warm_cach
     first = await commit_turn(jsonl, "c", "one")
     second = await commit_turn(jsonl, "c", "two")
     assert len((await cache.load(jsonl, "c")).history) == 4  # cached, at the index's version
-    jsonl.response_path(first).write_bytes(b"{torn beyond repair\n")
+    jsonl.data_dir.response_path(first).write_bytes(b"{torn beyond repair\n")
     found = await jsonl.check()
     assert [(d.where, d.problem.split(":")[0]) for d in found] == [
         ("logs/conversations/c.jsonl:1", f"names a response file with no readable record ({first})"),
@@ -63,7 +63,7 @@ async def test_jsonl_a_file_with_nothing_readable_is_moved_whole_and_a_warm_cach
         f"logs/responses/{first}.jsonl",  # moved whole: nothing readable left
         "logs/conversations/c.jsonl:1",  # then the index line naming it
     }
-    assert not jsonl.response_path(first).exists()
+    assert not jsonl.data_dir.response_path(first).exists()
     assert await jsonl.check() == []
     view = await cache.load(jsonl, "c")  # the index is a new file: read again from the start
     assert view.response_ids == [second]

@@ -36,7 +36,7 @@ class Clock:
         """Date the conversation's index by this clock, as a turn taken at clock time would
         have: the processor finds candidates by index modification time."""
         now = self()
-        os.utime(store.conversations_dir / f"{cid}.jsonl", (now, now))
+        os.utime(store.data_dir.conversations_dir / f"{cid}.jsonl", (now, now))
 
 
 class Summaries:

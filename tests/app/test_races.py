@@ -36,7 +36,7 @@ async def test_1_a_reader_without_the_lock_never_cuts_an_append_in_progress(tmp_
     store = JsonlStore(tmp_path / "var")
     await store.open()
     await commit_turn(store, "c", "one")
-    path = store.index_path("c")
+    path = store.data_dir.index_path("c")
     before = path.read_bytes()
     half = b"test-model-0123"  # the first half of another writer's append, not yet finished
     with open(path, "ab") as f:

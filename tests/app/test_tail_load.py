@@ -202,7 +202,7 @@ async def cold_turn(
     real = store._read_records
 
     def counting(path: Path, *, skip_context: bool = False) -> list[Any]:
-        if path.parent == store.responses_dir:
+        if path.parent == store.data_dir.responses_dir:
             files.append(path.name)
         return real(path, skip_context=skip_context)
 
@@ -229,7 +229,8 @@ async def cold_turn(
         assert r.status_code == 200, r.text
         rid = r.json()["id"]
     records = [
-        orjson.loads(line) for line in (store.responses_dir / f"{rid}.jsonl").read_bytes().splitlines()
+        orjson.loads(line)
+        for line in (store.data_dir.responses_dir / f"{rid}.jsonl").read_bytes().splitlines()
     ]
     context = next(r for r in records if r["type"] == "context")
     request = next(r for r in records if r["type"] == "request")

@@ -64,7 +64,7 @@ async def test_writes_lost_after_the_acknowledgement_are_replayed(jstore: JsonlS
     r1 = await commit_turn(jstore, "conv", "one")
     r2 = await commit_turn(jstore, "conv", "two")
     r3 = await commit_turn(jstore, None, "stateless")
-    files = {rid: jstore.response_path(rid).read_bytes() for rid in (r1, r2, r3)}
+    files = {rid: jstore.data_dir.response_path(rid).read_bytes() for rid in (r1, r2, r3)}
     image = crash_image(jstore, tmp_path)
     assert journals(image)
     # The power cut took the index, one whole response file and the end of another.
@@ -100,7 +100,8 @@ async def test_a_clean_crash_replays_nothing_and_removes_the_journal(
     image = crash_image(jstore, tmp_path)
     before = {p: p.read_bytes() for p in (image / "logs").rglob("*.jsonl")}
     restarted = JsonlStore(image)
-    assert await asyncio.to_thread(recovery.recover, restarted) == 0
+    parts = (restarted.data_dir, restarted.durability, restarted.lock_folder)
+    assert await asyncio.to_thread(recovery.recover, *parts) == 0
     assert {p: p.read_bytes() for p in (image / "logs").rglob("*.jsonl")} == before
     assert journals(image) == []
     await restarted.open()
@@ -142,7 +143,7 @@ async def test_a_commit_the_client_was_told_failed_is_not_replayed(
     real_open = os.open
 
     def index_full(path: Any, flags: int, mode: int = 0o777, *, dir_fd: int | None = None) -> int:
-        if flags & os.O_APPEND and Path(path).parent == jstore.conversations_dir:
+        if flags & os.O_APPEND and Path(path).parent == jstore.data_dir.conversations_dir:
             raise OSError(errno.ENOSPC, "No space left on device")
         return real_open(path, flags, mode, dir_fd=dir_fd)
 
@@ -351,7 +352,7 @@ async def test_a_sync_native_aio_refuses_to_take_is_made_by_the_thread(
     monkeypatch.setattr(aio, "_call", refusing_submit)
     threads = fdatasync_threads(monkeypatch)
     rids = await asyncio.gather(*(commit_turn(jstore, f"c{i}", "hi") for i in range(6)))
-    assert jstore.sync_failed is None and jstore.journal._aio is None
+    assert jstore.durability.failed is None and jstore.journal._aio is None
     assert any(name != threading.main_thread().name for name in threads)  # the sync thread's
     for i, rid in enumerate(rids):
         assert await jstore.read_index(f"c{i}") == [rid]
@@ -371,7 +372,7 @@ async def test_a_failed_native_aio_sync_refuses_the_commit_and_the_next_ones(
         return_exceptions=True,
     )
     assert all(isinstance(r, StorageError) for r in results), results
-    assert jstore.sync_failed is not None and "fdatasync" in jstore.sync_failed
+    assert jstore.durability.failed is not None and "fdatasync" in jstore.durability.failed
     monkeypatch.undo()
     with pytest.raises(StorageError, match="refuses writes"):
         await commit_turn(jstore, "conv", "three")
@@ -399,7 +400,7 @@ async def test_the_record_of_deletions_goes_with_the_last_journal(tmp_path: Path
     await commit_turn(second, "other", "two")
     async with first.lock("conv", 5):
         await first.delete_conversation("conv")
-    forgotten = first.journal_dir / "forgotten.jsonl"
+    forgotten = first.data_dir.journal_dir / "forgotten.jsonl"
     assert forgotten.exists()
     await first.close()
     assert forgotten.exists()  # the second process's journal may still hold older entries
@@ -411,7 +412,7 @@ async def test_after_a_failed_sync_a_commit_is_refused_and_its_log_says_so(
     jstore: JsonlStore, tmp_path: Path
 ) -> None:
     """Also for a log whose file was not made yet (no provider call: the conversations API)."""
-    jstore.sync_failed = "fdatasync: Input/output error"
+    jstore.durability.failed = "fdatasync: Input/output error"
     rid = mint_response_id("test/model")
     log = jstore.start(rid, request_record(rid, "conv", [user("q")]))
     log.append({"type": "response", "message": reply("a"), "finish_reason": "stop", "usage": None})

@@ -45,8 +45,8 @@ async def test_a_new_conversations_files_are_spares_renamed_into_place(jstore: J
     await until_ready(jstore.spares, spares_module.TARGET)  # (all made: none is made after the look)
     before = spare_inodes(jstore)
     rid = await commit_turn(jstore, "second", "hi there")
-    response = os.stat(jstore.response_path(rid)).st_ino
-    index = os.stat(jstore.index_path("second")).st_ino
+    response = os.stat(jstore.data_dir.response_path(rid)).st_ino
+    index = os.stat(jstore.data_dir.index_path("second")).st_ino
     assert response in before and index in before and response != index
     assert set(spare_inodes(jstore)) == set(before) - {response, index}
     # The files are the store's as ever: the index names the turn, the log holds it.

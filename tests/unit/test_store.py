@@ -91,7 +91,7 @@ def on_index_append(
     real_open = os.open
 
     def opening(path: Any, flags: int, mode: int = 0o777, *, dir_fd: int | None = None) -> int:
-        if flags & os.O_APPEND and Path(path).parent == store.conversations_dir:
+        if flags & os.O_APPEND and Path(path).parent == store.data_dir.conversations_dir:
             action(Path(path))
         return real_open(path, flags, mode, dir_fd=dir_fd)
 
@@ -822,7 +822,7 @@ async def test_a_new_index_at_a_reused_inode_is_not_taken_for_the_old_one(
     other = JsonlStore(tmp_path / "var")  # another process
     await other.open()
     new = await commit_turn(other, "elsewhere", "new")
-    index = jstore.index_path("reborn")
+    index = jstore.data_dir.index_path("reborn")
     with open(index, "r+b") as f:  # the same inode, the same size, another conversation
         f.write(new.encode() + b"\n")
     again = await jstore.read_conversation("reborn", after=seen)
@@ -875,7 +875,7 @@ BAD_IDS = [
 @pytest.mark.parametrize("bad", BAD_IDS)
 async def test_bad_conversation_ids_are_rejected(jstore: JsonlStore, bad: str) -> None:
     with pytest.raises(InvalidRequest):
-        jstore.index_path(bad)
+        jstore.data_dir.index_path(bad)
     with pytest.raises(InvalidRequest):
         await jstore.read_index(bad)
     with pytest.raises(InvalidRequest):
@@ -885,7 +885,7 @@ async def test_bad_conversation_ids_are_rejected(jstore: JsonlStore, bad: str) -
 @pytest.mark.parametrize("bad", [*BAD_IDS, "..-0123456789ab", "../m-0123456789ab", "m-0123456789ab/"])
 async def test_bad_response_ids_are_rejected(jstore: JsonlStore, tmp_path: Path, bad: str) -> None:
     with pytest.raises(NotFound):
-        jstore.response_path(bad)
+        jstore.data_dir.response_path(bad)
     with pytest.raises(NotFound):
         await jstore.read_response(bad)
     with pytest.raises(GatewayError):
@@ -910,8 +910,8 @@ _id_chars = st.sampled_from(list("aZ09._-/\\\x00 %~\n") + ["..", "ａ", "é"])
 @given(st.one_of(st.text(max_size=140), st.lists(_id_chars, max_size=20).map("".join)))
 def test_ids_never_produce_paths_outside_data_dir(value: str) -> None:
     for make, folder, error in (
-        (_path_store.index_path, _path_store.conversations_dir, InvalidRequest),
-        (_path_store.response_path, _path_store.responses_dir, NotFound),
+        (_path_store.data_dir.index_path, _path_store.data_dir.conversations_dir, InvalidRequest),
+        (_path_store.data_dir.response_path, _path_store.data_dir.responses_dir, NotFound),
     ):
         try:
             path = make(value)

@@ -35,17 +35,15 @@ from bisect import bisect_left, insort
 from collections.abc import Iterator
 from contextlib import contextmanager, suppress
 from pathlib import Path
-from typing import TYPE_CHECKING, NamedTuple
+from typing import NamedTuple
 
 import orjson
 
 from gateway.ids import is_valid_conversation_id
 from gateway.store.base import Listed, Version
+from gateway.store.jsonl.layout import DataDir
 from gateway.store.jsonl.reading import index_version
 from gateway.types import JSONObject
-
-if TYPE_CHECKING:
-    from gateway.store.jsonl.store import JsonlStore
 
 log = logging.getLogger("gateway.store")
 
@@ -168,15 +166,15 @@ def _row_line(cid: str, version: Version, row: JSONObject) -> bytes:
 
 
 class Catalog:
-    """One store's catalog, in this process: `at` (id -> last change) and `_keys`, the same as
+    """One data dir's catalog, in this process: `at` (id -> last change) and `_keys`, the same as
     (last change, id) pairs sorted, for keyset pages; `rows` (id -> where its newest row starts
     in rows.jsonl). Safe to use from several threads."""
 
-    def __init__(self, store: JsonlStore) -> None:
-        self.store = store
-        self.path = store.root / "catalog" / "conversations.jsonl"
-        self.rows_path = store.root / "catalog" / "rows.jsonl"
-        self.lock_path = store.locks_dir / "catalog.lock"
+    def __init__(self, data_dir: DataDir) -> None:
+        self.data_dir = data_dir
+        self.path = data_dir.catalog_dir / "conversations.jsonl"
+        self.rows_path = data_dir.catalog_dir / "rows.jsonl"
+        self.lock_path = data_dir.locks_dir / "catalog.lock"
         self.at: dict[str, float] = {}
         self.rows: dict[str, int] = {}
         self._keys: list[tuple[float, str]] = []
@@ -367,7 +365,7 @@ class Catalog:
         """The conversations in the folder (their index files' names; checked only where they
         differ from the catalog's)."""
         try:
-            names = os.listdir(self.store.conversations_dir)
+            names = os.listdir(self.data_dir.conversations_dir)
         except FileNotFoundError:
             return set()
         return {name[:-6] for name in names if name.endswith(".jsonl")}
@@ -376,7 +374,7 @@ class Catalog:
         """Write the catalog anew, one line per conversation, oldest change first: what this
         process knows, checked against the folder (under the exclusive lock, so no append is
         lost and no conversation created meanwhile is missed)."""
-        self.store.locks_dir.mkdir(parents=True, exist_ok=True)
+        self.data_dir.locks_dir.mkdir(parents=True, exist_ok=True)
         with self._flock(fcntl.LOCK_EX):
             if not self._read_file():
                 self._reset()
@@ -385,7 +383,7 @@ class Catalog:
             for cid in names - pairs.keys():
                 with suppress(FileNotFoundError):
                     if is_valid_conversation_id(cid):
-                        pairs[cid] = os.stat(self.store.conversations_dir / f"{cid}.jsonl").st_mtime
+                        pairs[cid] = os.stat(self.data_dir.conversations_dir / f"{cid}.jsonl").st_mtime
             self._bulk(pairs, self.rows)
             if not pairs and not self.path.exists():
                 return  # an empty data dir stays as it was
@@ -393,7 +391,7 @@ class Catalog:
             data = self._write_anew()
             stat = os.stat(self.path)
             self._identity, self._offset, self._lines = (stat.st_dev, stat.st_ino), len(data), len(pairs)
-        log.info("rebuilt the conversation catalog of %s (%d conversations)", self.store.root, len(pairs))
+        log.info("rebuilt the conversation catalog of %s (%d conversations)", self.data_dir.root, len(pairs))
 
     def _write_anew(self) -> bytes:
         """Replace both files by what this process holds (the rows first: a reader that takes
@@ -571,7 +569,7 @@ class Catalog:
                 self.forget(cid)
 
     def _versions(self, cids: list[str]) -> dict[str, Version | None]:
-        folder = self.store.conversations_dir
+        folder = self.data_dir.conversations_dir
         return {cid: index_version(folder / f"{cid}.jsonl") for cid in cids}
 
     def _listed(

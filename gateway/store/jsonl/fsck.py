@@ -11,9 +11,9 @@ import asyncio
 import os
 import time
 from collections.abc import Callable
+from contextlib import AbstractAsyncContextManager
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING
 
 import orjson
 
@@ -21,10 +21,8 @@ from gateway.exceptions import ConversationBusy, GatewayError
 from gateway.ids import is_valid_conversation_id, is_valid_response_id
 from gateway.store.base import SIDE_LOGS, Damage
 from gateway.store.jsonl.files import fsync_dir, write_all
+from gateway.store.jsonl.layout import DataDir
 from gateway.types import Record
-
-if TYPE_CHECKING:
-    from gateway.store.jsonl.store import JsonlStore
 
 TORN = "torn last line (a write cut short)"
 MOVE_LINE = "the line is moved to quarantine/"
@@ -122,62 +120,88 @@ class Survey:
     files: int = 0
 
 
-def survey(store: JsonlStore) -> Survey:
-    if not store.root.is_dir():
-        raise GatewayError(f"there is no data dir at {store.root}")
-    out = Survey()
-    responses: dict[str, Scanned | None] = {}
-    claimed: dict[str, str] = {}  # response id -> a conversation naming it
+def survey(data_dir: DataDir) -> Survey:
+    """Read every index, response file and side log of a data dir, noting what is damaged."""
+    if not data_dir.root.is_dir():
+        raise GatewayError(f"there is no data dir at {data_dir.root}")
+    walk = Walk(data_dir)
+    walk.indexes()
+    walk.response_files()
+    walk.side_logs()
+    walk.found.damage.sort(key=lambda d: (d.path, d.line or 0))
+    return walk.found
 
-    def response(rid: str) -> Scanned | None:
-        if rid not in responses:
-            responses[rid] = scan(store.response_path(rid))
-        return responses[rid]
 
-    def report(path: Path, owner: str | None, line: int | None, problem: str, action: str) -> None:
-        out.damage.append(Damage(store.shown(path), line, problem, action))
-        out.owners.setdefault(path, owner)
+class Walk:
+    """One survey of a data dir: what it found so far, and the response files it read.
 
-    def lines(path: Path, scanned: Scanned, owner: str | None) -> None:
+    Each response file is read once: an index's check reads those it names, the walk of their
+    folder reads the rest."""
+
+    def __init__(self, data_dir: DataDir) -> None:
+        self.data_dir = data_dir
+        self.found = Survey()
+        self.responses: dict[str, Scanned | None] = {}
+        self.claimed: dict[str, str] = {}  # response id -> a conversation naming it
+
+    def response(self, rid: str) -> Scanned | None:
+        if rid not in self.responses:
+            self.responses[rid] = scan(self.data_dir.response_path(rid))
+        return self.responses[rid]
+
+    def report(self, path: Path, owner: str | None, line: int | None, problem: str, action: str) -> None:
+        self.found.damage.append(Damage(self.data_dir.shown(path), line, problem, action))
+        self.found.owners.setdefault(path, owner)
+
+    def report_lines(self, path: Path, scanned: Scanned, owner: str | None) -> None:
+        """A file's undecodable lines and torn last line."""
         for lineno, problem in sorted(scanned.bad.items()):
-            report(path, owner, lineno, problem, MOVE_LINE)
+            self.report(path, owner, lineno, problem, MOVE_LINE)
         if scanned.torn is not None:
-            report(path, owner, scanned.torn, TORN, MOVE_LINE)
+            self.report(path, owner, scanned.torn, TORN, MOVE_LINE)
 
-    for path in _files(store.conversations_dir, is_valid_conversation_id):
-        cid = path.name[:-6]
-        scanned = scan(path, index=True)
-        if scanned is None:
-            continue
-        out.files += 1
-        lines(path, scanned, cid)
-        for lineno, entry in scanned.entries:
-            if isinstance(entry, str):
-                claimed.setdefault(entry, cid)
-                problem = response_problem(response(entry))
-                if problem is not None:
-                    report(path, cid, lineno, f"{problem} ({entry})", MOVE_LINE)
-    now = time.time()
-    for path in _files(store.responses_dir, is_valid_response_id):
-        rid = path.name[:-6]
-        scanned = response(rid)
-        if scanned is None:
-            continue
-        out.files += 1
-        owner = claimed.get(rid) or _requested_conversation(scanned)
-        if owner is None and now - path.stat().st_mtime < LOOSE_QUIET_SECONDS:
-            continue  # perhaps a stateless request's log being written: looked at later
-        lines(path, scanned, owner)
-        if not scanned.records and not scanned.bad:
-            report(path, owner, None, "empty response file", MOVE_FILE)
-    for kind in sorted(SIDE_LOGS):
-        for path in _files(store.root / "logs" / kind):
-            scanned = scan(path)
-            if scanned is not None:
-                out.files += 1
-                lines(path, scanned, None)
-    out.damage.sort(key=lambda d: (d.path, d.line or 0))
-    return out
+    def indexes(self) -> None:
+        """Each index's bad lines, and its lines naming a response file no reader can use."""
+        for path in _files(self.data_dir.conversations_dir, is_valid_conversation_id):
+            cid = path.name[:-6]
+            scanned = scan(path, index=True)
+            if scanned is None:
+                continue
+            self.found.files += 1
+            self.report_lines(path, scanned, cid)
+            for lineno, entry in scanned.entries:
+                if isinstance(entry, str):
+                    self.claimed.setdefault(entry, cid)
+                    problem = response_problem(self.response(entry))
+                    if problem is not None:
+                        self.report(path, cid, lineno, f"{problem} ({entry})", MOVE_LINE)
+
+    def response_files(self) -> None:
+        """Each response file's bad lines, and empty files.
+
+        A file no conversation claims is left alone while it may still be being written."""
+        now = time.time()
+        for path in _files(self.data_dir.responses_dir, is_valid_response_id):
+            rid = path.name[:-6]
+            scanned = self.response(rid)
+            if scanned is None:
+                continue
+            self.found.files += 1
+            owner = self.claimed.get(rid) or _requested_conversation(scanned)
+            if owner is None and now - path.stat().st_mtime < LOOSE_QUIET_SECONDS:
+                continue  # perhaps a stateless request's log being written: looked at later
+            self.report_lines(path, scanned, owner)
+            if not scanned.records and not scanned.bad:
+                self.report(path, owner, None, "empty response file", MOVE_FILE)
+
+    def side_logs(self) -> None:
+        """Each side log's bad lines (no lock guards them: repaired as they are)."""
+        for kind in sorted(SIDE_LOGS):
+            for path in _files(self.data_dir.logs_dir / kind):
+                scanned = scan(path)
+                if scanned is not None:
+                    self.found.files += 1
+                    self.report_lines(path, scanned, None)
 
 
 def _requested_conversation(scanned: Scanned) -> str | None:
@@ -190,27 +214,28 @@ class Quarantine:
     """`{root}/quarantine/{time}-{pid}/`: damaged lines and files, and `notes.jsonl` saying
     where each came from and why it was moved."""
 
-    def __init__(self, store: JsonlStore) -> None:
-        self.store = store
+    def __init__(self, data_dir: DataDir, *, fsync: bool) -> None:
+        self.data_dir = data_dir
+        self.fsync = fsync
         stamp = time.strftime("%Y%m%dT%H%M%SZ", time.gmtime())
-        self.folder = store.root / "quarantine" / f"{stamp}-{os.getpid()}"
+        self.folder = data_dir.root / "quarantine" / f"{stamp}-{os.getpid()}"
 
     def _target(self, path: Path, suffix: str = "") -> Path:
-        target = self.folder / f"{path.relative_to(self.store.root)}{suffix}"
+        target = self.folder / f"{path.relative_to(self.data_dir.root)}{suffix}"
         target.parent.mkdir(parents=True, exist_ok=True)
         return target
 
     def _note(self, path: Path, line: int | None, problem: str, moved: Path) -> Damage:
-        shown = self.store.shown(moved)
+        shown = self.data_dir.shown(moved)
         note = {
-            "file": self.store.shown(path),
+            "file": self.data_dir.shown(path),
             "line": line,
             "problem": problem,
             "moved_to": shown,
             "at": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
         }
         self._write(self.folder / "notes.jsonl", orjson.dumps(note) + b"\n", append=True)
-        return Damage(self.store.shown(path), line, problem, f"moved to {shown}", repaired=True)
+        return Damage(self.data_dir.shown(path), line, problem, f"moved to {shown}", repaired=True)
 
     def _write(self, path: Path, data: bytes, *, append: bool = False) -> None:
         path.parent.mkdir(parents=True, exist_ok=True)
@@ -218,17 +243,17 @@ class Quarantine:
         fd = os.open(path, flags, 0o644)
         try:
             write_all(fd, data)
-            if self.store.fsync:
+            if self.fsync:
                 os.fsync(fd)
         finally:
             os.close(fd)
-        if self.store.fsync:
+        if self.fsync:
             fsync_dir(path.parent)
 
     def move_file(self, path: Path, problem: str) -> Damage:
         target = self._target(path)
         os.replace(path, target)
-        if self.store.fsync:
+        if self.fsync:
             fsync_dir(target.parent)
             fsync_dir(path.parent)
         return self._note(path, None, problem, target)
@@ -250,7 +275,7 @@ class Quarantine:
         temp = path.with_name(f".{path.name}.fsck")
         self._write(temp, b"".join(line + b"\n" for line in kept))
         os.replace(temp, path)  # a new inode: readers of an index read it again from the start
-        if self.store.fsync:
+        if self.fsync:
             fsync_dir(path.parent)
         return done
 
@@ -273,7 +298,7 @@ def repair_file(q: Quarantine, path: Path) -> list[Damage]:
         drop[scanned.torn] = TORN
     if drop:
         return q.move_lines(path, scanned, drop)
-    if not scanned.records and path.parent == q.store.responses_dir:
+    if not scanned.records and path.parent == q.data_dir.responses_dir:
         return [q.move_file(path, "empty response file")]
     return []
 
@@ -282,13 +307,13 @@ def repair_conversation(q: Quarantine, cid: str, files: list[Path]) -> list[Dama
     """Under the conversation's lock: its damaged response files first, then the index lines
     that are unreadable or name a response that is (now) missing, empty or not committed."""
     done: list[Damage] = []
-    index = q.store.index_path(cid)
+    index = q.data_dir.index_path(cid)
     scanned = scan(index, index=True)
     named = [entry for _, entry in scanned.entries if isinstance(entry, str)] if scanned else []
     # As found, before a response file is set aside (an empty one is then missing).
-    found = {rid: response_problem(scan(q.store.response_path(rid))) for rid in named}
+    found = {rid: response_problem(scan(q.data_dir.response_path(rid))) for rid in named}
     for path in files:
-        if path.parent != q.store.conversations_dir:
+        if path.parent != q.data_dir.conversations_dir:
             done += repair_file(q, path)
     if scanned is None:
         return done
@@ -297,18 +322,24 @@ def repair_conversation(q: Quarantine, cid: str, files: list[Path]) -> list[Dama
         drop[scanned.torn] = TORN
     for lineno, entry in scanned.entries:
         if isinstance(entry, str):
-            problem = response_problem(scan(q.store.response_path(entry)))
+            problem = response_problem(scan(q.data_dir.response_path(entry)))
             if problem is not None:
                 drop[lineno] = f"{found.get(entry) or problem} ({entry})"
     return done + (q.move_lines(index, scanned, drop) if drop else [])
 
 
-async def check(store: JsonlStore, *, repair: bool, lock_timeout: float) -> list[Damage]:
-    await store.recover()  # what a stopped process left in its journal first
-    found = await asyncio.to_thread(survey, store)
-    if not repair or not found.damage:
-        return found.damage
-    q = Quarantine(store)
+async def repair(
+    data_dir: DataDir,
+    found: Survey,
+    *,
+    fsync: bool,
+    lock: Callable[[str], AbstractAsyncContextManager[None]],
+) -> list[Damage]:
+    """Move what `found` names to quarantine.
+
+    A conversation's files are repaired under its `lock` (one that stays busy is left as it
+    is), files of no conversation directly."""
+    q = Quarantine(data_dir, fsync=fsync)
     done: list[Damage] = []
     units: dict[str | None, list[Path]] = {}
     for path, owner in found.owners.items():
@@ -319,10 +350,10 @@ async def check(store: JsonlStore, *, repair: bool, lock_timeout: float) -> list
                 for path in paths:
                     done += await asyncio.to_thread(repair_file, q, path)
                 continue
-            async with store.lock(owner, lock_timeout):
+            async with lock(owner):
                 done += await asyncio.to_thread(repair_conversation, q, owner, paths)
         except ConversationBusy:
-            continue  # still damaged: the check below says so
+            continue  # still damaged: the survey after the repair says so
         except _Changed:
             continue
-    return done + (await asyncio.to_thread(survey, store)).damage
+    return done

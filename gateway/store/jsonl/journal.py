@@ -32,16 +32,14 @@ import threading
 import time
 import zlib
 from collections.abc import Callable
-from typing import TYPE_CHECKING
 
 import orjson
 
 from gateway.store.jsonl.aio import AioSync, NotSubmitted, settle
+from gateway.store.jsonl.durability import Durability
 from gateway.store.jsonl.files import fsync_dir
+from gateway.store.jsonl.layout import DataDir
 from gateway.store.jsonl.locks import file_lock, try_lock_file
-
-if TYPE_CHECKING:
-    from gateway.store.jsonl.store import JsonlStore
 
 log = logging.getLogger("gateway.store")
 
@@ -113,11 +111,12 @@ Waiter = tuple[JournalFile, "asyncio.Future[None]"]
 
 
 class Journal:
-    """This process's journal for one store: appended on the event loop, synced by one
-    thread for every commit waiting."""
+    """This process's journal for one data dir: appended on the event loop, synced by one
+    thread for every commit waiting; its syncs latch `durability` when they fail."""
 
-    def __init__(self, store: JsonlStore) -> None:
-        self.store = store
+    def __init__(self, data_dir: DataDir, durability: Durability) -> None:
+        self.data_dir = data_dir
+        self.durability = durability
         self.current: JournalFile | None = None
         self.spare: JournalFile | None = None
         self._opening: asyncio.Future[None] | None = None
@@ -153,7 +152,7 @@ class Journal:
         self._appended = time.monotonic()
         if self.open_logs <= 1:
             try:
-                self.store._sync(os.fdatasync, journal.fd)
+                self.durability.sync(os.fdatasync, journal.fd)
             except BaseException:
                 self.done(journal)
                 raise
@@ -171,7 +170,7 @@ class Journal:
                     self._aio = None
                     aio.close()
             except OSError as exc:
-                self.store.sync_failure("fdatasync", exc)
+                self.durability.latch("fdatasync", exc)
                 self.done(journal)
                 raise
             except BaseException:
@@ -238,12 +237,11 @@ class Journal:
             raise
 
     def _open_pair(self) -> None:
-        store = self.store
-        folder = store.journal_dir
+        folder = self.data_dir.journal_dir
         folder.mkdir(parents=True, exist_ok=True)
         name = f"{os.getpid()}-{secrets.token_hex(4)}"
         files: list[JournalFile] = []
-        with file_lock(store.locks_dir / "journal.lock"):  # not while a recovery lists journals
+        with file_lock(self.data_dir.journal_lock):  # not while a recovery lists journals
             try:
                 for part in ("a", "b"):
                     path = folder / f"{name}-{part}.wal"
@@ -252,7 +250,7 @@ class Journal:
                     if not try_lock_file(fd):
                         raise OSError(f"cannot lock the new journal {path.name}")
                     zero(fd, 0, PREALLOCATE)
-                    store._sync(os.fsync, fd)
+                    self.durability.sync(os.fsync, fd)
             except OSError:
                 # (a full disk: a half-zeroed journal must not keep the space it took)
                 for journal in files:
@@ -262,7 +260,7 @@ class Journal:
                     except OSError:
                         pass
                 raise
-        store._sync(fsync_dir, folder)
+        self.durability.sync(fsync_dir, folder)
         self.current, self.spare = files
         self._since = time.monotonic()
 
@@ -292,10 +290,10 @@ class Journal:
 
     def _empty(self, journal: JournalFile) -> None:
         try:
-            self.store._sync(syncfs, journal.fd)
+            self.durability.sync(syncfs, journal.fd)
             zero(journal.fd, 0, journal.size)
             # Synced here, not by the next commit's fdatasync (which would write them all).
-            self.store._sync(os.fdatasync, journal.fd)
+            self.durability.sync(os.fdatasync, journal.fd)
             journal.size = 0
             journal.ready = True
         except OSError as exc:
@@ -335,7 +333,7 @@ class Journal:
             error: OSError | None = None
             for journal in {id(j): j for j, _ in waiters}.values():  # two right after a switch
                 try:
-                    self.store._sync(os.fdatasync, journal.fd)
+                    self.durability.sync(os.fdatasync, journal.fd)
                 except OSError as exc:
                     error = exc
             by_loop: dict[asyncio.AbstractEventLoop, list[asyncio.Future[None]]] = {}
@@ -362,14 +360,14 @@ class Journal:
                 continue
             try:
                 if journal.size:
-                    self.store._sync(syncfs, journal.fd)
+                    self.durability.sync(syncfs, journal.fd)
                 os.unlink(journal.path)
             except OSError as exc:
                 log.warning("journal %s left for recovery: %s", journal.path, exc)
             os.close(journal.fd)
-        folder = self.store.journal_dir
+        folder = self.data_dir.journal_dir
         if folder.is_dir():
-            with file_lock(self.store.locks_dir / "journal.lock"):
+            with file_lock(self.data_dir.journal_lock):
                 if not any(folder.glob("*.wal")):
                     (folder / "forgotten.jsonl").unlink(missing_ok=True)
         self.current = self.spare = None

@@ -1,6 +1,7 @@
 """A conversation's lock across worker processes: one byte of `locks/conversations.lock` at an
-offset hashed from the id over 2^62 (a Linux open-file-description lock, kept by the store's file
-descriptor: no file per conversation); without such locks, an flock() on `locks/{id}.lock`.
+offset hashed from the id over 2^62 (a Linux open-file-description lock, kept by the file
+descriptor `LockFolder` opens once: no file per conversation); without such locks, an flock() on
+`locks/{id}.lock`.
 
 Arrival order across processes: every request that has to wait for a conversation (behind
 another process, or behind a turn of its own process, whose asyncio queue keeps those in order)
@@ -22,12 +23,8 @@ import time
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
-from typing import TYPE_CHECKING
 
 from gateway.exceptions import ConversationBusy, StorageError
-
-if TYPE_CHECKING:
-    from gateway.store.jsonl.store import JsonlStore
 
 _OFD_SETLK: int | None = getattr(fcntl, "F_OFD_SETLK", None)
 _OFD_GETLK: int | None = getattr(fcntl, "F_OFD_GETLK", None)
@@ -47,20 +44,23 @@ def busy(conversation_id: str) -> ConversationBusy:
 
 
 class CrossProcessLock:
-    """One conversation's lock across worker processes (see `JsonlStore.lock`)."""
+    """One conversation's lock across worker processes (see `JsonlStore.lock`).
 
-    def __init__(self, store: JsonlStore, conversation_id: str, arrived: int | None = None) -> None:
+    A byte of the file open as `range_fd`; without byte-range locks (`range_fd` -1), a file of
+    its own in `folder`."""
+
+    def __init__(self, conversation_id: str, range_fd: int, folder: Path, arrived: int | None = None) -> None:
         self.acquired = False
         self._file_fd = -1
         self._in_line = False
         self._place = (arrival() if arrived is None else arrived) % _QUEUE_SPAN
         if _OFD_SETLK is not None:
-            self._fd = store._range_fd()
+            self._fd = range_fd
             digest = hashlib.blake2b(conversation_id.encode(), digest_size=8).digest()
             self._offset = int.from_bytes(digest, "big") >> 2
             self._queue = _QUEUE_BASE + (int.from_bytes(digest, "big") >> 45) * _QUEUE_SPAN
         else:
-            path = store.locks_dir / f"{conversation_id}.lock"
+            path = folder / f"{conversation_id}.lock"
             try:
                 self._fd = self._file_fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
             except OSError as exc:
@@ -113,6 +113,35 @@ class CrossProcessLock:
         elif self.acquired:
             self._range(fcntl.F_UNLCK)
         self.acquired = False
+
+
+class LockFolder:
+    """The `locks/` folder of a data dir, and the descriptor this store's locks are held by.
+
+    `conversations.lock` is opened on first use and kept until `close`: a lock held by an open
+    file description is released when that description closes."""
+
+    def __init__(self, folder: Path) -> None:
+        self.folder = folder
+        self._range_fd = -1
+
+    def conversation(self, conversation_id: str, arrived: int | None = None) -> CrossProcessLock:
+        """A conversation's lock across processes, not taken yet."""
+        range_fd = self.range_fd() if _OFD_SETLK is not None else -1
+        return CrossProcessLock(conversation_id, range_fd, self.folder, arrived)
+
+    def range_fd(self) -> int:
+        if self._range_fd < 0:
+            try:
+                self._range_fd = os.open(self.folder / "conversations.lock", os.O_RDWR | os.O_CREAT, 0o644)
+            except OSError as exc:
+                raise StorageError(f"Cannot open the conversation locks: {exc.strerror}") from exc
+        return self._range_fd
+
+    def close(self) -> None:
+        if self._range_fd >= 0:
+            os.close(self._range_fd)
+            self._range_fd = -1
 
 
 def try_lock_file(fd: int) -> bool:

@@ -6,33 +6,80 @@ from __future__ import annotations
 import logging
 import os
 from pathlib import Path
-from typing import TYPE_CHECKING
 
 import orjson
 
 from gateway.exceptions import StorageError
-from gateway.store.base import Appended, ResponseLog, Version, now
+from gateway.store.base import LRU, Appended, ResponseLog, Version, now
+from gateway.store.jsonl.catalog import Catalog
+from gateway.store.jsonl.durability import Durability
 from gateway.store.jsonl.files import end_log, index_generation, write_all
-from gateway.store.jsonl.journal import commit_line, entry
+from gateway.store.jsonl.journal import Journal, commit_line, entry
+from gateway.store.jsonl.layout import DataDir
+from gateway.store.jsonl.spares import Spares
 from gateway.types import JSONObject, Record
-
-if TYPE_CHECKING:
-    from gateway.store.jsonl.store import JsonlStore
 
 log = logging.getLogger("gateway.store")
 
 
+class UnwrittenEndings:
+    """Response logs whose `incomplete` ending could not be written (a full disk).
+
+    They are written once a write succeeds again (the readiness probe, a commit), so that
+    those attempts read as failed, not in progress."""
+
+    def __init__(self, limit: int = 1024) -> None:
+        self._endings: LRU[Path, tuple[int, bytes]] = LRU(limit)  # path -> (end of first record, ending)
+
+    def __bool__(self) -> bool:
+        return bool(self._endings)
+
+    def add(self, path: Path, start: int, line: bytes) -> None:
+        """A log's ending (`line`, after its first record, which ends at `start`) to write later."""
+        self._endings[path] = (start, line)
+
+    def write(self) -> None:
+        """Write the endings kept; stop at the first that still fails (the next success retries)."""
+        for path, (start, line) in list(self._endings.items()):
+            try:
+                end_log(path, start, line)
+            except FileNotFoundError:
+                pass  # removed since (its conversation deleted)
+            except OSError:
+                return
+            self._endings.pop(path, None)
+            log.info("marked %s incomplete", path.name)
+
+
 class JsonlLog(ResponseLog):
-    def __init__(self, store: JsonlStore, response_id: str, request: Record) -> None:
-        self.store = store
+    """One response's log file, from the request to its commit or its `incomplete` ending."""
+
+    def __init__(
+        self,
+        response_id: str,
+        request: Record,
+        *,
+        data_dir: DataDir,
+        durability: Durability,
+        journal: Journal,
+        spares: Spares,
+        catalog: Catalog,
+        endings: UnwrittenEndings,
+    ) -> None:
+        self.data_dir = data_dir
+        self.durability = durability
+        self.journal = journal
+        self.spares = spares
+        self.catalog = catalog
+        self.endings = endings
         self.response_id = response_id
-        self.path = store.response_path(response_id)
+        self.path = data_dir.response_path(response_id)
         self.first = orjson.dumps(request) + b"\n"
         self._pending: list[bytes] = []
         self._closed = False
         self._fd = -1
         self._counted = True
-        store.journal.open_logs += 1
+        journal.open_logs += 1
         self.create_error: str | None = None
         self._new_index = False  # no index yet (seen by `meanwhile` or the commit): a spare file for it
         self._opened = False
@@ -72,7 +119,7 @@ class JsonlLog(ResponseLog):
             self.first += b"".join(self._pending)
             self._pending.clear()
         try:
-            self._fd = self.store.spares.create(self.path, os.O_WRONLY | os.O_APPEND)
+            self._fd = self.spares.create(self.path, os.O_WRONLY | os.O_APPEND)
             write_all(self._fd, self.first)
         except OSError as exc:
             self.create_error = exc.strerror or str(exc)
@@ -89,13 +136,13 @@ class JsonlLog(ResponseLog):
     def commit_waits(self) -> bool:
         # With other turns open, the sync is shared (native AIO, or the journal's thread): a
         # task of its own lets the turns ending in this loop iteration join the same fdatasync.
-        journal = self.store.journal
-        return self.store.fsync and (journal.current is None or journal.open_logs > 1)
+        journal = self.journal
+        return self.durability.fsync and (journal.current is None or journal.open_logs > 1)
 
     def _uncount(self) -> None:
         if self._counted:
             self._counted = False
-            self.store.journal.open_logs -= 1
+            self.journal.open_logs -= 1
 
     def append(self, record: Record) -> None:
         self._pending.append(orjson.dumps(record) + b"\n")
@@ -110,12 +157,11 @@ class JsonlLog(ResponseLog):
             self._uncount()
 
     async def _commit(self, records: bytes, conversation_id: str | None) -> Appended | None:
-        store = self.store
         before = self.check_commit(records, conversation_id)
         tail = records + commit_line()
-        if not store.fsync:
+        if not self.durability.fsync:
             return self.finish(tail, conversation_id)
-        journal = store.journal
+        journal = self.journal
         data = entry(self.response_id, conversation_id, before, self.first + tail)
         try:
             held = await journal.append(data)
@@ -134,11 +180,10 @@ class JsonlLog(ResponseLog):
 
     def check_commit(self, records: bytes, conversation_id: str | None) -> int:
         """Before the journal: refuse a commit that cannot be made; the index's size now."""
-        store = self.store
         self._open()
-        if store.sync_failed is not None:
-            self.mark_failed(records, store.sync_failed, None, -1)
-            store.refuse_if_failed()
+        if self.durability.failed is not None:
+            self.mark_failed(records, self.durability.failed, None, -1)
+            self.durability.refuse_if_failed()
         if self._fd < 0:
             raise StorageError(f"the response log could not be created: {self.create_error}")
         if conversation_id is None:
@@ -154,7 +199,7 @@ class JsonlLog(ResponseLog):
 
     def _index_size(self, conversation_id: str) -> int:
         try:
-            return os.stat(self.store.index_path(conversation_id)).st_size
+            return os.stat(self.data_dir.index_path(conversation_id)).st_size
         except FileNotFoundError:
             self._new_index = True
             return 0
@@ -178,7 +223,7 @@ class JsonlLog(ResponseLog):
             written = True
             if conversation_id is None:
                 return None
-            index = self.store.index_path(conversation_id)
+            index = self.data_dir.index_path(conversation_id)
             line = self.response_id.encode() + b"\n"
             fd = self._open_index(index)
             try:
@@ -190,9 +235,9 @@ class JsonlLog(ResponseLog):
                 os.close(fd)
             after = Version(generation, before + len(line))
             row = (after, self.row) if self.row is not None else None
-            self.store.catalog.changed(conversation_id, now(), row)
-            if self.store.unmarked:
-                self.store.mark_unmarked()
+            self.catalog.changed(conversation_id, now(), row)
+            if self.endings:
+                self.endings.write()
             return Appended(Version(generation, before), after)
         except OSError as exc:
             reason = exc.strerror or str(exc)
@@ -203,7 +248,7 @@ class JsonlLog(ResponseLog):
     def _open_index(self, index: Path) -> int:
         if self._new_index:
             try:
-                return self.store.spares.create(index, os.O_RDWR | os.O_APPEND)
+                return self.spares.create(index, os.O_RDWR | os.O_APPEND)
             except FileExistsError:
                 pass
         return os.open(index, os.O_RDWR | os.O_CREAT | os.O_APPEND, 0o644)
@@ -212,7 +257,7 @@ class JsonlLog(ResponseLog):
         """Best effort after a failed commit: take our index line back (we hold the
         conversation's lock, so it is the last one) and end the log with `incomplete`."""
         if conversation_id is not None and before >= 0:
-            index = self.store.index_path(conversation_id)
+            index = self.data_dir.index_path(conversation_id)
             try:
                 if before == 0:
                     os.unlink(index)
@@ -228,7 +273,7 @@ class JsonlLog(ResponseLog):
             end_log(self.path, len(self.first), records + line + b"\n")
         except OSError as exc:
             log.error("could not mark %s incomplete (again once writes succeed): %s", self.response_id, exc)
-            self.store.mark_later(self.path, len(self.first), line + b"\n")
+            self.endings.add(self.path, len(self.first), line + b"\n")
 
     async def abandon(self, reason: str, error: JSONObject | None = None) -> None:
         if self._closed:
@@ -246,4 +291,4 @@ class JsonlLog(ResponseLog):
             end_log(self.path, len(self.first), b"".join(self._pending))
         except OSError as exc:
             log.warning("could not mark %s incomplete (again once writes succeed): %s", self.response_id, exc)
-            self.store.mark_later(self.path, len(self.first), self._pending[-1])
+            self.endings.add(self.path, len(self.first), self._pending[-1])

@@ -6,14 +6,10 @@ from __future__ import annotations
 import logging
 import os
 from pathlib import Path
-from typing import TYPE_CHECKING
 
 from gateway.store.base import Version
 from gateway.store.jsonl.files import index_generation, read_index_lines
 from gateway.types import Record
-
-if TYPE_CHECKING:
-    from gateway.store.jsonl.store import JsonlStore
 
 log = logging.getLogger("gateway.store")
 
@@ -31,10 +27,12 @@ def read_from(fd: int, start: int, size: int) -> bytes:
 
 
 def read_index_after(
-    store: JsonlStore, conversation_id: str, after: Version | None, repair: bool
+    path: Path, shown: str, after: Version | None, repair: bool
 ) -> tuple[list[str | Record], Version, bool] | None:
-    """The index lines after `after`: (entries, version, restarted); None if no index."""
-    path = store.index_path(conversation_id)
+    """The index lines after `after`: (entries, version, restarted); None if no index.
+
+    `shown`: `path` as errors name it; `repair`: cut a torn last line (only a holder of the
+    conversation's lock may)."""
     try:
         fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)  # (no buffered file: four system calls fewer)
     except FileNotFoundError:
@@ -49,7 +47,7 @@ def read_index_after(
         data = read_from(fd, start, stat.st_size)
     finally:
         os.close(fd)
-    raw, consumed = read_index_lines(data, path=store.shown(path))
+    raw, consumed = read_index_lines(data, path=shown)
     if consumed < len(data) and repair:
         # A torn last line: the crash happened before its fsync, so it was never acknowledged.
         log.warning("repairing torn last line of %s", path)

@@ -16,18 +16,16 @@ import time
 import zlib
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING
 
 import orjson
 
 from gateway.exceptions import CorruptRecord
 from gateway.ids import is_valid_response_id
+from gateway.store.jsonl.durability import Durability
 from gateway.store.jsonl.files import fsync_dir, parse_index, write_all
 from gateway.store.jsonl.journal import syncfs
-from gateway.store.jsonl.locks import CrossProcessLock, file_lock, try_lock_file
-
-if TYPE_CHECKING:
-    from gateway.store.jsonl.store import JsonlStore
+from gateway.store.jsonl.layout import DataDir
+from gateway.store.jsonl.locks import LockFolder, file_lock, try_lock_file
 
 log = logging.getLogger("gateway.store")
 
@@ -81,22 +79,23 @@ def parse_journal(data: bytes) -> tuple[list[Entry], set[str]]:
     return entries, aborted
 
 
-def forget(store: JsonlStore, conversation_id: str) -> None:
+def forget(data_dir: DataDir, durability: Durability, conversation_id: str) -> None:
     """Record, durably, that a conversation was deleted now: a replay must not bring back
     its turns from a journal that still holds them."""
-    store.journal_dir.mkdir(parents=True, exist_ok=True)
-    path = store.journal_dir / FORGOTTEN
+    folder = data_dir.journal_dir
+    folder.mkdir(parents=True, exist_ok=True)
+    path = folder / FORGOTTEN
     line = orjson.dumps({"conversation_id": conversation_id, "at": time.time_ns()}) + b"\n"
-    with file_lock(store.locks_dir / "journal.lock"):
+    with file_lock(data_dir.journal_lock):
         fd = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
         try:
             fresh = os.fstat(fd).st_size == 0
             write_all(fd, line)
-            store._sync(os.fdatasync, fd)
+            durability.sync(os.fdatasync, fd)
         finally:
             os.close(fd)
     if fresh:
-        store._sync(fsync_dir, store.journal_dir)
+        durability.sync(fsync_dir, folder)
 
 
 def _forgotten(folder: Path) -> dict[str, int]:
@@ -116,51 +115,29 @@ def _forgotten(folder: Path) -> dict[str, int]:
     return out
 
 
-def recover(store: JsonlStore, lock_timeout: float = 30.0) -> int:
+def recover(
+    data_dir: DataDir, durability: Durability, lock_folder: LockFolder, lock_timeout: float = 30.0
+) -> int:
     """Replay every journal no live process holds; the number of commits that needed a fix."""
-    folder = store.journal_dir
+    folder = data_dir.journal_dir
     if not folder.is_dir():
         return 0
-    held: list[tuple[int, Path]] = []
-    with file_lock(store.locks_dir / "journal.lock"):  # no journal is being created meanwhile
-        for path in sorted(folder.glob("*.wal")):
-            fd = os.open(path, os.O_RDWR)
-            if try_lock_file(fd):
-                held.append((fd, path))
-            else:
-                os.close(fd)
+    held = claim_journals(data_dir)
     if not held:
         return 0
-    fixed = 0
     try:
-        forgotten = _forgotten(folder)
-        entries: list[Entry] = []
-        aborted: set[str] = set()
-        for fd, _ in held:
-            found, gone = parse_journal(os.pread(fd, os.fstat(fd).st_size, 0))
-            entries += found
-            aborted |= gone
-        # One conversation's commits are serialized by its lock: their times give their order.
-        entries.sort(key=lambda e: e.at)
-        complete = True
+        entries = due_entries([fd for fd, _ in held], _forgotten(folder))
+        fixed, complete = 0, True
         for entry in entries:
-            if entry.response_id in aborted:
-                continue
-            if entry.conversation_id is not None and forgotten.get(entry.conversation_id, -1) >= entry.at:
-                continue
             try:
-                fixed += _replay(store, entry, lock_timeout)
+                fixed += _replay(data_dir, lock_folder, entry, lock_timeout)
             except (OSError, TimeoutError) as exc:
                 complete = False
                 log.error("journal: could not replay %s: %s", entry.response_id, exc)
         if fixed:
-            store._sync(syncfs, held[0][0])
+            durability.sync(syncfs, held[0][0])
         if complete:
-            for _, path in held:
-                os.unlink(path)
-            with file_lock(store.locks_dir / "journal.lock"):
-                if not any(folder.glob("*.wal")):  # nothing left that a deletion could concern
-                    (folder / FORGOTTEN).unlink(missing_ok=True)
+            remove_journals(data_dir, [path for _, path in held])
     finally:
         for fd, _ in held:
             os.close(fd)
@@ -169,9 +146,57 @@ def recover(store: JsonlStore, lock_timeout: float = 30.0) -> int:
     return fixed
 
 
-def _replay(store: JsonlStore, entry: Entry, lock_timeout: float) -> int:
+def claim_journals(data_dir: DataDir) -> list[tuple[int, Path]]:
+    """The journals no live process holds, each open and locked by this one: (fd, path)."""
+    held: list[tuple[int, Path]] = []
+    with file_lock(data_dir.journal_lock):  # no journal is being created meanwhile
+        for path in sorted(data_dir.journal_dir.glob("*.wal")):
+            fd = os.open(path, os.O_RDWR)
+            if try_lock_file(fd):
+                held.append((fd, path))
+            else:
+                os.close(fd)
+    return held
+
+
+def due_entries(fds: list[int], forgotten: dict[str, int]) -> list[Entry]:
+    """The commits of the journals open as `fds` that a replay must see to, oldest first.
+
+    Left out: those aborted, and those of a conversation deleted after them (`forgotten`:
+    conversation id -> when it was deleted, in ns)."""
+    entries: list[Entry] = []
+    aborted: set[str] = set()
+    for fd in fds:
+        found, gone = parse_journal(os.pread(fd, os.fstat(fd).st_size, 0))
+        entries += found
+        aborted |= gone
+    # One conversation's commits are serialized by its lock: their times give their order.
+    entries.sort(key=lambda e: e.at)
+    return [
+        e
+        for e in entries
+        if e.response_id not in aborted
+        and (e.conversation_id is None or forgotten.get(e.conversation_id, -1) < e.at)
+    ]
+
+
+def remove_journals(data_dir: DataDir, paths: list[Path]) -> None:
+    """Remove replayed journals.
+
+    The record of deletions goes too once no journal is left that it could concern."""
+    for path in paths:
+        os.unlink(path)
+    with file_lock(data_dir.journal_lock):
+        if not any(data_dir.journal_dir.glob("*.wal")):
+            (data_dir.journal_dir / FORGOTTEN).unlink(missing_ok=True)
+
+
+def _replay(data_dir: DataDir, lock_folder: LockFolder, entry: Entry, lock_timeout: float) -> int:
+    """Complete a commit's response file and index line; 1 if anything had to be written.
+
+    The index is read and appended to under the conversation's lock."""
     fixed = 0
-    path = store.response_path(entry.response_id)
+    path = data_dir.response_path(entry.response_id)
     try:
         data = path.read_bytes()
     except FileNotFoundError:
@@ -187,9 +212,9 @@ def _replay(store: JsonlStore, entry: Entry, lock_timeout: float) -> int:
             os.replace(temp, path)
     if entry.conversation_id is None:
         return fixed
-    index = store.index_path(entry.conversation_id)
+    index = data_dir.index_path(entry.conversation_id)
     line = entry.response_id.encode() + b"\n"
-    lock = CrossProcessLock(store, entry.conversation_id)
+    lock = lock_folder.conversation(entry.conversation_id)
     deadline = time.monotonic() + lock_timeout
     while not lock.try_acquire():
         if time.monotonic() > deadline:

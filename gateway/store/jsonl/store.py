@@ -1,12 +1,5 @@
-"""The embedded store: one JSONL file per response, one append-only JSONL index per conversation.
-
-    {data_dir}/logs/responses/{response_id}.jsonl      request, context, response, commit
-    {data_dir}/logs/conversations/{conversation_id}.jsonl  one response id per line
-    {data_dir}/logs/summaries/{conversation_id}.jsonl  rolling summary versions (append-only)
-    {data_dir}/logs/journal/                          write-ahead journals (journal.py, recovery.py)
-    {data_dir}/locks/conversations.lock               byte-range locks per conversation, across processes
-    {data_dir}/catalog/conversations.jsonl            each conversation's last change (see catalog.py)
-    {data_dir}/catalog/responses.jsonl                each response's request time, model, API (heads.py)
+"""The embedded store: one JSONL file per response, one append-only JSONL index per conversation
+(the files and folders are in layout.py).
 
 A turn's commit is made durable in the process's journal (one fdatasync shared by the turns
 committing together), then its response file is completed and its id appended to the index, so
@@ -23,18 +16,16 @@ import errno
 import logging
 import os
 import weakref
-from collections.abc import AsyncIterator, Callable, Sequence
+from collections.abc import AsyncIterator, Sequence
 from contextlib import asynccontextmanager
 from pathlib import Path
-from typing import Any
 
 import orjson
 
 from gateway.exceptions import NotFound, StorageError
-from gateway.ids import check_conversation_id, check_side_key, is_valid_response_id
+from gateway.ids import check_conversation_id, is_valid_response_id
 from gateway.store.base import (
     LRU,
-    SIDE_LOGS,
     Appended,
     Damage,
     IndexEntry,
@@ -49,10 +40,9 @@ from gateway.store.base import (
 )
 from gateway.store.jsonl import branches, fsck, recovery
 from gateway.store.jsonl.catalog import Catalog, index_times
+from gateway.store.jsonl.durability import Durability
 from gateway.store.jsonl.files import (
-    NamedFiles,
     append_file,
-    end_log,
     file_size,
     fsync_dir,
     index_generation,
@@ -65,8 +55,9 @@ from gateway.store.jsonl.files import (
 )
 from gateway.store.jsonl.heads import Heads, last_record_type
 from gateway.store.jsonl.journal import PREALLOCATE, Journal
-from gateway.store.jsonl.locks import CrossProcessLock, arrival, busy
-from gateway.store.jsonl.log import JsonlLog
+from gateway.store.jsonl.layout import DataDir
+from gateway.store.jsonl.locks import LockFolder, arrival, busy
+from gateway.store.jsonl.log import JsonlLog, UnwrittenEndings
 from gateway.store.jsonl.reading import read_index_after
 from gateway.store.jsonl.spares import Spares, sweep
 from gateway.types import Api, JSONObject, Record
@@ -81,7 +72,6 @@ _THREAD_LOAD_FILES = 16
 _HELD: contextvars.ContextVar[frozenset[str]] = contextvars.ContextVar("gateway_held", default=frozenset())
 
 
-
 def writable(root: Path) -> None:
     """Raise OSError unless a file can be created in `root` (a read-only mount, say)."""
     probe = root / f".writable-{os.getpid()}"
@@ -89,7 +79,15 @@ def writable(root: Path) -> None:
         pass
     probe.unlink()
 
+
 class JsonlStore(Store):
+    """A data dir of JSONL files, read and written through its parts.
+
+    `data_dir` (where each file lives), `durability` (when writes are synced, and whether they
+    still may be), `lock_folder` (the conversations' locks across processes), the `journal`,
+    the `catalog` and `heads` (what lists read), `spares` (files made ahead of need) and
+    `endings` (of response logs, still to write)."""
+
     def __init__(
         self,
         data_dir: str | os.PathLike[str],
@@ -98,62 +96,26 @@ class JsonlStore(Store):
         cache_size: int = 1024,
     ) -> None:
         self.root = Path(data_dir)
-        self._root_prefix = os.path.join(str(self.root), "")
-        self.responses_dir = self.root / "logs" / "responses"
-        self.conversations_dir = self.root / "logs" / "conversations"
-        self.locks_dir = self.root / "locks"
-        self.summaries_dir = self.root / "logs" / "summaries"
-        self.archive_dir = self.root / "archive"
-        self.journal_dir = self.root / "logs" / "journal"
+        self.data_dir = DataDir(self.root, cache_size=cache_size)
+        self.durability = Durability(fsync=durability == "fsync")
+        self.lock_folder = LockFolder(self.data_dir.locks_dir)
         # Side logs read (size, records): at most 4 x cache_size logs and as many records.
         self._side: LRU[tuple[str, str], tuple[int, list[Record]]] = LRU(
             4 * cache_size, weigh=lambda v: len(v[1]) + 1, budget=4 * cache_size
         )
-        self.fsync = durability == "fsync"
-        self.cache_size = cache_size
-        # Index sizes last seen: only to know whether an index file exists yet (no views here).
-        self._index_paths = NamedFiles(self.conversations_dir, check_conversation_id, 4 * cache_size)
-        self.catalog = Catalog(self)
-        self.heads = Heads(self.responses_dir, self.root / "catalog" / "responses.jsonl")
-        self._lock_fd = -1  # locks/conversations.lock, for this store's byte-range locks
+        self.catalog = Catalog(self.data_dir)
+        self.heads = Heads(self.data_dir.responses_dir, self.data_dir.catalog_dir / "responses.jsonl")
         self._locks: weakref.WeakValueDictionary[str, asyncio.Lock] = weakref.WeakValueDictionary()
-        # Set by the first failed fsync: the kernel may have dropped the dirty pages, and a
-        # later fsync could succeed without them, so no write is acknowledged after it.
-        self.sync_failed: str | None = None
-        self.journal = Journal(self)  # commits' one shared fdatasync (durability fsync)
-        self.spares = Spares(self.root / "spare")  # new files renamed into place
-        # Response logs whose `incomplete` ending could not be written (a full disk): path ->
-        # (the end of its first record, the ending).
-        self.unmarked: LRU[Path, tuple[int, bytes]] = LRU(1024)
+        self.journal = Journal(self.data_dir, self.durability)  # commits' shared fdatasync (durability fsync)
+        self.spares = Spares(self.data_dir.spare_dir)  # new files renamed into place
+        self.endings = UnwrittenEndings()
 
     @property
     def refusing_writes(self) -> str | None:
-        return self.sync_failed
-
-    def _datasync(self, fd: int) -> None:
-        self._sync(os.fdatasync, fd)
-
-    def _appender(self) -> Callable[[int], None] | None:
-        """The sync step for `_append`; raises first if this store already refuses writes."""
-        self.refuse_if_failed()
-        return self._datasync if self.fsync else None
-
-    def _sync(self, sync: Callable[[Any], None], target: Any) -> None:
-        try:
-            sync(target)
-        except OSError as exc:
-            self.sync_failure(getattr(sync, "__name__", "fsync"), exc)
-            raise
-
-    def sync_failure(self, name: str, exc: OSError) -> None:
-        """A sync failed: from now on this store refuses writes (see `sync_failed`)."""
-        if self.sync_failed is None:
-            self.sync_failed = f"{name}: {exc.strerror or exc}"
-            log.error("fsync failed, refusing further writes: %s", self.sync_failed)
+        return self.durability.failed
 
     async def open(self) -> None:
-        for d in (self.responses_dir, self.conversations_dir, self.locks_dir, self.summaries_dir):
-            d.mkdir(parents=True, exist_ok=True)
+        self.data_dir.create()
         try:
             await asyncio.to_thread(writable, self.root)
         except OSError as exc:
@@ -172,28 +134,9 @@ class JsonlStore(Store):
     async def recover(self) -> int:
         """Replay the journals of processes that stopped (see recovery.py)."""
         try:
-            return await asyncio.to_thread(recovery.recover, self)
+            return await asyncio.to_thread(recovery.recover, self.data_dir, self.durability, self.lock_folder)
         except OSError as exc:
             raise StorageError(self.unwritable(exc, "could not replay the journal")) from exc
-
-    # -- paths: the only place ids become file names ---------------------------------------
-    def shown(self, path: Path) -> str:
-        """A file as errors name it to clients: relative to the data dir (no server paths)."""
-        text = str(path)
-        if text.startswith(self._root_prefix):  # (what `relative_to` says, for a fraction of its cost)
-            return text[len(self._root_prefix) :]
-        try:
-            return str(path.relative_to(self.root))
-        except ValueError:
-            return path.name
-
-    def index_path(self, conversation_id: str) -> Path:
-        return self._index_paths(conversation_id)
-
-    def response_path(self, response_id: str) -> Path:
-        if not is_valid_response_id(response_id):
-            raise NotFound(f"No response {response_id!r}", param="response_id")
-        return self.responses_dir / f"{response_id}.jsonl"
 
     # -- locking ----------------------------------------------------------------------------
     @asynccontextmanager
@@ -207,7 +150,7 @@ class JsonlStore(Store):
         arrived = arrival()  # this request's place in line, across processes too
         loop = asyncio.get_running_loop()
         deadline = loop.time() + timeout
-        held = CrossProcessLock(self, conversation_id, arrived)
+        held = self.lock_folder.conversation(conversation_id, arrived)
         lock = self._locks.get(conversation_id)
         try:
             if lock is None:  # nobody else can hold or wait for it: no timer to set up
@@ -240,14 +183,6 @@ class JsonlStore(Store):
             held.release()
             lock.release()
 
-    def _range_fd(self) -> int:
-        if self._lock_fd < 0:
-            try:
-                self._lock_fd = os.open(self.locks_dir / "conversations.lock", os.O_RDWR | os.O_CREAT, 0o644)
-            except OSError as exc:
-                raise StorageError(f"Cannot open the conversation locks: {exc.strerror}") from exc
-        return self._lock_fd
-
     def holds_lock(self, conversation_id: str) -> bool:
         """Does the running task hold this conversation's lock? Only then may a read repair."""
         return conversation_id in _HELD.get()
@@ -256,62 +191,46 @@ class JsonlStore(Store):
         """Create, write, sync and remove a small file in the data dir (a full or read-only
         disk, or a vanished folder, fails here before a turn does)."""
         try:
-            await asyncio.to_thread(probe_file, self.locks_dir / f".probe-{os.getpid()}", self.fsync)
-            if self.fsync and self.journal.current is None:
+            locks_dir = self.data_dir.locks_dir
+            await asyncio.to_thread(probe_file, locks_dir / f".probe-{os.getpid()}", self.durability.fsync)
+            if self.durability.fsync and self.journal.current is None:
                 # The first turn makes this process's journal: two files of PREALLOCATE bytes.
-                stat = os.statvfs(self.locks_dir)
+                stat = os.statvfs(locks_dir)
                 if stat.f_bavail * stat.f_frsize < 2 * PREALLOCATE:
                     raise OSError(errno.ENOSPC, "No space left on device for the journal")
         except OSError as exc:
             raise StorageError(f"the data dir cannot be written: {exc.strerror or exc}") from exc
-        self.mark_unmarked()
-
-    def mark_later(self, path: Path, start: int, line: bytes) -> None:
-        """A response log's ending that could not be written now: written by `mark_unmarked`."""
-        self.unmarked[path] = (start, line)
-
-    def mark_unmarked(self) -> None:
-        """Write the endings that could not be written (after a write succeeded again: the
-        readiness probe, a commit), so that those attempts read as failed, not in progress."""
-        for path, (start, line) in list(self.unmarked.items()):
-            try:
-                end_log(path, start, line)
-            except FileNotFoundError:
-                pass  # removed since (its conversation deleted)
-            except OSError:
-                return  # not yet: the next success tries again
-            self.unmarked.pop(path, None)
-            log.info("marked %s incomplete", path.name)
+        self.endings.write()
 
     async def close(self) -> None:
         self.journal.release()
         await asyncio.to_thread(self.journal.stop)
         await asyncio.to_thread(self.spares.close)
         self.catalog.close()
-        if self._lock_fd >= 0:
-            os.close(self._lock_fd)
-            self._lock_fd = -1
+        self.lock_folder.close()
 
     # -- reading ----------------------------------------------------------------------------
     def _read_records(self, path: Path, *, skip_context: bool = False) -> list[Record]:
-        shown = self.shown(path)
+        shown = self.data_dir.shown(path)
         return read_turn_records(path, shown) if skip_context else read_records(path, shown)
 
     def _read_raw(
         self, conversation_id: str, after: Version | None, repair: bool
     ) -> tuple[list[str | Record], Version, bool] | None:
         """The index lines after `after`: (entries, version, restarted); None if no index."""
-        return read_index_after(self, conversation_id, after, repair)
+        path = self.data_dir.index_path(conversation_id)
+        return read_index_after(path, self.data_dir.shown(path), after, repair)
 
     def _read_sync(self, conversation_id: str, after: Version | None, repair: bool) -> IndexRead:
         found = self._read_raw(conversation_id, after, repair)
         if found is None:
             return IndexRead([], None, True)
         raw, version, restarted = found
+        response_path = self.data_dir.response_path
         entries = [
             IndexEntry(None, entry, [])
             if isinstance(entry, dict)
-            else IndexEntry(entry, None, self._read_records(self.response_path(entry), skip_context=True))
+            else IndexEntry(entry, None, self._read_records(response_path(entry), skip_context=True))
             for entry in raw
         ]
         return IndexRead(entries, version, restarted)
@@ -329,13 +248,14 @@ class JsonlStore(Store):
             if after is not None:  # a reader that is up to date reads only what was appended since
                 return self._read_sync(conversation_id, after, repair)
             # Reading a whole conversation's response files is slow: off the loop unless it is little.
-            if file_size(self.index_path(conversation_id)) > _THREAD_LOAD_BYTES:
+            if file_size(self.data_dir.index_path(conversation_id)) > _THREAD_LOAD_BYTES:
                 return await asyncio.to_thread(self._read_sync, conversation_id, after, repair)
             return self._read_sync(conversation_id, after, repair)
 
     async def read_turns(self, response_ids: Sequence[str]) -> list[list[Record]]:
         def read() -> list[list[Record]]:
-            return [self._read_records(self.response_path(rid), skip_context=True) for rid in response_ids]
+            response_path = self.data_dir.response_path
+            return [self._read_records(response_path(rid), skip_context=True) for rid in response_ids]
 
         with os_errors("read the conversation"):
             if len(response_ids) > _THREAD_LOAD_FILES:
@@ -343,33 +263,42 @@ class JsonlStore(Store):
             return read()
 
     def start(self, response_id: str, request: Record) -> ResponseLog:
-        return JsonlLog(self, response_id, request)
+        return JsonlLog(
+            response_id,
+            request,
+            data_dir=self.data_dir,
+            durability=self.durability,
+            journal=self.journal,
+            spares=self.spares,
+            catalog=self.catalog,
+            endings=self.endings,
+        )
 
     async def read_response(self, response_id: str) -> list[Record]:
-        path = self.response_path(response_id)
+        path = self.data_dir.response_path(response_id)
         with os_errors("read the response"):
             if not path.exists():
                 raise NotFound(f"No response {response_id!r}", param="response_id")
             return self._read_records(path)
 
     async def read_index(self, conversation_id: str) -> list[str | Record]:
-        path = self.index_path(conversation_id)
+        path = self.data_dir.index_path(conversation_id)
         with os_errors("read the conversation"):
             try:
                 data = path.read_bytes()
             except FileNotFoundError:
                 raise NotFound(f"No conversation {conversation_id!r}", param="conversation_id") from None
-        entries, _ = parse_index(data, path=self.shown(path))
+        entries, _ = parse_index(data, path=self.data_dir.shown(path))
         return entries
 
     async def append_marker(
         self, conversation_id: str, marker: Record, row: JSONObject | None = None
     ) -> Appended:
-        path = self.index_path(conversation_id)
+        path = self.data_dir.index_path(conversation_id)
         line = orjson.dumps(marker) + b"\n"
 
         def write() -> Appended:
-            sync = self._appender()
+            sync = self.durability.append_sync()
             fd = os.open(path, os.O_RDWR | os.O_APPEND | os.O_CREAT, 0o644)
             try:
                 stat = os.fstat(fd)
@@ -379,8 +308,8 @@ class JsonlStore(Store):
                     sync(fd)
             finally:
                 os.close(fd)
-            if stat.st_size == 0 and self.fsync:
-                self._sync(fsync_dir, self.conversations_dir)
+            if stat.st_size == 0 and self.durability.fsync:
+                self.durability.sync(fsync_dir, self.data_dir.conversations_dir)
             after = Version(generation, stat.st_size + len(line))
             self.catalog.changed(conversation_id, now(), (after, row) if row is not None else None)
             return Appended(Version(generation, stat.st_size), after)
@@ -391,29 +320,35 @@ class JsonlStore(Store):
             raise StorageError(f"could not record the change durably: {exc.strerror or exc}") from exc
 
     async def delete_conversation(self, conversation_id: str, *, archive: bool = False) -> bool:
-        return await branches.delete_conversation(self, conversation_id, archive=archive)
+        for kind in ("summaries", "lifecycle"):
+            self._side.pop((kind, conversation_id), None)
+        return await branches.delete_conversation(
+            self.data_dir, self.durability, self.catalog, conversation_id, archive=archive
+        )
 
     async def fork(self, source: str, target: str, through: str) -> None:
-        await branches.fork(self, source, target, through)
+        await branches.fork(self.data_dir, self.durability, self.catalog, source, target, through)
 
     async def check(self, *, repair: bool = False, lock_timeout: float = 30.0) -> list[Damage]:
-        return await fsck.check(self, repair=repair, lock_timeout=lock_timeout)
-
-    def summary_path(self, conversation_id: str) -> Path:
-        return self.side_path("summaries", conversation_id)
-
-    def side_path(self, kind: str, key: str) -> Path:
-        if kind not in SIDE_LOGS:
-            raise ValueError(f"unknown side log {kind!r}")
-        return self.root / "logs" / kind / f"{check_side_key(key)}.jsonl"
+        await self.recover()  # what a stopped process left in its journal first
+        found = await asyncio.to_thread(fsck.survey, self.data_dir)
+        if not repair or not found.damage:
+            return found.damage
+        done = await fsck.repair(
+            self.data_dir,
+            found,
+            fsync=self.durability.fsync,
+            lock=lambda conversation_id: self.lock(conversation_id, lock_timeout),
+        )
+        return done + (await asyncio.to_thread(fsck.survey, self.data_dir)).damage
 
     async def append_side(self, kind: SideLog, key: str, record: Record) -> None:
-        path = self.side_path(kind, key)
+        path = self.data_dir.side_path(kind, key)
         line = orjson.dumps(record) + b"\n"
 
         def write() -> None:
             path.parent.mkdir(parents=True, exist_ok=True)
-            append_file(path, line, sync=self._appender())
+            append_file(path, line, sync=self.durability.append_sync())
 
         try:
             await asyncio.to_thread(write)
@@ -422,7 +357,7 @@ class JsonlStore(Store):
         self._side.pop((kind, key), None)
 
     async def read_side(self, kind: SideLog, key: str, *, keep: bool = True) -> list[Record]:
-        path = self.side_path(kind, key)
+        path = self.data_dir.side_path(kind, key)
         with os_errors(f"read {kind}"):
             try:
                 size = path.stat().st_size
@@ -438,13 +373,15 @@ class JsonlStore(Store):
 
     async def sharing(self, conversation_id: str, response_id: str) -> list[str]:
         with os_errors("read the conversation"):
-            return await asyncio.to_thread(branches.sharing, self, conversation_id, response_id)
+            return await asyncio.to_thread(
+                branches.sharing, self.data_dir, self.catalog, conversation_id, response_id
+            )
 
     async def tombstone(self, response_id: str) -> None:
-        await branches.tombstone(self, response_id)
+        await branches.tombstone(self.data_dir, self.durability, response_id)
 
     async def exists(self, conversation_id: str) -> bool:
-        path = self.index_path(conversation_id)
+        path = self.data_dir.index_path(conversation_id)
         with os_errors("read the conversation"):
             return os.path.exists(path)
 
@@ -504,10 +441,10 @@ class JsonlStore(Store):
 
     def _committed(self, response_id: str) -> bool:
         """Is the log's last record its commit (not failed, under way, or deleted since)?"""
-        return last_record_type(self.response_path(response_id)) == "commit"
+        return last_record_type(self.data_dir.response_path(response_id)) == "commit"
 
     async def conversation_ids(self) -> list[tuple[str, float]]:
         """A scan of the folder (file times: the lifecycle pass's clock); lists use the catalog."""
         with os_errors("list the conversations"):
-            times = await asyncio.to_thread(index_times, self.conversations_dir)
+            times = await asyncio.to_thread(index_times, self.data_dir.conversations_dir)
         return sorted(times, key=lambda pair: pair[1], reverse=True)
