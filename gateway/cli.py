@@ -81,8 +81,9 @@ def _common(func: F) -> F:
 
 
 def _notice_if_no_config_file(settings: Settings) -> None:
-    """Outside a checkout there is often no config/gateway.toml: say which defaults are in
-    force and where the data goes, instead of silently creating ./var."""
+    """Say which defaults are in force and where the data goes, when there is no config file.
+
+    Outside a checkout there is often no config/gateway.toml: say so instead of silently creating ./var."""
     if Path(DEFAULT_CONFIG_PATH).is_file():
         return
     storage = settings.storage
@@ -146,9 +147,9 @@ def _shown_tenant(tenant: str) -> str:
 async def _find_tenant(
     services: Services, tenant: str | None, read: Callable[[str], Awaitable[list[Any]]], what: str
 ) -> tuple[str, bool]:
-    """(the tenant, whether `what` is there): the one named by --tenant, else the one holding
-    `what` (found by `read`ing it: nothing, or NotFound, is not there), the default one when
-    none does; several: an error asking for --tenant."""
+    """(the tenant, whether `what` is there): --tenant's, else the one holding `what`, else the default one.
+
+    Found by `read` (nothing, or NotFound, is not there); in several: an error asking for --tenant."""
 
     async def holds(name: str) -> bool:
         try:
@@ -184,8 +185,9 @@ def _run(settings: Settings, work: Callable[[Services], Awaitable[T]], *, writes
 
 
 def ids_as_arguments(args: list[str]) -> list[str]:
-    """A response id can begin with `-` (the model `/m` mints `-m-…`): such an argument is moved
-    after `--`, so that it is read as the id it is, not as an option."""
+    """Move the arguments that are response ids beginning with `-` after `--`.
+
+    The model `/m` mints ids like `-m-…`: after `--`, such an id is read as the id it is, not as an option."""
     if "--" in args:
         return args
     ids = [a for a in args if a.startswith("-") and is_valid_response_id(a)]
@@ -584,8 +586,10 @@ def _summary_line(window: dict[str, Any]) -> None:
 
 
 def _window_marker(window: dict[str, Any]) -> None:
-    """Where the last turn's window begins: the rolling summary it sent in place of the earliest
-    messages (when not said already), and the marker the model got for those it left out."""
+    """Print where the last turn's window begins.
+
+    The rolling summary it sent in place of the earliest messages (when not said already), and the
+    marker the model got for those it left out."""
     where = f"gateway context {window['response_id']} shows exactly what was sent"
     if window["summary_covers_messages"]:
         _summary_line(window)

@@ -1,5 +1,7 @@
-"""How the `gateway` command shows conversations in a terminal: messages, turns, and a
-response's context manifest drawn as a bar of the model's window."""
+"""How the `gateway` command shows conversations in a terminal.
+
+Messages, turns, and a response's context manifest drawn as a bar of the model's window.
+"""
 
 from __future__ import annotations
 
@@ -94,8 +96,11 @@ def render_marker(marker: Record) -> str:
 
 
 def turn_heading(turn: Turn) -> str:
-    """A turn's head line: its response id, and where the client's version branched: its edit
-    of a message, or the same messages resent for a new answer (regenerated)."""
+    """A turn's head line: its response id, and where the client's version branched.
+
+    The branch is its edit of a message, or the same messages resent for a new answer
+    (regenerated).
+    """
     if turn.branch_at is None:
         return f"── {turn.response_id}"
     if turn.branch == "regenerated":

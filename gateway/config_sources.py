@@ -1,5 +1,6 @@
-"""Where settings come from besides the built-in defaults: the TOML config file and the
-`GATEWAY_<SECTION>__<KEY>` environment variables, as two pydantic-settings sources.
+"""Where settings come from besides the built-in defaults, as two pydantic-settings sources.
+
+The TOML config file and the `GATEWAY_<SECTION>__<KEY>` environment variables.
 """
 
 from __future__ import annotations

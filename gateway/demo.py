@@ -1,5 +1,8 @@
-"""`gateway demo`: an in-process gateway on the built-in `demo` model, driven by the official
-`openai` SDK that sends ONLY the new message each turn, to show the gateway keeps the rest."""
+"""`gateway demo`: an in-process gateway on the built-in `demo` model, driven by the `openai` SDK.
+
+The official `openai` SDK sends ONLY the new message each turn, to show the gateway keeps the
+rest.
+"""
 
 from __future__ import annotations
 

@@ -33,8 +33,10 @@ from gateway.types import JSONObject
 
 @dataclass(frozen=True, slots=True)
 class Refusal:
-    """A provider refused a prompt as too long; what it said of the window and the prompt
-    (read from its answer by `gateway.upstream.refusal.parse_refusal`)."""
+    """A provider refused a prompt as too long: what it said of the window and the prompt.
+
+    Read from its answer by `gateway.upstream.refusal.parse_refusal`.
+    """
 
     message: str
     window: int | None = None  # the provider's real window, when it said
@@ -257,8 +259,10 @@ class ClientDisconnected(Exception):
 
 
 def shutting_down(exc: BaseException) -> ShuttingDown | None:
-    """A cancellation by the server's shutdown, as the error the client is told (503); None for
-    any other exception. The running task is un-cancelled: it still answers and records."""
+    """A cancellation by the server's shutdown, as the error the client is told (503), or None.
+
+    None for any other exception. The running task is un-cancelled: it still answers and records.
+    """
     if not isinstance(exc, asyncio.CancelledError) or not any(_SHUTDOWN_CANCEL in str(a) for a in exc.args):
         return None
     task = asyncio.current_task()

@@ -44,8 +44,11 @@ def model_slug(model: str) -> str:
 
 
 class _RandomPool:
-    """Random bytes from the OS fetched 4 KiB at a time: one getrandom() per 680 ids instead
-    of one each (a system call that also hands the GIL to whichever thread waits for it)."""
+    """Random bytes from the OS fetched 4 KiB at a time.
+
+    One getrandom() per 680 ids instead of one each (a system call that also hands the GIL to
+    whichever thread waits for it).
+    """
 
     def __init__(self) -> None:
         self._lock = threading.Lock()

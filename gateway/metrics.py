@@ -1,6 +1,9 @@
-"""Prometheus metrics: requests, gateway overhead vs upstream latency, tokens, truncations,
-summaries and active conversations. One registry per app (per worker process); beside it, the
-app's OpenTelemetry tracing (`tracing`, off unless configured), told of the same turns."""
+"""Prometheus metrics, one registry per app (per worker process).
+
+Requests, gateway overhead vs upstream latency, tokens, truncations, summaries and active
+conversations. Beside the registry, the app's OpenTelemetry tracing (`tracing`, off unless
+configured), told of the same turns.
+"""
 
 from __future__ import annotations
 
@@ -129,8 +132,10 @@ class Metrics:
         self.active_window = active_window
 
     def child(self, metric: Any, *values: str) -> Any:
-        """`metric.labels(*values)`, looked up once (label sets here are few: routes, statuses,
-        providers) instead of validated and locked on every request."""
+        """`metric.labels(*values)`, looked up once instead of validated and locked on every request.
+
+        Label sets here are few: routes, statuses, providers.
+        """
         key = (id(metric), values)
         found = self._children.get(key)
         if found is None:
@@ -166,8 +171,11 @@ _UNROUTED = {401: "unauthenticated", 403: "cross_origin"}
 
 
 class MetricsMiddleware:
-    """Counts every HTTP request by route (the endpoint's name) and status, and logs one JSON
-    line for each request that did not log its own (every request but a turn's)."""
+    """Counts every HTTP request by route (the endpoint's name) and status.
+
+    It also logs one JSON line for each request that did not log its own (every request but a
+    turn's).
+    """
 
     def __init__(self, app: ASGIApp, metrics: Metrics) -> None:
         self.app = app

@@ -1,9 +1,11 @@
-"""The secrets this process holds (provider keys, gateway keys), kept out of everything it says:
-error messages (to clients, and in response logs) and log lines.
+"""The secrets this process holds (provider keys, gateway keys), kept out of everything it says.
+
+What it says: error messages (to clients, and in response logs) and log lines.
 
 A provider may quote the key it was sent in its error ("Incorrect API key provided: Bearer
 sk-…"), and a library may put it in an exception's text; the gateway knows each value, so it
-replaces it wherever it would pass such text on."""
+replaces it wherever it would pass such text on.
+"""
 
 from __future__ import annotations
 
@@ -21,8 +23,10 @@ _secrets: tuple[str, ...] = ()
 
 
 def keep_secret(value: str | None) -> None:
-    """From now on, `redact` replaces `value` (longest first: a key inside another is not left
-    half shown)."""
+    """From now on, `redact` replaces `value`.
+
+    Longest first: a key inside another is not left half shown.
+    """
     global _secrets
     if value is None:
         return
@@ -52,8 +56,11 @@ def keep_secret_headers(headers: dict[str, str]) -> None:
 
 
 def keep_url_secrets(url: str) -> None:
-    """The credentials a provider URL may carry: a `user:password@` and query values whose
-    names say they are keys (`?api-key=`, `?token=`)."""
+    """Keep the credentials a provider URL may carry out of what this process says.
+
+    They are a `user:password@` and query values whose names say they are keys (`?api-key=`,
+    `?token=`).
+    """
     try:
         parts = urlsplit(url)
         password = parts.password
@@ -77,8 +84,10 @@ _KEYWORD_PASSWORD = re.compile(r"(password\s*=\s*)('(?:[^'\\]|\\.)*'|\S*)", re.I
 
 
 def dsn_password(dsn: str) -> str | None:
-    """The password a DSN holds (a URI's, even with an unescaped `/` in it, or a libpq
-    keyword/value DSN's), to be kept out of every message; None when it has none."""
+    """The password a DSN holds, to be kept out of every message; None when it has none.
+
+    A URI's, even with an unescaped `/` in it, or a libpq keyword/value DSN's.
+    """
     if "://" not in dsn:
         found = _KEYWORD_PASSWORD.search(dsn)
         return found.group(2).strip("'") if found and found.group(2) else None
@@ -96,16 +105,20 @@ def redact_dsn(dsn: str) -> str:
 
 
 def _dsn_uri(dsn: str) -> tuple[str, str, str]:
-    """(scheme, `user:password` or "", host and path) of a URI DSN, its query left out. The
-    userinfo ends at the last `@`: a password may hold an unescaped `/`."""
+    """(scheme, `user:password` or "", host and path) of a URI DSN, its query left out.
+
+    The userinfo ends at the last `@`: a password may hold an unescaped `/`.
+    """
     scheme, _, rest = dsn.partition("://")
     userinfo, _, hostpart = rest.split("?", 1)[0].rpartition("@")
     return scheme, userinfo, hostpart
 
 
 class RedactingFormatter(logging.Formatter):
-    """Log lines with the process's secrets replaced (a last line of defence: an exception's
-    text logged as it is)."""
+    """Log lines with the process's secrets replaced.
+
+    A last line of defence: an exception's text logged as it is.
+    """
 
     def format(self, record: logging.LogRecord) -> str:
         line = super().format(record)

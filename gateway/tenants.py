@@ -61,8 +61,10 @@ class Tenants:
         return next(iter(self._by_key), None)
 
     def authenticate(self, authorization: str | None, api_key: str | None = None) -> str:
-        """The tenant for an `Authorization: Bearer KEY` header, else an `x-api-key: KEY` header
-        (Anthropic's clients send that one); 401 otherwise."""
+        """The tenant for an `Authorization: Bearer KEY` header, else an `x-api-key: KEY` header.
+
+        Anthropic's clients send the latter. Otherwise a 401.
+        """
         if not self.enabled:
             return DEFAULT_TENANT
         if authorization and authorization.lower().startswith("bearer "):
@@ -122,10 +124,13 @@ class AuthMiddleware:
         await self.app(scope, receive, send)
 
     def _cross_origin(self, scope: Scope) -> CrossOriginRefused | None:
-        """An open gateway is open to its clients, not to every web page its user visits: a
-        browser request from another site (its `Origin`; SDKs and curl send none) is refused.
-        Listening on this machine only, only this machine's names are an origin of its own
-        (a page of a DNS name rebound to 127.0.0.1 is same-origin to the browser)."""
+        """The refusal of a browser request from another site; None for any other request.
+
+        An open gateway is open to its clients, not to every web page its user visits: a browser
+        request from another site (its `Origin`; SDKs and curl send none) is refused. Listening on
+        this machine only, only this machine's names are an origin of its own (a page of a DNS
+        name rebound to 127.0.0.1 is same-origin to the browser).
+        """
         headers = scope["headers"]
         raw = next((value for name, value in headers if name == b"origin"), None)
         if raw is None:  # not a browser's cross-site request

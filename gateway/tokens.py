@@ -124,15 +124,19 @@ def truncate_text(text: str, max_tokens: int, model: str = "") -> str:
 
 
 def counter_for(model: str) -> tuple[str, Callable[[Mapping[str, object]], int]]:
-    """(encoding name, count_message bound to it) for a model (loads the encoding: call it
-    once the tokenizers are warm, never on the event loop before)."""
+    """(encoding name, count_message bound to it) for a model.
+
+    It loads the encoding: call it once the tokenizers are warm, never on the event loop before.
+    """
     name = encoding_name_for(model)
     return name, _message_counter(name)
 
 
 def release_free_memory(*, collect: bool = True) -> None:
-    """Give freed heap back to the OS after loading tokenizers (glibc only; else a no-op);
-    `collect=False` when a full collection has just run."""
+    """Give freed heap back to the OS after loading tokenizers (glibc only; else a no-op).
+
+    `collect=False` when a full collection has just run.
+    """
     import ctypes
     import gc
 

@@ -1,6 +1,9 @@
-"""The shapes of the data the gateway passes around: OpenAI chat messages, tool calls, usage
-and stream chunks, the records of a response log, and JSON as read from a client, a provider
-or a file (an `object` to narrow with isinstance, never trusted)."""
+"""The shapes of the data the gateway passes around.
+
+OpenAI chat messages, tool calls, usage and stream chunks, the records of a response log, and
+JSON as read from a client, a provider or a file (an `object` to narrow with isinstance, never
+trusted).
+"""
 
 from __future__ import annotations
 
@@ -52,8 +55,11 @@ class ContentPart(TypedDict, total=False):
 
 
 class Message(TypedDict, total=False):
-    """An OpenAI chat message. Clients may send more fields; they are kept and forwarded as
-    sent (a TypedDict names the ones the gateway reads)."""
+    """An OpenAI chat message.
+
+    Clients may send more fields; they are kept and forwarded as sent (a TypedDict names the ones
+    the gateway reads).
+    """
 
     role: Required[str]
     content: str | list[ContentPart] | None
@@ -110,10 +116,12 @@ Api = Literal["chat", "responses", "items", "messages"]
 
 
 def request_api(request: Record) -> Api:
-    """Which API a request record came through: `items` added through the Conversations API
-    (`"kind": "items"`), an Anthropic Messages turn (`"api": "messages"`), a Responses API turn
-    (it keeps what its create returned, `responses`), else chat completions. (PostgreSQL's
-    listing says the same in SQL: store/postgres/schema.py.)"""
+    """Which API a request record came through.
+
+    `items` added through the Conversations API (`"kind": "items"`), an Anthropic Messages turn
+    (`"api": "messages"`), a Responses API turn (it keeps what its create returned, `responses`),
+    else chat completions. (PostgreSQL's listing says the same in SQL: store/postgres/schema.py.)
+    """
     if request.get("kind") == "items":
         return "items"
     if request.get("api") == "messages":
@@ -138,8 +146,10 @@ def first_choice(completion: JSONObject) -> JSONObject:
 
 
 def ascii_int(text: str, max_digits: int = 18) -> int | None:
-    """`text` as a non-negative integer when it is ASCII digits only (not `²` or `٣`, which
-    `str.isdigit` accepts and `int` may not), at most `max_digits` of them; else None."""
+    """`text` as a non-negative integer when it is ASCII digits only, at most `max_digits`; else None.
+
+    ASCII only: not `²` or `٣`, which `str.isdigit` accepts and `int` may not.
+    """
     if text.isascii() and text.isdigit() and len(text) <= max_digits:
         return int(text)
     return None

@@ -1,6 +1,8 @@
-"""Which process writes a response log: `host/pid/start` in its request record, so that a reader
-can tell an attempt still in progress from one whose process is gone (killed mid-request: its
-log was never marked incomplete)."""
+"""Which process writes a response log: `host/pid/start` in its request record.
+
+It lets a reader tell an attempt still in progress from one whose process is gone (killed
+mid-request: its log was never marked incomplete).
+"""
 
 from __future__ import annotations
 
@@ -33,8 +35,11 @@ def writer() -> str:
 
 
 def gone(name: object) -> bool:
-    """Is the named writer a process of this host that no longer runs? False when it may still
-    run, or cannot be told (another host, an unreadable /proc, an older record without it)."""
+    """Is the named writer a process of this host that no longer runs?
+
+    False when it may still run, or cannot be told (another host, an unreadable /proc, an older
+    record without it).
+    """
     if not isinstance(name, str):
         return False
     host, _, rest = name.partition("/")

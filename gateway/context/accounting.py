@@ -26,10 +26,13 @@ def _count(value: object) -> int | None:
 
 
 def prompt_accounting(usage: object, timings: object = None) -> JSONObject | None:
-    """The prompt's figures from a completion's `usage` (and llama.cpp's `timings`), or None
-    when neither says anything: `prompt_tokens` (the whole prompt, cached tokens included),
-    `cached_tokens` (served from the provider's cache), `cache_creation_tokens` (written to
-    it: Anthropic), and `source` (where the cache figures came from), each only when known."""
+    """The prompt's figures from a completion's `usage` (and llama.cpp's `timings`).
+
+    None when neither says anything. Each figure only when known: `prompt_tokens` (the whole
+    prompt, cached tokens included), `cached_tokens` (served from the provider's cache),
+    `cache_creation_tokens` (written to it: Anthropic), and `source` (where the cache figures
+    came from).
+    """
     usage, timings = as_object(usage), as_object(timings)
     details = as_object(usage.get("prompt_tokens_details"))
     read = _count(usage.get("cache_read_input_tokens"))

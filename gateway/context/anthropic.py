@@ -165,8 +165,11 @@ def _tool_result(block: JSONObject, at: str, param: str) -> tuple[Message, list[
 
 
 def _user_messages(blocks: list[object], at: str) -> list[Message]:
-    """A user message's blocks: its tool results as `tool` messages, then the rest as one user
-    message (the tool results' images first)."""
+    """A user message's blocks as chat messages: its tool results first, then the rest.
+
+    The tool results become `tool` messages; the rest is one user message (the tool results'
+    images first).
+    """
     param = f"{at}.content"
     if not blocks:
         raise InvalidRequest(f"{param} must not be empty", param=param)
@@ -314,8 +317,10 @@ def chat_tool_choice(choice: object) -> tuple[object, bool | None]:
 
 
 def chat_request(body: JSONObject, *, cap: str) -> JSONObject:
-    """The chat-completions body of a Messages request whose fields its schema checked; `cap`
-    is the chat field `max_tokens` goes in."""
+    """The chat-completions body of a Messages request whose fields its schema checked.
+
+    `cap` is the chat field `max_tokens` goes in.
+    """
     chat: JSONObject = {
         "model": body["model"],
         "messages": chat_messages(body.get("system"), body.get("messages")),
@@ -389,8 +394,10 @@ def content_blocks(message: Message | None) -> list[JSONObject]:
 
 
 def matched_stop(provider_stop: object, stop_sequences: object) -> str | None:
-    """The stop sequence a provider says it stopped at (vLLM's choice `stop_reason`), if it is
-    one of the request's: OpenAI's `finish_reason` says only "stop"."""
+    """The stop sequence a provider says it stopped at, if it is one of the request's.
+
+    The provider says it in vLLM's choice `stop_reason`; OpenAI's `finish_reason` says only "stop".
+    """
     if isinstance(provider_stop, str) and provider_stop in as_list(stop_sequences):
         return provider_stop
     return None
@@ -416,10 +423,12 @@ def _count(value: object) -> int | None:
 def message_usage(
     usage: object, cache: object, *, output_tokens: int | None = None, estimate: int | None = None
 ) -> JSONObject:
-    """Anthropic's usage from a chat answer's `usage` and its prompt-cache figures (`cache`, as
-    `context.accounting.prompt_accounting` gives them): `input_tokens` is the prompt less what
-    the cache served and wrote. A figure the provider gave none of is the gateway's own count
-    (`output_tokens`, `estimate`), else 0."""
+    """Anthropic's usage from a chat answer's `usage` and its prompt-cache figures.
+
+    The cache figures (`cache`) are as `context.accounting.prompt_accounting` gives them.
+    `input_tokens` is the prompt less what the cache served and wrote. A figure the provider gave
+    none of is the gateway's own count (`output_tokens`, `estimate`), else 0.
+    """
     usage, cache = as_object(usage), as_object(cache)
     whole = _count(cache.get("prompt_tokens"))
     if whole is None:
@@ -465,8 +474,10 @@ def message_object(
 
 
 def message_start(message_id: str, model: str, input_tokens: int) -> JSONObject:
-    """The stream's first event: the message without content (`input_tokens`: the gateway's
-    count of the prompt; `message_delta` gives the provider's)."""
+    """The stream's first event: the message without content.
+
+    `input_tokens` is the gateway's count of the prompt; `message_delta` gives the provider's.
+    """
     usage: JSONObject = {"input_tokens": input_tokens, "output_tokens": 0}
     usage.update(cache_read_input_tokens=0, cache_creation_input_tokens=0)
     message = message_object(
@@ -486,12 +497,14 @@ def message_delta(stop: tuple[str, str | None], usage: JSONObject) -> JSONObject
 
 
 class BlockEvents:
-    """A chat chunk stream as Anthropic's content-block events: the text, and each tool call, a
-    block of its own in the order they come (`content_block_start`, deltas, `content_block_stop`
-    when the next begins). The chunks are the chat service's: each tool call piece names its
-    call by `index`, with its id. A piece of a call whose block another has closed (a provider
-    interleaving parallel calls) still goes to that block by its index, which is how SDKs
-    assemble them."""
+    """A chat chunk stream as Anthropic's content-block events.
+
+    The text, and each tool call, is a block of its own in the order they come
+    (`content_block_start`, deltas, `content_block_stop` when the next begins). The chunks are the
+    chat service's: each tool call piece names its call by `index`, with its id. A piece of a call
+    whose block another has closed (a provider interleaving parallel calls) still goes to that
+    block by its index, which is how SDKs assemble them.
+    """
 
     def __init__(self) -> None:
         self.blocks = 0

@@ -49,8 +49,11 @@ class Calibration:
         return max(0, math.floor(room / self.ratio)) if room > 0 else 0
 
     def never_below_ours(self) -> Calibration:
-        """This calibration with a ratio of at least 1: the budgets it plans are never more of
-        our tokens than the provider's budget (a configured window is kept in our count too)."""
+        """This calibration with a ratio of at least 1.
+
+        The budgets it plans are never more of our tokens than the provider's budget (a configured
+        window is kept in our count too).
+        """
         return self if self.ratio >= 1 else replace(self, ratio=1.0)
 
     def to_dict(self) -> JSONObject:
@@ -75,8 +78,10 @@ def plausible(ours: int, theirs: int) -> bool:
 
 
 def fit(observations: Sequence[tuple[int, int]], prior: Calibration = UNCALIBRATED) -> Calibration:
-    """The calibration explaining `observations` (ours, theirs), conservative: the margin is
-    the largest amount by which the fitted line undercounted any of them."""
+    """The calibration explaining `observations` (ours, theirs), conservative.
+
+    The margin is the largest amount by which the fitted line undercounted any of them.
+    """
     obs = [(float(o), float(t)) for o, t in observations[-MAX_OBSERVATIONS:] if plausible(o, t)]
     if not obs:
         return prior

@@ -1,5 +1,4 @@
-"""Compaction, the pure part: the reference a compaction item carries, the summary message it
-stands for, and how much of a conversation a compaction covers.
+"""Compaction, the pure part: an item's reference, the summary message it stands for, what it covers.
 
 A compaction item's `encrypted_content` is the gateway's own opaque reference, never the
 summary: base64 of a version byte, the compaction's id (its record in the tenant's
@@ -81,8 +80,10 @@ def unverified(content: str, param: str) -> InvalidRequest:
 
 
 def compaction_refs(items: object, param: str) -> list[tuple[str, str]]:
-    """(where, encrypted_content) of each compaction item in a Responses `input` (none when the
-    input is a string): a 400 for one without its `encrypted_content`."""
+    """(where, encrypted_content) of each compaction item in a Responses `input`.
+
+    An input that is a string has none. A compaction item without its `encrypted_content` is a 400.
+    """
     if not isinstance(items, list):
         return []
     out = []
@@ -102,24 +103,31 @@ def compaction_item(compaction_id: str, encrypted_content: str) -> JSONObject:
 
 
 def compaction_message(summary: str, item: JSONObject) -> Message:
-    """The message a compaction item stands for: the summary as the rolling summary is sent,
-    marked (`compaction`, a gateway field never sent) with the item it came from."""
+    """The message a compaction item stands for: the summary as the rolling summary is sent.
+
+    It is marked (`compaction`, a gateway field never sent) with the item it came from.
+    """
     mark = {"id": item.get("id"), "encrypted_content": item.get("encrypted_content")}
     return {"role": "system", "content": f"{SUMMARY_HEAD}{summary}", "compaction": mark}
 
 
 def whole_prompt_tokens(view: ConversationView, covered: int, summary_tokens: int, new_tokens: int) -> int:
-    """The conversation's prompt as it would be sent whole (`context_management`'s measure):
-    the system prompt, the summary covering its first `covered` history messages, every stored
-    message after them and the new input (token counts made: `view.count_tokens`)."""
+    """Tokens of the conversation's prompt as it would be sent whole (`context_management`'s measure).
+
+    The system prompt, the summary covering its first `covered` history messages, every stored
+    message after them and the new input (token counts made: `view.count_tokens`).
+    """
     system = sum(n or 0 for n in view.system_tokens or [])
     history = sum(n or 0 for n in view.history_tokens[view.loaded_from(covered) :])
     return system + summary_tokens + history + new_tokens
 
 
 def compaction_target(view: ConversationView, covered: int) -> str | None:
-    """The turn a compaction covers through: every turn not yet covered but the newest, which
-    stays as it is (the newest itself when it is the only one); None when nothing is left."""
+    """The turn a compaction covers through, or None when nothing is left.
+
+    A compaction covers every turn not yet covered but the newest, which stays as it is (the
+    newest itself when it is the only one).
+    """
     ends: dict[int, str] = {}
     for rid, end in view.history_end.items():  # (in history order)
         if end > covered:

@@ -26,8 +26,11 @@ _MARKER_COSTS: dict[tuple[str, int], int] = {}
 
 
 def marker_cost(encoding: str, omitted: int) -> int:
-    """Tokens of the `[N earlier messages omitted]` marker; depends only on N's digit count
-    (counted once per encoding and width, with the widest number of that width)."""
+    """Tokens of the `[N earlier messages omitted]` marker.
+
+    They depend only on N's digit count (counted once per encoding and width, with the widest
+    number of that width).
+    """
     digits = len(str(omitted))
     key = (encoding, digits)
     cost = _MARKER_COSTS.get(key)
@@ -38,8 +41,10 @@ def marker_cost(encoding: str, omitted: int) -> int:
 
 
 def first_unit(conversation: list[Message]) -> int:
-    """How many messages the conversation's first unit holds (its first message, with the tool
-    results that follow it)."""
+    """How many messages the conversation's first unit holds.
+
+    The first unit is its first message, with the tool results that follow it.
+    """
     end = 1 if conversation else 0
     while end < len(conversation) and conversation[end].get("role") == "tool":
         end += 1
@@ -55,8 +60,11 @@ def newest_user_message(conversation: list[Message], first_new: int) -> int | No
 
 
 def request_alone(fit_request: Callable[[int], Window], exc: ContextLengthExceeded) -> Window:
-    """The window of the request alone (no history): planned with the budget the refusal said
-    it needs (its marker's cost added when that comes next)."""
+    """The window of the request alone (no history).
+
+    It is planned with the budget the refusal said it needs (its marker's cost added when that
+    comes next).
+    """
     for _ in range(3):
         if exc.needs is None:
             raise exc
@@ -85,8 +93,11 @@ def sized(
     count: Callable[[Message], int],
     shrink: Callable[[Message, int], Message | None],
 ) -> tuple[Message | None, int]:
-    """`message` (a summary or recap) within `limit` tokens, made smaller by `shrink` when
-    it is larger; None when too little room is left for it to say anything."""
+    """`message` (a summary or recap) within `limit` tokens, or None.
+
+    It is made smaller by `shrink` when it is larger; None when too little room is left for it to
+    say anything.
+    """
     if message is None:
         return None, 0
     tokens = count(message)
@@ -99,8 +110,10 @@ def sized(
 
 
 def orphan_results(new: list[Message]) -> InvalidRequest:
-    """The request's new input was only `tool` results that answer no pending call: there is
-    nothing to send (providers refuse an orphan result, and an empty list)."""
+    """The error for a request whose new input is only `tool` results that answer no pending call.
+
+    There is nothing to send: providers refuse an orphan result, and an empty list.
+    """
     ids = ", ".join(repr(m.get("tool_call_id")) for m in new)
     return InvalidRequest(
         f"The request's new messages are only tool results that answer no tool call (tool_call_id {ids}): "
@@ -217,8 +230,10 @@ class Part:
         return next((positions[id(m)] for m in self.conversation[index:] if id(m) in positions), total)
 
     def new_index(self, index: int) -> int | None:
-        """The request's first new message kept from `conversation[index]` on, when no stored
-        message is (its index among the new messages)."""
+        """The index among the new messages of the first one kept from `conversation[index]` on.
+
+        Given only when no stored message is kept from there on (else None).
+        """
         kept = self.conversation[index:]
         if any(id(m) not in self.new_of for m in kept[: max(0, self.first_new - index)]):
             return None
@@ -282,8 +297,11 @@ class Part:
         raise AssertionError("unreachable")  # (the second size raises or returns)
 
     def fit_request(self, hold: int | None, budget: int) -> Window:
-        """The window within `budget`; what the client resent before its newest user message is
-        history, cut oldest first, when the request does not fit whole."""
+        """The window within `budget`.
+
+        What the client resent before its newest user message is history, cut oldest first, when
+        the request does not fit whole.
+        """
         conversation, tokens = self.conversation, self.conversation_tokens
         try:
             return self.fit(self.first_new, conversation, tokens, self.first, self.first_tokens, budget, hold)

@@ -43,8 +43,10 @@ def text_of(message: Mapping[str, object]) -> str:
 
 
 def split_system(messages: Sequence[Message]) -> tuple[list[Message], list[Message]]:
-    """Leading system/developer messages (the system prompt) and the rest. A compaction's
-    summary (`compaction`) is history where it stands, never the system prompt."""
+    """Leading system/developer messages (the system prompt) and the rest.
+
+    A compaction's summary (`compaction`) is history where it stands, never the system prompt.
+    """
     i = 0
     while i < len(messages) and messages[i].get("role") in SYSTEM_ROLES and "compaction" not in messages[i]:
         i += 1
@@ -61,10 +63,13 @@ def _content_text(content: object) -> object:
 
 
 def _arguments_key(arguments: object) -> object:
-    """A tool call's arguments as their JSON value: clients that resend a call (LangChain,
-    `llm`) rebuild its arguments with `json.dumps`, so `{"city":"Paris"}` comes back as
-    `{"city": "Paris"}`, the same call. Arguments that are not JSON are compared as written;
-    none at all (null, left out, "") are `{}`, as the gateway stores them."""
+    """A tool call's arguments as their JSON value, the form calls are compared in.
+
+    Clients that resend a call (LangChain, `llm`) rebuild its arguments with `json.dumps`, so
+    `{"city":"Paris"}` comes back as `{"city": "Paris"}`, the same call. Arguments that are not
+    JSON are compared as written; none at all (null, left out, "") are `{}`, as the gateway stores
+    them.
+    """
     if arguments is None or arguments == "":
         return ["json", {}]
     if isinstance(arguments, str):
@@ -76,10 +81,12 @@ def _arguments_key(arguments: object) -> object:
 
 
 def message_key(message: Message) -> bytes:
-    """A canonical form for "is this the same message?", blind to null fields, part layout,
-    how a tool call's arguments are spaced or ordered, and the order of its tool calls
-    (LangChain resends a message's calls in another order when one's arguments are not JSON:
-    the conversation branched on the model's own answer)."""
+    """A canonical form for "is this the same message?".
+
+    It is blind to null fields, part layout, how a tool call's arguments are spaced or ordered,
+    and the order of its tool calls (LangChain resends a message's calls in another order when
+    one's arguments are not JSON: the conversation branched on the model's own answer).
+    """
     calls = [
         (
             str(c.get("id")),
@@ -104,8 +111,10 @@ def message_key(message: Message) -> bytes:
 
 
 def item_key(response_id: str, position: int) -> str:
-    """Identity of a stored message: its response and its position in input + [output]
-    (system prompt messages have negative positions: -1, -2, ...)."""
+    """Identity of a stored message: its response and its position in input + [output].
+
+    System prompt messages have negative positions: -1, -2, ...
+    """
     return f"{response_id}#{position}"
 
 
@@ -219,8 +228,10 @@ class ConversationView:
         return self.transcript_base + len(self.transcript)
 
     def history_tokens_total(self) -> int | None:
-        """The tokens of every history message, those not loaded included, as counted; None
-        when one is not counted yet, or the part not loaded did not record its own."""
+        """The tokens of every history message, those not loaded included, as counted.
+
+        None when one is not counted yet, or the part not loaded did not record its own.
+        """
         if self.tokens_base is None:
             return None
         try:
@@ -229,19 +240,24 @@ class ConversationView:
             return None
 
     def preview(self) -> str | None:
-        """The newest user message's text, cut to PREVIEW_CHARS ("" when there is none; None
-        when it is in the part not loaded and that part did not record it)."""
+        """The newest user message's text, cut to PREVIEW_CHARS.
+
+        "" when there is none; None when it is in the part not loaded and that part did not record
+        it.
+        """
         for message in reversed(self.history):
             if message.get("role") == "user":
                 return text_of(message)[:PREVIEW_CHARS]
         return self.preview_base
 
     def at_end(self) -> ConversationView:
-        """An empty view standing where this one ends, holding none of its messages: what is
-        appended next (a turn, or a marker that names no stored message) applies to it as to
-        this one, at the cost of that change alone, and its counts then say what the
-        conversation holds after it (what a list shows: `services/listing.py`). A change that
-        needs the messages (a branch cut before the end) raises NotLoaded."""
+        """An empty view standing where this one ends, holding none of its messages.
+
+        What is appended next (a turn, or a marker that names no stored message) applies to it as
+        to this one, at the cost of that change alone, and its counts then say what the
+        conversation holds after it (what a list shows: `services/listing.py`). A change that needs
+        the messages (a branch cut before the end) raises NotLoaded.
+        """
         return ConversationView(
             system=list(self.system) if self.system is not None else None,
             turns=self.turns,
@@ -311,8 +327,10 @@ class ConversationView:
             self.recap, self.recap_owner = turn.recap, turn.response_id
 
     def _add_history(self, turn: Turn, same_encoding: bool) -> None:
-        """A turn's messages the model gets again (not feedback, not deleted), with their counts
-        when they were made in this view's encoding."""
+        """Add to history a turn's messages the model gets again (not feedback, not deleted).
+
+        They come with their counts when those were made in this view's encoding.
+        """
         counts_in = turn.input_tokens if same_encoding and turn.input_tokens is not None else None
         if counts_in is None or turn.output_tokens is None or not same_encoding:
             self.needs_count = True
@@ -405,8 +423,11 @@ class ConversationView:
                 return
 
     def position_of(self, key: str) -> int | None:
-        """Where the stored message with item key `key` is in history (None: not in the loaded
-        history: deleted, cut by a branch, or older than what is loaded)."""
+        """Where the stored message with item key `key` is in history.
+
+        None when it is not in the loaded history: deleted, cut by a branch, or older than what is
+        loaded.
+        """
         response_id, _, position = key.rpartition("#")
         end = self.history_end.get(response_id)
         if end is None or not position.lstrip("-").isdigit():
@@ -419,16 +440,20 @@ class ConversationView:
         return None
 
     def sent_items(self) -> set[tuple[str, int]]:
-        """(response id, position) of every stored message the model still gets: not deleted,
-        not cut by a later edit, not a tool result whose call was deleted (the window's repair
-        drops it)."""
+        """(response id, position) of every stored message the model still gets.
+
+        That is every one not deleted, not cut by a later edit, and not a tool result whose call was
+        deleted (the window's repair drops it).
+        """
         kept = {id(m) for m in repair_tool_calls(self.history)}
         pairs = zip(self.history, self.history_owner, self.history_pos, strict=True)
         return {(owner, pos) for m, owner, pos in pairs if id(m) in kept}
 
     def cut_history(self, keep: int) -> None:
-        """Keep only the first `keep` history messages (a branch: the client's version of the
-        conversation continues from there); the transcript becomes that history."""
+        """Keep only the first `keep` history messages; the transcript becomes that history.
+
+        This is a branch: the client's version of the conversation continues from there.
+        """
         keep = self.loaded_from(max(0, keep))
         for column in (self.history, self.history_owner, self.history_pos, self.history_tokens):
             del column[keep:]
@@ -444,9 +469,11 @@ class ConversationView:
             self.history_end[owner] = j
 
     def copy(self) -> ConversationView:
-        """A copy whose changes (counts filled in, a branch cut) never reach this view, nor
-        this view's later changes it: a reader that plans without the conversation's lock
-        works on one."""
+        """A copy whose changes never reach this view, nor this view's later changes it.
+
+        Changes are counts filled in, a branch cut. A reader that plans without the conversation's
+        lock works on one.
+        """
         return dataclasses.replace(
             self,
             history=list(self.history),
@@ -494,8 +521,10 @@ class ConversationView:
         self.needs_count = self.system_tokens is not None and None in self.system_tokens
 
     def count_tokens(self, encoding: str, count: Callable[[Message], int]) -> None:
-        """Fill in missing counts (all of them if the encoding changed). Counts already made
-        are never redone for the same encoding."""
+        """Fill in missing counts (all of them if the encoding changed).
+
+        Counts already made are never redone for the same encoding.
+        """
         if encoding != self.encoding:
             self.encoding = encoding
             self.history_tokens = [None] * len(self.history)

@@ -82,9 +82,11 @@ def _chat_content(content: object, where: str, where_role: str = "user") -> str 
 
 
 def _image(part: JSONObject, at: str, param: str) -> ImageURL:
-    """An input_image as chat completions take it: by URL or data URL, with a detail they know
-    (the content rules, `context/content.py`). A file id is a 400: sent as an image URL, it made
-    every later turn of its conversation a provider's 400."""
+    """An input_image as chat completions take it: by URL or data URL, with a detail they know.
+
+    The content rules are `context/content.py`. A file id is a 400: sent as an image URL, it made
+    every later turn of its conversation a provider's 400.
+    """
     url = part.get("image_url")
     if url is None and isinstance(part.get("file_id"), str):
         raise InvalidRequest(
@@ -117,11 +119,13 @@ def _tool_output(output: object, where: str) -> str:
 def items_to_messages(
     items: object, *, param: str = "items", compactions: Mapping[str, Message] | None = None
 ) -> list[Message]:
-    """Responses-style input items as chat messages (consecutive function calls merge into one
-    assistant message with several tool_calls). A field of the wrong type is a 400: what is
-    stored is replayed on every later turn, so it must be what a provider accepts. A
-    `compaction` item becomes the message `compactions` resolved its `encrypted_content` to
-    (`context.compaction`); where none is given, it is an unsupported item."""
+    """Responses-style input items as chat messages.
+
+    Consecutive function calls merge into one assistant message with several tool_calls. A field
+    of the wrong type is a 400: what is stored is replayed on every later turn, so it must be what
+    a provider accepts. A `compaction` item becomes the message `compactions` resolved its
+    `encrypted_content` to (`context.compaction`); where none is given, it is an unsupported item.
+    """
     if not isinstance(items, list):
         raise InvalidRequest(f"'{param}' must be an array", param=param)
     out: list[Message] = []
@@ -207,8 +211,10 @@ def _content_parts(message: Message, role: str) -> list[JSONObject]:
 
 
 def _item_part(part: JSONObject) -> JSONObject:
-    """A chat content part as the Conversations API shows it (a kind it has no name for: as
-    stored, never as made-up text)."""
+    """A chat content part as the Conversations API shows it.
+
+    A kind it has no name for is shown as stored, never as made-up text.
+    """
     kind = part.get("type")
     if kind == "image_url":
         image = part.get("image_url")

@@ -1,6 +1,8 @@
-"""Conversation lifecycle, the pure part (SPEC section 8): the states and how the current one is
-derived from the lifecycle log, end users' file-safe keys and local days, and the lines of a
-conversation an "earlier today" recap quotes (its text is `gateway.context.recap_text`).
+"""Conversation lifecycle, the pure part (SPEC section 8).
+
+The states and how the current one is derived from the lifecycle log, end users' file-safe keys
+and local days, and the lines of a conversation an "earlier today" recap quotes (its text is
+`gateway.context.recap_text`).
 
     active ──idle_after──> processing ──ok──> processed
       ^                       │  └──error──> active (attempts + 1) ... failed (max_attempts)
@@ -72,9 +74,11 @@ def _text(message: Message) -> str:
 
 
 def todays_lines(view: ConversationView, tz: ZoneInfo, today: str) -> list[str]:
-    """Both sides of what was said in a conversation on the user's local `today` (the user's
-    lines and the assistant's answers, which hold what it promised), newest 20, each cut to
-    300 characters; older turns of the same conversation are left out."""
+    """Both sides of what was said in a conversation on the user's local `today`, newest 20.
+
+    The user's lines and the assistant's answers (which hold what it promised), each cut to 300
+    characters; older turns of the same conversation are left out.
+    """
     lines = []
     for message, owner in zip(view.history, view.history_owner, strict=True):
         role = message.get("role")

@@ -1,5 +1,8 @@
-"""The text of the "earlier today" recap (pure): written from the lines of a user's other
-conversations, packed within a budget, read back, and withdrawn a conversation at a time."""
+"""The text of the "earlier today" recap (pure).
+
+It is written from the lines of a user's other conversations, packed within a budget, read back,
+and withdrawn a conversation at a time.
+"""
 
 from __future__ import annotations
 
@@ -19,8 +22,11 @@ def recap_message(
     max_tokens: int,
     count: Callable[[Message], int],
 ) -> tuple[Message | None, list[str]]:
-    """The "Earlier today" system message from (last activity, conversation, lines) candidates,
-    newest first, within `max_tokens`; and the conversations it drew on."""
+    """The "Earlier today" system message, and the conversations it drew on.
+
+    It is written from (last activity, conversation, lines) candidates, newest first, within
+    `max_tokens`.
+    """
     header = f"{RECAP_PREFIX} ({tz.key}), this user talked with you in other conversations:"
     blocks = []
     for last, cid, lines in sorted(candidates, reverse=True):
@@ -33,16 +39,21 @@ _Block = tuple[str, str, list[str], bool]  # head line, conversation, lines, lin
 
 
 def _block(head: str, lines: list[str], cut: bool) -> str:
-    """One conversation's block of a recap: its head, a `…` where older lines are left out,
-    and its lines (`_parse` reads it back)."""
+    """One conversation's block of a recap (`_parse` reads it back).
+
+    Its head, a `…` where older lines are left out, and its lines.
+    """
     return "\n".join([head, *(["  …"] if cut else []), *(f"  {line}" for line in lines)])
 
 
 def _pack(
     header: str, blocks: list[_Block], max_tokens: int, count: Callable[[Message], int]
 ) -> tuple[Message | None, list[str]]:
-    """The recap of `blocks` (newest conversation first) within `max_tokens`: whole blocks while
-    they fit, then of a block its newest lines, after a `…` that says older ones are left out."""
+    """The recap of `blocks` (newest conversation first) within `max_tokens`.
+
+    Whole blocks while they fit, then of a block its newest lines, after a `…` that says older
+    ones are left out.
+    """
     body: list[str] = []
     used: list[str] = []
     budget = max_tokens - count({"role": "system", "content": header})
@@ -70,9 +81,11 @@ def _pack(
 def shrink_recap(
     recap: Message, max_tokens: int, count: Callable[[Message], int]
 ) -> tuple[Message | None, list[str]]:
-    """A recap built for a larger budget, packed again within `max_tokens` the way it was built
-    (not cut from its end, which kept the oldest line of the newest conversation, mid-sentence);
-    and the conversations it still draws on."""
+    """A recap built for a larger budget, packed again within `max_tokens`; and what it draws on.
+
+    It is packed the way it was built (not cut from its end, which kept the oldest line of the
+    newest conversation, mid-sentence). With it come the conversations it still draws on.
+    """
     parsed = _parse(recap)
     if parsed is None:
         return None, []
@@ -105,8 +118,10 @@ def is_recap(message: Message) -> bool:
 
 
 def recap_without(recap: Message | None, conversations: Collection[str]) -> Message | None:
-    """`recap` without the blocks of `conversations` (their content was deleted since), as it
-    was written otherwise; None when nothing is left of it."""
+    """`recap` without the blocks of `conversations`, or None when nothing is left of it.
+
+    Their content was deleted since; the rest is as it was written.
+    """
     parsed = _parse(recap)
     if parsed is None:
         return recap

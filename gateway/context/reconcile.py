@@ -1,5 +1,8 @@
-"""What a request adds to a stored conversation (pure): the new messages of a client that sends
-only those, resends its whole history, trims it, or edits it (a branch)."""
+"""What a request adds to a stored conversation (pure).
+
+The new messages of a client that sends only those, resends its whole history, trims it, or
+edits it (a branch).
+"""
 
 from __future__ import annotations
 
@@ -20,12 +23,15 @@ def _common_prefix(incoming: Sequence[Message], stored_keys: Sequence[bytes]) ->
 
 @dataclass(frozen=True, slots=True)
 class Reconciled:
-    """What a request adds to the stored conversation: its new messages, and where the
-    stored history is cut first when the client's version diverged from it (None: nowhere).
+    """What a request adds to the stored conversation.
+
+    Its new messages, and where the stored history is cut first when the client's version
+    diverged from it (None: nowhere).
 
     A branch is a regeneration when the new messages are the first of those it leaves behind,
     unchanged: the client resent its history up to before an answer, to have another one. Any
-    other branch is an edit: a message of the client's differs from the stored one."""
+    other branch is an edit: a message of the client's differs from the stored one.
+    """
 
     new: list[Message]
     branch_at: int | None = None
@@ -104,8 +110,10 @@ def reconcile(incoming: Sequence[Message], view: ConversationView) -> Reconciled
 
 
 def _in_history(transcript: Sequence[bytes], history: Sequence[bytes]) -> int:
-    """How many history messages are among these first transcript messages (history is the
-    transcript less deleted and feedback messages, in the same order)."""
+    """How many history messages are among these first transcript messages.
+
+    History is the transcript less deleted and feedback messages, in the same order.
+    """
     h = 0
     for key in transcript:
         if h < len(history) and history[h] == key:
@@ -114,8 +122,11 @@ def _in_history(transcript: Sequence[bytes], history: Sequence[bytes]) -> int:
 
 
 def _failure_table(keys: Sequence[bytes]) -> list[int]:
-    """Knuth-Morris-Pratt: for each prefix of `keys`, its longest proper border. Matching with it
-    is linear: a resent history of 50,000 messages once took minutes of the event loop."""
+    """Knuth-Morris-Pratt: for each prefix of `keys`, its longest proper border.
+
+    Matching with it is linear: a resent history of 50,000 messages once took minutes of the
+    event loop.
+    """
     table = [0] * len(keys)
     k = 0
     for i in range(1, len(keys)):
@@ -150,11 +161,13 @@ def _matched_at_end(keys: Sequence[bytes], table: Sequence[int], stored: Sequenc
 def _trimmed_divergence(
     keys: Sequence[bytes], table: Sequence[int], first_answer: int, history: Sequence[bytes]
 ) -> tuple[int, int] | None:
-    """A trimmed history that diverges (an edit or a regenerate from a client that resends only
-    its newest messages): the request's first messages (`keys`, all but the last; `table`, their
-    failure table) match a stored run that is not the tail, an answer among them. Returns
-    (messages matched, history kept), the longest run winning, then the newest; None when no
-    run holds an answer."""
+    """Where a trimmed history diverges: (messages matched, history kept), or None.
+
+    A trimmed history diverges with an edit or a regenerate from a client that resends only its
+    newest messages: the request's first messages (`keys`, all but the last; `table`, their
+    failure table) match a stored run that is not the tail, an answer among them. The longest run
+    wins, then the newest; None when no run holds an answer.
+    """
     if not keys or not history:
         return None
     # A run holds an answer once it is longer than the request's messages before its first one.

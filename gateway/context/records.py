@@ -1,6 +1,8 @@
-"""A response log read back (pure): as the turn it describes, or as a typed view of its
-records for the Responses API and the CLI. Records come from disk and are not trusted: every
-field is narrowed here, once, so readers get typed values."""
+"""A response log read back (pure): as the turn it describes, or as a typed view of its records.
+
+The typed view is for the Responses API and the CLI. Records come from disk and are not trusted:
+every field is narrowed here, once, so readers get typed values.
+"""
 
 from __future__ import annotations
 
@@ -135,8 +137,11 @@ class StoredResponse:
 
     @property
     def answered(self) -> Message | None:
-        """The reply as the client got it: the provider's own message where the one kept for
-        history differs from it (fields the gateway does not replay), else that one."""
+        """The reply as the client got it.
+
+        The provider's own message where the one kept for history differs from it (fields the
+        gateway does not replay), else that one.
+        """
         raw = message(self.response.get("upstream_message")) if self.response else None
         return raw if raw is not None else self.message
 
@@ -163,17 +168,22 @@ def string_pairs(value: object) -> dict[str, str] | None:
 
 @dataclass(frozen=True, slots=True)
 class StoredCompletion:
-    """A chat-completion turn as OpenAI's stored chat completions show it: its response log
-    (context snapshots left out) and its metadata now."""
+    """A chat-completion turn as OpenAI's stored chat completions show it.
+
+    Its response log (context snapshots left out) and its metadata now.
+    """
 
     stored: StoredResponse
     metadata: dict[str, str]
 
     @classmethod
     def of(cls, response_id: str, records: list[Record], updates: list[Record]) -> StoredCompletion | None:
-        """The stored chat completion a response log holds, with the metadata set on it since
-        (`updates`, the last one holds); None unless a committed chat-completion turn with a reply
-        (a failed or deleted one, a Responses API turn, items added to a conversation)."""
+        """The stored chat completion a response log holds, with the metadata set on it since.
+
+        Of `updates`, the last one holds. None unless the log is a committed chat-completion turn
+        with a reply (not a failed or deleted one, a Responses API turn, items added to a
+        conversation).
+        """
         stored = StoredResponse.of(response_id, records)
         if stored.status != "completed" or not stored.request or request_api(stored.request) != "chat":
             return None
@@ -187,6 +197,9 @@ class StoredCompletion:
 
     @property
     def messages(self) -> list[Message]:
-        """What the request carried, as the gateway stored it: its system message when it set
-        the system prompt, then its new messages (a history the client resent is not repeated)."""
+        """What the request carried, as the gateway stored it.
+
+        Its system message when it set the system prompt, then its new messages (a history the
+        client resent is not repeated).
+        """
         return [*self.stored.system, *self.stored.input]

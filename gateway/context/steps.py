@@ -28,8 +28,10 @@ class Head:
 
     @classmethod
     def of(cls, context: JSONObject) -> Head | None:
-        """The head a context snapshot (or a response record's `head`) recorded; None for one
-        written before heads were."""
+        """The head a context snapshot (or a response record's `head`) recorded.
+
+        None for one written before heads were.
+        """
         if "window_from" not in context:
             return None
         start, summary = context.get("window_from"), context.get("summary_version")
@@ -55,9 +57,12 @@ def cut_start(
     keep_recent: int,
     marker: Callable[[int], int],
 ) -> int:
-    """Where the history starts after a cut: whole units newest first, the newest within
-    `room` and the rest within `low_room` and `max_messages` (the newest `keep_recent`
-    messages past the latter); `marker(start)` is what the marker costs for a start."""
+    """Where the history starts after a cut.
+
+    It keeps whole units newest first, the newest within `room` and the rest within `low_room`
+    and `max_messages` (the newest `keep_recent` messages past the latter); `marker(start)` is
+    what the marker costs for a start.
+    """
     kept_from = end
     used = 0
     kept_messages = 0

@@ -1,5 +1,8 @@
-"""Rolling summaries, the pure part: which summary version applies to a conversation, how a
-summarizer prompt is rendered, and how big summaries and summarizer chunks may be for a window."""
+"""Rolling summaries, the pure part.
+
+Which summary version applies to a conversation, how a summarizer prompt is rendered, and how
+big summaries and summarizer chunks may be for a window.
+"""
 
 from __future__ import annotations
 
@@ -27,8 +30,11 @@ def summary_cap(configured: int, window: int) -> int:
 
 
 def chunk_budget(window: int, cap: int, ratio: float, overhead: float, margin: int) -> int:
-    """Tokens (ours) of new messages one summarizer call can take: its window less the answer
-    (`cap`), the current summary (up to `cap`) and the instructions, in the provider's units."""
+    """Tokens (ours) of new messages one summarizer call can take.
+
+    Its window less the answer (`cap`), the current summary (up to `cap`) and the instructions,
+    in the provider's units.
+    """
     room = window - cap - margin - overhead
     ours = int(room / ratio) - cap - _INSTRUCTION_TOKENS
     return max(32, min(CHUNK_TOKENS, ours))
@@ -61,9 +67,12 @@ def is_summary_message(message: object) -> bool:
 
 
 def current_summary(records: list[Record], view: ConversationView) -> Summary | None:
-    """The newest summary that applies to this view: the last response it covers is in the
-    view's history (a reset or a branch makes the others inapplicable), and no withdrawal
-    recorded after it (a deletion of a message it covers, `withdrawal`) rules it out."""
+    """The newest summary that applies to this view.
+
+    One applies when the last response it covers is in the view's history (a reset or a branch
+    makes the others inapplicable), and no withdrawal recorded after it (a deletion of a message
+    it covers, `withdrawal`) rules it out.
+    """
     return next(_applicable(records, view), None)
 
 
@@ -120,10 +129,12 @@ def _end_of(response_id: object, view: ConversationView) -> int:
 
 
 def withdrawal(view: ConversationView, response_id: str, at: float) -> Record | None:
-    """The summaries log's record for a deletion of `response_id`'s messages (all of them, or
-    one): every summary version that covers one of them, or was folded from one that did, is
-    withdrawn; those covering only the turns before it still apply. None when none of its
-    messages is in history (a summary never sees the system prompt or feedback)."""
+    """The summaries log's record for a deletion of `response_id`'s messages (all of them, or one).
+
+    Every summary version that covers one of them, or was folded from one that did, is withdrawn;
+    those covering only the turns before it still apply. None when none of its messages is in
+    history (a summary never sees the system prompt or feedback).
+    """
     first = next((i for i, owner in enumerate(view.history_owner) if owner == response_id), None)
     if first is None:
         if response_id in view.prefix_ids:
@@ -156,8 +167,11 @@ def render_for_summary(messages: list[Message]) -> str:
 
 
 def snap_to_turn_end(view: ConversationView, position: int) -> int:
-    """The first turn end at or after `position` that does not split a tool-call unit (the
-    next message is not a tool result), or the end of history."""
+    """The first turn end at or after `position` that does not split a tool-call unit.
+
+    A turn end splits none when the next message is not a tool result. The end of history when
+    there is no such turn end.
+    """
     n = view.history_count
     for end in view.history_end.values():  # increasing
         if end >= position and (end == n or view.history[view.loaded_from(end)].get("role") != "tool"):

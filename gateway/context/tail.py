@@ -1,6 +1,8 @@
-"""A conversation's newest part only (pure): what a turn records about everything before it,
-and the view rebuilt from that record on, so that a turn on a long conversation reads the
-responses its window needs instead of all of them."""
+"""A conversation's newest part only (pure).
+
+What a turn records about everything before it, and the view rebuilt from that record on, so
+that a turn on a long conversation reads the responses its window needs instead of all of them.
+"""
 
 from __future__ import annotations
 
@@ -11,9 +13,11 @@ _COUNTS = ("entries", "history", "transcript", "turns")
 
 
 def checkpoint(view: ConversationView) -> JSONObject:
-    """What a view resumed at the next index entry needs of every entry before it (a turn
-    keeps it in its request record as `before`): counts, who set the system prompt and the
-    recap, and the conversation's latest facts."""
+    """What a view resumed at the next index entry needs of every entry before it.
+
+    A turn keeps it in its request record as `before`: counts, who set the system prompt and the
+    recap, and the conversation's latest facts.
+    """
     return {
         "entries": view.entries,
         "history": view.history_count,
@@ -34,8 +38,10 @@ def checkpoint(view: ConversationView) -> JSONObject:
 
 
 def checkpoint_of(records: list[Record]) -> JSONObject | None:
-    """The `before` a response log's request record carries, if it is whole (older gateways
-    wrote none: such a turn cannot start a partial view)."""
+    """The `before` a response log's request record carries, if it is whole.
+
+    Older gateways wrote none: such a turn cannot start a partial view.
+    """
     request = next((r for r in records if r.get("type") == "request"), None)
     point = obj(request.get("before")) if request is not None else None
     if point is None:
@@ -50,9 +56,12 @@ def checkpoint_of(records: list[Record]) -> JSONObject | None:
 def resume(
     point: JSONObject, prefix_ids: frozenset[str], system: Turn | None, recap: Turn | None
 ) -> ConversationView:
-    """An empty view standing where `point` was taken: the entries after it are then applied
-    as usual (the first of them without its `branch_at`: the point was taken after that cut).
-    `system` and `recap` are the turns `point` names as their source."""
+    """An empty view standing where `point` was taken.
+
+    The entries after it are then applied as usual (the first of them without its `branch_at`:
+    the point was taken after that cut). `system` and `recap` are the turns `point` names as
+    their source.
+    """
     counts = {key: int(number(point.get(key)) or 0) for key in _COUNTS}
     view = ConversationView(
         entries=counts["entries"],

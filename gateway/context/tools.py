@@ -10,8 +10,10 @@ UNANSWERED_TOOL_RESULT = "[no result: the user continued without answering this 
 
 
 def settle_arguments(function: object) -> None:
-    """A call's `function` without arguments (left out, null or "") given `"{}"`, what every
-    provider takes back: as it came, a strict provider refused every later turn."""
+    """Give a call's `function` without arguments (left out, null or "") the arguments `"{}"`.
+
+    Every provider takes that back; as it came, a strict provider refused every later turn.
+    """
     if isinstance(function, dict) and not function.get("arguments"):
         function["arguments"] = "{}"
 

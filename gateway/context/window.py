@@ -34,8 +34,11 @@ def omitted_marker(count: int) -> Message:
 
 
 def tool_units(messages: Sequence[Message]) -> list[tuple[int, int]]:
-    """Split into [start, end) units: an assistant `tool_calls` message and the `tool` messages
-    right after it form one unit; every other message is a unit of its own."""
+    """Split messages into [start, end) units.
+
+    An assistant `tool_calls` message and the `tool` messages right after it form one unit; every
+    other message is a unit of its own.
+    """
     units: list[tuple[int, int]] = []
     i = 0
     n = len(messages)

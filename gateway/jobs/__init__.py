@@ -1,2 +1,4 @@
-"""Background work: the lifecycle processor and the rolling-summary scheduler. Both go through
-use cases (`gateway.services`); neither runs on a request's path."""
+"""Background work: the lifecycle processor and the rolling-summary scheduler.
+
+Both go through use cases (`gateway.services`); neither runs on a request's path.
+"""

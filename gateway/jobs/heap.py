@@ -1,5 +1,4 @@
-"""The heap of a serving process: its cyclic garbage collector settled once started, and freed
-memory given back to the OS.
+"""A serving process's heap: its garbage collector settled once started, freed memory given back to the OS.
 
 The collector: CPython runs a young-generation collection every 700 net allocations of
 container objects, and every few hundred of those a full one over the whole heap. With 32
@@ -14,7 +13,8 @@ Freed memory: glibc keeps what Python frees in its arenas (the
 main heap and one per worker thread: file reads and fsyncs run in threads), and a long-running
 gateway's RSS crept up by ~8 MiB over 45,000 requests while Python's own live memory stayed
 flat (docs/memory.md). `malloc_trim(0)` every `every` seconds returns the free pages: a few
-milliseconds, in a worker thread. Without glibc it does nothing."""
+milliseconds, in a worker thread. Without glibc it does nothing.
+"""
 
 from __future__ import annotations
 
@@ -32,9 +32,12 @@ GC_YOUNG = 10_000  # net container allocations between young collections (CPytho
 
 
 def settle_gc(young: int = GC_YOUNG) -> None:
-    """After startup: collect once, freeze what is left (it lives as long as the process) and
-    collect the young generation every `young` net allocations. A serving process only: a
-    frozen object is never collected, whatever it becomes."""
+    """Settle the garbage collector once startup is over: collect, freeze, raise the young threshold.
+
+    It collects once, freezes what is left (it lives as long as the process) and collects the
+    young generation every `young` net allocations. A serving process only: a frozen object is
+    never collected, whatever it becomes.
+    """
     gc.collect()
     gc.freeze()
     _, middle, old = gc.get_threshold()

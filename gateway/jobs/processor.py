@@ -1,6 +1,8 @@
-"""The lifecycle processor: every so often, moves idle conversations through post-processing and
-expires them after `ttl` (the work is `gateway.services.sessions`). One processor per data dir (an
-flock on locks/processor.lock) or per database (the backend's lease); the others stand by."""
+"""The lifecycle processor: moves idle conversations through post-processing, expires them after `ttl`.
+
+It runs every so often; the work is `gateway.services.sessions`. One processor per data dir (an
+flock on locks/processor.lock) or per database (the backend's lease); the others stand by.
+"""
 
 from __future__ import annotations
 

@@ -1,6 +1,9 @@
-"""Rolling summaries, scheduled in the background: one task per conversation folds what the turns
-asked for (`gateway.services.summaries`), retrying failures with backoff (1, 2, 4, 8 s; 5
-attempts, then again on the next truncation). Until a summary is ready, truncation applies."""
+"""Rolling summaries, scheduled in the background: one task per conversation.
+
+Each task folds what the turns asked for (`gateway.services.summaries`), retrying failures with
+backoff (1, 2, 4, 8 s; 5 attempts, then again on the next truncation). Until a summary is ready,
+truncation applies.
+"""
 
 from __future__ import annotations
 

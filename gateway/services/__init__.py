@@ -1,6 +1,9 @@
-"""Use cases: the only users of the store. HTTP handlers, commands and background jobs call
-these; the pure core (`gateway.context`) and the providers (`gateway.upstream`) are called
-from here. One `Services` per app (or per command), created from the settings."""
+"""Use cases: the only users of the store.
+
+HTTP handlers, commands and background jobs call these; the pure core (`gateway.context`) and the
+providers (`gateway.upstream`) are called from here. One `Services` per app (or per command),
+created from the settings.
+"""
 
 from __future__ import annotations
 
@@ -62,8 +65,11 @@ class Services:
     @classmethod
     @asynccontextmanager
     async def for_command(cls, settings: Settings, *, writes: bool = False) -> AsyncIterator[Services]:
-        """The services of one command. A JSONL store is opened (which creates the data dir)
-        only by commands that write; reads need no durability."""
+        """The services of one command.
+
+        A JSONL store is opened (which creates the data dir) only by commands that write; reads
+        need no durability.
+        """
         if not writes and settings.storage.backend == "jsonl":
             settings = settings.model_copy(
                 update={"storage": settings.storage.model_copy(update={"durability": "none"})}
@@ -83,8 +89,10 @@ class Services:
 
     @staticmethod
     async def check_store(settings: Settings) -> None:
-        """Open (and migrate) the store once, so that an unreachable database or an unwritable
-        data dir is one clear error before any worker starts."""
+        """Open (and migrate) the store once, before any worker starts.
+
+        An unreachable database or an unwritable data dir is then one clear error.
+        """
         backend = settings.storage.backend
         where = settings.storage.data_dir if backend == "jsonl" else backend
         try:
@@ -114,10 +122,12 @@ class Services:
         return self.stores.refusing_writes()
 
     async def readiness(self) -> str | None:
-        """Why this process should get no traffic now, or None: a store that refuses writes
-        (a failed fsync: until restarted), else the outcome of a write probe made at most every
-        PROBE_EVERY seconds, so a full, read-only or unreachable store takes the replica out
-        of the load balancer and a recovered one brings it back."""
+        """Why this process should get no traffic now, or None.
+
+        A store that refuses writes (a failed fsync: until restarted), else the outcome of a write
+        probe made at most every PROBE_EVERY seconds, so a full, read-only or unreachable store
+        takes the replica out of the load balancer and a recovered one brings it back.
+        """
         sticky = self.refusing_writes()
         if sticky is not None:
             return sticky
@@ -136,9 +146,11 @@ class Services:
         await self.stores.get("")
 
     async def warm(self) -> None:
-        """Before serving: load what the first list needs (the JSONL catalog) and read a
-        one-row page (PostgreSQL prepares its statements), so the first request does not pay
-        for it. A failure is left for that request to report."""
+        """Before serving, load what the first list needs, so the first request does not pay for it.
+
+        That is the JSONL catalog, and a one-row page read (PostgreSQL prepares its statements). A
+        failure is left for that request to report.
+        """
         try:
             await (await self.stores.get("")).warm()
             await self.queries.conversations("", limit=1)

@@ -1,6 +1,9 @@
-"""Assembled conversations, cached per process for every backend alike: a conversation is read
-once, then only what was appended since (the store's `Version` says what that is), so a turn
-never re-reads history, and appends by other processes or replicas are always seen."""
+"""Assembled conversations, cached per process for every backend alike.
+
+A conversation is read once, then only what was appended since (the store's `Version` says what
+that is), so a turn never re-reads history, and appends by other processes or replicas are
+always seen.
+"""
 
 from __future__ import annotations
 
@@ -35,8 +38,11 @@ class ConversationCache:
     """Keyed by (store, conversation): every tenant has its own store."""
 
     def __init__(self, size: int = 1024, messages: int = 10_000) -> None:
-        """At most `size` conversations and `messages` stored messages in all (the conversation
-        in use is kept even when it alone holds more): a view's memory grows with its turns."""
+        """A cache of at most `size` conversations and `messages` stored messages in all.
+
+        The conversation in use is kept even when it alone holds more: a view's memory grows with
+        its turns.
+        """
         self._views: LRU[tuple[int, str], _Cached] = LRU(size, weigh=_weight, budget=messages)
         self._warned: LRU[str, bool] = LRU(WARNED_LIMIT)
 
@@ -45,9 +51,11 @@ class ConversationCache:
         return cls(settings.storage.cache_conversations, settings.storage.cache_messages)
 
     def skipped(self, cid: str, rid: str, records: list[Record]) -> None:
-        """The rule for an index entry whose response is missing, empty or not committed: every
-        reader of the conversation leaves it out, with one warning per response per process
-        (a deleted response is left out silently: that is no damage)."""
+        """The rule for an index entry whose response is missing, empty or not committed.
+
+        Every reader of the conversation leaves it out, with one warning per response per process
+        (a deleted response is left out silently: that is no damage).
+        """
         if (records and records[-1].get("type") == "deleted") or self._warned.get(rid):
             return
         self._warned[rid] = True
@@ -57,14 +65,16 @@ class ConversationCache:
     async def load(
         self, store: Store, cid: str, *, keep: bool = True, tail: int = 0, through: str | None = None
     ) -> ConversationView:
-        """The conversation as stored (empty if new). Callers must not mutate it. Readers that
-        go over many conversations (lists, the lifecycle pass, recaps) pass `keep=False`: a
-        cached view is used and brought up to date, but none is added for them, so they neither
-        grow memory nor push out the conversations that are talking.
+        """The conversation as stored (empty if new); callers must not mutate it.
+
+        Readers that go over many conversations (lists, the lifecycle pass, recaps) pass
+        `keep=False`: a cached view is used and brought up to date, but none is added for them, so
+        they neither grow memory nor push out the conversations that are talking.
 
         With `tail`, a partial view (`ConversationView.partial`) holding at least the newest
         `tail` history messages, and the turn `through` names, will do: the index is read, then
-        only the responses those need (`tail_view`). Without, the view is whole."""
+        only the responses those need (`tail_view`). Without, the view is whole.
+        """
         key = (id(store), cid)
         cached = self._views.get(key)
         if cached is not None and cached.view.partial and not tail:
@@ -84,8 +94,11 @@ class ConversationCache:
     async def load_many(
         self, store: Store, cids: list[str], *, keep: bool = True, tail: int = 0
     ) -> list[ConversationView]:
-        """`load` of several conversations with one `read_many` (a page of a list: one query
-        on PostgreSQL instead of one per row); with `tail`, each as `load` with it."""
+        """`load` of several conversations with one `read_many`.
+
+        A page of a list is one query on PostgreSQL instead of one per row. With `tail`, each is
+        loaded as `load` with it.
+        """
         if tail:
             return [await self.load(store, cid, keep=keep, tail=tail) for cid in cids]
         keys = [(id(store), cid) for cid in cids]
@@ -107,10 +120,12 @@ class ConversationCache:
         read: IndexRead,
         keep: bool,
     ) -> ConversationView | None:
-        """A cached view (or a new one) brought up to date with what was read since `since`;
+        """A cached view (or a new one) brought up to date with what was read since `since`.
+
         None when the caller must load again: what changed is outside what a partial view holds,
         or the cached view moved on while the read was under way (a turn of this process, or
-        another reader, applied entries the read has too: applying them again would repeat them)."""
+        another reader, applied entries the read has too: applying them again would repeat them).
+        """
         cid = key[1]
         if cached is not None and (cached.version != since or self._views.get(key) is not cached):
             return None

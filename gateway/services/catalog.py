@@ -1,6 +1,8 @@
-"""The models a client can ask for (`GET /v1/models`): the configured ones, the built-in demo
-model, and what each provider lists itself, named `provider/model` as requests route them.
-Providers are asked together, with a short timeout, and their answers kept for a minute."""
+"""The models a client can ask for (`GET /v1/models`), named `provider/model` as requests route them.
+
+The configured ones, the built-in demo model, and what each provider lists itself. Providers are
+asked together, with a short timeout, and their answers kept for a minute.
+"""
 
 from __future__ import annotations
 

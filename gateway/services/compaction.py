@@ -1,7 +1,8 @@
-"""Compaction (OpenAI's `POST /v1/responses/compact` and `context_management` on
-`POST /v1/responses`), on every backend: what a conversation said, folded by the gateway's
-summarizer into a summary the client holds a reference to (a `compaction` item, see
-`gateway.context.compaction`), and that reference expanded again when the item comes back.
+"""Compaction, on every backend: a conversation folded into a summary the client holds a reference to.
+
+For OpenAI's `POST /v1/responses/compact` and `context_management` on `POST /v1/responses`. The
+gateway's summarizer folds what a conversation said; the reference is a `compaction` item (see
+`gateway.context.compaction`), expanded again when the item comes back.
 
 A compaction is a record in the tenant's `compactions` side log (its summary and what it
 covers); one made for a stored conversation also leaves a `compaction` line in that
@@ -58,8 +59,10 @@ class Compacted:
 
 @dataclass(frozen=True, slots=True)
 class TurnCompaction:
-    """A compaction made for a turn (`context_management`): its item and the summary version
-    the turn's window starts with."""
+    """A compaction made for a turn (`context_management`).
+
+    Its item and the summary version the turn's window starts with.
+    """
 
     item: JSONObject
     version: int
@@ -88,9 +91,11 @@ class Compactions:
 
     # -- compaction items coming back ----------------------------------------------------------
     async def resolve(self, tenant: str, refs: list[tuple[str, str]]) -> dict[str, Message]:
-        """The summary message each `(where, encrypted_content)` stands for, by its content: a
-        400 `invalid_encrypted_content` for one that is not the gateway's, is altered, or was
-        made for another tenant (it names nothing in this tenant's store)."""
+        """The summary message each `(where, encrypted_content)` stands for, by its content.
+
+        A 400 `invalid_encrypted_content` for one that is not the gateway's, is altered, or was
+        made for another tenant (it names nothing in this tenant's store).
+        """
         out: dict[str, Message] = {}
         if not refs:
             return out
@@ -116,11 +121,13 @@ class Compactions:
         conversation: str | None = None,
         previous: str | None = None,
     ) -> Compacted:
-        """Compact a conversation's history (through `previous`, or all of `conversation`)
-        followed by `messages` (the request's input): all of it folded into one summary (from
-        the conversation's own summary, where one covers its beginning), and the user
-        messages kept as they were. Nothing of the conversation changes but the line that
-        says it was compacted."""
+        """Compact a conversation's history followed by `messages` (the request's input).
+
+        The history is through `previous`, or all of `conversation`. All of it is folded into one
+        summary (from the conversation's own summary, where one covers its beginning), and the
+        user messages kept as they were. Nothing of the conversation changes but the line that
+        says it was compacted.
+        """
         store = await self.stores.get(tenant)
         response_id = mint_response_id(model)
         kept: list[JSONObject] = []
@@ -168,8 +175,11 @@ class Compactions:
         return Compacted(response_id, now(), kept, item, usage)
 
     async def _record(self, store: Store, text: str, model: str, about: Record) -> JSONObject:
-        """Record a compaction (its summary and what it covers; in its conversation's summaries
-        log too, when it has one) and return its item."""
+        """Record a compaction and return its item.
+
+        The record holds its summary and what it covers; it goes in its conversation's summaries
+        log too, when it has one.
+        """
         reference = Reference.of(secrets.token_bytes(ID_BYTES + SECRET_BYTES))
         created = now()
         record: Record = {
@@ -199,11 +209,14 @@ class Compactions:
         threshold: int | None,
         messages: list[Message],
     ) -> TurnCompaction | None:
-        """Before a turn of conversation `cid`: when its prompt, sent whole (system prompt,
-        summary, every message after it, and `messages`, the turn's input), passes `threshold`
-        tokens (None: DEFAULT_THRESHOLD_SHARE of the model's window), fold every turn but the
-        newest into a new summary version and record the compaction; None when none is due (or
-        the turn goes on from an older response, on a branch of its own: not compacted)."""
+        """Before a turn of conversation `cid`, compact it when its prompt passes `threshold` tokens.
+
+        The prompt is as it would be sent whole: system prompt, summary, every message after it,
+        and `messages`, the turn's input. A `threshold` of None is DEFAULT_THRESHOLD_SHARE of the
+        model's window. Compacting folds every turn but the newest into a new summary version and
+        records the compaction. None when none is due (or the turn goes on from an older
+        response, on a branch of its own: not compacted).
+        """
         store = await self.stores.get(tenant)
         if not await store.exists(cid):
             return None

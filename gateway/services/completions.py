@@ -1,5 +1,6 @@
-"""Stored chat completions (OpenAI's read API for them) over the chat-completion turns the gateway
-logs: one, a page of them (by model, by metadata), their metadata set anew, their deletion.
+"""Stored chat completions (OpenAI's read API for them) over the chat-completion turns the gateway logs.
+
+One, a page of them (by model, by metadata), their metadata set anew, their deletion.
 
 Metadata set after the turn goes to the `metadata` side log keyed by the response id (the last
 record holds), not to the response log: a response log ends with its commit, which every reader
@@ -29,8 +30,10 @@ class StoredCompletions:
         self.responses = responses
 
     async def get(self, tenant: str, completion_id: str) -> StoredCompletion:
-        """The stored chat completion; NotFound unless `completion_id` is a committed,
-        undeleted chat-completion turn of this tenant."""
+        """The stored chat completion `completion_id`.
+
+        NotFound unless it is a committed, undeleted chat-completion turn of this tenant.
+        """
         store = await self.stores.get(tenant)
         found = await _read(store, [completion_id]) if is_valid_response_id(completion_id) else [None]
         if found[0] is None:
@@ -47,10 +50,12 @@ class StoredCompletions:
         model: str | None = None,
         metadata: dict[str, str] | None = None,
     ) -> tuple[list[StoredCompletion], bool]:
-        """Up to `limit` stored chat completions in the order of their requests, after
-        completion `after`, of `model` and holding every pair of `metadata`; and whether more
-        follow. The store pages by API and model; a metadata filter is checked here, on the
-        completions walked until the page is full (or none are left)."""
+        """Up to `limit` stored chat completions in the order of their requests, and whether more follow.
+
+        They come after completion `after`, of `model` and holding every pair of `metadata`. The
+        store pages by API and model; a metadata filter is checked here, on the completions walked
+        until the page is full (or none are left).
+        """
         store = await self.stores.get(tenant)
         batch = max(limit + 1, FILTERED_BATCH) if metadata else limit + 1
         found: list[StoredCompletion] = []
@@ -77,8 +82,10 @@ class StoredCompletions:
         return replace(completion, metadata=pairs)
 
     async def delete(self, tenant: str, completion_id: str) -> None:
-        """Delete the turn (404 unless it is a stored chat completion), as the Responses API's
-        delete does: it leaves its conversation's history too."""
+        """Delete the turn as the Responses API's delete does: it leaves its conversation's history too.
+
+        A 404 unless it is a stored chat completion.
+        """
         await self.get(tenant, completion_id)
         await self.responses.delete(tenant, completion_id)
 

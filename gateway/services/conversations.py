@@ -1,6 +1,9 @@
-"""Conversation use cases (the Conversations API, `gateway reset` / `delete`): create, read,
-change metadata, add and delete items, reset, delete. Every write holds the conversation's lock
-and is an append (a marker, or a response log for added items); only deletion removes files."""
+"""Conversation use cases (the Conversations API, `gateway reset` / `delete`).
+
+Create, read, change metadata, add and delete items, reset, delete. Every write holds the
+conversation's lock and is an append (a marker, or a response log for added items); only
+deletion removes files.
+"""
 
 from __future__ import annotations
 
@@ -40,9 +43,11 @@ def view_items(view: ConversationView) -> list[Item]:
 
 
 def item_place(view: ConversationView) -> Callable[[str], tuple[int, int, int] | None]:
-    """An item id's place in `view_items`' order (system prompt, then turns in order, then
-    positions, then a message's calls), whether or not the item is still listed; None for an id
-    that names no turn of the conversation."""
+    """An item id's place in `view_items`' order, whether or not the item is still listed.
+
+    The order is system prompt, then turns in order, then positions, then a message's calls. None
+    for an id that names no turn of the conversation.
+    """
     turns = {rid: i for i, rid in enumerate(view.response_ids)}
 
     def place(item_id: str) -> tuple[int, int, int] | None:
@@ -69,8 +74,10 @@ def find_item(view: ConversationView, item_id: str) -> Item:
 
 
 def _row_after(view: ConversationView, marker: Record) -> JSONObject | None:
-    """The list row of the conversation once `marker` (one that names no stored message) is
-    appended to `view`'s conversation."""
+    """The list row of the conversation once `marker` is appended to `view`'s conversation.
+
+    `marker` is one that names no stored message.
+    """
     listing = Listing.after(view, lambda stand_in: stand_in.apply_marker(marker))
     return listing.record() if listing is not None else None
 

@@ -1,6 +1,8 @@
-"""Counting a turn before it is sent (`POST /v1/responses/input_tokens`): the prompt the turn's
-window would make, in the provider's units where the gateway knows them, and the branch a turn
-on an earlier response would plan on, read without making it."""
+"""Counting a turn before it is sent (`POST /v1/responses/input_tokens`).
+
+The prompt the turn's window would make, in the provider's units where the gateway knows them,
+and the branch a turn on an earlier response would plan on, read without making it.
+"""
 
 from __future__ import annotations
 
@@ -28,9 +30,12 @@ class PromptCount:
 
 
 def prompt_count(plan: ContextPlan, calibration: Calibration) -> PromptCount:
-    """The plan's prompt in the provider's units: the server's count where it gave one, else the
-    window's `tokens.total` through the calibration's best estimate once it has learned from an
-    answer (`ratio`, `overhead`; its margin covers the worst miss and is no part of an estimate)."""
+    """The plan's prompt in the provider's units.
+
+    The server's count where it gave one, else the window's `tokens.total` through the
+    calibration's best estimate once it has learned from an answer (`ratio`, `overhead`; its
+    margin covers the worst miss and is no part of an estimate).
+    """
     if plan.server_tokens is not None:
         return PromptCount(plan.server_tokens, "server", plan)
     ours = plan.window.total_tokens
@@ -40,10 +45,12 @@ def prompt_count(plan: ContextPlan, calibration: Calibration) -> PromptCount:
 
 
 async def branch_view(store: Store, cid: str, previous: str, skipped: Skipped) -> ConversationView | None:
-    """The conversation a turn continuing `previous` plans on when that is no longer the newest
-    response: the branch `turn.lock_conversation` would make at it (the index up to it, then the
-    deletions made since of what it shares), read without making it. None when `previous` is
-    the newest: the turn continues the conversation itself."""
+    """The conversation a turn continuing `previous` plans on when that is no longer the newest response.
+
+    It is the branch `turn.lock_conversation` would make at it (the index up to it, then the
+    deletions made since of what it shares), read without making it. None when `previous` is the
+    newest: the turn continues the conversation itself.
+    """
     index = await store.read_index(cid)
     ids = [e for e in index if isinstance(e, str)]
     if ids and ids[-1] == previous:

@@ -1,5 +1,7 @@
-"""`gateway fsck`: every tenant's store looked over for damage a reader would trip on, and
-optionally repaired (damaged lines and files set aside in quarantine, never deleted)."""
+"""`gateway fsck`: every tenant's store looked over for damage a reader would trip on.
+
+Optionally repaired too: damaged lines and files set aside in quarantine, never deleted.
+"""
 
 from __future__ import annotations
 

@@ -1,6 +1,7 @@
-"""What a list shows of a conversation (`GET /v1/conversations`, the inspector, `gateway
-conversations`), kept by the store beside its list of conversations so that a page costs its
-rows, not the length of their conversations.
+"""What a list shows of a conversation, kept by the store beside its list of conversations.
+
+The lists are `GET /v1/conversations`, the inspector and `gateway conversations`; kept so, a page
+costs its rows, not the length of their conversations.
 
 A turn (or a marker that names no stored message) brings its conversation's listing with it,
 made from the view it was planned on without going over that view's messages
@@ -24,9 +25,11 @@ FORMAT = 1  # a listing kept in another format is not used (it is made again)
 
 
 def stored_tokens(view: ConversationView) -> list[int]:
-    """Each loaded message's tokens, system prompt first then history: as counted for its turn,
-    or (a message added through the Conversations API, or counted for another encoding) by
-    cl100k_base now."""
+    """Each loaded message's tokens, system prompt first then history.
+
+    As counted for its turn, or (a message added through the Conversations API, or counted for
+    another encoding) by cl100k_base now.
+    """
     system = view.system or []
     system_counts = view.system_tokens or [None] * len(system)
     pairs = [*zip(system, system_counts, strict=False), *zip(view.history, view.history_tokens, strict=True)]
@@ -48,8 +51,11 @@ class Listing:
 
     @classmethod
     def of(cls, view: ConversationView) -> Listing | None:
-        """The listing of the conversation `view` holds; None when a partly loaded view cannot
-        tell (the checkpoint it starts from recorded no tokens or preview: older gateways)."""
+        """The listing of the conversation `view` holds.
+
+        None when a partly loaded view cannot tell (the checkpoint it starts from recorded no
+        tokens or preview: older gateways).
+        """
         preview = view.preview()
         if view.tokens_base is None or preview is None:
             return None
@@ -66,10 +72,12 @@ class Listing:
 
     @classmethod
     def after(cls, view: ConversationView, change: Callable[[ConversationView], None]) -> Listing | None:
-        """The listing once `change` (a turn's `extend`, or a marker that names no stored
-        message) is applied to `view`, which is left as it is; it costs the change, not the
-        conversation. None when that cannot be told so (a branch cut into what is not loaded,
-        a message not counted yet): the next list makes it."""
+        """The listing once `change` is applied to `view`, which is left as it is.
+
+        `change` is a turn's `extend`, or a marker that names no stored message; making the listing
+        costs the change, not the conversation. None when that cannot be told so (a branch cut into
+        what is not loaded, a message not counted yet): the next list makes it.
+        """
         stand_in = view.at_end()
         try:
             change(stand_in)

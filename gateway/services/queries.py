@@ -1,7 +1,10 @@
-"""Read-only use cases: conversation lists with their lifecycle state (the API, the inspector
-and `gateway conversations` share one), a conversation's turns, a response's log, the latest
-context snapshot. No lock: reads never write (a torn last line is left to the lock's holder);
-a list only hands the store the rows it made for lack of kept ones (`services/listing.py`)."""
+"""Read-only use cases: conversation lists, turns, response logs and context snapshots.
+
+Conversation lists with their lifecycle state (the API, the inspector and `gateway conversations`
+share one), a conversation's turns, a response's log, the latest context snapshot. No lock: reads
+never write (a torn last line is left to the lock's holder); a list only hands the store the rows
+it made for lack of kept ones (`services/listing.py`).
+"""
 
 from __future__ import annotations
 
@@ -45,8 +48,10 @@ class ConversationSummary:
 
 @dataclass(frozen=True, slots=True)
 class ConversationRow:
-    """One conversation in a list: its counts, the rest of what a list shows of it, and its
-    lifecycle state."""
+    """One conversation in a list.
+
+    Its counts, the rest of what a list shows of it, and its lifecycle state.
+    """
 
     summary: ConversationSummary
     listing: Listing
@@ -77,11 +82,13 @@ class Queries:
     async def _rows(
         self, store: Store, page: list[Listed], views: list[ConversationView | None] | None = None
     ) -> list[ConversationRow | None]:
-        """The rows of a page: each conversation's listing as its store keeps it, else made from
-        the conversation (from `views` when the caller read them whole, else from its newest
-        turns, then kept by the store for the next list); and the lifecycle logs, read in one
-        go. None for a conversation that cannot be read (a damaged record: skipped with a
-        warning, the list still answers)."""
+        """The rows of a page, and their lifecycle logs, read in one go.
+
+        Each conversation's listing as its store keeps it, else made from the conversation (from
+        `views` when the caller read them whole, else from its newest turns, then kept by the store
+        for the next list). None for a conversation that cannot be read (a damaged record: skipped
+        with a warning, the list still answers).
+        """
         listings = [Listing.from_record(listed.row) for listed in page]
         missing = [i for i, listing in enumerate(listings) if listing is None]
         if missing:
@@ -99,9 +106,11 @@ class Queries:
         ]
 
     async def _made(self, store: Store, page: list[Listed]) -> list[Listing | None]:
-        """The listings of conversations the store keeps none for (as they are now), made from
-        their newest turns (`load_many` with a tail: one read for the page where the store can)
-        and handed to the store to keep (best effort)."""
+        """The listings of conversations the store keeps none for (as they are now), made anew.
+
+        They are made from their newest turns (`load_many` with a tail: one read for the page where
+        the store can) and handed to the store to keep (best effort).
+        """
         cids = [listed.conversation_id for listed in page]
         try:
             views: list[ConversationView | None] = list(
@@ -126,8 +135,10 @@ class Queries:
         return made
 
     async def _view_or_none(self, store: Store, cid: str, *, tail: int = 0) -> ConversationView | None:
-        """The conversation (from its newest turns, with `tail`); None when it cannot be read
-        (a damaged record: skipped with a warning)."""
+        """The conversation (from its newest turns, with `tail`), or None when it cannot be read.
+
+        A damaged record is skipped with a warning.
+        """
         try:
             return await self.cache.load(store, cid, keep=False, tail=tail)
         except CorruptRecord as exc:
@@ -143,9 +154,11 @@ class Queries:
     async def conversations(
         self, tenant: str, *, limit: int, after: str | None = None
     ) -> tuple[list[ConversationRow], bool]:
-        """Most recently active first; (a page of rows, whether more follow). A page costs its
-        own rows, not the length of their conversations: the store hands out the page's ids
-        with the rows it keeps (its catalog, or one keyset query)."""
+        """A page of conversation rows, most recently active first, and whether more follow.
+
+        A page costs its own rows, not the length of their conversations: the store hands out the
+        page's ids with the rows it keeps (its catalog, or one keyset query).
+        """
         store = await self.stores.get(tenant)
         rows: list[ConversationRow] = []
         while True:
@@ -158,11 +171,13 @@ class Queries:
     async def search(
         self, tenant: str, query: str, *, limit: int = 200, after: str | None = None, scan: int = SEARCH_SCAN
     ) -> tuple[list[ConversationRow], str | None]:
-        """Conversations whose id, user or text contains `query` (case-insensitive), most
-        recently active first, looking at no more than `scan` conversations (after conversation
-        `after`); (the matches, the last conversation looked at when older ones remain: where
-        the next search goes on, else None). An empty query lists the first `limit`; a query
-        reads each conversation looked at (its text), whole."""
+        """Conversations whose id, user or text contains `query` (case-insensitive), most recent first.
+
+        It looks at no more than `scan` conversations (after conversation `after`), most recently
+        active first. Returns (the matches, the last conversation looked at when older ones remain:
+        where the next search goes on, else None). An empty query lists the first `limit`; a query
+        reads each conversation looked at (its text), whole.
+        """
         store = await self.stores.get(tenant)
         query = query.strip().lower()
         out: list[ConversationRow] = []
@@ -202,16 +217,21 @@ class Queries:
         return records
 
     async def logged_turn(self, tenant: str, cid: str, rid: str) -> list[Record] | None:
-        """The log of a response the conversation's index names, for the inspector: None when
-        its file is missing or empty (left out, as every reader does); a deleted or uncommitted
-        one is returned, for the inspector to mark."""
+        """The log of a response the conversation's index names, for the inspector.
+
+        None when its file is missing or empty (left out, as every reader does); a deleted or
+        uncommitted one is returned, for the inspector to mark.
+        """
         return await self._turn_records(await self.stores.get(tenant), cid, rid, committed=False)
 
     async def _turn_records(
         self, store: Store, cid: str, rid: str, *, committed: bool = True
     ) -> list[Record] | None:
-        """The records of an indexed response; None (with one warning) when it is missing or
-        empty, or, with `committed`, not a committed turn."""
+        """The records of an indexed response.
+
+        None (with one warning) when it is missing or empty, or, with `committed`, not a committed
+        turn.
+        """
         try:
             records = await store.read_response(rid)
         except NotFound:
@@ -223,8 +243,11 @@ class Queries:
         return records
 
     async def summaries(self, tenant: str, cid: str, view: ConversationView) -> list[Record]:
-        """The summary versions, oldest first, each with `applies`: whether it may still be
-        sent for `view` (not withdrawn by a deletion, not of an abandoned branch or reset)."""
+        """The summary versions, oldest first, each with `applies`.
+
+        `applies` says whether it may still be sent for `view` (not withdrawn by a deletion, not of
+        an abandoned branch or reset).
+        """
         records = await (await self.stores.get(tenant)).read_side("summaries", cid)
         applying = applicable_versions(records, view)
         return [
@@ -234,8 +257,10 @@ class Queries:
         ]
 
     async def compactions(self, tenant: str, cid: str) -> list[Record]:
-        """The compactions made of the conversation (its summaries log's `compaction` lines),
-        oldest first: what each covered and why it was made."""
+        """The compactions made of the conversation, oldest first.
+
+        They are its summaries log's `compaction` lines: what each covered and why it was made.
+        """
         records = await (await self.stores.get(tenant)).read_side("summaries", cid)
         return [r for r in records if r.get("type") == "compaction"]
 
@@ -263,8 +288,11 @@ class Queries:
         raise NotFound(f"Conversation {cid!r} has no recorded context yet", param="conversation_id")
 
     async def follow(self, tenant: str, cid: str, poll: float) -> AsyncIterator[Turn | Record]:
-        """Turns as they are committed (`gateway tail`), from the first, and the index's markers
-        (a reset, a deleted item or response, new metadata) where they come."""
+        """Turns as they are committed (`gateway tail`), from the first, and the index's markers.
+
+        Each marker (a reset, a deleted item or response, new metadata) comes where it stands among
+        the turns.
+        """
         store = await self.stores.get(tenant)
         seen = 0
         while True:

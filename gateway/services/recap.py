@@ -1,5 +1,8 @@
-"""The "earlier today" recap of a user's new conversation (SPEC section 8): which of the user's
-other conversations were active today (in the user's time zone), and what to say of each."""
+"""The "earlier today" recap of a user's new conversation (SPEC section 8).
+
+Which of the user's other conversations were active today (in the user's time zone), and what to
+say of each.
+"""
 
 from __future__ import annotations
 
@@ -30,8 +33,11 @@ async def build_recap(
     max_tokens: int,
     count: Callable[[Message], int],
 ) -> tuple[Message | None, list[str]]:
-    """An "Earlier today" system message from the user's other conversations of the same
-    local day, newest first, within `max_tokens`; and the conversations it drew on."""
+    """An "Earlier today" system message, and the conversations it drew on.
+
+    It is made from the user's other conversations of the same local day, newest first, within
+    `max_tokens`.
+    """
     today = local_day(now, tz)
     ukey = user_key(user)
     digests = {r.get("conversation_id"): r for r in await store.read_side("digests", f"{ukey}.{today}")}
@@ -62,12 +68,14 @@ async def build_recap(
 async def withdraw_recaps(
     store: Store, load: Callable[[str], Awaitable[ConversationView]], source: str, lock_timeout: float
 ) -> None:
-    """Before content of conversation `source` is deleted (its lock not held: each other
-    conversation's is taken on its own, never two at once): the recaps of the same user's later
-    conversations stop quoting `source` (a `withdraw_recap` marker in each that does), so a
-    deleted message never reaches the model again through a recap made before the deletion.
-    Recorded first: a crash between the two leaves a recap withdrawn for nothing, never a
-    deleted message in one."""
+    """Withdraw conversation `source` from later recaps that quote it, before its content is deleted.
+
+    The recaps of the same user's later conversations stop quoting `source` (a `withdraw_recap`
+    marker in each that does), so a deleted message never reaches the model again through a recap
+    made before the deletion. `source`'s lock is not held: each other conversation's is taken on
+    its own, never two at once. Recorded first: a crash between the two leaves a recap withdrawn
+    for nothing, never a deleted message in one.
+    """
     user = (await load(source)).user
     if not user:
         return
@@ -104,10 +112,12 @@ def withdrawal(conversations: list[str]) -> Record:
 async def stale_recap_sources(
     store: Store, load: Callable[[str], Awaitable[ConversationView]], view: ConversationView
 ) -> list[str]:
-    """The conversations `view`'s recap quotes that are gone, or had an item or a response
-    deleted after the recap was made: what a deletion could not withdraw itself (the recap's
-    first turn was still running, or the conversation was busy). Read at each turn of a
-    conversation with a recap, its lock held."""
+    """The conversations `view`'s recap quotes that are gone, or had an item or a response deleted since.
+
+    Deleted after the recap was made: what a deletion could not withdraw itself (the recap's first
+    turn was still running, or the conversation was busy). Read at each turn of a conversation
+    with a recap, its lock held.
+    """
     if view.recap is None:
         return []
     made = view.created_of.get(view.recap_owner or "", 0.0)

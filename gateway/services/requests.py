@@ -1,5 +1,8 @@
-"""A chat-completions request as the services take it (checked at the edge by
-`gateway/api/validation.py`), the gateway's own fields (never forwarded) and the size cap."""
+"""A chat-completions request as the services take it, the gateway's own fields and the size cap.
+
+The request is checked at the edge by `gateway/api/validation.py`; the gateway's own fields are
+never forwarded.
+"""
 
 from __future__ import annotations
 

@@ -1,5 +1,8 @@
-"""Stored responses (the Responses API's reads and deletes): a response's log, and deleting one
-(a tombstone in its log and, under the conversation's lock, a marker in the conversation)."""
+"""Stored responses (the Responses API's reads and deletes): a response's log, and deleting one.
+
+Deleting one writes a tombstone in its log and, under the conversation's lock, a marker in the
+conversation.
+"""
 
 from __future__ import annotations
 
@@ -86,16 +89,21 @@ class StoredResponses:
                 await store.append_marker(cid, marker)
 
     async def named_conversation(self, tenant: str, cid: str) -> str:
-        """A conversation a request names (`conversation`), which must exist, as in OpenAI's API:
-        a mistyped or deleted id is a 404, not a new conversation that knows nothing. (Chat
-        completions' `conversation_id` starts one instead: that is how they begin.)"""
+        """A conversation a request names (`conversation`), which must exist, as in OpenAI's API.
+
+        A mistyped or deleted id is a 404, not a new conversation that knows nothing. (Chat
+        completions' `conversation_id` starts one instead: that is how they begin.)
+        """
         if not await (await self.stores.get(tenant)).exists(cid):
             raise NotFound(f"No conversation found with id {cid!r}", param="conversation")
         return cid
 
     async def continued_conversation(self, tenant: str, previous: object) -> str:
-        """The conversation a `previous_response_id` belongs to. Whether the turn continues on
-        it or on a fork made at that response is decided by the turn, under the lock."""
+        """The conversation a `previous_response_id` belongs to.
+
+        Whether the turn continues on it or on a fork made at that response is decided by the
+        turn, under the lock.
+        """
         if not isinstance(previous, str):
             raise InvalidRequest("'previous_response_id' must be a string", param="previous_response_id")
         try:

@@ -1,7 +1,9 @@
-"""Conversation lifecycle, the use cases (SPEC section 8): which conversations need work, and the
-work: expire (archive) after `ttl`, post-process after `idle_after` (fold the whole conversation
-into its summary, add it to the user's daily digest), recover a crashed processor's lease.
-States are appended to `logs/lifecycle/{conversation_id}.jsonl`."""
+"""Conversation lifecycle, the use cases (SPEC section 8): which conversations need work, and the work.
+
+The work: expire (archive) after `ttl`, post-process after `idle_after` (fold the whole
+conversation into its summary, add it to the user's daily digest), recover a crashed processor's
+lease. States are appended to `logs/lifecycle/{conversation_id}.jsonl`.
+"""
 
 from __future__ import annotations
 
@@ -54,8 +56,11 @@ class Sessions:
         return await (await self.stores.get("")).try_processor_lease()
 
     async def candidates(self, tenant: str, clock: Clock) -> list[tuple[str, float]]:
-        """Conversations that may need work, found cheaply: an index untouched for idle_after
-        (its mtime), and no processed or failed state newer than that."""
+        """Conversations that may need work, found cheaply.
+
+        An index untouched for idle_after (its mtime), and no processed or failed state newer than
+        that.
+        """
         store = await self.stores.get(tenant)
         sessions = self.settings.sessions
         times = await store.conversation_ids()
@@ -95,8 +100,10 @@ class Sessions:
         return derive_state(await store.read_side("lifecycle", cid, keep=False), view.last_activity)
 
     async def visit(self, tenant: str, cid: str, clock: Clock, modified: float | None = None) -> bool:
-        """Whatever the conversation needs now: expiry, lease recovery or post-processing.
-        Whether it is settled: nothing more to do until it changes (or expires)."""
+        """Do whatever the conversation needs now: expiry, lease recovery or post-processing.
+
+        Returns whether it is settled: nothing more to do until it changes (or expires).
+        """
         store = await self.stores.get(tenant)
         now = clock()
         sessions = self.settings.sessions
@@ -145,9 +152,12 @@ class Sessions:
         clock: Clock,
         modified: float | None = None,
     ) -> str:
-        """Post-process the conversation; the state it ends in. The attempt ends with its lease:
-        a summary call that hangs (a provider `timeout` of hours) kept the conversation
-        `processing` past `lease_until`, and every other conversation waiting behind it."""
+        """Post-process the conversation and return the state it ends in.
+
+        The attempt ends with its lease: a summary call that hangs (a provider `timeout` of hours)
+        kept the conversation `processing` past `lease_until`, and every other conversation
+        waiting behind it.
+        """
         sessions = self.settings.sessions
         now = clock()
         await self._record(store, cid, clock, PROCESSING, attempts=attempts, lease_until=now + sessions.lease)

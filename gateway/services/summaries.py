@@ -1,5 +1,7 @@
-"""Rolling summaries, the use case (`context.strategy = "summarize"` and post-processing): fold
-the turns that fell out of the window into the conversation's summary log with `summary_model`.
+"""Rolling summaries, the use case (`context.strategy = "summarize"` and post-processing).
+
+Fold the turns that fell out of the window into the conversation's summary log with
+`summary_model`.
 
 Coverage is always a contiguous prefix of whole turns, so a dropped turn is either in the window
 or covered by a committed summary version. Each version records its provenance. Scheduling and
@@ -37,11 +39,13 @@ from gateway.upstream.base import Body
 async def withdraw(
     store: Store, cid: str, response_id: str, load: Callable[[], Awaitable[ConversationView]]
 ) -> None:
-    """Before messages of `response_id` are deleted (the conversation's lock held; `load` gives
-    the whole conversation as it is before the deletion, read only when it has summaries): the
-    summary versions that drew on them stop applying, so the model never sees a deleted message
-    again, not even summarized. Recorded first: a crash between the two leaves summaries
-    withdrawn for nothing, never a deleted message in one."""
+    """Withdraw the summary versions that drew on `response_id`'s messages, before those are deleted.
+
+    The conversation's lock is held; `load` gives the whole conversation as it is before the
+    deletion, read only when it has summaries. Withdrawn, they stop applying, so the model never
+    sees a deleted message again, not even summarized. Recorded first: a crash between the two
+    leaves summaries withdrawn for nothing, never a deleted message in one.
+    """
     records = await store.read_side("summaries", cid)
     if not any(r.get("type") == "summary" for r in records):
         return
@@ -73,8 +77,10 @@ def _count(value: object) -> int | None:
 
 
 def _parts(messages: list[Message], costs: list[int], limit: int) -> list[list[Message]]:
-    """`messages` in consecutive parts of at most `limit` tokens each (a single message larger
-    than that is a part of its own, cut when rendered)."""
+    """`messages` in consecutive parts of at most `limit` tokens each.
+
+    A single message larger than that is a part of its own, cut when rendered.
+    """
     parts: list[list[Message]] = [[]]
     used = 0
     for message, cost in zip(messages, costs, strict=True):
@@ -132,8 +138,10 @@ class Summaries:
         chunk: list[Message],
         usage: dict[str, int] | None = None,
     ) -> str:
-        """The summary `text` with `chunk` folded in: one call to the summarizer model (its
-        usage added to `usage`, when given)."""
+        """The summary `text` with `chunk` folded in: one call to the summarizer model.
+
+        Its usage is added to `usage`, when given.
+        """
         rendered = truncate_text(render_for_summary(chunk), limit, model)
         asked = f"Current summary:\n{text or '(none yet)'}\n\nNew messages:\n" + rendered
         sent: list[Message] = [
@@ -172,10 +180,12 @@ class Summaries:
     async def summarize(
         self, tenant: str, cid: str, model: str, messages: list[Message], text: str = ""
     ) -> tuple[str, dict[str, int]]:
-        """`messages` (of conversation `cid`, as the tracing hook is told) folded into the
-        summary `text` now, by `model` (in parts that fit its window), recorded nowhere: the
-        new text and the summarizer's usage (`prompt_tokens`, `completion_tokens`). For
-        compaction, which the client asks for and waits on."""
+        """`messages` folded into the summary `text` now by `model`, recorded nowhere.
+
+        `messages` are of conversation `cid`, as the tracing hook is told; they go in parts that
+        fit `model`'s window. Returns the new text and the summarizer's usage (`prompt_tokens`,
+        `completion_tokens`). For compaction, which the client asks for and waits on.
+        """
         store = await self.stores.get(tenant)
         route = self.router.resolve(model)
         facts = await self.facts.window(route, model, store)
@@ -199,9 +209,11 @@ class Summaries:
         )
 
     async def fold(self, tenant: str, cid: str, target: str, model: str, *, keep: bool = True) -> None:
-        """Fold the turns not yet covered, through response `target`, into new summary versions
-        (whole turns, in chunks that fit `model`'s window). The lock is held only to read.
-        `keep`: whether the view may take a place in the cache (not for idle conversations)."""
+        """Fold the turns not yet covered, through response `target`, into new summary versions.
+
+        Whole turns, in chunks that fit `model`'s window. The lock is held only to read. `keep`:
+        whether the view may take a place in the cache (not for idle conversations).
+        """
         store = await self.stores.get(tenant)
         encoding = encoding_name_for(model)
         async with store.lock(cid, self.settings.storage.lock_timeout):

@@ -1,7 +1,10 @@
-"""Loading a conversation's newest part only: the index, then the response logs a turn's window
-needs, newest first, back to a turn whose request record says what came before it (`before`,
-`context/tail.py`). A turn on a conversation of any length so reads a bounded number of files;
-what needs more (a resent or edited history, `keep_first`, an older summary) loads it all."""
+"""Loading a conversation's newest part only.
+
+The index, then the response logs a turn's window needs, newest first, back to a turn whose
+request record says what came before it (`before`, `context/tail.py`). A turn on a conversation
+of any length so reads a bounded number of files; what needs more (a resent or edited history,
+`keep_first`, an older summary) loads it all.
+"""
 
 from __future__ import annotations
 
@@ -30,8 +33,11 @@ def apply_entries(
     *,
     resumed: bool = False,
 ) -> None:
-    """Apply index entries in order. `resumed`: the view stands at the first one's checkpoint,
-    which was taken after that turn's `branch_at` cut."""
+    """Apply index entries in order.
+
+    `resumed`: the view stands at the first one's checkpoint, which was taken after that turn's
+    `branch_at` cut.
+    """
     for n, entry in enumerate(entries):
         if entry.marker is not None:
             view.apply_marker(entry.marker)
@@ -49,9 +55,11 @@ def apply_entries(
 async def tail_view(
     store: Store, cid: str, tail: int, through: str | None, skipped: Skipped
 ) -> tuple[Version, ConversationView] | None:
-    """A view holding at least the newest `tail` history messages and the turn `through` (when
-    the conversation still holds it), and the version it is at; None if there is no such
-    conversation."""
+    """A view holding at least the newest `tail` history messages, and the version it is at.
+
+    The view also holds the turn `through` when the conversation still holds it. None if there is
+    no such conversation.
+    """
     index = await store.read_entries(cid)
     if index.version is None:
         return None
@@ -110,8 +118,10 @@ async def _resumed(
     start: int,
     skipped: Skipped,
 ) -> ConversationView | None:
-    """The view from index entry `start` on (its turn's checkpoint on), unless something after
-    it needs what came before or what the checkpoint names is gone; else None."""
+    """The view from index entry `start` on (its turn's checkpoint on), or None.
+
+    None when something after it needs what came before or what the checkpoint names is gone.
+    """
     point = _point(records[start], start)
     if point is None:
         return None

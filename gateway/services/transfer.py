@@ -1,6 +1,8 @@
-"""Moving conversations between backends (`gateway export` / `gateway import`): the JSONL layout
-is the interchange format. PostgreSQL goes through `gateway.store.transfer`; a JSONL data dir is
-copied file by file, response logs first and indexes last (the ordering rule)."""
+"""Moving conversations between backends (`gateway export` / `gateway import`).
+
+The JSONL layout is the interchange format. PostgreSQL goes through `gateway.store.transfer`; a
+JSONL data dir is copied file by file, response logs first and indexes last (the ordering rule).
+"""
 
 from __future__ import annotations
 
@@ -15,8 +17,11 @@ from gateway.store.jsonl.catalog import forget_catalogs
 
 
 def _data_files(root: Path) -> list[Path]:
-    """Every data file of a JSONL data dir, relative to it (tenants included; lock files and the
-    write-ahead journals of a running gateway not: recovery state, its turns already in files)."""
+    """Every data file of a JSONL data dir, relative to it, tenants included.
+
+    Lock files and the write-ahead journals of a running gateway are not: recovery state, its
+    turns already in files.
+    """
     tenants = root / "tenants"
     bases = [root, *sorted(p for p in tenants.iterdir() if p.is_dir())] if tenants.is_dir() else [root]
     found: list[Path] = []
@@ -32,9 +37,11 @@ def _data_files(root: Path) -> list[Path]:
 
 
 def _copy_data(source: Path, target: Path) -> int:
-    """Copy a JSONL data dir's files, refusing to overwrite any; response logs first and indexes
-    last (the ordering rule), each through a temporary name so a running gateway never sees a
-    half-copied file."""
+    """Copy a JSONL data dir's files, refusing to overwrite any.
+
+    Response logs first and indexes last (the ordering rule), each through a temporary name so a
+    running gateway never sees a half-copied file.
+    """
     files = _data_files(source)
     clashes = [f for f in files if (target / f).exists()]
     if clashes:
@@ -55,8 +62,10 @@ def _copy_data(source: Path, target: Path) -> int:
 
 
 def export_data(settings: Settings, target: Path) -> str:
-    """Every conversation of the configured backend (all tenants) written to `target` in the
-    JSONL layout; what was written, in words."""
+    """Write every conversation of the configured backend (all tenants) to `target` in the JSONL layout.
+
+    Returns what was written, in words.
+    """
     if target.exists() and _data_files(target):
         raise GatewayError(f"{target} already holds gateway data; export into an empty or new folder")
     if target.is_dir() and any(target.iterdir()):

@@ -1,5 +1,8 @@
-"""Learning from what the provider reported of a prompt: the calibration of the gateway's count
-against the provider's, and a provider that silently cut a prompt (Ollama's `num_ctx`)."""
+"""Learning from what the provider reported of a prompt.
+
+The calibration of the gateway's count against the provider's, and a provider that silently cut
+a prompt (Ollama's `num_ctx`).
+"""
 
 from __future__ import annotations
 
@@ -41,10 +44,12 @@ class UsageLearning:
         cid: str | None,
         rid: str,
     ) -> bool:
-        """Calibrate counting from the provider's count of the whole prompt (the response's
-        `cache` figures: cached and uncached tokens together, where a provider reports them
-        apart, as Anthropic does), and flag a provider that silently dropped part of the prompt
-        (Ollama's num_ctx): it saw under 70% of what it should have."""
+        """Calibrate counting from the provider's count of the whole prompt; flag a silent cut.
+
+        The whole prompt is the response's `cache` figures: cached and uncached tokens together,
+        where a provider reports them apart, as Anthropic does. A provider that silently dropped
+        part of the prompt (Ollama's num_ctx) is flagged: it saw under 70% of what it should have.
+        """
         cache = record.get("cache")
         if not isinstance(cache, dict):
             return False
