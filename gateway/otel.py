@@ -240,6 +240,7 @@ class OtelTracing(Tracing):
         timings = outcome.timings
         if timings is not None:
             planned = start + int((timings["total_ms"] - timings["upstream_ms"]) * 1e6)
+            planned = min(planned, calls[0].start_ns) if calls else planned  # (the clocks' skew)
             self.tracer.start_span(
                 "plan window", context=context, attributes=plan_attributes(outcome), start_time=start
             ).end(end_time=planned)
@@ -258,6 +259,7 @@ class OtelTracing(Tracing):
             child.end(end_time=call.end_ns or end)
         if timings is not None and outcome.committed:
             answered = start + int(timings["total_ms"] * 1e6)
+            answered = max(answered, calls[-1].end_ns or answered) if calls else answered
             commit = self.tracer.start_span(
                 "commit", context=context, attributes={"gateway.operation": "commit"}, start_time=answered
             )

@@ -9,7 +9,10 @@ The conventions followed are OpenTelemetry's GenAI semantic conventions as of se
 (`gen_ai.provider.name`, which replaced `gen_ai.system`; content opt-in). A turn is one CLIENT
 span, `chat {gen_ai.request.model}`, covering the whole turn as the gateway ran it (lock, load,
 window, the provider's call, commit); the provider's own share is `gateway.upstream.duration`.
-What a span says is worked out here, from the turn's outcome, as plain attributes."""
+Its children are the window plan, each provider call and the commit. A turn continues its
+client's W3C `traceparent` (`TraceContextMiddleware` gives each request a `TraceContext`) and
+sends its trace on to the provider (`TracedUpstream`, around the router's upstreams). What a
+span says is worked out here, from the turn's outcome, as plain attributes."""
 
 from __future__ import annotations
 
