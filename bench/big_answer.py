@@ -1,8 +1,8 @@
 """A provider answering 64 MiB: how long the client waits for its 502 and how much memory the
 gateway takes meanwhile (its peak RSS, `VmHWM`).
 
-    .venv/bin/python bench/big_answer.py            # 64 MiB, default max_response_bytes (32 MB)
-    .venv/bin/python bench/big_answer.py --mib 256
+    .venv/bin/python -m bench.big_answer            # 64 MiB, default max_response_bytes (32 MB)
+    .venv/bin/python -m bench.big_answer --mib 256
 
 One `gateway serve` (JSONL, fsync) in front of an aiohttp provider that answers every chat
 request with a body of `--mib` MiB, in three shapes: a JSON body with its Content-Length, the
@@ -24,8 +24,7 @@ import httpx
 import orjson
 from aiohttp import web
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from procs import HOST, Server, clean_env, free_port  # noqa: E402
+from .procs import HOST, Server, clean_env, free_port
 
 REPO = Path(__file__).resolve().parent.parent
 MIB = 1024 * 1024

@@ -1,7 +1,7 @@
 """`make bench`: the gateway's overhead against a bare forwarder, side by side, in one run.
 
-    .venv/bin/python bench/run.py [--quick] [--keep]
-    .venv/bin/python bench/run.py --scenario streams [--streams 100,300,1000]
+    .venv/bin/python -m bench.run [--quick] [--keep]
+    .venv/bin/python -m bench.run --scenario streams [--streams 100,300,1000]
 
 Starts the mock upstream, the bare forwarder and the real `gateway serve` as subprocesses on
 loopback, measures every scenario with one keep-alive client (bench/client.py), prints a
@@ -28,13 +28,17 @@ from typing import Any
 
 import orjson
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
+if __name__ == "__main__" and not __package__:  # `python bench/run.py`: as `python -m bench.run`
+    _root = str(Path(__file__).resolve().parent.parent)
+    _path = os.pathsep.join(filter(None, (_root, os.environ.get("PYTHONPATH"))))
+    _argv = [sys.executable, "-m", "bench.run", *sys.argv[1:]]
+    os.execve(sys.executable, _argv, {**os.environ, "PYTHONPATH": _path})
 
-from client import Connection  # noqa: E402
-from procs import HOST, Processes, Server, clean_env, free_port, rss_kib  # noqa: E402
-from report import print_report  # noqa: E402
-from scenarios import CHAT, CONCURRENCY, MODEL, Bench, Plan, one_message  # noqa: E402
-from seed import clone_conversation, probe_filesystem, read_conversation  # noqa: E402
+from .client import Connection  # noqa: E402 - (after the script form's re-exec)
+from .procs import HOST, Processes, Server, clean_env, free_port, rss_kib  # noqa: E402
+from .report import print_report  # noqa: E402
+from .scenarios import CHAT, CONCURRENCY, MODEL, Bench, Plan, one_message  # noqa: E402
+from .seed import clone_conversation, probe_filesystem, read_conversation  # noqa: E402
 
 REPO = Path(__file__).resolve().parent.parent
 
@@ -85,7 +89,6 @@ base_url = "http://{HOST}:{upstream_port}/v1"
 
 def start_postgres() -> tuple[Any, str]:
     """A throwaway PostgreSQL cluster with fsync on (the tests' helper), or why there is none."""
-    sys.path.insert(0, str(REPO))
     from tests.postgres.cluster import PostgresCluster, find_bin_dir
 
     bin_dir = find_bin_dir()
@@ -275,7 +278,7 @@ def main(argv: list[str] | None = None) -> int:
         print("\nbench: concurrent long streams (bench/streams.py)", flush=True)
         rc = run_streams(args, args.streams or "100")
     if rc == 0 and not args.no_listing:
-        import listing
+        from . import listing
 
         extra = ["--quick"] if args.quick else ["--repeat", "20", "--cli-repeat", "1", "--create", "500"]
         extra += ["--no-postgres"] if args.no_postgres else []
@@ -288,7 +291,7 @@ def main(argv: list[str] | None = None) -> int:
 def run_streams(args: argparse.Namespace, streams: str) -> int:
     """N concurrent long streams through the aiohttp forwarder and the gateways (bench/streams.py),
     with processes of its own: var/bench/streams-latest.json."""
-    import streams as streams_bench
+    from . import streams as streams_bench
 
     extra = ["--quick"] if args.quick else ["--streams", streams, "--stream-rounds", str(args.stream_rounds)]
     extra += ["--keep"] if args.keep else []
@@ -348,7 +351,7 @@ def run(args: argparse.Namespace) -> int:
             )
             for name, client in (("forwarder", "httpx"), ("forwarder_aiohttp", "aiohttp"))
         ]
-        references = {"floor": [python, str(bench_dir / "floor.py"), "--data-dir", str(tmp / "data-floor")]}
+        references = {"floor": [python, "-m", "bench.floor", "--data-dir", str(tmp / "data-floor")]}
         if not args.no_workers:  # what a second worker gives a server that only forwards
             references["forwarder_aiohttp_2w"] = [
                 python,

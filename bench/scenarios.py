@@ -14,9 +14,10 @@ from pathlib import Path
 from typing import Any
 
 import orjson
-from client import Connection, Response
-from procs import HOST, cpu_seconds
-from seed import user_text
+
+from .client import Connection, Response
+from .procs import HOST, cpu_seconds
+from .seed import user_text
 
 MODEL = "bench-model"
 CHAT = "/v1/chat/completions"
