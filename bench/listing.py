@@ -36,6 +36,7 @@ from typing import Any
 
 import orjson
 
+from . import harness
 from .client import Connection
 from .procs import HOST, Processes, Server, clean_env, free_port, rss_kib
 
@@ -45,24 +46,14 @@ NEEDLE_EVERY = 50  # one turned conversation in this many mentions "needle" (the
 
 
 def write_config(path: Path, port: int, data_dir: Path, dsn: str = "") -> None:
-    backend = f'backend = "postgres"\ndsn = "{dsn}"' if dsn else 'backend = "jsonl"'
-    path.write_text(
-        f"""# written by bench/listing.py
-default_provider = "demo"
-
-[server]
-host = "{HOST}"
-port = {port}
-
-[storage]
-{backend}
-data_dir = "{data_dir}"
-durability = "none"
-
-[providers.demo]
-kind = "demo"
-"""
-    )
+    """A listing gateway's config: the demo provider, the store (JSONL, or PostgreSQL at `dsn`)."""
+    storage: dict[str, object] = {"backend": "postgres", "dsn": dsn} if dsn else {"backend": "jsonl"}
+    sections = {
+        "server": {"host": HOST, "port": port},
+        "storage": {**storage, "data_dir": str(data_dir), "durability": "none"},
+        "providers.demo": {"kind": "demo"},
+    }
+    harness.write_config(path, "demo", sections, header="written by bench/listing.py")
 
 
 class Target:

@@ -30,11 +30,13 @@ import signal
 import sys
 import tempfile
 import time
+import tomllib
 from pathlib import Path
 from typing import Any
 
 import orjson
 
+from . import harness
 from .client import Connection
 from .procs import HOST, Processes, Server, clean_env, free_port
 
@@ -53,27 +55,16 @@ def rss_kib(pid: int) -> int:
 def write_config(
     path: Path, *, port: int, upstream_port: int, data_dir: Path, idle_after: str, storage: list[str]
 ) -> None:
-    extra = "".join(f"{line}\n" for line in storage)
-    path.write_text(
-        f"""# written by bench/memory.py
-default_provider = "mock"
-
-[server]
-host = "{HOST}"
-port = {port}
-
-[storage]
-data_dir = "{data_dir}"
-durability = "fsync"
-{extra}
-[sessions]
-idle_after = "{idle_after}"
-
-[providers.mock]
-kind = "openai"
-base_url = "http://{HOST}:{upstream_port}/v1"
-"""
-    )
+    """The measured gateway's config: the mock upstream, fsync; `storage`: more `[storage]`
+    lines (`key = value`)."""
+    more = tomllib.loads("\n".join(storage))
+    sections = {
+        "server": {"host": HOST, "port": port},
+        "storage": {"data_dir": str(data_dir), "durability": "fsync", **more},
+        "sessions": {"idle_after": idle_after},
+        "providers.mock": {"kind": "openai", "base_url": f"http://{HOST}:{upstream_port}/v1"},
+    }
+    harness.write_config(path, "mock", sections, header="written by bench/memory.py")
 
 
 class Load:

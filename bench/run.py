@@ -35,6 +35,7 @@ if __name__ == "__main__" and not __package__:  # `python bench/run.py`: as `pyt
     os.execve(sys.executable, _argv, {**os.environ, "PYTHONPATH": _path})
 
 from .client import Connection  # noqa: E402 - (after the script form's re-exec)
+from .harness import write_config  # noqa: E402
 from .procs import HOST, Processes, Server, clean_env, free_port, rss_kib  # noqa: E402
 from .report import print_report  # noqa: E402
 from .scenarios import CHAT, CONCURRENCY, MODEL, Bench, Plan, one_message  # noqa: E402
@@ -64,27 +65,19 @@ def write_gateway_config(
     durability: str,
     context: dict[str, int] | None = None,
     dsn: str = "",
+    tracing: str = "",
 ) -> None:
-    extra = "".join(f"{k} = {v}\n" for k, v in (context or {}).items())
-    backend = f'backend = "postgres"\ndsn = "{dsn}"' if dsn else 'backend = "jsonl"'
-    path.write_text(
-        f"""# written by bench/run.py
-default_provider = "mock"
-
-[server]
-host = "{HOST}"
-port = {port}
-
-[storage]
-{backend}
-data_dir = "{data_dir}"
-durability = "{durability}"
-{"[context]" + chr(10) + extra if extra else ""}
-[providers.mock]
-kind = "openai"
-base_url = "http://{HOST}:{upstream_port}/v1"
-"""
-    )
+    """A bench gateway's config: the mock upstream, the store (JSONL, or PostgreSQL at `dsn`);
+    `tracing`: an OTLP/HTTP endpoint to export spans and metrics to."""
+    storage: dict[str, object] = {"backend": "postgres", "dsn": dsn} if dsn else {"backend": "jsonl"}
+    sections = {
+        "server": {"host": HOST, "port": port},
+        "storage": {**storage, "data_dir": str(data_dir), "durability": durability},
+        "context": context,
+        "tracing": {"endpoint": tracing} if tracing else None,
+        "providers.mock": {"kind": "openai", "base_url": f"http://{HOST}:{upstream_port}/v1"},
+    }
+    write_config(path, "mock", sections, header="written by bench/run.py")
 
 
 def start_postgres() -> tuple[Any, str]:

@@ -6,13 +6,10 @@ off, opentelemetry is never imported."""
 
 from __future__ import annotations
 
-import gzip
 import subprocess
 import sys
-import threading
 import time
 from collections.abc import Callable, Iterator
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 from typing import Any
 
@@ -29,6 +26,7 @@ from opentelemetry.proto.collector.trace.v1.trace_service_pb2 import ExportTrace
 from opentelemetry.proto.common.v1.common_pb2 import AnyValue
 from opentelemetry.proto.trace.v1.trace_pb2 import Span, Status
 
+from bench.harness import OtlpReceiver
 from gateway.server import running_in_thread
 from gateway.upstream.base import approx_tokens
 from tests.conftest import REPO, GatewayProcess, write_config
@@ -39,36 +37,8 @@ CLIENT_TRACE = "4bf92f3577b34da6a3ce929d0e0e4736"
 CLIENT_SPAN = "00f067aa0ba902b7"
 
 
-class Receiver:
-    """An OTLP/HTTP endpoint that keeps every POST (path, body) and answers 200."""
-
-    def __init__(self) -> None:
-        self.posts: list[tuple[str, bytes]] = []
-        self.lock = threading.Lock()
-        receiver = self
-
-        class Handler(BaseHTTPRequestHandler):
-            def do_POST(self) -> None:  # noqa: N802 - the http.server name
-                body = self.rfile.read(int(self.headers.get("Content-Length") or 0))
-                if self.headers.get("Content-Encoding") == "gzip":
-                    body = gzip.decompress(body)
-                with receiver.lock:
-                    receiver.posts.append((self.path, body))
-                self.send_response(200)
-                self.send_header("Content-Type", "application/x-protobuf")
-                self.send_header("Content-Length", "0")
-                self.end_headers()
-
-            def log_message(self, format: str, *args: object) -> None:
-                pass
-
-        self.server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
-        self.url = f"http://127.0.0.1:{self.server.server_address[1]}"
-        self.thread = threading.Thread(target=self.server.serve_forever, daemon=True)
-
-    def bodies(self, path: str) -> list[bytes]:
-        with self.lock:
-            return [body for p, body in self.posts if p == path]
+class Receiver(OtlpReceiver):
+    """The OTLP/HTTP receiver, reading what it got as spans and metric points."""
 
     def spans(self) -> list[tuple[dict[str, Any], Span]]:
         """Every span received so far, with its resource's attributes."""
@@ -171,8 +141,7 @@ class Traced:
 @pytest.fixture(scope="module")
 def traced(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Traced]:
     root = tmp_path_factory.mktemp("traced")
-    receiver = Receiver()
-    receiver.thread.start()
+    receiver = Receiver().__enter__()
     upstream = RefusingServer()
     extra = f"""
 [tracing]
@@ -202,8 +171,7 @@ context_window = 4096
             yield Traced(gateway, upstream, receiver)
         finally:
             gateway.stop()
-            receiver.server.shutdown()
-            receiver.server.server_close()
+            receiver.__exit__()
 
 
 def upstream_port(traced: Traced) -> int:
