@@ -35,7 +35,7 @@ if __name__ == "__main__" and not __package__:  # `python bench/run.py`: as `pyt
     os.execve(sys.executable, _argv, {**os.environ, "PYTHONPATH": _path})
 
 from .client import Connection  # noqa: E402 - (after the script form's re-exec)
-from .harness import write_config  # noqa: E402
+from .harness import OtlpReceiver, write_config  # noqa: E402
 from .procs import HOST, Processes, Server, clean_env, free_port, rss_kib  # noqa: E402
 from .report import print_report  # noqa: E402
 from .scenarios import CHAT, CONCURRENCY, MODEL, Bench, Plan, one_message  # noqa: E402
@@ -241,6 +241,11 @@ def main(argv: list[str] | None = None) -> int:
         "in the same run with the same iterations, so before/after is compared on equal terms",
     )
     parser.add_argument(
+        "--no-tracing",
+        action="store_true",
+        help="skip the tracing-cost rows (a gateway exporting OTLP/HTTP to a loopback receiver)",
+    )
+    parser.add_argument(
         "--no-listing",
         action="store_true",
         help="skip bench/listing.py (lists with 100,000 conversations; run after the rest)",
@@ -382,6 +387,12 @@ def run(args: argparse.Namespace) -> int:
         if args.baseline:
             gateways["gateway_base"] = "fsync"
             data_dirs["gateway_base"] = tmp / "data-base"
+        receiver = None
+        if not args.no_tracing:  # the same gateway, exporting its spans and metrics
+            receiver = OtlpReceiver(keep=False).__enter__()
+            cleanup.append(receiver.__exit__)
+            gateways["gateway_traced"] = "fsync"
+            data_dirs["gateway_traced"] = tmp / "data-traced"
         servers: dict[str, Server] = {}
         for name, durability in gateways.items():
             ports[name] = free_port()
@@ -394,6 +405,7 @@ def run(args: argparse.Namespace) -> int:
                 durability=durability,
                 context=context,
                 dsn=dsns.get(name, ""),
+                tracing=receiver.url if receiver is not None and name == "gateway_traced" else "",
             )
             base = Path(args.baseline).resolve() if name == "gateway_base" else None
             argv_gw = [
@@ -408,6 +420,8 @@ def run(args: argparse.Namespace) -> int:
                 *(["--workers", "2"] if name == "gateway_2w" else []),
             ]
             gw_env = {**env, "PYTHONPATH": str(base)} if base else env
+            if name == "gateway_traced":  # spans exported while measured, not only every 5 s
+                gw_env = {**env, "OTEL_BSP_SCHEDULE_DELAY": "200", "OTEL_METRIC_EXPORT_INTERVAL": "1000"}
             servers[name] = procs.start(
                 Server(name, argv_gw, ports[name], tmp / f"{name}.log", gw_env), base or REPO
             )
@@ -455,6 +469,7 @@ def run(args: argparse.Namespace) -> int:
                     )
                 ),
                 ("cold", lambda: bench.cold(cold_size, cold_ids)),
+                ("tracing", bench.tracing),
                 ("streaming", bench.streaming),
                 ("throughput", bench.throughput),
                 ("scaling", bench.scaling),
