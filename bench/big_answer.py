@@ -24,6 +24,7 @@ import httpx
 import orjson
 from aiohttp import web
 
+from .harness import write_config
 from .procs import HOST, Server, clean_env, free_port
 
 REPO = Path(__file__).resolve().parent.parent
@@ -88,12 +89,12 @@ def peak_kib(pid: int) -> int:
 
 async def one(shape: str, size: int, tmp: Path, upstream_port: int) -> dict[str, object]:
     port = free_port()
-    config = tmp / f"{shape}.toml"
-    config.write_text(
-        f'default_provider = "big"\n[server]\nhost = "{HOST}"\nport = {port}\n'
-        f'[storage]\ndata_dir = "{tmp / shape}"\n'
-        f'[providers.big]\nkind = "openai"\nbase_url = "http://{HOST}:{upstream_port}/v1"\nretries = 0\n'
-    )
+    sections = {
+        "server": {"host": HOST, "port": port},
+        "storage": {"data_dir": str(tmp / shape)},
+        "providers.big": {"kind": "openai", "base_url": f"http://{HOST}:{upstream_port}/v1", "retries": 0},
+    }
+    config = write_config(tmp / f"{shape}.toml", "big", sections)
     server = Server(
         shape,
         [sys.executable, "-m", "gateway", "serve", "--config", str(config)],
