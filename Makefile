@@ -78,7 +78,7 @@ demo: install
 	$(VENV)/bin/gateway demo
 
 bench: install-dev
-	$(PY) bench/run.py
+	$(PY) -m bench.run
 
 # The long reliability runs (not in CI): 64 x 50 concurrent turns, CRASH_ROUNDS kill -9 rounds,
 # SOAK_SECONDS of mixed load with faults and cancels (figures in var/soak/latest.json).
@@ -88,7 +88,7 @@ soak: install-dev
 	SOAK=1 CRASH_ROUNDS=$(CRASH_ROUNDS) SOAK_SECONDS=$(SOAK_SECONDS) $(PY) -m pytest -q -s tests/e2e/reliability
 
 lint: install-dev
-	$(VENV)/bin/ruff check gateway tests
+	$(VENV)/bin/ruff check gateway tests bench
 	$(VENV)/bin/mypy gateway
 
 # Build the image and run it (podman), then compose.yaml with PostgreSQL: slow (3-5 min), so

@@ -1,8 +1,8 @@
 """A provider answering 64 MiB: how long the client waits for its 502 and how much memory the
 gateway takes meanwhile (its peak RSS, `VmHWM`).
 
-    .venv/bin/python bench/big_answer.py            # 64 MiB, default max_response_bytes (32 MB)
-    .venv/bin/python bench/big_answer.py --mib 256
+    .venv/bin/python -m bench.big_answer            # 64 MiB, default max_response_bytes (32 MB)
+    .venv/bin/python -m bench.big_answer --mib 256
 
 One `gateway serve` (JSONL, fsync) in front of an aiohttp provider that answers every chat
 request with a body of `--mib` MiB, in three shapes: a JSON body with its Content-Length, the
@@ -24,8 +24,8 @@ import httpx
 import orjson
 from aiohttp import web
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from procs import HOST, Server, clean_env, free_port  # noqa: E402
+from .harness import write_config
+from .procs import HOST, Server, clean_env, free_port
 
 REPO = Path(__file__).resolve().parent.parent
 MIB = 1024 * 1024
@@ -89,12 +89,12 @@ def peak_kib(pid: int) -> int:
 
 async def one(shape: str, size: int, tmp: Path, upstream_port: int) -> dict[str, object]:
     port = free_port()
-    config = tmp / f"{shape}.toml"
-    config.write_text(
-        f'default_provider = "big"\n[server]\nhost = "{HOST}"\nport = {port}\n'
-        f'[storage]\ndata_dir = "{tmp / shape}"\n'
-        f'[providers.big]\nkind = "openai"\nbase_url = "http://{HOST}:{upstream_port}/v1"\nretries = 0\n'
-    )
+    sections = {
+        "server": {"host": HOST, "port": port},
+        "storage": {"data_dir": str(tmp / shape)},
+        "providers.big": {"kind": "openai", "base_url": f"http://{HOST}:{upstream_port}/v1", "retries": 0},
+    }
+    config = write_config(tmp / f"{shape}.toml", "big", sections)
     server = Server(
         shape,
         [sys.executable, "-m", "gateway", "serve", "--config", str(config)],

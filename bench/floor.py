@@ -1,7 +1,7 @@
 """The floor of a durable turn: the least a Python server can do per new-conversation turn in
 the gateway's on-disk layout, with nothing else.
 
-    python bench/floor.py --port 9003 --upstream http://127.0.0.1:9000 --data-dir DIR
+    python -m bench.floor --port 9003 --upstream http://127.0.0.1:9000 --data-dir DIR
 
 Per request: the body parsed (orjson), a response id minted, the request forwarded over an
 aiohttp session and its answer parsed, one journal append made durable by an fdatasync shared
@@ -27,7 +27,8 @@ from typing import Any
 
 import orjson
 import uvicorn
-from forwarder import SERVE_OPTIONS, _send_whole
+
+from .forwarder import SERVE_OPTIONS, _send_whole
 
 JOURNAL_BYTES = 2 << 20
 

@@ -2,7 +2,7 @@
 `gateway conversations`, with 100,000 stored conversations, against the same at 1,000 (and,
 with `--baseline DIR`, another version of the gateway at 1,000), in one run.
 
-    .venv/bin/python bench/listing.py [--quick] [--conversations N] [--baseline DIR] [--no-postgres]
+    .venv/bin/python -m bench.listing [--quick] [--conversations N] [--baseline DIR] [--no-postgres]
 
 JSONL: the data dir is seeded once and kept (var/bench/listing-<N>/, reused by later runs:
 100,000 files take ~30 s to write and longer to delete on this disk): N - T conversations made
@@ -36,10 +36,9 @@ from typing import Any
 
 import orjson
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-
-from client import Connection  # noqa: E402
-from procs import HOST, Processes, Server, clean_env, free_port, rss_kib  # noqa: E402
+from . import harness
+from .client import Connection
+from .procs import HOST, Processes, Server, clean_env, free_port, rss_kib
 
 REPO = Path(__file__).resolve().parent.parent
 SEED_VERSION = 1
@@ -47,24 +46,14 @@ NEEDLE_EVERY = 50  # one turned conversation in this many mentions "needle" (the
 
 
 def write_config(path: Path, port: int, data_dir: Path, dsn: str = "") -> None:
-    backend = f'backend = "postgres"\ndsn = "{dsn}"' if dsn else 'backend = "jsonl"'
-    path.write_text(
-        f"""# written by bench/listing.py
-default_provider = "demo"
-
-[server]
-host = "{HOST}"
-port = {port}
-
-[storage]
-{backend}
-data_dir = "{data_dir}"
-durability = "none"
-
-[providers.demo]
-kind = "demo"
-"""
-    )
+    """A listing gateway's config: the demo provider, the store (JSONL, or PostgreSQL at `dsn`)."""
+    storage: dict[str, object] = {"backend": "postgres", "dsn": dsn} if dsn else {"backend": "jsonl"}
+    sections = {
+        "server": {"host": HOST, "port": port},
+        "storage": {**storage, "data_dir": str(data_dir), "durability": "none"},
+        "providers.demo": {"kind": "demo"},
+    }
+    harness.write_config(path, "demo", sections, header="written by bench/listing.py")
 
 
 class Target:
@@ -317,7 +306,6 @@ async def first_page(port: int) -> tuple[float, Any]:
 
 
 def start_postgres() -> tuple[Any, str]:
-    sys.path.insert(0, str(REPO))
     from tests.postgres.cluster import PostgresCluster, find_bin_dir
 
     bin_dir = find_bin_dir()
@@ -358,7 +346,7 @@ def ratios(results: dict[str, Any], big: str, small: str) -> dict[str, float]:
 
 
 def main(argv: list[str] | None = None) -> int:
-    import listing_long  # (it builds on this module)
+    from . import listing_long  # (it builds on this module)
 
     parser = argparse.ArgumentParser(description="listing at 100,000 conversations")
     parser.add_argument("--quick", action="store_true", help="10,000 conversations, few repeats")

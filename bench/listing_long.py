@@ -3,7 +3,7 @@ stored conversations, the newest of which holds 10,000 messages, and the cold fi
 such a conversation; JSONL and PostgreSQL, this checkout and (with `--baseline DIR`) another
 one, in the same run.
 
-    .venv/bin/python bench/listing_long.py [--quick] [--baseline DIR] [--no-postgres] [--no-jsonl]
+    .venv/bin/python -m bench.listing_long [--quick] [--baseline DIR] [--no-postgres] [--no-jsonl]
 
 (also run by bench/listing.py, so by `make bench`). Every target gets a data dir (or database)
 of its own, seeded the same way: `--long-conversations` minus `--long-copies` conversations of one
@@ -44,12 +44,10 @@ from typing import Any
 
 import orjson
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-
-from client import Connection  # noqa: E402
-from listing import REPO, Target, get, start_postgres, wait_idle  # noqa: E402
-from procs import HOST  # noqa: E402
-from seed import clone_conversation, cloned_turns, read_conversation, user_text  # noqa: E402
+from .client import Connection
+from .listing import REPO, Target, get, start_postgres, wait_idle
+from .procs import HOST
+from .seed import clone_conversation, cloned_turns, read_conversation, user_text
 
 CHAT = "/v1/chat/completions"
 TEMPLATE = "bench-template"

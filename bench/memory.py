@@ -1,9 +1,9 @@
 """Memory over a long run: one `gateway serve` (1 worker) against the bench mock upstream,
 driven with many conversations of many turns, RSS sampled from /proc/PID/status.
 
-    .venv/bin/python bench/memory.py --requests 50000            # 3-5 min on 2 cores
-    .venv/bin/python bench/memory.py --requests 20000 --tracemalloc   # about 4x slower
-    .venv/bin/python bench/memory.py --gateway-src /tmp/other-checkout   # another version
+    .venv/bin/python -m bench.memory --requests 50000            # 3-5 min on 2 cores
+    .venv/bin/python -m bench.memory --requests 20000 --tracemalloc   # about 4x slower
+    .venv/bin/python -m bench.memory --gateway-src /tmp/other-checkout   # another version
 
 The load (`--concurrency` keep-alive clients, default 8): each client talks in a conversation
 of its own for `--turns` turns (default 20) and then starts a new one, so a run of 50,000
@@ -30,15 +30,15 @@ import signal
 import sys
 import tempfile
 import time
+import tomllib
 from pathlib import Path
 from typing import Any
 
 import orjson
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-
-from client import Connection  # noqa: E402
-from procs import HOST, Processes, Server, clean_env, free_port  # noqa: E402
+from . import harness
+from .client import Connection
+from .procs import HOST, Processes, Server, clean_env, free_port
 
 REPO = Path(__file__).resolve().parent.parent
 MODEL = "bench-model"
@@ -55,27 +55,16 @@ def rss_kib(pid: int) -> int:
 def write_config(
     path: Path, *, port: int, upstream_port: int, data_dir: Path, idle_after: str, storage: list[str]
 ) -> None:
-    extra = "".join(f"{line}\n" for line in storage)
-    path.write_text(
-        f"""# written by bench/memory.py
-default_provider = "mock"
-
-[server]
-host = "{HOST}"
-port = {port}
-
-[storage]
-data_dir = "{data_dir}"
-durability = "fsync"
-{extra}
-[sessions]
-idle_after = "{idle_after}"
-
-[providers.mock]
-kind = "openai"
-base_url = "http://{HOST}:{upstream_port}/v1"
-"""
-    )
+    """The measured gateway's config: the mock upstream, fsync; `storage`: more `[storage]`
+    lines (`key = value`)."""
+    more = tomllib.loads("\n".join(storage))
+    sections = {
+        "server": {"host": HOST, "port": port},
+        "storage": {"data_dir": str(data_dir), "durability": "fsync", **more},
+        "sessions": {"idle_after": idle_after},
+        "providers.mock": {"kind": "openai", "base_url": f"http://{HOST}:{upstream_port}/v1"},
+    }
+    harness.write_config(path, "mock", sections, header="written by bench/memory.py")
 
 
 class Load:
@@ -237,25 +226,6 @@ def print_tracemalloc(folder: Path, top: int = 25) -> None:
         print(f"  {stat.size_diff / 1024:+9.1f} KiB {stat.count_diff:+8d} blocks  {' <- '.join(frames)}")
 
 
-def serve_traced(argv: list[str]) -> None:
-    """The gateway with tracemalloc on: SIGUSR1 dumps a snapshot named by the file
-    $GATEWAY_TRACE_DIR/next (written by the driver before it signals)."""
-    import tracemalloc
-
-    tracemalloc.start(int(os.environ.get("GATEWAY_TRACE_FRAMES", "1")))
-    folder = Path(os.environ["GATEWAY_TRACE_DIR"])
-
-    def dump(signum: int, frame: object) -> None:
-        name = (folder / "next").read_text().strip()
-        tracemalloc.take_snapshot().dump(str(folder / f"{name}.snapshot.tmp"))
-        os.replace(folder / f"{name}.snapshot.tmp", folder / f"{name}.snapshot")
-
-    signal.signal(signal.SIGUSR1, dump)
-    from gateway.cli import main as gateway_main
-
-    gateway_main(argv, prog_name="gateway")
-
-
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--requests", type=int, default=50_000)
@@ -318,7 +288,8 @@ def main(argv: list[str] | None = None) -> None:
         trace = {"GATEWAY_TRACE_DIR": str(tmp), "GATEWAY_TRACE_FRAMES": str(args.frames)}
         env = clean_env({**extra, "PYTHONPATH": path, **trace})
         if args.tracemalloc:
-            argv_gw = [python, str(Path(__file__).resolve()), "--serve-traced", *serve]
+            # A file with no imports of bench/, run from the checkout measured (`--gateway-src`).
+            argv_gw = [python, str(Path(__file__).resolve().parent / "tracemalloc_serve.py"), *serve]
         else:
             argv_gw = [python, "-m", "gateway", *serve]
         gateway = procs.start(Server("gateway", argv_gw, gw_port, tmp / "gateway.log", env), args.gateway_src)
@@ -368,7 +339,4 @@ def main(argv: list[str] | None = None) -> None:
 
 
 if __name__ == "__main__":
-    if len(sys.argv) > 1 and sys.argv[1] == "--serve-traced":
-        serve_traced(sys.argv[2:])
-    else:
-        main()
+    main()

@@ -1,8 +1,8 @@
 """Profile the gateway's request path with py-spy while the benchmark client drives it.
 
     .venv/bin/pip install py-spy        # not a project dependency
-    .venv/bin/python bench/profile.py --messages 0       # 1-message requests, new conversations
-    .venv/bin/python bench/profile.py --messages 10000   # one conversation seeded to 10,000 msgs
+    .venv/bin/python -m bench.profile --messages 0       # 1-message requests, new conversations
+    .venv/bin/python -m bench.profile --messages 10000   # one conversation seeded to 10,000 msgs
 
 Starts the mock upstream and `gateway serve` (as bench/run.py does), samples the gateway
 process with `py-spy record --format raw` for the whole run, and prints the functions that
@@ -22,12 +22,10 @@ import time
 from collections import Counter
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-
-from client import Connection  # noqa: E402
-from procs import HOST, Processes, Server, clean_env, free_port  # noqa: E402
-from run import REPO, context_overrides, seed_conversations, write_gateway_config  # noqa: E402
-from scenarios import CHAT, one_message  # noqa: E402
+from .client import Connection
+from .procs import HOST, Processes, Server, clean_env, free_port
+from .run import REPO, context_overrides, seed_conversations, write_gateway_config
+from .scenarios import CHAT, one_message
 
 _FRAME = re.compile(r"^(?P<func>.*?) \((?P<file>[^()]*?)(?::\d+)?\)$")
 

@@ -1,7 +1,7 @@
 """Prompt-eval cost on a real model, this checkout against a baseline revision, in one run:
 llama.cpp's server (xllamacpp, SmolLM2-135M) behind a real `gateway serve` for each.
 
-    .venv/bin/python bench/realmodel.py [--turns 40] [--ctx 1024] [--baseline 94b79e9]
+    .venv/bin/python -m bench.realmodel [--turns 40] [--ctx 1024] [--baseline 94b79e9]
                                         [--strategy truncate|summarize] [--keep]
 
 The baseline is another git revision, checked out with `git worktree add --detach` in a
@@ -50,14 +50,13 @@ from typing import Any
 import openai
 from openai import OpenAI
 
-REPO = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(REPO))
+from tests.conftest import GatewayProcess, free_port
+from tests.realmodel.helpers import write_llama_config
+from tests.realmodel.llama import LlamaServer
+from tests.realmodel.test_cache_real import short
+from tests.realmodel.test_window_real import context_records
 
-from tests.conftest import GatewayProcess, free_port  # noqa: E402
-from tests.realmodel.helpers import write_llama_config  # noqa: E402
-from tests.realmodel.llama import LlamaServer  # noqa: E402
-from tests.realmodel.test_cache_real import short  # noqa: E402
-from tests.realmodel.test_window_real import context_records  # noqa: E402
+REPO = Path(__file__).resolve().parent.parent
 
 CONVERSATION = "bench-realmodel"
 MAX_TOKENS = 16

@@ -254,6 +254,23 @@ def _ratio(value: float | None) -> str:
     return "-" if value is None else f"{value:.2f}"
 
 
+def _tracing_rows(result: dict[str, Any]) -> list[dict[str, Any]]:
+    """The tracing-cost rows: tracing off, then on (empty when not measured)."""
+    rows = []
+    for raw in result.get("tracing") or []:
+        stats = stats_ms(raw.pop("samples"))
+        rows.append(
+            {
+                "scenario": "tracing on (OTLP/HTTP, loopback)" if raw["tracing"] else "tracing off",
+                "n": stats["n"],
+                "p50_ms": stats["p50"],
+                "p99_ms": stats["p99"],
+                "cpu_ms": round(raw["cpu_seconds"] * 1000 / max(1, stats["n"]), 3),
+            }
+        )
+    return rows if len(rows) == 2 else []
+
+
 def print_report(result: dict[str, Any]) -> dict[str, Any]:
     """Print the tables; return the summary (raw samples in `result` become statistics)."""
     latency = _latency_rows(result)
@@ -433,9 +450,27 @@ def print_report(result: dict[str, Any]) -> dict[str, Any]:
         print(f"warning: the gateway logged {log['other_lines']} lines besides its access log, e.g.:")
         for line in log["examples"][:3]:
             print(f"  {line[:200]}")
+    tracing = _tracing_rows(result)
+    if tracing:
+        print("\nTracing's cost: the same sequential turns (new conversation, 1 message), same run")
+        print(_row("gateway", width, ("n", 6), ("p50 ms", 9), ("p99 ms", 9), ("CPU ms/turn", 12)))
+        print(rule)
+        for r in tracing:
+            cells = (
+                (r["n"], 6),
+                (f"{r['p50_ms']:.3f}", 9),
+                (f"{r['p99_ms']:.3f}", 9),
+                (f"{r['cpu_ms']:.3f}", 12),
+            )
+            print(_row(r["scenario"], width, *cells))
+        off, on = tracing
+        p50 = f"p50 {on['p50_ms'] - off['p50_ms']:+.3f} ms ({on['p50_ms'] / off['p50_ms']:.2f}x)"
+        cpu = f"CPU {on['cpu_ms'] - off['cpu_ms']:+.3f} ms per turn ({on['cpu_ms'] / off['cpu_ms']:.2f}x)"
+        print(f"tracing on - off: {p50}, {cpu}")
     return {
         "latency": latency,
         "cold": cold_rows,
+        "tracing": tracing,
         "streaming": stream,
         "throughput": throughput,
         "scaling": scaling,

@@ -1,7 +1,7 @@
 """`make bench`: the gateway's overhead against a bare forwarder, side by side, in one run.
 
-    .venv/bin/python bench/run.py [--quick] [--keep]
-    .venv/bin/python bench/run.py --scenario streams [--streams 100,300,1000]
+    .venv/bin/python -m bench.run [--quick] [--keep]
+    .venv/bin/python -m bench.run --scenario streams [--streams 100,300,1000]
 
 Starts the mock upstream, the bare forwarder and the real `gateway serve` as subprocesses on
 loopback, measures every scenario with one keep-alive client (bench/client.py), prints a
@@ -28,13 +28,18 @@ from typing import Any
 
 import orjson
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
+if __name__ == "__main__" and not __package__:  # `python bench/run.py`: as `python -m bench.run`
+    _root = str(Path(__file__).resolve().parent.parent)
+    _path = os.pathsep.join(filter(None, (_root, os.environ.get("PYTHONPATH"))))
+    _argv = [sys.executable, "-m", "bench.run", *sys.argv[1:]]
+    os.execve(sys.executable, _argv, {**os.environ, "PYTHONPATH": _path})
 
-from client import Connection  # noqa: E402
-from procs import HOST, Processes, Server, clean_env, free_port, rss_kib  # noqa: E402
-from report import print_report  # noqa: E402
-from scenarios import CHAT, CONCURRENCY, MODEL, Bench, Plan, one_message  # noqa: E402
-from seed import clone_conversation, probe_filesystem, read_conversation  # noqa: E402
+from .client import Connection  # noqa: E402 - (after the script form's re-exec)
+from .harness import OtlpReceiver, write_config  # noqa: E402
+from .procs import HOST, Processes, Server, clean_env, free_port, rss_kib  # noqa: E402
+from .report import print_report  # noqa: E402
+from .scenarios import CHAT, CONCURRENCY, MODEL, Bench, Plan, one_message  # noqa: E402
+from .seed import clone_conversation, probe_filesystem, read_conversation  # noqa: E402
 
 REPO = Path(__file__).resolve().parent.parent
 
@@ -60,32 +65,23 @@ def write_gateway_config(
     durability: str,
     context: dict[str, int] | None = None,
     dsn: str = "",
+    tracing: str = "",
 ) -> None:
-    extra = "".join(f"{k} = {v}\n" for k, v in (context or {}).items())
-    backend = f'backend = "postgres"\ndsn = "{dsn}"' if dsn else 'backend = "jsonl"'
-    path.write_text(
-        f"""# written by bench/run.py
-default_provider = "mock"
-
-[server]
-host = "{HOST}"
-port = {port}
-
-[storage]
-{backend}
-data_dir = "{data_dir}"
-durability = "{durability}"
-{"[context]" + chr(10) + extra if extra else ""}
-[providers.mock]
-kind = "openai"
-base_url = "http://{HOST}:{upstream_port}/v1"
-"""
-    )
+    """A bench gateway's config: the mock upstream, the store (JSONL, or PostgreSQL at `dsn`);
+    `tracing`: an OTLP/HTTP endpoint to export spans and metrics to."""
+    storage: dict[str, object] = {"backend": "postgres", "dsn": dsn} if dsn else {"backend": "jsonl"}
+    sections = {
+        "server": {"host": HOST, "port": port},
+        "storage": {**storage, "data_dir": str(data_dir), "durability": durability},
+        "context": context,
+        "tracing": {"endpoint": tracing} if tracing else None,
+        "providers.mock": {"kind": "openai", "base_url": f"http://{HOST}:{upstream_port}/v1"},
+    }
+    write_config(path, "mock", sections, header="written by bench/run.py")
 
 
 def start_postgres() -> tuple[Any, str]:
     """A throwaway PostgreSQL cluster with fsync on (the tests' helper), or why there is none."""
-    sys.path.insert(0, str(REPO))
     from tests.postgres.cluster import PostgresCluster, find_bin_dir
 
     bin_dir = find_bin_dir()
@@ -245,6 +241,11 @@ def main(argv: list[str] | None = None) -> int:
         "in the same run with the same iterations, so before/after is compared on equal terms",
     )
     parser.add_argument(
+        "--no-tracing",
+        action="store_true",
+        help="skip the tracing-cost rows (a gateway exporting OTLP/HTTP to a loopback receiver)",
+    )
+    parser.add_argument(
         "--no-listing",
         action="store_true",
         help="skip bench/listing.py (lists with 100,000 conversations; run after the rest)",
@@ -275,7 +276,7 @@ def main(argv: list[str] | None = None) -> int:
         print("\nbench: concurrent long streams (bench/streams.py)", flush=True)
         rc = run_streams(args, args.streams or "100")
     if rc == 0 and not args.no_listing:
-        import listing
+        from . import listing
 
         extra = ["--quick"] if args.quick else ["--repeat", "20", "--cli-repeat", "1", "--create", "500"]
         extra += ["--no-postgres"] if args.no_postgres else []
@@ -288,7 +289,7 @@ def main(argv: list[str] | None = None) -> int:
 def run_streams(args: argparse.Namespace, streams: str) -> int:
     """N concurrent long streams through the aiohttp forwarder and the gateways (bench/streams.py),
     with processes of its own: var/bench/streams-latest.json."""
-    import streams as streams_bench
+    from . import streams as streams_bench
 
     extra = ["--quick"] if args.quick else ["--streams", streams, "--stream-rounds", str(args.stream_rounds)]
     extra += ["--keep"] if args.keep else []
@@ -348,7 +349,7 @@ def run(args: argparse.Namespace) -> int:
             )
             for name, client in (("forwarder", "httpx"), ("forwarder_aiohttp", "aiohttp"))
         ]
-        references = {"floor": [python, str(bench_dir / "floor.py"), "--data-dir", str(tmp / "data-floor")]}
+        references = {"floor": [python, "-m", "bench.floor", "--data-dir", str(tmp / "data-floor")]}
         if not args.no_workers:  # what a second worker gives a server that only forwards
             references["forwarder_aiohttp_2w"] = [
                 python,
@@ -386,6 +387,12 @@ def run(args: argparse.Namespace) -> int:
         if args.baseline:
             gateways["gateway_base"] = "fsync"
             data_dirs["gateway_base"] = tmp / "data-base"
+        receiver = None
+        if not args.no_tracing:  # the same gateway, exporting its spans and metrics
+            receiver = OtlpReceiver(keep=False).__enter__()
+            cleanup.append(receiver.__exit__)
+            gateways["gateway_traced"] = "fsync"
+            data_dirs["gateway_traced"] = tmp / "data-traced"
         servers: dict[str, Server] = {}
         for name, durability in gateways.items():
             ports[name] = free_port()
@@ -398,6 +405,7 @@ def run(args: argparse.Namespace) -> int:
                 durability=durability,
                 context=context,
                 dsn=dsns.get(name, ""),
+                tracing=receiver.url if receiver is not None and name == "gateway_traced" else "",
             )
             base = Path(args.baseline).resolve() if name == "gateway_base" else None
             argv_gw = [
@@ -412,6 +420,8 @@ def run(args: argparse.Namespace) -> int:
                 *(["--workers", "2"] if name == "gateway_2w" else []),
             ]
             gw_env = {**env, "PYTHONPATH": str(base)} if base else env
+            if name == "gateway_traced":  # spans exported while measured, not only every 5 s
+                gw_env = {**env, "OTEL_BSP_SCHEDULE_DELAY": "200", "OTEL_METRIC_EXPORT_INTERVAL": "1000"}
             servers[name] = procs.start(
                 Server(name, argv_gw, ports[name], tmp / f"{name}.log", gw_env), base or REPO
             )
@@ -459,6 +469,7 @@ def run(args: argparse.Namespace) -> int:
                     )
                 ),
                 ("cold", lambda: bench.cold(cold_size, cold_ids)),
+                ("tracing", bench.tracing),
                 ("streaming", bench.streaming),
                 ("throughput", bench.throughput),
                 ("scaling", bench.scaling),

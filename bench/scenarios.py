@@ -14,9 +14,10 @@ from pathlib import Path
 from typing import Any
 
 import orjson
-from client import Connection, Response
-from procs import HOST, cpu_seconds
-from seed import user_text
+
+from .client import Connection, Response
+from .procs import HOST, cpu_seconds
+from .seed import user_text
 
 MODEL = "bench-model"
 CHAT = "/v1/chat/completions"
@@ -58,6 +59,8 @@ class Plan:
     scaling: tuple[int, ...] = (200, 1_200, 2_400, 4_000)
     # (stored messages, conversations per gateway): the cold-load comparison (`Bench.cold`).
     cold: tuple[int, int] = (10_000, 5)
+    # (warmup, measured) turns per gateway in the tracing-cost comparison (`Bench.tracing`).
+    tracing: tuple[int, int] = (100, 1_000)
 
     @classmethod
     def quick(cls) -> Plan:
@@ -73,6 +76,7 @@ class Plan:
             1_000,
             (100, 300, 500, 500),
             cold=(10_000, 2),
+            tracing=(10, 100),
         )
 
 
@@ -109,6 +113,7 @@ class Bench:
             "throughput": [],
             "scaling": [],
             "cold": [],
+            "tracing": [],
         }
         self.pids: dict[str, int] = {}  # target -> server pid, for CPU per request
         self.served_conversations = 0
@@ -218,6 +223,42 @@ class Bench:
         for (target, _, _, _), label, lat in zip(cells, labels, samples, strict=True):
             extra = {"label": label} if label is not None else {}
             self.record("latency", group="1 message", target=target, sent_messages=1, samples=lat, **extra)
+
+    async def tracing(self, rounds: int = 10) -> None:
+        """What tracing costs a turn: the same sequential turns (a new conversation, 1 message)
+        through the gateway without tracing and one exporting its spans and metrics over OTLP/HTTP
+        to a loopback receiver, in `rounds` rounds, the order reversed every other round. Per
+        gateway: every turn's latency, and the CPU its process (the SDK's export thread
+        included) spent on its rounds."""
+        targets = [t for t in ("gateway", "gateway_traced") if t in self.ports]
+        if len(targets) < 2:
+            return
+        warmup, n = self.plan.tracing
+        conns = {t: self.conn(t) for t in targets}
+        samples: dict[str, list[float]] = {t: [] for t in targets}
+        cpu = dict.fromkeys(targets, 0.0)
+
+        def body(target: str, i: int) -> bytes:
+            return one_message(i, conversation_id=self.new_cid(f"bench-tr-{target}"))
+
+        for target in targets:
+            for i in range(warmup):
+                await self.post(conns[target], target, body(target, i))
+        for r in range(rounds):
+            for target in targets if r % 2 == 0 else targets[::-1]:
+                pid = self.pids[target]
+                before = cpu_seconds(pid)
+                for i in range(n // rounds):
+                    samples[target].append((await self.post(conns[target], target, body(target, i))).latency)
+                cpu[target] += cpu_seconds(pid) - before
+        for conn in conns.values():
+            conn.close()
+        for target in targets:
+            self.served_conversations += warmup + len(samples[target]) if target == "gateway" else 0
+            traced = target == "gateway_traced"
+            self.record(
+                "tracing", target=target, tracing=traced, cpu_seconds=cpu[target], samples=samples[target]
+            )
 
     async def cold(self, size: int, cids: dict[str, list[str]]) -> None:
         """The first request on stored conversations of `size` messages that the gateway has

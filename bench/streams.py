@@ -53,13 +53,11 @@ from typing import Any
 import httptools
 import orjson
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-
-from client import Connection  # noqa: E402
-from procs import HOST, Processes, Server, clean_env, cpu_seconds, free_port, process_tree  # noqa: E402
-from report import percentile  # noqa: E402
-from scenarios import CHAT, MODEL  # noqa: E402
-from seed import user_text  # noqa: E402
+from .client import Connection
+from .procs import HOST, Processes, Server, clean_env, cpu_seconds, free_port, process_tree
+from .report import percentile
+from .scenarios import CHAT, MODEL
+from .seed import user_text
 
 REPO = Path(__file__).resolve().parent.parent
 CHUNKS = 100
@@ -639,7 +637,7 @@ class Servers:
 
     def start_targets(self, tag: str) -> dict[str, int]:
         """Stop the targets' servers if running, start them again; their pids."""
-        from run import write_gateway_config
+        from .run import write_gateway_config
 
         for server in self.targets.values():
             server.stop()
@@ -781,7 +779,7 @@ def main(argv: list[str] | None = None) -> int:
         summary = summarize(rows)
         meta = {"streams": streams, "chunks": args.chunks, "interval_ms": args.interval_ms}
         print_tables(summary, meta)
-        from run import scan_gateway_log
+        from .run import scan_gateway_log
 
         logs = {log.stem: scan_gateway_log(log) for log in servers.logs if log.stem.startswith("gateway")}
         for name, log in logs.items():

@@ -36,7 +36,7 @@ from gateway.services import Services, StoreBackend
 from gateway.services.models import litellm_windows
 from gateway.tenants import LOOPBACK_HOSTS, AuthMiddleware, Tenants
 from gateway.tokens import get_encoding, release_free_memory
-from gateway.tracing import EXTRA_HINT, Tracing, export_targets
+from gateway.tracing import EXTRA_HINT, TraceContextMiddleware, Tracing, export_targets
 from gateway.upstream import Router
 
 log = logging.getLogger("gateway")
@@ -90,6 +90,8 @@ def create_app(
     stores, router, service = services.stores, services.router, services.turns
     tenants = Tenants.from_settings(settings)
     tracing = tracing or tracing_for(settings)
+    if tracing.enabled:
+        tracing.instrument(router)
     metrics = Metrics(active_window=settings.sessions.idle_after or 900.0, tracing=tracing)
     services.summaries.on_call = tracing.summary_call
     summarizer = Summarizer(services.summaries)
@@ -171,6 +173,7 @@ def create_app(
         routes=routes,
         lifespan=lifespan,
         middleware=[
+            *([Middleware(TraceContextMiddleware)] if tracing.enabled else []),
             Middleware(MetricsMiddleware, metrics=metrics),
             # (`settle`: a serving process, listening where settings.server says)
             Middleware(

@@ -9,13 +9,21 @@ The conventions followed are OpenTelemetry's GenAI semantic conventions as of se
 (`gen_ai.provider.name`, which replaced `gen_ai.system`; content opt-in). A turn is one CLIENT
 span, `chat {gen_ai.request.model}`, covering the whole turn as the gateway ran it (lock, load,
 window, the provider's call, commit); the provider's own share is `gateway.upstream.duration`.
-What a span says is worked out here, from the turn's outcome, as plain attributes."""
+Its children are the window plan, each provider call and the commit. A turn continues its
+client's W3C `traceparent` (`TraceContextMiddleware` gives each request a `TraceContext`) and
+sends its trace on to the provider (`TracedUpstream`, around the router's upstreams). What a
+span says is worked out here, from the turn's outcome, as plain attributes."""
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+import random
+import re
+import time
+from collections.abc import AsyncIterator, Mapping
+from contextvars import ContextVar
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, TypeAlias
+from dataclasses import field as dataclass_field
+from typing import TYPE_CHECKING, Any, TypeAlias
 from urllib.parse import urlsplit
 
 import orjson
@@ -23,8 +31,12 @@ import orjson
 from gateway.config import ProviderSettings, TracingSettings
 from gateway.exceptions import GatewayError, UpstreamStatusError
 from gateway.types import JSONObject, Message, as_list, as_object, messages
+from gateway.upstream import Router
+from gateway.upstream.base import TRACEPARENT, Body, Chunk, ServerWindow, Upstream
 
 if TYPE_CHECKING:
+    from starlette.types import ASGIApp, Receive, Scope, Send
+
     from gateway.services.summaries import SummaryCall
     from gateway.services.turn import TurnOutcome
 
@@ -82,8 +94,179 @@ def export_targets(settings: TracingSettings, environ: Mapping[str, str]) -> Exp
     return ExportTargets(traces, target("metrics") if settings.metrics else None)
 
 
+# W3C Trace Context: version-trace_id-parent_id-flags (a later version may add fields after).
+_TRACEPARENT = re.compile(r"([0-9a-f]{2})-([0-9a-f]{32})-([0-9a-f]{16})-([0-9a-f]{2})(-.*)?")
+
+
+@dataclass(frozen=True, slots=True)
+class RemoteParent:
+    """The client's span a turn continues: what its `traceparent` said."""
+
+    trace_id: int
+    span_id: int
+    sampled: bool
+
+
+def parse_traceparent(value: str | None) -> RemoteParent | None:
+    """The parent a W3C `traceparent` header names (None: absent or not valid)."""
+    match = _TRACEPARENT.fullmatch(value.strip()) if value else None
+    if match is None:
+        return None
+    version, trace, span, flags, rest = match.groups()
+    if version == "ff" or (version == "00" and rest) or not int(trace, 16) or not int(span, 16):
+        return None
+    return RemoteParent(int(trace, 16), int(span, 16), bool(int(flags, 16) & 1))
+
+
+@dataclass(slots=True)
+class ProviderCall:
+    """One call to a provider during a traced turn: the span id its `traceparent` named, its
+    times (nanoseconds since the epoch) and how it ended."""
+
+    span_id: int
+    start_ns: int
+    end_ns: int | None = None
+    first_chunk_ns: int | None = None  # a stream's first chunk
+    error: BaseException | None = None
+
+
+@dataclass(slots=True)
+class TraceContext:
+    """The trace of one request's turn: the client's (its `traceparent`) or a new one, and the
+    provider calls made in it, each told to the provider as a span of the same trace. Closed
+    once its turn's span is recorded: work begun later (a summary) is not the turn's."""
+
+    trace_id: int
+    parent: RemoteParent | None = None
+    calls: list[ProviderCall] = dataclass_field(default_factory=list)
+    closed: bool = False
+
+    @classmethod
+    def of(cls, traceparent: str | None) -> TraceContext:
+        parent = parse_traceparent(traceparent)
+        return cls(parent.trace_id if parent is not None else _random_id(128), parent)
+
+    @property
+    def sampled(self) -> bool:
+        return self.parent is None or self.parent.sampled
+
+    def call(self) -> ProviderCall | None:
+        """A provider call begun now, in this turn (None: the turn is closed)."""
+        if self.closed:
+            return None
+        call = ProviderCall(_random_id(64), time.time_ns())
+        self.calls.append(call)
+        return call
+
+    def traceparent(self, call: ProviderCall) -> str:
+        """The `traceparent` header the provider gets for `call`."""
+        return f"00-{self.trace_id:032x}-{call.span_id:016x}-{'01' if self.sampled else '00'}"
+
+
+def _random_id(bits: int) -> int:
+    while True:  # (all zeros is not a valid id)
+        value = random.getrandbits(bits)
+        if value:
+            return value
+
+
+# The trace of the request being served (set by `TraceContextMiddleware`, tracing on).
+current_trace: ContextVar[TraceContext | None] = ContextVar("gateway_trace", default=None)
+
+
+class TraceContextMiddleware:
+    """Pure ASGI: each POST gets its `TraceContext`, continuing the client's `traceparent`."""
+
+    def __init__(self, app: ASGIApp) -> None:
+        self.app = app
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http" or scope["method"] != "POST":
+            await self.app(scope, receive, send)
+            return
+        value = next((v for k, v in scope["headers"] if k == b"traceparent"), None)
+        token = current_trace.set(TraceContext.of(value.decode("latin-1") if value else None))
+        try:
+            await self.app(scope, receive, send)
+        finally:
+            current_trace.reset(token)
+
+
+class TracedUpstream(Upstream):
+    """An upstream whose chat calls in a traced turn are noted in its `TraceContext` and carry
+    its `traceparent` to the provider; anything else is the wrapped upstream's own."""
+
+    def __init__(self, inner: Upstream) -> None:
+        self.inner = inner
+        self.name, self.url = inner.name, inner.url
+
+    @property
+    def reports_real_usage(self) -> bool:  # type: ignore[override]
+        return self.inner.reports_real_usage
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.inner, name)
+
+    async def complete(self, body: Body) -> Body:
+        trace = current_trace.get()
+        call = trace.call() if trace is not None else None
+        if trace is None or call is None:
+            return await self.inner.complete(body)
+        try:
+            return await self.inner.complete({**body, TRACEPARENT: trace.traceparent(call)})
+        except BaseException as exc:
+            call.error = exc
+            raise
+        finally:
+            call.end_ns = time.time_ns()
+
+    async def stream(self, body: Body) -> AsyncIterator[Chunk]:
+        trace = current_trace.get()
+        call = trace.call() if trace is not None else None
+        if trace is not None and call is not None:
+            body = {**body, TRACEPARENT: trace.traceparent(call)}
+        chunks = self.inner.stream(body)
+        try:
+            async for chunk in chunks:
+                if call is not None and call.first_chunk_ns is None:
+                    call.first_chunk_ns = time.time_ns()
+                yield chunk
+        except GeneratorExit:  # the turn stopped reading (its client left): not the provider's
+            raise
+        except BaseException as exc:
+            if call is not None:
+                call.error = exc
+            raise
+        finally:
+            if call is not None:
+                call.end_ns = time.time_ns()
+            aclose = getattr(chunks, "aclose", None)
+            if aclose is not None:
+                await aclose()
+
+    async def list_models(self) -> list[str]:
+        return await self.inner.list_models()
+
+    async def describe(self, model: str) -> ServerWindow | None:
+        return await self.inner.describe(model)
+
+    async def count_prompt(self, body: Body) -> int | None:
+        return await self.inner.count_prompt(body)
+
+    async def aclose(self) -> None:
+        await self.inner.aclose()
+
+
 class Tracing:
     """Tracing off: nothing is recorded, nothing exported."""
+
+    enabled = False  # on: requests get a `TraceContext` and provider calls are traced
+
+    def instrument(self, router: Router) -> None:
+        """Wrap `router`'s upstreams so that their calls in a turn are traced (tracing on)."""
+        for name, upstream in list(router.upstreams.items()):
+            if not isinstance(upstream, TracedUpstream):
+                router.upstreams[name] = TracedUpstream(upstream)
 
     def turn(
         self, outcome: TurnOutcome, status: int, result: str, *, api: str, error: GatewayError | None = None
@@ -200,6 +383,20 @@ def window_attributes(outcome: TurnOutcome) -> Attributes:
     return attributes
 
 
+def plan_attributes(outcome: TurnOutcome) -> Attributes:
+    """The window plan's span: the window facts, the window planned for and the calibration of
+    the gateway's token count against the provider's it was planned with."""
+    attributes: Attributes = {"gateway.operation": "plan", **window_attributes(outcome)}
+    if outcome.context_window is not None:
+        attributes["gateway.window.context_window"] = outcome.context_window
+    calibration = outcome.calibration or {}
+    for key in ("ratio", "overhead", "margin", "samples"):
+        value = calibration.get(key)
+        if isinstance(value, int | float) and not isinstance(value, bool):
+            attributes[f"gateway.calibration.{key}"] = value
+    return attributes
+
+
 def turn_attributes(
     outcome: TurnOutcome,
     server: tuple[str, int] | None,
@@ -222,6 +419,7 @@ def turn_attributes(
         attributes["server.address"], attributes["server.port"] = server
     if outcome.conversation_id is not None:
         attributes["gen_ai.conversation.id"] = outcome.conversation_id
+        attributes["session.id"] = outcome.conversation_id
     if outcome.stream:
         attributes["gen_ai.request.stream"] = True
     attributes.update(request_attributes(body))

@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import os
 import signal
-import socket
 import subprocess
 import sys
 from collections import Counter
@@ -17,6 +16,8 @@ import httpx
 import pytest
 from openai import OpenAI
 
+from bench import harness
+from bench.procs import free_port
 from gateway.app import create_app
 from gateway.config import Settings, load_settings
 from gateway.store.base import Store
@@ -42,12 +43,6 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
     dupes = sorted(nodeid for nodeid, n in Counter(item.nodeid for item in items).items() if n > 1)
     if dupes:
         raise pytest.UsageError(f"tests with the same node id (xdist would run one of each): {dupes[:5]}")
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 @pytest.fixture(scope="session")
@@ -140,25 +135,19 @@ class GatewayProcess:
 
 
 def write_config(path: Path, upstream_url: str, *, extra: str = "") -> Path:
-    path.write_text(
-        f"""default_provider = "mock"
-
-[storage]
-durability = "fsync"
-lock_timeout = 10
-
-[providers.mock]
-kind = "openai"
-base_url = "{upstream_url}/v1"
-timeout = 5
-connect_timeout = 2
-
-[providers.demo]
-kind = "demo"
-{extra}
-"""
-    )
-    return path
+    """The tests' gateway config (bench.harness's writer): the mock upstream at `upstream_url`,
+    fsync, short timeouts, and the demo provider; `extra`: more TOML."""
+    sections = {
+        "storage": {"durability": "fsync", "lock_timeout": 10},
+        "providers.mock": {
+            "kind": "openai",
+            "base_url": f"{upstream_url}/v1",
+            "timeout": 5,
+            "connect_timeout": 2,
+        },
+        "providers.demo": {"kind": "demo"},
+    }
+    return harness.write_config(path, "mock", sections, extra=extra)
 
 
 @pytest.fixture(scope="module")

@@ -77,6 +77,8 @@ class TurnOutcome:
     cut: bool | None = None  # this turn moved the window's head (None: stateless)
     summary_covers: int | None = None  # history messages the summary sent stands for
     recap: bool = False  # an "earlier today" recap was sent
+    context_window: int | None = None  # the window planned for, as the context snapshot says
+    calibration: JSONObject | None = None  # the token-count calibration it was planned with
 
 
 @dataclass(slots=True)
@@ -162,6 +164,8 @@ class PreparedTurn:
             cut=cut if isinstance(cut, bool) else None,
             summary_covers=covers if isinstance(covers, int) and covers > 0 else None,
             recap=context.get("recap") is True,
+            context_window=window if isinstance(window := context.get("context_window"), int) else None,
+            calibration=calibration if isinstance(calibration := context.get("calibration"), dict) else None,
         )
 
     @property

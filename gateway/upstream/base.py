@@ -27,6 +27,18 @@ log = logging.getLogger("gateway.upstream")
 # Provider statuses worth another attempt (never 429: that is passed through with Retry-After).
 RETRY_STATUSES = frozenset({502, 503, 504})
 _BACKOFF = (0.2, 0.5, 1.0, 2.0)
+# A traced turn's W3C `traceparent` for the provider, carried in the body (as `CACHE_KEY` is):
+# an implementation takes it out and sends it as the request's header.
+TRACEPARENT = "gateway.traceparent"
+
+
+def take_traceparent(body: Body) -> tuple[Body, str | None]:
+    """The body without the gateway's `TRACEPARENT`, and the header value it held."""
+    if TRACEPARENT not in body:
+        return body, None
+    value = body[TRACEPARENT]
+    rest = {k: v for k, v in body.items() if k != TRACEPARENT}
+    return rest, value if isinstance(value, str) and value else None
 
 
 def backoff(attempt: int) -> float:
@@ -141,7 +153,8 @@ def error_fields(payload: object) -> tuple[str | None, str | None, str | None, s
 class Upstream(ABC):
     """One configured provider. `body["model"]` is already the provider's own model name; a
     conversation's body also carries `cache_hints.CACHE_KEY`, which an implementation takes out
-    (and turns into the provider's own prompt-cache hints, if it has any)."""
+    (and turns into the provider's own prompt-cache hints, if it has any), and a traced turn's
+    `TRACEPARENT`, which it sends as the `traceparent` header where it can."""
 
     name: str = "upstream"
     url: str = ""

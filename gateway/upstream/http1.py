@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import zlib
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable, Mapping
 from contextlib import asynccontextmanager
 from dataclasses import dataclass
 from urllib.parse import urlsplit
@@ -19,6 +19,8 @@ import httptools
 
 from gateway import __version__
 from gateway.types import ascii_int
+
+_NONE: Mapping[str, str] = {}  # a request with no headers of its own
 
 
 class ConnectFailed(ConnectionError):
@@ -353,7 +355,7 @@ class Pool:
         # Without it a provider may compress (RFC 9110 12.5.3), and a stream must not be.
         given.setdefault("accept-encoding", "identity")
         lines = [f"POST {self.target} HTTP/1.1", *(f"{name}: {value}" for name, value in given.items())]
-        self._head = ("\r\n".join(lines) + "\r\ncontent-length: ").encode("latin-1")
+        self._head = ("\r\n".join(lines) + "\r\n").encode("latin-1")
         self._idle: list[_Connection] = []
 
     async def _connect(self) -> _Connection:
@@ -367,8 +369,11 @@ class Pool:
             raise ConnectFailed(exc.strerror or str(exc)) from exc
         return connection
 
-    async def _send(self, body: bytes, limit: int, error_limit: int, *, streaming: bool) -> _Connection:
-        """Write the request on an idle connection (or a new one); its `waiter` has the answer."""
+    async def _send(
+        self, body: bytes, limit: int, error_limit: int, *, streaming: bool, headers: Mapping[str, str]
+    ) -> _Connection:
+        """Write the request (`headers`: this one's own, besides the pool's) on an idle
+        connection (or a new one); its `waiter` has the answer."""
         loop = asyncio.get_running_loop()
         deadline = loop.time() + self.timeout if self.timeout else None
         connection = None
@@ -383,7 +388,9 @@ class Pool:
             connection = await self._connect()
         connection._reset(loop.create_future(), limit, error_limit, streaming=streaming)
         assert connection.transport is not None
-        connection.transport.write(self._head + str(len(body)).encode() + b"\r\n\r\n" + body)
+        own = "".join(f"{name}: {value}\r\n" for name, value in headers.items()).encode("latin-1")
+        length = b"content-length: " + str(len(body)).encode() + b"\r\n\r\n"
+        connection.transport.write(self._head + own + length + body)
         connection.expire_at(deadline)
         return connection
 
@@ -395,10 +402,12 @@ class Pool:
             connection._stop_timer()
             connection.close()  # cancelled, failed or left mid-answer: never reused
 
-    async def post(self, body: bytes, *, limit: int, error_limit: int) -> Answer:
+    async def post(
+        self, body: bytes, *, limit: int, error_limit: int, headers: Mapping[str, str] = _NONE
+    ) -> Answer:
         """POST `body`; the answer, whose body may be at most `limit` bytes (an error status's
         body is cut to `error_limit`), whole within the pool's `timeout`."""
-        connection = await self._send(body, limit, error_limit, streaming=False)
+        connection = await self._send(body, limit, error_limit, streaming=False, headers=headers)
         assert connection.waiter is not None
         try:
             return await connection.waiter
@@ -406,11 +415,11 @@ class Pool:
             self._release(connection)
 
     @asynccontextmanager
-    async def stream(self, body: bytes) -> AsyncIterator[Streamed]:
+    async def stream(self, body: bytes, headers: Mapping[str, str] = _NONE) -> AsyncIterator[Streamed]:
         """POST `body`; the answer's status and headers, and its body as it arrives (sizes are
         the caller's to check; its deadline is the caller's to move). Leaving early closes the
         connection."""
-        connection = await self._send(body, 0, 0, streaming=True)
+        connection = await self._send(body, 0, 0, streaming=True, headers=headers)
         assert connection.waiter is not None
         try:
             head = await connection.waiter

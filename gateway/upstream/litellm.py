@@ -37,6 +37,7 @@ from gateway.upstream.base import (
     complete_with_retries,
     error_fields,
     stream_with_retries,
+    take_traceparent,
 )
 from gateway.upstream.cache_hints import take_cache_key, with_cache_breakpoints
 from gateway.upstream.refusal import parse_refusal
@@ -222,6 +223,7 @@ class LitellmUpstream(Upstream):
 
     def _kwargs(self, body: Body) -> dict[str, Any]:
         body, conversation = take_cache_key(body)
+        body, traceparent = take_traceparent(body)
         kwargs = {k: v for k, v in body.items() if k in OPENAI_CHAT_PARAMS}
         kwargs["model"] = f"{self.prefix}/{body['model']}"
         messages = kwargs.get("messages")
@@ -245,8 +247,9 @@ class LitellmUpstream(Upstream):
         # Only the gateway's retry policy applies (before the first byte, never a 429).
         kwargs["max_retries"] = 0
         kwargs["num_retries"] = 0
-        if self.settings.headers:
-            kwargs["extra_headers"] = dict(self.settings.headers)
+        if self.settings.headers or traceparent:
+            own = {"traceparent": traceparent} if traceparent else {}
+            kwargs["extra_headers"] = {**self.settings.headers, **own}
         options = body.get("options")
         num_ctx = options.get("num_ctx") if isinstance(options, dict) else None
         if self.prefix in OLLAMA_PREFIXES and isinstance(num_ctx, int):

@@ -19,6 +19,7 @@ from gateway.upstream.base import (
     approx_tokens,
     chunks_from_completion,
     completion_from_text,
+    take_traceparent,
 )
 from gateway.upstream.cache_hints import take_cache_key
 from gateway.upstream.demo import demo_reply
@@ -48,10 +49,13 @@ class MockUpstream(Upstream):
         self.reports_real_usage = False  # tests of calibration set it
         self.delay = delay
         self.requests: list[Body] = []
+        self.traceparents: list[str | None] = []  # each request's `traceparent` (tracing on)
         self.record = True
 
     def _completion(self, body: Body) -> Body:
-        body, _ = take_cache_key(body)  # (as every provider: the gateway's own field is not sent)
+        body, _ = take_cache_key(body)  # (as every provider: the gateway's own fields are not sent)
+        body, traceparent = take_traceparent(body)
+        self.traceparents.append(traceparent)
         self.requests.append(copy.deepcopy(body) if self.record else body)
         reply = self.handler(body)
         model = str(body.get("model", "mock"))

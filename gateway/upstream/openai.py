@@ -46,6 +46,7 @@ from gateway.upstream.base import (
     complete_with_retries,
     error_fields,
     stream_with_retries,
+    take_traceparent,
 )
 from gateway.upstream.cache_hints import (
     SlotTable,
@@ -247,6 +248,12 @@ class _TimedContent:
         self.deadline = when
 
 
+def _own_headers(body: Body) -> tuple[Body, dict[str, str]]:
+    """The body without the gateway's `TRACEPARENT`, and the headers of this request alone."""
+    body, traceparent = take_traceparent(body)
+    return body, {"traceparent": traceparent} if traceparent else {}
+
+
 class OpenAIUpstream(Upstream):
     def __init__(self, name: str, settings: ProviderSettings) -> None:
         self.name = name
@@ -338,17 +345,18 @@ class OpenAIUpstream(Upstream):
         return await count_prompt(self._client(), self.url, self._prompt_counter, body)
 
     async def complete(self, body: Body) -> Body:
+        body, own = _own_headers(body)
         data = self._outgoing(body)
         return await complete_with_retries(
-            self.name, self.retries, is_retryable, lambda: self._complete_once(data)
+            self.name, self.retries, is_retryable, lambda: self._complete_once(data, own)
         )
 
-    async def _complete_once(self, data: bytes) -> Body:
+    async def _complete_once(self, data: bytes, own: dict[str, str]) -> Body:
         with map_upstream_errors(self.name, self.url), self._in_time("no whole answer within"):
             if self._pool is not None:
                 try:
                     answer = await self._pool.post(
-                        data, limit=self.max_response_bytes, error_limit=_ERROR_BODY_BYTES
+                        data, limit=self.max_response_bytes, error_limit=_ERROR_BODY_BYTES, headers=own
                     )
                 except http1.TooLarge:
                     raise self._too_large() from None
@@ -357,7 +365,7 @@ class OpenAIUpstream(Upstream):
             else:
                 async with (
                     asyncio.timeout(self.deadline),
-                    self._client().post(self._endpoint, data=data) as response,
+                    self._client().post(self._endpoint, data=data, headers=own) as response,
                 ):
                     self._check_head(response)
                     status = response.status
@@ -380,38 +388,42 @@ class OpenAIUpstream(Upstream):
         return result
 
     def stream(self, body: Body) -> AsyncIterator[Chunk]:
+        body, own = _own_headers(body)
         data = self._outgoing(body)
         wants_usage = bool(as_object(body.get("stream_options")).get("include_usage"))
         return stream_with_retries(
             self.name,
             self.retries,
             is_retryable,
-            lambda: self._stream_once(data, wants_usage),
+            lambda: self._stream_once(data, wants_usage, own),
             # Still before the first byte: a proper HTTP error, not a 200.
             empty=lambda: UpstreamProtocolError(
                 f"Provider {self.name!r} at {self.url} ended the stream without an answer"
             ),
         )
 
-    async def _stream_once(self, data: bytes, wants_usage: bool) -> AsyncGenerator[Chunk, None]:
+    async def _stream_once(
+        self, data: bytes, wants_usage: bool, own: dict[str, str]
+    ) -> AsyncGenerator[Chunk, None]:
         with map_upstream_errors(self.name, self.url):
             async with AsyncExitStack() as stack:
                 with self._in_time("no stream event within"):
-                    answer = await self._open_stream(stack, data)
+                    answer = await self._open_stream(stack, data, own)
                     if answer.status >= 400:
                         content = await _read_cut(answer.read, _ERROR_BODY_BYTES)
                         raise status_error(self.name, answer.status, content, answer.headers)
                 async for chunk in self._events(answer, wants_usage):
                     yield chunk
 
-    async def _open_stream(self, stack: AsyncExitStack, data: bytes) -> http1.Streamed:
+    async def _open_stream(self, stack: AsyncExitStack, data: bytes, own: dict[str, str]) -> http1.Streamed:
         """The stream's status and headers, once they came (within the deadline), and its body,
-        closed with `stack`."""
+        closed with `stack` (`own`: this request's headers, besides the provider's)."""
         if self._pool is not None:
-            return await stack.enter_async_context(self._pool.stream(data))
+            return await stack.enter_async_context(self._pool.stream(data, own))
         deadline = asyncio.get_running_loop().time() + self.deadline if self.deadline else None
         async with asyncio.timeout_at(deadline):
-            response = await stack.enter_async_context(self._client().post(self._endpoint, data=data))
+            post = self._client().post(self._endpoint, data=data, headers=own)
+            response = await stack.enter_async_context(post)
         self._check_head(response)
         body = _TimedContent(response.content, deadline)
         headers = {name.lower(): value for name, value in response.headers.items()}
