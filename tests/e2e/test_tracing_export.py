@@ -364,34 +364,42 @@ def test_the_summarizers_calls_are_spans_of_their_own(traced: Traced) -> None:
 
 
 def test_the_genai_metrics_are_exported(traced: Traced) -> None:
-    r = traced.chat("traced-metrics", "hello", stream=True)
-    assert r.status_code == 200
+    for text in ("hello", "again"):  # two streams of its own (the module's others may run elsewhere)
+        r = traced.chat("traced-metrics", text, stream=True)
+        assert r.status_code == 200
+    traced.upstream.mode = "error500"
+    try:
+        assert traced.chat("traced-metrics-failed", "hello").status_code == 502
+    finally:
+        traced.upstream.mode = "normal"
     wanted = {
         "gen_ai.client.token.usage",
         "gen_ai.client.operation.duration",
         "gen_ai.client.operation.time_to_first_chunk",
     }
-    points = wait_for(lambda: (m := traced.receiver.metrics()).keys() >= wanted and m, "the GenAI metrics")
+
+    def dimensions(points: dict[str, list[Any]]) -> set[tuple[tuple[str, Any], ...]]:
+        return {
+            tuple(sorted((a.key, value_of(a.value)) for a in p.attributes))
+            for p in points["gen_ai.client.operation.duration"]
+        }
+
+    def exported() -> dict[str, list[Any]] | None:
+        """The newest export once it holds this test's turns (cumulative: earlier ones too)."""
+        points = traced.receiver.metrics()
+        if not points.keys() >= wanted or not any(("error.type", "500") in d for d in dimensions(points)):
+            return None
+        firsts = points["gen_ai.client.operation.time_to_first_chunk"]
+        return points if max(p.count for p in firsts) >= 2 else None
+
+    points = wait_for(exported, "the GenAI metrics of two streams and a failed turn")
     usage = {p.attributes[-1].value.string_value for p in points["gen_ai.client.token.usage"]}
     assert usage >= {"input", "output"}
-    dimensions = {
-        tuple(sorted((a.key, value_of(a.value)) for a in p.attributes))
-        for p in points["gen_ai.client.operation.duration"]
-    }
-    assert any(("error.type", "500") in d for d in dimensions)
     assert any(
         dict(d).get("gen_ai.request.model") == "m" and dict(d).get("server.port") == upstream_port(traced)
-        for d in dimensions
+        for d in dimensions(points)
     )
-    assert all("gen_ai.conversation.id" not in dict(d) for d in dimensions)
-    # Both streams of this module (cumulative counts: the newest export has them all).
-    wait_for(
-        lambda: (
-            max(p.count for p in traced.receiver.metrics()["gen_ai.client.operation.time_to_first_chunk"])
-            >= 2
-        ),
-        "the time to first chunk of both streams",
-    )
+    assert all("gen_ai.conversation.id" not in dict(d) for d in dimensions(points))
 
 
 def test_with_tracing_off_opentelemetry_is_never_imported(tmp_path: Path) -> None:
