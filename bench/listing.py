@@ -36,6 +36,8 @@ from typing import Any
 
 import orjson
 
+from gateway.store.jsonl.layout import DataDir
+
 from . import harness
 from .client import Connection
 from .procs import HOST, Processes, Server, clean_env, free_port, rss_kib
@@ -167,13 +169,13 @@ def seed_jsonl(data_dir: Path, total: int, turned: int, tmp: Path) -> dict[str, 
     if stamp.exists() and orjson.loads(stamp.read_bytes()) == want:
         return {"reused": True, "seconds": 0.0}
     shutil.rmtree(data_dir, ignore_errors=True)
-    folder = data_dir / "logs" / "conversations"
-    folder.mkdir(parents=True)
+    layout = DataDir(data_dir)
+    layout.create()
     t = time.perf_counter()
     start = time.time() - 86400 * 30
     for i in range(total - turned):
         at = start + i
-        path = folder / f"created-{i:07d}.jsonl"
+        path = layout.index_path(f"created-{i:07d}")
         marker = {"type": "conversation", "created_at": int(at), "metadata": {"n": str(i)}}
         path.write_bytes(orjson.dumps(marker) + b"\n")
         os.utime(path, (at, at))

@@ -44,6 +44,8 @@ from typing import Any
 
 import orjson
 
+from gateway.store.jsonl.layout import DataDir
+
 from .client import Connection
 from .listing import REPO, Target, get, start_postgres, wait_idle
 from .procs import HOST
@@ -89,12 +91,11 @@ def long_ids(copies: int) -> list[str]:
 
 def seed_jsonl(data_dir: Path, args: argparse.Namespace, template: list[list[dict[str, Any]]]) -> float:
     t = time.perf_counter()
-    folder = data_dir / "logs" / "conversations"
-    folder.mkdir(parents=True)
-    (data_dir / "logs" / "responses").mkdir(parents=True)
+    layout = DataDir(data_dir)
+    layout.create()
     start = time.time() - 86400 * 30
     for i in range(args.long_conversations - args.long_copies):
-        path = folder / f"created-{i:07d}.jsonl"
+        path = layout.index_path(f"created-{i:07d}")
         marker = {"type": "conversation", "created_at": int(start + i), "metadata": {"n": str(i)}}
         path.write_bytes(orjson.dumps(marker) + b"\n")
         os.utime(path, (start + i, start + i))
@@ -102,7 +103,7 @@ def seed_jsonl(data_dir: Path, args: argparse.Namespace, template: list[list[dic
         clone_conversation(data_dir, cid, args.long_messages, template)
         if c:  # older than every other conversation: not on the first page
             at = start - 86400 - c
-            os.utime(folder / f"{cid}.jsonl", (at, at))
+            os.utime(layout.index_path(cid), (at, at))
     return time.perf_counter() - t
 
 

@@ -95,6 +95,30 @@ class Load:
             body["user"] = user
         return orjson.dumps(body)
 
+    def pick(
+        self, roll: float, rng: random.Random, cid: str, text: str, last_rid: str | None
+    ) -> tuple[str, str, bytes]:
+        """The request of the mix that `roll` (in [0, 1)) falls on: (method, path, body)."""
+        chats = "/v1/chat/completions"
+        if roll < 0.55:
+            return "POST", chats, self.chat(cid, text)
+        if roll < 0.75:
+            return "POST", chats, self.chat(cid, text, stream=True)
+        if roll < 0.80:
+            return "POST", chats, self.chat(cid, text, user=f"user-{rng.randrange(200)}")
+        if roll < 0.83:
+            return "POST", chats, self.chat(None, text)
+        if roll < 0.86:
+            return "POST", "/v1/responses", orjson.dumps({"model": MODEL, "input": text, "conversation": cid})
+        if roll < 0.90 and last_rid:
+            return "GET", f"/v1/responses/{last_rid}", b""
+        reads = [
+            (0.94, f"/v1/conversations/{cid}/items?limit=20"),
+            (0.96, "/v1/conversations?limit=20"),
+            (0.98, f"/ui/api/conversations/{cid}"),
+        ]
+        return "GET", next((path for under, path in reads if roll < under), "/metrics"), b""
+
     async def client(self, n: int, port: int) -> None:
         rng = random.Random(self.seed * 1000 + n)
         conn = Connection(HOST, port)
@@ -105,28 +129,7 @@ class Load:
                 cid = f"mem-{n}-{generation}"
                 roll = rng.random()
                 text = f"turn {turns} of {cid}: my number is {rng.randrange(10_000)} " + "words " * 20
-                if roll < 0.55:
-                    method, path, body = "POST", "/v1/chat/completions", self.chat(cid, text)
-                elif roll < 0.75:
-                    method, path, body = "POST", "/v1/chat/completions", self.chat(cid, text, stream=True)
-                elif roll < 0.80:
-                    user = f"user-{rng.randrange(200)}"
-                    method, path, body = "POST", "/v1/chat/completions", self.chat(cid, text, user=user)
-                elif roll < 0.83:
-                    method, path, body = "POST", "/v1/chat/completions", self.chat(None, text)
-                elif roll < 0.86:
-                    body = orjson.dumps({"model": MODEL, "input": text, "conversation": cid})
-                    method, path = "POST", "/v1/responses"
-                elif roll < 0.90 and last_rid:
-                    method, path, body = "GET", f"/v1/responses/{last_rid}", b""
-                elif roll < 0.94:
-                    method, path, body = "GET", f"/v1/conversations/{cid}/items?limit=20", b""
-                elif roll < 0.96:
-                    method, path, body = "GET", "/v1/conversations?limit=20", b""
-                elif roll < 0.98:
-                    method, path, body = "GET", f"/ui/api/conversations/{cid}", b""
-                else:
-                    method, path, body = "GET", "/metrics", b""
+                method, path, body = self.pick(roll, rng, cid, text, last_rid)
                 try:
                     reply = await conn.request(method, path, body, timeout=60)
                     status = reply.status

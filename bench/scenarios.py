@@ -15,6 +15,8 @@ from typing import Any
 
 import orjson
 
+from gateway.store.jsonl.layout import DataDir
+
 from .client import Connection, Response
 from .procs import HOST, cpu_seconds
 from .seed import user_text
@@ -334,7 +336,7 @@ class Bench:
     def _stored_messages(self, r: Response) -> int | None:
         """What the gateway's own context snapshot says it loaded (checks the seeded files)."""
         rid = r.headers.get(b"x-response-id", b"").decode()
-        path = self.data_dirs["gateway"] / "logs" / "responses" / f"{rid}.jsonl"
+        path = DataDir(self.data_dirs["gateway"]).response_path(rid)
         try:
             for line in path.read_bytes().splitlines():
                 rec = orjson.loads(line)

@@ -1,7 +1,9 @@
 """Pre-grow conversations by writing the gateway's JSONL store files directly.
 
-    {data_dir}/logs/responses/{response_id}.jsonl      request, context, response, commit
-    {data_dir}/logs/conversations/{conversation_id}.jsonl  one bare response id per line
+A seeded conversation is its response logs (request, context, response, commit) and its index
+(one response id per line), at the paths the store's own `DataDir` gives. They are written in
+bulk rather than turn by turn through the store: 10,000 conversations take seconds this way,
+where the store's journal and group commit would make each turn durable on its own.
 
 The format is not re-typed here: the gateway itself first serves a short *template*
 conversation (bench/run.py does this over HTTP), and every seeded turn is a copy of one of its
@@ -29,6 +31,7 @@ import orjson
 from gateway.context import ConversationView
 from gateway.context.records import turn_from_records
 from gateway.context.tail import checkpoint
+from gateway.store.jsonl.layout import DataDir
 
 Record = dict[str, Any]
 _WORDS = (
@@ -44,13 +47,13 @@ def user_text(i: int) -> str:
 
 def read_conversation(data_dir: Path, conversation_id: str) -> list[list[Record]]:
     """The committed response logs of a conversation, oldest first, as parsed records."""
-    index = data_dir / "logs" / "conversations" / f"{conversation_id}.jsonl"
+    layout = DataDir(data_dir)
     turns: list[list[Record]] = []
-    for line in index.read_bytes().splitlines():
+    for line in layout.index_path(conversation_id).read_bytes().splitlines():
         line = line.strip()
         if not line or line.startswith(b"{"):  # markers (e.g. a reset) are not turns
             continue
-        path = data_dir / "logs" / "responses" / f"{line.decode()}.jsonl"
+        path = layout.response_path(line.decode())
         records = [orjson.loads(raw) for raw in path.read_bytes().splitlines() if raw.strip()]
         if not records or records[-1].get("type") != "commit":
             raise ValueError(f"template response {path} is not committed")
@@ -78,13 +81,13 @@ def clone_conversation(
     data_dir: Path, conversation_id: str, messages: int, template: list[list[Record]]
 ) -> list[str]:
     """Write a committed conversation of `messages` stored messages made of template turns."""
-    responses = data_dir / "logs" / "responses"
-    index = data_dir / "logs" / "conversations" / f"{conversation_id}.jsonl"
+    layout = DataDir(data_dir)
+    index = layout.index_path(conversation_id)
     if index.exists():
         raise FileExistsError(f"{index} already exists")
     new_ids = []
     for rid, out in cloned_turns(conversation_id, messages, template):
-        (responses / f"{rid}.jsonl").write_bytes(b"".join(orjson.dumps(r) + b"\n" for r in out))
+        layout.response_path(rid).write_bytes(b"".join(orjson.dumps(r) + b"\n" for r in out))
         new_ids.append(rid)
     # The index last: it must never name a response file that is not complete.
     index.write_bytes("".join(f"{rid}\n" for rid in new_ids).encode())
