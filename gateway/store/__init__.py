@@ -1,5 +1,7 @@
 """Store backends, chosen by name; an optional backend's dependencies load only when chosen.
-One store per tenant (`StoreRegistry`): its own folder (jsonl) or its own namespace (postgres)."""
+
+One store per tenant (`StoreRegistry`): its own folder (jsonl) or its own namespace (postgres).
+"""
 
 from __future__ import annotations
 

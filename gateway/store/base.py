@@ -25,11 +25,13 @@ V = TypeVar("V")
 
 
 class LRU(OrderedDict[K, V]):
-    """A per-process cache that keeps at most `limit` entries, dropping the least recently used:
-    caches keyed by conversation must not grow with the number of conversations ever seen.
+    """A per-process cache that keeps at most `limit` entries, dropping the least recently used.
+
+    Caches keyed by conversation must not grow with the number of conversations ever seen.
     With `weigh` and `budget`, also at most `budget` in total weight (the entry just stored is
     kept even if it alone weighs more), so entries that grow (a conversation) stay bounded too.
-    An entry changed in place is weighed again when it is stored again."""
+    An entry changed in place is weighed again when it is stored again.
+    """
 
     def __init__(self, limit: int, *, weigh: Callable[[V], int] | None = None, budget: int = 0) -> None:
         super().__init__()
@@ -99,8 +101,11 @@ def writes_refused(reason: str) -> StorageError:
 
 @dataclass(frozen=True, slots=True)
 class Version:
-    """Where a reader of a conversation's index got to: `generation` changes when the index is
-    replaced (deleted and begun anew), `position` grows with every append."""
+    """Where a reader of a conversation's index got to.
+
+    `generation` changes when the index is replaced (deleted and begun anew), `position` grows
+    with every append.
+    """
 
     generation: int | str
     position: int
@@ -108,8 +113,10 @@ class Version:
 
 @dataclass(frozen=True, slots=True)
 class IndexEntry:
-    """One index entry: a committed response's id and its records (context snapshots left
-    out: they are not needed to rebuild history), or a marker record."""
+    """One index entry: a committed response's id and its records, or a marker record.
+
+    A response's context snapshots are left out: they are not needed to rebuild history.
+    """
 
     response_id: str | None
     marker: Record | None
@@ -127,8 +134,11 @@ class IndexRead:
 
 @dataclass(frozen=True, slots=True)
 class IndexList:
-    """A whole index as `read_entries` gives it: response ids and marker records, in order,
-    and the version it is at (None: there is no such conversation)."""
+    """A whole index as `read_entries` gives it.
+
+    Response ids and marker records, in order, and the version it is at (None: there is no such
+    conversation).
+    """
 
     entries: list[str | Record]
     version: Version | None
@@ -136,10 +146,13 @@ class IndexList:
 
 @dataclass(frozen=True, slots=True)
 class Listed:
-    """A conversation on a page of the list: its id, its last change, the version it is at (None:
-    not known), and the row kept for it at that version, if any (`row` of an append, or
-    `keep_rows`): a row kept for another version is never handed out. A row is the services'
-    JSON (what a list shows of the conversation); stores keep it as it is."""
+    """A conversation on a page of the list.
+
+    Its id, its last change, the version it is at (None: not known), and the row kept for it at
+    that version, if any (`row` of an append, or `keep_rows`): a row kept for another version is
+    never handed out. A row is the services' JSON (what a list shows of the conversation);
+    stores keep it as it is.
+    """
 
     conversation_id: str
     changed: float
@@ -149,8 +162,11 @@ class Listed:
 
 @dataclass(frozen=True, slots=True)
 class Damage:
-    """What `Store.check` found (`gateway fsck`): where (a file relative to the store's root
-    and its line, or a table and row), what is wrong, and what repairing does or did about it."""
+    """What `Store.check` found (`gateway fsck`).
+
+    Where (a file relative to the store's root and its line, or a table and row), what is wrong,
+    and what repairing does or did about it.
+    """
 
     path: str
     line: int | None
@@ -165,8 +181,10 @@ class Damage:
 
 @dataclass(frozen=True, slots=True)
 class Appended:
-    """An append to an index: the version just before it and just after it. A reader that was
-    at `before` may apply the appended entry itself and be at `after`."""
+    """An append to an index: the version just before it and just after it.
+
+    A reader that was at `before` may apply the appended entry itself and be at `after`.
+    """
 
     before: Version
     after: Version
@@ -184,28 +202,37 @@ class ResponseLog(ABC):
     row: JSONObject | None = None  # see `list_as`
 
     def list_as(self, row: JSONObject | None) -> None:
-        """What a list shows of the conversation once this response is in it (see `Listed`):
-        `commit` keeps it with the index append."""
+        """Set what a list shows of the conversation once this response is in it (see `Listed`).
+
+        `commit` keeps it with the index append.
+        """
         self.row = row
 
     @abstractmethod
     async def commit(self, conversation_id: str | None) -> Appended | None:
-        """Write the commit record, make it durable, then append the id to the index (the
-        append, when there is a conversation), with the row of `list_as`."""
+        """Write the commit record, make it durable, then append the id to the index.
+
+        Returns the append, when there is a conversation; the row of `list_as` goes with it.
+        """
 
     @abstractmethod
     async def abandon(self, reason: str, error: JSONObject | None = None) -> None:
         """Close the log marked incomplete; nothing enters any index."""
 
     def meanwhile(self) -> None:  # noqa: B027 - optional hook
-        """Called once the provider has the request (or its answer has begun): work the log
-        can do while the provider answers, off the client's wait (the JSONL file's creation).
-        Never raises; `commit` and `abandon` do it themselves when it was not called."""
+        """Do the work the log can do while the provider answers, off the client's wait.
+
+        Called once the provider has the request (or its answer has begun); the work is the JSONL
+        file's creation. Never raises; `commit` and `abandon` do it themselves when it was not
+        called.
+        """
 
     @property
     def commit_waits(self) -> bool:
-        """Would `commit` wait (for a database, or a sync shared with other turns)? When it
-        would not, the service runs it in the turn's own task (see `run_to_end`)."""
+        """Would `commit` wait (for a database, or a sync shared with other turns)?
+
+        When it would not, the service runs it in the turn's own task (see `run_to_end`).
+        """
         return True
 
 
@@ -237,20 +264,26 @@ class Store(ABC):
 
     @abstractmethod
     async def read_conversation(self, conversation_id: str, after: Version | None = None) -> IndexRead:
-        """The index entries after `after` (all of them when None, or when the index was
-        replaced since). A torn last line is repaired only by a holder of the lock."""
+        """The index entries after `after` (all of them when None, or when the index was replaced since).
+
+        A torn last line is repaired only by a holder of the lock.
+        """
 
     async def read_entries(self, conversation_id: str) -> IndexList:
-        """The whole index alone, whatever the conversation's size, at the version
-        `read_conversation` would give (read the responses needed with `read_turns`). This
-        default reads every response: backends override it."""
+        """The whole index alone, whatever the conversation's size.
+
+        At the version `read_conversation` would give (read the responses needed with
+        `read_turns`). This default reads every response: backends override it.
+        """
         read = await self.read_conversation(conversation_id)
         entries = [e.marker if e.marker is not None else str(e.response_id) for e in read.entries]
         return IndexList(entries, read.version)
 
     async def read_turns(self, response_ids: Sequence[str]) -> list[list[Record]]:
-        """The records of these responses, in order, context snapshots left out (as
-        `read_conversation` gives them: empty for a missing response)."""
+        """The records of these responses, in order, context snapshots left out.
+
+        As `read_conversation` gives them: empty for a missing response.
+        """
         out: list[list[Record]] = []
         for rid in response_ids:
             try:
@@ -277,21 +310,30 @@ class Store(ABC):
         self, conversation_id: str, marker: Record, row: JSONObject | None = None
     ) -> Appended:
         """Append a marker (creation, metadata, reset, item deletion) to the index durably.
-        Call under `lock`; creates the conversation if it does not exist. `row`: as `commit`'s."""
+
+        Call under `lock`; creates the conversation if it does not exist. `row`: as `commit`'s.
+        """
 
     @abstractmethod
     async def delete_conversation(self, conversation_id: str, *, archive: bool = False) -> bool:
-        """Remove (or archive) the index, its responses and summaries. Call under `lock`.
-        False if there was no such conversation."""
+        """Remove (or archive) the index, its responses and summaries.
+
+        Call under `lock`. False if there was no such conversation.
+        """
 
     async def fork(self, source: str, target: str, through: str) -> None:
-        """Start conversation `target` with `source`'s index up to and including response
-        `through` (ids only: the response files are shared, not copied). Call under both locks."""
+        """Start conversation `target` with `source`'s index up to and including response `through`.
+
+        Ids only: the response files are shared, not copied. Call under both locks.
+        """
         raise InvalidRequest("Branching from an earlier response is not supported by this storage backend")
 
     async def sharing(self, conversation_id: str, response_id: str) -> list[str]:
-        """The other conversations whose index names `response_id` too (branches made with
-        `fork` share their prefix's responses). A backend without `fork` has none."""
+        """The other conversations whose index names `response_id` too.
+
+        Branches made with `fork` share their prefix's responses. A backend without `fork` has
+        none.
+        """
         return []
 
     async def tombstone(self, response_id: str) -> None:
@@ -299,15 +341,20 @@ class Store(ABC):
         raise InvalidRequest("Deleting responses is not supported by this storage backend")
 
     async def try_processor_lease(self) -> bool | None:
-        """Take the lifecycle processor's lease for everything this backend holds, if the
-        backend provides one (shared databases do); None means: use the data dir's lock file."""
+        """Take the lifecycle processor's lease for everything this backend holds.
+
+        Only if the backend provides one (shared databases do); None means: use the data dir's
+        lock file.
+        """
         return None
 
     async def check(self, *, repair: bool = False, lock_timeout: float = 30.0) -> list[Damage]:
-        """Look for damage a reader would trip on (`gateway fsck`). With `repair`, set each
-        damaged line or record aside (never deleting it), holding the conversation's lock, and
-        return what was done plus whatever is still wrong. A backend with nothing on disk has
-        nothing to check."""
+        """Look for damage a reader would trip on (`gateway fsck`).
+
+        With `repair`, set each damaged line or record aside (never deleting it), holding the
+        conversation's lock, and return what was done plus whatever is still wrong. A backend with
+        nothing on disk has nothing to check.
+        """
         return []
 
     async def exists(self, conversation_id: str) -> bool:
@@ -327,37 +374,49 @@ class Store(ABC):
         after: str | None = None,
         descending: bool = False,
     ) -> tuple[list[str], bool]:
-        """A page of the committed responses not deleted since whose request came through `api`
-        (`gateway.types.request_api`) and, with `model`, named that model: at most `limit` ids in
-        the order of their request's `created` time (ties: by id), oldest first unless
-        `descending`, after response `after` (any response log with a request record, a deleted
-        one included: NotFound when there is none); and whether more follow. No backend reads
-        every response for a page (each says what a page costs)."""
+        """A page of the committed, not deleted responses whose request came through `api`.
+
+        `api` as `gateway.types.request_api` names it; with `model`, only those that named that
+        model. At most `limit` ids in the order of their request's `created` time (ties: by id),
+        oldest first unless `descending`, after response `after` (any response log with a request
+        record, a deleted one included: NotFound when there is none); and whether more follow. No
+        backend reads every response for a page (each says what a page costs).
+        """
 
     @abstractmethod
     async def append_side(self, kind: SideLog, key: str, record: Record) -> None:
-        """Append to a side log: `summaries`/`lifecycle` (key: conversation id), `users` (key:
-        hashed user), `digests` (key: hashed user and day), `models` (key: provider and model),
-        `compactions` (key: compaction id), `metadata` (key: response id; metadata set on a stored
-        chat completion since)."""
+        """Append to a side log.
+
+        `summaries`/`lifecycle` (key: conversation id), `users` (key: hashed user), `digests`
+        (key: hashed user and day), `models` (key: provider and model), `compactions` (key:
+        compaction id), `metadata` (key: response id; metadata set on a stored chat completion
+        since).
+        """
 
     @abstractmethod
     async def read_side(self, kind: SideLog, key: str, *, keep: bool = True) -> list[Record]:
-        """Every record of a side log, oldest first (empty if none). A backend may cache what
-        it read; `keep=False` (readers that go over many conversations: the lifecycle pass,
-        lists) uses a cached copy but adds none."""
+        """Every record of a side log, oldest first (empty if none).
+
+        A backend may cache what it read; `keep=False` (readers that go over many conversations:
+        the lifecycle pass, lists) uses a cached copy but adds none.
+        """
 
     @abstractmethod
     async def conversation_ids(self) -> list[tuple[str, float]]:
-        """(conversation id, last change time) of every conversation, most recent first;
-        cheap (no record is parsed)."""
+        """(conversation id, last change time) of every conversation, most recent first.
+
+        Cheap: no record is parsed.
+        """
 
     async def list_conversations(
         self, limit: int, after: str | None = None
     ) -> tuple[list[tuple[str, float]], bool]:
-        """A page of `conversation_ids`: at most `limit` (id, last change time), most recent
-        first (ties: greater id first), after conversation `after` (NotFound when there is no
-        such conversation); and whether more follow. Backends answer in O(page)."""
+        """A page of `conversation_ids`, and whether more follow.
+
+        At most `limit` (id, last change time), most recent first (ties: greater id first), after
+        conversation `after` (NotFound when there is no such conversation). Backends answer in
+        O(page).
+        """
         ids = sorted(await self.conversation_ids(), key=lambda p: (p[1], p[0]), reverse=True)
         start = 0
         if after is not None:
@@ -368,18 +427,24 @@ class Store(ABC):
         return ids[start : start + limit], len(ids) > start + limit
 
     async def list_rows(self, limit: int, after: str | None = None) -> tuple[list[Listed], bool]:
-        """`list_conversations`, each conversation with the row kept for it as it is now. This
-        default keeps none (every row is then made from the conversation)."""
+        """`list_conversations`, each conversation with the row kept for it as it is now.
+
+        This default keeps none (every row is then made from the conversation).
+        """
         page, more = await self.list_conversations(limit, after)
         return [Listed(cid, changed) for cid, changed in page], more
 
     async def keep_rows(self, rows: list[tuple[str, Version, JSONObject]]) -> None:  # noqa: B027 - optional
-        """Keep each (conversation, version, row): a row a list made for lack of one, for the
-        next list. Best effort, and never for another version than the one named."""
+        """Keep each (conversation, version, row): a row a list made for lack of one, for the next list.
+
+        Best effort, and never for another version than the one named.
+        """
 
     async def read_many(self, wanted: list[tuple[str, Version | None]]) -> list[IndexRead]:
-        """`read_conversation` of several conversations (each after its version), in one go
-        where the backend can (PostgreSQL: one query): a page of a list."""
+        """`read_conversation` of several conversations (each after its version): a page of a list.
+
+        In one go where the backend can (PostgreSQL: one query).
+        """
         return [await self.read_conversation(cid, after) for cid, after in wanted]
 
     async def read_sides(self, kind: SideLog, keys: list[str]) -> list[list[Record]]:

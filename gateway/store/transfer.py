@@ -1,6 +1,8 @@
-"""`gateway export` / `gateway import`: PostgreSQL <-> the JSONL layout, which is the
-interchange format. Export writes JsonlStore's exact layout (one consistent snapshot per tenant);
-import loads such a folder into an empty database, leaving torn last lines out."""
+"""`gateway export` / `gateway import`: PostgreSQL <-> the JSONL layout, which is the interchange format.
+
+Export writes JsonlStore's exact layout (one consistent snapshot per tenant); import loads such a
+folder into an empty database, leaving torn last lines out.
+"""
 
 from __future__ import annotations
 
@@ -62,8 +64,10 @@ def _write_file(path: Path, lines: list[str], mtime: float | None = None) -> Non
 
 
 async def export_jsonl(dsn: str, target: Path) -> TransferStats:
-    """Write every tenant's data in JsonlStore's exact layout under `target` (which must not
-    hold gateway data yet). One consistent snapshot per tenant."""
+    """Write every tenant's data in JsonlStore's exact layout under `target`.
+
+    `target` must not hold gateway data yet. One consistent snapshot per tenant.
+    """
     stats = TransferStats()
     with map_errors(f"cannot export from {redact_dsn(dsn)}"):
         conn = await asyncpg.connect(dsn, command_timeout=None)
@@ -179,8 +183,10 @@ def _jsonl_files(folder: Path) -> list[Path]:
 
 
 async def import_jsonl(dsn: str, source: Path) -> TransferStats:
-    """Load a JSONL data dir (JsonlStore's layout, tenants included) into the database, one
-    transaction per tenant: all of it or none. Refuses conversations that already exist."""
+    """Load a JSONL data dir (JsonlStore's layout, tenants included) into the database.
+
+    One transaction per tenant: all of it or none. Refuses conversations that already exist.
+    """
     roots = [("", source)]
     tenants = source / "tenants"
     if tenants.is_dir():
@@ -209,8 +215,11 @@ async def import_jsonl(dsn: str, source: Path) -> TransferStats:
 
 
 def _existing(detail: str | None) -> str:
-    """What already exists, from PostgreSQL's `Key (namespace, response_id, seq)=(, r1, 0) already
-    exists.`: "response 'r1' (tenant default) is already in the database"."""
+    """What already exists, in words, from PostgreSQL's detail of a unique violation.
+
+    `Key (namespace, response_id, seq)=(, r1, 0) already exists.` gives "response 'r1' (tenant
+    default) is already in the database".
+    """
     found = re.match(r"Key \((.*?)\)=\((.*?)\) already exists", detail or "")
     if found is None:
         return f"{detail or 'a record'} (already in the database)"

@@ -1,5 +1,7 @@
-"""The embedded store: JSONL files under the data dir (the layout and rules are in
-`gateway.store.jsonl.store`)."""
+"""The embedded store: JSONL files under the data dir.
+
+The layout and rules are in `gateway.store.jsonl.store`.
+"""
 
 from gateway.store.base import SIDE_LOGS
 from gateway.store.jsonl.files import parse_index, parse_jsonl

@@ -1,18 +1,19 @@
-"""fdatasync without a thread: Linux's native AIO (`io_submit` with IOCB_CMD_FDSYNC) runs the
-sync in the kernel's own worker and signals its end on an eventfd the event loop watches.
+"""fdatasync without a thread, through Linux's native AIO.
 
-The journal's commits used to hand their shared fdatasync to a thread of ours. Each hand-off
-woke that thread, passed the GIL to it and back, and woke the loop from it: about 0.06 ms of
-CPU per commit, and the loop's own system calls waited for the GIL behind it. Here the loop
-submits the sync (a system call that queues it and returns) and goes on; the eventfd becomes
-readable when the sync is done. Callers that ask while a sync of the same file is in flight
-share the next one (group commit), as they shared the thread's.
+`io_submit` with IOCB_CMD_FDSYNC runs the sync in the kernel's own worker and signals its end on
+an eventfd the event loop watches. Handing the journal's shared fdatasync to a thread of ours
+instead costs, at each hand-off, waking that thread, passing the GIL to it and back, and waking
+the loop from it: about 0.06 ms of CPU per commit, and the loop's own system calls wait for the
+GIL behind it. Here the loop submits the sync (a system call that queues it and returns) and goes
+on; the eventfd becomes readable when the sync is done. Callers that ask while a sync of the same
+file is in flight share the next one (group commit), as they share the sync thread's.
 
 `AioSync.open()` is None where this cannot work (not Linux, an unknown architecture, a kernel
 or a seccomp profile that refuses `io_setup`, the system's `aio-max-nr` reached): the journal
 then keeps its sync thread. The system calls are made through `ctypes.PyDLL`, which keeps the
 GIL: each returns at once, and giving the GIL away around it would invite the very hand-offs
-this avoids."""
+this avoids.
+"""
 
 from __future__ import annotations
 
@@ -128,8 +129,10 @@ class AioSync:
             pass
 
     def _collect(self, at_least: int, *, restart: bool) -> int:
-        """Settle the syncs that ended (waiting for `at_least` of them); with `restart`, start
-        the next sync of a file someone asked for meanwhile. How many ended."""
+        """Settle the syncs that ended (waiting for `at_least` of them); return how many ended.
+
+        With `restart`, start the next sync of a file someone asked for meanwhile.
+        """
         got = self._call(self._getevents, self._context, at_least, _EVENTS, self._events, None)
         while got < 0 and ctypes.get_errno() == errno.EINTR:  # a signal: the events are still there
             got = self._call(self._getevents, self._context, at_least, _EVENTS, self._events, None)
@@ -141,9 +144,11 @@ class AioSync:
         return got
 
     def close(self) -> None:
-        """On the loop: end the syncs in flight (their waiters get their outcome), then release
-        the context. Waiters of syncs not begun get NotSubmitted (nothing waits at a clean
-        close)."""
+        """On the loop: end the syncs in flight, then release the context.
+
+        The waiters of syncs in flight get their outcome; waiters of syncs not begun get
+        NotSubmitted (nothing waits at a clean close).
+        """
         if self.closed:
             return
         self.closed = True
@@ -160,8 +165,10 @@ class AioSync:
 
 
 class NotSubmitted(OSError):
-    """`io_submit` refused the sync: nothing was synced, and nothing is known to be lost (the
-    caller syncs another way)."""
+    """`io_submit` refused the sync: nothing was synced, and nothing is known to be lost.
+
+    The caller syncs another way.
+    """
 
 
 def settle(futures: list[asyncio.Future[None]], error: OSError | None) -> None:

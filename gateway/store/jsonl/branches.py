@@ -1,7 +1,9 @@
-"""Deleting (or archiving) a conversation, tombstoning a response, and branching a conversation
-at an earlier response. A fork (`{source[:100]}.fork-{hex}`) shares its prefix's response files
-with its source instead of copying them, so deletion keeps the files another conversation of the
-family still names (found in the catalog, not by scanning the folder)."""
+"""Deleting (or archiving) a conversation, tombstoning a response, branching one at an earlier response.
+
+A fork (`{source[:100]}.fork-{hex}`) shares its prefix's response files with its source instead
+of copying them, so deletion keeps the files another conversation of the family still names
+(found in the catalog, not by scanning the folder).
+"""
 
 from __future__ import annotations
 
@@ -102,10 +104,12 @@ def delete_files(data_dir: DataDir, conversation_id: str, owned: list[str]) -> N
 
 
 def named_by_relatives(data_dir: DataDir, catalog: Catalog, conversation_id: str) -> set[str]:
-    """Response ids that other conversations of the same fork family name. A fork
-    (`{source[:100]}.fork-{hex}`, made by the Responses API) shares its prefix's response
+    """Response ids that other conversations of the same fork family name.
+
+    A fork (`{source[:100]}.fork-{hex}`, made by the Responses API) shares its prefix's response
     files with its source and its siblings instead of copying them. The family comes from the
-    catalog (no scan of the conversations folder)."""
+    catalog (no scan of the conversations folder).
+    """
     catalog.refresh()
     named: set[str] = set()
     for other in catalog.family(conversation_id):

@@ -1,7 +1,8 @@
-"""The conversation catalog of a JSONL data dir: which conversations exist and when each last
-changed, so that a page of the list, a fork family or an existence check costs what it returns,
-not a scan of `logs/conversations/`; and each conversation's list row, so that a page does not
-read the conversations either.
+"""The conversation catalog of a JSONL data dir: which conversations exist, when each last changed.
+
+So a page of the list, a fork family or an existence check costs what it returns, not a scan of
+`logs/conversations/`. It also keeps each conversation's list row, so that a page does not read
+the conversations either.
 
     {data_dir}/catalog/conversations.jsonl  {"id": ..., "at": ..., "row": offset} or {"id": ..., "gone": true}
     {data_dir}/catalog/rows.jsonl           {"id": ..., "v": [generation, position], "row": {...}}
@@ -53,8 +54,10 @@ _COMPACT_FLOOR = 4096
 
 
 def forget_catalogs(root: Path) -> None:
-    """Remove the catalogs of a data dir (its tenants' too) after files were copied in (`gateway
-    import`): every process, running or not, then rebuilds its catalog from the folder."""
+    """Remove the catalogs of a data dir (its tenants' too) after files were copied in (`gateway import`).
+
+    Every process, running or not, then rebuilds its catalog from the folder.
+    """
     tenants = root / "tenants"
     bases = [root, *(p for p in tenants.iterdir() if p.is_dir())] if tenants.is_dir() else [root]
     for base in bases:
@@ -69,8 +72,10 @@ def forget_catalogs(root: Path) -> None:
 
 
 def index_times(folder: Path) -> list[tuple[str, float]]:
-    """(id, index modification time) of every conversation in the folder: a scan, for the
-    lifecycle pass (whose idle clock is the file's time), never for a list."""
+    """(id, index modification time) of every conversation in the folder.
+
+    A scan, for the lifecycle pass (whose idle clock is the file's time), never for a list.
+    """
     out = []
     if folder.is_dir():
         with os.scandir(folder) as entries:
@@ -90,8 +95,10 @@ def family_root(conversation_id: str) -> str:
 
 
 def _related(conversation_id: str) -> bool:
-    """Could it share response files with another conversation (a fork, or a source cut to 100
-    characters in its forks' ids)?"""
+    """Could it share response files with another conversation?
+
+    It could if it is a fork, or a source cut to 100 characters in its forks' ids.
+    """
     return ".fork-" in conversation_id or len(conversation_id) > 100
 
 
@@ -109,8 +116,11 @@ def _row_offset(value: object) -> int | None:
 
 
 def _decode(line: bytes) -> _Line | None:
-    """A catalog line; None for a line that is not one. A torn line (a writer that died
-    mid-write) has the next writer's line glued to it: that one is kept."""
+    """A catalog line; None for a line that is not one.
+
+    A torn line (a writer that died mid-write) has the next writer's line glued to it: that one
+    is kept.
+    """
     try:
         record = orjson.loads(line)
     except orjson.JSONDecodeError:
@@ -166,9 +176,11 @@ def _row_line(cid: str, version: Version, row: JSONObject) -> bytes:
 
 
 class Catalog:
-    """One data dir's catalog, in this process: `at` (id -> last change) and `_keys`, the same as
-    (last change, id) pairs sorted, for keyset pages; `rows` (id -> where its newest row starts
-    in rows.jsonl). Safe to use from several threads."""
+    """One data dir's catalog, in this process. Safe to use from several threads.
+
+    `at` (id -> last change) and `_keys`, the same as (last change, id) pairs sorted, for keyset
+    pages; `rows` (id -> where its newest row starts in rows.jsonl).
+    """
 
     def __init__(self, data_dir: DataDir) -> None:
         self.data_dir = data_dir
@@ -200,10 +212,12 @@ class Catalog:
             os.close(fd)  # releases the flock
 
     def _append(self, records: list[tuple[dict[str, object], bytes | None]]) -> None:
-        """Append lines, each after its row (if any: appended to rows.jsonl first, its offset
-        then named by the line); nothing when there is no catalog yet (the first load builds it
-        from the folder). A failure is logged, never raised: the turn it follows is already
-        durable."""
+        """Append lines, each after its row, if any; nothing when there is no catalog yet.
+
+        A row is appended to rows.jsonl first, its offset then named by the line. With no catalog,
+        the first load builds it from the folder. A failure is logged, never raised: the turn it
+        follows is already durable.
+        """
         try:
             with self._appending:  # one thread at a time on the kept descriptor's flock
                 if self._append_fd < 0:
@@ -313,8 +327,11 @@ class Catalog:
                 self._families.setdefault(family_root(cid), set()).add(cid)
 
     def _read_file(self) -> bool:
-        """Read the whole file into memory; False when there is none. Decoded in one go (a
-        damaged line sends it line by line); ids are checked where they are used (`page`)."""
+        """Read the whole file into memory; False when there is none.
+
+        Decoded in one go (a damaged line sends it line by line); ids are checked where they are
+        used (`page`).
+        """
         self._reset()
         try:
             with open(self.path, "rb") as f:
@@ -362,8 +379,10 @@ class Catalog:
         return True
 
     def _on_disk(self) -> set[str]:
-        """The conversations in the folder (their index files' names; checked only where they
-        differ from the catalog's)."""
+        """The conversations in the folder: their index files' names.
+
+        Checked only where they differ from the catalog's.
+        """
         try:
             names = os.listdir(self.data_dir.conversations_dir)
         except FileNotFoundError:
@@ -371,9 +390,11 @@ class Catalog:
         return {name[:-6] for name in names if name.endswith(".jsonl")}
 
     def _rebuild(self) -> None:
-        """Write the catalog anew, one line per conversation, oldest change first: what this
-        process knows, checked against the folder (under the exclusive lock, so no append is
-        lost and no conversation created meanwhile is missed)."""
+        """Write the catalog anew, one line per conversation, oldest change first.
+
+        What this process knows, checked against the folder (under the exclusive lock, so no
+        append is lost and no conversation created meanwhile is missed).
+        """
         self.data_dir.locks_dir.mkdir(parents=True, exist_ok=True)
         with self._flock(fcntl.LOCK_EX):
             if not self._read_file():
@@ -394,9 +415,11 @@ class Catalog:
         log.info("rebuilt the conversation catalog of %s (%d conversations)", self.data_dir.root, len(pairs))
 
     def _write_anew(self) -> bytes:
-        """Replace both files by what this process holds (the rows first: a reader that takes
-        an old offset into the new file finds no row of its conversation there); the catalog's
-        bytes."""
+        """Replace both files by what this process holds; return the catalog's bytes.
+
+        The rows first: a reader that takes an old offset into the new file finds no row of its
+        conversation there.
+        """
         kept = self._kept_rows()
         offsets, end = {}, 0
         for cid, row in kept.items():
@@ -449,8 +472,11 @@ class Catalog:
         self.loaded = True
 
     def refresh(self) -> None:
-        """Bring this process's copy up to date: load it once, then read what was appended since
-        (a new file, after another process rebuilt it, is read whole)."""
+        """Bring this process's copy up to date.
+
+        Load it once, then read what was appended since (a new file, after another process
+        rebuilt it, is read whole).
+        """
         with self._mutex:
             if not self.loaded:
                 self._load()
@@ -474,8 +500,10 @@ class Catalog:
 
     # -- questions (`page`, `family`: call `refresh` first) ------------------------------------
     def page(self, limit: int, after: str | None) -> tuple[list[tuple[str, float, int | None]], bool] | None:
-        """Up to `limit` (id, last change, where its row is), most recent first, after
-        conversation `after`; and whether more follow. None when `after` is not in the catalog."""
+        """Up to `limit` (id, last change, where its row is), most recent first; and whether more follow.
+
+        The page starts after conversation `after`; None when `after` is not in the catalog.
+        """
         with self._mutex:
             end = len(self._keys)
             if after is not None:
@@ -494,8 +522,10 @@ class Catalog:
                 end -= len(bad)
 
     def forget(self, cid: str) -> None:
-        """An index found gone by a reader: out of this process's copy (the file is left alone:
-        readers never write)."""
+        """Take an index found gone by a reader out of this process's copy.
+
+        The file is left alone: readers never write.
+        """
         with self._mutex:
             self._set(cid, None)
 
@@ -510,10 +540,13 @@ class Catalog:
             return out
 
     def newest(self, limit: int) -> tuple[list[tuple[str, float, int | None]], bool] | None:
-        """The first page (as `page` gives it) without loading the catalog (a process that
-        lists once, such as `gateway conversations`): read from the end of the file back, until
-        enough conversations are found (lines are appended in time order, give or take a few
-        racing writers: twice the page is read, then sorted). None when there is no catalog file."""
+        """The first page (as `page` gives it) without loading the catalog.
+
+        For a process that lists once, such as `gateway conversations`: read from the end of the
+        file back, until enough conversations are found (lines are appended in time order, give or
+        take a few racing writers: twice the page is read, then sorted). None when there is no
+        catalog file.
+        """
         want = 2 * limit + 16
         latest: dict[str, float | None] = {}
         rows: dict[str, int | None] = {}
@@ -546,9 +579,11 @@ class Catalog:
         return [(cid, at, rows.get(cid)) for at, cid in found[:limit]], len(found) > limit
 
     def listed(self, limit: int, after: str | None, *, rows: bool) -> tuple[list[Listed], bool] | None:
-        """`page`, up to date, each conversation's index looked at for the version it is at (a
-        stat and a small read each: an index removed behind the catalog's back is left out);
-        with `rows`, each with its row when one is kept for that version."""
+        """`page`, up to date, each conversation's index looked at for the version it is at.
+
+        A stat and a small read each: an index removed behind the catalog's back is left out.
+        With `rows`, each with its row when one is kept for that version.
+        """
         if not self.loaded and after is None and not self._quick:
             self._quick = True  # once: a process that lists again loads the catalog
             quick = self.newest(limit)

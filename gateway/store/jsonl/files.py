@@ -1,5 +1,7 @@
-"""The JSONL files: decoding lines (keeping where a bad one was found) and appending to files
-without leaving a short write unnoticed."""
+"""The JSONL files: decoding lines and appending to files.
+
+Decoding keeps where a bad line was found; appending leaves no short write unnoticed.
+"""
 
 from __future__ import annotations
 
@@ -87,8 +89,10 @@ def _plain_ids(run: bytes) -> list[str] | None:
 
 
 def read_index_lines(data: bytes, *, path: str = "") -> tuple[list[str | Record], int]:
-    """`parse_index`, at C speed for what indexes hold: runs of plain id lines between
-    marker lines (anything else is left to `parse_index`, which also says where it is)."""
+    """`parse_index`, at C speed for what indexes hold: runs of plain id lines between marker lines.
+
+    Anything else is left to `parse_index`, which also says where it is.
+    """
     end = data.rfind(b"\n") + 1
     entries: list[str | Record] = []
     at = 0
@@ -119,9 +123,11 @@ def write_all(fd: int, data: bytes) -> None:
 
 
 def end_log(path: Path | str, start: int, data: bytes) -> None:
-    """Append `data` (whole lines) to a response log, first cutting what a failed write left
-    torn after offset `start` (the end of the log's first record): every line stays whole and
-    the log ends with `data` (a torn line in the middle would make the log unreadable)."""
+    """Append `data` (whole lines) to a response log, first cutting what a failed write left torn.
+
+    What is cut lies after offset `start` (the end of the log's first record): every line stays
+    whole and the log ends with `data` (a torn line in the middle would make the log unreadable).
+    """
     fd = os.open(path, os.O_RDWR)
     try:
         size = os.fstat(fd).st_size
@@ -138,19 +144,23 @@ def end_log(path: Path | str, start: int, data: bytes) -> None:
 
 
 def index_generation(fd: int, stat: os.stat_result, first_line: bytes = b"") -> str:
-    """An index file's identity across appends: its inode and its first line. A deleted file's
-    inode is soon reused, so a reader that saw a deleted index could take a new one at the same
-    inode (and by chance the same size) for the one it read; the first line, a minted response
-    id or a creation marker, tells them apart. `first_line`: what an append to an empty file
-    writes (`fd` must be readable otherwise)."""
+    """An index file's identity across appends: its inode and its first line.
+
+    A deleted file's inode is soon reused, so a reader that saw a deleted index could take a new
+    one at the same inode (and by chance the same size) for the one it read; the first line, a
+    minted response id or a creation marker, tells them apart. `first_line`: what an append to an
+    empty file writes (`fd` must be readable otherwise).
+    """
     head = (os.pread(fd, 128, 0) if stat.st_size else first_line).split(b"\n", 1)[0]
     return f"{stat.st_ino}:{head.decode('utf-8', 'replace')}"
 
 
 @contextmanager
 def os_errors(action: str) -> Iterator[None]:
-    """What the OS refuses (EACCES, EIO, EMFILE, ENOTDIR, ...) as a StorageError: a 503 saying
-    what could not be done and why, never a server path."""
+    """What the OS refuses (EACCES, EIO, EMFILE, ENOTDIR, ...) as a StorageError.
+
+    A 503 saying what could not be done and why, never a server path.
+    """
     try:
         yield
     except OSError as exc:
@@ -188,9 +198,12 @@ def file_size(path: Path) -> int:
 
 
 def read_records(path: Path, shown: str, *, skip_context: bool = False) -> list[Record]:
-    """The records of a JSONL file (none if it is missing); `skip_context`: without context
-    snapshot lines (the bulk of a response log, not needed to rebuild history). A torn last
-    line is left out, and cut from a response log that nothing can still be writing."""
+    """The records of a JSONL file (none if it is missing).
+
+    `skip_context`: without context snapshot lines (the bulk of a response log, not needed to
+    rebuild history). A torn last line is left out, and cut from a response log that nothing can
+    still be writing.
+    """
     try:
         data = path.read_bytes()
     except FileNotFoundError:
@@ -208,10 +221,12 @@ def read_records(path: Path, shown: str, *, skip_context: bool = False) -> list[
 
 
 def cut_torn_tail(path: Path, whole: int, records: list[Record], shown: str) -> None:
-    """Cut a response log's torn last line (a write cut short by a crash) back to its `whole`
-    lines, once nothing can still be writing that line: the log has ended (nothing is written
-    after its commit or incomplete record) or the process that wrote it is gone. Otherwise the
-    "torn" line may be a write in progress, and it is only left out."""
+    """Cut a response log's torn last line back to its `whole` lines, once nothing can still write it.
+
+    A torn line is a write cut short by a crash. Nothing can still be writing it when the log has
+    ended (nothing is written after its commit or incomplete record) or the process that wrote it
+    is gone. Otherwise the "torn" line may be a write in progress, and it is only left out.
+    """
     ended = bool(records) and records[-1].get("type") in ("commit", "incomplete")
     if not ended and not (records and gone(records[0].get("writer"))):
         return
@@ -230,9 +245,12 @@ _RESPONSE_PREFIX = b'{"type":"response"'
 
 
 def read_turn_records(path: Path, shown: str) -> list[Record]:
-    """`read_records(skip_context=True)`, reading only the head (the request line) and the tail
-    (the response record on) of a log whose context snapshot lies between them: a turn costs
-    the same to read whatever window it sent. Any other shape is read whole."""
+    """`read_records(skip_context=True)`, reading only the head and the tail of a log.
+
+    The head is the request line, the tail the response record on; the log's context snapshot
+    lies between them, so a turn costs the same to read whatever window it sent. Any other shape
+    is read whole.
+    """
     try:
         fd = os.open(path, os.O_RDONLY)
     except FileNotFoundError:
@@ -271,8 +289,11 @@ def probe_file(path: Path, sync: bool) -> None:
 
 
 class NamedFiles:
-    """`folder/{name}.jsonl` for names `check`ed once: a turn asks for its index's path several
-    times, and building a Path costs more than the rest of the lookup. At most `limit` kept."""
+    """`folder/{name}.jsonl` for names `check`ed once. At most `limit` kept.
+
+    A turn asks for its index's path several times, and building a Path costs more than the rest
+    of the lookup.
+    """
 
     def __init__(self, folder: Path, check: Callable[[str], str], limit: int) -> None:
         self.folder = folder

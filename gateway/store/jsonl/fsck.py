@@ -1,9 +1,12 @@
-"""`gateway fsck` for the JSONL layout: lines no reader can decode (in an index, a response file
-or a side log), torn last lines, index lines naming a response file that is missing, empty or
-not committed, and empty response files. Repairing moves each damaged line or file into
-`{data_dir}/quarantine/{time}/` (same relative path; a line as `FILE.line-N`) and notes it in
-that folder's `notes.jsonl`: nothing is deleted. A conversation's index and response files are
-repaired under its lock, so a running gateway can stay up."""
+"""`gateway fsck` for the JSONL layout: find damaged lines and files, and set them aside.
+
+Damage is: lines no reader can decode (in an index, a response file or a side log), torn last
+lines, index lines naming a response file that is missing, empty or not committed, and empty
+response files. Repairing moves each damaged line or file into `{data_dir}/quarantine/{time}/`
+(same relative path; a line as `FILE.line-N`) and notes it in that folder's `notes.jsonl`:
+nothing is deleted. A conversation's index and response files are repaired under its lock, so a
+running gateway can stay up.
+"""
 
 from __future__ import annotations
 
@@ -43,8 +46,10 @@ class Scanned:
 
 
 def scan(path: Path, *, index: bool = False) -> Scanned | None:
-    """Read a file as its readers do (`files.parse_jsonl` / `parse_index`), but go on past a
-    bad line. None when there is no such file."""
+    """Read a file as its readers do (`files.parse_jsonl` / `parse_index`), but go on past a bad line.
+
+    None when there is no such file.
+    """
     try:
         data = path.read_bytes()
     except FileNotFoundError:
@@ -79,8 +84,11 @@ def scan(path: Path, *, index: bool = False) -> Scanned | None:
 
 
 def response_problem(scanned: Scanned | None) -> str | None:
-    """Why an index may not name this response file (None: it may). Readers skip such an
-    entry (with a warning); fsck reports it and a repair moves the index line aside."""
+    """Why an index may not name this response file (None: it may).
+
+    Readers skip such an entry (with a warning); fsck reports it and a repair moves the index
+    line aside.
+    """
     if scanned is None:
         return "names a response file that is missing"
     if not scanned.records:
@@ -112,8 +120,10 @@ def _files(folder: Path, valid: Callable[[str], bool] | None = None) -> list[Pat
 
 @dataclass(slots=True)
 class Survey:
-    """Everything found in one pass, and who owns each damaged file (the conversation whose
-    lock its repair takes; None: no lock)."""
+    """Everything found in one pass, and who owns each damaged file.
+
+    The owner is the conversation whose lock its repair takes (None: no lock).
+    """
 
     damage: list[Damage] = field(default_factory=list)
     owners: dict[Path, str | None] = field(default_factory=dict)
@@ -211,8 +221,10 @@ def _requested_conversation(scanned: Scanned) -> str | None:
 
 
 class Quarantine:
-    """`{root}/quarantine/{time}-{pid}/`: damaged lines and files, and `notes.jsonl` saying
-    where each came from and why it was moved."""
+    """`{root}/quarantine/{time}-{pid}/`: damaged lines and files, and their notes.
+
+    `notes.jsonl` says where each came from and why it was moved.
+    """
 
     def __init__(self, data_dir: DataDir, *, fsync: bool) -> None:
         self.data_dir = data_dir
@@ -259,8 +271,10 @@ class Quarantine:
         return self._note(path, None, problem, target)
 
     def move_lines(self, path: Path, scanned: Scanned, drop: dict[int, str]) -> list[Damage]:
-        """Rewrite `path` without the lines in `drop` (each kept in quarantine first); a file
-        with no line left is moved whole."""
+        """Rewrite `path` without the lines in `drop` (each kept in quarantine first).
+
+        A file with no line left is moved whole.
+        """
         lines = scanned.data.split(b"\n")
         kept = [line for n, line in enumerate(lines[:-1], start=1) if n not in drop]
         if not any(line.strip() for line in kept):
@@ -304,8 +318,11 @@ def repair_file(q: Quarantine, path: Path) -> list[Damage]:
 
 
 def repair_conversation(q: Quarantine, cid: str, files: list[Path]) -> list[Damage]:
-    """Under the conversation's lock: its damaged response files first, then the index lines
-    that are unreadable or name a response that is (now) missing, empty or not committed."""
+    """Repair one conversation under its lock: its damaged response files first, then its index.
+
+    The index lines moved aside are those that are unreadable or name a response that is (now)
+    missing, empty or not committed.
+    """
     done: list[Damage] = []
     index = q.data_dir.index_path(cid)
     scanned = scan(index, index=True)

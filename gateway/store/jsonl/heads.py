@@ -1,5 +1,6 @@
-"""The response heads of a JSONL data dir: each response log's request time, model and API, so
-that a page of a list of responses (stored chat completions) costs what it walks, not a read of
+"""The response heads of a JSONL data dir: each response log's request time, model and API.
+
+So a page of a list of responses (stored chat completions) costs what it walks, not a read of
 every response log.
 
     {data_dir}/catalog/responses.jsonl   {"id": ..., "created": ..., "model": ..., "api": ...}
@@ -64,8 +65,11 @@ class Head:
 
 
 def read_head(path: Path) -> Head | None:
-    """The head of a response log, from its first record; None when it has none yet (a file
-    just made) or it cannot be read as one (a damaged line: `gateway fsck` names it)."""
+    """The head of a response log, from its first record; None when there is none to read.
+
+    None when the log has no first record yet (a file just made) or it cannot be read as one (a
+    damaged line: `gateway fsck` names it).
+    """
     try:
         f = open(path, "rb")  # noqa: SIM115 - closed below
     except FileNotFoundError:
@@ -90,9 +94,11 @@ def read_head(path: Path) -> Head | None:
 
 
 def last_record_type(path: Path) -> str | None:
-    """The `type` of a response log's last record, from the log's end only; None when the log
-    is gone or empty, ends in a torn line, or ends in a record longer than what is read (a reply
-    whose ending is not written yet: an ending is short)."""
+    """The `type` of a response log's last record, from the log's end only.
+
+    None when the log is gone or empty, ends in a torn line, or ends in a record longer than what
+    is read (a reply whose ending is not written yet: an ending is short).
+    """
     try:
         fd = os.open(path, os.O_RDONLY)
     except FileNotFoundError:
@@ -117,8 +123,11 @@ def last_record_type(path: Path) -> str | None:
 
 
 def _decode(record: object) -> tuple[str, Head] | None:
-    """A line of the file as (response id, head); None for one that is not. (The id is checked
-    where it is used: a head whose id names no log in the folder is dropped at once.)"""
+    """A line of the file as (response id, head); None for one that is not.
+
+    The id is checked where it is used: a head whose id names no log in the folder is dropped at
+    once.
+    """
     if not isinstance(record, dict):
         return None
     rid, created, model, api = record.get("id"), record.get("created"), record.get("model"), record.get("api")
@@ -143,8 +152,10 @@ def _log_names(folder: Path) -> set[str]:
 
 
 class Heads:
-    """One JSONL store's response heads, in this process (`folder`: `logs/responses/`; `path`:
-    the file kept for the next process). Safe to use from several threads."""
+    """One JSONL store's response heads, in this process. Safe to use from several threads.
+
+    `folder`: `logs/responses/`; `path`: the file kept for the next process.
+    """
 
     def __init__(self, folder: Path, path: Path) -> None:
         self.folder = folder
@@ -241,8 +252,10 @@ class Heads:
 
     # -- the file ------------------------------------------------------------------------------
     def _save(self, heads: dict[str, Head]) -> None:
-        """Append the heads just read, for the next process (a failure only costs it reading
-        them again)."""
+        """Append the heads just read, for the next process.
+
+        A failure only costs it reading them again.
+        """
         if not heads:
             return
         data = b"".join(_encode(rid, head) for rid, head in heads.items())
@@ -262,8 +275,10 @@ class Heads:
         self._lines += len(heads)
 
     def _rewrite(self) -> None:
-        """The file anew, one line per head this process knows (by a rename: a reader sees the
-        old file or the new one)."""
+        """Write the file anew, one line per head this process knows.
+
+        By a rename: a reader sees the old file or the new one.
+        """
         temp = self.path.with_name(f".{self.path.name}.{os.getpid()}.tmp")
         try:
             with open(temp, "wb") as f:
@@ -290,9 +305,11 @@ class Heads:
         descending: bool,
         taken: Callable[[str], bool],
     ) -> tuple[list[str], bool] | None:
-        """Up to `limit` ids of `api`'s logs (and `model`'s) in (request time, id) order after
-        response `after`, each one `taken` says yes to; and whether more follow. None when
-        `after` is no response log this process knows."""
+        """Up to `limit` ids of `api`'s logs (and `model`'s), and whether more follow.
+
+        In (request time, id) order after response `after`, each one `taken` says yes to. None
+        when `after` is no response log this process knows.
+        """
         with self._mutex:
             order = self._order[api]
             if after is None:

@@ -1,6 +1,7 @@
-"""The write-ahead journal: a turn's commit is durable once its records are in this process's
-journal and one fdatasync covers them, shared by every turn committing at the same time
-(group commit).
+"""The write-ahead journal that makes a turn's commit durable.
+
+A commit is durable once its records are in this process's journal and one fdatasync covers
+them, shared by every turn committing at the same time (group commit).
 
     {data_dir}/logs/journal/{pid}-{token}-{a|b}.wal   this process's journal (two, in turn)
 
@@ -18,7 +19,8 @@ A journal file is written from its start and emptied by overwriting what was wri
 zeros, never shortened: it is made PREALLOCATE bytes of zeros when opened, so an fdatasync
 writes the commit's blocks only, not the file's size and block map as a growing file needs
 (0.09 ms against 0.13 ms per sync here). A reader stops at the first zero byte, and at an
-entry whose crc does not match (a torn write over older zeros)."""
+entry whose crc does not match (a torn write over older zeros).
+"""
 
 from __future__ import annotations
 
@@ -111,8 +113,11 @@ Waiter = tuple[JournalFile, "asyncio.Future[None]"]
 
 
 class Journal:
-    """This process's journal for one data dir: appended on the event loop, synced by one
-    thread for every commit waiting; its syncs latch `durability` when they fail."""
+    """This process's journal for one data dir.
+
+    Appended on the event loop, synced by one thread for every commit waiting; its syncs latch
+    `durability` when they fail.
+    """
 
     def __init__(self, data_dir: DataDir, durability: Durability) -> None:
         self.data_dir = data_dir
@@ -136,11 +141,12 @@ class Journal:
 
     # -- the event loop's side --------------------------------------------------------------
     async def append(self, data: bytes) -> JournalFile:
-        """Append one commit and wait until it is durable; the caller then writes the files
-        and calls `done`.
+        """Append one commit and wait until it is durable.
 
-        When this is the only turn in progress, the loop syncs the journal itself: nobody
-        could share the sync, and the two thread hand-offs (about 0.1-0.3 ms) are saved."""
+        The caller then writes the files and calls `done`. When this is the only turn in
+        progress, the loop syncs the journal itself: nobody could share the sync, and the two
+        thread hand-offs (about 0.1-0.3 ms) are saved.
+        """
         if self.current is None:
             await self._open()
             self._stopped = False
@@ -265,8 +271,10 @@ class Journal:
         self._since = time.monotonic()
 
     def _maybe_rotate(self, *, idle: bool = False) -> None:
-        """Switch to the other journal (every ROTATE_SECONDS, or ROTATE_BYTES, or when idle);
-        the old one is emptied once its commits' files are written and synced."""
+        """Switch to the other journal (every ROTATE_SECONDS, or ROTATE_BYTES, or when idle).
+
+        The old one is emptied once its commits' files are written and synced.
+        """
         current, spare = self.current, self.spare
         if self._stopped or current is None or spare is None or not current.size or not spare.ready:
             return
@@ -346,8 +354,10 @@ class Journal:
                     pass
 
     def stop(self) -> None:
-        """After the last commit: make the journal's turns durable and remove it (and the
-        record of deletions, when no journal is left that it could concern)."""
+        """After the last commit: make the journal's turns durable and remove it.
+
+        The record of deletions goes too, when no journal is left that it could concern.
+        """
         self._stopped = True
         with self._guard:
             thread = self._thread if self._running else None

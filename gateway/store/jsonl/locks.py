@@ -1,16 +1,17 @@
-"""A conversation's lock across worker processes: one byte of `locks/conversations.lock` at an
-offset hashed from the id over 2^62 (a Linux open-file-description lock, kept by the file
-descriptor `LockFolder` opens once: no file per conversation); without such locks, an flock() on
-`locks/{id}.lock`.
+"""A conversation's lock across worker processes, and the order of its waiters.
+
+One byte of `locks/conversations.lock` at an offset hashed from the id over 2^62 (a Linux
+open-file-description lock, kept by the file descriptor `LockFolder` opens once: no file per
+conversation); without such locks, an flock() on `locks/{id}.lock`.
 
 Arrival order across processes: every request that has to wait for a conversation (behind
 another process, or behind a turn of its own process, whose asyncio queue keeps those in order)
 stands in line by holding a read lock on one byte of the conversation's queue region, above 2^62,
-at its arrival time (CLOCK_MONOTONIC microseconds, the
-same clock in every process, modulo 2^42: 51 days). Before trying the lock, a waiter asks the
-kernel whether another process holds a byte of that region below its own arrival (F_OFD_GETLK
-over the range): if one does, that earlier waiter goes first. A process that dies leaves no
-place in line (its locks go with its file descriptor).
+at its arrival time (CLOCK_MONOTONIC microseconds, the same clock in every process, modulo 2^42:
+51 days). Before trying the lock, a waiter asks the kernel whether another process holds a byte
+of that region below its own arrival (F_OFD_GETLK over the range): if one does, that earlier
+waiter goes first. A process that dies leaves no place in line (its locks go with its file
+descriptor).
 """
 
 from __future__ import annotations
@@ -145,8 +146,10 @@ class LockFolder:
 
 
 def try_lock_file(fd: int) -> bool:
-    """Lock a whole file for as long as `fd` is open (a journal's owner is alive while it holds
-    it): an open-file-description lock on Linux, flock() elsewhere."""
+    """Lock a whole file for as long as `fd` is open (a journal's owner is alive while it holds it).
+
+    An open-file-description lock on Linux, flock() elsewhere.
+    """
     try:
         if _OFD_SETLK is not None:
             fcntl.fcntl(fd, _OFD_SETLK, struct.pack("hhqqi4x", fcntl.F_WRLCK, os.SEEK_SET, 0, 0, 0))

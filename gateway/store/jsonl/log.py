@@ -1,5 +1,7 @@
-"""An open response log on disk: created while the provider works on the request, committed
-(durable in the journal, then the rest of the file, then the index line) or marked incomplete."""
+"""An open response log on disk: created while the provider works, then committed or marked incomplete.
+
+A commit makes it durable in the journal, then writes the rest of the file, then the index line.
+"""
 
 from __future__ import annotations
 
@@ -105,10 +107,12 @@ class JsonlLog(ResponseLog):
                 pass  # read again, and reported, by the commit
 
     def _open(self) -> None:
-        """Create the file with its first records, once: on the event loop (a page-cache
-        write, cheaper than a thread hop and the GIL passing to and from that thread), while
-        the provider works on the request, else at the commit or abandon. Nothing here is
-        synced: see `commit`."""
+        """Create the file with its first records, once, on the event loop.
+
+        A page-cache write, cheaper than a thread hop and the GIL passing to and from that thread;
+        made while the provider works on the request, else at the commit or abandon. Nothing here
+        is synced: see `commit`.
+        """
         if self._opened:
             return
         self._opened = True
@@ -205,13 +209,15 @@ class JsonlLog(ResponseLog):
             return 0
 
     def finish(self, tail: bytes, conversation_id: str | None) -> Appended | None:
-        """Write the rest of the response file, then the index line (no sync of their own:
-        the journal already holds both), then the catalog's line (with the list row, if any);
-        return the index append.
+        """Write the rest of the response file, the index line, the catalog's line; return the index append.
+
+        The response file and the index line have no sync of their own: the journal already holds
+        both. The catalog's line carries the list row, if any.
 
         On any failure nothing is acknowledged: an index line already written is taken back
         and the response log is marked incomplete (as far as the disk still allows), so that
-        neither the index nor the log claims a turn the client was told failed."""
+        neither the index nor the log claims a turn the client was told failed.
+        """
         before = -1
         written = False
         try:
@@ -254,8 +260,10 @@ class JsonlLog(ResponseLog):
         return os.open(index, os.O_RDWR | os.O_CREAT | os.O_APPEND, 0o644)
 
     def mark_failed(self, records: bytes, reason: str, conversation_id: str | None, before: int) -> None:
-        """Best effort after a failed commit: take our index line back (we hold the
-        conversation's lock, so it is the last one) and end the log with `incomplete`."""
+        """Best effort after a failed commit: take our index line back and end the log with `incomplete`.
+
+        We hold the conversation's lock, so our index line is the last one.
+        """
         if conversation_id is not None and before >= 0:
             index = self.data_dir.index_path(conversation_id)
             try:

@@ -1,5 +1,8 @@
-"""Reading a JSONL conversation index from a `Version` on: the lines appended since (all of
-them when the index was replaced), a torn last line cut only by a holder of the lock."""
+"""Reading a JSONL conversation index from a `Version` on.
+
+The lines appended since (all of them when the index was replaced), a torn last line cut only by
+a holder of the lock.
+"""
 
 from __future__ import annotations
 
@@ -56,8 +59,10 @@ def read_index_after(
 
 
 def index_version(path: Path) -> Version | None:
-    """The version an index is at now, without reading it: its generation and its size (None:
-    there is no index). One with a torn last line is at no version a reader was given."""
+    """The version an index is at now, without reading it: its generation and its size.
+
+    None: there is no index. One with a torn last line is at no version a reader was given.
+    """
     try:
         fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
     except FileNotFoundError:

@@ -1,12 +1,15 @@
-"""Replaying the journals of processes that are gone (at start, and in `gateway fsck`): every
-commit a journal holds gets its complete response file and its index line, unless the index
-went on without it (the turn was never acknowledged) or the conversation was deleted after it.
+"""Replaying the journals of processes that are gone (at start, and in `gateway fsck`).
+
+Every commit a journal holds gets its complete response file and its index line, unless the
+index went on without it (the turn was never acknowledged) or the conversation was deleted after
+it.
 
     {data_dir}/logs/journal/forgotten.jsonl   {"conversation_id", "at"}: deleted after `at` ns
 
 A journal is its owner's while the owner lives (a lock on the file); one nobody holds is
 replayed, its files synced, and removed. A replay is idempotent: a crash of the process only
-(the page cache survives) leaves nothing to do but a commit in progress."""
+(the page cache survives) leaves nothing to do but a commit in progress.
+"""
 
 from __future__ import annotations
 
@@ -42,8 +45,11 @@ class Entry:
 
 
 def parse_journal(data: bytes) -> tuple[list[Entry], set[str]]:
-    """The complete entries of a journal and the response ids aborted after; a torn tail (a
-    crash before its sync: never acknowledged) or the zeros after the last entry end it."""
+    """The complete entries of a journal and the response ids aborted after.
+
+    A torn tail (a crash before its sync: never acknowledged) or the zeros after the last entry
+    end it.
+    """
     entries: list[Entry] = []
     aborted: set[str] = set()
     pos = 0
@@ -80,8 +86,10 @@ def parse_journal(data: bytes) -> tuple[list[Entry], set[str]]:
 
 
 def forget(data_dir: DataDir, durability: Durability, conversation_id: str) -> None:
-    """Record, durably, that a conversation was deleted now: a replay must not bring back
-    its turns from a journal that still holds them."""
+    """Record, durably, that a conversation was deleted now.
+
+    A replay must not bring back its turns from a journal that still holds them.
+    """
     folder = data_dir.journal_dir
     folder.mkdir(parents=True, exist_ok=True)
     path = folder / FORGOTTEN

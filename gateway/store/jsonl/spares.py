@@ -87,8 +87,10 @@ def sweep(folder: Path) -> int:
 
 
 class Spares:
-    """One store's ready empty files, in this process. `create` runs on the event loop; the
-    refill runs in a thread of its own."""
+    """One store's ready empty files, in this process.
+
+    `create` runs on the event loop; the refill runs in a thread of its own.
+    """
 
     def __init__(self, folder: Path) -> None:
         self.folder = folder

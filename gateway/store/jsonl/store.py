@@ -1,11 +1,10 @@
-"""The embedded store: one JSONL file per response, one append-only JSONL index per conversation
-(the files and folders are in layout.py).
+"""The embedded store: one JSONL file per response, one append-only JSONL index per conversation.
 
-A turn's commit is made durable in the process's journal (one fdatasync shared by the turns
-committing together), then its response file is completed and its id appended to the index, so
-the index never names an incomplete response; a restart replays what a crash left unfinished.
-A reader gets the entries after a `Version` (the index file's inode and byte offset), so writes
-by another process are noticed.
+The files and folders are in layout.py. A turn's commit is made durable in the process's journal
+(one fdatasync shared by the turns committing together), then its response file is completed and
+its id appended to the index, so the index never names an incomplete response; a restart replays
+what a crash left unfinished. A reader gets the entries after a `Version` (the index file's inode
+and byte offset), so writes by another process are noticed.
 """
 
 from __future__ import annotations
@@ -141,11 +140,14 @@ class JsonlStore(Store):
     # -- locking ----------------------------------------------------------------------------
     @asynccontextmanager
     async def lock(self, conversation_id: str, timeout: float) -> AsyncIterator[None]:
-        """In this process, one asyncio.Lock per conversation (FIFO). Across processes, a lock
-        of the conversation's own: one byte of `locks/conversations.lock`, at an offset hashed
-        from the id over 2^62 (a Linux open-file-description lock, kept by this store's file
-        descriptor), so an unrelated conversation never waits for it and no file is created per
-        conversation. Without such locks (not Linux), an flock() on `locks/{id}.lock`."""
+        """Hold a conversation's lock, in this process and across processes.
+
+        In this process, one asyncio.Lock per conversation (FIFO). Across processes, a lock of the
+        conversation's own: one byte of `locks/conversations.lock`, at an offset hashed from the id
+        over 2^62 (a Linux open-file-description lock, kept by this store's file descriptor), so an
+        unrelated conversation never waits for it and no file is created per conversation. Without
+        such locks (not Linux), an flock() on `locks/{id}.lock`.
+        """
         check_conversation_id(conversation_id)
         arrived = arrival()  # this request's place in line, across processes too
         loop = asyncio.get_running_loop()
@@ -188,8 +190,10 @@ class JsonlStore(Store):
         return conversation_id in _HELD.get()
 
     async def probe(self) -> None:
-        """Create, write, sync and remove a small file in the data dir (a full or read-only
-        disk, or a vanished folder, fails here before a turn does)."""
+        """Create, write, sync and remove a small file in the data dir.
+
+        A full or read-only disk, or a vanished folder, fails here before a turn does.
+        """
         try:
             locks_dir = self.data_dir.locks_dir
             await asyncio.to_thread(probe_file, locks_dir / f".probe-{os.getpid()}", self.durability.fsync)
@@ -419,11 +423,14 @@ class JsonlStore(Store):
         after: str | None = None,
         descending: bool = False,
     ) -> tuple[list[str], bool]:
-        """A walk of the response heads (heads.py): a page costs a stat of `logs/responses/`
-        and, when files were added or removed since the last page, a listing of its names and
-        the first record of each new log; then, for each log walked, its last line (and nothing
-        for the other APIs' logs, nor for other models'). The first list of a data dir reads
-        every log's first record once, and saves them in `catalog/responses.jsonl`."""
+        """A walk of the response heads (heads.py).
+
+        A page costs a stat of `logs/responses/` and, when files were added or removed since the
+        last page, a listing of its names and the first record of each new log; then, for each log
+        walked, its last line (and nothing for the other APIs' logs, nor for other models'). The
+        first list of a data dir reads every log's first record once, and saves them in
+        `catalog/responses.jsonl`.
+        """
 
         def walk() -> tuple[list[str], bool] | None:
             self.heads.refresh()
