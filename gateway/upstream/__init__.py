@@ -33,8 +33,11 @@ class Route:
 
 
 class Router:
-    """`NAME/rest` goes to provider NAME as model `rest`; a bare provider name goes to that
-    provider as-is (e.g. `demo`); anything else goes to `default_provider` unchanged."""
+    """The rule that routes a request's model name to a provider (a `Route`).
+
+    `NAME/rest` goes to provider NAME as model `rest`; a bare provider name goes to that provider
+    as-is (e.g. `demo`); anything else goes to `default_provider` unchanged.
+    """
 
     def __init__(self, upstreams: dict[str, Upstream], default_provider: str) -> None:
         self.upstreams = upstreams

@@ -83,8 +83,11 @@ class SlotTable:
 
 
 def with_llamacpp_hints(body: Body, key: str | None, slots: SlotTable | None) -> Body:
-    """The body with llama.cpp's `cache_prompt: true` and, for a conversation on a server of
-    several slots, the slot it keeps (`id_slot`); the client's own values win."""
+    """The body with llama.cpp's `cache_prompt: true` and, where it has one, the conversation's slot.
+
+    A conversation on a server of several slots keeps its slot (`id_slot`); the client's own
+    values win.
+    """
     hints: Body = {"cache_prompt": True}
     if key is not None and slots is not None and "id_slot" not in body:
         hints["id_slot"] = slots.slot_for(key)
@@ -117,9 +120,11 @@ def _head_end(messages: Sequence[object]) -> int | None:
 
 
 def _blocks(message: object) -> list[object] | None:
-    """The message's content as a list of blocks (a copy), None when it has none to end with
-    a breakpoint: no content (an assistant's bare `tool_calls`), or an empty text last (litellm
-    drops an empty text block, and its breakpoint with it)."""
+    """The message's content as a list of blocks (a copy), None when it has none to end with a breakpoint.
+
+    That is: no content (an assistant's bare `tool_calls`), or an empty text last (litellm drops
+    an empty text block, and its breakpoint with it).
+    """
     content = message.get("content") if isinstance(message, dict) else None
     if isinstance(content, str) and content:
         return [{"type": "text", "text": content}]
@@ -131,13 +136,13 @@ def _blocks(message: object) -> list[object] | None:
 
 
 def with_cache_breakpoints(messages: Sequence[object], tools: object = None) -> list[object]:
-    """The messages with Anthropic `cache_control` breakpoints, in litellm's format (on the last
-    content block of a message).
+    """The messages with Anthropic `cache_control` breakpoints, in litellm's format.
 
-    One on the last message that can end with one, where the next turn reads the cache up to;
-    then one at the end of the stable head (the leading system messages), which a cut of the
-    history leaves in place; at most Anthropic's four in all, the client's own counted. The
-    messages given are left as they are: the ones marked are copies.
+    A breakpoint is on the last content block of a message. One on the last message that can end
+    with one, where the next turn reads the cache up to; then one at the end of the stable head
+    (the leading system messages), which a cut of the history leaves in place; at most
+    Anthropic's four in all, the client's own counted. The messages given are left as they are:
+    the ones marked are copies.
     """
     out = list(messages)
     room = ANTHROPIC_MAX_BREAKPOINTS - count_breakpoints(messages, tools)

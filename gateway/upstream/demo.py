@@ -40,9 +40,11 @@ def _text(message: Mapping[str, object]) -> str:
 
 
 def _summary_reply(prompt: str) -> str:
-    """A summary of what the summarizer's `prompt` holds (the current summary, new messages):
-    each fact stated in it, as "The user said my X is Y."; without any, the current summary
-    and what the user said, quoted."""
+    """A summary of what the summarizer's `prompt` holds (the current summary, new messages).
+
+    Each fact stated in it, as "The user said my X is Y."; without any, the current summary and
+    what the user said, quoted.
+    """
     facts: dict[str, str] = {}
     for key, value in _FACT.findall(prompt):
         facts[key.strip().lower()] = _NAMING.sub("", value.strip())

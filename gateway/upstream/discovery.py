@@ -1,8 +1,10 @@
-"""Asking an OpenAI-compatible server for the context window it runs a model with: llama.cpp's
-`/props`, vLLM's `max_model_len`, Ollama's `/api/ps` and `/api/show`. Each reader takes one
-answer and returns the window, or None when that answer does not say (llama.cpp's also says
-how many slots it keeps prompts in). Then, where the server
-offers it, its own count of a prompt (`count_prompt`)."""
+"""Asking an OpenAI-compatible server for the context window it runs a model with.
+
+llama.cpp's `/props`, vLLM's `max_model_len`, Ollama's `/api/ps` and `/api/show`. Each reader
+takes one answer and returns the window, or None when that answer does not say (llama.cpp's also
+says how many slots it keeps prompts in). Then, where the server offers it, its own count of a
+prompt (`count_prompt`).
+"""
 
 from __future__ import annotations
 
@@ -46,8 +48,10 @@ def window_from_models(listing: object, model: str) -> int | None:
 
 
 def _ollama_name(name: object) -> object:
-    """Ollama's own rule: a model named without a tag is its `:latest` (`/api/ps` lists
-    `llama3.2:latest` for a request that said `llama3.2`)."""
+    """Ollama's own rule: a model named without a tag is its `:latest`.
+
+    `/api/ps` lists `llama3.2:latest` for a request that said `llama3.2`.
+    """
     if isinstance(name, str) and ":" not in name.rsplit("/", 1)[-1]:
         return f"{name}:latest"
     return name
@@ -71,8 +75,10 @@ OLLAMA_DEFAULT_NUM_CTX = 4096
 
 
 def window_from_ollama_show(show: object) -> int | None:
-    """Ollama `POST /api/show`: the Modelfile's `num_ctx`, else the model's trained length
-    capped at Ollama's default runtime window (what a request gets unless told otherwise)."""
+    """Ollama `POST /api/show`: the Modelfile's `num_ctx`, else the model's trained length, capped.
+
+    The cap is Ollama's default runtime window (what a request gets unless told otherwise).
+    """
     if not isinstance(show, dict):
         return None
     parameters = show.get("parameters")
@@ -176,13 +182,15 @@ COUNT_TIMEOUT = 5.0
 async def count_prompt(
     session: aiohttp.ClientSession, base_url: str, counter: str, body: Mapping[str, Any]
 ) -> int | None:
-    """The server's own count of a chat request's prompt, what it then reports as
-    `usage.prompt_tokens`, by the way `counter` names (`ServerWindow.prompt_counter`):
+    """The server's own count of a chat request's prompt, what it then reports as `usage.prompt_tokens`.
+
+    Counted the way `counter` names (`ServerWindow.prompt_counter`):
     - "llama.cpp": its chat template applied (`POST /apply-template`, the request's tools
       included), then its tokenizer (`POST /tokenize`, the special tokens it adds included);
     - "vllm": `POST /tokenize` with the request's messages and tools and the generation prompt,
       as its chat completions render them.
-    None when an answer is missing (an older server, a failure: the calibration then plans alone)."""
+    None when an answer is missing (an older server, a failure: the calibration then plans alone).
+    """
     root = server_root(base_url)
     timeout = aiohttp.ClientTimeout(total=COUNT_TIMEOUT)
     headers = {"content-type": "application/json"}

@@ -1,7 +1,8 @@
-"""Every provider that is not OpenAI-compatible (Anthropic, Gemini, Bedrock, Ollama native, ...)
-goes through `litellm.acompletion`. litellm is an optional dependency (the `litellm` extra),
-imported lazily the first time it is needed, with its bundled model cost map (it would
-otherwise try the network at import).
+"""Every provider that is not OpenAI-compatible, through `litellm.acompletion`.
+
+Such are Anthropic, Gemini, Bedrock, Ollama native and others. litellm is an optional dependency (the
+`litellm` extra), imported lazily the first time it is needed, with its bundled model cost map
+(it would otherwise try the network at import).
 """
 
 from __future__ import annotations
@@ -51,8 +52,10 @@ ANTHROPIC_PREFIX = "anthropic"
 
 
 def _install_hint() -> str:
-    """How to add litellm to the environment the gateway runs in (a checkout's venv, pipx's own,
-    or the container image, which has no pip)."""
+    """How to add litellm to the environment the gateway runs in.
+
+    That is a checkout's venv, pipx's own, or the container image, which has no pip.
+    """
     if "pipx" in Path(sys.prefix).parts:
         return "pipx inject llm-continuity-gateway litellm"
     if importlib.util.find_spec("pip") is None:
@@ -85,8 +88,11 @@ def import_litellm(provider: str = "") -> Any:
 
 
 async def litellm_module(provider: str) -> Any:
-    """litellm, imported in a thread the first time: the import takes seconds of CPU, and on
-    the event loop it held every other request (health checks included) that long."""
+    """litellm, imported in a thread the first time.
+
+    The import takes seconds of CPU, and on the event loop it would hold every other request
+    (health checks included) that long.
+    """
     if _litellm is not None:
         return _litellm
     return await asyncio.to_thread(import_litellm, provider)
@@ -109,8 +115,11 @@ OPENAI_CHAT_PARAMS = frozenset(
 
 
 def _retry_after(exc: BaseException) -> str | None:
-    """The provider's Retry-After: litellm keeps the real headers in `litellm_response_headers`
-    (its `response` may be one it made up, without them)."""
+    """The provider's Retry-After.
+
+    litellm keeps the real headers in `litellm_response_headers` (its `response` may be one it
+    made up, without them).
+    """
     response = getattr(exc, "response", None)
     for headers in (getattr(exc, "litellm_response_headers", None), getattr(response, "headers", None)):
         value = headers.get("retry-after") if headers is not None else None
@@ -148,8 +157,10 @@ def _unreachable(exc: BaseException, connection_error: type[BaseException]) -> b
 
 
 def _provider_error(text: str) -> tuple[str, str | None, str | None]:
-    """(message, type, code) of the provider's own error object quoted in litellm's message
-    (`AnthropicException - {"type": "error", "error": {"type": ..., "message": ...}}`)."""
+    """(message, type, code) of the provider's own error object quoted in litellm's message.
+
+    As in `AnthropicException - {"type": "error", "error": {"type": ..., "message": ...}}`.
+    """
     start, end = text.find("{"), text.rfind("}")
     try:
         payload = orjson.loads(text[start : end + 1]) if 0 <= start < end else None
@@ -196,8 +207,11 @@ def map_litellm_errors(name: str, url: str) -> Iterator[None]:
 
 
 def is_retryable(exc: UpstreamError) -> bool:
-    """Connection failures and 502/503/504, before any answer byte; never a timeout (the
-    provider already used its time) nor a 429 (passed through with Retry-After)."""
+    """Connection failures and 502/503/504, before any answer byte.
+
+    Never a timeout (the provider already used its time) nor a 429 (passed through with
+    Retry-After).
+    """
     if isinstance(exc, UpstreamStatusError):
         return exc.upstream_status in RETRY_STATUSES
     return isinstance(exc, UpstreamUnreachable)
@@ -257,8 +271,10 @@ class LitellmUpstream(Upstream):
         return kwargs
 
     async def describe(self, model: str) -> ServerWindow | None:
-        """Ollama's native API: the running server's window (`/api/ps`, `/api/show`), as for
-        Ollama's /v1. Other providers have no such question: their window is the model map's."""
+        """Ollama's native API: the running server's window (`/api/ps`, `/api/show`), as for Ollama's /v1.
+
+        Other providers have no such question: their window is the model map's.
+        """
         if self.prefix not in OLLAMA_PREFIXES:
             return None
         import aiohttp  # (here: a gateway with litellm providers need not load it at start)

@@ -50,8 +50,10 @@ def _positive_int(value: object) -> int | None:
 
 
 def parse_refusal(status: int, payload: object, text: str) -> Refusal | None:
-    """The refusal in a provider's error answer (`payload`: its decoded JSON, `text`: its
-    message), or None when the error is about something else."""
+    """The refusal in a provider's error answer, or None when the error is about something else.
+
+    `payload`: the answer's decoded JSON, `text`: its message.
+    """
     if status not in (400, 413, 422, 500):
         return None
     err = payload.get("error", payload) if isinstance(payload, dict) else None
