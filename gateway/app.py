@@ -1,5 +1,7 @@
-"""The composition root: `create_app(settings, *, store=None, router=None)` wires the services,
-the background jobs and the HTTP routes into one ASGI application.
+"""The composition root: `create_app` wires the services, the jobs and the HTTP routes into one app.
+
+`create_app(settings, *, store=None, router=None)` wires the services, the background jobs and the
+HTTP routes into one ASGI application.
 
 Tests pass twins (MemoryStore, a Router over MockUpstream); production builds both from settings.
 """
@@ -43,8 +45,10 @@ log = logging.getLogger("gateway")
 
 
 def warm_up(settle: bool = False) -> None:
-    """Load what the first request would otherwise load on the event loop; then, in a serving
-    process (`settle`), settle the garbage collector over what is loaded."""
+    """Load what the first request would otherwise load on the event loop.
+
+    Then, in a serving process (`settle`), settle the garbage collector over what is loaded.
+    """
     get_encoding("cl100k_base")
     litellm_windows()
     if settle:
@@ -53,8 +57,10 @@ def warm_up(settle: bool = False) -> None:
 
 
 def tracing_for(settings: Settings, environ: Mapping[str, str] | None = None) -> Tracing:
-    """The app's tracing: exporting where configured (`gateway.tracing.export_targets`), else off
-    and opentelemetry not imported. Configured without the `tracing` extra: a warning, and off."""
+    """The app's tracing: exporting where configured (`gateway.tracing.export_targets`), else off.
+
+    Off, opentelemetry is not imported. Configured without the `tracing` extra: a warning, and off.
+    """
     targets = export_targets(settings.tracing, os.environ if environ is None else environ)
     if targets is None:
         return Tracing()
@@ -82,9 +88,12 @@ def create_app(
     tracing: Tracing | None = None,
     settle: bool = False,
 ) -> Starlette:
-    """`settle`: this process serves only this app (`gateway serve`): once started, its garbage
+    """Wire the services, the background jobs and the HTTP routes into one ASGI application.
+
+    `settle`: this process serves only this app (`gateway serve`): once started, its garbage
     collector is settled (gateway.jobs.heap.settle_gc). Tests and embedders leave it off.
-    `tracing`: instead of what `[tracing]` configures (tests pass one with an in-memory exporter)."""
+    `tracing`: instead of what `[tracing]` configures (tests pass one with an in-memory exporter).
+    """
     settings = settings or load_settings()
     services = Services.from_settings(settings, store=store, router=router)
     stores, router, service = services.stores, services.router, services.turns

@@ -65,8 +65,10 @@ DURATION_BUCKETS = [0.01 * 2**i for i in range(14)]  # 0.01, 0.02, 0.04, ... 81.
 
 
 class PresetIds(RandomIdGenerator):
-    """Random ids, but the one set for the next span (or trace) when there is one: spans made
-    after the fact keep the ids their provider calls were already told."""
+    """Random ids, but the one set for the next span (or trace) when there is one.
+
+    Spans made after the fact keep the ids their provider calls were already told.
+    """
 
     def __init__(self) -> None:
         self.span_id: int | None = None
@@ -82,8 +84,10 @@ class PresetIds(RandomIdGenerator):
 
 
 class OtelTracing(Tracing):
-    """Spans and GenAI metrics for every turn and summarizer call, exported over OTLP/HTTP
-    (`span_exporter`, `metric_reader`: what tests read instead)."""
+    """Spans and GenAI metrics for every turn and summarizer call, exported over OTLP/HTTP.
+
+    `span_exporter`, `metric_reader`: what tests read instead.
+    """
 
     enabled = True
 
@@ -195,8 +199,10 @@ class OtelTracing(Tracing):
             self._note_failure()
 
     def _parent(self, trace: TraceContext | None) -> Context:
-        """The context a turn's span starts in: the client's span, else a new trace (the one
-        its provider calls were told)."""
+        """The context a turn's span starts in: the client's span, else a new trace.
+
+        The new trace is the one its provider calls were told.
+        """
         if trace is None:
             return Context()
         if trace.parent is None:
@@ -234,8 +240,11 @@ class OtelTracing(Tracing):
         start: int,
         end: int,
     ) -> None:
-        """The turn's steps as child spans: the window plan (from the turn's start to its first
-        provider call), each provider call, and the commit (from the answer to the close)."""
+        """Record the turn's steps as child spans: the window plan, each provider call, and the commit.
+
+        The window plan spans from the turn's start to its first provider call, the commit from the
+        answer to the close.
+        """
         context = set_span_in_context(span)
         timings = outcome.timings
         if timings is not None:
@@ -292,8 +301,10 @@ class OtelTracing(Tracing):
 
 
 def call_attributes(provider: str, server: tuple[str, int] | None, call: ProviderCall) -> Attributes:
-    """A provider call's span: the provider, its time to a stream's first chunk, and how it
-    failed (`gateway.upstream.context_refused`: it refused the prompt as too long)."""
+    """A provider call's span: the provider, its time to a stream's first chunk, and how it failed.
+
+    `gateway.upstream.context_refused`: it refused the prompt as too long.
+    """
     attributes: Attributes = {"gateway.operation": "upstream", "gen_ai.provider.name": provider}
     if server is not None:
         attributes["server.address"], attributes["server.port"] = server
@@ -314,8 +325,11 @@ def _error_of(exc: BaseException) -> str:
 
 
 def _resource_attributes(settings: Settings, environ: Mapping[str, str]) -> Attributes:
-    """`service.name` (the configured one; else `OTEL_SERVICE_NAME`, else "gateway") and
-    `service.version`; `OTEL_RESOURCE_ATTRIBUTES` adds to them (`Resource.create`)."""
+    """`service.name` and `service.version`; `OTEL_RESOURCE_ATTRIBUTES` adds to them.
+
+    `service.name` is the configured one; else `OTEL_SERVICE_NAME`, else "gateway". The additions
+    are made by `Resource.create`.
+    """
     attributes: Attributes = {"service.version": gateway.__version__}
     if "service_name" in settings.tracing.model_fields_set or not environ.get("OTEL_SERVICE_NAME"):
         attributes["service.name"] = settings.tracing.service_name

@@ -1,5 +1,7 @@
-"""uvicorn's httptools protocol with a deadline on the request head, a mark on requests whose
-body came whole, and answers of known length written in one piece.
+"""uvicorn's httptools protocol with a head deadline, a whole-body mark and one-piece answers.
+
+The deadline is on the request head; the mark is on requests whose body came whole; answers of
+known length are written in one piece.
 
 uvicorn times out idle keep-alive connections, but a client that opens a connection and sends
 nothing, or sends part of a header block and stalls ("slowloris"), would hold its connection
@@ -14,8 +16,8 @@ is held until the body part that ASGI sends next. Streams (chunked: server-sent 
 answers and larger bodies are written as uvicorn writes them.
 
 A request httptools cannot parse (a malformed or over-64-KiB request line or header, bytes
-that are not HTTP/1.1) gets a 400 in OpenAI's error shape and a JSON log line, as every other request does,
-instead of uvicorn's text/plain answer and plain-text warning.
+that are not HTTP/1.1) gets a 400 in OpenAI's error shape and a JSON log line, as every other
+request does, instead of uvicorn's text/plain answer and plain-text warning.
 """
 
 from __future__ import annotations
@@ -96,8 +98,11 @@ _JOIN_LIMIT = 1 << 16
 
 
 class OneSendTransport:
-    """A request cycle's transport: holds the head of an answer with a Content-Length (at most
-    _JOIN_LIMIT) and sends it with the body part that follows; everything else passes through."""
+    """A request cycle's transport that sends a short answer's head with its body, in one piece.
+
+    It holds the head of an answer with a Content-Length (at most _JOIN_LIMIT) and sends it with
+    the body part that follows; everything else passes through.
+    """
 
     __slots__ = ("_transport", "_cycle", "_held", "_head_seen")
 
@@ -173,16 +178,20 @@ class HeadDeadlineProtocol(HttpToolsProtocol):
             self._refuse(HEAD_TOO_LARGE_RESPONSE, _TOO_LARGE, "head_too_large")
 
     def _refuse(self, answer: bytes, error: GatewayError, route: str) -> None:
-        """Answer a request refused before it was one (the whole `answer`, in OpenAI's error
-        shape), close the connection, and log and count it."""
+        """Answer a request refused before it was one, close the connection, and log and count it.
+
+        `answer` is the whole answer, in OpenAI's error shape.
+        """
         self._disarm()
         self.transport.write(answer)
         self.transport.close()
         _refusal_line(error, route)
 
     def send_400_response(self, msg: str) -> None:
-        """A request httptools cannot parse: OpenAI's error shape and a JSON log line, not
-        uvicorn's text/plain answer and plain warning."""
+        """Answer a request httptools cannot parse in OpenAI's error shape, with a JSON log line.
+
+        Not uvicorn's text/plain answer and plain warning.
+        """
         if self._too_large:
             self._refuse(HEAD_TOO_LARGE_RESPONSE, _TOO_LARGE, "head_too_large")
         else:

@@ -35,8 +35,11 @@ def configure_worker_logging() -> None:
 
 
 def follow_supervisor() -> None:
-    """In a worker process of `serve --workers N`: stop (as on SIGTERM) when the supervisor is
-    gone, e.g. killed with SIGKILL, instead of serving on as an orphan that holds the port."""
+    """In a worker process of `serve --workers N`: stop (as on SIGTERM) when the supervisor is gone.
+
+    The supervisor may be killed with SIGKILL, for example; the worker stops instead of serving on
+    as an orphan that holds the port.
+    """
     serve_pid = os.environ.get(SERVE_PID_ENV, "")  # (set by `serve` for its workers only)
     if not serve_pid.isdigit():
         return
@@ -68,8 +71,10 @@ def configure_logging(level: str = "info") -> None:
 
 
 def set_head_timeout(settings: Settings) -> None:
-    """The request head shares `server.body_timeout`. Called by `app_from_env`, which every
-    serving process (worker) runs."""
+    """Give the request head the deadline of the body: `server.body_timeout`, which both share.
+
+    Called by `app_from_env`, which every serving process (worker) runs.
+    """
     try:
         from gateway.protocol import HeadDeadlineProtocol
     except ImportError:  # no httptools: uvicorn's h11 protocol, without the deadline
@@ -97,8 +102,10 @@ def _loop_and_http() -> dict[str, Any]:
 
 
 def bind(host: str, port: int) -> socket.socket:
-    """A bound TCP socket (as uvicorn binds one), or one clear line: a taken port is reported
-    before anything claims to be listening."""
+    """A bound TCP socket (as uvicorn binds one), or one clear line.
+
+    A taken port is reported before anything claims to be listening.
+    """
     sock = socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET)
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
     try:

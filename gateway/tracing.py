@@ -120,8 +120,10 @@ def parse_traceparent(value: str | None) -> RemoteParent | None:
 
 @dataclass(slots=True)
 class ProviderCall:
-    """One call to a provider during a traced turn: the span id its `traceparent` named, its
-    times (nanoseconds since the epoch) and how it ended."""
+    """One call to a provider during a traced turn.
+
+    The span id its `traceparent` named, its times (nanoseconds since the epoch) and how it ended.
+    """
 
     span_id: int
     start_ns: int
@@ -132,9 +134,11 @@ class ProviderCall:
 
 @dataclass(slots=True)
 class TraceContext:
-    """The trace of one request's turn: the client's (its `traceparent`) or a new one, and the
-    provider calls made in it, each told to the provider as a span of the same trace. Closed
-    once its turn's span is recorded: work begun later (a summary) is not the turn's."""
+    """The trace of one request's turn: the client's (its `traceparent`) or a new one.
+
+    It holds the provider calls made in it, each told to the provider as a span of the same
+    trace. Closed once its turn's span is recorded: work begun later (a summary) is not the turn's.
+    """
 
     trace_id: int
     parent: RemoteParent | None = None
@@ -193,8 +197,11 @@ class TraceContextMiddleware:
 
 
 class TracedUpstream(Upstream):
-    """An upstream whose chat calls in a traced turn are noted in its `TraceContext` and carry
-    its `traceparent` to the provider; anything else is the wrapped upstream's own."""
+    """An upstream whose chat calls in a traced turn are noted in its `TraceContext`.
+
+    Those calls carry its `traceparent` to the provider; anything else is the wrapped upstream's
+    own.
+    """
 
     def __init__(self, inner: Upstream) -> None:
         self.inner = inner
@@ -298,9 +305,11 @@ def server_of(provider: ProviderSettings | None) -> tuple[str, int] | None:
 
 
 def error_type(result: str, error: GatewayError | None) -> str | None:
-    """`error.type` of a turn that was not answered (None: it was): the provider's HTTP status
-    when it answered with an error, else the gateway's error code, else how the turn ended (a
-    client that left, a cancellation)."""
+    """`error.type` of a turn that was not answered (None: it was).
+
+    The provider's HTTP status when it answered with an error, else the gateway's error code, else
+    how the turn ended (a client that left, a cancellation).
+    """
     if result == "complete":
         return None
     if isinstance(error, UpstreamStatusError):
@@ -336,8 +345,11 @@ def request_attributes(body: JSONObject) -> Attributes:
 
 
 def usage_attributes(outcome: TurnOutcome) -> Attributes:
-    """Token counts: the provider's (the whole prompt, its cached tokens included), else the
-    gateway's own count of the answer, as `gateway_tokens_total` takes them."""
+    """Token counts, as `gateway_tokens_total` takes them.
+
+    The provider's (the whole prompt, its cached tokens included), else the gateway's own count
+    of the answer.
+    """
     usage, cache = as_object(outcome.usage), as_object(outcome.cache)
     attributes: Attributes = {}
     prompt = _count(cache.get("prompt_tokens"))
@@ -384,8 +396,11 @@ def window_attributes(outcome: TurnOutcome) -> Attributes:
 
 
 def plan_attributes(outcome: TurnOutcome) -> Attributes:
-    """The window plan's span: the window facts, the window planned for and the calibration of
-    the gateway's token count against the provider's it was planned with."""
+    """The window plan's span.
+
+    The window facts, the window planned for and the calibration of the gateway's token count
+    against the provider's it was planned with.
+    """
     attributes: Attributes = {"gateway.operation": "plan", **window_attributes(outcome)}
     if outcome.context_window is not None:
         attributes["gateway.window.context_window"] = outcome.context_window
@@ -492,8 +507,10 @@ def _parts(message: Message) -> list[JSONObject]:
 
 
 def content_attributes(outcome: TurnOutcome) -> Attributes:
-    """The messages sent and the answer, as the conventions' `gen_ai.input.messages` and
-    `gen_ai.output.messages` (JSON text: span events take no structured values here)."""
+    """The messages sent and the answer, as `gen_ai.input.messages` and `gen_ai.output.messages`.
+
+    Named as the conventions name them; JSON text: span events take no structured values here.
+    """
     sent = messages((outcome.upstream_body or {}).get("messages"))
     inputs = [{"role": m.get("role"), "parts": _parts(m)} for m in sent]
     attributes: Attributes = {"gen_ai.input.messages": orjson.dumps(inputs).decode()}
