@@ -1,5 +1,6 @@
-"""Background responses (`background: true`): a turn run to its end without its client, whose
-Responses events are kept so that a client can poll it, follow it from any sequence number
+"""Background responses (`background: true`): a turn run to its end without its client.
+
+Its Responses events are kept so that a client can poll it, follow it from any sequence number
 (`GET /v1/responses/{id}?stream=true&starting_after=N`) or cancel it.
 
 The events of a run are kept in this process: a run in progress is followed live; a finished
@@ -102,7 +103,9 @@ class BackgroundRuns:
         abandon: Callable[[], Awaitable[None]],
     ) -> Run:
         """Run `work(run)` as a task of its own; it adds the run's events and ends it.
-        `abandon()` ends what `work` would have, when the run is cancelled before it began."""
+
+        `abandon()` ends what `work` would have, when the run is cancelled before it began.
+        """
         run = Run(response_id, tenant, self.max_events)
         self._runs[response_id] = run
 

@@ -1,6 +1,9 @@
-"""Compaction over HTTP, in OpenAI's shapes: `POST /v1/responses/compact`, the compaction items
-a Responses `input` brings back, and `context_management` on `POST /v1/responses` (the
-Responses handlers call the last two; `gateway/services/compaction.py` does the work)."""
+"""Compaction over HTTP, in OpenAI's shapes.
+
+`POST /v1/responses/compact`, the compaction items a Responses `input` brings back, and
+`context_management` on `POST /v1/responses` (the Responses handlers call the last two;
+`gateway/services/compaction.py` does the work).
+"""
 
 from __future__ import annotations
 
@@ -25,18 +28,24 @@ from gateway.types import JSONObject, Message
 
 
 async def input_compactions(services: Services, tenant: str, raw_input: object) -> dict[str, Message]:
-    """The summary message each compaction item of a Responses `input` stands for, by its
-    `encrypted_content` (for `items_to_messages`); a 400 for one that does not resolve."""
+    """The summary message each compaction item of a Responses `input` stands for.
+
+    Keyed by its `encrypted_content` (for `items_to_messages`); a 400 for one that does not
+    resolve.
+    """
     return await services.compactions.resolve(tenant, compaction_refs(raw_input, "input"))
 
 
 async def compact_before_turn(
     services: Services, tenant: str, body: dict[str, Any], chat: ChatRequest, previous: str | None
 ) -> list[JSONObject]:
-    """`context_management: [{"type": "compaction", "compact_threshold": N}]`: the turn's
-    conversation compacted first when its prompt passes N tokens; the output items to put
-    before the answer (the compaction item, or none). The turn then starts its window at the
-    new summary (`chat.compaction_version`) and its record keeps the item (`echo`)."""
+    """Compact the turn's conversation first when its prompt passes N tokens, as the body asks.
+
+    `context_management: [{"type": "compaction", "compact_threshold": N}]` asks for it. Returns
+    the output items to put before the answer (the compaction item, or none). The turn then starts
+    its window at the new summary (`chat.compaction_version`) and its record keeps the item
+    (`echo`).
+    """
     entries = body.get("context_management") or []
     cid = chat.conversation_id
     if not entries or cid is None:
@@ -77,8 +86,11 @@ def compacted_response(compacted: Compacted) -> JSONObject:
 
 
 async def compact_response(request: Request) -> Response:
-    """`POST /v1/responses/compact`: the history (of `previous_response_id`, or of the gateway's
-    `conversation`) and the `input` after it, folded by the gateway's summarizer."""
+    """`POST /v1/responses/compact`: the history and the `input` after it, folded by the summarizer.
+
+    The history is that of `previous_response_id`, or of the gateway's `conversation`; the
+    summarizer is the gateway's.
+    """
     services = services_of(request)
     tenant = tenant_of(request)
     body = await read_json(request, services.settings.server.max_body_bytes)

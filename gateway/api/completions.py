@@ -1,7 +1,9 @@
-"""Stored chat completions, in OpenAI's shapes (the SDK's `client.chat.completions.retrieve`,
-`list`, `update`, `delete` and `messages.list`): `GET /v1/chat/completions`,
-`GET|POST|DELETE /v1/chat/completions/{completion_id}` and `GET .../messages`, over the logged
-chat-completion turns (`services/completions.py`)."""
+"""Stored chat completions, in OpenAI's shapes, over the logged chat-completion turns.
+
+`GET /v1/chat/completions`, `GET|POST|DELETE /v1/chat/completions/{completion_id}` and
+`GET .../messages` (the SDK's `client.chat.completions.retrieve`, `list`, `update`, `delete` and
+`messages.list`); the turns are read through `services/completions.py`.
+"""
 
 from __future__ import annotations
 
@@ -23,8 +25,11 @@ _FILTER = re.compile(r"metadata\[(.*)\]", re.DOTALL)
 
 
 def completion_object(completion: StoredCompletion) -> JSONObject:
-    """A `chat.completion` as it was answered (the reply as the client got it, the usage), with
-    its metadata now, and the conversation it belongs to (`conversation_id`, as answered)."""
+    """A `chat.completion` as it was answered, with its metadata now and its conversation.
+
+    As answered: the reply as the client got it, the usage; the conversation it belongs to is its
+    `conversation_id`, as answered.
+    """
     stored = completion.stored
     obj: JSONObject = {
         "id": stored.response_id,
@@ -48,8 +53,10 @@ def completion_object(completion: StoredCompletion) -> JSONObject:
 
 
 def store_message(completion_id: str, position: int, message: Message) -> JSONObject:
-    """A request message as OpenAI lists it (`{completion_id}-{position}`): its text as
-    `content`, and its parts as `content_parts` when it had parts (images, files)."""
+    """A request message as OpenAI lists it (`{completion_id}-{position}`).
+
+    Its text as `content`, and its parts as `content_parts` when it had parts (images, files).
+    """
     content = message.get("content")
     parts = content if isinstance(content, list) else None
     if parts is not None:

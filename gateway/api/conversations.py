@@ -1,5 +1,8 @@
-"""The OpenAI Conversations API, plus gateway extensions (list, reset, context): parse, call
-the conversation use cases (`services/conversations.py`, `services/queries.py`), render."""
+"""The OpenAI Conversations API, plus gateway extensions (list, reset, context).
+
+Parse, call the conversation use cases (`services/conversations.py`, `services/queries.py`),
+render.
+"""
 
 from __future__ import annotations
 
@@ -35,8 +38,11 @@ class Described(Protocol):
 
 
 def conversation_object(cid: str, view: Described, ttl: float = 0.0, **extra: object) -> JSONObject:
-    """OpenAI's conversation object, plus `expires_at` when `sessions.ttl` is set: when it
-    expires if nothing more is said (null: it never does, or nothing was said yet)."""
+    """OpenAI's conversation object, plus `expires_at` when `sessions.ttl` is set.
+
+    `expires_at`: when it expires if nothing more is said (null: it never does, or nothing was
+    said yet).
+    """
     expires = view.last_activity + ttl if ttl > 0 and view.last_activity is not None else None
     return {
         "id": cid,

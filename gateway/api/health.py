@@ -1,6 +1,8 @@
-"""Service endpoints: models, the OpenAPI document, liveness and readiness; and the error
-handlers that render every failure in the shape of the API its path belongs to (OpenAI's, or
-Anthropic's under /v1/messages)."""
+"""Service endpoints (models, the OpenAPI document, liveness and readiness) and the error handlers.
+
+The error handlers render every failure in the shape of the API its path belongs to (OpenAI's,
+or Anthropic's under /v1/messages).
+"""
 
 from __future__ import annotations
 

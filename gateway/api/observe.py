@@ -1,7 +1,10 @@
-"""What every turn leaves behind, whichever API carried it: one JSON log line (`gateway.access`)
-and the same metrics, and with tracing configured its GenAI span; also for requests refused
-before any provider was asked (a line and a metric: no provider call, no span). Requests that
-are not turns get the metrics middleware's line (`http.request`)."""
+"""What every turn leaves behind, whichever API carried it: a log line, metrics and a span.
+
+One JSON log line (`gateway.access`) and the same metrics, and with tracing configured its
+GenAI span; also for requests refused before any provider was asked (a line and a metric: no
+provider call, no span). Requests that are not turns get the metrics middleware's line
+(`http.request`).
+"""
 
 from __future__ import annotations
 
@@ -134,9 +137,11 @@ def log_failure(
     event: str = "chat.completion",
     streaming: bool = False,
 ) -> None:
-    """The log line (and metrics) of a turn that failed: before any byte of its answer was
-    sent, or, `streaming`, after its 200 and first chunks (the error went in-band: the line
-    keeps the 200 the client got, and says what happened)."""
+    """The log line (and metrics) of a turn that failed, before or (`streaming`) after its answer began.
+
+    Before any byte of its answer was sent, or, `streaming`, after its 200 and first chunks (the
+    error went in-band: the line keeps the 200 the client got, and says what happened).
+    """
     if isinstance(exc, ClientDisconnected):
         log_line(outcome, 499, "disconnected", metrics, event=event)
     elif isinstance(exc, GatewayError):
@@ -169,9 +174,11 @@ def failed_response(
     event: str = "chat.completion",
     render: Callable[[GatewayError], Response] = error_response,
 ) -> Response:
-    """The response for a turn that failed before any byte was sent, its line logged: a 499 for
-    a client that went away, else the error (`render`: in the API's own shape) with the turn's
-    `headers`, which name the response whose log records the attempt."""
+    """The response for a turn that failed before any byte was sent, its line logged.
+
+    A 499 for a client that went away, else the error (`render`: in the API's own shape) with the
+    turn's `headers`, which name the response whose log records the attempt.
+    """
     log_failure(outcome, exc, metrics, event=event)
     if isinstance(exc, ClientDisconnected):
         return Response(status_code=499)

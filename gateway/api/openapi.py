@@ -1,6 +1,9 @@
-"""The OpenAPI 3.1 document served at `GET /openapi.json`: bodies generated from the models that
-check requests (`api/schemas.py`) and describe replies (`api/replies.py`), operations from the
-table of `api/operations.py`. tests/reliability/test_openapi.py fuzzes it against a real `gateway serve`."""
+"""The OpenAPI 3.1 document served at `GET /openapi.json`.
+
+Bodies generated from the models that check requests (`api/schemas.py`) and describe replies
+(`api/replies.py`), operations from the table of `api/operations.py`.
+tests/reliability/test_openapi.py fuzzes it against a real `gateway serve`.
+"""
 
 from __future__ import annotations
 

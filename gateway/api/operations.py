@@ -1,5 +1,7 @@
-"""The operations the gateway serves, as its OpenAPI document lists them (`api/openapi.py`):
-method, path, request and answer bodies, error statuses, summary; the parameters they share."""
+"""The operations the gateway serves, as its OpenAPI document lists them (`api/openapi.py`).
+
+Method, path, request and answer bodies, error statuses, summary; the parameters they share.
+"""
 
 from __future__ import annotations
 

@@ -1,8 +1,11 @@
-"""Lists: the parameters every list endpoint reads (`order`, `limit`, `after`), checked one way,
-and a page in OpenAI's list shape (`object`, `data`, `first_id`, `last_id`, `has_more`).
+"""Lists: the parameters every list endpoint reads, checked one way, and a page in OpenAI's list shape.
+
+The parameters are `order`, `limit`, `after`; the shape is `object`, `data`, `first_id`,
+`last_id`, `has_more`.
 
 A parameter a list does not understand is a 400 naming it, never ignored: an `order` the list
-does not take, a `limit` that is not an integer between 1 and the list's largest page."""
+does not take, a `limit` that is not an integer between 1 and the list's largest page.
+"""
 
 from __future__ import annotations
 
@@ -65,9 +68,11 @@ def paginate(
     *,
     place: Callable[[str], tuple[int, ...] | None] | None = None,
 ) -> dict[str, Any]:
-    """A page of `items` (oldest first). `place` gives an item id's place in that order, even
-    for an item no longer listed: a page may go on after a cursor deleted since (the SDK's
-    loop that lists items and deletes each one)."""
+    """A page of `items` (oldest first).
+
+    `place` gives an item id's place in that order, even for an item no longer listed: a page may
+    go on after a cursor deleted since (the SDK's loop that lists items and deletes each one).
+    """
     ascending = params.order == "asc"
     ordered = items if ascending else list(reversed(items))
     after = params.after

@@ -1,5 +1,8 @@
-"""The reply bodies, described for the OpenAPI document only (`api/openapi.py`): the handlers
-build plain dicts, and the schemathesis test checks that what they send matches these."""
+"""The reply bodies, described for the OpenAPI document only (`api/openapi.py`).
+
+The handlers build plain dicts, and the schemathesis test checks that what they send matches
+these.
+"""
 
 from __future__ import annotations
 

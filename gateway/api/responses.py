@@ -1,5 +1,6 @@
-"""The Responses API bridge: `POST /v1/responses` (streaming and not), `GET`, `DELETE` and
-`GET .../input_items`, mapped onto the continuity core and upstream chat completions.
+"""The Responses API bridge, mapped onto the continuity core and upstream chat completions.
+
+The endpoints: `POST /v1/responses` (streaming and not), `GET`, `DELETE` and `GET .../input_items`.
 
 Every response belongs to a conversation: `conversation` names it, `previous_response_id`
 continues the conversation of that response (branching into a new conversation that shares
@@ -51,9 +52,12 @@ _REASONING_MODELS = re.compile(r"(o\d|gpt-5)")
 
 
 def output_cap(model: str) -> str:
-    """The chat field `max_output_tokens` goes in: `max_completion_tokens` for OpenAI's reasoning
-    models (o1, o3, o4-mini, gpt-5...), else `max_tokens`, which every OpenAI-compatible server
-    knows (not all of them know the newer name)."""
+    """The chat field `max_output_tokens` goes in.
+
+    `max_completion_tokens` for OpenAI's reasoning models (o1, o3, o4-mini, gpt-5...), else
+    `max_tokens`, which every OpenAI-compatible server knows (not all of them know the newer
+    name).
+    """
     name = model.rsplit("/", 1)[-1].lower()
     return "max_completion_tokens" if _REASONING_MODELS.match(name) else "max_tokens"
 
@@ -103,9 +107,11 @@ def _chat_body(
     *,
     input_optional: bool = False,
 ) -> tuple[dict[str, Any], dict[str, Any]]:
-    """The chat-completions request for a Responses request, and the params to echo back
-    (`compactions`: the messages its compaction items stand for, `input_compactions`).
-    `input_optional`: no messages at all is no error (a count of a conversation as it stands)."""
+    """The chat-completions request for a Responses request, and the params to echo back.
+
+    `compactions`: the messages its compaction items stand for (`input_compactions`).
+    `input_optional`: no messages at all is no error (a count of a conversation as it stands).
+    """
     messages = _input_messages(body.get("input"), request.instructions, compactions, input_optional)
     tools = _tools(body.get("tools"))
     chat: dict[str, Any] = {"model": request.model, "messages": messages, "stream": bool(request.stream)}
@@ -348,9 +354,11 @@ def start_background(
 
 
 async def count_input_tokens(request: Request) -> Response:
-    """`POST /v1/responses/input_tokens`: the prompt `POST /v1/responses` with this body would
-    send, counted. The same window is planned (history, instructions, tools, the new input);
-    nothing is sent or stored, and the conversation is only read."""
+    """`POST /v1/responses/input_tokens`: the prompt `POST /v1/responses` with this body would send, counted.
+
+    The same window is planned (history, instructions, tools, the new input); nothing is sent or
+    stored, and the conversation is only read.
+    """
     services = services_of(request)
     tenant = tenant_of(request)
     body = await read_json(request, services.settings.server.max_body_bytes)
@@ -378,8 +386,10 @@ async def count_input_tokens(request: Request) -> Response:
 
 
 def count_details(counted: PromptCount) -> JSONObject:
-    """What a count says beside its `input_tokens` (the extension `gateway`): how it was counted,
-    and the window it counts."""
+    """What a count says beside its `input_tokens` (the extension `gateway`).
+
+    How it was counted, and the window it counts.
+    """
     plan = counted.plan
     return {
         "counted_by": counted.counted_by,
@@ -461,8 +471,10 @@ async def get_response(request: Request) -> Response:
 
 
 def _status(status: str, outcome: Record, echo: object) -> str | None:
-    """The Responses status of a stored response (None: from its finish reason): a background
-    response stopped by a cancel is `cancelled`."""
+    """The Responses status of a stored response (None: from its finish reason).
+
+    A background response stopped by a cancel is `cancelled`.
+    """
     background = isinstance(echo, dict) and echo.get("background")
     if background and outcome.get("type") == "incomplete" and outcome.get("reason") == "cancelled":
         return "cancelled"
@@ -507,8 +519,10 @@ async def _in_progress(request: Request, rid: str, tenant: str, status: str) -> 
 
 
 async def cancel_response(request: Request) -> Response:
-    """`POST /v1/responses/{id}/cancel`: a background response still running stops; its turn is
-    closed as cancelled (nothing enters the conversation, which takes its next turn)."""
+    """`POST /v1/responses/{id}/cancel`: a background response still running stops.
+
+    Its turn is closed as cancelled (nothing enters the conversation, which takes its next turn).
+    """
     rid = request.path_params["response_id"]
     tenant = tenant_of(request)
     runs: BackgroundRuns = request.app.state.background

@@ -1,5 +1,7 @@
-"""The request bodies the gateway accepts, as pydantic models: `api/validation.py` checks requests
-with them and `api/openapi.py` generates the OpenAPI document from them.
+"""The request bodies the gateway accepts, as pydantic models.
+
+`api/validation.py` checks requests with them and `api/openapi.py` generates the OpenAPI document
+from them.
 
 A model checks a body, it never rewrites one: the client's own dicts are what is forwarded and
 stored, unknown fields included (`extra="allow"`). Fields the gateway only passes on are
@@ -57,10 +59,12 @@ class ImageURL(TypedDict, total=False):
 
 @with_config(MESSAGE)
 class ContentPart(TypedDict, total=False):
-    """A content part (text, image_url, ...): an object with a string `type`; its text is a
-    string (stored, a number went back to the provider on every later turn, and the items API
-    refuses it); its image is checked by the content rules every way in shares
-    (`context/content.py`); what else is in it is the provider's to check."""
+    """A content part (text, image_url, ...): an object with a string `type`.
+
+    Its text is a string (a number, once stored, would go back to the provider on every later
+    turn, and the items API refuses it); its image is checked by the content rules every way in
+    shares (`context/content.py`); what else is in it is the provider's to check.
+    """
 
     type: str
     text: str
@@ -211,8 +215,10 @@ class MessageItem(TypedDict, total=False):
 
 
 def _documented_as_required(*fields: str) -> ConfigDict:
-    """Documented as OpenAI requires them; `context/items.py` checks them (and takes `id` for
-    a missing `call_id`)."""
+    """The config of an item whose `fields` are documented as required, as OpenAI requires them.
+
+    `context/items.py` checks them (and takes `id` for a missing `call_id`).
+    """
     return ConfigDict(extra="allow", strict=True, json_schema_extra={"required": list(fields)})
 
 
@@ -251,8 +257,11 @@ Item = Annotated[
 
 @with_config(_documented_as_required("type", "encrypted_content"))
 class CompactionItem(TypedDict, total=False):
-    """A compaction item sent back (Responses `input`): the gateway's own reference, expanded
-    into the summary it stands for (a 400 `invalid_encrypted_content` when it is not one)."""
+    """A compaction item sent back (Responses `input`): the gateway's own reference.
+
+    It is expanded into the summary it stands for (a 400 `invalid_encrypted_content` when it is
+    not one).
+    """
 
     type: Required[Literal["compaction"]]
     encrypted_content: SkipValidation[str]
@@ -388,8 +397,10 @@ class ResponseCreate(BaseModel):
 
 
 class ResponseCompact(BaseModel):
-    """`POST /v1/responses/compact`: what to compact (`input`, after the history of
-    `previous_response_id` or of the gateway's `conversation`)."""
+    """`POST /v1/responses/compact`: what to compact.
+
+    `input`, after the history of `previous_response_id` or of the gateway's `conversation`.
+    """
 
     model_config = ConfigDict(
         extra="allow",
@@ -416,7 +427,9 @@ class ResponseCompact(BaseModel):
 
 class InputTokensCount(ResponseCreate):
     """`POST /v1/responses/input_tokens`: a `POST /v1/responses` body, counted instead of sent.
-    Without `input`, the conversation (or the response's) is counted as it stands."""
+
+    Without `input`, the conversation (or the response's) is counted as it stands.
+    """
 
     input: ResponseInput | None = None  # type: ignore[assignment]  # (optional here only)
 
@@ -469,8 +482,10 @@ class Reset(BaseModel):
 
 
 class ChatCompletionUpdate(BaseModel):
-    """`POST /v1/chat/completions/{completion_id}`: a stored chat completion's metadata, all of it
-    (null clears it)."""
+    """`POST /v1/chat/completions/{completion_id}`: a stored chat completion's metadata, all of it.
+
+    Null clears it.
+    """
 
     model_config = BODY
 

@@ -1,6 +1,9 @@
-"""Request bodies checked against their models (`api/schemas.py`), pydantic's first error turned
-into OpenAI's: a 400 `invalid_request_error` whose `param` names the field as the client wrote
-it (`messages[2].tool_calls[0]`) and whose message says what that field must be."""
+"""Request bodies checked against their models (`api/schemas.py`), the first error in OpenAI's shape.
+
+pydantic's first error is turned into OpenAI's: a 400 `invalid_request_error` whose `param` names
+the field as the client wrote it (`messages[2].tool_calls[0]`) and whose message says what that
+field must be.
+"""
 
 from __future__ import annotations
 
@@ -20,8 +23,11 @@ B = TypeVar("B", bound=BaseModel)
 
 
 def _path(error: ErrorDetails, body: object) -> list[str | int]:
-    """The error's place in the body. pydantic's `loc` also holds the tags of the union members
-    it tried (a message's role, "str"): following the body leaves them out."""
+    """The error's place in the body.
+
+    pydantic's `loc` also holds the tags of the union members it tried (a message's role, "str"):
+    following the body leaves them out.
+    """
     path: list[str | int] = []
     node = body
     last = len(error["loc"]) - 1
@@ -104,8 +110,10 @@ def parse_chat(body: object, *, header_conversation_id: str | None = None) -> Ch
 
 
 def _settle_arguments(messages: list[Any]) -> None:
-    """A call the client sends without arguments goes on with "{}", as the gateway stores a
-    provider's such call (`settle_arguments`)."""
+    """Give each call the client sends without arguments the arguments "{}".
+
+    The gateway stores a provider's such call the same way (`settle_arguments`).
+    """
     for message in messages:
         for call in message.get("tool_calls") or () if message.get("role") == "assistant" else ():
             settle_arguments(call.get("function"))
