@@ -30,7 +30,7 @@ from gateway.api.background import BackgroundRuns
 from gateway.api.chat import chat_completions
 from gateway.config import Settings, load_settings
 from gateway.exceptions import GatewayError
-from gateway.jobs.heap import HeapTrimmer, settle_gc
+from gateway.jobs.heap import HeapTrimmer, freeze_startup_heap
 from gateway.jobs.processor import Processor
 from gateway.jobs.summarizer import Summarizer
 from gateway.metrics import Metrics, MetricsMiddleware, metrics_endpoint
@@ -44,16 +44,16 @@ from gateway.upstream import Router
 log = logging.getLogger("gateway")
 
 
-def warm_up(settle: bool = False) -> None:
+def warm_up(serving: bool = False) -> None:
     """Load what the first request would otherwise load on the event loop.
 
-    Then, in a serving process (`settle`), settle the garbage collector over what is loaded.
+    Then, in a serving process (`serving`), freeze what is loaded out of the garbage collector.
     """
     get_encoding("cl100k_base")
     litellm_windows()
-    if settle:
-        settle_gc()  # its one full collection (about 20 ms, the GIL held) serves both
-    release_free_memory(collect=not settle)
+    if serving:
+        freeze_startup_heap()  # its one full collection (about 20 ms, the GIL held) serves both
+    release_free_memory(collect=not serving)
 
 
 def tracing_for(settings: Settings, environ: Mapping[str, str] | None = None) -> Tracing:
@@ -86,12 +86,12 @@ def create_app(
     store: StoreBackend | None = None,
     router: Router | None = None,
     tracing: Tracing | None = None,
-    settle: bool = False,
+    serving: bool = False,
 ) -> Starlette:
     """Wire the services, the background jobs and the HTTP routes into one ASGI application.
 
-    `settle`: this process serves only this app (`gateway serve`): once started, its garbage
-    collector is settled (gateway.jobs.heap.settle_gc). Tests and embedders leave it off.
+    `serving`: this process serves only this app (`gateway serve`): once started, its garbage
+    collector is tuned (gateway.jobs.heap.freeze_startup_heap). Tests and embedders leave it off.
     `tracing`: instead of what `[tracing]` configures (tests pass one with an in-memory exporter).
     """
     settings = settings or load_settings()
@@ -121,7 +121,7 @@ def create_app(
         await services.open()
         await services.warm()
         # Load the default tokenizer in the background: the first request need not pay for it.
-        warm = asyncio.get_running_loop().run_in_executor(None, warm_up, settle)
+        warm = asyncio.get_running_loop().run_in_executor(None, warm_up, serving)
         warm.add_done_callback(lambda f: None if f.cancelled() else f.exception())
         service.warm_up = warm
         processor.start()
@@ -184,9 +184,9 @@ def create_app(
         middleware=[
             *([Middleware(TraceContextMiddleware)] if tracing.enabled else []),
             Middleware(MetricsMiddleware, metrics=metrics),
-            # (`settle`: a serving process, listening where settings.server says)
+            # (`serving`: a serving process, listening where settings.server says)
             Middleware(
-                AuthMiddleware, tenants=tenants, loopback=settle and settings.server.host in LOOPBACK_HOSTS
+                AuthMiddleware, tenants=tenants, loopback=serving and settings.server.host in LOOPBACK_HOSTS
             ),
         ],
         exception_handlers={
@@ -221,4 +221,4 @@ def app_from_env() -> Starlette:
     follow_supervisor()
     settings = load_settings()
     set_head_timeout(settings)
-    return create_app(settings, settle=True)
+    return create_app(settings, serving=True)

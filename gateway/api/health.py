@@ -23,7 +23,7 @@ log = logging.getLogger("gateway")
 async def _model_objects(request: Request) -> list[dict[str, object]]:
     """The `/v1/models` entries, in OpenAI's model object shape."""
     created = int(request.app.state.started)
-    entries = await services_of(request).catalog.models()
+    entries = await services_of(request).model_catalog.models()
     return [{"id": e.id, "object": "model", "created": created, "owned_by": e.owned_by} for e in entries]
 
 

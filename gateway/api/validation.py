@@ -14,7 +14,7 @@ from pydantic_core import ErrorDetails
 
 from gateway.api.schemas import NOT_AN_OBJECT, ChatCompletionRequest, ErrorMessages
 from gateway.context.content import check_messages, check_model
-from gateway.context.tools import settle_arguments
+from gateway.context.tools import default_arguments
 from gateway.exceptions import InvalidRequest
 from gateway.ids import check_conversation_id
 from gateway.services.requests import ChatRequest
@@ -104,16 +104,16 @@ def parse_chat(body: object, *, header_conversation_id: str | None = None) -> Ch
         # `extra_body={"is_feedback": True}`: the SDK's way to flag a turn; it marks the
         # request's last message (the new input of a resending client as of one sending only it).
         body["messages"][-1] = {**body["messages"][-1], "is_feedback": True}
-    _settle_arguments(body["messages"])
+    _default_arguments(body["messages"])
     include_usage = bool((request.stream_options or {}).get("include_usage"))
     return ChatRequest(body, request.model, body["messages"], bool(request.stream), include_usage, cid)
 
 
-def _settle_arguments(messages: list[Any]) -> None:
+def _default_arguments(messages: list[Any]) -> None:
     """Give each call the client sends without arguments the arguments "{}".
 
-    The gateway stores a provider's such call the same way (`settle_arguments`).
+    The gateway stores a provider's such call the same way (`default_arguments`).
     """
     for message in messages:
         for call in message.get("tool_calls") or () if message.get("role") == "assistant" else ():
-            settle_arguments(call.get("function"))
+            default_arguments(call.get("function"))

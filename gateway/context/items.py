@@ -11,7 +11,7 @@ from collections.abc import Mapping
 from typing import cast
 
 from gateway.context.content import image_detail, image_url
-from gateway.context.tools import settle_arguments
+from gateway.context.tools import default_arguments
 from gateway.exceptions import InvalidRequest
 from gateway.types import ContentPart, ImageURL, JSONObject, Message, ToolCall, ascii_int
 
@@ -190,7 +190,7 @@ def _item_call(item: JSONObject, where: str) -> ToolCall:
         )
     arguments = _string(item.get("arguments", ""), f"{where}.arguments", f"{where}.arguments")
     call: ToolCall = {"id": call_id, "type": "function", "function": {"name": name, "arguments": arguments}}
-    settle_arguments(call["function"])
+    default_arguments(call["function"])
     return call
 
 

@@ -9,7 +9,7 @@ from gateway.types import Message
 UNANSWERED_TOOL_RESULT = "[no result: the user continued without answering this tool call]"
 
 
-def settle_arguments(function: object) -> None:
+def default_arguments(function: object) -> None:
     """Give a call's `function` without arguments (left out, null or "") the arguments `"{}"`.
 
     Every provider takes that back; as it came, a strict provider refused every later turn.

@@ -1,11 +1,11 @@
-"""A serving process's heap: its garbage collector settled once started, freed memory given back to the OS.
+"""A serving process's heap: startup objects frozen out of the collector, free memory given back.
 
 The collector: CPython runs a young-generation collection every 700 net allocations of
 container objects, and every few hundred of those a full one over the whole heap. With 32
 requests in flight, their live objects alone cross 700 again and again, and a full collection
 walks the modules, tokenizers and settings loaded at startup: under load the collector took
 about 0.06 ms per request and 13-32 ms per full collection (docs/performance.md). Once the
-startup is over, `settle_gc` moves what exists then out of the collector's view (`gc.freeze`)
+startup is over, `freeze_startup_heap` moves what exists then out of the collector's view (`gc.freeze`)
 and raises the young threshold to GC_YOUNG: cyclic garbage is still collected, in rarer and
 smaller passes.
 
@@ -31,7 +31,7 @@ TRIM_EVERY = 30.0
 GC_YOUNG = 10_000  # net container allocations between young collections (CPython's: 700)
 
 
-def settle_gc(young: int = GC_YOUNG) -> None:
+def freeze_startup_heap(young: int = GC_YOUNG) -> None:
     """Settle the garbage collector once startup is over: collect, freeze, raise the young threshold.
 
     It collects once, freezes what is left (it lives as long as the process) and collects the

@@ -16,11 +16,11 @@ from contextlib import asynccontextmanager
 from gateway.config import Settings
 from gateway.exceptions import GatewayError
 from gateway.services.cache import ConversationCache
-from gateway.services.catalog import Catalog
 from gateway.services.compaction import Compactions
 from gateway.services.completions import StoredCompletions
 from gateway.services.conversations import Conversations
 from gateway.services.fsck import Fsck
+from gateway.services.model_catalog import ModelCatalog
 from gateway.services.models import ModelFacts
 from gateway.services.queries import Queries
 from gateway.services.responses import StoredResponses
@@ -57,7 +57,7 @@ class Services:
         self.responses = StoredResponses(settings, stores, self.cache)
         self.completions = StoredCompletions(stores, self.responses)
         self.queries = Queries(stores, self.cache)
-        self.catalog = Catalog(settings, router)
+        self.model_catalog = ModelCatalog(settings, router)
         self.fsck = Fsck(settings, stores)
         self._probed_at: float | None = None
         self._probe_failure: str | None = None

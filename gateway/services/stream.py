@@ -6,7 +6,7 @@ import logging
 import secrets
 from typing import cast
 
-from gateway.context.tools import settle_arguments
+from gateway.context.tools import default_arguments
 from gateway.exceptions import GatewayError, UpstreamProtocolError
 from gateway.types import FunctionCall, JSONObject, Message, ToolCall, Usage
 
@@ -50,7 +50,7 @@ def _is_function(function: object) -> bool:
 
 
 def _is_call(call: object) -> bool:
-    # (A call without an id gets one of the gateway's: `_settle_calls`.)
+    # (A call without an id gets one of the gateway's: `_complete_calls`.)
     if not isinstance(call, dict):
         return False
     return (call.get("id") is None or isinstance(call["id"], str)) and _is_function(call.get("function"))
@@ -70,14 +70,14 @@ def new_call_id() -> str:
     return f"call_{secrets.token_hex(12)}"
 
 
-def _settle_calls(calls: list[JSONObject]) -> None:
+def _complete_calls(calls: list[JSONObject]) -> None:
     """A whole answer's calls as the client gets them and the gateway stores them: an id where
     the provider gave none (one was a 502, streamed ones got an id), and `"{}"` where it gave no
     arguments (null, left out or ""; stored as "", a strict provider refused every later turn)."""
     for call in calls:
         if not call.get("id"):
             call["id"] = new_call_id()
-        settle_arguments(call.get("function"))
+        default_arguments(call.get("function"))
 
 
 def output_message(message: object) -> Message:
@@ -89,7 +89,7 @@ def output_message(message: object) -> Message:
     if problem is not None:
         raise UpstreamProtocolError(f"The provider's reply is malformed: {problem}")
     if message.get("tool_calls"):
-        _settle_calls(cast(list[JSONObject], message["tool_calls"]))  # (in the client's copy too)
+        _complete_calls(cast(list[JSONObject], message["tool_calls"]))  # (in the client's copy too)
     out: JSONObject = {"role": "assistant"}
     for key in _OUTPUT_FIELDS[1:]:
         value = message.get(key)
@@ -99,7 +99,7 @@ def output_message(message: object) -> Message:
         calls = out["tool_calls"]
         out["tool_calls"] = [
             {"id": c["id"], "type": c.get("type") or "function", "function": dict(_object(c["function"]))}
-            for c in cast(list[JSONObject], calls)  # (checked by `_malformed`, settled above)
+            for c in cast(list[JSONObject], calls)  # (checked by `_malformed`, completed above)
         ]
         out.setdefault("content", None)
     audio = message.get("audio")
@@ -220,7 +220,7 @@ class StreamAccumulator:
         if self.tool_calls:
             message["tool_calls"] = [self.tool_calls[i] for i in sorted(self.tool_calls)]
             for call in message["tool_calls"]:  # a call streamed without arguments: as a whole answer's
-                settle_arguments(call["function"])
+                default_arguments(call["function"])
             if not message["content"]:
                 message["content"] = None
         return message

@@ -266,7 +266,7 @@ async def while_waiting(call: Awaitable[T], meanwhile: Callable[[], None]) -> T:
             return cast(T, stop.value)
 
 
-async def settle(task: asyncio.Future[None]) -> None:
+async def await_commit(task: asyncio.Future[None]) -> None:
     """Wait for a commit to finish even while being cancelled: the conversation lock must not
     be released before the turn is on disk, or the next request would miss it."""
     cancelled = False

@@ -49,6 +49,7 @@ from gateway.services.turn import (
     PreparedTurn,
     TurnOutcome,
     archive_expired,
+    await_commit,
     check_timezone,
     client_params,
     context_snapshot,
@@ -58,7 +59,6 @@ from gateway.services.turn import (
     request_record,
     response_record,
     run_to_end,
-    settle,
     stored_turn,
     timings_until_now,
     while_waiting,
@@ -350,7 +350,7 @@ class ChatService:
             return turn.outcome
         try:
             if turn.commit_task is not None:
-                await settle(turn.commit_task)
+                await await_commit(turn.commit_task)
                 turn.done = True
             if not turn.done:
                 turn.done = True

@@ -10,7 +10,7 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 
 from gateway.app import create_app, warm_up
-from gateway.jobs.heap import GC_YOUNG, HeapTrimmer, _malloc_trim, settle_gc
+from gateway.jobs.heap import GC_YOUNG, HeapTrimmer, _malloc_trim, freeze_startup_heap
 from gateway.upstream import Router
 from gateway.upstream.mock import MockUpstream
 from tests.conftest import app_of, build_client, make_settings
@@ -84,7 +84,7 @@ def test_settle_gc_freezes_what_exists_and_raises_the_young_threshold() -> None:
     with collector_restored():
         assert gc.get_threshold()[0] != GC_YOUNG
         _, middle, old = gc.get_threshold()
-        settle_gc()
+        freeze_startup_heap()
         assert gc.get_threshold() == (GC_YOUNG, middle, old)
         assert gc.get_freeze_count() > 1000  # the modules loaded so far
         cycle = Cycle()  # garbage made after settling is still collected
@@ -96,7 +96,7 @@ def test_settle_gc_freezes_what_exists_and_raises_the_young_threshold() -> None:
 
 async def test_a_serving_app_settles_the_collector_once_warmed_up() -> None:
     with collector_restored():
-        app = create_app(make_settings(), router=Router({"mock": MockUpstream()}, "mock"), settle=True)
+        app = create_app(make_settings(), router=Router({"mock": MockUpstream()}, "mock"), serving=True)
         async with app.router.lifespan_context(app):
             await app.state.service.warm_up
             assert gc.get_threshold()[0] == GC_YOUNG and gc.get_freeze_count() > 1000
@@ -124,7 +124,7 @@ def test_warming_up_a_serving_process_runs_one_full_collection() -> None:
         gc.disable()  # only the collections warm_up asks for are counted, not automatic ones
         gc.callbacks.append(seen)
         try:
-            warm_up(settle=True)
+            warm_up(serving=True)
         finally:
             gc.callbacks.remove(seen)
             gc.enable()

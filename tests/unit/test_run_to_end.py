@@ -7,7 +7,7 @@ import asyncio
 
 import pytest
 
-from gateway.services.turn import run_to_end, settle
+from gateway.services.turn import await_commit, run_to_end
 
 
 async def test_work_that_does_not_wait_is_done_on_return() -> None:
@@ -84,5 +84,5 @@ async def test_settle_waits_for_work_that_yields_and_sleeps() -> None:
             done.append(n)
 
     future = run_to_end(work())
-    await settle(future)
+    await await_commit(future)
     assert done == [0, 1, 2]

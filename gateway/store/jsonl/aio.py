@@ -115,7 +115,7 @@ class AioSync:
         )
         if self._call(self._submit_nr, self._context, 1, self._iocbs) != 1:
             err = ctypes.get_errno()
-            settle(waiting, NotSubmitted(err, os.strerror(err)))
+            resolve(waiting, NotSubmitted(err, os.strerror(err)))
             return
         self.submitted += 1
         self._flight[fd] = waiting
@@ -138,7 +138,7 @@ class AioSync:
             got = self._call(self._getevents, self._context, at_least, _EVENTS, self._events, None)
         for i in range(max(got, 0)):
             fd, _, result, _ = _EVENT.unpack_from(self._events, i * _EVENT.size)
-            settle(self._flight.pop(fd, []), OSError(-result, os.strerror(-result)) if result < 0 else None)
+            resolve(self._flight.pop(fd, []), OSError(-result, os.strerror(-result)) if result < 0 else None)
             if restart and fd in self._pending:
                 self._start(fd)
         return got
@@ -161,7 +161,7 @@ class AioSync:
         left = [f for waiting in (*self._flight.values(), *self._pending.values()) for f in waiting]
         self._flight.clear()
         self._pending.clear()
-        settle(left, NotSubmitted(errno.ESHUTDOWN, "closed before the sync began"))
+        resolve(left, NotSubmitted(errno.ESHUTDOWN, "closed before the sync began"))
 
 
 class NotSubmitted(OSError):
@@ -171,7 +171,7 @@ class NotSubmitted(OSError):
     """
 
 
-def settle(futures: list[asyncio.Future[None]], error: OSError | None) -> None:
+def resolve(futures: list[asyncio.Future[None]], error: OSError | None) -> None:
     """Give each waiter not gone yet the sync's outcome (a fresh exception each)."""
     for future in futures:
         if future.done():

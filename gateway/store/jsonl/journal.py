@@ -37,7 +37,7 @@ from collections.abc import Callable
 
 import orjson
 
-from gateway.store.jsonl.aio import AioSync, NotSubmitted, settle
+from gateway.store.jsonl.aio import AioSync, NotSubmitted, resolve
 from gateway.store.jsonl.durability import Durability
 from gateway.store.jsonl.files import fsync_dir
 from gateway.store.jsonl.layout import DataDir
@@ -349,7 +349,7 @@ class Journal:
                 by_loop.setdefault(future.get_loop(), []).append(future)
             for loop, futures in by_loop.items():
                 try:
-                    loop.call_soon_threadsafe(settle, futures, error)
+                    loop.call_soon_threadsafe(resolve, futures, error)
                 except RuntimeError:  # the loop was closed meanwhile: nobody waits any more
                     pass
 

@@ -22,7 +22,9 @@ class ModelEntry:
     owned_by: str
 
 
-class Catalog:
+class ModelCatalog:
+    """The models `GET /v1/models` lists, each provider's own listing kept for a minute."""
+
     def __init__(self, settings: Settings, router: Router) -> None:
         self.settings = settings
         self.router = router
