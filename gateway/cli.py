@@ -28,9 +28,10 @@ from gateway.cli_render import (
 from gateway.config import Settings, load_settings
 from gateway.config_sources import CONFIG_ENV, DEFAULT_CONFIG_PATH
 from gateway.context import Turn
-from gateway.context.history import clean_message, item_key, message_key, repair_tool_calls
+from gateway.context.history import clean_message, message_key, repair_tool_calls
 from gateway.context.records import latest
 from gateway.context.summary import is_summary_message
+from gateway.context.unsent import Unsent
 from gateway.exceptions import GatewayError, NotFound
 from gateway.ids import is_valid_response_id
 from gateway.services import Services
@@ -469,8 +470,7 @@ class _ShowText:
             else None
         )
         self.live = set(view.history_owner)  # turns whose messages the model still gets
-        self.sent = view.sent_items()  # and which of their messages
-        self.in_history = set(zip(view.history_owner, view.history_pos, strict=True))
+        self.unsent = Unsent(view)  # and which of their messages it no longer gets, and why
         self.marked = False
         # Turns up to the one the rolling summary covers through were sent as the summary; its
         # line follows that turn. Those after it, outside the window, were left out (the marker's).
@@ -555,13 +555,8 @@ class _ShowText:
         if m.get("is_feedback"):
             click.echo(render_message(m, note="not replayed"))
             return
-        if (turn.response_id, pos) not in self.sent:  # deleted, cut by a later edit, or an orphan
-            if item_key(turn.response_id, pos) in self.view.deleted_items:
-                why = "deleted"
-            elif (turn.response_id, pos) in self.in_history:
-                why = "its tool call deleted"
-            else:
-                why = "left behind by a branch"
+        why = self.unsent.why(turn.response_id, pos)  # deleted, cut by a later edit, or an orphan
+        if why is not None:
             click.echo(click.style(render_message(m, note=f"{why}: no longer sent"), dim=True))
             return
         n = self.stored_count.get((turn.response_id, pos)) or count_message(m)

@@ -7,6 +7,7 @@ Static HTML/CSS/JS shipped in the package (no build step, no CDN) and two JSON e
 from __future__ import annotations
 
 from pathlib import Path
+from typing import cast
 
 from starlette.requests import Request
 from starlette.responses import FileResponse, Response
@@ -14,9 +15,10 @@ from starlette.responses import FileResponse, Response
 from gateway.api.http import JSONBody, services_of, tenant_of
 from gateway.api.pages import NEWEST_FIRST, list_params
 from gateway.context.records import first, latest
+from gateway.context.unsent import Unsent
 from gateway.exceptions import InvalidRequest, NotFound
 from gateway.ids import check_conversation_id
-from gateway.types import JSONObject, Record, ascii_int
+from gateway.types import JSONObject, Message, Record, ascii_int
 
 STATIC = Path(__file__).resolve().parent.parent / "ui" / "static"
 _FILES = {"index.html": "text/html", "app.js": "text/javascript", "style.css": "text/css"}
@@ -112,7 +114,7 @@ async def conversation(request: Request) -> Response:
         raise InvalidRequest("'since' must be a non-negative integer (a turn index)", param="since")
     entries = await queries.index(tenant, cid)
     view = await queries.view(tenant, cid)
-    sent = view.sent_items()
+    unsent = Unsent(view)
     turns = []
     index = 0
     for entry in entries:
@@ -131,13 +133,17 @@ async def conversation(request: Request) -> Response:
             turn = _turn(records, entry, index) if records is not None else None
             if turn is not None:
                 # Positions (input, then the answer) of its messages the model no longer gets,
-                # and its system prompt's (-1, -2, ...) once deleted or replaced by a later one.
+                # and its system prompt's (-1, -2, ...) once deleted or replaced by a later one,
+                # with the reason (as `gateway show` says it).
                 given, system = turn["input"], turn["system"]
-                count = (len(given) if isinstance(given, list) else 0) + (turn["output"] is not None)
-                not_sent = [p for p in range(count) if (entry, p) not in sent]
-                if isinstance(system, list) and system and view.system_owner != entry:
-                    not_sent += [-(i + 1) for i in range(len(system))]
-                turn["not_sent"] = not_sent
+                reasons = unsent.of_turn(
+                    entry,
+                    given if isinstance(given, list) else [],
+                    cast(Message, turn["output"]) if isinstance(turn["output"], dict) else None,
+                    system if isinstance(system, list) else None,
+                )
+                turn["not_sent"] = list(reasons)
+                turn["not_sent_why"] = {str(p): why for p, why in reasons.items()}
                 turns.append(turn)
         index += 1
     summaries = await queries.summaries(tenant, cid, view)

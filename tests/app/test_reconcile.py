@@ -342,6 +342,10 @@ def test_a_regenerated_answer_is_labelled_so_and_an_edit_as_an_edit(tmp_path: An
     assert turns[2]["branch_left"] == {"response_id": turns[1]["response_id"], "position": 0}
     assert turns[4]["branch_left"] == {"response_id": turns[3]["response_id"], "position": 0}
     assert [t["not_sent"] for t in turns] == [[], [0, 1], [], [0, 1], []]
+    branched = {"0": "left behind by a branch", "1": "left behind by a branch"}
+    assert [t["not_sent_why"] for t in turns] == [{}, branched, {}, branched, {}]
+    # `gateway show` says the same of the same messages.
+    assert sum("left behind by a branch" in line for line in result.output.splitlines()) == 2
 
 
 def test_a_turn_heading_names_the_kind_of_branch() -> None:

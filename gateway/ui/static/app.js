@@ -142,7 +142,9 @@ function turnCard(turn, isNew, points = new Map()) {
   // Messages the model no longer gets (deleted, left behind by a branch, a tool result whose call was deleted).
   const notSent = new Set(turn.not_sent || []);
   // (a system prompt's messages have positions -1, -2, ...: struck once deleted or replaced)
-  const mark = (m, pos, extra = "") => { const b = bubble(m, extra + (notSent.has(pos) ? " not-sent" : "")); if (notSent.has(pos)) b.title = "no longer sent to the model"; return b; };
+  // The reason (`not_sent_why`) is the one `gateway show` prints.
+  const why = turn.not_sent_why || {};
+  const mark = (m, pos, extra = "") => { const b = bubble(m, extra + (notSent.has(pos) ? " not-sent" : "")); if (notSent.has(pos)) b.title = `${why[pos] || "no longer sent"}: no longer sent to the model`; return b; };
   // Where a branch starts: this turn's first message when it branched, and the message a later
   // branch left behind (struck through with what followed it).
   const branched = (m, pos) => {
