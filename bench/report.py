@@ -279,10 +279,34 @@ def print_report(result: dict[str, Any]) -> dict[str, Any]:
     gw = result["gateway"]
     width = max(len(r["scenario"]) for r in [*latency, *stream, *throughput]) + 2
     rule = "-" * (width + 69)
-    heads = (("n", 6), ("p50", 8), ("p99", 8), ("ovh p50", 9), ("ovh p99", 9), ("x fwd", 7), ("x aio", 7))
+    cold_rows = _cold_rows(result, latency)
+    scaling = _scaling_rows(result)
+    tracing = _tracing_rows(result)
+    _print_latency(latency, width, rule)
+    _print_cold(cold_rows, width, rule)
+    _print_streaming(stream, width, rule)
+    _print_throughput(throughput, result.get("concurrency", 32), width, rule)
+    _print_scaling(scaling, width, rule)
+    _print_process(result, gw, width, rule)
+    _print_tracing(tracing, width, rule)
+    return {
+        "latency": latency,
+        "cold": cold_rows,
+        "tracing": tracing,
+        "streaming": stream,
+        "throughput": throughput,
+        "scaling": scaling,
+        "gateway": gw,
+    }
 
+
+HEADS = (("n", 6), ("p50", 8), ("p99", 8), ("ovh p50", 9), ("ovh p99", 9), ("x fwd", 7), ("x aio", 7))
+
+
+def _print_latency(latency: list[dict[str, Any]], width: int, rule: str) -> None:
+    """The sequential non-streaming latency table."""
     print("\nLatency, sequential non-streaming requests (ms); overhead = target - direct, same messages")
-    print(_row("scenario", width, ("sent", 7), *heads, tail="  cold"))
+    print(_row("scenario", width, ("sent", 7), *HEADS, tail="  cold"))
     group = None
     for r in latency:
         if r["group"] != group:
@@ -306,7 +330,9 @@ def print_report(result: dict[str, Any]) -> dict[str, Any]:
         " on a seeded conversation (the gateway loads it from disk)"
     )
 
-    cold_rows = _cold_rows(result, latency)
+
+def _print_cold(cold_rows: list[dict[str, Any]], width: int, rule: str) -> None:
+    """The cold first request on stored conversations (when measured)."""
     if cold_rows:
         print("\nCold first request on a stored conversation not loaded yet (ms)")
         print(
@@ -326,8 +352,11 @@ def print_report(result: dict[str, Any]) -> dict[str, Any]:
             print(_row(str(LABELS.get(r["target"], r["target"])), width, *cells, tail=vs))
         print("x base = p50 / the baseline checkout's p50 (--baseline), same run")
 
+
+def _print_streaming(stream: list[dict[str, Any]], width: int, rule: str) -> None:
+    """The time-to-first-chunk table."""
     print("\nStreaming, time to first chunk (ms), 1 message")
-    print(_row("scenario", width, ("", 7), *heads, tail="  whole stream p50"))
+    print(_row("scenario", width, ("", 7), *HEADS, tail="  whole stream p50"))
     print(rule)
     for r in stream:
         cells = (
@@ -342,7 +371,9 @@ def print_report(result: dict[str, Any]) -> dict[str, Any]:
         )
         print(_row(r["scenario"], width, *cells, tail=f"  {r['full_stream_p50_ms']:.2f}"))
 
-    clients = result.get("concurrency", 32)
+
+def _print_throughput(throughput: list[dict[str, Any]], clients: int, width: int, rule: str) -> None:
+    """The throughput table at a fixed number of concurrent clients."""
     print(
         f"\nThroughput, {clients} concurrent clients, 1 message, non-streaming (all processes share the CPUs)"
     )
@@ -359,7 +390,9 @@ def print_report(result: dict[str, Any]) -> dict[str, Any]:
         )
         print(_row(r["scenario"], width, *tp_cells))
 
-    scaling = _scaling_rows(result)
+
+def _print_scaling(scaling: list[dict[str, Any]], width: int, rule: str) -> None:
+    """Throughput and CPU per request by number of concurrent clients (when measured)."""
     if scaling:
         counts = sorted({c for r in scaling for c in r["clients"]}, key=int)
         print(
@@ -419,6 +452,9 @@ def print_report(result: dict[str, Any]) -> dict[str, Any]:
             ]
             print(_row(r["scenario"], width, *texts))
 
+
+def _print_process(result: dict[str, Any], gw: dict[str, Any], width: int, rule: str) -> None:
+    """The gateway process's facts: startup, memory, the data dir's filesystem."""
     fs = result.get("filesystem") or {}
     served = format(gw["conversations_served"], ",")
     facts = [
@@ -450,7 +486,10 @@ def print_report(result: dict[str, Any]) -> dict[str, Any]:
         print(f"warning: the gateway logged {log['other_lines']} lines besides its access log, e.g.:")
         for line in log["examples"][:3]:
             print(f"  {line[:200]}")
-    tracing = _tracing_rows(result)
+
+
+def _print_tracing(tracing: list[dict[str, Any]], width: int, rule: str) -> None:
+    """Tracing's cost beside the same gateway untraced (when measured)."""
     if tracing:
         print("\nTracing's cost: the same sequential turns (new conversation, 1 message), same run")
         print(_row("gateway", width, ("n", 6), ("p50 ms", 9), ("p99 ms", 9), ("CPU ms/turn", 12)))
@@ -467,12 +506,3 @@ def print_report(result: dict[str, Any]) -> dict[str, Any]:
         p50 = f"p50 {on['p50_ms'] - off['p50_ms']:+.3f} ms ({on['p50_ms'] / off['p50_ms']:.2f}x)"
         cpu = f"CPU {on['cpu_ms'] - off['cpu_ms']:+.3f} ms per turn ({on['cpu_ms'] / off['cpu_ms']:.2f}x)"
         print(f"tracing on - off: {p50}, {cpu}")
-    return {
-        "latency": latency,
-        "cold": cold_rows,
-        "tracing": tracing,
-        "streaming": stream,
-        "throughput": throughput,
-        "scaling": scaling,
-        "gateway": gw,
-    }

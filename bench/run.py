@@ -23,6 +23,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -297,6 +298,167 @@ def run_streams(args: argparse.Namespace, streams: str) -> int:
     return int(streams_bench.main(extra))
 
 
+def start_references(
+    procs: Processes, args: argparse.Namespace, tmp: Path, env: dict[str, str], ports: dict[str, int]
+) -> tuple[Server, list[Server]]:
+    """Start the mock upstream and the references (forwarders, the durable-turn floor), ready."""
+    python = sys.executable
+    up = f"http://{HOST}:{ports['direct']}"
+    bench_dir = REPO / "bench"
+    mock = procs.start(
+        Server(
+            "mock",
+            [python, str(bench_dir / "mock_upstream.py"), "--port", str(ports["direct"])],
+            ports["direct"],
+            tmp / "mock.log",
+            env,
+        ),
+        REPO,
+    )
+    forwarders = [
+        procs.start(
+            Server(
+                name,
+                [
+                    python,
+                    str(bench_dir / "forwarder.py"),
+                    "--port",
+                    str(ports[name]),
+                    "--upstream",
+                    up,
+                    "--client",
+                    client,
+                ],
+                ports[name],
+                tmp / f"{name}.log",
+                env,
+            ),
+            REPO,
+        )
+        for name, client in (("forwarder", "httpx"), ("forwarder_aiohttp", "aiohttp"))
+    ]
+    references = {"floor": [python, "-m", "bench.floor", "--data-dir", str(tmp / "data-floor")]}
+    if not args.no_workers:  # what a second worker gives a server that only forwards
+        references["forwarder_aiohttp_2w"] = [
+            python,
+            str(bench_dir / "forwarder.py"),
+            "--client",
+            "aiohttp",
+            "--workers",
+            "2",
+        ]
+    for name, argv_ref in references.items():
+        ports[name] = free_port()
+        argv_ref += ["--port", str(ports[name]), "--upstream", up]
+        forwarders.append(procs.start(Server(name, argv_ref, ports[name], tmp / f"{name}.log", env), REPO))
+    mock.wait_ready("/healthz", 30)
+    for server in forwarders:
+        server.wait_ready("/readyz", 30)
+    return mock, forwarders
+
+
+@dataclass
+class Targets:
+    """The gateways to measure: each one's durability, data dir and database."""
+
+    durability: dict[str, str]
+    data_dirs: dict[str, Path]
+    dsns: dict[str, str]
+    postgres_status: str
+    receiver: OtlpReceiver | None
+
+
+def gateway_targets(args: argparse.Namespace, tmp: Path, cleanup: list[Any]) -> Targets:
+    """The gateways this run measures (a PostgreSQL cluster and an OTLP receiver started for
+    theirs, their stops added to `cleanup`)."""
+    data_dirs = {"gateway": tmp / "data-fsync", "gateway_nosync": tmp / "data-nosync"}
+    gateways = {"gateway": "fsync"} if args.no_nosync else {"gateway": "fsync", "gateway_nosync": "none"}
+    dsns: dict[str, str] = {}
+    postgres_status = "skipped (--no-postgres)"
+    if not args.no_postgres:
+        cluster, postgres_status = start_postgres()
+        if cluster is not None:
+            cleanup.append(cluster.stop)
+            dsns["gateway_pg"] = cluster.create_database("bench")
+            gateways["gateway_pg"] = "fsync"
+            data_dirs["gateway_pg"] = tmp / "data-pg"
+    if not args.no_workers:
+        gateways["gateway_2w"] = "fsync"  # the same, with --workers 2 on one data dir
+        data_dirs["gateway_2w"] = tmp / "data-2w"
+    if args.baseline:
+        gateways["gateway_base"] = "fsync"
+        data_dirs["gateway_base"] = tmp / "data-base"
+    receiver = None
+    if not args.no_tracing:  # the same gateway, exporting its spans and metrics
+        receiver = OtlpReceiver(keep=False).__enter__()
+        cleanup.append(receiver.__exit__)
+        gateways["gateway_traced"] = "fsync"
+        data_dirs["gateway_traced"] = tmp / "data-traced"
+    return Targets(gateways, data_dirs, dsns, postgres_status, receiver)
+
+
+def start_gateways(
+    procs: Processes,
+    args: argparse.Namespace,
+    tmp: Path,
+    env: dict[str, str],
+    ports: dict[str, int],
+    targets: Targets,
+    context: dict[str, Any],
+) -> dict[str, Server]:
+    """Start every gateway target, one at a time, each ready before the next starts."""
+    python = sys.executable
+    gateway_bin = REPO / ".venv" / "bin" / "gateway"
+    gateway_cmd = [str(gateway_bin)] if gateway_bin.exists() else [python, "-m", "gateway"]
+    data_dirs, dsns, receiver = targets.data_dirs, targets.dsns, targets.receiver
+    servers: dict[str, Server] = {}
+    for name, durability in targets.durability.items():
+        ports[name] = free_port()
+        cfg = tmp / f"{name}.toml"
+        write_gateway_config(
+            cfg,
+            port=ports[name],
+            upstream_port=ports["direct"],
+            data_dir=data_dirs[name],
+            durability=durability,
+            context=context,
+            dsn=dsns.get(name, ""),
+            tracing=receiver.url if receiver is not None and name == "gateway_traced" else "",
+        )
+        base = Path(args.baseline).resolve() if name == "gateway_base" else None
+        argv_gw = [
+            *([python, "-m", "gateway"] if base else gateway_cmd),
+            "serve",
+            "--config",
+            str(cfg),
+            "--data-dir",
+            str(data_dirs[name]),
+            "--port",
+            str(ports[name]),
+            *(["--workers", "2"] if name == "gateway_2w" else []),
+        ]
+        gw_env = {**env, "PYTHONPATH": str(base)} if base else env
+        if name == "gateway_traced":  # spans exported while measured, not only every 5 s
+            gw_env = {**env, "OTEL_BSP_SCHEDULE_DELAY": "200", "OTEL_METRIC_EXPORT_INTERVAL": "1000"}
+        servers[name] = procs.start(
+            Server(name, argv_gw, ports[name], tmp / f"{name}.log", gw_env), base or REPO
+        )
+        # One at a time, so the startup time is not inflated by a sibling starting on 2 cores.
+        servers[name].wait_ready("/readyz", 60)
+    return servers
+
+
+def save(result: dict[str, Any], summary: dict[str, Any]) -> None:
+    """Write the run's result and summary to var/bench/ (dated, and as latest.json)."""
+    out_dir = REPO / "var" / "bench"
+    out_dir.mkdir(parents=True, exist_ok=True)
+    stamp = time.strftime("%Y%m%d-%H%M%S")
+    payload = orjson.dumps({**result, "summary": summary}, option=orjson.OPT_INDENT_2)
+    (out_dir / f"result-{stamp}.json").write_bytes(payload)
+    (out_dir / "latest.json").write_bytes(payload)
+    print(f"\nwrote var/bench/result-{stamp}.json and var/bench/latest.json ({result['wall_seconds']} s)")
+
+
 def run(args: argparse.Namespace) -> int:
     plan = Plan.quick() if args.quick else Plan()
     context = context_overrides(args)
@@ -305,9 +467,6 @@ def run(args: argparse.Namespace) -> int:
     for sig in (signal.SIGTERM, signal.SIGHUP):
         signal.signal(sig, lambda s, f: sys.exit(128 + s))
 
-    python = sys.executable
-    gateway_bin = REPO / ".venv" / "bin" / "gateway"
-    gateway_cmd = [str(gateway_bin)] if gateway_bin.exists() else [python, "-m", "gateway"]
     tmp = Path(tempfile.mkdtemp(prefix="gateway-bench-", dir=args.tmp_dir))
     procs = Processes()
     cleanup: list[Any] = []
@@ -315,118 +474,11 @@ def run(args: argparse.Namespace) -> int:
     try:
         env = clean_env()
         ports = {"direct": free_port(), "forwarder": free_port(), "forwarder_aiohttp": free_port()}
-        up = f"http://{HOST}:{ports['direct']}"
-        bench_dir = REPO / "bench"
-        mock = procs.start(
-            Server(
-                "mock",
-                [python, str(bench_dir / "mock_upstream.py"), "--port", str(ports["direct"])],
-                ports["direct"],
-                tmp / "mock.log",
-                env,
-            ),
-            REPO,
-        )
-        forwarders = [
-            procs.start(
-                Server(
-                    name,
-                    [
-                        python,
-                        str(bench_dir / "forwarder.py"),
-                        "--port",
-                        str(ports[name]),
-                        "--upstream",
-                        up,
-                        "--client",
-                        client,
-                    ],
-                    ports[name],
-                    tmp / f"{name}.log",
-                    env,
-                ),
-                REPO,
-            )
-            for name, client in (("forwarder", "httpx"), ("forwarder_aiohttp", "aiohttp"))
-        ]
-        references = {"floor": [python, "-m", "bench.floor", "--data-dir", str(tmp / "data-floor")]}
-        if not args.no_workers:  # what a second worker gives a server that only forwards
-            references["forwarder_aiohttp_2w"] = [
-                python,
-                str(bench_dir / "forwarder.py"),
-                "--client",
-                "aiohttp",
-                "--workers",
-                "2",
-            ]
-        for name, argv_ref in references.items():
-            ports[name] = free_port()
-            argv_ref += ["--port", str(ports[name]), "--upstream", up]
-            forwarders.append(
-                procs.start(Server(name, argv_ref, ports[name], tmp / f"{name}.log", env), REPO)
-            )
-        mock.wait_ready("/healthz", 30)
-        for server in forwarders:
-            server.wait_ready("/readyz", 30)
-
-        data_dirs = {"gateway": tmp / "data-fsync", "gateway_nosync": tmp / "data-nosync"}
+        mock, forwarders = start_references(procs, args, tmp, env, ports)
         fs_probe = {"data_dir_parent": str(tmp), **probe_filesystem(tmp / "probe")}
-        gateways = {"gateway": "fsync"} if args.no_nosync else {"gateway": "fsync", "gateway_nosync": "none"}
-        dsns: dict[str, str] = {}
-        postgres_status = "skipped (--no-postgres)"
-        if not args.no_postgres:
-            cluster, postgres_status = start_postgres()
-            if cluster is not None:
-                cleanup.append(cluster.stop)
-                dsns["gateway_pg"] = cluster.create_database("bench")
-                gateways["gateway_pg"] = "fsync"
-                data_dirs["gateway_pg"] = tmp / "data-pg"
-        if not args.no_workers:
-            gateways["gateway_2w"] = "fsync"  # the same, with --workers 2 on one data dir
-            data_dirs["gateway_2w"] = tmp / "data-2w"
-        if args.baseline:
-            gateways["gateway_base"] = "fsync"
-            data_dirs["gateway_base"] = tmp / "data-base"
-        receiver = None
-        if not args.no_tracing:  # the same gateway, exporting its spans and metrics
-            receiver = OtlpReceiver(keep=False).__enter__()
-            cleanup.append(receiver.__exit__)
-            gateways["gateway_traced"] = "fsync"
-            data_dirs["gateway_traced"] = tmp / "data-traced"
-        servers: dict[str, Server] = {}
-        for name, durability in gateways.items():
-            ports[name] = free_port()
-            cfg = tmp / f"{name}.toml"
-            write_gateway_config(
-                cfg,
-                port=ports[name],
-                upstream_port=ports["direct"],
-                data_dir=data_dirs[name],
-                durability=durability,
-                context=context,
-                dsn=dsns.get(name, ""),
-                tracing=receiver.url if receiver is not None and name == "gateway_traced" else "",
-            )
-            base = Path(args.baseline).resolve() if name == "gateway_base" else None
-            argv_gw = [
-                *([python, "-m", "gateway"] if base else gateway_cmd),
-                "serve",
-                "--config",
-                str(cfg),
-                "--data-dir",
-                str(data_dirs[name]),
-                "--port",
-                str(ports[name]),
-                *(["--workers", "2"] if name == "gateway_2w" else []),
-            ]
-            gw_env = {**env, "PYTHONPATH": str(base)} if base else env
-            if name == "gateway_traced":  # spans exported while measured, not only every 5 s
-                gw_env = {**env, "OTEL_BSP_SCHEDULE_DELAY": "200", "OTEL_METRIC_EXPORT_INTERVAL": "1000"}
-            servers[name] = procs.start(
-                Server(name, argv_gw, ports[name], tmp / f"{name}.log", gw_env), base or REPO
-            )
-            # One at a time, so the startup time is not inflated by a sibling starting on 2 cores.
-            servers[name].wait_ready("/readyz", 60)
+        targets = gateway_targets(args, tmp, cleanup)
+        data_dirs = targets.data_dirs
+        servers = start_gateways(procs, args, tmp, env, ports, targets, context)
         gw = servers["gateway"]
         rss_ready = rss_kib(gw.pid)
         first_request_ms = run_async(first_request(ports["gateway"]))
@@ -507,7 +559,7 @@ def run(args: argparse.Namespace) -> int:
                 "log": scan_gateway_log(gw.log_path),
             },
             "litellm": litellm_status,
-            "postgres": postgres_status,
+            "postgres": targets.postgres_status,
             "plan": plan.__dict__,
             "concurrency": CONCURRENCY,
             "filesystem": fs_probe,
@@ -517,13 +569,7 @@ def run(args: argparse.Namespace) -> int:
         }
         result["wall_seconds"] = round(time.perf_counter() - wall, 1)
         summary = print_report(result)
-        out_dir = REPO / "var" / "bench"
-        out_dir.mkdir(parents=True, exist_ok=True)
-        stamp = time.strftime("%Y%m%d-%H%M%S")
-        payload = orjson.dumps({**result, "summary": summary}, option=orjson.OPT_INDENT_2)
-        (out_dir / f"result-{stamp}.json").write_bytes(payload)
-        (out_dir / "latest.json").write_bytes(payload)
-        print(f"\nwrote var/bench/result-{stamp}.json and var/bench/latest.json ({result['wall_seconds']} s)")
+        save(result, summary)
         return 0
     except BaseException:
         for server in procs.servers:
