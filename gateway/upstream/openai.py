@@ -21,6 +21,7 @@ import os
 import urllib.request
 from collections.abc import AsyncGenerator, AsyncIterator, Awaitable, Callable, Iterator, Mapping
 from contextlib import AsyncExitStack, contextmanager
+from typing import cast
 from urllib.parse import urlsplit
 
 import aiohttp
@@ -562,6 +563,8 @@ class OpenAIUpstream(Upstream):
             chunk = None
         if type(chunk) is not dict or ("error" in chunk and "choices" not in chunk):
             return self._decode(_text(line), headers)  # (its errors, or a blank line's None)
+        if _is_text(chunk):
+            return chunk
         try:
             return check_chunk(chunk)
         except UpstreamProtocolError as exc:
@@ -589,17 +592,34 @@ def _text(line: bytes) -> str:
         raise UpstreamProtocolError("a stream line that is not UTF-8") from None
 
 
+# A delta with only these fields, `content` a string or null, is a piece of text (or nothing).
+_TEXT_KEYS = frozenset(("role", "content"))
+
+
+def _is_text(chunk: Chunk) -> bool:
+    """Is `chunk` the common one, a single choice whose delta is text alone, without usage? It
+    needs no more of `check_chunk`'s checks."""
+    choices = chunk.get("choices")
+    if type(choices) is not list or len(choices) != 1 or chunk.get("usage") is not None:
+        return False
+    choice = choices[0]
+    delta = choice.get("delta") if type(choice) is dict else None
+    if type(delta) is not dict or not delta.keys() <= _TEXT_KEYS:
+        return False
+    content = delta.get("content")
+    return content is None or type(content) is str
+
+
 def _track(chunk: Chunk, unfinished: set[object], finished: bool, seen_usage: bool) -> tuple[bool, bool]:
-    """(finished, seen_usage) after `chunk`: a choice's finish_reason takes its index out of
-    `unfinished`, any other choice puts it in."""
-    for item in as_list(chunk.get("choices")):
-        choice = as_object(item)
+    """(finished, seen_usage) after a checked `chunk`: a choice's finish_reason takes its index
+    out of `unfinished`, any other choice puts it in."""
+    for choice in cast(list[Chunk], chunk.get("choices") or ()):  # (checked: a list of objects)
         index = choice.get("index", 0)
         if choice.get("finish_reason"):
             unfinished.discard(index)
             finished = True
         else:
             unfinished.add(index)
-    if not seen_usage and type(chunk.get("usage")) is dict:
+    if chunk.get("usage") is not None:  # (checked: an object)
         seen_usage = True
     return finished, seen_usage
