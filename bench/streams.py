@@ -69,7 +69,8 @@ DEFAULT_STREAMS = (100, 300)
 # Targets in the order of a round (reversed every other round); "direct" is the floor.
 TARGETS = ("direct", "forwarder_aiohttp", "gateway", "gateway_2w")
 REFERENCE = "forwarder_aiohttp"
-# With --baseline DIR: the gateway of another checkout (1 worker), measured in the same rounds.
+# With --baseline DIR: the gateway of another checkout (--baseline-workers, default 1), measured
+# in the same rounds.
 BASELINE = "gateway_base"
 LABELS = {
     "direct": "direct -> mock (floor)",
@@ -616,6 +617,9 @@ class Servers:
         self.gateway_cmd = [str(gateway_bin)] if gateway_bin.exists() else [self.python, "-m", "gateway"]
         self.targets_run = targets_of(args)
         self.baseline = Path(args.baseline).resolve() if args.baseline else None
+        self.baseline_workers = getattr(args, "baseline_workers", 1)
+        if self.baseline_workers > 1:
+            LABELS[BASELINE] = f"baseline gw, {self.baseline_workers} workers"
         self.ports = {target: free_port() for target in ORDER}
         self.targets: dict[str, Server] = {}
         self.logs: list[Path] = []
@@ -663,7 +667,7 @@ class Servers:
         ]
         forwarder = self._start(REFERENCE, argv, tag)
         forwarder.wait_ready("/readyz", 30)
-        for name, workers in (("gateway", 1), ("gateway_2w", 2), (BASELINE, 1)):
+        for name, workers in (("gateway", 1), ("gateway_2w", 2), (BASELINE, self.baseline_workers)):
             if name not in self.targets_run:
                 continue
             cfg = tmp / f"{name}.toml"
@@ -766,7 +770,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--baseline",
         default=None,
         metavar="DIR",
-        help="also measure the gateway of another checkout (e.g. `git archive main | tar -x -C DIR`), 1 worker",
+        help="also measure the gateway of another checkout (e.g. `git archive main | tar -x -C DIR`)",
+    )
+    parser.add_argument(
+        "--baseline-workers", type=int, default=1, help="workers of the --baseline gateway (default 1)"
     )
     parser.add_argument(
         "--no-2w", action="store_true", help="leave out the gateway with --workers 2 (a shorter run)"
