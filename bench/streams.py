@@ -3,6 +3,7 @@ through the aiohttp forwarder (the reference), the gateway and the gateway with 
 
     .venv/bin/python bench/streams.py [--streams 100,300[,1000]] [--stream-rounds 3] [--quick] [--keep]
     .venv/bin/python bench/run.py --scenario streams [--streams ...]      # the same, from run.py
+    .venv/bin/python -m bench.streams --no-2w --baseline DIR [--baseline-workers 2]  # before/after
 
 Every stream is a new conversation on the gateways (`durability = "fsync"`). The client
 (this process, one uvloop event loop, raw asyncio sockets + httptools) connects N sockets
