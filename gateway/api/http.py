@@ -219,9 +219,10 @@ _READY = object()
 
 
 async def resume(step: Any, waits_for: Any) -> Any:
-    """Drive `step` (an awaitable's iterator, stopped at its first wait on `waits_for`: a future,
-    or None for a bare yield) to its end, as the calling task would have; its value.
-    Cancellations and timeouts reach it as usual."""
+    """Drive `step` to its end, as the calling task would have, and return its value.
+
+    `step` is an awaitable's iterator stopped at its first wait, on `waits_for`: a future, or
+    None for a bare yield. Cancellations and timeouts reach it as usual."""
     while True:
         try:
             if waits_for is None:
@@ -244,8 +245,9 @@ async def resume(step: Any, waits_for: Any) -> Any:
 
 
 async def _throw(step: Any, exc: BaseException) -> None:
-    """Hand `exc` to `step`, stopped at a wait, and drive it to its end, as its task would
-    when cancelled there; its outcome is the caller's to drop (it raises `exc`)."""
+    """Hand `exc` to `step`, stopped at a wait, and drive it to its end.
+
+    As its task would when cancelled there; its outcome is dropped (the caller raises `exc`)."""
     try:
         await resume(step, step.throw(exc))
     except BaseException:  # noqa: BLE001, S110 - the caller raises `exc` itself
@@ -273,9 +275,11 @@ class SSEResponse(Response):
         self.on_close = on_close
 
     async def _pump(self, send: Send) -> None:
-        """The head, then the body's events: those ready together (a provider's read that
-        brought several, a turn's last chunks and `[DONE]`) in one send, each sent as soon as
-        the body has to wait for more; the last with the end of the body."""
+        """Send the head, then the body's events, those ready together in one send.
+
+        Ready together: a provider's read that brought several, a turn's last chunks and
+        `[DONE]`. Each batch goes as soon as the body has to wait for more; the last with the
+        end of the body."""
         await send({"type": "http.response.start", "status": self.status_code, "headers": self.raw_headers})
         body = self.body_iterator
         ready: list[bytes] = []

@@ -151,7 +151,7 @@ class StreamAccumulator:
                 self.finish_reason = str(finish)
 
     def _add_delta(self, delta: JSONObject) -> None:
-        """A piece of choice 0 that may carry more than text: a refusal, audio, calls."""
+        """Take a piece of choice 0 that may carry more than text: a refusal, audio, calls."""
         content, refusal = delta.get("content"), delta.get("refusal")
         if isinstance(content, str):
             self.content.append(content)

@@ -431,9 +431,11 @@ class OpenAIUpstream(Upstream):
         return http1.Streamed(response.status, headers, body.read, body.expire_at)
 
     async def _events(self, answer: http1.Streamed, wants_usage: bool) -> AsyncGenerator[Chunk, None]:
-        """The checked chunks of an SSE body (`answer.read` gives b"" at its end). The answer's
-        deadline, its first event's until then, moves with each read that brought a complete
-        line after it; the time the chunks of a read spend being handed on is not counted."""
+        """The checked chunks of an SSE body (`answer.read` gives b"" at its end).
+
+        The answer's deadline, its first event's until then, moves with each read that brought
+        a complete line after it; the time the chunks of a read spend being handed on is not
+        counted."""
         read, expire_at, headers = answer.read, answer.expire_at, answer.headers
         loop = asyncio.get_running_loop()
         idle = self.stream_idle
@@ -552,8 +554,9 @@ class OpenAIUpstream(Upstream):
         return b"".join(parts)
 
     def _data(self, line: bytes, headers: Mapping[str, str]) -> Chunk | None | bool:
-        """A `data:` line -> a checked chunk, None (nothing to yield) or True (`[DONE]`). A JSON
-        object is read from the bytes as they came; anything else takes `_decode`'s way."""
+        """A `data:` line -> a checked chunk, None (nothing to yield) or True (`[DONE]`).
+
+        A JSON object is read from the bytes as they came; anything else takes `_decode`'s way."""
         data = line[5:].strip()
         if data == b"[DONE]":
             return True
@@ -584,8 +587,9 @@ class OpenAIUpstream(Upstream):
 
 
 def _text(line: bytes) -> str:
-    """A stream line as text, without its `\\r` (a line is whole here: a character split across
-    reads is joined again)."""
+    """A stream line as text, without its `\\r`.
+
+    A line is whole here: a character split across reads is joined again."""
     try:
         return line.rstrip(b"\r").decode("utf-8")
     except UnicodeDecodeError:  # as a whole answer's: its bad bytes were stored as U+FFFD
@@ -597,8 +601,9 @@ _TEXT_KEYS = frozenset(("role", "content"))
 
 
 def _is_text(chunk: Chunk) -> bool:
-    """Is `chunk` the common one, a single choice whose delta is text alone, without usage? It
-    needs no more of `check_chunk`'s checks."""
+    """Is `chunk` the common one: a single choice whose delta is text alone, without usage?
+
+    Such a chunk needs no more of `check_chunk`'s checks."""
     choices = chunk.get("choices")
     if type(choices) is not list or len(choices) != 1 or chunk.get("usage") is not None:
         return False
@@ -611,8 +616,9 @@ def _is_text(chunk: Chunk) -> bool:
 
 
 def _track(chunk: Chunk, unfinished: set[object], finished: bool, seen_usage: bool) -> tuple[bool, bool]:
-    """(finished, seen_usage) after a checked `chunk`: a choice's finish_reason takes its index
-    out of `unfinished`, any other choice puts it in."""
+    """(finished, seen_usage) after a checked `chunk`.
+
+    A choice's finish_reason takes its index out of `unfinished`, any other choice puts it in."""
     for choice in cast(list[Chunk], chunk.get("choices") or ()):  # (checked: a list of objects)
         index = choice.get("index", 0)
         if choice.get("finish_reason"):
