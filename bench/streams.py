@@ -3,6 +3,7 @@ through the aiohttp forwarder (the reference), the gateway and the gateway with 
 
     .venv/bin/python bench/streams.py [--streams 100,300[,1000]] [--stream-rounds 3] [--quick] [--keep]
     .venv/bin/python bench/run.py --scenario streams [--streams ...]      # the same, from run.py
+    .venv/bin/python -m bench.streams --no-2w --baseline DIR [--baseline-workers 2]  # before/after
 
 Every stream is a new conversation on the gateways (`durability = "fsync"`). The client
 (this process, one uvloop event loop, raw asyncio sockets + httptools) connects N sockets
@@ -69,12 +70,17 @@ DEFAULT_STREAMS = (100, 300)
 # Targets in the order of a round (reversed every other round); "direct" is the floor.
 TARGETS = ("direct", "forwarder_aiohttp", "gateway", "gateway_2w")
 REFERENCE = "forwarder_aiohttp"
+# With --baseline DIR: the gateway of another checkout (--baseline-workers, default 1), measured
+# in the same rounds.
+BASELINE = "gateway_base"
 LABELS = {
     "direct": "direct -> mock (floor)",
     "forwarder_aiohttp": "aiohttp forwarder",
     "gateway": "gateway, 1 worker",
     "gateway_2w": "gateway, --workers 2",
+    BASELINE: "baseline gw, 1 worker",
 }
+ORDER = (*TARGETS, BASELINE)
 perf = time.perf_counter
 _PAGE = os.sysconf("SC_PAGE_SIZE") // 1024
 
@@ -551,7 +557,7 @@ def _cell(entry: dict[str, Any], key: str, fmt: str, ratio: bool = True) -> str:
 def print_tables(summary: list[dict[str, Any]], meta: dict[str, Any]) -> None:
     for n in meta["streams"]:
         rows = [e for e in summary if e["streams"] == n]
-        rows.sort(key=lambda e: TARGETS.index(e["target"]))
+        rows.sort(key=lambda e: ORDER.index(e["target"]))
         rounds = rows[0]["rounds"] if rows else 0
         print(
             f"\n{n} concurrent streams, {meta['chunks']} chunks {meta['interval_ms']:g} ms apart each "
@@ -610,7 +616,12 @@ class Servers:
         self.python = sys.executable
         gateway_bin = REPO / ".venv" / "bin" / "gateway"
         self.gateway_cmd = [str(gateway_bin)] if gateway_bin.exists() else [self.python, "-m", "gateway"]
-        self.ports = {target: free_port() for target in TARGETS}
+        self.targets_run = targets_of(args)
+        self.baseline = Path(args.baseline).resolve() if args.baseline else None
+        self.baseline_workers = getattr(args, "baseline_workers", 1)
+        if self.baseline_workers > 1:
+            LABELS[BASELINE] = f"baseline gw, {self.baseline_workers} workers"
+        self.ports = {target: free_port() for target in ORDER}
         self.targets: dict[str, Server] = {}
         self.logs: list[Path] = []
         mock = procs.start(
@@ -657,7 +668,9 @@ class Servers:
         ]
         forwarder = self._start(REFERENCE, argv, tag)
         forwarder.wait_ready("/readyz", 30)
-        for name, workers in (("gateway", 1), ("gateway_2w", 2)):
+        for name, workers in (("gateway", 1), ("gateway_2w", 2), (BASELINE, self.baseline_workers)):
+            if name not in self.targets_run:
+                continue
             cfg = tmp / f"{name}.toml"
             data_dir = tmp / f"data-{name}"
             write_gateway_config(
@@ -667,16 +680,27 @@ class Servers:
             argv += ["--port", str(ports[name])]
             if workers > 1:
                 argv += ["--workers", str(workers)]
+            cwd = REPO
+            if name == BASELINE:
+                assert self.baseline is not None
+                argv = [self.python, "-m", "gateway", *argv[len(self.gateway_cmd) :]]
+                cwd = self.baseline  # (`-m` imports the package of the working directory)
             # One at a time: startup is not what is measured.
-            self._start(name, argv, tag).wait_ready("/readyz", 60)
+            self._start(name, argv, tag, cwd).wait_ready("/readyz", 60)
         return {name: server.pid for name, server in self.targets.items()}
 
-    def _start(self, name: str, argv: list[str], tag: str) -> Server:
+    def _start(self, name: str, argv: list[str], tag: str, cwd: Path = REPO) -> Server:
         log = self.tmp / f"{name}-{tag}.log"
         self.logs.append(log)
-        server = self.procs.start(Server(name, argv, self.ports[name], log, self.env), REPO)
+        server = self.procs.start(Server(name, argv, self.ports[name], log, self.env), cwd)
         self.targets[name] = server
         return server
+
+
+def targets_of(args: argparse.Namespace) -> list[str]:
+    """The targets of a round, in its order."""
+    targets = [t for t in TARGETS if not (t == "gateway_2w" and getattr(args, "no_2w", False))]
+    return targets + [BASELINE] if getattr(args, "baseline", None) else targets
 
 
 def run_async(coro: Any) -> Any:
@@ -701,13 +725,13 @@ async def list_conversations(port: int) -> None:
 async def measure(
     servers: Servers, bench: Bench, streams: list[int], rounds: int, warmup: int
 ) -> list[dict[str, Any]]:
-    targets = list(TARGETS)
+    targets = servers.targets_run
     rows: list[dict[str, Any]] = []
     for n in streams:
         bench.pids = servers.start_targets(f"n{n}")
         # Warm every target up (imports, pools, the gateways' first turns), all at once.
         await asyncio.gather(*(bench.round(t, warmup) for t in targets))
-        for target in ("gateway", "gateway_2w"):
+        for target in (t for t in targets if t.startswith("gateway")):
             await list_conversations(bench.ports[target])
         for r in range(rounds):
             for target in targets if r % 2 == 0 else targets[::-1]:
@@ -743,6 +767,18 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="comma-separated stream counts (default 100,300; e.g. 100,300,1000)",
     )
     parser.add_argument("--stream-rounds", type=int, default=3, help="rounds per stream count (default 3)")
+    parser.add_argument(
+        "--baseline",
+        default=None,
+        metavar="DIR",
+        help="also measure the gateway of another checkout (e.g. `git archive main | tar -x -C DIR`)",
+    )
+    parser.add_argument(
+        "--baseline-workers", type=int, default=1, help="workers of the --baseline gateway (default 1)"
+    )
+    parser.add_argument(
+        "--no-2w", action="store_true", help="leave out the gateway with --workers 2 (a shorter run)"
+    )
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -799,7 +835,7 @@ def main(argv: list[str] | None = None) -> int:
             "commit": git_commit(),
             **meta,
             "rounds": rounds,
-            "targets": {t: LABELS[t] for t in TARGETS},
+            "targets": {t: LABELS[t] for t in servers.targets_run},
             "summary": summary,
             "rounds_raw": rows,
             "gateway_logs": logs,

@@ -213,6 +213,47 @@ async def until_disconnect(work: Coroutine[Any, Any, T], receive: Receive, *, st
         watcher.cancel()
 
 
+# Events held to be sent together are sent once they come to this many bytes.
+_SEND_LIMIT = 65536
+_READY = object()
+
+
+async def resume(step: Any, waits_for: Any) -> Any:
+    """Drive `step` to its end, as the calling task would have, and return its value.
+
+    `step` is an awaitable's iterator stopped at its first wait, on `waits_for`: a future, or
+    None for a bare yield. Cancellations and timeouts reach it as usual."""
+    while True:
+        try:
+            if waits_for is None:
+                await asyncio.sleep(0)
+            else:
+                waits_for._asyncio_future_blocking = False  # as a task takes it from the step
+                await waits_for
+        except BaseException as exc:  # noqa: BLE001 - handed to the step, as its task would
+            if waits_for is None or not waits_for.done():
+                # Thrown at this task (a cancellation), not the outcome of what the step waits on.
+                try:
+                    waits_for = step.throw(exc)
+                except StopIteration as stop:
+                    return stop.value
+                continue
+        try:
+            waits_for = step.send(None)  # the step takes the outcome of what it waited on
+        except StopIteration as stop:
+            return stop.value
+
+
+async def _throw(step: Any, exc: BaseException) -> None:
+    """Hand `exc` to `step`, stopped at a wait, and drive it to its end.
+
+    As its task would when cancelled there; its outcome is dropped (the caller raises `exc`)."""
+    try:
+        await resume(step, step.throw(exc))
+    except BaseException:  # noqa: BLE001, S110 - the caller raises `exc` itself
+        pass
+
+
 class SSEResponse(Response):
     """Streams `body` as text/event-stream; stops (and cancels the producer) when the client
     disconnects; always calls `on_close(exc)` once, with None when everything was sent."""
@@ -234,10 +275,45 @@ class SSEResponse(Response):
         self.on_close = on_close
 
     async def _pump(self, send: Send) -> None:
+        """Send the head, then the body's events, those ready together in one send.
+
+        Ready together: a provider's read that brought several, a turn's last chunks and
+        `[DONE]`. Each batch goes as soon as the body has to wait for more; the last with the
+        end of the body."""
         await send({"type": "http.response.start", "status": self.status_code, "headers": self.raw_headers})
-        async for chunk in self.body_iterator:
-            await send({"type": "http.response.body", "body": chunk, "more_body": True})
-        await send({"type": "http.response.body", "body": b"", "more_body": False})
+        body = self.body_iterator
+        ready: list[bytes] = []
+        size = 0
+        while True:
+            step = body.__anext__()
+            try:
+                waits_for = step.send(None)  # type: ignore[attr-defined]
+            except StopIteration as at_once:
+                ready.append(at_once.value)
+                size += len(at_once.value)
+                if size < _SEND_LIMIT:
+                    continue
+                waits_for = _READY  # (enough held: sent before the next)
+            except StopAsyncIteration:
+                break
+            if ready:
+                try:
+                    await send({"type": "http.response.body", "body": b"".join(ready), "more_body": True})
+                except BaseException as exc:
+                    if waits_for is not _READY:  # the body is in the middle of a wait: it is told
+                        await _throw(step, exc)
+                    raise
+                ready.clear()
+                size = 0
+            if waits_for is _READY:
+                continue
+            try:
+                event = await resume(step, waits_for)
+            except StopAsyncIteration:
+                break
+            ready.append(event)
+            size += len(event)
+        await send({"type": "http.response.body", "body": b"".join(ready), "more_body": False})
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         outcome: BaseException | None = None

@@ -12,6 +12,8 @@ from gateway.types import FunctionCall, JSONObject, Message, ToolCall, Usage
 
 log = logging.getLogger("gateway.services")
 
+# A piece of a streamed message with only these fields is text (or nothing): the common piece.
+_TEXT_KEYS = frozenset(("role", "content"))
 _OUTPUT_FIELDS = ("role", "content", "tool_calls", "function_call", "name", "refusal")
 
 
@@ -137,28 +139,37 @@ class StreamAccumulator:
         for choice in choices if isinstance(choices, list) else ():
             if not isinstance(choice, dict) or choice.get("index", 0) != 0:
                 continue
-            delta = _object(choice.get("delta"))
-            content, refusal = delta.get("content"), delta.get("refusal")
-            if isinstance(content, str):
-                self.content.append(content)
-            if isinstance(refusal, str):
-                self.refusal.append(refusal)
-            legacy = delta.get("function_call")
-            if isinstance(legacy, dict):
-                legacy_call = self.function_call = self.function_call or {"name": "", "arguments": ""}
-                for key in ("name", "arguments"):
-                    if isinstance(legacy.get(key), str):
-                        legacy_call[key] += legacy[key]
-            audio = delta.get("audio")
-            if isinstance(audio, dict) and isinstance(audio.get("id"), str):
-                self.audio_id = audio["id"]
-            calls = delta.get("tool_calls")
-            for call in calls if isinstance(calls, list) else ():
-                if isinstance(call, dict):
-                    self._add_call(call)
+            delta = choice.get("delta")
+            if type(delta) is dict and delta.keys() <= _TEXT_KEYS:  # most pieces: text or nothing
+                content = delta.get("content")
+                if isinstance(content, str):
+                    self.content.append(content)
+            else:
+                self._add_delta(_object(delta))
             finish = choice.get("finish_reason")
             if finish:
                 self.finish_reason = str(finish)
+
+    def _add_delta(self, delta: JSONObject) -> None:
+        """Take a piece of choice 0 that may carry more than text: a refusal, audio, calls."""
+        content, refusal = delta.get("content"), delta.get("refusal")
+        if isinstance(content, str):
+            self.content.append(content)
+        if isinstance(refusal, str):
+            self.refusal.append(refusal)
+        legacy = delta.get("function_call")
+        if isinstance(legacy, dict):
+            legacy_call = self.function_call = self.function_call or {"name": "", "arguments": ""}
+            for key in ("name", "arguments"):
+                if isinstance(legacy.get(key), str):
+                    legacy_call[key] += legacy[key]
+        audio = delta.get("audio")
+        if isinstance(audio, dict) and isinstance(audio.get("id"), str):
+            self.audio_id = audio["id"]
+        calls = delta.get("tool_calls")
+        for call in calls if isinstance(calls, list) else ():
+            if isinstance(call, dict):
+                self._add_call(call)
 
     def _add_call(self, call: JSONObject) -> None:
         """One piece of a streamed tool call, into its call. OpenAI sends each call's `index`,

@@ -450,9 +450,10 @@ class ChatService:
             chunk = first
             while chunk is not None:
                 acc.add(chunk)
-                answered_by = chunk.get("model")
-                if turn.response_model is None and isinstance(answered_by, str):
-                    turn.response_model = answered_by
+                if turn.response_model is None:
+                    answered_by = chunk.get("model")
+                    if isinstance(answered_by, str):
+                        turn.response_model = answered_by
                 chunk["id"] = turn.response_id
                 chunk["model"] = model
                 if cid is not None:

@@ -21,6 +21,7 @@ import os
 import urllib.request
 from collections.abc import AsyncGenerator, AsyncIterator, Awaitable, Callable, Iterator, Mapping
 from contextlib import AsyncExitStack, contextmanager
+from typing import cast
 from urllib.parse import urlsplit
 
 import aiohttp
@@ -430,8 +431,11 @@ class OpenAIUpstream(Upstream):
         return http1.Streamed(response.status, headers, body.read, body.expire_at)
 
     async def _events(self, answer: http1.Streamed, wants_usage: bool) -> AsyncGenerator[Chunk, None]:
-        """The checked chunks of an SSE body (`answer.read` gives b"" at its end). The answer's
-        deadline, its first event's until then, moves with each complete line after it."""
+        """The checked chunks of an SSE body (`answer.read` gives b"" at its end).
+
+        The answer's deadline, its first event's until then, moves with each read that brought
+        a complete line after it; the time the chunks of a read spend being handed on is not
+        counted."""
         read, expire_at, headers = answer.read, answer.expire_at, answer.headers
         loop = asyncio.get_running_loop()
         idle = self.stream_idle
@@ -463,32 +467,31 @@ class OpenAIUpstream(Upstream):
                 ended = True
                 received = b"\n"  # a last event without its line end still counts
             buffer += received
-            while (cut := buffer.find(b"\n")) >= 0:
-                try:  # (a line is whole here: a character split across reads is joined again)
-                    line = buffer[:cut].rstrip(b"\r").decode("utf-8")
-                except UnicodeDecodeError:  # as a whole answer's: its bad bytes were stored as U+FFFD
-                    raise UpstreamProtocolError("a stream line that is not UTF-8") from None
-                buffer = buffer[cut + 1 :]
-                chunk = self._decode(line, headers)
+            start = 0  # the first line of `buffer` not read yet
+            alive = False  # a line came after the first chunk: the provider is still there
+            lifted = False  # the deadline is off while this read's chunks are handed on
+            while (cut := buffer.find(b"\n", start)) >= 0:
+                line = buffer[start:cut]
+                start = cut + 1
+                if line.startswith(b"data:"):
+                    chunk = self._data(line, headers)
+                elif not line or not _text(line):  # the blank line that ends an event
+                    continue
+                else:  # a comment (`: ping`) or a field of its own
+                    chunk = None
                 if chunk is True:
                     return
                 if not isinstance(chunk, dict):
-                    if started and line:  # a comment (`: ping`) or a field of its own: alive
-                        expire_at(loop.time() + idle if idle else None)
+                    alive = alive or started
                     continue
-                for item in as_list(chunk.get("choices")):
-                    choice = as_object(item)
-                    index = choice.get("index", 0)
-                    if choice.get("finish_reason"):
-                        unfinished.discard(index)
-                        finished = True
-                    else:
-                        unfinished.add(index)
-                if isinstance(chunk.get("usage"), dict):
-                    seen_usage = True
-                expire_at(None)  # while the chunk is handed on, the wait is not the provider's
+                finished, seen_usage = _track(chunk, unfinished, finished, seen_usage)
+                if not lifted:
+                    expire_at(None)
+                    lifted = True
                 yield chunk
-                started = True
+                started = alive = True
+            buffer = buffer[start:]
+            if alive:
                 expire_at(loop.time() + idle if idle else None)
 
     @contextmanager
@@ -550,6 +553,26 @@ class OpenAIUpstream(Upstream):
             parts.append(piece)
         return b"".join(parts)
 
+    def _data(self, line: bytes, headers: Mapping[str, str]) -> Chunk | None | bool:
+        """A `data:` line -> a checked chunk, None (nothing to yield) or True (`[DONE]`).
+
+        A JSON object is read from the bytes as they came; anything else takes `_decode`'s way."""
+        data = line[5:].strip()
+        if data == b"[DONE]":
+            return True
+        try:
+            chunk = orjson.loads(data)
+        except orjson.JSONDecodeError:
+            chunk = None
+        if type(chunk) is not dict or ("error" in chunk and "choices" not in chunk):
+            return self._decode(_text(line), headers)  # (its errors, or a blank line's None)
+        if _is_text(chunk):
+            return chunk
+        try:
+            return check_chunk(chunk)
+        except UpstreamProtocolError as exc:
+            raise UpstreamProtocolError(f"Provider {self.name!r} at {self.url} sent {exc.message}") from exc
+
     def _decode(self, line: str, headers: Mapping[str, str]) -> Chunk | None | bool:
         """One SSE line -> a checked chunk, None (nothing to yield) or True (`[DONE]`)."""
         try:
@@ -561,3 +584,48 @@ class OpenAIUpstream(Upstream):
         if isinstance(parsed, dict) and "error" in parsed and "choices" not in parsed:
             raise status_error(self.name, 502, orjson.dumps(parsed), headers, UpstreamErrorEvent)
         return parsed
+
+
+def _text(line: bytes) -> str:
+    """A stream line as text, without its `\\r`.
+
+    A line is whole here: a character split across reads is joined again."""
+    try:
+        return line.rstrip(b"\r").decode("utf-8")
+    except UnicodeDecodeError:  # as a whole answer's: its bad bytes were stored as U+FFFD
+        raise UpstreamProtocolError("a stream line that is not UTF-8") from None
+
+
+# A delta with only these fields, `content` a string or null, is a piece of text (or nothing).
+_TEXT_KEYS = frozenset(("role", "content"))
+
+
+def _is_text(chunk: Chunk) -> bool:
+    """Is `chunk` the common one: a single choice whose delta is text alone, without usage?
+
+    Such a chunk needs no more of `check_chunk`'s checks."""
+    choices = chunk.get("choices")
+    if type(choices) is not list or len(choices) != 1 or chunk.get("usage") is not None:
+        return False
+    choice = choices[0]
+    delta = choice.get("delta") if type(choice) is dict else None
+    if type(delta) is not dict or not delta.keys() <= _TEXT_KEYS:
+        return False
+    content = delta.get("content")
+    return content is None or type(content) is str
+
+
+def _track(chunk: Chunk, unfinished: set[object], finished: bool, seen_usage: bool) -> tuple[bool, bool]:
+    """(finished, seen_usage) after a checked `chunk`.
+
+    A choice's finish_reason takes its index out of `unfinished`, any other choice puts it in."""
+    for choice in cast(list[Chunk], chunk.get("choices") or ()):  # (checked: a list of objects)
+        index = choice.get("index", 0)
+        if choice.get("finish_reason"):
+            unfinished.discard(index)
+            finished = True
+        else:
+            unfinished.add(index)
+    if chunk.get("usage") is not None:  # (checked: an object)
+        seen_usage = True
+    return finished, seen_usage

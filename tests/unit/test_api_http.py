@@ -1,6 +1,7 @@
 """The HTTP layer's helpers. `read_json`: a body is read within the deadline and the limit
 (the server side is a twin of uvicorn's request cycle; the e2e limits tests run the real one).
-`until_disconnect`: a client that goes away cancels the work, and only while it runs."""
+`until_disconnect`: a client that goes away cancels the work, and only while it runs.
+`SSEResponse`: events ready together leave in one send, a client that goes stops the body."""
 
 from __future__ import annotations
 
@@ -12,7 +13,7 @@ import orjson
 import pytest
 from starlette.requests import Request
 
-from gateway.api.http import ClientDisconnected, read_json, until_disconnect
+from gateway.api.http import ClientDisconnected, SSEResponse, read_json, until_disconnect
 from gateway.exceptions import BodyTimeout, BodyTooLarge, ClientGone
 from tests.helpers import LongWait
 
@@ -139,3 +140,75 @@ async def test_a_body_the_server_has_whole_is_taken_without_arming_the_deadline(
     request.scope[http.BODY_COMPLETE] = True
     with pytest.raises(ClientGone):
         await read_json(request, 1000)
+
+
+async def never_disconnects() -> dict[str, Any]:
+    await asyncio.Event().wait()
+    raise AssertionError("unreachable")
+
+
+async def test_events_ready_together_leave_in_one_send_the_last_with_the_end() -> None:
+    more = asyncio.Event()
+
+    async def body() -> Any:
+        yield b"data: 1\n\n"
+        yield b"data: 2\n\n"  # (ready with the first)
+        await more.wait()  # the body waits: what is ready goes out first
+        yield b"data: 3\n\n"
+        yield b"data: [DONE]\n\n"
+
+    sent: list[dict[str, Any]] = []
+
+    async def send(message: dict[str, Any]) -> None:
+        sent.append(message)
+        if message["type"] == "http.response.body":
+            more.set()
+
+    closed: list[BaseException | None] = []
+
+    async def on_close(exc: BaseException | None) -> None:
+        closed.append(exc)
+
+    response = SSEResponse(body(), headers={}, on_close=on_close)
+    await response({"type": "http"}, never_disconnects, send)
+    assert sent[0]["type"] == "http.response.start"
+    assert [(m["body"], m["more_body"]) for m in sent[1:]] == [
+        (b"data: 1\n\ndata: 2\n\n", True),
+        (b"data: 3\n\ndata: [DONE]\n\n", False),
+    ]
+    assert closed == [None]
+
+
+async def test_a_client_gone_while_a_send_waits_stops_the_body_in_its_wait() -> None:
+    stopped: list[bool] = []
+
+    async def body() -> Any:
+        try:
+            yield b"data: 1\n\n"
+            await asyncio.sleep(30)  # (the body waits while its first event is sent)
+            yield b"data: 2\n\n"
+        finally:
+            stopped.append(True)
+
+    async def send(message: dict[str, Any]) -> None:
+        if message["type"] == "http.response.body":
+            await asyncio.Event().wait()  # a client that stopped reading: the send never ends
+
+    gone = asyncio.Event()
+
+    async def receive() -> dict[str, Any]:
+        await gone.wait()
+        return {"type": "http.disconnect"}
+
+    closed: list[BaseException | None] = []
+
+    async def on_close(exc: BaseException | None) -> None:
+        closed.append(exc)
+
+    response = SSEResponse(body(), headers={}, on_close=on_close)
+    task = asyncio.ensure_future(response({"type": "http"}, receive, send))
+    await asyncio.sleep(0.01)
+    gone.set()
+    await asyncio.wait_for(task, 5)
+    assert stopped == [True]
+    assert len(closed) == 1 and isinstance(closed[0], ClientDisconnected)
