@@ -97,9 +97,9 @@ class _Connection(asyncio.Protocol):
         self.closed = False
         self.deadline: float | None = None  # loop time
         self.timer: asyncio.TimerHandle | None = None
-        self._reset(None, 0, 0, streaming=False)
+        self.reset(None, 0, 0, streaming=False)
 
-    def _reset(
+    def reset(
         self, waiter: asyncio.Future[Answer] | None, limit: int, error_limit: int, *, streaming: bool
     ) -> None:
         self.waiter = waiter
@@ -230,7 +230,7 @@ class _Connection(asyncio.Protocol):
             return
         self.active = False
         self.ended = True
-        self._stop_timer()
+        self.stop_timer()
         if self.streaming:
             self._wake()
             return
@@ -255,7 +255,7 @@ class _Connection(asyncio.Protocol):
     def _fail(self, exc: BaseException) -> None:
         self.close()
         self.active = False
-        self._stop_timer()
+        self.stop_timer()
         if self.waiter is not None and not self.waiter.done():
             self.waiter.set_exception(exc)
         else:
@@ -266,7 +266,7 @@ class _Connection(asyncio.Protocol):
         if self.wakeup is not None and not self.wakeup.done():
             self.wakeup.set_result(None)
 
-    def _stop_timer(self) -> None:
+    def stop_timer(self) -> None:
         if self.timer is not None:
             self.timer.cancel()
             self.timer = None
@@ -386,7 +386,7 @@ class Pool:
             # belongs to its own loop, which may be gone).
         if connection is None:
             connection = await self._connect()
-        connection._reset(loop.create_future(), limit, error_limit, streaming=streaming)
+        connection.reset(loop.create_future(), limit, error_limit, streaming=streaming)
         assert connection.transport is not None
         own = "".join(f"{name}: {value}\r\n" for name, value in headers.items()).encode("latin-1")
         length = b"content-length: " + str(len(body)).encode() + b"\r\n\r\n"
@@ -399,7 +399,7 @@ class Pool:
         if connection.ended and not connection.closed:
             self._idle.append(connection)
         else:
-            connection._stop_timer()
+            connection.stop_timer()
             connection.close()  # cancelled, failed or left mid-answer: never reused
 
     async def post(
