@@ -1,6 +1,8 @@
-"""HTTP plumbing shared by the routes: bounded body reading (size and time), errors in the shape
-of the API a path belongs to (OpenAI's; Anthropic's under /v1/messages), disconnect watching, and
-a server-sent-events response that reports how it ended."""
+"""HTTP plumbing shared by the routes.
+
+Bounded body reading (size and time), errors in the shape of the API a path belongs to (OpenAI's;
+Anthropic's under /v1/messages), disconnect watching, and a server-sent-events response that
+reports how it ended."""
 
 from __future__ import annotations
 
@@ -73,8 +75,10 @@ def services_of(request: Request) -> Services:
 
 
 async def read_json(request: Request, limit: int, *, allow_empty: bool = False) -> Any:
-    """The request body decoded, refusing bodies over `limit` bytes before reading them whole
-    and bodies that take longer than `server.body_timeout` to arrive (slow-body clients)."""
+    """The request body decoded, refusing bodies too large or too slow to arrive.
+
+    Too large: over `limit` bytes, refused before they are read whole. Too slow: taking longer
+    than `server.body_timeout` to arrive (slow-body clients)."""
     declared = request.headers.get("content-length")
     size = ascii_int(declared, 30) if declared is not None else None
     if size is not None and size > limit:
@@ -95,9 +99,10 @@ async def read_json(request: Request, limit: int, *, allow_empty: bool = False) 
 
 
 async def read_body(request: Request, limit: int) -> bytes:
-    """The request body, at most `limit` bytes, within `server.body_timeout`. A body the server
-    has already received whole (our protocol says so in the scope) is taken at once: no
-    deadline to arm, no stream to iterate."""
+    """The request body, at most `limit` bytes, within `server.body_timeout`.
+
+    A body the server has already received whole (our protocol says so in the scope) is taken at
+    once: no deadline to arm, no stream to iterate."""
     if request.scope.get(BODY_COMPLETE):
         message = await request.receive()
         if message["type"] == "http.request" and not message.get("more_body", False):
@@ -159,8 +164,9 @@ async def _wait_disconnect(receive: Receive) -> None:
 
 
 def turn_headers(turn: PreparedTurn) -> dict[str, str]:
-    """A turn's answer headers: its response id (also as the request id, which the OpenAI SDK
-    shows as `request_id`) and its conversation."""
+    """A turn's answer headers: its response id and its conversation.
+
+    The response id goes also as the request id, which the OpenAI SDK shows as `request_id`."""
     headers = {"x-response-id": turn.response_id, "x-request-id": turn.response_id}
     if turn.conversation_id is not None:
         headers["x-conversation-id"] = turn.conversation_id
@@ -174,10 +180,12 @@ WAITED_SECONDS = 0.005
 
 async def until_disconnect(work: Coroutine[Any, Any, T], receive: Receive, *, started: float = 0.0) -> T:
     """Run `work`, cancelling it if the client disconnects first (then ClientDisconnected).
-    It runs in the calling task (no task of its own: one task less per request); a watcher
-    task cancels that task when the client goes. A request `started` (perf_counter) more than
-    WAITED_SECONDS ago is not begun at all if its client left meanwhile: a client that gave up
-    while queued had its whole prompt sent to the provider (and billed) once the queue moved."""
+
+    It runs in the calling task (no task of its own: one task less per request); a watcher task
+    cancels that task when the client goes. A request `started` (perf_counter) more than
+    WAITED_SECONDS ago is not begun at all if its client left meanwhile, so that a client that
+    gave up while queued does not have its whole prompt sent to the provider (and billed) once
+    the queue moves."""
     current = asyncio.current_task()
     assert current is not None
     state = {"gone": False, "over": False}
@@ -255,8 +263,10 @@ async def _throw(step: Any, exc: BaseException) -> None:
 
 
 class SSEResponse(Response):
-    """Streams `body` as text/event-stream; stops (and cancels the producer) when the client
-    disconnects; always calls `on_close(exc)` once, with None when everything was sent."""
+    """Streams `body` as text/event-stream.
+
+    Stops (and cancels the producer) when the client disconnects; always calls `on_close(exc)`
+    once, with None when everything was sent."""
 
     media_type = "text/event-stream"
 

@@ -1,5 +1,6 @@
-"""Anthropic's Messages API: `POST /v1/messages` (streaming and not) and
-`POST /v1/messages/count_tokens`, in Anthropic's shapes, run as chat turns.
+"""Anthropic's Messages API, in Anthropic's shapes, run as chat turns.
+
+`POST /v1/messages` (streaming and not) and `POST /v1/messages/count_tokens`.
 
 A request is translated into a chat-completions request (`context/anthropic.py`) and driven
 through the same service as `/v1/chat/completions`, so a conversation continues across chat
@@ -106,10 +107,11 @@ def sse(payload: JSONObject) -> bytes:
 
 
 async def message_events(turn: PreparedTurn, chunks: TurnStream) -> AsyncIterator[bytes]:
-    """The turn's chunks as Anthropic's event stream: `message_start`, `ping`, the content
-    blocks, `message_delta` (how it stopped, the usage), `message_stop`. The turn is committed
-    and closed before `message_delta`; a failure once the stream began is an `error` event, as
-    Anthropic sends it, after which nothing more comes."""
+    """The turn's chunks as Anthropic's event stream.
+
+    `message_start`, `ping`, the content blocks, `message_delta` (how it stopped, the usage),
+    `message_stop`. The turn is committed and closed before `message_delta`; a failure once the
+    stream began is an `error` event, as Anthropic sends it, after which nothing more comes."""
     model = turn.request.model
     yield sse(anthropic.message_start(turn.response_id, model, turn.planned_tokens or 0))
     yield sse({"type": "ping"})
@@ -182,10 +184,11 @@ async def create_message(request: Request) -> Response:
 
 
 async def count_tokens(request: Request) -> Response:
-    """`POST /v1/messages/count_tokens`: the prompt `POST /v1/messages` with this body would send,
-    counted as `POST /v1/responses/input_tokens` counts (the window planned: the conversation
-    named, else a new one; nothing sent or stored), plus the extension `gateway`: how it was
-    counted, and the window."""
+    """`POST /v1/messages/count_tokens`: count the prompt `POST /v1/messages` with this body would send.
+
+    Counted as `POST /v1/responses/input_tokens` counts (the window planned: the conversation
+    named, else a new one; nothing sent or stored). The answer adds the extension `gateway`: how
+    it was counted, and the window."""
     services = services_of(request)
     _check_version(request)
     body = await read_json(request, services.settings.server.max_body_bytes)

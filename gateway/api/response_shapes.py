@@ -1,5 +1,7 @@
-"""The Responses API's output shapes: the `response` object, its output items, and the event
-stream a streaming `POST /v1/responses` sends (built from the turn's chat chunks)."""
+"""The Responses API's output shapes.
+
+The `response` object, its output items, and the event stream a streaming `POST /v1/responses`
+sends (built from the turn's chat chunks)."""
 
 from __future__ import annotations
 
@@ -53,8 +55,10 @@ def response_object(
     error: JSONObject | None = None,
     lead: list[JSONObject] | None = None,
 ) -> dict[str, Any]:
-    """The Responses API's `response` object; `lead`: output items before the answer's (the
-    compaction item of a turn that compacted its conversation)."""
+    """The Responses API's `response` object.
+
+    `lead`: output items before the answer's (the compaction item of a turn that compacted its
+    conversation)."""
     prompt = int((usage or {}).get("prompt_tokens") or 0)
     completion = int((usage or {}).get("completion_tokens") or 0)
     prompt_details = (usage or {}).get("prompt_tokens_details")
@@ -118,8 +122,9 @@ async def response_events(
     common: dict[str, Any],
     lead: list[JSONObject] | None = None,
 ) -> AsyncIterator[bytes]:
-    """Chat chunks as the Responses event stream; `lead`: items done before the answer (a
-    compaction item), sent first."""
+    """Chat chunks as the Responses event stream.
+
+    `lead`: items done before the answer (a compaction item), sent first."""
     seq = 0
     created = turn.created or time.time()
     skeleton = response_object(
@@ -222,10 +227,11 @@ async def response_events(
 def finishing_events(
     final: dict[str, Any], announced: set[int], seq: int, *, skip: int = 0
 ) -> Iterator[bytes]:
-    """The events that end a response stream: each output item's done events (added first when
-    no delta announced it: `announced` are the output indexes that were), then
-    `response.completed`; numbered after `seq`. The first `skip` items were done before the
-    answer began (a compaction item)."""
+    """The events that end a response stream, numbered after `seq`.
+
+    Each output item's done events (added first when no delta announced it: `announced` are the
+    output indexes that were), then `response.completed`. The first `skip` items were done before
+    the answer began (a compaction item)."""
     for index, item in enumerate(final["output"]):
         if index < skip:
             continue  # (done before the answer began)
@@ -303,8 +309,10 @@ def _added(item: JSONObject) -> JSONObject:
 
 
 def replayed_events(final: dict[str, Any]) -> Iterator[bytes]:
-    """A stored response as the events of a whole answer (a background response whose own
-    events are no longer kept): created, in progress, then every item's done events."""
+    """A stored response as the events of a whole answer.
+
+    For a background response whose own events are no longer kept: created, in progress, then
+    every item's done events."""
     skeleton = {**final, "status": "in_progress", "output": [], "error": None}
     yield event("response.created", 0, response=skeleton)
     yield event("response.in_progress", 1, response=skeleton)
@@ -324,8 +332,10 @@ def failed_events(created: float, exc: GatewayError, common: dict[str, Any]) -> 
 def failure_events(
     created: float, exc: GatewayError, common: dict[str, Any], seq: int, lead: list[JSONObject] | None = None
 ) -> Iterator[bytes]:
-    """The events that end a failed response stream, numbered after `seq`: `error`, then
-    `response.failed` (`lead`: items done before the answer, as in `response_object`)."""
+    """The events that end a failed response stream, numbered after `seq`.
+
+    `error`, then `response.failed` (`lead`: items done before the answer, as in
+    `response_object`)."""
     err = exc.to_dict()["error"]
     yield event("error", seq + 1, code=err.get("code"), message=err["message"], param=err.get("param"))
     failed = response_object(

@@ -18,8 +18,10 @@ def sse(payload: Mapping[str, object]) -> bytes:
 
 
 async def chat_events(turn: PreparedTurn, chunks: TurnStream) -> AsyncIterator[bytes]:
-    """The chunks as `chat.completion.chunk` events, then `[DONE]`. Headers are sent by then:
-    a failure of the stream is an in-band error event (as OpenAI does: no `[DONE]` after it)."""
+    """The chunks as `chat.completion.chunk` events, then `[DONE]`.
+
+    Headers are sent by then: a failure of the stream is an in-band error event (as OpenAI does:
+    no `[DONE]` after it)."""
     include_usage = turn.request.include_usage
     try:
         async for chunk in chunks:

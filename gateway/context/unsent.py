@@ -32,8 +32,9 @@ class Unsent:
         self.in_history = set(zip(view.history_owner, view.history_pos, strict=True))
 
     def why(self, response_id: str, position: int, message: Message | None = None) -> str | None:
-        """Why the message at `position` of a turn (input first, then the answer) is not given
-        (None: it is); `message`, when known, tells feedback apart."""
+        """Why the message at `position` of a turn (input first, then the answer) is not given.
+
+        None: it is. `message`, when known, tells feedback apart."""
         if (response_id, position) in self.sent:
             return None
         if message is not None and is_feedback(message):
@@ -51,9 +52,10 @@ class Unsent:
         output: Message | None,
         system: Sequence[Message] | None = None,
     ) -> dict[int, str]:
-        """Every position of a turn's messages (its `input`, then its `output` answer) and of its
-        `system` prompt (-1, -2, ...) that the model is not given, with the reason (the answer
-        to feedback alone is feedback too: such a turn is never replayed)."""
+        """Every position of a turn's messages and `system` prompt the model is not given, with why.
+
+        A turn's messages are its `input`, then its `output` answer; its `system` prompt's are
+        -1, -2, ... The answer to feedback alone is feedback too: such a turn is never replayed."""
         messages = [*input, *([output] if output is not None else [])]
         out = {
             position: reason

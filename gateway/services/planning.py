@@ -49,8 +49,9 @@ _EXACT_TRIES = 4
 
 
 def history_needed(max_history_messages: int, keep_recent_messages: int) -> int:
-    """Stored history messages a window looks at (`Planner.plan`'s `lower` on): the newest
-    max_history_messages (or keep_recent_messages) and the one before them."""
+    """Stored history messages a window looks at (`Planner.plan`'s `lower` on).
+
+    The newest max_history_messages (or keep_recent_messages) and the one before them."""
     return max(max_history_messages, keep_recent_messages) + 1
 
 
@@ -110,8 +111,9 @@ class ContextPlan:
     cut: bool = False  # the window was cut (its head changed) rather than held as it was
 
     def window_from(self, view: ConversationView, response_id: str) -> str | None:
-        """The item key of the first stored message the history began with (the turn's own
-        first message sent when none was; None: the conversation's first message)."""
+        """The item key of the first stored message the history began with.
+
+        The turn's own first message sent when none was; None: the conversation's first message."""
         if self.kept_from == 0:
             return None
         if self.kept_from < view.history_count:
@@ -156,9 +158,11 @@ INPUT_TOO_LONG = (
 
 
 def refuse_cut(plan: ContextPlan) -> None:
-    """`truncation: "disabled"`: the window must send the whole conversation, nothing left out
-    and nothing folded into a summary (but a compaction's, which the client asked for: the
-    conversation goes on from it); else the 400 OpenAI answers an input over the window."""
+    """`truncation: "disabled"`: the window must send the whole conversation, else a 400.
+
+    Nothing left out and nothing folded into a summary (but a compaction's, which the client
+    asked for: the conversation goes on from it); else the 400 OpenAI answers an input over the
+    window."""
     summary = plan.summary
     folded = summary.covered if summary is not None and not summary.compaction else 0
     left_out = plan.window.omitted + folded
@@ -181,9 +185,10 @@ class Planner:
         self._asked: LRU[tuple[int, str], tuple[int, str]] = LRU(ASKED_LIMIT)
 
     async def window_needs(self, store: Store, cid: str) -> dict[str, Any]:
-        """What a turn's window needs loaded (`ConversationCache.load`'s `tail` and `through`):
-        the newest history messages it can send, a few more (a tool-call unit is never cut),
-        and the turn the newest rolling summary covers through."""
+        """What a turn's window needs loaded (`ConversationCache.load`'s `tail` and `through`).
+
+        The newest history messages it can send, a few more (a tool-call unit is never cut), and
+        the turn the newest rolling summary covers through."""
         ctx = self.settings.context
         through = None
         if ctx.strategy == "summarize":
@@ -319,8 +324,9 @@ class Planner:
         limit: int,
         facts: WindowFacts,
     ) -> _Fitted:
-        """The window drawn on `summary` (or none), holding its history at position `hold_at`
-        when all from there fits; checked with the server's own count where it gives one."""
+        """The window drawn on `summary` (or none), checked with the server's own count where given.
+
+        It holds its history at position `hold_at` when all from there fits."""
         part = frame.part(summary)
         hold = part.index_of(hold_at) if hold_at is not None else None
         fit_request = functools.partial(part.fit_request, hold)
@@ -351,8 +357,9 @@ class Planner:
     def _next_summary(
         self, key: tuple[int, str], kept_from: int, frame: Frame, part: Part, window: Window, budget: int
     ) -> str | None:
-        """The summary for the next cut, until there is one: its coverage is chosen once per head
-        (asking again for the same is no new work; a later one would be)."""
+        """The summary for the next cut, until there is one: its coverage is chosen once per head.
+
+        Asking again for the same is no new work; a later one would be."""
         asked = self._asked.get(key)
         if asked is not None and asked[0] == kept_from:
             return asked[1]
@@ -362,10 +369,12 @@ class Planner:
         return target
 
     def _summary_target(self, frame: Frame, part: Part, window: Window, budget: int) -> str | None:
-        """The response a new summary should cover through: the oldest turns of this window's
-        history that the next cut will drop, (1 - cut_to) of the budget (or of
-        max_history_messages). Asked for as soon as the history holds them, so that it is ready
-        at that cut, where the window then starts with the summary and nothing in between."""
+        """The response a new summary should cover through.
+
+        The summary covers the oldest turns of this window's history that the next cut will drop,
+        (1 - cut_to) of the budget (or of max_history_messages). It is asked for as soon as the
+        history holds them, so that it is ready at that cut, where the window then starts with the
+        summary and nothing in between."""
         view, share = frame.view, 1 - frame.cut_to
         start, end = window.history_start, part.first_new
         tokens = part.conversation_tokens
@@ -396,11 +405,12 @@ class Planner:
         limit: int,
         facts: WindowFacts,
     ) -> tuple[Window, int | None]:
-        """The window checked against the server's own count of its prompt (tools included), cut
-        further while that count is over `limit` (window less the answer's reserve): exact, so
-        no margin is needed, and no prompt the server counts higher than the calibration
-        expected (digits, emoji, other scripts) takes the answer's room. Without the server's
-        count, the plan made with the calibration's margin."""
+        """The window checked against the server's own count of its prompt (tools included).
+
+        It is cut further while that count is over `limit` (window less the answer's reserve):
+        exact, so no margin is needed, and no prompt the server counts higher than the
+        calibration expected (digits, emoji, other scripts) takes the answer's room. Without the
+        server's count, the plan made with the calibration's margin."""
         asked = ("tools", "tool_choice", "chat_template_kwargs")
         extra: dict[str, object] = {"model": route.model}  # (the provider's name: vLLM checks it)
         extra.update((k, request.body[k]) for k in asked if k in request.body)
@@ -471,6 +481,7 @@ class Planner:
 
 @functools.lru_cache(maxsize=64)
 def tools_cost(tools_json: str, encoding: str) -> int:
-    """Tokens of a request's tool definitions: counted once, as a client sends the same
-    definitions with every turn."""
+    """Tokens of a request's tool definitions.
+
+    Counted once, as a client sends the same definitions with every turn."""
     return len(get_encoding(encoding).encode(tools_json, disallowed_special=()))

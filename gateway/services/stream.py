@@ -22,10 +22,12 @@ def _object(value: object) -> JSONObject:
 
 
 def _malformed(message: JSONObject) -> str | None:
-    """What makes a provider's message unfit to be stored and replayed (None: nothing). A
-    stream's chunks are checked as they come; a whole answer was stored as it came, and a
-    number for `content` or an object for a call's `arguments` then went to the provider on
-    every later turn (and a client resending its history got a 400 of the gateway's own)."""
+    """What makes a provider's message unfit to be stored and replayed (None: nothing).
+
+    A stream's chunks are checked as they come; a whole answer is checked here: stored as it
+    came, a number for `content` or an object for a call's `arguments` would go to the provider
+    on every later turn (and a client resending its history would get a 400 of the gateway's
+    own)."""
     content = message.get("content")
     parts = isinstance(content, list) and all(isinstance(p, dict) for p in content)
     if content is not None and not isinstance(content, str) and not parts:
@@ -59,8 +61,9 @@ def _is_call(call: object) -> bool:
 
 
 def stream_error(exc: Exception, provider: str) -> GatewayError:
-    """What a stream that failed after its headers reports in-band: the gateway's own error, or
-    anything else as the provider's malformed stream (logged)."""
+    """What a stream that failed after its headers reports in-band.
+
+    The gateway's own error, or anything else as the provider's malformed stream (logged)."""
     if isinstance(exc, GatewayError):
         return exc
     log.warning("malformed stream from %s: %r", provider, exc)
@@ -73,9 +76,11 @@ def new_call_id() -> str:
 
 
 def _complete_calls(calls: list[JSONObject]) -> None:
-    """A whole answer's calls as the client gets them and the gateway stores them: an id where
-    the provider gave none (one was a 502, streamed ones got an id), and `"{}"` where it gave no
-    arguments (null, left out or ""; stored as "", a strict provider refused every later turn)."""
+    """A whole answer's calls as the client gets them and the gateway stores them.
+
+    An id where the provider gave none (as streamed calls get one, rather than a 502), and
+    `"{}"` where it gave no arguments (null, left out or ""; stored as "", a strict provider
+    would refuse every later turn)."""
     for call in calls:
         if not call.get("id"):
             call["id"] = new_call_id()
@@ -83,8 +88,9 @@ def _complete_calls(calls: list[JSONObject]) -> None:
 
 
 def output_message(message: object) -> Message:
-    """The assistant message as it will be replayed: known fields, nulls dropped. A message
-    that could not be replayed is the provider's bad answer (a 502), never stored."""
+    """The assistant message as it will be replayed: known fields, nulls dropped.
+
+    A message that could not be replayed is the provider's bad answer (a 502), never stored."""
     if not isinstance(message, dict):
         raise UpstreamProtocolError("The provider's reply has no message")
     problem = _malformed(message)
@@ -172,13 +178,15 @@ class StreamAccumulator:
                 self._add_call(call)
 
     def _add_call(self, call: JSONObject) -> None:
-        """One piece of a streamed tool call, into its call. OpenAI sends each call's `index`,
-        its id and whole name in its first piece, and its arguments in pieces after. Servers
-        that do not are read so: without `index`, a piece continues the latest call unless it
-        brings a name (its call has one); a piece that brings an id other than its call's starts
-        the next call (Ollama sends `index: 0` for every call of a parallel batch, some servers no
-        `index` or no id: two calls were merged into one named "ab" with arguments "{}{}"). The
-        piece the client gets says the call it went to (`index`) and its id."""
+        """Add one piece of a streamed tool call to its call.
+
+        OpenAI sends each call's `index`, its id and whole name in its first piece, and its
+        arguments in pieces after. Servers that do not are read so: without `index`, a piece
+        continues the latest call unless it brings a name (its call has one); a piece that brings
+        an id other than its call's starts the next call (Ollama sends `index: 0` for every call
+        of a parallel batch, some servers no `index` or no id: read by index alone, two calls
+        would merge into one named "ab" with arguments "{}{}"). The piece the client gets says
+        the call it went to (`index`) and its id."""
         index = call.get("index")
         # (an index a server used again for another call goes on naming that call's place)
         at = self._moved.get(index, index) if isinstance(index, int) else max(self.tool_calls, default=0)

@@ -1,6 +1,7 @@
-"""One turn's state while it runs, and the steps of a turn that need no service: taking the
-conversation's lock (and forking for `previous_response_id`), settling a commit, and the
-`response` record."""
+"""One turn's state while it runs, and the steps of a turn that need no service.
+
+Those steps: taking the conversation's lock (and forking for `previous_response_id`), settling a
+commit, and the `response` record."""
 
 from __future__ import annotations
 
@@ -45,8 +46,9 @@ log = logging.getLogger("gateway.services")
 
 @dataclass(frozen=True, slots=True)
 class TurnOutcome:
-    """What a closed turn came to, for the caller's log line, metrics and reply: returned by
-    `ChatService.close`, the same value however often a turn is closed."""
+    """What a closed turn came to, for the caller's log line, metrics and reply.
+
+    Returned by `ChatService.close`, the same value however often a turn is closed."""
 
     response_id: str
     conversation_id: str | None
@@ -83,9 +85,10 @@ class TurnOutcome:
 
 @dataclass(slots=True)
 class PreparedTurn:
-    """Everything decided before the provider is called; the service's own working state
-    (callers read only its identity: `response_id`, `conversation_id`); closing it releases
-    the lock and gives the `TurnOutcome`."""
+    """Everything decided before the provider is called; the service's own working state.
+
+    Callers read only its identity: `response_id`, `conversation_id`. Closing it releases the
+    lock and gives the `TurnOutcome`."""
 
     request: ChatRequest
     response_id: str
@@ -173,25 +176,28 @@ class PreparedTurn:
         return self.request.conversation_id
 
     def closed(self) -> TurnOutcome:
-        """The outcome of the closed turn (its owner closed it: `ChatService.closing`, the end
-        of its `TurnStream`)."""
+        """The outcome of the closed turn.
+
+        Its owner closed it: `ChatService.closing`, or the end of its `TurnStream`."""
         if self.outcome is None:
             raise RuntimeError(f"turn {self.response_id} is not closed")
         return self.outcome
 
     @property
     def planned_tokens(self) -> int | None:
-        """The prompt as the window plan counted it, in the gateway's count (None: a stateless
-        turn, not planned)."""
+        """The prompt as the window plan counted it, in the gateway's count.
+
+        None: a stateless turn, not planned."""
         return self.plan.window.total_tokens if self.plan is not None else None
 
 
 def run_to_end(work: Coroutine[Any, Any, None]) -> asyncio.Future[None]:
-    """Start `work`, which must run to its end whatever becomes of the caller (a commit); the
-    future of that end. It runs in the calling task as far as it goes without waiting, which
-    is all of it for a turn committing alone (no task, no loop iteration: a coroutine that
-    does not wait cannot be cancelled); what is left after its first wait goes on in a task of
-    its own, which the caller's cancellation does not reach."""
+    """Start `work` (a commit), which must run to its end whatever becomes of the caller.
+
+    Returns the future of that end. `work` runs in the calling task as far as it goes without
+    waiting, which is all of it for a turn committing alone (no task, no loop iteration: a
+    coroutine that does not wait cannot be cancelled); what is left after its first wait goes on
+    in a task of its own, which the caller's cancellation does not reach."""
     loop = asyncio.get_running_loop()
     try:
         waits_for = work.send(None)
@@ -207,8 +213,9 @@ def run_to_end(work: Coroutine[Any, Any, None]) -> asyncio.Future[None]:
 
 
 async def _go_on(work: Coroutine[Any, Any, None], waits_for: Any) -> None:
-    """Drive `work` on from where it first waited, as a Task would (`waits_for`: the future it
-    waits on, or None for a bare yield)."""
+    """Drive `work` on from where it first waited, as a Task would.
+
+    `waits_for` is the future it waits on, or None for a bare yield."""
     loop = asyncio.get_running_loop()
     while True:
         if waits_for is None:
@@ -230,10 +237,12 @@ def _wake(woken: asyncio.Future[None], _: object) -> None:
 
 
 async def while_waiting(call: Awaitable[T], meanwhile: Callable[[], None]) -> T:
-    """Await `call` (a provider call) and run `meanwhile` as soon as the call first waits (its
-    request written): work done then costs the client nothing, the provider is busy anyway.
-    No task is made: the call is driven here, in the calling task, step by step as that task
-    would drive it (what it waits on, cancellations and timeouts reach it as usual)."""
+    """Await `call` (a provider call) and run `meanwhile` as soon as the call first waits.
+
+    By its first wait the call has written its request: work done then costs the client nothing,
+    the provider is busy anyway. No task is made: the call is driven here, in the calling task,
+    step by step as that task would drive it (what it waits on, cancellations and timeouts reach
+    it as usual)."""
     steps = call.__await__()
     try:
         waits_for = steps.send(None)
@@ -267,8 +276,10 @@ async def while_waiting(call: Awaitable[T], meanwhile: Callable[[], None]) -> T:
 
 
 async def await_commit(task: asyncio.Future[None]) -> None:
-    """Wait for a commit to finish even while being cancelled: the conversation lock must not
-    be released before the turn is on disk, or the next request would miss it."""
+    """Wait for a commit to finish even while being cancelled.
+
+    The conversation lock must not be released before the turn is on disk, or the next request
+    would miss it."""
     cancelled = False
     while not task.done():
         try:
@@ -285,8 +296,9 @@ DELETIONS = ("delete_item", "delete_response")
 
 
 async def lock_conversation(request: ChatRequest, store: Store, stack: AsyncExitStack, timeout: float) -> str:
-    """Lock the request's conversation (held until the turn closes) and return its id. With
-    `previous_response_id`: when that response is no longer the newest, the turn moves to a
+    """Lock the request's conversation (held until the turn closes) and return its id.
+
+    With `previous_response_id`: when that response is no longer the newest, the turn moves to a
     fork made at it; decided under the lock, so a turn landing meanwhile cannot slip in."""
     cid = request.conversation_id
     assert cid is not None
@@ -482,8 +494,9 @@ def expired(view: ConversationView, ttl: float, now: float) -> bool:
 
 
 async def archive_expired(store: Store, cache: ConversationCache, cid: str) -> ConversationView:
-    """Archive an expired conversation when it is next used (under its lock: not only the
-    background pass does it); the request then starts it afresh."""
+    """Archive an expired conversation when it is next used; the request then starts it afresh.
+
+    This runs under the conversation's lock: not only the background pass does it."""
     await store.delete_conversation(cid, archive=True)
     cache.forget(store, cid)
     log.info(orjson.dumps({"event": "conversation_expired", "conversation_id": cid}).decode())
@@ -493,8 +506,10 @@ async def archive_expired(store: Store, cache: ConversationCache, cid: str) -> C
 async def refit(
     turn: PreparedTurn, exc: UpstreamStatusError, facts: ModelFacts, on_refusal: Callable[[str], None]
 ) -> None:
-    """The provider refused the prompt as too long: learn what it said, plan the window
-    again and let the caller retry once; else a 400 context_length_exceeded."""
+    """Act on the provider's refusal of the prompt as too long.
+
+    Learn what it said, plan the window again and let the caller retry once; else raise a 400
+    context_length_exceeded."""
     refusal = exc.refusal
     assert refusal is not None
     plan = turn.plan

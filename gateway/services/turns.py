@@ -75,9 +75,11 @@ log = logging.getLogger("gateway.services")
 
 
 class TurnStream:
-    """A turn's chunks as its provider streams them. The stream owns the turn from its first
-    chunk on: the turn is closed when the chunks end (committed), when they fail (with the
-    failure, raised as the gateway's error), or when the stream is closed before that."""
+    """A turn's chunks as its provider streams them.
+
+    The stream owns the turn from its first chunk on: the turn is closed when the chunks end
+    (committed), when they fail (with the failure, raised as the gateway's error), or when the
+    stream is closed before that."""
 
     def __init__(
         self,
@@ -93,8 +95,9 @@ class TurnStream:
         return self.relay  # (iterated directly: no layer of this object's own per chunk)
 
     async def aclose(self, exc: BaseException | None = None) -> TurnOutcome:
-        """Stop the stream and close its turn (`exc`: what stopped it, for the turn's outcome:
-        a client that left is a cancellation); the outcome of the turn's first close."""
+        """Stop the stream and close its turn; return the outcome of the turn's first close.
+
+        `exc` is what stopped it, for the turn's outcome: a client that left is a cancellation."""
         outcome = await self.close_turn(self.turn, exc)
         await self.relay.aclose()
         return outcome
@@ -132,8 +135,9 @@ class ChatService:
 
     # -- preparing ----------------------------------------------------------------------------
     async def _recap_checked(self, store: Store, cid: str, view: ConversationView) -> ConversationView:
-        """The view whose recap no longer quotes a conversation deleted from since it was made
-        (the lock held: the withdrawal is recorded here, a marker, as a deletion records it)."""
+        """The view whose recap no longer quotes a conversation deleted from since it was made.
+
+        The lock is held: the withdrawal is recorded here, a marker, as a deletion records it."""
         others = functools.partial(self.cache.load, store, keep=False)
         stale = await stale_recap_sources(store, others, view)
         if not stale:
@@ -146,9 +150,10 @@ class ChatService:
         return await self.cache.load(store, cid, **await self.planner.window_needs(store, cid))
 
     async def prepare(self, request: ChatRequest, tenant: str = "") -> PreparedTurn:
-        """Lock and load the conversation, fit the window, and open the response log. The
-        turn is closed by its owner: `closing` (the caller's block), else the `TurnStream` of
-        `open_chunks` once it began."""
+        """Lock and load the conversation, fit the window, and open the response log.
+
+        The turn is closed by its owner: `closing` (the caller's block), else the `TurnStream`
+        of `open_chunks` once it began."""
         started = time.perf_counter()  # the gateway's own time starts here (lock, load, plan)
         store = await self.stores.get(tenant)
         store.refuse_if_failed()  # before the provider is asked for an answer nobody could keep
@@ -202,8 +207,9 @@ class ChatService:
     async def _locked_view(
         self, request: ChatRequest, store: Store, stack: AsyncExitStack
     ) -> tuple[str | None, ConversationView]:
-        """The conversation's id (a branch's, when the turn makes one) and view, its lock held
-        in `stack`; an expired conversation archived, a recap quoting deleted ones withdrawn."""
+        """The conversation's id (a branch's, when the turn makes one) and view, locked in `stack`.
+
+        An expired conversation is archived, a recap quoting deleted ones withdrawn."""
         if request.conversation_id is None:
             return None, ConversationView()
         cid = await lock_conversation(request, store, stack, self.settings.storage.lock_timeout)
@@ -224,8 +230,10 @@ class ChatService:
         view: ConversationView,
         reload: Callable[[], Awaitable[ConversationView]],
     ) -> Planned:
-        """What of `view` is new in the request, and the window planned for it (a turn's, or a
-        count's): `reload` gives the whole conversation when a partial view cannot tell."""
+        """What of `view` is new in the request, and the window planned for it.
+
+        The window is a turn's, or a count's. `reload` gives the whole conversation when a
+        partial view cannot tell."""
         if self.warm_up is not None and not self.warm_up.done():
             await asyncio.shield(self.warm_up)  # never load a tokenizer on the event loop
         encoding, count = counter_for(request.model)
@@ -329,9 +337,11 @@ class ChatService:
     async def closing(
         self, turn: PreparedTurn, *, on_failure_only: bool = False
     ) -> AsyncIterator[PreparedTurn]:
-        """The turn, closed when the block ends (`on_failure_only`: only when it fails; a
-        stream that began closes it then). The exception that ends the block is the turn's
-        outcome, a shutdown's cancellation raised on as the error the client is told."""
+        """The turn, closed when the block ends (`on_failure_only`: only when it fails).
+
+        With `on_failure_only`, a stream that began closes it then. The exception that ends the
+        block is the turn's outcome, a shutdown's cancellation raised on as the error the client
+        is told."""
         try:
             yield turn
         except BaseException as exc:
@@ -344,8 +354,9 @@ class ChatService:
             await self.close(turn)
 
     async def close(self, turn: PreparedTurn, exc: BaseException | None = None) -> TurnOutcome:
-        """Abandon the turn unless it was committed, then release the conversation. Closing
-        again gives the first close's outcome."""
+        """Abandon the turn unless it was committed, then release the conversation.
+
+        Closing again gives the first close's outcome."""
         if turn.outcome is not None:
             return turn.outcome
         try:
@@ -413,10 +424,11 @@ class ChatService:
 
     # -- streaming ----------------------------------------------------------------------------
     async def open_chunks(self, turn: PreparedTurn) -> TurnStream:
-        """Start the provider's stream and wait for its first chunk, so that errors before
-        the first byte still become proper HTTP statuses; then return the chunk stream, which
-        commits the turn after the last chunk (and raises GatewayError on a broken stream) and
-        closes it."""
+        """Start the provider's stream, wait for its first chunk, then return the chunk stream.
+
+        Waiting for the first chunk lets errors before the first byte still become proper HTTP
+        statuses. The chunk stream commits the turn after the last chunk (and raises GatewayError
+        on a broken stream) and closes it."""
         turn.upstream_started = time.perf_counter()
         while True:
             chunks = turn.route.upstream.stream(turn.upstream_body).__aiter__()
@@ -435,9 +447,10 @@ class ChatService:
     async def _chunks(
         self, turn: PreparedTurn, chunks: AsyncIterator[Chunk], first: Chunk | None
     ) -> AsyncGenerator[Chunk, None]:
-        """The relay: every chunk renamed to the turn's response, the answer committed after
-        the last; the turn closed when it ends or fails (a failure raised as the gateway's
-        error: a shutdown's as `ShuttingDown`, anything else as a malformed stream)."""
+        """The relay: every chunk renamed to the turn's response, the answer committed after the last.
+
+        The turn is closed when it ends or fails (a failure raised as the gateway's error: a
+        shutdown's as `ShuttingDown`, anything else as a malformed stream)."""
         acc = StreamAccumulator()
         cid = turn.conversation_id
         model = turn.request.model
@@ -495,8 +508,9 @@ class ChatService:
 
     # -- counting -----------------------------------------------------------------------------
     async def count(self, request: ChatRequest, tenant: str = "") -> PromptCount:
-        """Plan the window a turn of `request` would send, as `prepare` does, and stop there: no
-        lock held, no response log, nothing stored or sent. The conversation is read as it
+        """Plan the window a turn of `request` would send, as `prepare` does, and stop there.
+
+        No lock held, no response log, nothing stored or sent. The conversation is read as it
         stands (as any reader reads it) and planned on a copy; a turn of another request may
         land meanwhile, as it may before the counted turn itself is sent."""
         store = await self.stores.get(tenant)
@@ -515,10 +529,12 @@ class ChatService:
     async def _counted_view(
         self, store: Store, cid: str, previous: str | None, *, whole: bool = False
     ) -> tuple[ConversationView, str]:
-        """A copy of the view a turn would plan on, and the conversation id it plans as: the
-        branch a turn would make at `previous` when that is not the newest response (planned as
-        a new branch: no summaries yet); an expired conversation as the fresh one it becomes;
-        a recap that quotes deleted conversations without them, as a turn withdraws them."""
+        """A copy of the view a turn would plan on, and the conversation id it plans as.
+
+        As a turn would see it: the branch a turn would make at `previous` when that is not the
+        newest response (planned as a new branch: no summaries yet); an expired conversation as
+        the fresh one it becomes; a recap that quotes deleted conversations without them, as a
+        turn withdraws them."""
         branch = await branch_view(store, cid, previous, self.cache.skipped) if previous else None
         if branch is not None:
             view, cid = branch, f"{cid[:100]}.fork-{secrets.token_hex(6)}"

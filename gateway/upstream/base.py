@@ -48,8 +48,9 @@ def backoff(attempt: int) -> float:
 async def retry_or_raise(
     provider: str, exc: UpstreamError, attempt: int, retries: int, retryable: bool
 ) -> None:
-    """Return after the backoff if another attempt is allowed, else re-raise `exc`. Callers
-    only ask while nothing of the answer has been produced."""
+    """Return after the backoff if another attempt is allowed, else re-raise `exc`.
+
+    Callers only ask while nothing of the answer has been produced."""
     if attempt >= retries or not retryable:
         raise exc
     delay = backoff(attempt)
@@ -90,9 +91,10 @@ async def stream_with_retries(
     once: Callable[[], AsyncGenerator[Chunk, None]],
     empty: Callable[[], UpstreamError] | None = None,
 ) -> AsyncGenerator[Chunk, None]:
-    """The chunks of `once()`, started again while a retryable failure comes before the first
-    chunk; never after it (part of the answer is already on its way). `empty()`, if given, is
-    the error for a stream that ended without any chunk."""
+    """The chunks of `once()`, started again while a retryable failure comes before the first chunk.
+
+    Never after it: part of the answer is already on its way. `empty()`, if given, is the error
+    for a stream that ended without any chunk."""
     attempt = 0
     while True:
         started = False
@@ -134,8 +136,9 @@ class ServerWindow:
 
 
 def error_fields(payload: object) -> tuple[str | None, str | None, str | None, str | None]:
-    """(message, type, code, param) of a provider's error object (`{"error": {...}}`, the object
-    itself, or `{"error": "text"}`); None for what it does not say."""
+    """(message, type, code, param) of a provider's error object; None for what it does not say.
+
+    The object comes as `{"error": {...}}`, as itself, or as `{"error": "text"}`."""
     err = payload.get("error", payload) if isinstance(payload, dict) else None
     if isinstance(err, str):
         return err or None, None, None, None
@@ -151,10 +154,12 @@ def error_fields(payload: object) -> tuple[str | None, str | None, str | None, s
 
 
 class Upstream(ABC):
-    """One configured provider. `body["model"]` is already the provider's own model name; a
-    conversation's body also carries `cache_hints.CACHE_KEY`, which an implementation takes out
-    (and turns into the provider's own prompt-cache hints, if it has any), and a traced turn's
-    `TRACEPARENT`, which it sends as the `traceparent` header where it can."""
+    """One configured provider.
+
+    `body["model"]` is already the provider's own model name; a conversation's body also carries
+    `cache_hints.CACHE_KEY`, which an implementation takes out (and turns into the provider's own
+    prompt-cache hints, if it has any), and a traced turn's `TRACEPARENT`, which it sends as the
+    `traceparent` header where it can."""
 
     name: str = "upstream"
     url: str = ""
@@ -179,8 +184,9 @@ class Upstream(ABC):
         return None
 
     async def count_prompt(self, body: Body) -> int | None:
-        """The server's own count of the prompt `body` (a chat request) makes, when it has a way
-        to say (`ServerWindow.prompt_counter`); None otherwise or when asking failed."""
+        """The server's own count of the prompt `body` (a chat request) makes, when it has a way to say.
+
+        Its way is `ServerWindow.prompt_counter`; None otherwise or when asking failed."""
         return None
 
     async def aclose(self) -> None:  # noqa: B027 - optional hook

@@ -1,5 +1,7 @@
-"""A small keep-alive HTTP/1.1 client for the calls to `http://` providers: asyncio.Protocol +
-httptools (uvicorn's parser), one connection pool per provider; whole answers and streams.
+"""A small keep-alive HTTP/1.1 client for the calls to `http://` providers.
+
+asyncio.Protocol + httptools (uvicorn's parser), one connection pool per provider; whole answers
+and streams.
 
 It exists for speed: a call costs about 0.06 ms of CPU against 0.19 ms through aiohttp on the
 same loop (docs/performance.md). Its failures are its own exception classes, which
@@ -86,9 +88,11 @@ class _Stop(Exception):
 
 
 class _Connection(asyncio.Protocol):
-    """One keep-alive connection; carries one request at a time, answered whole (`waiter` has
-    the body) or streamed (`waiter` has the head; `read` gives the body as it comes), failed
-    with ReadTimedOut if it is not done by its `deadline`."""
+    """One keep-alive connection, carrying one request at a time.
+
+    The request is answered whole (`waiter` has the body) or streamed (`waiter` has the head;
+    `read` gives the body as it comes), failed with ReadTimedOut if it is not done by its
+    `deadline`."""
 
     def __init__(self, loop: asyncio.AbstractEventLoop) -> None:
         self.loop = loop
@@ -273,6 +277,7 @@ class _Connection(asyncio.Protocol):
 
     def expire_at(self, when: float | None) -> None:
         """Fail the request in progress if it is not done by `when` (loop time; None: never).
+
         Moving the deadline later costs no timer: the one set goes off and looks again."""
         self.deadline = when
         if when is None or not self.active:
@@ -372,8 +377,9 @@ class Pool:
     async def _send(
         self, body: bytes, limit: int, error_limit: int, *, streaming: bool, headers: Mapping[str, str]
     ) -> _Connection:
-        """Write the request (`headers`: this one's own, besides the pool's) on an idle
-        connection (or a new one); its `waiter` has the answer."""
+        """Write the request on an idle connection (or a new one); its `waiter` has the answer.
+
+        `headers`: this request's own, besides the pool's."""
         loop = asyncio.get_running_loop()
         deadline = loop.time() + self.timeout if self.timeout else None
         connection = None
@@ -405,8 +411,9 @@ class Pool:
     async def post(
         self, body: bytes, *, limit: int, error_limit: int, headers: Mapping[str, str] = _NONE
     ) -> Answer:
-        """POST `body`; the answer, whose body may be at most `limit` bytes (an error status's
-        body is cut to `error_limit`), whole within the pool's `timeout`."""
+        """POST `body`; the answer, whole within the pool's `timeout`.
+
+        Its body may be at most `limit` bytes (an error status's body is cut to `error_limit`)."""
         connection = await self._send(body, limit, error_limit, streaming=False, headers=headers)
         assert connection.waiter is not None
         try:
@@ -416,9 +423,10 @@ class Pool:
 
     @asynccontextmanager
     async def stream(self, body: bytes, headers: Mapping[str, str] = _NONE) -> AsyncIterator[Streamed]:
-        """POST `body`; the answer's status and headers, and its body as it arrives (sizes are
-        the caller's to check; its deadline is the caller's to move). Leaving early closes the
-        connection."""
+        """POST `body`; the answer's status and headers, and its body as it arrives.
+
+        Sizes are the caller's to check; its deadline is the caller's to move. Leaving early
+        closes the connection."""
         connection = await self._send(body, 0, 0, streaming=True, headers=headers)
         assert connection.waiter is not None
         try:

@@ -333,8 +333,9 @@ class OpenAIUpstream(Upstream):
         return window
 
     def _outgoing(self, body: Body) -> bytes:
-        """The body as the provider gets it: the gateway's cache key taken out, the cache hints
-        it stands for put in (llama.cpp's own, else `prompt_cache_key`)."""
+        """The body as the provider gets it: the gateway's cache key out, its cache hints in.
+
+        The cache hints the key stands for are llama.cpp's own, else `prompt_cache_key`."""
         body, key = take_cache_key(body)
         if self._cache_hints and self._llamacpp:
             body = with_llamacpp_hints(body, key, self._slots)
@@ -417,8 +418,9 @@ class OpenAIUpstream(Upstream):
                     yield chunk
 
     async def _open_stream(self, stack: AsyncExitStack, data: bytes, own: dict[str, str]) -> http1.Streamed:
-        """The stream's status and headers, once they came (within the deadline), and its body,
-        closed with `stack` (`own`: this request's headers, besides the provider's)."""
+        """The stream's status and headers, once they came (within the deadline), and its body.
+
+        The body is closed with `stack`. `own`: this request's headers, besides the provider's."""
         if self._pool is not None:
             return await stack.enter_async_context(self._pool.stream(data, own))
         deadline = asyncio.get_running_loop().time() + self.deadline if self.deadline else None
@@ -496,8 +498,9 @@ class OpenAIUpstream(Upstream):
 
     @contextmanager
     def _in_time(self, late: str) -> Iterator[None]:
-        """Say `late` ("no whole answer within", ...) in the 504 of an answer past its deadline
-        (a connect timeout is `map_upstream_errors`'s to say)."""
+        """Say `late` ("no whole answer within", ...) in the 504 of an answer past its deadline.
+
+        A connect timeout is `map_upstream_errors`'s to say."""
         try:
             yield
         except (aiohttp.ConnectionTimeoutError, http1.ConnectTimedOut):
@@ -520,8 +523,9 @@ class OpenAIUpstream(Upstream):
         )
 
     def _check_head(self, response: aiohttp.ClientResponse) -> None:
-        """Refuse a head larger than http1.HEAD_LIMIT in all (aiohttp holds each line and the
-        number of fields)."""
+        """Refuse a head larger than http1.HEAD_LIMIT in all.
+
+        aiohttp itself holds each line and the number of fields in bounds."""
         size = sum(len(name) + len(value) + 4 for name, value in response.raw_headers)
         if size + len(response.reason or "") + 15 > http1.HEAD_LIMIT:
             raise UpstreamProtocolError(
@@ -536,8 +540,9 @@ class OpenAIUpstream(Upstream):
         )
 
     async def _read_limited(self, response: aiohttp.ClientResponse, limit: int, *, truncate: bool) -> bytes:
-        """The body, read at most `limit` bytes at a time past which it is refused (or, for
-        an error body that is only quoted, cut)."""
+        """The body, read to at most `limit` bytes, past which it is refused.
+
+        An error body that is only quoted is cut there instead."""
         declared = response.content_length
         if declared is not None and declared > limit and not truncate:
             raise self._too_large()
