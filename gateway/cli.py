@@ -21,7 +21,9 @@ from gateway.cli_render import (
     render_log,
     render_marker,
     render_message,
+    render_summary_line,
     render_turn,
+    render_window_marker,
     turn_heading,
     when,
 )
@@ -311,8 +313,9 @@ def demo(settings: Settings, *, config_path: str | None, port: int) -> None:
 @click.option("--config", "config_path", default=None, help="Accepted, not read.")
 @click.option("--data-dir", default=None, help="Accepted, not used.")
 def example_config(config_path: str | None, data_dir: str | None) -> None:
-    """Print the commented config file shipped with the gateway (`gateway example-config >
-    gateway.toml`, then edit it: every key, its default and what it does)."""
+    """Print the commented config file shipped with the gateway.
+
+    `gateway example-config > gateway.toml`, then edit it: every key, its default and what it does."""
     click.echo((Path(__file__).resolve().parent / "data" / "gateway.toml").read_text(), nl=False)
 
 
@@ -540,11 +543,11 @@ class _ShowText:
                 and turn.response_id == window["summary_covers_through"]
             ):
                 self.summarized = False
-                _summary_line(window)
+                render_summary_line(window)
             return
         if window is not None and not self.marked and messages and self.in_window(turn, messages[0], 0):
             self.marked = True
-            _window_marker(window)
+            render_window_marker(window)
         click.echo(click.style(turn_heading(turn), dim=True))
         for pos, m in enumerate(messages):
             self.message(turn, m, pos)
@@ -566,31 +569,9 @@ class _ShowText:
             return
         if self.window is not None and not self.marked:  # the window begins inside this turn
             self.marked = True
-            _window_marker(self.window)
+            render_window_marker(self.window)
         self.in_window_total += n
         click.echo(render_message(m, tokens=n))
-
-
-def _summary_line(window: dict[str, Any]) -> None:
-    """After the last turn a rolling summary covers: that it stands for the messages above."""
-    where = f"gateway context {window['response_id']} shows exactly what was sent"
-    version, count = window["summary_version"], window["summary_covers_messages"]
-    folded = f"rolling summary v{version}: the {count} messages above were sent as this summary"
-    click.echo(click.style(f"── {folded} ({where})", dim=True))
-    window["summary_covers_messages"] = 0  # (said once)
-
-
-def _window_marker(window: dict[str, Any]) -> None:
-    """Print where the last turn's window begins.
-
-    The rolling summary it sent in place of the earliest messages (when not said already), and the
-    marker the model got for those it left out."""
-    where = f"gateway context {window['response_id']} shows exactly what was sent"
-    if window["summary_covers_messages"]:
-        _summary_line(window)
-    if window["omitted_messages"]:
-        omitted = f"[{window['omitted_messages']} earlier messages omitted]"
-        click.echo(click.style(f"── {omitted} (the last turn's window; {where})", dim=True))
 
 
 def _poll_seconds(ctx: click.Context, param: click.Parameter, seconds: float) -> float:
@@ -627,9 +608,10 @@ def tail(
     follow: bool,
     tenant: str | None,
 ) -> None:
-    """Follow a conversation live, rendered, like `tail -f` (Ctrl-C to stop): its turns so far,
-    then each new one as it lands; one that does not exist yet is waited for. Following is the
-    default, so `-f`/`--follow` may be given or left out."""
+    """Follow a conversation live, rendered, like `tail -f` (Ctrl-C to stop).
+
+    Its turns so far, then each new one as it lands; one that does not exist yet is waited for.
+    Following is the default, so `-f`/`--follow` may be given or left out."""
     from gateway.ids import check_conversation_id
 
     check_conversation_id(conversation_id)
@@ -691,8 +673,10 @@ def context(
 def delete(
     settings: Settings, *, config_path: str | None, conversation_id: str, yes: bool, tenant: str | None
 ) -> None:
-    """Delete a conversation: its index, responses and summaries (or archive them if
-    storage.archive_deleted is set). Safe while a gateway is running on the same data dir."""
+    """Delete (or archive) a conversation: its index, responses and summaries.
+
+    They are archived instead if storage.archive_deleted is set. Safe while a gateway is running
+    on the same data dir."""
     from gateway.ids import check_conversation_id
 
     check_conversation_id(conversation_id)
@@ -741,10 +725,12 @@ def reset(
 @_common
 @click.option("--repair", is_flag=True, help="Move damaged lines and files to quarantine/ (deletes nothing).")
 def fsck(settings: Settings, *, config_path: str | None, repair: bool) -> None:
-    """Check the data dir (or database) for damage: undecodable lines, torn last lines, index
-    lines naming a response that is missing, empty or not committed. Exits 1 while any remains.
-    With --repair, each damaged line or file is set aside (under the conversation's lock: safe
-    while the gateway runs) so the conversation can go on."""
+    """Check the data dir (or database) for damage.
+
+    Damage is undecodable lines, torn last lines, index lines naming a response that is missing,
+    empty or not committed. Exits 1 while any remains. With --repair, each damaged line or file
+    is set aside (under the conversation's lock: safe while the gateway runs) so the
+    conversation can go on."""
     jsonl = settings.storage.backend == "jsonl"
     where = settings.storage.data_dir if jsonl else f"the {settings.storage.backend} database"
     if jsonl and not Path(settings.storage.data_dir).is_dir():
@@ -771,8 +757,9 @@ def fsck(settings: Settings, *, config_path: str | None, repair: bool) -> None:
     "--to", "to_dir", required=True, type=click.Path(file_okay=False), help="Folder to write (empty or new)."
 )
 def export_command(settings: Settings, *, config_path: str | None, to_dir: str) -> None:
-    """Write every conversation of the configured backend (all tenants) to DIR in the JSONL
-    layout: logs/, archive/ and tenants/ exactly as the jsonl backend keeps them."""
+    """Write every conversation of the configured backend (all tenants) to DIR in the JSONL layout.
+
+    The layout: logs/, archive/ and tenants/ exactly as the jsonl backend keeps them."""
     from gateway.services.transfer import export_data
 
     click.echo(export_data(settings, Path(to_dir)))
@@ -788,8 +775,10 @@ def export_command(settings: Settings, *, config_path: str | None, to_dir: str) 
     help="A JSONL data dir or an export (logs/, archive/, tenants/).",
 )
 def import_command(settings: Settings, *, config_path: str | None, from_dir: str) -> None:
-    """Load conversations from DIR (the JSONL layout) into the configured backend. Refuses
-    conversations (or files) that already exist there; imports all of a tenant or none of it."""
+    """Load conversations from DIR (the JSONL layout) into the configured backend.
+
+    Refuses conversations (or files) that already exist there; imports all of a tenant or none
+    of it."""
     from gateway.services.transfer import import_data
 
     click.echo(import_data(settings, Path(from_dir)))

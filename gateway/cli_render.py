@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import textwrap
 from datetime import datetime
+from typing import Any
 
 import click
 import orjson
@@ -129,6 +130,28 @@ def render_turn(turn: Turn, model: str = "") -> str:
     if turn.output is not None:
         lines.append(render_message(turn.output, tokens=count_message(turn.output, model)))
     return "\n".join(lines)
+
+
+def render_summary_line(window: dict[str, Any]) -> None:
+    """After the last turn a rolling summary covers: that it stands for the messages above."""
+    where = f"gateway context {window['response_id']} shows exactly what was sent"
+    version, count = window["summary_version"], window["summary_covers_messages"]
+    folded = f"rolling summary v{version}: the {count} messages above were sent as this summary"
+    click.echo(click.style(f"── {folded} ({where})", dim=True))
+    window["summary_covers_messages"] = 0  # (said once)
+
+
+def render_window_marker(window: dict[str, Any]) -> None:
+    """Print where the last turn's window begins.
+
+    The rolling summary it sent in place of the earliest messages (when not said already), and the
+    marker the model got for those it left out."""
+    where = f"gateway context {window['response_id']} shows exactly what was sent"
+    if window["summary_covers_messages"]:
+        render_summary_line(window)
+    if window["omitted_messages"]:
+        omitted = f"[{window['omitted_messages']} earlier messages omitted]"
+        click.echo(click.style(f"── {omitted} (the last turn's window; {where})", dim=True))
 
 
 LAYERS = [
