@@ -85,9 +85,7 @@ class Processor:
                 raise
             except StorageError as exc:  # once until a pass succeeds: the store says its outages
                 if not failing:
-                    log.warning(
-                        "lifecycle processor pass failed: %s (said once until a pass succeeds)", exc
-                    )
+                    log.warning("lifecycle processor pass failed: %s (said once until a pass succeeds)", exc)
                 failing = True
                 continue
             except Exception:  # noqa: BLE001 - the loop must survive anything
