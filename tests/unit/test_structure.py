@@ -1,11 +1,16 @@
 """Rules of ownership in gateway/ that imports do not show: a turn is closed and changed only by
-its owner (the chat service and the module of `PreparedTurn`), and no module grows past what
-one reader holds."""
+its owner (the chat service and the module of `PreparedTurn`), and no module or function grows
+past what one reader holds."""
 
 from __future__ import annotations
 
 import ast
+import shutil
+import subprocess
+import sys
 from pathlib import Path
+
+import pytest
 
 ROOT = Path(__file__).resolve().parents[2]
 PACKAGE = ROOT / "gateway"
@@ -77,3 +82,17 @@ def test_no_module_is_longer_than_a_reader_holds() -> None:
         if (n := len(path.read_text().splitlines())) > MAX_LINES
     }
     assert long == {}
+
+
+def test_no_function_is_more_complex_than_a_reader_holds() -> None:
+    """McCabe complexity at most 15 (`[tool.ruff.lint.mccabe]`) in the code and the benchmark."""
+    ruff = shutil.which("ruff", path=str(Path(sys.executable).parent))
+    if ruff is None:
+        pytest.skip("ruff is not installed beside this Python (the dev extra)")
+    found = subprocess.run(
+        [ruff, "check", "--no-cache", "--select", "C901", "--output-format", "concise", "gateway", "bench"],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+    )
+    assert found.returncode == 0, found.stdout

@@ -83,6 +83,15 @@ def slope_per_minute(points: list[dict[str, float]], key: str) -> float:
     return 60 * sum((x - mx) * (y - my) for x, y in zip(xs, ys, strict=True)) / var if var else 0.0
 
 
+def give_up_early(url: str, cid: str, text: str, stream: bool, patience: float) -> None:
+    """A client that stops reading its answer after `patience` seconds."""
+    try:
+        with httpx.Client(timeout=httpx.Timeout(5.0, read=patience)) as quick:
+            send(url, cid, text, stream=stream, client=quick)
+    except httpx.HTTPError:
+        pass
+
+
 def test_soak_mixed_load_with_faults_and_cancels(tmp_path: Path, fault_server: FaultServer) -> None:
     fault_server.reset()
     fault_server.default = mixed
@@ -108,11 +117,7 @@ def test_soak_mixed_load_with_faults_and_cancels(tmp_path: Path, fault_server: F
                 stream = rng.random() < 0.5
                 text = f"{cid} turn {turns} my number is {rng.randrange(1000)}"
                 if rng.random() < 0.1:
-                    try:  # a client that gives up early
-                        with httpx.Client(timeout=httpx.Timeout(5.0, read=rng.uniform(0.01, 0.2))) as quick:
-                            send(proc.url, cid, text, stream=stream, client=quick)
-                    except httpx.HTTPError:
-                        pass
+                    give_up_early(proc.url, cid, text, stream, rng.uniform(0.01, 0.2))
                     with lock:
                         counts["cancelled"] += 1
                     continue
