@@ -149,7 +149,9 @@ class OtelTracing(Tracing):
             content = content_attributes(outcome) if self.capture_content else None
             message = error.message[:300] if error is not None else None
             end = time.time_ns()
-            start = end - int(outcome.elapsed_ms * 1e6)
+            # The turn's own start (a stream's turn closes before its last events are sent and
+            # its line logged: counted back from now, the start would come out late).
+            start = outcome.started_ns or end - int(outcome.elapsed_ms * 1e6)
             calls = trace.calls if trace is not None else []
             first = next((c.first_chunk_ns for c in reversed(calls) if c.first_chunk_ns is not None), None)
             if outcome.stream and first is not None:

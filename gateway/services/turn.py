@@ -81,6 +81,7 @@ class TurnOutcome:
     recap: bool = False  # an "earlier today" recap was sent
     context_window: int | None = None  # the window planned for, as the context snapshot says
     calibration: JSONObject | None = None  # the token-count calibration it was planned with
+    started_ns: int | None = None  # when the turn began, wall clock (`elapsed_ms` later it closed)
 
 
 @dataclass(slots=True)
@@ -133,6 +134,7 @@ class PreparedTurn:
 
     def close_outcome(self, committed: bool, error: GatewayError | None = None) -> TurnOutcome:
         plan = self.plan
+        elapsed = time.perf_counter() - self.started
         messages = self.upstream_body.get("messages")
         context = self.context or {}
         stored, included = context.get("stored_messages"), context.get("included_response_ids")
@@ -149,7 +151,8 @@ class PreparedTurn:
             created=self.created,
             new_messages=len(self.new),
             sent_messages=len(messages) if isinstance(messages, list) else 0,
-            elapsed_ms=round((time.perf_counter() - self.started) * 1000, 3),
+            elapsed_ms=round(elapsed * 1000, 3),
+            started_ns=time.time_ns() - int(elapsed * 1e9),
             usage=self.usage,
             timings=self.timings,
             window_tokens=dict(plan.window.tokens) if plan is not None else None,

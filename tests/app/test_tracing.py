@@ -351,3 +351,42 @@ def test_a_failed_summarizer_call_is_a_span_with_its_error(traced: Traced) -> No
     assert failed.end_time is not None and failed.start_time is not None
     assert failed.end_time - failed.start_time == 250_000_000
     assert attributes(reset)["error.type"] == "ConnectionResetError"
+
+
+def test_a_turn_logged_after_it_closed_keeps_its_own_start(traced: Traced) -> None:
+    """A stream's turn closes when its chunks end, before its last events go out and its line is
+    logged: the span starts when the turn began, not its elapsed time before the log line."""
+    import time
+
+    from gateway.services.turn import TurnOutcome
+    from gateway.tracing import ProviderCall, TraceContext, current_trace
+
+    began = time.time_ns() - 200_000_000  # began 200 ms ago, closed 100 ms later, logged now
+    base = {
+        **dict.fromkeys(["conversation_id", "message", "finish_reason", "created", "usage", "timings"]),
+        **dict.fromkeys(["window_tokens", "budget", "truncated", "summary_version"]),
+    }
+    outcome = TurnOutcome(
+        **base,
+        response_id="m-late",
+        model="m",
+        provider="mock",
+        stream=True,
+        committed=True,
+        new_messages=1,
+        sent_messages=1,
+        elapsed_ms=100.0,
+        upstream_truncated=False,
+        started_ns=began,
+    )
+    trace = TraceContext.of(None)
+    trace.calls.append(ProviderCall(1, began + 10_000_000, began + 90_000_000, began + 30_000_000))
+    token = current_trace.set(trace)
+    try:
+        traced.tracing.turn(outcome, 200, "complete", api="chat.completion")
+    finally:
+        current_trace.reset(token)
+    (span,) = traced.spans()
+    assert span.start_time == began
+    first = (span.attributes or {})["gen_ai.response.time_to_first_chunk"]
+    assert first == pytest.approx(0.030, abs=1e-6)  # (counted back from the log line: -0.07)
