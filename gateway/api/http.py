@@ -17,6 +17,7 @@ from starlette.responses import Response
 from starlette.types import Receive, Scope, Send
 
 from gateway.context.anthropic import error_body
+from gateway.coroutines import resume
 from gateway.exceptions import (
     BodyTimeout,
     BodyTooLarge,
@@ -224,32 +225,6 @@ async def until_disconnect(work: Coroutine[Any, Any, T], receive: Receive, *, st
 # Events held to be sent together are sent once they come to this many bytes.
 _SEND_LIMIT = 65536
 _READY = object()
-
-
-async def resume(step: Any, waits_for: Any) -> Any:
-    """Drive `step` to its end, as the calling task would have, and return its value.
-
-    `step` is an awaitable's iterator stopped at its first wait, on `waits_for`: a future, or
-    None for a bare yield. Cancellations and timeouts reach it as usual."""
-    while True:
-        try:
-            if waits_for is None:
-                await asyncio.sleep(0)
-            else:
-                waits_for._asyncio_future_blocking = False  # as a task takes it from the step
-                await waits_for
-        except BaseException as exc:  # noqa: BLE001 - handed to the step, as its task would
-            if waits_for is None or not waits_for.done():
-                # Thrown at this task (a cancellation), not the outcome of what the step waits on.
-                try:
-                    waits_for = step.throw(exc)
-                except StopIteration as stop:
-                    return stop.value
-                continue
-        try:
-            waits_for = step.send(None)  # the step takes the outcome of what it waited on
-        except StopIteration as stop:
-            return stop.value
 
 
 async def _throw(step: Any, exc: BaseException) -> None:

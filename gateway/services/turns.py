@@ -28,6 +28,7 @@ from gateway.context import (
 )
 from gateway.context.history import NotLoaded
 from gateway.context.lifecycle import user_key
+from gateway.coroutines import await_commit, run_to_end, while_waiting
 from gateway.exceptions import (
     ClientDisconnected,
     GatewayError,
@@ -49,7 +50,6 @@ from gateway.services.turn import (
     PreparedTurn,
     TurnOutcome,
     archive_expired,
-    await_commit,
     check_timezone,
     client_params,
     context_snapshot,
@@ -58,10 +58,8 @@ from gateway.services.turn import (
     refit,
     request_record,
     response_record,
-    run_to_end,
     stored_turn,
     timings_until_now,
-    while_waiting,
 )
 from gateway.services.usage import UsageLearning
 from gateway.store import Store, StoreRegistry

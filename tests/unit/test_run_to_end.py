@@ -7,7 +7,7 @@ import asyncio
 
 import pytest
 
-from gateway.services.turn import await_commit, run_to_end
+from gateway.coroutines import await_commit, run_to_end
 
 
 async def test_work_that_does_not_wait_is_done_on_return() -> None:

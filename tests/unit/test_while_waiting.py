@@ -8,7 +8,7 @@ from collections.abc import AsyncIterator
 
 import pytest
 
-from gateway.services.turn import while_waiting
+from gateway.coroutines import while_waiting
 from tests.helpers import LongWait
 
 
