@@ -41,6 +41,7 @@ from gateway.store.jsonl.layout import DataDir
 from . import harness
 from .client import Connection
 from .procs import HOST, Processes, Server, clean_env, free_port, rss_kib
+from .seed import insert_created, write_created
 
 REPO = Path(__file__).resolve().parent.parent
 SEED_VERSION = 1
@@ -173,12 +174,7 @@ def seed_jsonl(data_dir: Path, total: int, turned: int, tmp: Path) -> dict[str, 
     layout.create()
     t = time.perf_counter()
     start = time.time() - 86400 * 30
-    for i in range(total - turned):
-        at = start + i
-        path = layout.index_path(f"created-{i:07d}")
-        marker = {"type": "conversation", "created_at": int(at), "metadata": {"n": str(i)}}
-        path.write_bytes(orjson.dumps(marker) + b"\n")
-        os.utime(path, (at, at))
+    write_created(layout, start, total - turned)
     target = Target("seeding", tmp, data_dir)
     target.start()
     try:
@@ -197,20 +193,7 @@ async def seed_postgres(dsn: str, total: int) -> float:
     conn = await asyncpg.connect(dsn)
     try:
         start = time.time() - 86400 * 30
-        await conn.execute(
-            "INSERT INTO gateway_conversations (namespace, conversation_id, last_seq, updated_at) "
-            "SELECT '', 'created-' || lpad(i::text, 7, '0'), 1, $1 + i FROM generate_series(0, $2 - 1) i",
-            start,
-            total,
-        )
-        await conn.execute(
-            "INSERT INTO gateway_index (namespace, conversation_id, seq, marker, at) "
-            "SELECT '', 'created-' || lpad(i::text, 7, '0'), 1, json_build_object('type', 'conversation', "
-            "'created_at', ($1 + i)::bigint, 'metadata', json_build_object('n', i::text)), $1 + i "
-            "FROM generate_series(0, $2 - 1) i",
-            start,
-            total,
-        )
+        await insert_created(conn, start, total)
         await conn.execute("ANALYZE")
     finally:
         await conn.close()

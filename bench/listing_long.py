@@ -49,7 +49,14 @@ from gateway.store.jsonl.layout import DataDir
 from .client import Connection
 from .listing import REPO, Target, get, start_postgres, wait_idle
 from .procs import HOST
-from .seed import clone_conversation, cloned_turns, read_conversation, user_text
+from .seed import (
+    clone_conversation,
+    cloned_turns,
+    insert_created,
+    read_conversation,
+    user_text,
+    write_created,
+)
 
 CHAT = "/v1/chat/completions"
 TEMPLATE = "bench-template"
@@ -94,11 +101,7 @@ def seed_jsonl(data_dir: Path, args: argparse.Namespace, template: list[list[dic
     layout = DataDir(data_dir)
     layout.create()
     start = time.time() - 86400 * 30
-    for i in range(args.long_conversations - args.long_copies):
-        path = layout.index_path(f"created-{i:07d}")
-        marker = {"type": "conversation", "created_at": int(start + i), "metadata": {"n": str(i)}}
-        path.write_bytes(orjson.dumps(marker) + b"\n")
-        os.utime(path, (start + i, start + i))
+    write_created(layout, start, args.long_conversations - args.long_copies)
     for c, cid in enumerate(long_ids(args.long_copies)):
         clone_conversation(data_dir, cid, args.long_messages, template)
         if c:  # older than every other conversation: not on the first page
@@ -116,20 +119,7 @@ async def seed_postgres(dsn: str, args: argparse.Namespace, template: list[list[
     try:
         start = time.time() - 86400 * 30
         total = args.long_conversations - args.long_copies
-        await conn.execute(
-            "INSERT INTO gateway_conversations (namespace, conversation_id, last_seq, updated_at) "
-            "SELECT '', 'created-' || lpad(i::text, 7, '0'), 1, $1 + i FROM generate_series(0, $2 - 1) i",
-            start,
-            total,
-        )
-        await conn.execute(
-            "INSERT INTO gateway_index (namespace, conversation_id, seq, marker, at) "
-            "SELECT '', 'created-' || lpad(i::text, 7, '0'), 1, json_build_object('type', 'conversation', "
-            "'created_at', ($1 + i)::bigint, 'metadata', json_build_object('n', i::text)), $1 + i "
-            "FROM generate_series(0, $2 - 1) i",
-            start,
-            total,
-        )
+        await insert_created(conn, start, total)
         for c, cid in enumerate(long_ids(args.long_copies)):
             turns = list(cloned_turns(cid, args.long_messages, template))
             at = time.time() if c == 0 else start - 86400 - c

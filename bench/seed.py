@@ -161,6 +161,35 @@ def cloned_turns(
         yield new_ids[t], out
 
 
+def write_created(layout: DataDir, start: float, total: int) -> None:
+    """`total` conversations holding their creation marker alone, `created-0000000` on, one a
+    second from `start` (the index's time is its creation's)."""
+    for i in range(total):
+        at = start + i
+        path = layout.index_path(f"created-{i:07d}")
+        marker = {"type": "conversation", "created_at": int(at), "metadata": {"n": str(i)}}
+        path.write_bytes(orjson.dumps(marker) + b"\n")
+        os.utime(path, (at, at))
+
+
+async def insert_created(conn: Any, start: float, total: int) -> None:
+    """The conversations of `write_created` in PostgreSQL (namespace ""), on an asyncpg `conn`."""
+    await conn.execute(
+        "INSERT INTO gateway_conversations (namespace, conversation_id, last_seq, updated_at) "
+        "SELECT '', 'created-' || lpad(i::text, 7, '0'), 1, $1 + i FROM generate_series(0, $2 - 1) i",
+        start,
+        total,
+    )
+    await conn.execute(
+        "INSERT INTO gateway_index (namespace, conversation_id, seq, marker, at) "
+        "SELECT '', 'created-' || lpad(i::text, 7, '0'), 1, json_build_object('type', 'conversation', "
+        "'created_at', ($1 + i)::bigint, 'metadata', json_build_object('n', i::text)), $1 + i "
+        "FROM generate_series(0, $2 - 1) i",
+        start,
+        total,
+    )
+
+
 def probe_filesystem(folder: Path, files: int = 200, syncs: int = 50) -> dict[str, float]:
     """What the data dir's filesystem costs: p50 ms of creating a small file (open O_CREAT|O_EXCL,
     write, close, as the gateway's response log does), of fsync(file) + fsync(dir), and of one
