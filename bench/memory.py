@@ -38,7 +38,7 @@ import orjson
 
 from . import harness
 from .client import Connection
-from .procs import HOST, Processes, Server, clean_env, free_port
+from .procs import HOST, Processes, Server, clean_env, free_port, write_result
 
 REPO = Path(__file__).resolve().parent.parent
 MODEL = "bench-model"
@@ -325,11 +325,7 @@ def main(argv: list[str] | None = None) -> None:
         if args.tracemalloc:
             print_tracemalloc(tmp)
         figures["args"] = {k: str(v) for k, v in vars(args).items()}
-        out = REPO / "var" / "bench"
-        out.mkdir(parents=True, exist_ok=True)
-        data = orjson.dumps(figures, option=orjson.OPT_INDENT_2)
-        (out / f"memory-{time.strftime('%Y%m%d-%H%M%S')}.json").write_bytes(data)
-        (out / "memory-latest.json").write_bytes(data)
+        write_result(orjson.dumps(figures, option=orjson.OPT_INDENT_2), "memory", "memory-latest.json")
         warnings = [line for line in gateway.log_tail(200).splitlines() if line.strip()]
         if warnings:
             print(f"gateway log ({len(warnings)} lines, last 5):", *warnings[-5:], sep="\n  ")

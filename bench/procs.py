@@ -17,6 +17,18 @@ from collections.abc import Iterator, Mapping, Sequence
 from pathlib import Path
 
 HOST = "127.0.0.1"
+RESULTS = Path(__file__).resolve().parent.parent / "var" / "bench"
+
+
+def write_result(payload: bytes, stamped: str, latest: str) -> str:
+    """Write a run's JSON to var/bench/ as `{stamped}-{time}.json` and as `latest`; its name."""
+    RESULTS.mkdir(parents=True, exist_ok=True)
+    name = f"{stamped}-{time.strftime('%Y%m%d-%H%M%S')}.json"
+    (RESULTS / name).write_bytes(payload)
+    (RESULTS / latest).write_bytes(payload)
+    return name
+
+
 _PR_SET_PDEATHSIG = 1
 
 
@@ -192,6 +204,12 @@ class Processes:
         self.servers.append(server)
         server.start(cwd)
         return server
+
+    def tell_exited(self) -> None:
+        """Print the log tail of every server that exited on its own (a run that failed)."""
+        for server in self.servers:
+            if server.proc is not None and server.proc.poll() is not None:
+                print(f"--- {server.name} exited ({server.proc.returncode}); log tail:\n{server.log_tail()}")
 
     def stop_all(self) -> None:
         for server in reversed(self.servers):

@@ -37,7 +37,7 @@ if __name__ == "__main__" and not __package__:  # `python bench/run.py`: as `pyt
 
 from .client import Connection  # noqa: E402 - (after the script form's re-exec)
 from .harness import OtlpReceiver, write_config  # noqa: E402
-from .procs import HOST, Processes, Server, clean_env, free_port, rss_kib  # noqa: E402
+from .procs import HOST, Processes, Server, clean_env, free_port, rss_kib, write_result  # noqa: E402
 from .report import print_report  # noqa: E402
 from .scenarios import CHAT, CONCURRENCY, MODEL, Bench, Plan, one_message  # noqa: E402
 from .seed import clone_conversation, probe_filesystem, read_conversation  # noqa: E402
@@ -450,13 +450,9 @@ def start_gateways(
 
 def save(result: dict[str, Any], summary: dict[str, Any]) -> None:
     """Write the run's result and summary to var/bench/ (dated, and as latest.json)."""
-    out_dir = REPO / "var" / "bench"
-    out_dir.mkdir(parents=True, exist_ok=True)
-    stamp = time.strftime("%Y%m%d-%H%M%S")
     payload = orjson.dumps({**result, "summary": summary}, option=orjson.OPT_INDENT_2)
-    (out_dir / f"result-{stamp}.json").write_bytes(payload)
-    (out_dir / "latest.json").write_bytes(payload)
-    print(f"\nwrote var/bench/result-{stamp}.json and var/bench/latest.json ({result['wall_seconds']} s)")
+    name = write_result(payload, "result", "latest.json")
+    print(f"\nwrote var/bench/{name} and var/bench/latest.json ({result['wall_seconds']} s)")
 
 
 def run(args: argparse.Namespace) -> int:
@@ -572,9 +568,7 @@ def run(args: argparse.Namespace) -> int:
         save(result, summary)
         return 0
     except BaseException:
-        for server in procs.servers:
-            if server.proc is not None and server.proc.poll() is not None:
-                print(f"--- {server.name} exited ({server.proc.returncode}); log tail:\n{server.log_tail()}")
+        procs.tell_exited()
         raise
     finally:
         procs.stop_all()

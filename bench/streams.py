@@ -55,7 +55,7 @@ import httptools
 import orjson
 
 from .client import Connection
-from .procs import HOST, Processes, Server, clean_env, cpu_seconds, free_port, process_tree
+from .procs import HOST, Processes, Server, clean_env, cpu_seconds, free_port, process_tree, write_result
 from .report import percentile
 from .scenarios import CHAT, MODEL
 from .seed import user_text
@@ -841,21 +841,13 @@ def main(argv: list[str] | None = None) -> int:
             "gateway_logs": logs,
             "wall_seconds": round(perf() - wall, 1),
         }
-        out_dir = REPO / "var" / "bench"
-        out_dir.mkdir(parents=True, exist_ok=True)
-        stamp = time.strftime("%Y%m%d-%H%M%S")
-        payload = orjson.dumps(result, option=orjson.OPT_INDENT_2)
-        (out_dir / f"streams-{stamp}.json").write_bytes(payload)
-        (out_dir / "streams-latest.json").write_bytes(payload)
-        print(
-            f"\nwrote var/bench/streams-{stamp}.json and var/bench/streams-latest.json "
-            f"({result['wall_seconds']} s)"
+        name = write_result(
+            orjson.dumps(result, option=orjson.OPT_INDENT_2), "streams", "streams-latest.json"
         )
+        print(f"\nwrote var/bench/{name} and var/bench/streams-latest.json ({result['wall_seconds']} s)")
         return 0
     except BaseException:
-        for server in procs.servers:
-            if server.proc is not None and server.proc.poll() is not None:
-                print(f"--- {server.name} exited ({server.proc.returncode}); log tail:\n{server.log_tail()}")
+        procs.tell_exited()
         raise
     finally:
         procs.stop_all()
