@@ -32,13 +32,21 @@ _BACKOFF = (0.2, 0.5, 1.0, 2.0)
 TRACEPARENT = "gateway.traceparent"
 
 
+def take_field(body: Body, field: str) -> tuple[Body, str | None]:
+    """The body without one of the gateway's own `field`s, and the text it held (None: none).
+
+    The body itself when it has no such field; a copy otherwise (the caller's body stays whole).
+    """
+    if field not in body:
+        return body, None
+    value = body[field]
+    rest = {k: v for k, v in body.items() if k != field}
+    return rest, value if isinstance(value, str) and value else None
+
+
 def take_traceparent(body: Body) -> tuple[Body, str | None]:
     """The body without the gateway's `TRACEPARENT`, and the header value it held."""
-    if TRACEPARENT not in body:
-        return body, None
-    value = body[TRACEPARENT]
-    rest = {k: v for k, v in body.items() if k != TRACEPARENT}
-    return rest, value if isinstance(value, str) and value else None
+    return take_field(body, TRACEPARENT)
 
 
 def backoff(attempt: int) -> float:

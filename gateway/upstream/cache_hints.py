@@ -22,7 +22,7 @@ from collections import OrderedDict
 from collections.abc import Sequence
 
 from gateway.types import as_object
-from gateway.upstream.base import Body
+from gateway.upstream.base import Body, take_field
 
 # The gateway's private body field naming the conversation to the upstream (never sent on).
 CACHE_KEY = "gateway.cache_key"
@@ -42,11 +42,7 @@ def cache_key(tenant: str, conversation_id: str | None) -> str | None:
 
 def take_cache_key(body: Body) -> tuple[Body, str | None]:
     """The body without the gateway's `CACHE_KEY`, and the key it held."""
-    if CACHE_KEY not in body:
-        return body, None
-    key = body[CACHE_KEY]
-    rest = {k: v for k, v in body.items() if k != CACHE_KEY}
-    return rest, key if isinstance(key, str) and key else None
+    return take_field(body, CACHE_KEY)
 
 
 def with_prompt_cache_key(body: Body, key: str | None) -> Body:
