@@ -113,6 +113,9 @@ class ServerSettings(_Section):
     # events kept per background response for clients that resume its stream.
     background_responses: int = Field(16, ge=0)
     background_events: int = Field(20_000, ge=1)
+    # Turn starts (parse, lock, load, plan) run per pass of the event loop at most, first come
+    # first served, so a burst of new requests does not hold up running streams ("0" = no limit).
+    starts_per_pass: int = Field(16, ge=0)
 
 
 class StorageSettings(_Section):

@@ -87,7 +87,8 @@ def _loop_and_http() -> dict[str, Any]:
     try:
         import uvloop  # noqa: F401
 
-        opts["loop"] = "uvloop"
+        # uvloop, accepting a burst of connections at once (see gateway/listener.py)
+        opts["loop"] = "gateway.listener:AcceptingLoop"
     except ImportError:
         opts["loop"] = "asyncio"
     try:

@@ -37,6 +37,7 @@ from gateway.exceptions import (
     shutting_down,
 )
 from gateway.ids import mint_response_id
+from gateway.pacing import StartGate
 from gateway.services.cache import ConversationCache
 from gateway.services.counting import PromptCount, branch_view, prompt_count
 from gateway.services.listing import Listing
@@ -130,6 +131,7 @@ class ChatService:
         self.clock: Callable[[], float] = time.time
         self.warm_up: asyncio.Future[Any] | None = None  # tokenizer loading, set at startup
         self.on_context_refusal: Callable[[str], None] = lambda outcome: None  # metrics hook
+        self.starts = StartGate(settings.server.starts_per_pass)
 
     # -- preparing ----------------------------------------------------------------------------
     async def _recap_checked(self, store: Store, cid: str, view: ConversationView) -> ConversationView:
@@ -152,6 +154,7 @@ class ChatService:
 
         The turn is closed by its owner: `closing` (the caller's block), else the `TurnStream`
         of `open_chunks` once it began."""
+        await self.starts.enter()
         started = time.perf_counter()  # the gateway's own time starts here (lock, load, plan)
         store = await self.stores.get(tenant)
         store.refuse_if_failed()  # before the provider is asked for an answer nobody could keep
