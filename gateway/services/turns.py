@@ -154,8 +154,10 @@ class ChatService:
 
         The turn is closed by its owner: `closing` (the caller's block), else the `TurnStream`
         of `open_chunks` once it began."""
+        # The gateway's own time starts here: a wait for this pass's share of starts, the lock,
+        # the load and the plan.
+        started = time.perf_counter()
         await self.starts.enter()
-        started = time.perf_counter()  # the gateway's own time starts here (lock, load, plan)
         store = await self.stores.get(tenant)
         store.refuse_if_failed()  # before the provider is asked for an answer nobody could keep
         route = self.router.resolve(request.model)
