@@ -1,4 +1,4 @@
-"""uvloop's event loop with TCP servers that accept every waiting connection in one pass.
+"""uvloop's event loop with TCP servers that take a burst of connections in a few passes.
 
 uvloop (libuv) accepts one connection per pass of its event loop. A pass that runs a burst of
 requests takes tens to hundreds of milliseconds, so once a burst of clients connects, the
@@ -32,7 +32,7 @@ _OUT_OF_FILES = (errno.EMFILE, errno.ENFILE, errno.ENOBUFS, errno.ENOMEM)
 
 
 class AcceptingServer:
-    """A TCP server on a listening socket, taking every waiting connection each time it is ready.
+    """A TCP server on a listening socket, taking up to BATCH waiting connections each pass.
 
     What uvicorn needs of `asyncio.Server`: `close`, `wait_closed`, `sockets`, `is_serving`."""
 
