@@ -6,8 +6,8 @@
 Starts the mock upstream, the bare forwarder and the real `gateway serve` as subprocesses on
 loopback, measures every scenario with one keep-alive client (bench/client.py), prints a
 table and writes var/bench/result-<timestamp>.json and var/bench/latest.json. Then N concurrent
-long streams (bench/streams.py; N = 100 here, `--scenario streams` for 100 and 300 alone) and
-the lists at 100,000 conversations (bench/listing.py).
+long streams (bench/streams.py; N = 100, 300 and 1,000 here, `--scenario streams` for 100 and
+300 alone) and the lists at 100,000 conversations (bench/listing.py).
 Set LITELLM_BIN to a `litellm` executable to add a LiteLLM proxy column. See bench/README.md.
 """
 
@@ -256,7 +256,7 @@ def main(argv: list[str] | None = None) -> int:
         choices=("all", "streams"),
         default="all",
         help="streams: only N concurrent long streams (bench/streams.py, N = 100 and 300 unless "
-        "--streams says otherwise); all (default): every scenario, the streams at N = 100 only",
+        "--streams says otherwise); all (default): every scenario, the streams at N = 100, 300 and 1000",
     )
     parser.add_argument(
         "--streams",
@@ -275,7 +275,7 @@ def main(argv: list[str] | None = None) -> int:
     rc = run(args)
     if rc == 0 and not args.no_streams:
         print("\nbench: concurrent long streams (bench/streams.py)", flush=True)
-        rc = run_streams(args, args.streams or "100")
+        rc = run_streams(args, args.streams or "100,300,1000")
     if rc == 0 and not args.no_listing:
         from . import listing
 
