@@ -46,11 +46,10 @@ class AcceptingServer:
         self._loop = loop
         self._sock = sock
         self._factory = protocol_factory
-        self._backlog = max(1, backlog)
         self._serving = False
-        self._opening: set[asyncio.Future[Any]] = set()
+        self._opening: set[asyncio.Future[Any]] = set()  # (a task nobody holds may be collected)
         sock.setblocking(False)
-        sock.listen(self._backlog)
+        sock.listen(max(1, backlog))
         self._start()
 
     @property
@@ -105,15 +104,6 @@ class AcceptingServer:
 
     async def wait_closed(self) -> None:
         """Closed at once: nothing to wait for."""
-
-    async def start_serving(self) -> None:
-        """Already serving since it was made."""
-
-    async def __aenter__(self) -> AcceptingServer:
-        return self
-
-    async def __aexit__(self, *exc: object) -> None:
-        self.close()
 
 
 class AcceptingLoop(uvloop.Loop):

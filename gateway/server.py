@@ -82,12 +82,13 @@ def set_head_timeout(settings: Settings) -> None:
     HeadDeadlineProtocol.head_timeout = float(settings.server.body_timeout)
 
 
-def _loop_and_http() -> dict[str, Any]:
+def loop_and_http() -> dict[str, Any]:
+    """uvicorn's event loop and HTTP protocol options: the fastest installed (uvloop, httptools)."""
     opts: dict[str, Any] = {}
     try:
         import uvloop  # noqa: F401
 
-        # uvloop, accepting a burst of connections at once (see gateway/listener.py)
+        # uvloop, taking a burst of connections in a few passes (see gateway/listener.py)
         opts["loop"] = "gateway.listener:AcceptingLoop"
     except ImportError:
         opts["loop"] = "asyncio"
@@ -131,7 +132,7 @@ def serve(settings: Settings, *, workers: int = 1, log_level: str = "info") -> N
         "access_log": settings.server.access_log,
         "log_level": "warning",
         "timeout_graceful_shutdown": settings.server.shutdown_timeout,
-        **_loop_and_http(),
+        **loop_and_http(),
     }
     os.environ.pop(LOG_LEVEL_ENV, None)  # only the workers of this serve are told they are
     os.environ.pop(SERVE_PID_ENV, None)
@@ -175,7 +176,7 @@ def running_in_thread(app: Any, host: str = "127.0.0.1", port: int = 0) -> Itera
     """Serve `app` in a thread on `port` (0: a free one); yields its base URL."""
     sock = bind(host, port)
     port = sock.getsockname()[1]
-    config = uvicorn.Config(app, log_level="warning", lifespan="on", **_loop_and_http())
+    config = uvicorn.Config(app, log_level="warning", lifespan="on", **loop_and_http())
     server = uvicorn.Server(config)
     thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, daemon=True)
     thread.start()

@@ -88,7 +88,7 @@ def test_a_burst_of_connections_is_taken_in_a_few_passes() -> None:
 
 
 def test_serve_runs_on_the_accepting_loop() -> None:
-    assert server._loop_and_http()["loop"] == "gateway.listener:AcceptingLoop"
+    assert server.loop_and_http()["loop"] == "gateway.listener:AcceptingLoop"
 
 
 def test_connections_carry_data_and_close_stops_accepting() -> None:
