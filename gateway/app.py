@@ -16,7 +16,6 @@ import time
 from collections.abc import AsyncIterator, Mapping
 from contextlib import asynccontextmanager
 
-from starlette.applications import Starlette
 from starlette.exceptions import HTTPException
 from starlette.middleware import Middleware
 from starlette.routing import Route
@@ -28,6 +27,7 @@ from gateway.api import conversations as conv
 from gateway.api import responses as resp
 from gateway.api.background import BackgroundRuns
 from gateway.api.chat import chat_completions
+from gateway.api.direct import GatewayApp
 from gateway.config import Settings, load_settings
 from gateway.exceptions import GatewayError
 from gateway.jobs.heap import HeapTrimmer, freeze_startup_heap
@@ -87,7 +87,7 @@ def create_app(
     router: Router | None = None,
     tracing: Tracing | None = None,
     serving: bool = False,
-) -> Starlette:
+) -> GatewayApp:
     """Wire the services, the background jobs and the HTTP routes into one ASGI application.
 
     `serving`: this process serves only this app (`gateway serve`): once started, its garbage
@@ -117,7 +117,7 @@ def create_app(
     trimmer = HeapTrimmer()
 
     @asynccontextmanager
-    async def lifespan(app: Starlette) -> AsyncIterator[None]:
+    async def lifespan(app: GatewayApp) -> AsyncIterator[None]:
         await services.open()
         await services.warm()
         # Load the default tokenizer in the background: the first request need not pay for it.
@@ -178,7 +178,14 @@ def create_app(
         Route("/healthz", health.healthz, methods=["GET"]),
         Route("/readyz", health.readyz, methods=["GET"]),
     ]
-    app = Starlette(
+    app = GatewayApp(
+        # (each also among `routes`: the same endpoint, without the router's layers)
+        direct={
+            "/v1/chat/completions": chat_completions,
+            "/chat/completions": chat_completions,
+            "/v1/responses": resp.create_response,
+            "/v1/messages": messages.create_message,
+        },
         routes=routes,
         lifespan=lifespan,
         middleware=[
@@ -213,7 +220,7 @@ def create_app(
     return app
 
 
-def app_from_env() -> Starlette:
+def app_from_env() -> GatewayApp:
     """Factory for `uvicorn --factory` (and worker processes): settings from the environment."""
     from gateway.server import configure_worker_logging, follow_supervisor, set_head_timeout
 
