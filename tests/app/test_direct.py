@@ -51,7 +51,8 @@ async def test_errors_on_the_direct_paths_keep_each_api_s_shape() -> None:
         metrics = (await client.get("/metrics")).text
     assert openai.status_code == 400 and openai.json()["error"]["type"] == "invalid_request_error"
     assert anthropic.status_code == 400
-    assert anthropic.json()["type"] == "error" and anthropic.json()["error"]["type"] == "invalid_request_error"
+    shape = anthropic.json()
+    assert shape["type"] == "error" and shape["error"]["type"] == "invalid_request_error"
     assert 'gateway_requests_total{route="chat_completions",status="400"} 1.0' in metrics
 
 
