@@ -122,18 +122,25 @@ def bind(host: str, port: int) -> socket.socket:
     return sock
 
 
+def uvicorn_options(settings: Settings) -> dict[str, Any]:
+    """The options `serve` runs uvicorn with (the app from `gateway.app:app_from_env`)."""
+    return {
+        "factory": True,
+        "access_log": settings.server.access_log,
+        "log_level": "warning",
+        "timeout_graceful_shutdown": settings.server.shutdown_timeout,
+        # Nothing reads the client's address or the scheme: no X-Forwarded-* layer per request.
+        "proxy_headers": False,
+        **loop_and_http(),
+    }
+
+
 def serve(settings: Settings, *, workers: int = 1, log_level: str = "info") -> None:
     """Run the gateway in the foreground. Workers re-read settings from the environment."""
     configure_logging(log_level)
     host, port = settings.server.host, settings.server.port
     sock = bind(host, port)
-    options: dict[str, Any] = {
-        "factory": True,
-        "access_log": settings.server.access_log,
-        "log_level": "warning",
-        "timeout_graceful_shutdown": settings.server.shutdown_timeout,
-        **loop_and_http(),
-    }
+    options = uvicorn_options(settings)
     os.environ.pop(LOG_LEVEL_ENV, None)  # only the workers of this serve are told they are
     os.environ.pop(SERVE_PID_ENV, None)
     if workers > 1:

@@ -6,12 +6,16 @@ import asyncio
 import errno
 import socket
 from collections.abc import Callable
+from typing import Any
 
 import pytest
+import uvicorn
 import uvloop
+from uvicorn.middleware.proxy_headers import ProxyHeadersMiddleware
 
 from gateway import listener, server
 from gateway.listener import AcceptingLoop, AcceptingServer
+from tests.conftest import make_settings
 
 
 class Echo(asyncio.Protocol):
@@ -152,3 +156,16 @@ def test_out_of_files_pauses_accepting_then_resumes(monkeypatch: pytest.MonkeyPa
         srv.close()
 
     run(AcceptingLoop, main)
+
+
+def test_serve_reads_no_forwarded_headers() -> None:
+    """Nothing the gateway does depends on the client's address: no proxy-headers layer per request."""
+
+    async def app(scope: Any, receive: Any, send: Any) -> None:
+        raise AssertionError("not called")
+
+    options = {k: v for k, v in server.uvicorn_options(make_settings()).items() if k != "factory"}
+    config = uvicorn.Config(app, **options)
+    config.load()
+    assert options["proxy_headers"] is False
+    assert not isinstance(config.loaded_app, ProxyHeadersMiddleware)
