@@ -30,7 +30,7 @@ import orjson
 from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
 
 from gateway import metrics
-from gateway.api.http import BODY_COMPLETE
+from gateway.api.http import BODY_COMPLETE, ON_GONE
 from gateway.exceptions import BodyTimeout, GatewayError, InvalidRequest
 from gateway.metrics import access_log
 
@@ -216,6 +216,7 @@ class HeadDeadlineProtocol(HttpToolsProtocol):
         cycle = self.cycle
         if cycle is not None and cycle is not before:  # a new request (its task has not run yet)
             cycle.transport = OneSendTransport(self.transport, cycle)  # type: ignore[assignment]
+            setattr(cycle, ON_GONE, None)  # (told when the client goes: no watcher task needed)
 
     def on_message_complete(self) -> None:
         super().on_message_complete()
@@ -227,4 +228,9 @@ class HeadDeadlineProtocol(HttpToolsProtocol):
 
     def connection_lost(self, exc: Exception | None) -> None:
         self._disarm()
+        cycle = self.cycle
         super().connection_lost(exc)
+        on_gone = getattr(cycle, ON_GONE, None)
+        if on_gone is not None and cycle is not None and cycle.disconnected:
+            setattr(cycle, ON_GONE, None)
+            on_gone()  # the request's task is cancelled (`gateway.api.http.until_disconnect`)

@@ -34,6 +34,9 @@ T = TypeVar("T")
 
 # Set in a request's scope by the server's protocol (gateway.protocol) once its whole body is in.
 BODY_COMPLETE = "gateway.body_complete"
+# An attribute the server's protocol gives each request cycle (the object whose method `receive`
+# is): a callable set there is called when the client's connection is lost mid-request.
+ON_GONE = "gateway_on_gone"
 
 
 class JSONBody(Response):
@@ -189,6 +192,9 @@ async def until_disconnect(work: Coroutine[Any, Any, T], receive: Receive, *, st
     the queue moves."""
     current = asyncio.current_task()
     assert current is not None
+    cycle = getattr(receive, "__self__", None)
+    if getattr(cycle, ON_GONE, False) is None:  # the protocol says when the client goes: no watcher
+        return await _until_told_gone(work, cycle, current, started)
     state = {"gone": False, "over": False}
 
     def on_watcher_done(watcher: asyncio.Future[None]) -> None:
@@ -220,6 +226,31 @@ async def until_disconnect(work: Coroutine[Any, Any, T], receive: Receive, *, st
     finally:
         state["over"] = True  # a callback already scheduled must not cancel what follows
         watcher.cancel()
+
+
+async def _until_told_gone(
+    work: Coroutine[Any, Any, T], cycle: Any, current: asyncio.Task[Any], started: float
+) -> T:
+    """`until_disconnect` on the gateway's own protocol, which calls the cycle's ON_GONE hook."""
+    if started and time.perf_counter() - started > WAITED_SECONDS and cycle.disconnected:
+        work.close()
+        raise ClientDisconnected()
+    gone = False
+
+    def on_gone() -> None:
+        nonlocal gone
+        gone = True
+        current.cancel()
+
+    setattr(cycle, ON_GONE, on_gone)
+    try:
+        return await work
+    except asyncio.CancelledError:
+        if gone and current.uncancel() == 0:
+            raise ClientDisconnected() from None
+        raise
+    finally:
+        setattr(cycle, ON_GONE, None)  # (the hook fires at most once, and never after this)
 
 
 # Events held to be sent together are sent once they come to this many bytes.

@@ -6,6 +6,7 @@
 from __future__ import annotations
 
 import asyncio
+import time
 from types import SimpleNamespace
 from typing import Any
 
@@ -13,7 +14,7 @@ import orjson
 import pytest
 from starlette.requests import Request
 
-from gateway.api.http import ClientDisconnected, SSEResponse, read_json, until_disconnect
+from gateway.api.http import ON_GONE, ClientDisconnected, SSEResponse, read_json, until_disconnect
 from gateway.exceptions import BodyTimeout, BodyTooLarge, ClientGone
 from tests.helpers import LongWait
 
@@ -212,3 +213,61 @@ async def test_a_client_gone_while_a_send_waits_stops_the_body_in_its_wait() -> 
     await asyncio.wait_for(task, 5)
     assert stopped == [True]
     assert len(closed) == 1 and isinstance(closed[0], ClientDisconnected)
+
+
+class HookedCycle:
+    """A request cycle of the gateway's own protocol: it calls the ON_GONE hook when the client goes."""
+
+    def __init__(self) -> None:
+        self.disconnected = False
+        setattr(self, ON_GONE, None)
+
+    def leave(self) -> None:
+        self.disconnected = True
+        hook = getattr(self, ON_GONE)
+        if hook is not None:
+            hook()
+
+    async def receive(self) -> dict[str, Any]:
+        raise AssertionError("the protocol says when the client goes: nothing waits on receive")
+
+
+async def test_on_the_gateway_s_protocol_the_hook_cancels_the_work_without_a_watcher_task() -> None:
+    cycle = HookedCycle()
+    work = LongWait()
+    tasks: list[int] = []
+
+    async def counted() -> None:
+        tasks.append(len(asyncio.all_tasks()))
+        await work()
+
+    asyncio.get_running_loop().call_later(0.02, cycle.leave)
+    with pytest.raises(ClientDisconnected):
+        await until_disconnect(counted(), cycle.receive)
+    assert work.cleanups == 1 and tasks == [1]  # only the request's own task
+    assert getattr(cycle, ON_GONE) is None  # the hook is taken back
+
+
+async def test_on_the_gateway_s_protocol_a_client_gone_while_queued_is_not_begun() -> None:
+    cycle = HookedCycle()
+    cycle.disconnected = True
+    began = []
+
+    async def work() -> None:
+        began.append(True)
+
+    with pytest.raises(ClientDisconnected):
+        await until_disconnect(work(), cycle.receive, started=time.perf_counter() - 1)
+    assert began == []
+
+
+async def test_on_the_gateway_s_protocol_work_that_ends_takes_the_hook_back() -> None:
+    cycle = HookedCycle()
+
+    async def answer() -> str:
+        await asyncio.sleep(0.01)
+        return "answer"
+
+    assert await until_disconnect(answer(), cycle.receive) == "answer"
+    assert getattr(cycle, ON_GONE) is None
+    cycle.leave()  # after the answer: nothing to cancel
