@@ -23,7 +23,7 @@ from collections import Counter
 from pathlib import Path
 
 from .client import Connection
-from .procs import HOST, Processes, Server, clean_env, free_port
+from .procs import HOST, Processes, Server, clean_env, cpu_seconds, free_port
 from .run import REPO, context_overrides, seed_conversations, write_gateway_config
 from .scenarios import CHAT, one_message
 
@@ -50,6 +50,166 @@ _ROOT_FRAMES = re.compile(
     r"^(<module>|Command\.|Group\.|Context\.|_common\.|serve \(gateway/|run \(uvicorn/|Server\.run |"
     r"asyncio_run |Runner\.run |Thread\._bootstrap|Thread\.run |_worker |_WorkItem\.run |run \(asyncio)"
 )
+
+
+# A turn's steps, for `--steps`: each sample goes to the step of the innermost frame that
+# matches one (a step's patterns are tried in this order at each frame); the rest is the loop's.
+STEPS: list[tuple[str, list[str]]] = [
+    (
+        "log line and metrics",
+        [
+            "log_line (",
+            "observe (gateway/api/observe",
+            "logging/__init__",
+            "prometheus_client",
+            "Metrics.",
+            "redact.py",
+        ],
+    ),
+    ("the conversation's list row", ["Listing.", "listing.py"]),
+    ("usage learning (token-count calibration)", ["UsageLearning", "usage.py"]),
+    ("catalog line (list order, rows)", ["catalog.py"]),
+    (
+        "journal append + fdatasync, response file's rest, index written",
+        [
+            "journal.py",
+            "durability.py",
+            "JsonlLog.commit",
+            "JsonlLog._commit",
+            "JsonlLog.finish",
+            "JsonlLog.check_commit",
+            "_commit_and_note",
+            "files.py",
+            "aio.py",
+            "run_to_end",
+            "await_commit",
+        ],
+    ),
+    (
+        "response file created while the provider answers",
+        ["spares.py", "JsonlLog.meanwhile", "JsonlLog._open"],
+    ),
+    (
+        "tokens counted, reconciled, window planned",
+        [
+            "ChatService._planned",
+            "planning.py",
+            "draw.py",
+            "window.py",
+            "tokens.py",
+            "tiktoken",
+            "reconcile",
+            "split_system",
+            "check_size",
+            "models.py",
+            "counting.py",
+        ],
+    ),
+    (
+        "conversation loaded (its missing index looked up)",
+        ["ChatService._load", "cache.py", "tail.py", "reading.py", "read_entries", "_locked_view"],
+    ),
+    ("conversation lock (OFD byte-range calls)", ["lock_conversation", "locks.py", "JsonlStore.lock"]),
+    (
+        "request record, context snapshot, provider body, response log opened",
+        [
+            "request_record",
+            "context_snapshot",
+            "note_context",
+            "JsonlStore.start",
+            "JsonlLog.__init__",
+            "_upstream_body",
+            "cache_key",
+            "mint_response_id",
+            "ids.py",
+            "PreparedTurn.__init__",
+            "client_params",
+            "ChatService.prepare",
+            "Router.resolve",
+            "StartGate",
+            "check_timezone",
+            "StoreRegistry",
+        ],
+    ),
+    (
+        "provider call (request written, answer read)",
+        ["openai.py", "http1.py", "upstream/base.py", "while_waiting"],
+    ),
+    (
+        "answer parsed, response record, commit prepared",
+        [
+            "response_record",
+            "output_message",
+            "first_choice",
+            "ChatService.complete",
+            "ChatService._commit",
+            "stored_turn",
+            "JsonlLog.append",
+            "stream.py",
+        ],
+    ),
+    (
+        "turn closed (unlock, model facts, outcome)",
+        [
+            "ChatService.close",
+            "close_outcome",
+            "ModelFacts.save",
+            "ChatService.closing",
+            "AsyncExitStack",
+            "exit_stack",
+        ],
+    ),
+    (
+        "body read and validated",
+        [
+            "read_json",
+            "parse_chat",
+            "validation.py",
+            "pydantic",
+            "read_body",
+            "json_depth",
+            "requests.py",
+            "schemas.py",
+        ],
+    ),
+    (
+        "JSON answer sent",
+        ["responses.py", "RequestResponseCycle.send", "OneSendTransport", "JSONBody", "turn_headers"],
+    ),
+    (
+        "HTTP: uvicorn protocol, middlewares, endpoint",
+        [
+            "httptools_impl",
+            "protocol.py",
+            "direct.py",
+            "starlette/",
+            "tenants.py",
+            "metrics.py",
+            "chat.py",
+            "http.py",
+            "listener.py",
+            "proxy_headers",
+        ],
+    ),
+]
+LOOP_STEP = "event loop (uvloop's C code: polling, socket reads and writes)"
+
+
+def steps(raw: str) -> dict[str, int]:
+    """The event loop's busy samples by step of a turn (STEPS), in STEPS' order."""
+    counts = dict.fromkeys([name for name, _ in STEPS] + [LOOP_STEP], 0)
+    for line in raw.splitlines():
+        stack, _, n = line.rstrip().rpartition(" ")
+        if "MainThread" not in stack or not n.isdigit():
+            continue
+        step = LOOP_STEP
+        for frame in reversed(stack.split(";")):
+            found = next((name for name, patterns in STEPS if any(p in frame for p in patterns)), None)
+            if found is not None:
+                step = found
+                break
+        counts[step] += int(n)
+    return counts
 
 
 def summarize(raw: str, top: int) -> dict[str, object]:
@@ -118,6 +278,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--save", default=None, help="also write the raw collapsed stacks here")
     parser.add_argument("--max-history-messages", type=int, default=None)
     parser.add_argument("--max-context-tokens", type=int, default=None)
+    parser.add_argument(
+        "--steps", action="store_true", help="also the loop's time by step of a turn (docs/performance.md)"
+    )
     args = parser.parse_args(argv)
     py_spy = shutil.which("py-spy") or str(Path(sys.executable).parent / "py-spy")
     if not Path(py_spy).exists():
@@ -191,7 +354,9 @@ def main(argv: list[str] | None = None) -> int:
             stderr=subprocess.PIPE,
         )
         time.sleep(0.5)
+        cpu_before = cpu_seconds(gw.pid)
         requests = asyncio.run(drive(port, args.messages, args.seconds, cid, args.concurrency))
+        cpu = cpu_seconds(gw.pid) - cpu_before
         _, err = spy.communicate(timeout=args.seconds + 30)
         if not raw_path.exists():
             print(f"py-spy failed: {err.decode(errors='replace')}", file=sys.stderr)
@@ -205,7 +370,8 @@ def main(argv: list[str] | None = None) -> int:
         mode = "sequential" if args.concurrency == 1 else f"{args.concurrency} concurrent clients"
         print(
             f"gateway profile: {what}, durability={args.durability}: {requests} requests ({mode}) in "
-            f"{args.seconds:.0f}s ({requests / args.seconds:.0f}/s)"
+            f"{args.seconds:.0f}s ({requests / args.seconds:.0f}/s), "
+            f"{1000 * cpu / max(requests, 1):.2f} ms of the process's CPU per request"
         )
         wall = args.rate * args.seconds
         for group in ("event loop", "workers"):
@@ -217,6 +383,14 @@ def main(argv: list[str] | None = None) -> int:
                 print(f"-- {kind} % of {group} busy samples")
                 for name, pct in summary[group][kind]:  # type: ignore[index]
                     print(f"{pct:6.1f}%  {name}")
+        if args.steps:
+            by_step = steps(raw)
+            busy = sum(by_step.values())
+            per_turn = 1000 * busy / args.rate / max(requests, 1)  # ms of the loop's busy time per turn
+            print(f"\n== the event loop's busy time by step: {per_turn:.2f} ms per request")
+            print("| step | share | ms per turn |\n| --- | ---: | ---: |")
+            for name, n in by_step.items():
+                print(f"| {name} | {100 * n / max(busy, 1):.1f}% | {per_turn * n / max(busy, 1):.2f} |")
         return 0
     finally:
         if spy is not None and spy.poll() is None:
