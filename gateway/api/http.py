@@ -194,7 +194,7 @@ async def until_disconnect(work: Coroutine[Any, Any, T], receive: Receive, *, st
     assert current is not None
     cycle = getattr(receive, "__self__", None)
     if getattr(cycle, ON_GONE, False) is None:  # the protocol says when the client goes: no watcher
-        return await _until_told_gone(work, cycle, current, started)
+        return await _until_told_gone(work, cycle, current)
     state = {"gone": False, "over": False}
 
     def on_watcher_done(watcher: asyncio.Future[None]) -> None:
@@ -228,11 +228,12 @@ async def until_disconnect(work: Coroutine[Any, Any, T], receive: Receive, *, st
         watcher.cancel()
 
 
-async def _until_told_gone(
-    work: Coroutine[Any, Any, T], cycle: Any, current: asyncio.Task[Any], started: float
-) -> T:
-    """`until_disconnect` on the gateway's own protocol, which calls the cycle's ON_GONE hook."""
-    if started and time.perf_counter() - started > WAITED_SECONDS and cycle.disconnected:
+async def _until_told_gone(work: Coroutine[Any, Any, T], cycle: Any, current: asyncio.Task[Any]) -> T:
+    """`until_disconnect` on the gateway's own protocol, which calls the cycle's ON_GONE hook.
+
+    A client already gone (the hook, set only now, would never be called) is told at once:
+    `work` is not begun (`started` does not matter: knowing costs nothing here)."""
+    if cycle.disconnected:
         work.close()
         raise ClientDisconnected()
     gone = False

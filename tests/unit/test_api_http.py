@@ -248,7 +248,9 @@ async def test_on_the_gateway_s_protocol_the_hook_cancels_the_work_without_a_wat
     assert getattr(cycle, ON_GONE) is None  # the hook is taken back
 
 
-async def test_on_the_gateway_s_protocol_a_client_gone_while_queued_is_not_begun() -> None:
+@pytest.mark.parametrize("waited", [1.0, 0.0])
+async def test_on_the_gateway_s_protocol_work_for_a_client_already_gone_is_not_begun(waited: float) -> None:
+    """Queued a while or not (an answer's body about to be sent): the hook would never be called."""
     cycle = HookedCycle()
     cycle.disconnected = True
     began = []
@@ -256,8 +258,9 @@ async def test_on_the_gateway_s_protocol_a_client_gone_while_queued_is_not_begun
     async def work() -> None:
         began.append(True)
 
+    started = time.perf_counter() - waited if waited else 0.0
     with pytest.raises(ClientDisconnected):
-        await until_disconnect(work(), cycle.receive, started=time.perf_counter() - 1)
+        await until_disconnect(work(), cycle.receive, started=started)
     assert began == []
 
 
