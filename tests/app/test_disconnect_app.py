@@ -8,6 +8,7 @@ import logging
 import socket
 import time
 from collections.abc import AsyncIterator
+from typing import Any
 from urllib.parse import urlsplit
 
 import orjson
@@ -22,24 +23,41 @@ from gateway.upstream.mock import MockUpstream
 from tests.conftest import make_settings
 
 
-def test_a_client_that_leaves_mid_turn_has_its_turn_cancelled(caplog: pytest.LogCaptureFixture) -> None:
-    upstream = MockUpstream(delay=30.0)  # answers long after the client has gone
-    app = create_app(make_settings(), store=MemoryStore(), router=Router({"mock": upstream}, "mock"))
+def raw_chat(conversation_id: str, **fields: Any) -> bytes:
+    """A whole HTTP/1.1 chat-completions request, as a client's socket sends it."""
+    message = {"role": "user", "content": "hi"}
     body = orjson.dumps(
-        {"model": "mock/m", "messages": [{"role": "user", "content": "hi"}], "conversation_id": "left-1"}
+        {"model": "mock/m", "messages": [message], "conversation_id": conversation_id, **fields}
     )
     head = "POST /v1/chat/completions HTTP/1.1\r\nhost: g\r\ncontent-type: application/json\r\n"
-    request = (head + f"content-length: {len(body)}\r\n\r\n").encode() + body
+    return (head + f"content-length: {len(body)}\r\n\r\n").encode() + body
+
+
+def leave_after(
+    upstream: MockUpstream, request: bytes, caplog: pytest.LogCaptureFixture
+) -> list[dict[str, Any]]:
+    """Send `request` to a gateway on a real server, leave once it has begun; its access lines."""
+    app = create_app(make_settings(), store=MemoryStore(), router=Router({"mock": upstream}, "mock"))
     with caplog.at_level(logging.INFO, logger="gateway.access"), running_in_thread(app) as url:
         address = urlsplit(url)
         with socket.create_connection((address.hostname, address.port)) as client:
             client.sendall(request)
-            time.sleep(0.3)  # the turn is waiting for the provider
-        lines: list[dict[str, object]] = []
+            client.settimeout(10)
+            if b'"stream":true' in request:
+                assert b"data: " in client.recv(65536)  # the first chunk came; the next one stalls
+            else:
+                time.sleep(0.3)  # the turn is waiting for the provider
+        lines: list[dict[str, Any]] = []
         deadline = time.monotonic() + 10
         while not lines and time.monotonic() < deadline:
             lines = [json.loads(r.getMessage()) for r in caplog.records if r.name == "gateway.access"]
             time.sleep(0.02)
+    return lines
+
+
+def test_a_client_that_leaves_mid_turn_has_its_turn_cancelled(caplog: pytest.LogCaptureFixture) -> None:
+    upstream = MockUpstream(delay=30.0)  # answers long after the client has gone
+    lines = leave_after(upstream, raw_chat("left-1"), caplog)
     assert len(lines) == 1, lines
     assert lines[0]["conversation_id"] == "left-1"
     assert (lines[0]["outcome"], lines[0]["status"]) == ("disconnected", 499)
@@ -56,28 +74,7 @@ class StallingStream(MockUpstream):
 
 
 def test_a_client_that_leaves_mid_stream_ends_its_turn(caplog: pytest.LogCaptureFixture) -> None:
-    app = create_app(make_settings(), store=MemoryStore(), router=Router({"mock": StallingStream()}, "mock"))
-    body = orjson.dumps(
-        {
-            "model": "mock/m",
-            "messages": [{"role": "user", "content": "hi"}],
-            "conversation_id": "left-2",
-            "stream": True,
-        }
-    )
-    head = "POST /v1/chat/completions HTTP/1.1\r\nhost: g\r\ncontent-type: application/json\r\n"
-    request = (head + f"content-length: {len(body)}\r\n\r\n").encode() + body
-    with caplog.at_level(logging.INFO, logger="gateway.access"), running_in_thread(app) as url:
-        address = urlsplit(url)
-        with socket.create_connection((address.hostname, address.port)) as client:
-            client.sendall(request)
-            client.settimeout(10)
-            assert b"data: " in client.recv(65536)  # the first chunk came; the next one stalls
-        lines: list[dict[str, object]] = []
-        deadline = time.monotonic() + 10
-        while not lines and time.monotonic() < deadline:
-            lines = [json.loads(r.getMessage()) for r in caplog.records if r.name == "gateway.access"]
-            time.sleep(0.02)
+    lines = leave_after(StallingStream(), raw_chat("left-2", stream=True), caplog)
     assert len(lines) == 1, lines
     assert lines[0]["conversation_id"] == "left-2" and lines[0]["stream"] is True
     assert lines[0]["outcome"] in ("disconnected", "cancelled"), lines[0]
