@@ -115,7 +115,7 @@ class ServerSettings(_Section):
     background_events: int = Field(20_000, ge=1)
     # Turn starts (parse, lock, load, plan) run per pass of the event loop at most, first come
     # first served, so a burst of new requests does not hold up running streams ("0" = no limit).
-    starts_per_pass: int = Field(16, ge=0)
+    starts_per_pass: int = Field(32, ge=0)
 
 
 class StorageSettings(_Section):
