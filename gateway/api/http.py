@@ -185,11 +185,13 @@ WAITED_SECONDS = 0.005
 async def until_disconnect(work: Coroutine[Any, Any, T], receive: Receive, *, started: float = 0.0) -> T:
     """Run `work`, cancelling it if the client disconnects first (then ClientDisconnected).
 
-    It runs in the calling task (no task of its own: one task less per request); a watcher task
-    cancels that task when the client goes. A request `started` (perf_counter) more than
-    WAITED_SECONDS ago is not begun at all if its client left meanwhile, so that a client that
-    gave up while queued does not have its whole prompt sent to the provider (and billed) once
-    the queue moves."""
+    It runs in the calling task (no task of its own: one task less per request). On the
+    gateway's own protocol (`gateway.protocol`), the request cycle's ON_GONE hook cancels that
+    task when the client goes, and work for a client already gone is not begun. Elsewhere a
+    watcher task does the cancelling, and a request `started` (perf_counter) more than
+    WAITED_SECONDS ago is not begun at all if its client left meanwhile: a client that gave up
+    while queued does not have its whole prompt sent to the provider (and billed) once the
+    queue moves."""
     current = asyncio.current_task()
     assert current is not None
     cycle = getattr(receive, "__self__", None)
@@ -231,8 +233,8 @@ async def until_disconnect(work: Coroutine[Any, Any, T], receive: Receive, *, st
 async def _until_told_gone(work: Coroutine[Any, Any, T], cycle: Any, current: asyncio.Task[Any]) -> T:
     """`until_disconnect` on the gateway's own protocol, which calls the cycle's ON_GONE hook.
 
-    A client already gone (the hook, set only now, would never be called) is told at once:
-    `work` is not begun (`started` does not matter: knowing costs nothing here)."""
+    A client already gone (the hook, set only now, would never be called) is told at once, and
+    `work` is not begun: the cycle says so without a trip through the event loop."""
     if cycle.disconnected:
         work.close()
         raise ClientDisconnected()
