@@ -179,13 +179,8 @@ def create_app(
         Route("/readyz", health.readyz, methods=["GET"]),
     ]
     app = GatewayApp(
-        # (each also among `routes`: the same endpoint, without the router's layers)
-        direct={
-            "/v1/chat/completions": chat_completions,
-            "/chat/completions": chat_completions,
-            "/v1/responses": resp.create_response,
-            "/v1/messages": messages.create_message,
-        },
+        # a turn's POSTs: their routes' endpoints, without the router's layers
+        direct=("/v1/chat/completions", "/chat/completions", "/v1/responses", "/v1/messages"),
         routes=routes,
         lifespan=lifespan,
         middleware=[

@@ -12,7 +12,7 @@ through Starlette as before.
 
 from __future__ import annotations
 
-from collections.abc import Awaitable, Callable, Mapping
+from collections.abc import Awaitable, Callable, Iterable, Mapping
 from typing import Any
 
 from starlette.applications import Starlette
@@ -20,6 +20,7 @@ from starlette.exceptions import HTTPException
 from starlette.middleware.errors import ServerErrorMiddleware
 from starlette.requests import Request
 from starlette.responses import Response
+from starlette.routing import Route
 from starlette.types import ASGIApp, Receive, Scope, Send
 
 Endpoint = Callable[[Request], Awaitable[Response]]
@@ -63,11 +64,21 @@ class DirectEndpoints:
 
 
 class GatewayApp(Starlette):
-    """Starlette, with `direct` POST paths served by `DirectEndpoints` behind the same middlewares."""
+    """Starlette, with the POSTs to `direct` paths served by `DirectEndpoints` behind the same middlewares.
 
-    def __init__(self, *, direct: Mapping[str, Endpoint], **kwargs: Any) -> None:
+    Each path's endpoint is its POST route's, among `routes`: one table says what a path runs."""
+
+    def __init__(self, *, direct: Iterable[str], **kwargs: Any) -> None:
         super().__init__(**kwargs)
-        self.direct = dict(direct)
+        paths = set(direct)
+        self.direct: dict[str, Endpoint] = {
+            route.path: route.endpoint
+            for route in self.routes
+            if isinstance(route, Route) and route.path in paths and "POST" in (route.methods or ())
+        }
+        missing = paths - self.direct.keys()
+        if missing:
+            raise ValueError(f"no POST route for the direct paths {sorted(missing)}")
         self.direct_stack: ASGIApp | None = None
 
     def build_direct_stack(self) -> ASGIApp:

@@ -208,7 +208,7 @@ async def until_disconnect(work: Coroutine[Any, Any, T], receive: Receive, *, st
     if started and time.perf_counter() - started > WAITED_SECONDS:
         # uvicorn's request cycle says it without a trip through the event loop (the trip, with
         # whatever else was due to run then, cost a slow request 1-2 ms)
-        gone = getattr(getattr(receive, "__self__", None), "disconnected", None)
+        gone = getattr(cycle, "disconnected", None)
         if gone is None:  # another server: the watcher's first look says it
             watcher = asyncio.ensure_future(_wait_disconnect(receive))
             await asyncio.sleep(0)

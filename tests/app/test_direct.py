@@ -82,3 +82,20 @@ async def test_an_app_under_a_root_path_routes_turns_through_starlette() -> None
         answer = await client.post("/gw/v1/chat/completions", json=CHAT)
     assert answer.status_code == 200 and answer.json()["conversation_id"] == "d-1"
     assert app.direct_stack is None and app.middleware_stack is not None
+
+
+def test_a_direct_path_is_served_by_its_own_post_route() -> None:
+    from starlette.routing import Route
+
+    from gateway.api.direct import GatewayApp
+
+    async def create(request: Any) -> Any:
+        raise AssertionError("not called")
+
+    async def listing(request: Any) -> Any:
+        raise AssertionError("not called")
+
+    routes = [Route("/v1/things", listing, methods=["GET"]), Route("/v1/things", create, methods=["POST"])]
+    assert GatewayApp(direct=["/v1/things"], routes=routes).direct == {"/v1/things": create}
+    with pytest.raises(ValueError, match="/v1/other"):
+        GatewayApp(direct=["/v1/other"], routes=routes)
