@@ -20,6 +20,7 @@ import sys
 import tempfile
 import time
 from collections import Counter
+from collections.abc import Iterator
 from pathlib import Path
 
 from .client import Connection
@@ -195,20 +196,31 @@ STEPS: list[tuple[str, list[str]]] = [
 LOOP_STEP = "event loop (uvloop's C code: polling, socket reads and writes)"
 
 
+def samples(raw: str) -> Iterator[tuple[str, list[str], int]]:
+    """py-spy's raw lines: each one's thread group ("event loop" = MainThread, "workers" = the
+    rest), its frames (outermost first) and its sample count."""
+    for line in raw.splitlines():
+        stack, _, count_text = line.rpartition(" ")
+        if not stack or not count_text.isdigit():
+            continue
+        fields = stack.split(";")
+        group = "event loop" if fields[0].endswith(": MainThread") else "workers"
+        yield group, fields[1:], int(count_text)
+
+
 def steps(raw: str) -> dict[str, int]:
     """The event loop's busy samples by step of a turn (STEPS), in STEPS' order."""
     counts = dict.fromkeys([name for name, _ in STEPS] + [LOOP_STEP], 0)
-    for line in raw.splitlines():
-        stack, _, n = line.rstrip().rpartition(" ")
-        if "MainThread" not in stack or not n.isdigit():
+    for group, frames, count in samples(raw):
+        if group != "event loop":
             continue
         step = LOOP_STEP
-        for frame in reversed(stack.split(";")):
+        for frame in reversed(frames):
             found = next((name for name, patterns in STEPS if any(p in frame for p in patterns)), None)
             if found is not None:
                 step = found
                 break
-        counts[step] += int(n)
+        counts[step] += count
     return counts
 
 
@@ -217,14 +229,8 @@ def summarize(raw: str, top: int) -> dict[str, object]:
     top functions by inclusive and self share of that group's busy samples."""
     groups: dict[str, dict[str, Counter[str]]] = {}
     totals: Counter[str] = Counter()
-    for line in raw.splitlines():
-        stack, _, count_text = line.rpartition(" ")
-        if not stack or not count_text.isdigit():
-            continue
-        count = int(count_text)
-        fields = stack.split(";")
-        group = "event loop" if fields[0].endswith(": MainThread") else "workers"
-        frames = [_short(f) for f in fields[1:]]
+    for group, fields, count in samples(raw):
+        frames = [_short(f) for f in fields]
         frames = [f for f in frames if not _ROOT_FRAMES.match(f)] or [
             "(no Python frame: uvloop/httptools C code, I/O)"
         ]
