@@ -181,7 +181,6 @@ def create_app(
     app = GatewayApp(
         # a turn's POSTs: their routes' endpoints, without the router's layers
         direct=("/v1/chat/completions", "/chat/completions", "/v1/responses", "/v1/messages"),
-        gate=service.starts,  # (they are admitted there before their body is read)
         routes=routes,
         lifespan=lifespan,
         middleware=[

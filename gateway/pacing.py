@@ -4,20 +4,12 @@ A burst of requests (hundreds of clients starting at once) would otherwise run e
 start (parse, lock, load, plan, the response log) in one pass of the event loop, during which
 no running stream's chunk is relayed and no first chunk sent: the longest gap and the time to
 the first chunk would both grow with the burst.
-
-A turn's POST served past the router (`gateway.api.direct`) is admitted at the door, before its
-body is read and checked, so that in a burst the turns let go first are also the first read and
-begun; its start (`ChatService.prepare`) then goes on without a second wait.
 """
 
 from __future__ import annotations
 
 import asyncio
 from collections import deque
-from contextvars import ContextVar
-
-# The gate that admitted the current task's turn, if one did (a task is admitted once).
-_ADMITTED: ContextVar[StartGate | None] = ContextVar("gateway_start_admitted", default=None)
 
 
 class StartGate:
@@ -27,8 +19,7 @@ class StartGate:
     with no wait: a turn arriving alone pays one comparison. The others wait their turn; each
     pass of the loop lets the next `per_pass` of them go, so the relaying of running streams
     (their chunks are read and sent between passes) is never held up by more than that many
-    starts. `per_pass = 0` turns pacing off. A task admitted once (its request at the door) is
-    not held again: its turn's start goes on at once."""
+    starts. `per_pass = 0` turns pacing off."""
 
     def __init__(self, per_pass: int) -> None:
         self.per_pass = per_pass
@@ -38,12 +29,11 @@ class StartGate:
 
     async def enter(self) -> None:
         """Return when this start may run: at once, or in a later pass of the loop."""
-        if self.per_pass <= 0 or _ADMITTED.get() is self:
+        if self.per_pass <= 0:
             return
         if not self._waiting and self._admitted < self.per_pass:
             self._admitted += 1
             self._arm()
-            _ADMITTED.set(self)
             return
         waiter = asyncio.get_running_loop().create_future()
         self._waiting.append(waiter)
@@ -54,7 +44,6 @@ class StartGate:
             if not waiter.cancelled():  # let go and cancelled in the same pass: the slot is unused
                 self._admitted -= 1
             raise
-        _ADMITTED.set(self)
 
     @property
     def waiting(self) -> int:

@@ -7,14 +7,13 @@ three more functions. `GatewayApp` gives those exact paths their own chain: the 
 middlewares (built from the same list) and the same exception handlers, with Starlette's
 server-error middleware outermost as in its own stack, and an endpoint layer that calls the
 handler and sends its response. Every other request, and anything under a `root_path`, goes
-through Starlette as before. Those POSTs are admitted at `gate` first (`gateway.pacing`), before
-the middlewares and the body: in a burst, the turns let go first are the first read and begun.
+through Starlette as before.
 """
 
 from __future__ import annotations
 
 from collections.abc import Awaitable, Callable, Iterable, Mapping
-from typing import Any, Protocol
+from typing import Any
 
 from starlette.applications import Starlette
 from starlette.exceptions import HTTPException
@@ -26,12 +25,6 @@ from starlette.types import ASGIApp, Receive, Scope, Send
 
 Endpoint = Callable[[Request], Awaitable[Response]]
 Handler = Callable[[Request, Exception], Awaitable[Response]]
-
-
-class Gate(Protocol):
-    """Where a turn waits for its pass of the event loop (`gateway.pacing.StartGate`)."""
-
-    async def enter(self) -> None: ...
 
 
 class DirectEndpoints:
@@ -73,12 +66,10 @@ class DirectEndpoints:
 class GatewayApp(Starlette):
     """Starlette, with the POSTs to `direct` paths served by `DirectEndpoints` behind the same middlewares.
 
-    Each path's endpoint is its POST route's, among `routes`: one table says what a path runs.
-    Each such POST is admitted at `gate` before anything else is done for it."""
+    Each path's endpoint is its POST route's, among `routes`: one table says what a path runs."""
 
-    def __init__(self, *, direct: Iterable[str], gate: Gate | None = None, **kwargs: Any) -> None:
+    def __init__(self, *, direct: Iterable[str], **kwargs: Any) -> None:
         super().__init__(**kwargs)
-        self.gate = gate
         paths = set(direct)
         self.direct: dict[str, Endpoint] = {
             route.path: route.endpoint
@@ -107,8 +98,6 @@ class GatewayApp(Starlette):
             and not scope.get("root_path")
         ):
             scope["app"] = self
-            if self.gate is not None:
-                await self.gate.enter()
             if self.direct_stack is None:
                 self.direct_stack = self.build_direct_stack()
             await self.direct_stack(scope, receive, send)

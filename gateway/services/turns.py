@@ -154,8 +154,8 @@ class ChatService:
 
         The turn is closed by its owner: `closing` (the caller's block), else the `TurnStream`
         of `open_chunks` once it began."""
-        # The gateway's own time starts here: the lock, the load and the plan, and a wait for
-        # this pass's share of starts (a turn's POST admitted at the door waited there).
+        # The gateway's own time starts here: a wait for this pass's share of starts, the lock,
+        # the load and the plan.
         started = time.perf_counter()
         await self.starts.enter()
         store = await self.stores.get(tenant)
