@@ -301,6 +301,14 @@ class ChatService:
         return upstream_body
 
     async def _commit(self, turn: PreparedTurn, message: Message, record: Record) -> None:
+        # Shielded, the answer's count included (a long one is counted in a thread, a wait): a
+        # client disconnect must never interrupt the write of an answered turn.
+        work = self._count_and_commit(turn, message, record)
+        turn.commit_task = asyncio.ensure_future(work) if turn.log.commit_waits else run_to_end(work)
+        await asyncio.shield(turn.commit_task)
+        turn.done = True
+
+    async def _count_and_commit(self, turn: PreparedTurn, message: Message, record: Record) -> None:
         output_tokens = None
         if turn.encoding is not None and turn.new_tokens is not None:
             _, count = counter_for(turn.request.model)
@@ -311,12 +319,7 @@ class ChatService:
                 turn.plan.window, turn.plan.facts, turn.route, record, turn.conversation_id, turn.response_id
             )
         turn.log.append(record)
-        stored = stored_turn(turn, message, output_tokens)
-        # Shielded: a client disconnect must never interrupt the write of an answered turn.
-        work = self._commit_and_note(turn, stored)
-        turn.commit_task = asyncio.ensure_future(work) if turn.log.commit_waits else run_to_end(work)
-        await asyncio.shield(turn.commit_task)
-        turn.done = True
+        await self._commit_and_note(turn, stored_turn(turn, message, output_tokens))
 
     async def _commit_and_note(self, turn: PreparedTurn, stored: Turn) -> None:
         cid = turn.conversation_id

@@ -843,3 +843,48 @@ async def test_completion_tokens_are_counted_when_the_provider_reports_none(
     assert r.status_code == 200 and '"usage"' not in r.text
     metrics = (await app_client.get("/metrics")).text
     assert out() > before
+
+
+async def test_an_answered_turn_is_stored_though_its_caller_leaves_while_the_answer_is_counted(
+    memory_store: MemoryStore, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A long answer is counted in a worker thread: a cancellation meanwhile (the client left)
+    must not lose the answered turn, whose write is never interrupted."""
+    import threading
+
+    import gateway.services.turns as turns_module
+    from gateway.api.validation import parse_chat
+    from gateway.services.planning import COUNT_OFF_LOOP_CHARS
+    from tests.views import load
+
+    answer = "word " * 1000
+    assert len(answer) > COUNT_OFF_LOOP_CHARS  # counted off the loop
+    turns = _owned_turns(memory_store, MockUpstream(lambda body: answer))
+    counting, release = threading.Event(), threading.Event()
+    counter_for = turns_module.counter_for
+
+    def held_counter(model: str) -> Any:
+        encoding, count = counter_for(model)
+
+        def held(message: Any) -> int:
+            if message.get("role") == "assistant":  # the answer's count waits to be let go
+                counting.set()
+                release.wait(5)
+            return count(message)
+
+        return encoding, held
+
+    monkeypatch.setattr(turns_module, "counter_for", held_counter)
+    body = {"model": "mock/m", "messages": [user("say a lot")], "conversation_id": "counted"}
+    turn = await turns.prepare(parse_chat(body))
+    call = asyncio.ensure_future(turns.complete(turn))
+    assert await asyncio.to_thread(counting.wait, 5)
+    call.cancel()  # the client left while the answer was being counted
+    release.set()
+    with pytest.raises(asyncio.CancelledError):
+        await call
+    outcome = await turns.close(turn, asyncio.CancelledError())
+    assert outcome.committed
+    view = await load(memory_store, "counted")
+    assert view.response_ids == [turn.response_id]
+    assert view.history[-1] == {"role": "assistant", "content": answer}
