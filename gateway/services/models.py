@@ -293,12 +293,23 @@ class ModelFacts:
 
         A refusal that names no window still says the window is smaller than that prompt: the
         next plan fits below it (less SHRINK), so the retry never resends the prompt just
-        refused (a window assumed far too large would otherwise take a refusal per 15%)."""
+        refused (a window assumed far too large would otherwise take a refusal per 15%). Nor does
+        it when the provider counts the prompt far higher than the calibration expects."""
         entry = self._entry(route)
         if refusal.prompt_tokens:
             self.observe(route, ours, refusal.prompt_tokens)
         below = min(window, ours) if ours > 0 else window
         learned = refusal.window or max(MIN_LEARNED_WINDOW, int(below * SHRINK))
+        expected = (entry.calibration or entry.prior).provider_tokens(ours) if ours > 0 else 0
+        if 0 < expected <= learned:
+            # The refused prompt would fit that window by our count: the provider counts it higher
+            # than the calibration can tell (a count it rejects as implausible, a template or parts
+            # we do not see). Planned as it is, the retry and every later turn would resend a
+            # prompt of that size and be refused again: fit below it, by as much as the provider
+            # said it was over.
+            theirs = refusal.prompt_tokens
+            scale = learned / theirs if theirs and theirs > learned else SHRINK
+            learned = max(1, int(expected * scale))
         if learned < window or refusal.window:
             entry.learned, entry.learned_from = min(learned, window), "provider refusal"
         entry.server, entry.asked_at = None, None  # ask the server again
