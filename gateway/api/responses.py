@@ -2,9 +2,10 @@
 
 The endpoints: `POST /v1/responses` (streaming and not), `GET`, `DELETE` and `GET .../input_items`.
 
-Every response belongs to a conversation: `conversation` names it, `previous_response_id`
-continues the conversation of that response (branching into a new conversation that shares
-the prefix when it is not the latest response), and otherwise a new one is started. Response
+Every response belongs to a conversation: `conversation` names it (or, as on chat completions,
+`conversation_id` or the `X-Conversation-Id` header), `previous_response_id` continues the
+conversation of that response (branching into a new conversation that shares the prefix when it
+is not the latest response), and otherwise a new one is started. Response
 ids are the gateway's minted ids, so chat-completions and Responses turns see each other.
 """
 
@@ -80,14 +81,23 @@ def _tool_choice(choice: object) -> object:
 
 
 async def _conversation_for(
-    services: Services, tenant: str, body: dict[str, Any]
+    services: Services, tenant: str, body: dict[str, Any], header: str | None = None
 ) -> tuple[str | None, str | None]:
-    """(conversation id, previous response id) for a request."""
+    """(conversation id, previous response id) for a request.
+
+    OpenAI's `conversation` names one that must exist. The gateway's own naming, as on chat
+    completions (the `conversation_id` field, else the `X-Conversation-Id` header), starts the
+    conversation when it is new. `previous_response_id` goes with neither field; it wins over the
+    header, which a client may send with every request."""
     conversation = body.get("conversation")
+    own = body.get("conversation_id")
     previous = body.get("previous_response_id")
-    if conversation is not None and previous is not None:
+    if conversation is not None and own is not None:
+        raise InvalidRequest("Use 'conversation' or 'conversation_id', not both", param="conversation_id")
+    named = "conversation" if conversation is not None else "conversation_id" if own is not None else None
+    if named is not None and previous is not None:
         raise InvalidRequest(
-            "Use 'conversation' or 'previous_response_id', not both", param="previous_response_id"
+            f"Use '{named}' or 'previous_response_id', not both", param="previous_response_id"
         )
     if conversation is not None:
         cid = conversation.get("id") if isinstance(conversation, dict) else conversation
@@ -95,6 +105,10 @@ async def _conversation_for(
         return await services.responses.named_conversation(tenant, cid), None
     if previous is not None:
         return await services.responses.continued_conversation(tenant, previous), previous
+    if own is not None:
+        return check_conversation_id(own, param="conversation_id"), None
+    if header is not None:
+        return check_conversation_id(header, param="X-Conversation-Id"), None
     if body.get("store") is False:
         return None, None
     return f"resp-{secrets.token_hex(12)}", None
@@ -233,7 +247,9 @@ async def create_response(request: Request) -> Response:
             body, parsed, await input_compactions(services, tenant, body.get("input"))
         )
         chat = parse_chat(chat_body)  # every validation error before a fork is made
-        cid, previous = await _conversation_for(services, tenant, body)
+        cid, previous = await _conversation_for(
+            services, tenant, body, request.headers.get("x-conversation-id")
+        )
         if cid is not None:
             chat_body["conversation_id"] = chat.conversation_id = cid
         chat.previous_response_id = previous
@@ -363,7 +379,10 @@ async def count_input_tokens(request: Request) -> Response:
     tenant = tenant_of(request)
     body = await read_json(request, services.settings.server.max_body_bytes)
     checked = validate(InputTokensCount, body)
-    named = body.get("conversation") is not None or body.get("previous_response_id") is not None
+    named = (
+        any(body.get(key) is not None for key in ("conversation", "conversation_id", "previous_response_id"))
+        or request.headers.get("x-conversation-id") is not None
+    )
     compactions = await input_compactions(services, tenant, body.get("input"))
     chat_body, params = _chat_body(body, checked, compactions, input_optional=named)
     if chat_body["messages"]:
@@ -372,7 +391,9 @@ async def count_input_tokens(request: Request) -> Response:
         check_model(checked.model)
         chat = ChatRequest(chat_body, checked.model, [], False, False, None)
     # (counted as the stored turn it would be: `store` is none of a count's parameters)
-    cid, chat.previous_response_id = await _conversation_for(services, tenant, {**body, "store": True})
+    cid, chat.previous_response_id = await _conversation_for(
+        services, tenant, {**body, "store": True}, request.headers.get("x-conversation-id")
+    )
     chat.conversation_id = cid
     chat.truncation = params["truncation"]
     counted = await services.turns.count(chat, tenant)

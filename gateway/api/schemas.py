@@ -25,6 +25,7 @@ from pydantic import (
     Tag,
     with_config,
 )
+from pydantic.config import JsonDict
 from pydantic_core import ErrorDetails
 from typing_extensions import TypedDict  # pydantic needs this one before Python 3.12
 
@@ -349,12 +350,20 @@ class ContextManagement(TypedDict):
     compact_threshold: NotRequired[Annotated[int, Field(ge=1)] | None]
 
 
+# At most one of the ways a Responses request names its conversation (the header aside).
+_ONE_NAMING: JsonDict = {
+    "not": {
+        "anyOf": [
+            {"required": ["conversation", "previous_response_id"]},
+            {"required": ["conversation", "conversation_id"]},
+            {"required": ["conversation_id", "previous_response_id"]},
+        ]
+    }
+}
+
+
 class ResponseCreate(BaseModel):
-    model_config = ConfigDict(
-        extra="allow",
-        strict=True,
-        json_schema_extra={"not": {"required": ["conversation", "previous_response_id"]}},
-    )
+    model_config = ConfigDict(extra="allow", strict=True, json_schema_extra=_ONE_NAMING)
 
     model: ModelName
     input: ResponseInput
@@ -366,6 +375,10 @@ class ResponseCreate(BaseModel):
     # Checked where they are used: the conversation's id, the response's existence.
     conversation: SkipValidation[ConversationId | ConversationRef | None] = None
     previous_response_id: SkipValidation[str | None] = Field(None, description="404 unless a stored response")
+    conversation_id: SkipValidation[ConversationId | None] = Field(
+        None,
+        description="Gateway extension, as on chat completions: the conversation it continues (or starts)",
+    )
     store: bool = True
     metadata: Metadata | None = None
     context_management: list[ContextManagement] | None = Field(

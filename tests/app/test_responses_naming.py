@@ -1,0 +1,86 @@
+"""The Responses API takes the conversation named as chat completions and Messages name it: the
+`conversation_id` field or the `X-Conversation-Id` header, besides OpenAI's `conversation`."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import httpx
+
+from gateway.store.memory import MemoryStore
+from gateway.upstream.mock import MockUpstream
+from tests.conftest import build_client, make_settings
+
+
+def chat(cid: str, text: str) -> dict[str, Any]:
+    return {"model": "mock/m", "conversation_id": cid, "messages": [{"role": "user", "content": text}]}
+
+
+async def respond(client: httpx.AsyncClient, text: str, **extra: Any) -> httpx.Response:
+    headers = extra.pop("headers", None)
+    return await client.post(
+        "/v1/responses", json={"model": "mock/m", "input": text, **extra}, headers=headers
+    )
+
+
+async def test_a_conversation_begun_on_chat_completions_goes_on_by_its_field_or_its_header() -> None:
+    """Both were taken as unknown fields: the turn began a new conversation that knew nothing."""
+    async with build_client(make_settings(), MemoryStore(), MockUpstream()) as client:
+        assert (await client.post("/v1/chat/completions", json=chat("c-1", "one"))).status_code == 200
+        by_field = await respond(client, "two", conversation_id="c-1")
+        by_header = await respond(client, "three", headers={"X-Conversation-Id": "c-1"})
+        shown = (await client.get("/v1/conversations/c-1/items", params={"limit": 100})).json()
+    assert by_field.status_code == by_header.status_code == 200
+    assert by_field.headers["x-conversation-id"] == by_header.headers["x-conversation-id"] == "c-1"
+    assert by_field.json()["conversation"] == {"id": "c-1"}
+    assert "(turn 2, 3 messages in my context)" in by_field.json()["output"][0]["content"][0]["text"]
+    assert "(turn 3, 5 messages in my context)" in by_header.json()["output"][0]["content"][0]["text"]
+    assert len(shown["data"]) == 6
+
+
+async def test_a_new_id_starts_the_conversation_as_on_chat_completions() -> None:
+    async with build_client(make_settings(), MemoryStore(), MockUpstream()) as client:
+        first = await respond(client, "hello", conversation_id="fresh-1")
+        then = await client.post("/v1/chat/completions", json=chat("fresh-1", "again"))
+        unknown = await respond(client, "hello", conversation="never-made")
+    assert first.status_code == 200 and first.json()["conversation"] == {"id": "fresh-1"}
+    assert "(turn 2, 3 messages in my context)" in then.json()["choices"][0]["message"]["content"]
+    assert unknown.status_code == 404  # OpenAI's `conversation` must exist, as before
+
+
+async def test_naming_it_twice_is_a_400_and_the_header_yields_to_the_body() -> None:
+    async with build_client(make_settings(), MemoryStore(), MockUpstream()) as client:
+        await client.post("/v1/chat/completions", json=chat("a-1", "one"))
+        await client.post("/v1/chat/completions", json=chat("b-1", "one"))
+        rid = (await respond(client, "two", conversation_id="a-1")).json()["id"]
+        both = await respond(client, "x", conversation="a-1", conversation_id="a-1")
+        with_previous = await respond(client, "x", conversation_id="a-1", previous_response_id=rid)
+        bad = await respond(client, "x", conversation_id="no/slash")
+        field_wins = await respond(client, "x", conversation_id="b-1", headers={"X-Conversation-Id": "a-1"})
+        previous_wins = await respond(
+            client, "x", previous_response_id=rid, headers={"X-Conversation-Id": "b-1"}
+        )
+    assert (both.status_code, both.json()["error"]["param"]) == (400, "conversation_id")
+    assert (with_previous.status_code, with_previous.json()["error"]["param"]) == (
+        400,
+        "previous_response_id",
+    )
+    assert (bad.status_code, bad.json()["error"]["param"]) == (400, "conversation_id")
+    assert field_wins.json()["conversation"] == {"id": "b-1"}
+    assert previous_wins.json()["conversation"] == {"id": "a-1"}
+
+
+async def test_input_tokens_counts_the_conversation_the_header_names() -> None:
+    async with build_client(make_settings(), MemoryStore(), MockUpstream()) as client:
+        alone = (
+            await client.post("/v1/responses/input_tokens", json={"model": "mock/m", "input": "hi"})
+        ).json()
+        await client.post(
+            "/v1/chat/completions", json=chat("n-1", "a first message, long enough to count " * 5)
+        )
+        named = await client.post(
+            "/v1/responses/input_tokens",
+            json={"model": "mock/m", "input": "hi"},
+            headers={"X-Conversation-Id": "n-1"},
+        )
+    assert named.status_code == 200 and named.json()["input_tokens"] > alone["input_tokens"] + 40
