@@ -159,3 +159,29 @@ async def test_too_little_space_for_the_journal_is_not_ready_and_a_failed_journa
         services._probed_at = None  # (probes are at most every few seconds)
         assert await services.readiness() is None
         assert (await client.post("/v1/chat/completions", json=body)).status_code == 200
+
+
+async def test_a_folder_turns_write_to_replaced_by_a_file_is_not_ready_until_it_is_back(
+    tmp_path: Path,
+) -> None:
+    """The probe file is made in the locks folder: with `logs` replaced by a file, /readyz said
+    ready while every turn got a 503."""
+    store = JsonlStore(tmp_path / "var")
+    await store.open()
+    body = {"model": "mock/m", "conversation_id": "gone", "messages": [{"role": "user", "content": "hi"}]}
+    logs = tmp_path / "var" / "logs"
+    async with build_client(make_settings(tmp_path), store, MockUpstream()) as client:
+        services = app_of(client).state.services
+        assert await services.readiness() is None
+        logs.rename(tmp_path / "logs.away")
+        logs.write_text("")
+        services._probed_at = None  # (probes are at most every few seconds)
+        reason = await services.readiness()
+        assert reason is not None and "responses" in str(reason), reason
+        assert (await client.get("/readyz")).status_code == 503
+        assert (await client.post("/v1/chat/completions", json=body)).status_code == 503
+        logs.unlink()
+        (tmp_path / "logs.away").rename(logs)
+        services._probed_at = None
+        assert await services.readiness() is None
+        assert (await client.post("/v1/chat/completions", json=body)).status_code == 200

@@ -5,9 +5,11 @@ Decoding keeps where a bad line was found; appending leaves no short write unnot
 
 from __future__ import annotations
 
+import errno
 import logging
 import os
 import re
+import stat
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
@@ -286,6 +288,22 @@ def probe_file(path: Path, sync: bool) -> None:
     finally:
         os.close(fd)
     os.unlink(path)
+
+
+def folders_writable(*folders: Path) -> None:
+    """Raise OSError unless each of `folders` is a folder files can be made in.
+
+    The probe file is made in one folder; turns make theirs in others, which can be gone,
+    replaced by a file or read-only on their own."""
+    for folder in folders:
+        named = f"{folder.parent.name}/{folder.name}"  # (no server paths in what clients see)
+        try:
+            if not stat.S_ISDIR(os.stat(folder).st_mode):
+                raise OSError(errno.ENOTDIR, "Not a directory")
+            if not os.access(folder, os.W_OK | os.X_OK):
+                raise OSError(errno.EACCES, "Permission denied")
+        except OSError as exc:
+            raise OSError(exc.errno, f"{named}: {exc.strerror}") from exc
 
 
 class NamedFiles:

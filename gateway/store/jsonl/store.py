@@ -43,6 +43,7 @@ from gateway.store.jsonl.durability import Durability
 from gateway.store.jsonl.files import (
     append_file,
     file_size,
+    folders_writable,
     fsync_dir,
     index_generation,
     os_errors,
@@ -197,6 +198,7 @@ class JsonlStore(Store):
         try:
             locks_dir = self.data_dir.locks_dir
             await asyncio.to_thread(probe_file, locks_dir / f".probe-{os.getpid()}", self.durability.fsync)
+            folders_writable(self.data_dir.responses_dir, self.data_dir.conversations_dir)
             if self.durability.fsync and self.journal.current is None:
                 # The first turn makes this process's journal: two files of PREALLOCATE bytes.
                 stat = os.statvfs(locks_dir)
