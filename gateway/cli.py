@@ -74,21 +74,37 @@ def _common(func: F) -> F:
                 overrides["server"] = server
             settings = load_settings(config_path, overrides=overrides)
             if config_path is None and CONFIG_ENV not in os.environ:
-                _notice_if_no_config_file(settings)
-            return func(settings, *args, config_path=config_path, **kwargs)
+                click.get_current_context().meta[_NOTICE] = _no_config_file_notice(settings)
+            done = func(settings, *args, config_path=config_path, **kwargs)
+            say_notice()
+            return done
         except GatewayError as exc:
-            click.echo(f"gateway: {exc.message}", err=True)
+            click.echo(f"gateway: {exc.message}", err=True)  # the one line: no notice with it
             sys.exit(1)
 
     return wrapper  # type: ignore[return-value]
 
 
-def _notice_if_no_config_file(settings: Settings) -> None:
-    """Say which defaults are in force and where the data goes, when there is no config file.
+# The click context's key for the notice a command says once it has begun well.
+_NOTICE = "gateway.notice"
+
+
+def say_notice() -> None:
+    """Say the command's notice, if it has one not yet said.
+
+    A command says it when it is done, or once it has begun (those that run until stopped), so
+    that a command that fails says one line, its error."""
+    notice = click.get_current_context().meta.pop(_NOTICE, None)
+    if notice:
+        click.echo(notice, err=True)
+
+
+def _no_config_file_notice(settings: Settings) -> str | None:
+    """Which defaults are in force and where the data goes, when there is no config file.
 
     Outside a checkout there is often no config/gateway.toml: say so instead of silently creating ./var."""
     if Path(DEFAULT_CONFIG_PATH).is_file():
-        return
+        return None
     storage = settings.storage
     if storage.backend == "jsonl":
         data = f"data in {Path(storage.data_dir).absolute()}"
@@ -98,12 +114,11 @@ def _notice_if_no_config_file(settings: Settings) -> None:
         data = "data in memory only (nothing persists)"
     env = " + GATEWAY_* environment" if any(k.startswith("GATEWAY_") for k in os.environ) else ""
     providers = ", ".join(sorted(settings.providers))
-    click.echo(
+    return (
         f"gateway: no config file ({DEFAULT_CONFIG_PATH} not found in {Path.cwd()}; "
         "name one with --config or GATEWAY_CONFIG; `gateway example-config` prints a commented one): "
         f"using built-in defaults{env}: {settings.server.host}:{settings.server.port}, "
-        f"providers {providers} (default {settings.default_provider!r}), {data}",
-        err=True,
+        f"providers {providers} (default {settings.default_provider!r}), {data}"
     )
 
 
@@ -280,6 +295,7 @@ def serve(
 
     Tenants.from_settings(settings)  # keys named but none found: one line, before anything starts
     asyncio.run(Services.check_store(settings))
+    say_notice()
     _notice_missing_litellm(settings)
     run(settings, workers=workers, log_level=log_level)
 
@@ -623,6 +639,7 @@ def tail(
         if settings.storage.backend != "jsonl":
             where = f"conversation {conversation_id} ({settings.storage.backend})"
         waiting = "" if exists else "; it does not exist yet: waiting for its first turn"
+        say_notice()
         click.echo(click.style(f"following {where} (Ctrl-C to stop{waiting})", dim=True))
         async for entry in services.queries.follow(name, conversation_id, poll):
             click.echo(render_turn(entry) if isinstance(entry, Turn) else render_marker(entry))

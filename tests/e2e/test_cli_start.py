@@ -59,6 +59,28 @@ def test_no_config_file_is_a_notice_naming_defaults_and_data_dir(tmp_path: Path)
     assert "no config file" not in named.stderr
 
 
+def test_without_a_config_file_an_error_is_still_one_line(tmp_path: Path) -> None:
+    """The notice came first, so a failing command said two lines; it is said once a command
+    has done well (or, for `serve`, once it is about to listen), never with an error."""
+
+    def run(*args: str) -> subprocess.CompletedProcess[str]:
+        command = [sys.executable, "-m", "gateway", *args, "--data-dir", str(tmp_path / "var")]
+        return subprocess.run(
+            command, cwd=tmp_path, env=_env_without_config(), capture_output=True, text=True, timeout=60
+        )
+
+    for args in (("show", "nosuch"), ("context", "nosuch-0123456789ab"), ("show", "../x")):
+        result = run(*args)
+        assert result.returncode == 1 and len(result.stderr.strip().splitlines()) == 1, (args, result.stderr)
+        assert "no config file" not in result.stderr
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        result = run("serve", "--port", str(taken.getsockname()[1]))
+    assert result.returncode == 1 and len(result.stderr.strip().splitlines()) == 1, result.stderr
+    assert "address already in use" in result.stderr
+
+
 def test_no_config_notice_reflects_the_environment(tmp_path: Path) -> None:
     env = {**_env_without_config(), "GATEWAY_STORAGE__DATA_DIR": str(tmp_path / "elsewhere")}
     result = subprocess.run(
