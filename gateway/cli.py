@@ -3,18 +3,23 @@
 from __future__ import annotations
 
 import asyncio
-import functools
 import os
 import re
 import sys
-from collections.abc import Awaitable, Callable, Sequence
-from functools import wraps
+from collections.abc import Awaitable, Callable
 from pathlib import Path
 from typing import Any, TypeVar, cast
 
 import click
 import orjson
 
+from gateway.cli_frame import (
+    GatewayGroup,
+    common_options,
+    notice_missing_litellm,
+    run_with_services,
+    say_notice,
+)
 from gateway.cli_render import (
     cache_text,
     render_compaction,
@@ -28,98 +33,18 @@ from gateway.cli_render import (
     when,
 )
 from gateway.config import Settings, load_settings
-from gateway.config_sources import CONFIG_ENV, DEFAULT_CONFIG_PATH
 from gateway.context import Turn
 from gateway.context.history import clean_message, message_key, repair_tool_calls
 from gateway.context.records import latest
 from gateway.context.summary import is_summary_message
 from gateway.context.unsent import Unsent
 from gateway.exceptions import GatewayError, NotFound
-from gateway.ids import is_valid_response_id
 from gateway.services import Services
 from gateway.services.listing import stored_tokens
 from gateway.types import Message, Record
 
 F = TypeVar("F", bound=Callable[..., Any])
 T = TypeVar("T")
-
-
-def _common(func: F) -> F:
-    """--config and --data-dir on every command; errors become one line and exit 1."""
-
-    @click.option(
-        "--config",
-        "config_path",
-        type=click.Path(),
-        default=None,
-        help="Config file (default config/gateway.toml).",
-    )
-    @click.option(
-        "--data-dir",
-        "data_dir",
-        type=click.Path(),
-        default=None,
-        help="Data directory (overrides storage.data_dir).",
-    )
-    @wraps(func)
-    def wrapper(*args: Any, config_path: str | None, data_dir: str | None, **kwargs: Any) -> Any:
-        try:
-            overrides: dict[str, Any] = {}
-            if data_dir is not None:
-                overrides["storage"] = {"data_dir": data_dir}
-            # `serve --host/--port`: part of the settings from the start, so that the notice
-            # below shows them and a bad value is blamed on its flag.
-            server = {k: kwargs[k] for k in ("host", "port") if kwargs.get(k) is not None}
-            if server and func.__name__ == "serve":  # (demo's --port is its own server's)
-                overrides["server"] = server
-            settings = load_settings(config_path, overrides=overrides)
-            if config_path is None and CONFIG_ENV not in os.environ:
-                click.get_current_context().meta[_NOTICE] = _no_config_file_notice(settings)
-            done = func(settings, *args, config_path=config_path, **kwargs)
-            say_notice()
-            return done
-        except GatewayError as exc:
-            click.echo(f"gateway: {exc.message}", err=True)  # the one line: no notice with it
-            sys.exit(1)
-
-    return wrapper  # type: ignore[return-value]
-
-
-# The click context's key for the notice a command says once it has begun well.
-_NOTICE = "gateway.notice"
-
-
-def say_notice() -> None:
-    """Say the command's notice, if it has one not yet said.
-
-    A command says it when it is done, or once it has begun (those that run until stopped), so
-    that a command that fails says one line, its error."""
-    notice = click.get_current_context().meta.pop(_NOTICE, None)
-    if notice:
-        click.echo(notice, err=True)
-
-
-def _no_config_file_notice(settings: Settings) -> str | None:
-    """Which defaults are in force and where the data goes, when there is no config file.
-
-    Outside a checkout there is often no config/gateway.toml: say so instead of silently creating ./var."""
-    if Path(DEFAULT_CONFIG_PATH).is_file():
-        return None
-    storage = settings.storage
-    if storage.backend == "jsonl":
-        data = f"data in {Path(storage.data_dir).absolute()}"
-    elif storage.backend == "postgres":
-        data = "data in PostgreSQL (storage.dsn)"
-    else:
-        data = "data in memory only (nothing persists)"
-    env = " + GATEWAY_* environment" if any(k.startswith("GATEWAY_") for k in os.environ) else ""
-    providers = ", ".join(sorted(settings.providers))
-    return (
-        f"gateway: no config file ({DEFAULT_CONFIG_PATH} not found in {Path.cwd()}; "
-        "name one with --config or GATEWAY_CONFIG; `gateway example-config` prints a commented one): "
-        f"using built-in defaults{env}: {settings.server.host}:{settings.server.port}, "
-        f"providers {providers} (default {settings.default_provider!r}), {data}"
-    )
 
 
 def _where(settings: Settings) -> str:
@@ -192,71 +117,14 @@ async def _conversation_tenant(services: Services, tenant: str | None, cid: str)
     )
 
 
-def _run(settings: Settings, work: Callable[[Services], Awaitable[T]], *, writes: bool = False) -> T:
-    """Run `work` with the services of the configured store (jsonl or postgres), then close it."""
-
-    async def main() -> T:
-        async with Services.for_command(settings, writes=writes) as services:
-            return await work(services)
-
-    return asyncio.run(main())
-
-
-def ids_as_arguments(args: list[str]) -> list[str]:
-    """Move the arguments that are response ids beginning with `-` after `--`.
-
-    The model `/m` mints ids like `-m-…`: after `--`, such an id is read as the id it is, not as an option."""
-    if "--" in args:
-        return args
-    ids = [a for a in args if a.startswith("-") and is_valid_response_id(a)]
-    if not ids:
-        return args
-    return [a for a in args if a not in ids] + ["--", *ids]
-
-
-class _Gateway(click.Group):
-    """Click's group, with its usage errors as one line (`gateway: …`) instead of a usage block."""
-
-    def main(
-        self,
-        args: Sequence[str] | None = None,
-        prog_name: str | None = None,
-        complete_var: str | None = None,
-        standalone_mode: bool = True,
-        **extra: Any,
-    ) -> Any:
-        args = ids_as_arguments(sys.argv[1:] if args is None else list(args))
-        if not args and standalone_mode:  # a bare `gateway`: its help, as `--help` prints it
-            name = prog_name or click.utils._detect_program_name()  # (as click's main names it)
-            with self.context_class(self, info_name=name, **self.context_settings) as ctx:
-                click.echo(self.get_help(ctx))
-            sys.exit(0)
-        run = functools.partial(super().main, args, prog_name, complete_var, standalone_mode=False, **extra)
-        if not standalone_mode:
-            return run()
-        try:
-            code: Any = run()
-        except click.UsageError as exc:
-            where = exc.ctx.command_path if exc.ctx is not None else "gateway"
-            click.echo(f"gateway: {exc.format_message()} (see '{where} --help')", err=True)
-            sys.exit(exc.exit_code)
-        except click.ClickException as exc:
-            click.echo(f"gateway: {exc.format_message()}", err=True)
-            sys.exit(exc.exit_code)
-        except click.Abort:
-            click.echo("gateway: aborted", err=True)
-            sys.exit(1)
-        sys.exit(code if isinstance(code, int) else 0)
-
-
-@click.group(cls=_Gateway, context_settings={"help_option_names": ["-h", "--help"]})
+@click.group(cls=GatewayGroup, context_settings={"help_option_names": ["-h", "--help"]})
 @click.version_option(package_name="llm-continuity-gateway")
 def main() -> None:
     """A conversation-continuity gateway for LLM providers (OpenAI-compatible proxy)."""
 
 
 @main.command()
-@_common
+@common_options
 @click.option("--host", default=None, help="Bind address (default server.host).")
 @click.option("--port", type=int, default=None, help="Port (default server.port).")
 @click.option("--workers", type=click.IntRange(min=1), default=1, show_default=True, help="Worker processes.")
@@ -296,25 +164,12 @@ def serve(
     Tenants.from_settings(settings)  # keys named but none found: one line, before anything starts
     asyncio.run(Services.check_store(settings))
     say_notice()
-    _notice_missing_litellm(settings)
+    notice_missing_litellm(settings)
     run(settings, workers=workers, log_level=log_level)
 
 
-def _notice_missing_litellm(settings: Settings) -> None:
-    from gateway.upstream.litellm import INSTALL_HINT, litellm_installed
-
-    names = sorted(name for name, p in settings.providers.items() if p.kind == "litellm")
-    if names and not litellm_installed():
-        click.echo(
-            f"gateway: note: provider{'s' if len(names) > 1 else ''} {', '.join(names)} "
-            f'(kind = "litellm") need{"" if len(names) > 1 else "s"} litellm, not installed: '
-            f"{INSTALL_HINT}; until then {'their' if len(names) > 1 else 'its'} requests get 502",
-            err=True,
-        )
-
-
 @main.command()
-@_common
+@common_options
 @click.option(
     "--port", type=click.IntRange(0, 65535), default=0, help="Port on 127.0.0.1 (default: a free one)."
 )
@@ -336,7 +191,7 @@ def example_config(config_path: str | None, data_dir: str | None) -> None:
 
 
 @main.command()
-@_common
+@common_options
 @click.option("--limit", type=click.IntRange(min=1), default=50, show_default=True)
 @_tenant_option
 def conversations(settings: Settings, *, config_path: str | None, limit: int, tenant: str | None) -> None:
@@ -354,7 +209,7 @@ def conversations(settings: Settings, *, config_path: str | None, limit: int, te
         rows.sort(key=lambda r: r[3] or r[1].last_activity or 0.0, reverse=True)
         return rows[:limit], len(tenants) > 1 or bool(chosen)
 
-    rows, by_tenant = _run(settings, collect)
+    rows, by_tenant = run_with_services(settings, collect)
     if not rows:
         click.echo(f"no conversations in {_where(settings)}")
         return
@@ -371,7 +226,7 @@ def conversations(settings: Settings, *, config_path: str | None, limit: int, te
 
 
 @main.command()
-@_common
+@common_options
 @click.argument("conversation_id")
 @click.option("--json", "as_json", is_flag=True, help="Print the history as JSON.")
 @_tenant_option
@@ -397,7 +252,7 @@ def show(
         compactions = await services.queries.compactions(name, conversation_id)
         return view, await services.queries.turns(name, conversation_id), last, cache, compactions
 
-    found = _run(settings, read)
+    found = run_with_services(settings, read)
     if found is None:
         raise _no_conversation(settings, conversation_id)
     view, turns, last, cache, compactions = found
@@ -598,7 +453,7 @@ def _poll_seconds(ctx: click.Context, param: click.Parameter, seconds: float) ->
 
 
 @main.command()
-@_common
+@common_options
 @click.argument("conversation_id")
 @click.option(
     "--poll",
@@ -645,13 +500,13 @@ def tail(
             click.echo(render_turn(entry) if isinstance(entry, Turn) else render_marker(entry))
 
     try:
-        _run(settings, watch)
+        run_with_services(settings, watch)
     except KeyboardInterrupt:
         pass
 
 
 @main.command()
-@_common
+@common_options
 @click.argument("response_id")
 @click.option("--json", "as_json", is_flag=True, help="Print the raw response log records.")
 @click.option("--brief", is_flag=True, help="Leave out the exact list of messages sent.")
@@ -674,7 +529,7 @@ def context(
         name, _ = await _find_tenant(services, tenant, read, f"response {response_id!r}")
         return await services.queries.records(name, response_id)
 
-    records = _run(settings, read)
+    records = run_with_services(settings, read)
     if as_json:
         for record in records:
             click.echo(orjson.dumps(record).decode())
@@ -683,7 +538,7 @@ def context(
 
 
 @main.command()
-@_common
+@common_options
 @click.argument("conversation_id")
 @click.option("--yes", is_flag=True, help="Do not ask for confirmation.")
 @_tenant_option
@@ -707,13 +562,13 @@ def delete(
         except NotFound:
             raise _no_conversation(settings, conversation_id) from None
 
-    _run(settings, run, writes=True)
+    run_with_services(settings, run, writes=True)
     verb = "archived" if settings.storage.archive_deleted else "deleted"
     click.echo(f"{verb} {conversation_id}")
 
 
 @main.command()
-@_common
+@common_options
 @click.argument("conversation_id")
 @click.option("--keep-system-message", is_flag=True, help="Keep the system prompt.")
 @_tenant_option
@@ -734,12 +589,12 @@ def reset(
         except NotFound:
             raise _no_conversation(settings, conversation_id) from None
 
-    _run(settings, run, writes=True)
+    run_with_services(settings, run, writes=True)
     click.echo(f"reset {conversation_id}" + (" (system prompt kept)" if keep_system_message else ""))
 
 
 @main.command()
-@_common
+@common_options
 @click.option("--repair", is_flag=True, help="Move damaged lines and files to quarantine/ (deletes nothing).")
 def fsck(settings: Settings, *, config_path: str | None, repair: bool) -> None:
     """Check the data dir (or database) for damage.
@@ -752,7 +607,7 @@ def fsck(settings: Settings, *, config_path: str | None, repair: bool) -> None:
     where = settings.storage.data_dir if jsonl else f"the {settings.storage.backend} database"
     if jsonl and not Path(settings.storage.data_dir).is_dir():
         raise GatewayError(f"there is no data dir at {settings.storage.data_dir}")
-    report = _run(settings, lambda services: services.fsck.run(repair=repair), writes=repair)
+    report = run_with_services(settings, lambda services: services.fsck.run(repair=repair), writes=repair)
     for damage in report.repaired:
         click.echo(f"repaired {damage.where}: {damage.problem} ({damage.action})")
     for damage in report.remaining:
@@ -769,7 +624,7 @@ def fsck(settings: Settings, *, config_path: str | None, repair: bool) -> None:
 
 
 @main.command(name="export")
-@_common
+@common_options
 @click.option(
     "--to", "to_dir", required=True, type=click.Path(file_okay=False), help="Folder to write (empty or new)."
 )
@@ -783,7 +638,7 @@ def export_command(settings: Settings, *, config_path: str | None, to_dir: str) 
 
 
 @main.command(name="import")
-@_common
+@common_options
 @click.option(
     "--from",
     "from_dir",

@@ -19,6 +19,7 @@ LAYERS = {
     "gateway.api": "Api",
     "gateway.cli": "Cli",
     "gateway.cli_render": "Cli",
+    "gateway.cli_frame": "Cli",
     "gateway.services": "Services",
     "gateway.jobs": "Jobs",
     "gateway.context": "Context",

@@ -99,19 +99,19 @@ def test_the_bundled_files_are_what_tiktoken_expects() -> None:
 def test_serve_names_litellm_providers_whose_extra_is_missing(
     monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
 ) -> None:
-    from gateway import cli
+    from gateway import cli_frame
     from gateway.config import load_settings
     from gateway.upstream import litellm
 
     settings = load_settings(REPO / "config" / "gateway.toml", environ={})
     monkeypatch.setattr(litellm, "litellm_installed", lambda: False)
-    cli._notice_missing_litellm(settings)
+    cli_frame.notice_missing_litellm(settings)
     assert capsys.readouterr().err == (
         'gateway: note: provider anthropic (kind = "litellm") needs litellm, not installed: '
         f"{sys.executable} -m pip install 'litellm>=1.50'; until then its requests get 502\n"
     )
     monkeypatch.setattr(litellm, "litellm_installed", lambda: True)
-    cli._notice_missing_litellm(settings)
+    cli_frame.notice_missing_litellm(settings)
     assert capsys.readouterr().err == ""
 
 
