@@ -336,8 +336,11 @@ class FakeLlama:
         self.prompts: list[int] = []
         self.refused = 0
 
+    def count(self, messages: list[dict[str, Any]]) -> int:
+        return int(1.25 * (3 + sum(count_message(m) for m in messages))) + 21
+
     def __call__(self, body: dict[str, Any]) -> Any:
-        n = int(1.25 * (3 + sum(count_message(m) for m in body["messages"]))) + 21
+        n = self.count(body["messages"])
         self.prompts.append(n)
         if n > self.n_ctx:
             self.refused += 1
@@ -406,60 +409,42 @@ class MuteLlama(FakeLlama):
             raise status_error("mock", 400, orjson.dumps({"error": error}), {}) from None
 
 
-async def test_a_refusal_without_numbers_is_never_retried_with_the_prompt_it_refused() -> None:
-    """The window assumed (8192) is far above the real one (1500) and the refusal says neither:
-    the retry fits below the refused prompt, so no turn fails (it once took a refusal per 15% of
-    the assumed window, each one a failed turn)."""
-    llama = MuteLlama(n_ctx=1500)
-    settings = make_settings().model_copy(
-        update={"models": {"mock/smol": ModelSettings(context_window=8192)}}
-    )
-    async with build_client(settings, MemoryStore(), real_counting(llama)) as client:
-        statuses = [
-            (await ask(client, f"{i}: " + SENTENCE * 6, max_tokens=16)).status_code for i in range(14)
-        ]
-    assert statuses == [200] * 14
-    assert llama.refused == 1
-    refused = llama.prompts.index(max(llama.prompts))
-    assert llama.prompts[refused + 1] < llama.prompts[refused]  # the retry sent less
-
-
 class TemplatedLlama(FakeLlama):
     """Counts 6 times what we count (a chat template or parts we cannot see): more than any
     tokenizer's difference, so the calibration rejects its counts as implausible."""
 
-    def __call__(self, body: dict[str, Any]) -> Any:
-        n = 6 * sum(count_message(m) for m in body["messages"])
-        self.prompts.append(n)
-        if n > self.n_ctx:
-            self.refused += 1
-            raise status_error("mock", 400, llamacpp_refusal(n, self.n_ctx), {})
-        return {
-            "id": "x",
-            "object": "chat.completion",
-            "choices": [
-                {"index": 0, "message": {"role": "assistant", "content": "ok"}, "finish_reason": "stop"}
-            ],
-            "usage": {"prompt_tokens": n, "completion_tokens": 1, "total_tokens": n + 1},
-        }
+    def count(self, messages: list[dict[str, Any]]) -> int:
+        return 6 * sum(count_message(m) for m in messages)
 
 
-async def test_a_refused_prompt_the_calibration_thinks_fits_is_not_resent_and_no_turn_sticks() -> None:
-    """The provider's count of the refused prompt (6x ours) is rejected as implausible: the
-    window it names (2048) still held the prompt by our count, so the retry, and every later turn,
-    resent it and was refused again; the conversation was stuck at 400."""
-    llama = TemplatedLlama(n_ctx=2048)
+@pytest.mark.parametrize(
+    ("kind", "n_ctx", "assumed", "sentences"),
+    [(MuteLlama, 1500, 8192, 6), (TemplatedLlama, 2048, 2048, 2)],
+    ids=["no-numbers", "counted-far-higher"],
+)
+async def test_a_refused_prompt_is_never_resent_and_no_turn_sticks(
+    kind: type[FakeLlama], n_ctx: int, assumed: int, sentences: int
+) -> None:
+    """no-numbers: the window assumed (8192) is far above the real one (1500) and the refusal says
+    neither: the retry fits below the refused prompt, so no turn fails (it once took a refusal per
+    15% of the assumed window, each one a failed turn).
+
+    counted-far-higher: the provider's count of the refused prompt (6x ours) is rejected as
+    implausible, and the window it names (2048) still held the prompt by our count: the retry, and
+    every later turn, resent it and was refused again; the conversation was stuck at 400."""
+    llama = kind(n_ctx=n_ctx)
     settings = make_settings().model_copy(
-        update={"models": {"mock/smol": ModelSettings(context_window=2048)}}
+        update={"models": {"mock/smol": ModelSettings(context_window=assumed)}}
     )
     async with build_client(settings, MemoryStore(), real_counting(llama)) as client:
         statuses = [
-            (await ask(client, f"{i}: " + SENTENCE * 2, max_tokens=16)).status_code for i in range(14)
+            (await ask(client, f"{i}: " + SENTENCE * sentences, max_tokens=16)).status_code for i in range(14)
         ]
     assert statuses == [200] * 14
     assert llama.refused == 1
     refused = llama.prompts.index(max(llama.prompts))
-    assert max(llama.prompts[refused + 1 :]) <= 2048
+    assert max(llama.prompts[refused + 1 :]) < llama.prompts[refused]  # never resent
+    assert max(llama.prompts[refused + 1 :]) <= llama.n_ctx
 
 
 async def test_a_request_too_long_for_the_real_window_is_a_400_and_the_conversation_goes_on(
