@@ -277,10 +277,12 @@ def _last_window(last: tuple[str, Record] | None) -> dict[str, Any] | None:
     if not (cut or covers):  # all of the history was sent as it is
         return None
     ids = last[1].get("included_response_ids")
+    ids = [i for i in ids if isinstance(i, str)] if isinstance(ids, list) else []
     return {
         "response_id": last[0],
         "omitted_messages": cut,
-        "included": {*(ids if isinstance(ids, list) else []), last[0]},
+        "included_response_ids": ids,  # as the turn's manifest says them: in order, itself aside
+        "included": {*ids, last[0]},
         "summary_version": last[1].get("summary_version") if covers else None,
         "summary_covers_messages": covers,
         "summary_covers_through": last[1].get("summary_covers_through") if covers else None,
@@ -319,7 +321,7 @@ def _show_json(
         else {
             "response_id": window["response_id"],
             "omitted_messages": window["omitted_messages"],
-            "included_response_ids": sorted(window["included"]),
+            "included_response_ids": window["included_response_ids"],
             "summary_version": window["summary_version"],
             "summary_covers_messages": window["summary_covers_messages"],
             "summary_covers_through": window["summary_covers_through"],
@@ -406,8 +408,10 @@ class _ShowText:
         aside = self.aside(turn)
         if aside is not None:
             click.echo(click.style(f"── {turn.response_id} ({aside})", dim=True))
-            for m in messages:
-                click.echo(click.style(render_message(m), dim=True))
+            for pos, m in enumerate(messages):
+                why = self.unsent.why(turn.response_id, pos)  # deleted since, say: said as in the window
+                note = f"{why}: no longer sent" if why is not None else ""
+                click.echo(click.style(render_message(m, note=note), dim=True))
             if (
                 window is not None
                 and self.summarized

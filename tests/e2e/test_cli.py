@@ -318,7 +318,7 @@ def test_show_marks_what_the_last_window_left_out(tmp_path: Path) -> None:
     assert as_json["last_window"] == {
         "response_id": ids[-1],
         "omitted_messages": 4,
-        "included_response_ids": sorted(ids[2:]),
+        "included_response_ids": ids[2:-1],  # as the manifest says them: in order, the turn itself aside
         "summary_version": None,
         "summary_covers_messages": 0,
         "summary_covers_through": None,
@@ -411,6 +411,29 @@ def test_show_puts_the_summary_after_the_turns_it_covers(tmp_path: Path) -> None
     assert out.index(f"── {through} ") < line < out.index(f"── {after} ") < marker
     assert f"{ids[0]} (outside the last turn's window ({ids[-1]}): in the rolling summary)" in out
     assert f"{after} (outside the last turn's window ({ids[-1]}): left out)" in out
+
+
+def test_show_marks_a_deleted_message_of_a_summarized_turn(tmp_path: Path) -> None:
+    """A turn outside the window (summarized) was printed without its messages' marks: one
+    deleted since showed as any other, though the inspector struck it out."""
+    from tests.conftest import app_of
+    from tests.helpers import say_each
+
+    async def talk(client: Any) -> list[str]:
+        ids = await say_each(client, "s", [f"q{n}" for n in range(6)])
+        await app_of(client).state.summarizer.wait_idle()
+        ids += await say_each(client, "s", [f"q{n}" for n in range(6, 10)])
+        deleted = await client.delete(f"/v1/conversations/s/items/msg_{ids[0]}_0")
+        assert deleted.status_code == 200, deleted.text
+        return ids
+
+    context = {"strategy": "summarize", "max_history_messages": 6, "keep_recent_messages": 2}
+    ids = seed_offline(tmp_path, context, talk)
+    out = gw("show", "s", "--data-dir", str(tmp_path / "var")).stdout
+    turn = out[out.index(f"── {ids[0]} ") : out.index(f"── {ids[1]} ")]
+    question, answer = turn.splitlines()[1:3]
+    assert "q0" in question and "deleted: no longer sent" in question
+    assert "deleted" not in answer
 
 
 def test_show_marks_what_is_no_longer_sent(gateway: GatewayProcess, upstream: MockServer) -> None:
