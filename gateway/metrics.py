@@ -221,6 +221,15 @@ class MetricsMiddleware:
                 access_log.info(request_line(scope, route, status[0], started))
 
 
+# What a request's path names, as its log line says it (a stored chat completion is a response).
+_NAMED_IN_PATH = (
+    ("conversation_id", "conversation_id"),
+    ("response_id", "response_id"),
+    ("completion_id", "response_id"),
+    ("item_id", "item_id"),
+)
+
+
 def request_line(scope: Scope, route: str, status: int, started: float) -> str:
     """The JSON log line of a request that is not a turn (a turn logs `chat.completion`)."""
     line: dict[str, Any] = {
@@ -232,9 +241,9 @@ def request_line(scope: Scope, route: str, status: int, started: float) -> str:
         "ms": round((time.perf_counter() - started) * 1000, 3),
     }
     params = scope.get("path_params") or {}
-    for key in ("conversation_id", "response_id", "item_id"):
+    for key, said_as in _NAMED_IN_PATH:
         if isinstance(params.get(key), str):
-            line[key] = params[key]
+            line[said_as] = params[key]
     return orjson.dumps(line).decode()
 
 

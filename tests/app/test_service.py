@@ -698,6 +698,7 @@ async def test_every_request_whichever_api_gets_exactly_one_json_log_line(
 ) -> None:
     import logging
 
+    stored = (await chat(app_client, [user("stored")], store=True)).json()["id"]
     with caplog.at_level(logging.INFO, logger="gateway.access"):
         calls = [
             ("chat.completion", 200, await chat(app_client, [user("hi")])),
@@ -712,6 +713,7 @@ async def test_every_request_whichever_api_gets_exactly_one_json_log_line(
             ("http.request", 200, await app_client.get("/healthz")),
             ("http.request", 404, await app_client.get("/no/such/path")),
             ("response", 200, await app_client.post("/v1/responses", json={"model": "mock/m", "input": "x"})),
+            ("http.request", 200, await app_client.get(f"/v1/chat/completions/{stored}")),
         ]
     lines = [json.loads(r.getMessage()) for r in caplog.records if r.name == "gateway.access"]
     assert [(line["event"], line["status"]) for line in lines] == [(e, s) for e, s, _ in calls]
@@ -720,6 +722,7 @@ async def test_every_request_whichever_api_gets_exactly_one_json_log_line(
     assert conversation["method"] == "GET" and conversation["path"] == "/v1/conversations/c"
     assert conversation["route"] == "get_conversation" and conversation["conversation_id"] == "c"
     assert isinstance(conversation["ms"], float)
+    assert lines[-1]["response_id"] == stored  # (the path's completion_id: a stored completion is a response)
 
 
 async def test_the_log_line_carries_the_context_snapshots_numbers(
