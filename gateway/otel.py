@@ -171,9 +171,9 @@ class OtelTracing(Tracing):
                 "gen_ai.provider.name": call.provider,
                 "gen_ai.request.model": call.model,
                 "gen_ai.request.max_tokens": call.max_tokens,
-                "gen_ai.conversation.id": call.conversation_id,
-                "session.id": call.conversation_id,
             }
+            if call.conversation_id is not None:  # (a compaction of a request's input names none)
+                attributes["gen_ai.conversation.id"] = attributes["session.id"] = call.conversation_id
             server = self.servers.get(call.provider)
             if server is not None:
                 attributes["server.address"], attributes["server.port"] = server

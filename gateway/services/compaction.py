@@ -160,9 +160,7 @@ class Compactions:
                 param="input",
             )
         model_used = self.summaries.model_for(model)
-        text, usage = await self.summaries.summarize(
-            tenant, conversation or response_id, model_used, folded, prior
-        )
+        text, usage = await self.summaries.summarize(tenant, conversation, model_used, folded, prior)
         record: Record = {
             "conversation_id": conversation,
             "covers_through": covers_through,

@@ -58,7 +58,7 @@ async def withdraw(
 class SummaryCall:
     """One call to the summarizer model, as the tracing hook is told of it."""
 
-    conversation_id: str
+    conversation_id: str | None  # (None: a compaction of a request's input alone)
     provider: str
     model: str  # the provider's own model name
     max_tokens: int
@@ -128,7 +128,7 @@ class Summaries:
 
     async def _fold_text(
         self,
-        cid: str,
+        cid: str | None,
         route: Route,
         window: int,
         cap: int,
@@ -178,11 +178,12 @@ class Summaries:
         return text
 
     async def summarize(
-        self, tenant: str, cid: str, model: str, messages: list[Message], text: str = ""
+        self, tenant: str, cid: str | None, model: str, messages: list[Message], text: str = ""
     ) -> tuple[str, dict[str, int]]:
         """`messages` folded into the summary `text` now by `model`, recorded nowhere.
 
-        `messages` are of conversation `cid`, as the tracing hook is told; they go in parts that
+        `messages` are of conversation `cid` (None: of no stored conversation), as the tracing
+        hook is told; they go in parts that
         fit `model`'s window. Returns the new text and the summarizer's usage (`prompt_tokens`,
         `completion_tokens`). For compaction, which the client asks for and waits on.
         """

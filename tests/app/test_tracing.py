@@ -390,3 +390,23 @@ def test_a_turn_logged_after_it_closed_keeps_its_own_start(traced: Traced) -> No
     assert span.start_time == began
     first = (span.attributes or {})["gen_ai.response.time_to_first_chunk"]
     assert first == pytest.approx(0.030, abs=1e-6)  # (counted back from the log line: -0.07)
+
+
+async def test_a_compaction_of_input_alone_names_no_conversation_in_its_summarizer_span(
+    traced: Traced,
+) -> None:
+    """It named the compaction's own response id as the conversation, which does not exist."""
+    async with build_client(
+        make_settings(), MemoryStore(), MockUpstream(answer), tracing=traced.tracing
+    ) as c:
+        body = {"model": "mock/m", "input": [{"role": "user", "content": "fold this " * 20}] * 3}
+        r = await c.post("/v1/responses/compact", json=body)
+        conversation = (await c.post("/v1/conversations", json={})).json()["id"]
+        await c.post(
+            "/v1/responses", json={"model": "mock/m", "input": "hello", "conversation": conversation}
+        )
+        named = await c.post("/v1/responses/compact", json={"model": "mock/m", "conversation": conversation})
+    assert r.status_code == 200 and named.status_code == 200, (r.text, named.text)
+    alone, of_conversation = traced.spans("summary")
+    assert "gen_ai.conversation.id" not in attributes(alone) and "session.id" not in attributes(alone)
+    assert attributes(of_conversation)["gen_ai.conversation.id"] == conversation
