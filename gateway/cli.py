@@ -408,8 +408,9 @@ class _ShowText:
         aside = self.aside(turn)
         if aside is not None:
             click.echo(click.style(f"── {turn.response_id} ({aside})", dim=True))
+            live = turn.response_id in self.live  # (else the heading says why none of it is sent)
             for pos, m in enumerate(messages):
-                why = self.unsent.why(turn.response_id, pos)  # deleted since, say: said as in the window
+                why = self.unsent.why(turn.response_id, pos) if live else None  # deleted since, say
                 note = f"{why}: no longer sent" if why is not None else ""
                 click.echo(click.style(render_message(m, note=note), dim=True))
             if (
