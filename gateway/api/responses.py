@@ -279,6 +279,7 @@ async def create_response(request: Request) -> Response:
     headers = turn_headers(turn)
     if params["background"]:
         run = start_background(request, turn, common, lead)
+        await service.visible(turn)  # its id is handed out next: a GET or cancel must find it
         if body.get("stream"):
             return SSEResponse(run.follow(-1), headers=headers, on_close=_nothing)
         queued = response_object(

@@ -37,6 +37,9 @@ class StoredResponses:
         stored = StoredResponse.of(rid, records)
         cid = stored.conversation_id
         index = await self._index(store, cid) if stored.status == "in_progress" and cid is not None else []
+        if rid in index:  # committed since the log was read? (its commit record precedes the index's)
+            stored = StoredResponse.of(rid, await store.read_response(rid))
+            index = index if stored.status == "in_progress" else []
         if rid in index:
             # An index names only committed responses: this log lost its end (a damaged file),
             # as every reader of the conversation treats it (docs/storage.md, "Damaged files").

@@ -448,7 +448,16 @@ class ChatService:
                 if exc.refusal is None:
                     raise
                 await refit(turn, exc, self.facts, self.on_context_refusal)
+        await self.visible(turn)  # the stream's head names the response: a GET must find it
         return TurnStream(turn, self._chunks(turn, chunks, first), self.close)
+
+    @staticmethod
+    async def visible(turn: PreparedTurn) -> None:
+        """Return once the turn's response log can be read by its id, from any process.
+
+        Before the id is handed out (a stream's head, a background response's answer): a client
+        may read it at once. Never raises."""
+        await turn.log.visible()
 
     async def _chunks(
         self, turn: PreparedTurn, chunks: AsyncIterator[Chunk], first: Chunk | None

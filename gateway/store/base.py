@@ -227,6 +227,12 @@ class ResponseLog(ABC):
         called.
         """
 
+    async def visible(self) -> None:  # noqa: B027 - optional hook (a log readable from its start)
+        """Return once a reader, in any process, finds this log: its id may be handed out.
+
+        Best effort, it never raises: a log the store cannot take yet is written by `commit`, or
+        marked by `abandon`."""
+
     @property
     def commit_waits(self) -> bool:
         """Would `commit` wait (for a database, or a sync shared with other turns)?

@@ -117,3 +117,30 @@ async def test_an_attempt_its_conversation_moved_on_from_is_not_in_progress(
     await say_each(app_client, "moved", ["two"])  # the conversation moved on: the lock was let go
     over = (await app_client.get(f"/v1/responses/{rid}")).json()
     assert over["status"] == "failed" and over["error"]["code"] == "interrupted", over
+
+
+async def test_a_response_committed_between_the_reads_of_its_log_and_index_is_not_damaged(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Its log was read in progress, then its index with it committed: `GET /v1/responses/{id}`
+    said the log was damaged ("not complete"), though nothing was."""
+    from gateway.api.validation import parse_chat
+    from gateway.store.memory import MemoryStore
+
+    store = MemoryStore()
+    async with build_client(make_settings(), store, MockUpstream()) as client:
+        turns = app_of(client).state.services.turns
+        body = {"model": "mock/m", "conversation_id": "r1", "messages": [{"role": "user", "content": "hi"}]}
+        turn = await turns.prepare(parse_chat(body))
+        real_index = store.read_index
+
+        async def committed_meanwhile(cid: str) -> Any:
+            if not turn.done:  # the commit lands between the two reads
+                async with turns.closing(turn):
+                    await turns.complete(turn)
+            return await real_index(cid)
+
+        monkeypatch.setattr(store, "read_index", committed_meanwhile)
+        found = await client.get(f"/v1/responses/{turn.response_id}")
+    assert found.status_code == 200, found.text
+    assert found.json()["status"] == "completed"

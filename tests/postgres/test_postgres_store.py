@@ -463,3 +463,54 @@ async def test_a_deleted_response_leaves_the_summaries_of_branches_on_postgres(
         ids = await branch_summary_deletion(client, model)
     named = await pg_store.sharing("nobody", ids[2])
     assert len(named) == 2 and named[1] == f"{named[0]}.fork-{named[1].rsplit('-', 1)[1]}"  # source, branch
+
+
+def slow_request_rows(pg_store: PostgresStore, monkeypatch: pytest.MonkeyPatch, seconds: float = 0.3) -> None:
+    """A database slow to take a response's first rows (those its log writes when it opens)."""
+    real = pg_store.db.insert
+
+    async def slow(response_id: str, rows: Any, first_seq: int, *, unless_committed: bool = False) -> None:
+        if first_seq == 0 and not unless_committed:
+            await asyncio.sleep(seconds)
+        await real(response_id, rows, first_seq, unless_committed=unless_committed)
+
+    monkeypatch.setattr(pg_store.db, "insert", slow)
+
+
+async def test_a_background_response_is_found_the_moment_its_id_is_handed_out(
+    pg_store: PostgresStore, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """`queued` came back while its request rows were still on their way: a GET or a cancel
+    right after it was a 404 (JSONL creates the file first)."""
+    from gateway.upstream.mock import MockUpstream
+    from tests.conftest import build_client, make_settings
+
+    slow_request_rows(pg_store, monkeypatch)
+    async with build_client(make_settings(), pg_store, MockUpstream()) as client:
+        body = {"model": "mock/m", "input": "hello", "background": True}
+        queued = await client.post("/v1/responses", json=body)
+        assert queued.status_code == 200 and queued.json()["status"] == "queued", queued.text
+        found = await client.get(f"/v1/responses/{queued.json()['id']}")
+    assert found.status_code == 200, found.text
+    assert found.json()["status"] in ("queued", "in_progress", "completed")
+
+
+async def test_a_stream_names_its_response_only_once_it_can_be_read(
+    pg_store: PostgresStore, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The stream's head (X-Response-Id) went out while the request rows were on their way."""
+    from gateway.api.validation import parse_chat
+    from gateway.upstream.mock import MockUpstream
+    from tests.conftest import app_of, build_client, make_settings
+
+    slow_request_rows(pg_store, monkeypatch)
+    async with build_client(make_settings(), pg_store, MockUpstream()) as client:
+        turns = app_of(client).state.services.turns
+        body = {"model": "mock/m", "stream": True, "conversation_id": "s1", "messages": [user("hi")]}
+        turn = await turns.prepare(parse_chat(body))
+        async with turns.closing(turn):
+            stream = await turns.open_chunks(turn)
+            records = await pg_store.read_response(turn.response_id)  # what a GET reads now
+            assert [r["type"] for r in records][:2] == ["request", "context"]
+            async for _ in stream:
+                pass

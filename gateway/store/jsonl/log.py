@@ -106,6 +106,9 @@ class JsonlLog(ResponseLog):
             except OSError:
                 pass  # read again, and reported, by the commit
 
+    async def visible(self) -> None:
+        self.meanwhile()  # (the file, made now if the provider has not had the request yet)
+
     def _open(self) -> None:
         """Create the file with its first records, once, on the event loop.
 

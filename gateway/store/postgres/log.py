@@ -101,6 +101,10 @@ class PostgresLog(ResponseLog):
     def append(self, record: Record) -> None:
         self._rows.append(encode_record(record))
 
+    async def visible(self) -> None:
+        if self._created is not None:  # (a failed insert is the commit's or abandon's to report)
+            await asyncio.wait([self._created])
+
     async def commit(self, conversation_id: str | None) -> Appended | None:
         self._closed = True
         rows = [*self._rows, encode_record({"type": "commit", "status": "complete", "committed": now()})]
