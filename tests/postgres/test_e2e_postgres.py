@@ -18,6 +18,7 @@ import openai
 import pytest
 from openai import OpenAI
 
+from gateway.redact import redact_dsn
 from gateway.store.postgres import PostgresStore
 from tests.conftest import GatewayProcess, write_config
 from tests.mockserver import MockServer
@@ -67,6 +68,8 @@ def test_three_turn_recall_on_postgres(tmp_path: Path, upstream: MockServer, pg_
     (gateway,) = start_replicas(tmp_path, upstream, pg_dsn, 1)
     ids: dict[str, list[str]] = {"c-plain": [], "c-stream": []}
     try:
+        # Its start line says where the conversations are (it named only the data dir).
+        assert f"(PostgreSQL {redact_dsn(pg_dsn)}, data dir " in gateway.log()
         client = OpenAI(base_url=f"{gateway.url}/v1", api_key="k", max_retries=0)
         for cid in ids:
             upstream.reset()
