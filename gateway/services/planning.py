@@ -161,6 +161,12 @@ INPUT_TOO_LONG = (
 )
 
 
+def _answer_tokens(request: ChatRequest) -> int:
+    """The room the client asked for its answer (max_completion_tokens, max_tokens); 0: none."""
+    requested = request.body.get("max_completion_tokens") or request.body.get("max_tokens") or 0
+    return requested if isinstance(requested, int) and requested > 0 else 0
+
+
 def refuse_cut(plan: ContextPlan) -> None:
     """`truncation: "disabled"`: the window must send the whole conversation, else a 400.
 
@@ -212,7 +218,37 @@ class Planner:
         summary it sent) while everything from there fits; otherwise it is cut in a step, down
         to `cut_to` of the budget, starting at the newest summary's coverage when that fits.
         `hold=False` cuts regardless (after the provider refused the previous plan), as does a
-        compaction made for this turn (`request.compaction_version`)."""
+        compaction made for this turn (`request.compaction_version`).
+
+        The answer's reserve, when the client set none, is halved for a request that does not
+        fit beside it."""
+        view, request = inputs.view, inputs.request
+        if view.encoding != inputs.encoding or view.needs_count:
+            # Counted once per stored message; only a model-family switch recounts.
+            if len(view.history) > 64:
+                await asyncio.to_thread(view.count_tokens, inputs.encoding, inputs.count)
+            else:
+                view.count_tokens(inputs.encoding, inputs.count)
+        facts = await self.facts.window(inputs.route, request.model, inputs.store)
+        reserve, budget = self._budget(request, facts)
+        try:
+            return await self._plan_with(inputs, facts, reserve, budget, hold=hold)
+        except ContextLengthExceeded as refused:
+            if _answer_tokens(request):  # the client's own room for its answer is kept
+                raise
+            # The reserve is the gateway's choice, not the client's: a request that does not fit
+            # beside it is sent with half of it left for the answer, as the provider would take
+            # it, rather than refused (the same request with no conversation goes through).
+            reserve //= 2
+            try:
+                return await self._plan_with(inputs, facts, reserve, self._budget(request, facts, reserve)[1])
+            except ContextLengthExceeded:
+                raise refused from None
+
+    async def _plan_with(
+        self, inputs: TurnInputs, facts: WindowFacts, reserve: int, budget: int, *, hold: bool = False
+    ) -> ContextPlan:
+        """The plan for a window of `facts.tokens` less `reserve` for the answer (`budget`: ours)."""
         ctx, view, route, request, store = (
             self.settings.context,
             inputs.view,
@@ -220,15 +256,7 @@ class Planner:
             inputs.request,
             inputs.store,
         )
-        if view.encoding != inputs.encoding or view.needs_count:
-            # Counted once per stored message; only a model-family switch recounts.
-            if len(view.history) > 64:
-                await asyncio.to_thread(view.count_tokens, inputs.encoding, inputs.count)
-            else:
-                view.count_tokens(inputs.encoding, inputs.count)
-        facts = await self.facts.window(route, request.model, store)
         window_size = facts.tokens
-        reserve, budget = self._budget(request, facts)
         head = view.head or Head()  # (none recorded: as if the window began at the beginning)
         compacted = request.compaction_version is not None  # for this turn: a cut, to start at it
         hold = hold and not compacted
@@ -305,12 +333,15 @@ class Planner:
             head_room=room - REQUEST_OVERHEAD_TOKENS - sum(system_tokens) - tools_tokens,
         )
 
-    def _budget(self, request: ChatRequest, facts: WindowFacts) -> tuple[int, int]:
-        """The answer's reserve (in the provider's tokens) and the prompt's budget (in ours)."""
-        requested = request.body.get("max_completion_tokens") or request.body.get("max_tokens") or 0
-        requested = requested if isinstance(requested, int) and requested > 0 else 0
-        # The client's own max_tokens when sent; else reserve_tokens, at most a quarter of the window.
-        reserve = requested or min(self.settings.context.reserve_tokens, facts.tokens // 4)
+    def _budget(
+        self, request: ChatRequest, facts: WindowFacts, reserve: int | None = None
+    ) -> tuple[int, int]:
+        """The answer's reserve (in the provider's tokens) and the prompt's budget (in ours).
+
+        The reserve is `reserve` when given; else the client's own max_tokens when sent, else
+        reserve_tokens, at most a quarter of the window."""
+        if reserve is None:
+            reserve = _answer_tokens(request) or min(self.settings.context.reserve_tokens, facts.tokens // 4)
         # A server that counts prompts itself is asked for the exact count of the window
         # planned (below): planned from the calibration's best estimate, without its margin.
         calibration = replace(facts.calibration, margin=0) if facts.counts_prompts else facts.calibration

@@ -191,12 +191,42 @@ async def test_request_too_big_is_400_before_upstream(tmp_path: Path) -> None:
             "/v1/chat/completions",
             json={
                 "model": "mock/m",
-                "messages": [{"role": "user", "content": "word " * 800}],
+                "messages": [{"role": "user", "content": "word " * 1200}],
                 "conversation_id": "big",
             },
         )
     assert r.status_code == 400 and r.json()["error"]["code"] == "context_length_exceeded"
     assert upstream.requests == []
+
+
+async def test_a_request_that_fits_only_beside_half_the_answer_reserve_is_sent() -> None:
+    """The reserve for the answer (a quarter of a 1000-token window here) is the gateway's own:
+    a request of about 800 tokens was refused with a conversation, and sent without one. A
+    client's own max_tokens is kept: then it is refused."""
+    upstream = MockUpstream()
+    settings = make_settings()
+    settings = settings.model_copy(
+        update={"context": settings.context.model_copy(update={"max_context_tokens": 1000})}
+    )
+    body = {
+        "model": "mock/m",
+        "messages": [{"role": "user", "content": "word " * 800}],
+        "conversation_id": "big",
+    }
+    async with build_client(settings, MemoryStore(), upstream) as client:
+        sent = await client.post("/v1/chat/completions", json=body)
+        context = (await client.get("/v1/conversations/big/context")).json()
+        asked = await client.post(
+            "/v1/chat/completions", json={**body, "conversation_id": "b2", "max_tokens": 250}
+        )
+        again = await client.post(
+            "/v1/chat/completions", json={**body, "messages": [{"role": "user", "content": "hi"}]}
+        )
+    assert sent.status_code == 200, sent.text
+    assert context["reserve_tokens"] == 125 and context["tokens"]["total"] <= 875
+    assert asked.status_code == 400 and asked.json()["error"]["code"] == "context_length_exceeded"
+    assert again.status_code == 200  # the conversation goes on, with the usual reserve
+    assert len(upstream.requests) == 2
 
 
 async def test_max_tokens_in_request_enlarges_reserve(tmp_path: Path) -> None:
