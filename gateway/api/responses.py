@@ -264,6 +264,7 @@ async def create_response(request: Request) -> Response:
             await service.count(chat, tenant)
         turn = await service.prepare(chat, tenant)
     except GatewayError as exc:
+        _said_of_input(exc)
         refused(request, body, exc, started, event="response")
         raise
     cid = turn.conversation_id
@@ -297,6 +298,7 @@ async def create_response(request: Request) -> Response:
             async with service.closing(turn):
                 await until_disconnect(service.complete(turn), request.receive, started=started)
         except BaseException as exc:
+            _said_of_input(exc)
             log_failure(turn.closed(), exc, metrics, event="response")
             if isinstance(exc, ClientDisconnected):
                 return Response(status_code=499)
@@ -318,6 +320,7 @@ async def create_response(request: Request) -> Response:
         async with service.closing(turn, on_failure_only=True):
             chunks = await until_disconnect(service.open_chunks(turn), request.receive, started=started)
     except BaseException as exc:
+        _said_of_input(exc)
         log_failure(turn.closed(), exc, metrics, event="response")
         if isinstance(exc, ClientDisconnected):
             return Response(status_code=499)
@@ -327,6 +330,12 @@ async def create_response(request: Request) -> Response:
         stream_closed(await chunks.aclose(exc), exc, metrics, event="response")
 
     return SSEResponse(response_events(turn, chunks, common, lead), headers=headers, on_close=on_close)
+
+
+def _said_of_input(exc: BaseException) -> None:
+    """An error the chat core says of `messages` is said of the Responses API's `input`."""
+    if isinstance(exc, GatewayError) and exc.param == "messages":
+        exc.param = "input"
 
 
 async def _nothing(exc: BaseException | None) -> None:

@@ -84,3 +84,18 @@ async def test_input_tokens_counts_the_conversation_the_header_names() -> None:
             headers={"X-Conversation-Id": "n-1"},
         )
     assert named.status_code == 200 and named.json()["input_tokens"] > alone["input_tokens"] + 40
+
+
+async def test_a_request_too_long_for_the_window_is_said_of_input() -> None:
+    """The chat core's refusal named `messages`, a parameter the Responses API does not have."""
+    settings = make_settings()
+    settings = settings.model_copy(
+        update={"context": settings.context.model_copy(update={"max_context_tokens": 1000})}
+    )
+    async with build_client(settings, MemoryStore(), MockUpstream()) as client:
+        plain = await respond(client, "word " * 1200)
+        streamed = await respond(client, "word " * 1200, stream=True)
+    for refused in (plain, streamed):
+        assert refused.status_code == 400
+        error = refused.json()["error"]
+        assert (error["code"], error["param"]) == ("context_length_exceeded", "input")
