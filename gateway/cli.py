@@ -35,7 +35,6 @@ from gateway.cli_render import (
 from gateway.config import Settings, load_settings
 from gateway.context import Turn
 from gateway.context.history import clean_message, message_key, repair_tool_calls
-from gateway.context.records import latest
 from gateway.context.summary import is_summary_message
 from gateway.context.unsent import Unsent
 from gateway.exceptions import GatewayError, NotFound
@@ -247,8 +246,7 @@ def show(
         except NotFound:
             last = None
         # The last turn's prompt figures: its size, and how much the provider's cache served.
-        response = latest(await services.queries.records(name, last[0]), "response") if last else None
-        cache = response.get("cache") if response is not None else None
+        cache = await services.queries.prompt_cache(name, last[0]) if last else None
         compactions = await services.queries.compactions(name, conversation_id)
         return view, await services.queries.turns(name, conversation_id), last, cache, compactions
 

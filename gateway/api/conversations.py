@@ -167,6 +167,10 @@ async def delete_item(request: Request) -> Response:
 
 async def conversation_context(request: Request) -> Response:
     cid = _cid(request)
-    rid, context = await services_of(request).queries.latest_context(tenant_of(request), cid)
+    queries = services_of(request).queries
+    rid, context = await queries.latest_context(tenant_of(request), cid)
     body = {k: v for k, v in context.items() if k != "type"}
+    cache = await queries.prompt_cache(tenant_of(request), rid)  # (the provider's figures, once answered)
+    if cache is not None:
+        body["cache"] = cache
     return JSONBody({"object": "conversation.context", "conversation_id": cid, "response_id": rid, **body})

@@ -216,6 +216,12 @@ class Queries:
             raise NotFound(f"No response {response_id!r}", param="response_id")
         return records
 
+    async def prompt_cache(self, tenant: str, response_id: str) -> Record | None:
+        """What the provider said its prompt cache served for a response (None: it said nothing)."""
+        response = latest(await self.records(tenant, response_id), "response")
+        cache = response.get("cache") if response is not None else None
+        return cache if isinstance(cache, dict) else None
+
     async def logged_turn(self, tenant: str, cid: str, rid: str) -> list[Record] | None:
         """The log of a response the conversation's index names, for the inspector.
 

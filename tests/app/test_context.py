@@ -493,3 +493,19 @@ async def test_a_summary_left_out_for_lack_of_room_is_not_claimed() -> None:
     kept = sum(1 for m in left_out["messages"] if m["role"] in ("user", "assistant")) - 1  # less the new one
     assert left_out["truncated"] == left_out["stored_messages"] - kept
     assert f"[{left_out['truncated']} earlier messages omitted]" in str(left_out["messages"])
+
+
+async def test_the_context_endpoint_says_what_the_providers_cache_served() -> None:
+    """The CLI said it (`show`, `context`), GET /v1/conversations/{id}/context did not."""
+    from gateway.upstream.base import completion_from_text
+
+    def cached(body: dict[str, Any]) -> Any:
+        completion = completion_from_text("m", "ok", prompt_tokens=1100)
+        completion["usage"]["prompt_tokens_details"] = {"cached_tokens": 1024}
+        return completion
+
+    async with build_client(make_settings(), MemoryStore(), MockUpstream(cached)) as client:
+        body = {"model": "mock/m", "conversation_id": "k", "messages": [{"role": "user", "content": "hi"}]}
+        assert (await client.post("/v1/chat/completions", json=body)).status_code == 200
+        context = (await client.get("/v1/conversations/k/context")).json()
+    assert context["cache"] == {"prompt_tokens": 1100, "cached_tokens": 1024, "source": "usage"}
