@@ -230,7 +230,8 @@ def finishing_events(
     """The events that end a response stream, numbered after `seq`.
 
     Each output item's done events (added first when no delta announced it: `announced` are the
-    output indexes that were), then `response.completed`. The first `skip` items were done before
+    output indexes that were), then `response.completed` (`response.incomplete` for an answer cut
+    short). The first `skip` items were done before
     the answer began (a compaction item)."""
     for index, item in enumerate(final["output"]):
         if index < skip:
@@ -296,7 +297,9 @@ def finishing_events(
         seq += 1
         yield event("response.output_item.done", seq, output_index=index, item=item)
     seq += 1
-    yield event("response.completed", seq, response=final)
+    # As OpenAI's: an answer cut short (max_output_tokens) ends its stream `response.incomplete`.
+    done = "response.incomplete" if final.get("status") == "incomplete" else "response.completed"
+    yield event(done, seq, response=final)
 
 
 def _added(item: JSONObject) -> JSONObject:

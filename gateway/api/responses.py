@@ -46,7 +46,7 @@ from gateway.services import Services
 from gateway.services.counting import PromptCount
 from gateway.services.requests import ChatRequest
 from gateway.services.turn import PreparedTurn
-from gateway.types import JSONObject, Record
+from gateway.types import JSONObject, Record, as_object
 
 # OpenAI's reasoning models refuse `max_tokens` ("Use 'max_completion_tokens' instead").
 _REASONING_MODELS = re.compile(r"(o\d|gpt-5)")
@@ -579,7 +579,10 @@ async def list_input_items(request: Request) -> Response:
     rid = request.path_params["response_id"]
     stored = await services_of(request).responses.get(tenant_of(request), rid)
     items: list[Item] = []
+    instructions = as_object(stored.request.get("responses")).get("instructions")
     for k, message in enumerate(stored.system):
+        if message.get("role") == "system" and message.get("content") == instructions:
+            continue  # the request's `instructions` (which set it): OpenAI lists the input alone
         items.extend(message_to_items(message, rid, -(k + 1)))
     for pos, message in enumerate(stored.input):
         items.extend(message_to_items(message, rid, pos))

@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import json
 from typing import Any
 
 import httpx
@@ -16,7 +17,7 @@ def chat(cid: str, text: str) -> dict[str, Any]:
     return {"model": "mock/m", "conversation_id": cid, "messages": [{"role": "user", "content": text}]}
 
 
-async def respond(client: httpx.AsyncClient, text: str, **extra: Any) -> httpx.Response:
+async def respond(client: httpx.AsyncClient, text: Any, **extra: Any) -> httpx.Response:
     headers = extra.pop("headers", None)
     return await client.post(
         "/v1/responses", json={"model": "mock/m", "input": text, **extra}, headers=headers
@@ -99,3 +100,39 @@ async def test_a_request_too_long_for_the_window_is_said_of_input() -> None:
         assert refused.status_code == 400
         error = refused.json()["error"]
         assert (error["code"], error["param"]) == ("context_length_exceeded", "input")
+
+
+def sse_types(body: str) -> list[str]:
+    return [line[len("event: ") :] for line in body.splitlines() if line.startswith("event: ")]
+
+
+async def test_an_answer_cut_short_ends_its_stream_incomplete() -> None:
+    """The stream of a response whose status was `incomplete` ended `response.completed`."""
+    from gateway.upstream.base import completion_from_text
+
+    def cut(body: dict[str, Any]) -> Any:
+        completion = completion_from_text("m", "a long answer that was")
+        completion["choices"][0]["finish_reason"] = "length"
+        return completion
+
+    async with build_client(make_settings(), MemoryStore(), MockUpstream(cut)) as client:
+        streamed = await respond(client, "hello", max_output_tokens=16, stream=True)
+    types = sse_types(streamed.text)
+    assert types[-1] == "response.incomplete" and "response.completed" not in types
+    final = json.loads(streamed.text.strip().rsplit("data: ", 1)[1])
+    assert final["response"]["status"] == "incomplete"
+    assert final["response"]["incomplete_details"] == {"reason": "max_output_tokens"}
+
+
+async def test_input_items_leave_the_instructions_out() -> None:
+    """OpenAI lists a response's input alone: the `instructions` were listed as a system item."""
+    async with build_client(make_settings(), MemoryStore(), MockUpstream()) as client:
+        rid = (await respond(client, "hi there", instructions="Be nice")).json()["id"]
+        items = (await client.get(f"/v1/responses/{rid}/input_items")).json()["data"]
+        as_system = [{"role": "system", "content": "Speak French."}, {"role": "user", "content": "hi"}]
+        rid2 = (await respond(client, as_system, instructions="Be nice")).json()["id"]
+        items2 = (await client.get(f"/v1/responses/{rid2}/input_items", params={"order": "asc"})).json()[
+            "data"
+        ]
+    assert [(i["role"], i["content"][0]["text"]) for i in items] == [("user", "hi there")]
+    assert [i["role"] for i in items2] == ["system", "user"]  # a system message of the input is listed
