@@ -74,6 +74,57 @@ def test_langchain_resending_its_history_edits_and_regenerates(
     assert isinstance(edited[4], AIMessage)
 
 
+@pytest.mark.filterwarnings("ignore:create_react_agent has been moved")  # (LangGraph 1.x's own still)
+@pytest.mark.parametrize("streaming", [False, True])
+def test_a_langgraph_agent_calling_a_tool_keeps_one_history(
+    gateway: GatewayProcess, upstream: MockServer, streaming: bool
+) -> None:
+    """LangGraph's prebuilt ReAct agent resends its whole state every step (the question, the
+    tool call, its result): the gateway, told the conversation in a header, sends the provider
+    that history once, with the call and its result paired."""
+    from langchain_core.tools import tool
+    from langgraph.prebuilt import create_react_agent
+
+    @tool
+    def get_weather(city: str) -> str:
+        """The weather in a city."""
+        return f"It is 21C and sunny in {city}."
+
+    upstream.mode = "tool_call"
+    cid = f"agent-{streaming}"
+    llm = ChatOpenAI(
+        base_url=f"{gateway.url}/v1",
+        api_key="unused",  # type: ignore[arg-type]
+        model="mock/tiny",
+        max_retries=0,
+        streaming=streaming,
+        default_headers={"X-Conversation-Id": cid},
+    )
+    agent = create_react_agent(llm, [get_weather])
+    state: dict[str, Any] = {"messages": []}
+    for question in ("What is the weather in Paris?", "And what should I wear?"):
+        state["messages"].append(("user", question))
+        state = agent.invoke(state)
+        assert state["messages"][-1].content == "The tool said: It is 21C and sunny in Paris."
+    history = state["messages"][:-1]  # what the last step was sent
+    last = upstream.requests[-1]["messages"]
+    assert [m["role"] for m in last] == [
+        "user",
+        "assistant",
+        "tool",
+        "assistant",
+        "user",
+        "assistant",
+        "tool",
+    ]
+    assert [m["role"] for m in last] == [
+        {"human": "user", "ai": "assistant"}.get(m.type, m.type) for m in history
+    ]
+    for call, result in ((last[1], last[2]), (last[5], last[6])):
+        assert call["tool_calls"][0]["id"] == result["tool_call_id"]
+    assert len(upstream.requests) == 4  # two steps a question: the call, then the answer
+
+
 LLM_VERSION = "0.36"
 
 
