@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import hashlib
 import hmac
+import ipaddress
 import os
 from collections.abc import Mapping
 from urllib.parse import urlsplit
@@ -157,4 +158,12 @@ def _hostname(netloc: str) -> str:
 
 
 def _is_local(hostname: str) -> bool:
-    return hostname.lower() in ("localhost", "::1") or hostname.startswith("127.")
+    """Is `hostname` this machine: `localhost`, or a loopback address (127.0.0.0/8, ::1)?
+
+    An address, not a name that begins like one: `127.0.0.1.attacker.example` is another site."""
+    if hostname.lower() == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(hostname).is_loopback
+    except ValueError:
+        return False

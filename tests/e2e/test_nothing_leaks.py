@@ -192,12 +192,22 @@ def test_an_open_gateway_refuses_other_sites_pages_and_rebound_names(
     url = f"{gateway.url}/v1/chat/completions"
     plain = {"content-type": "text/plain", "x-conversation-id": "csrf"}
     rebound = f"http://rebound.example:{gateway.port}"  # a DNS name rebound to 127.0.0.1
-    for headers in ({"origin": "https://evil.example"}, {"origin": rebound, "host": rebound[7:]}):
+    # Names that only begin like a loopback address are other sites' (they were taken as local).
+    lookalikes = ({"origin": "http://127.0.0.1.attacker.example"}, {"origin": "http://127.evil.example"})
+    for headers in (
+        {"origin": "https://evil.example"},
+        {"origin": rebound, "host": rebound[7:]},
+        *lookalikes,
+    ):
         r = httpx.post(url, content=body, headers={**plain, **headers}, timeout=10)
-        assert r.status_code == 403 and r.json()["error"]["code"] == "cross_origin", r.text
+        assert r.status_code == 403 and r.json()["error"]["code"] == "cross_origin", (headers, r.text)
     assert httpx.get(f"{gateway.url}/v1/conversations/csrf", timeout=10).status_code == 404  # nothing stored
     metrics = httpx.get(f"{gateway.url}/metrics", timeout=10).text  # (was "unmatched": no such path)
-    assert 'gateway_requests_total{route="cross_origin",status="403"} 2.0' in metrics
+    assert 'gateway_requests_total{route="cross_origin",status="403"} 4.0' in metrics
+    for local in ("http://127.0.0.2:9", "http://[::1]:9", "http://localhost:9"):  # this machine's own
+        assert (
+            httpx.post(url, content=body, headers={**plain, "origin": local}, timeout=10).status_code == 200
+        )
     same_site = {"origin": gateway.url}  # the inspector's own page, and clients that send none
     assert httpx.post(url, content=body, headers={**plain, **same_site}, timeout=10).status_code == 200
     assert httpx.post(url, content=body, headers=plain, timeout=10).status_code == 200
