@@ -11,6 +11,7 @@ from __future__ import annotations
 import asyncio
 from collections.abc import Mapping
 from typing import Any
+from urllib.parse import urlsplit, urlunsplit
 
 import aiohttp
 import orjson
@@ -99,9 +100,17 @@ def window_from_ollama_show(show: object) -> int | None:
 DESCRIBE_TIMEOUT = 3.0
 
 
+def url_at(base_url: str, path: str) -> str:
+    """`base_url` with `path` added to its path: its query (`?api-version=...`) stays at the end."""
+    parts = urlsplit(base_url)
+    return urlunsplit(parts._replace(path=parts.path.rstrip("/") + path))
+
+
 def server_root(base_url: str) -> str:
     """The server's own root for its non-OpenAI routes (`/props`, `/api/...`): `base_url` less `/v1`."""
-    return base_url[: -len("/v1")] if base_url.endswith("/v1") else base_url
+    parts = urlsplit(base_url)
+    path = parts.path.rstrip("/")
+    return urlunsplit(parts._replace(path=path[: -len("/v1")] if path.endswith("/v1") else path))
 
 
 async def describe_openai_compatible(
@@ -135,7 +144,7 @@ async def describe_openai_compatible(
         except (aiohttp.ClientError, orjson.JSONDecodeError, ValueError):
             return None
 
-    props = await get_json("GET", f"{root}/props")
+    props = await get_json("GET", url_at(root, "/props"))
     found = window_from_llamacpp_props(props)
     if found:
         return ServerWindow(
@@ -145,14 +154,14 @@ async def describe_openai_compatible(
             prompt_counter="llama.cpp",
             total_slots=slots_from_llamacpp_props(props),
         )
-    found = window_from_models(await get_json("GET", f"{base_url}/models"), model)
+    found = window_from_models(await get_json("GET", url_at(base_url, "/models")), model)
     if found:
         source = "vLLM GET /v1/models max_model_len"
         return ServerWindow(found, source, refuses_overlong=True, prompt_counter="vllm")
-    found = window_from_ollama_ps(await get_json("GET", f"{root}/api/ps"), model)
+    found = window_from_ollama_ps(await get_json("GET", url_at(root, "/api/ps")), model)
     if found:
         return ServerWindow(found, "Ollama GET /api/ps", num_ctx_option=True)
-    found = window_from_ollama_show(await get_json("POST", f"{root}/api/show", {"model": model}))
+    found = window_from_ollama_show(await get_json("POST", url_at(root, "/api/show"), {"model": model}))
     if found:
         return ServerWindow(found, "Ollama POST /api/show", num_ctx_option=True)
     return None
@@ -162,7 +171,7 @@ async def list_openai_models(session: aiohttp.ClientSession, base_url: str) -> l
     """The ids of `GET {base_url}/models` (OpenAI, vLLM, llama.cpp, Ollama's /v1 all have it)."""
     try:
         async with session.get(
-            f"{base_url}/models", timeout=aiohttp.ClientTimeout(total=LIST_TIMEOUT)
+            url_at(base_url, "/models"), timeout=aiohttp.ClientTimeout(total=LIST_TIMEOUT)
         ) as response:
             if response.status != 200:
                 return []
@@ -197,7 +206,7 @@ async def count_prompt(
 
     async def answer(path: str, payload: object, field: str) -> object:
         async with session.post(
-            f"{root}{path}", data=orjson.dumps(payload), headers=headers, timeout=timeout
+            url_at(root, path), data=orjson.dumps(payload), headers=headers, timeout=timeout
         ) as response:
             got = orjson.loads(await response.read()) if response.status == 200 else None
         return got.get(field) if isinstance(got, dict) else None

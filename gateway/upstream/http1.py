@@ -11,11 +11,12 @@ same loop (docs/performance.md). Its failures are its own exception classes, whi
 from __future__ import annotations
 
 import asyncio
+import base64
 import zlib
 from collections.abc import AsyncIterator, Awaitable, Callable, Mapping
 from contextlib import asynccontextmanager
 from dataclasses import dataclass
-from urllib.parse import urlsplit
+from urllib.parse import unquote, urlsplit
 
 import httptools
 
@@ -355,7 +356,10 @@ class Pool:
         self.timeout = timeout
         given = {name.lower(): value for name, value in headers.items()}
         given.pop("content-length", None)  # ours, per request
-        given.setdefault("host", parts.netloc)
+        given.setdefault("host", parts.netloc.rpartition("@")[2])  # (never the URL's credentials)
+        if parts.username is not None:  # http://user:password@host/...: Basic auth, as aiohttp sends it
+            pair = f"{unquote(parts.username)}:{unquote(parts.password or '')}".encode()
+            given.setdefault("authorization", "Basic " + base64.b64encode(pair).decode("ascii"))
         given.setdefault("user-agent", f"llm-continuity-gateway/{__version__}")
         # Without it a provider may compress (RFC 9110 12.5.3), and a stream must not be.
         given.setdefault("accept-encoding", "identity")

@@ -55,7 +55,7 @@ from gateway.upstream.cache_hints import (
     with_llamacpp_hints,
     with_prompt_cache_key,
 )
-from gateway.upstream.discovery import count_prompt, describe_openai_compatible, list_openai_models
+from gateway.upstream.discovery import count_prompt, describe_openai_compatible, list_openai_models, url_at
 from gateway.upstream.refusal import parse_refusal
 
 log = logging.getLogger("gateway.upstream")
@@ -275,7 +275,7 @@ class OpenAIUpstream(Upstream):
         self.deadline = settings.timeout or None  # seconds
         idle = settings.timeout if settings.stream_idle_timeout is None else settings.stream_idle_timeout
         self.stream_idle = idle or None  # seconds
-        self._endpoint = f"{self.url}/chat/completions"
+        self._endpoint = url_at(self.url, "/chat/completions")
         self.max_response_bytes = settings.max_response_bytes
         self._session: aiohttp.ClientSession | None = None
         self._prompt_counter = ""  # how the server counts a prompt (from `describe`), if it can

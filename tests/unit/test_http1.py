@@ -143,6 +143,31 @@ async def test_configured_headers_replace_the_defaults(
     assert head.count(b"content-length: ") == 1 and b"content-length: 8\r\n" in head
 
 
+async def test_a_base_url_with_credentials_and_a_query_is_asked_as_meant(
+    serve: Callable[[Script], Awaitable[Scripted]],
+) -> None:
+    """`http://user:pass@host/v1?api-version=...`: the path went after the query
+    (`/v1?api-version=x/chat/completions`) and the password into the Host header."""
+    import base64
+
+    async def script(n: int, request: bytes) -> bytes:
+        answer = b'{"id": "x", "object": "chat.completion", "choices": [{"index": 0, '
+        answer += b'"message": {"role": "assistant", "content": "ok"}, "finish_reason": "stop"}]}'
+        return ok(answer)
+
+    server = await serve(script)
+    base_url = f"http://us%40er:pa%3Ass@127.0.0.1:{server.port}/v1?api-version=2024-10-21"
+    upstream = OpenAIUpstream("p", ProviderSettings(kind="openai", base_url=base_url))
+    try:
+        await upstream.complete({"model": "m", "messages": [{"role": "user", "content": "hi"}]})
+    finally:
+        await upstream.aclose()
+    head = server.requests[0].split(b"\r\n\r\n", 1)[0].decode()
+    assert head.startswith("POST /v1/chat/completions?api-version=2024-10-21 HTTP/1.1\r\n"), head
+    assert f"\r\nhost: 127.0.0.1:{server.port}\r\n" in head and "pa:ss" not in head
+    assert f"\r\nauthorization: Basic {base64.b64encode(b'us@er:pa:ss').decode()}" in head
+
+
 async def test_chunked_until_close_and_gzip_bodies_are_read_whole(
     serve: Callable[[Script], Awaitable[Scripted]],
 ) -> None:
