@@ -41,6 +41,7 @@ from gateway.config_sources import (
     table_names,
 )
 from gateway.exceptions import ConfigError
+from gateway.redact import names_a_secret
 from gateway.types import ascii_int
 
 _DURATION_RE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*(ms|s|m|h|d)?\s*$")
@@ -271,6 +272,10 @@ def _sets(layer: Mapping[str, object], key: Sequence[str]) -> bool:
     return bool(key)
 
 
+# Settings whose value may hold a credential, besides those named like one (`api_key`, ...).
+_VALUES_NOT_SHOWN = ("headers", "dsn", "base_url", "password", "api_base")
+
+
 def _error_line(
     exc: ValidationError, file: TomlFileSource, env: GatewayEnvSource, overrides: Mapping[str, object]
 ) -> str:
@@ -285,6 +290,8 @@ def _error_line(
         msg = "unknown key"
     got = err.get("input")
     shown = "" if isinstance(got, dict) or err["type"] == "missing" else f" (got {got!r})"
+    if any(names_a_secret(part) or part.lower() in _VALUES_NOT_SHOWN for part in loc):
+        shown = ""  # (a key, a header's value, a DSN's password: never on stderr or in a log)
     more = f" (+{len(exc.errors()) - 1} more)" if len(exc.errors()) > 1 else ""
     # A missing key is blamed on whoever made the table it is missing from; a flag on nobody.
     blamed = loc[:-1] if err["type"] == "missing" else loc

@@ -43,7 +43,7 @@ def keep_password(password: str | None) -> None:
         keep_secret(unquote(password))
 
 
-def _names_a_secret(name: str) -> bool:
+def names_a_secret(name: str) -> bool:
     """Does a header or query parameter of this name carry a credential?"""
     return any(word in name.lower() for word in _SECRET_HEADER_WORDS)
 
@@ -51,7 +51,7 @@ def _names_a_secret(name: str) -> bool:
 def keep_secret_headers(headers: dict[str, str]) -> None:
     """The values of headers that carry credentials (by their names)."""
     for name, value in headers.items():
-        if _names_a_secret(name):
+        if names_a_secret(name):
             keep_secret(value.removeprefix("Bearer ").removeprefix("bearer "))
 
 
@@ -68,7 +68,7 @@ def keep_url_secrets(url: str) -> None:
         return
     keep_password(password)
     for name, value in parse_qsl(parts.query):
-        if _names_a_secret(name):
+        if names_a_secret(name):
             keep_secret(value)
 
 

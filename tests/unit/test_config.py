@@ -346,8 +346,27 @@ def test_bad_env_value_names_the_variable(name: str, value: str, key: str) -> No
     message = config_error(path=SHIPPED, environ={name: value, "GATEWAY_SERVER__HOST": "0.0.0.0"})
     assert message.startswith(f"config error: {key}: ")
     assert message.endswith(f"[environment variable {name}]")
-    if key != "servr":
+    if key == "providers.ollama.headers":  # (headers may hold a credential: never shown)
+        assert value not in message
+    elif key != "servr":
         assert repr(value) in message  # the value as it was given
+
+
+@pytest.mark.parametrize(
+    ("overrides", "environ"),
+    [
+        ({"providers": {"x": {"kind": "openai", "api_key": "sk-INLINEsecret0001"}}}, {}),
+        ({}, {"GATEWAY_PROVIDERS__X__HEADERS": '{ Authorization = "Bearer sk-ENVsecret0005" , X = [1'}),
+        ({"storage": {"backend": "postgres", "dsn": ["postgresql://u:pw-secret0007@h/db"]}}, {}),
+    ],
+)
+def test_a_config_error_never_shows_a_credential(overrides: dict[str, Any], environ: dict[str, str]) -> None:
+    """An `api_key` put in the file (an unknown key) or a malformed headers variable was quoted
+    whole on stderr, where a service's start log keeps it."""
+    message = config_error(
+        path=SHIPPED, overrides=overrides, environ={"GATEWAY_SERVER__HOST": "0.0.0.0", **environ}
+    )
+    assert message.startswith("config error: ") and "secret" not in message
 
 
 def test_env_provider_missing_its_kind_names_the_variable_that_made_it(tmp_path: Path) -> None:
