@@ -285,12 +285,19 @@ def check_timezone(request: ChatRequest, default: str) -> None:
 
 
 def client_params(request: ChatRequest) -> JSONObject:
-    """The client's parameters a provider may see (gateway-only and forbidden fields left out)."""
-    return {
+    """The client's parameters a provider may see (gateway-only and forbidden fields left out).
+
+    Forbidden fields are left out of a literal `extra_body` object too (the SDK merges its
+    `extra_body` into the request; a client that sends the field itself is passed on)."""
+    params = {
         k: v
         for k, v in request.body.items()
         if k not in GATEWAY_FIELDS and k not in FORBIDDEN_FIELDS and k != "messages"
     }
+    nested = params.get("extra_body")
+    if isinstance(nested, dict) and not FORBIDDEN_FIELDS.isdisjoint(nested):
+        params["extra_body"] = {k: v for k, v in nested.items() if k not in FORBIDDEN_FIELDS}
+    return params
 
 
 def request_record(

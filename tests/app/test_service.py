@@ -436,6 +436,19 @@ async def test_client_supplied_endpoints_and_keys_are_not_forwarded(
         assert key not in body
 
 
+async def test_a_key_inside_a_literal_extra_body_is_not_forwarded_nor_stored(
+    app_client: httpx.AsyncClient, mock_upstream: MockUpstream, memory_store: MemoryStore
+) -> None:
+    """The SDK merges `extra_body`; a client that sends the field itself had its api_key in it
+    passed on to the provider and written into the response log."""
+    r = await chat(
+        app_client, [user("hi")], extra_body={"api_key": "sk-nested", "base_url": "http://evil", "top_k": 3}
+    )
+    assert r.status_code == 200
+    assert mock_upstream.requests[-1]["extra_body"] == {"top_k": 3}
+    assert "sk-nested" not in json.dumps(memory_store.responses[r.headers["x-response-id"]])
+
+
 async def test_storage_failure_is_503_and_not_acknowledged(
     memory_store: MemoryStore, app_client: httpx.AsyncClient
 ) -> None:
