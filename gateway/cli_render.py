@@ -24,11 +24,16 @@ def when(ts: float) -> str:
 
 # Control characters shown, never obeyed: a message is anyone's text, and an escape sequence in
 # it would set the operator's terminal title, colours or clipboard (\n and \t stay as they are).
-_VISIBLE = {c: f"\\x{c:02x}" for c in (*range(0x20), 0x7F, *range(0x80, 0xA0)) if c not in (0x09, 0x0A)}
+# So are the bidirectional controls, which would make text read other than it is ("exe.png").
+_BIDI = (0x061C, 0x200E, 0x200F, *range(0x202A, 0x202F), *range(0x2066, 0x206A))
+_VISIBLE = {
+    **{c: f"\\x{c:02x}" for c in (*range(0x20), 0x7F, *range(0x80, 0xA0)) if c not in (0x09, 0x0A)},
+    **{c: f"\\u{c:04x}" for c in _BIDI},
+}
 
 
 def visible(value: str) -> str:
-    """`value` with its control characters written out (`\x1b`)."""
+    r"""`value` with its control and bidirectional characters written out (`\x1b`, `\u202e`)."""
     return value.translate(_VISIBLE)
 
 

@@ -496,10 +496,16 @@ def test_show_writes_control_characters_out_instead_of_obeying_them(tmp_path: Pa
     colours or clipboard in `gateway show`."""
     from tests.helpers import say_each
 
-    seed_offline(tmp_path, {}, lambda client: say_each(client, "esc", ["hi \x1b]0;pwned\x07 \x1b[31mRED"]))
+    seed_offline(
+        tmp_path,
+        {},
+        lambda client: say_each(client, "esc", ["hi \x1b]0;pwned\x07 \x1b[31mRED", "see \u202egnp.exe"]),
+    )
     out = gw("show", "esc", "--data-dir", str(tmp_path / "var")).stdout
     assert "\x1b" not in out and "\x07" not in out
     assert "hi \\x1b]0;pwned\\x07 \\x1b[31mRED" in out
+    # A right-to-left override made a name read backwards ("exe.png"): written out too.
+    assert "\u202e" not in out and "see \\u202egnp.exe" in out
 
 
 def test_show_and_tail_show_the_recap_and_tail_shows_an_edit(tmp_path: Path) -> None:
