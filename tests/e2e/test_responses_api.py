@@ -190,7 +190,9 @@ def test_retrieve_input_items_delete_and_errors(gateway: GatewayProcess, upstrea
     got = client.responses.retrieve(r.id)
     assert got.id == r.id and got.output_text == r.output_text and got.status == "completed"
     items = client.responses.input_items.list(r.id)
-    assert [i.type for i in items.data] == ["message", "message"]
+    # The input alone, as OpenAI lists it: not the instructions (echoed on the response instead).
+    assert [(i.type, getattr(i, "role", None)) for i in items.data] == [("message", "user")]
+    assert got.instructions == "Hi"
     follow = client.responses.create(model="mock/m", input="what is my name?", previous_response_id=r.id)
     assert follow.output_text == "Your name is Max."
     client.responses.delete(follow.id)
