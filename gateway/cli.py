@@ -47,12 +47,9 @@ T = TypeVar("T")
 
 
 def _where(settings: Settings) -> str:
-    """Where the configured store keeps its conversations, for messages."""
-    if settings.storage.backend == "postgres":
-        from gateway.redact import redact_dsn
-
-        return f"the PostgreSQL store {redact_dsn(settings.storage.dsn)}"
-    return settings.storage.data_dir
+    """Where the configured store keeps its conversations, for messages: a data dir as given."""
+    storage = settings.storage
+    return storage.data_dir if storage.backend == "jsonl" else storage.where()
 
 
 def _no_conversation(settings: Settings, conversation_id: str) -> GatewayError:

@@ -86,12 +86,7 @@ def no_config_file_notice(settings: Settings) -> str | None:
     if Path(DEFAULT_CONFIG_PATH).is_file():
         return None
     storage = settings.storage
-    if storage.backend == "jsonl":
-        data = f"data in {Path(storage.data_dir).absolute()}"
-    elif storage.backend == "postgres":
-        data = "data in PostgreSQL (storage.dsn)"
-    else:
-        data = "data in memory only (nothing persists)"
+    data = f"data in {Path(storage.data_dir).absolute()}" if storage.backend == "jsonl" else storage.where()
     env = " + GATEWAY_* environment" if any(k.startswith("GATEWAY_") for k in os.environ) else ""
     providers = ", ".join(sorted(settings.providers))
     return (

@@ -41,7 +41,7 @@ from gateway.config_sources import (
     table_names,
 )
 from gateway.exceptions import ConfigError
-from gateway.redact import names_a_secret
+from gateway.redact import names_a_secret, redact_dsn
 from gateway.types import ascii_int
 
 _DURATION_RE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*(ms|s|m|h|d)?\s*$")
@@ -129,6 +129,14 @@ class StorageSettings(_Section):
     cache_conversations: int = Field(1024, ge=0)
     cache_messages: int = Field(10_000, ge=0)
     max_conversation_messages: int = Field(100_000, ge=0)
+
+    def where(self) -> str:
+        """Where the conversations are kept, for what the gateway says (a DSN without its password)."""
+        if self.backend == "postgres":
+            return f"PostgreSQL {redact_dsn(self.dsn)}"
+        if self.backend == "memory":
+            return "memory only (nothing persists)"
+        return f"data dir {self.data_dir}"
 
     def model_post_init(self, _context: object) -> None:
         if self.backend == "postgres" and not self.dsn.strip():

@@ -168,20 +168,11 @@ def serve(settings: Settings, *, workers: int = 1, log_level: str = "info") -> N
 
 
 def _listening(settings: Settings, port: int, workers: int) -> None:
-    storage = settings.storage
-    if storage.backend == "postgres":
-        from gateway.redact import redact_dsn
-
-        where = f"PostgreSQL {redact_dsn(storage.dsn)}, data dir {storage.data_dir}"
-    elif storage.backend == "memory":
-        where = "in memory only"
-    else:
-        where = f"data dir {storage.data_dir}"
     logging.getLogger("gateway").info(
         "gateway listening on http://%s:%s (%s, %d worker%s)",
         settings.server.host,
         port,
-        where,
+        settings.storage.where(),
         workers,
         "" if workers == 1 else "s",
     )

@@ -69,7 +69,7 @@ def test_three_turn_recall_on_postgres(tmp_path: Path, upstream: MockServer, pg_
     ids: dict[str, list[str]] = {"c-plain": [], "c-stream": []}
     try:
         # Its start line says where the conversations are (it named only the data dir).
-        assert f"(PostgreSQL {redact_dsn(pg_dsn)}, data dir " in gateway.log()
+        assert f"(PostgreSQL {redact_dsn(pg_dsn)}, 1 worker)" in gateway.log()
         client = OpenAI(base_url=f"{gateway.url}/v1", api_key="k", max_retries=0)
         for cid in ids:
             upstream.reset()

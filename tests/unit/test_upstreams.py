@@ -409,4 +409,6 @@ def test_a_servers_routes_keep_the_base_urls_query_at_the_end() -> None:
     assert url_at(base, "/models") == "http://h:8080/v1/models?api-version=2024-10-21"
     assert url_at(server_root(base), "/props") == "http://h:8080/props?api-version=2024-10-21"
     assert url_at(server_root("http://h:8080/v1/"), "/api/ps") == "http://h:8080/api/ps"
-    assert url_at("https://u:p@h/openai/v1", "/chat/completions") == "https://u:p@h/openai/v1/chat/completions"
+    assert (
+        url_at("https://u:p@h/openai/v1", "/chat/completions") == "https://u:p@h/openai/v1/chat/completions"
+    )
