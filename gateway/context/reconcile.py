@@ -79,6 +79,10 @@ def reconcile(incoming: Sequence[Message], view: ConversationView) -> Reconciled
     if shared >= m:
         return Reconciled(list(incoming[shared:]))
     answered = any(msg.get("role") == "assistant" for msg in incoming[: n - 1])
+    if answered:
+        toolless = _without_tool_results(incoming, view, shared)
+        if toolless is not None:
+            return toolless
     common = min(common, n - 1)
     if common > shared and answered:
         # The client's copy still holds messages left out of history (deleted since, or
@@ -107,6 +111,30 @@ def reconcile(incoming: Sequence[Message], view: ConversationView) -> Reconciled
             shared, branch_at = trimmed
             return _branch(incoming[shared:], branch_at, view)
     return Reconciled(list(incoming))
+
+
+def _without_tool_results(
+    incoming: Sequence[Message], view: ConversationView, shared: int
+) -> Reconciled | None:
+    """The match of a resent history that leaves the stored tool results out; None: it is not one.
+
+    A client may resend its calls without their results (they are not its to edit, and a
+    request holding calls without results is answered by the stored ones): matched against the
+    history less its `tool` messages, past where the whole history matched, it is not an edit.
+    The stored results stay, and are sent."""
+    history = view.history
+    kept = [i for i, message in enumerate(history) if message.get("role") != "tool"]
+    if len(kept) == len(history):
+        return None
+    keys = view.keys("history")
+    n = len(incoming)
+    matched = min(_common_prefix(incoming, [keys[i] for i in kept]), n - 1)
+    before = sum(1 for i in kept if i < shared)  # how far the whole history's match went, so counted
+    if matched < before or (matched == before and history[shared].get("role") != "tool"):
+        return None  # (it stopped at a message of the client's, not at a result it left out)
+    if matched >= len(kept):
+        return Reconciled(list(incoming[matched:]))
+    return _branch(incoming[matched:], kept[matched], view)
 
 
 def _in_history(transcript: Sequence[bytes], history: Sequence[bytes]) -> int:

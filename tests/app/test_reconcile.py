@@ -97,6 +97,23 @@ def test_a_resent_tool_call_is_the_same_call_however_its_arguments_are_spaced() 
     assert message_key(call('"x"')) != message_key(call("x"))
 
 
+def test_a_resend_that_leaves_the_tool_results_out_is_no_edit() -> None:
+    """A client resent its calls without their results: taken as an edit, the stored results
+    were replaced by "no result" placeholders before the model's own answer that used them."""
+    view = view_of(("q1", "a1"))
+    result = {"role": "tool", "tool_call_id": "call_1", "content": "sunny"}
+    view.extend(Turn("r1", (u("weather?"),), call('{"city":"Paris"}')))
+    view.extend(Turn("r2", (result,), a("It is sunny.")))
+    history = [u("q1"), a("a1"), u("weather?"), call('{"city":"Paris"}')]
+    without = reconcile([*history, a("It is sunny."), u("thanks")], view)
+    assert without.new == [u("thanks")] and without.branch_at is None
+    # an edit after the calls still branches, the stored results kept before it
+    edited = reconcile([*history, a("It is raining."), u("thanks")], view)
+    assert edited.branch_at == 5 and edited.new == [a("It is raining."), u("thanks")]
+    # with the results, as before
+    assert reconcile([*history, result, a("It is sunny."), u("thanks")], view).new == [u("thanks")]
+
+
 def test_a_branch_cuts_the_view_where_the_client_diverged() -> None:
     view = view_of(("q1", "a1"), ("q2", "a2"))
     view.extend(Turn("r2", (u("q2, better"),), a("a2'"), branch_at=2))
