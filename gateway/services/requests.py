@@ -12,10 +12,14 @@ from typing import Any
 from gateway.context import ConversationView, Message
 from gateway.exceptions import ConversationTooLarge
 
-# Consumed by the gateway, never forwarded (providers that validate arguments reject them).
+# Consumed by the gateway, never forwarded (providers that validate arguments reject them);
+# `previous_response_id` is the Responses API's: a chat completion names its conversation instead.
 GATEWAY_FIELDS = frozenset(
-    {"conversation_id", "session_id", "agent_id", "response_id", "user_timezone", "is_feedback"}
-)
+    {
+        "conversation_id", "session_id", "agent_id", "response_id", "user_timezone", "is_feedback",
+        "previous_response_id",
+    }
+)  # fmt: skip
 # Never forwarded: a client must not redirect the gateway or choose its credentials.
 FORBIDDEN_FIELDS = frozenset({"api_base", "base_url", "api_key", "api_version", "extra_headers"})
 # Larger than any model's window: a bigger max_tokens is a mistake, not a request.

@@ -434,6 +434,9 @@ async def test_client_supplied_endpoints_and_keys_are_not_forwarded(
     assert body["temperature"] == 0.3
     for key in ("api_base", "base_url", "api_key", "user_timezone", "conversation_id"):
         assert key not in body
+    # The Responses API's field, sent to chat completions: left out (it went to the provider).
+    await chat(app_client, [user("hi")], previous_response_id="mock-m-0123456789ab")
+    assert "previous_response_id" not in mock_upstream.requests[-1]
 
 
 async def test_a_key_inside_a_literal_extra_body_is_not_forwarded_nor_stored(
