@@ -239,14 +239,16 @@ class Planner:
             # The reserve is the gateway's choice, not the client's: a request that does not fit
             # beside it is sent with half of it left for the answer, as the provider would take
             # it, rather than refused (the same request with no conversation goes through).
+            # (A cut: the request alone did not fit beside the whole reserve, let alone a held head.)
             reserve //= 2
+            budget = self._budget(request, facts, reserve)[1]
             try:
-                return await self._plan_with(inputs, facts, reserve, self._budget(request, facts, reserve)[1])
+                return await self._plan_with(inputs, facts, reserve, budget, hold=False)
             except ContextLengthExceeded:
                 raise refused from None
 
     async def _plan_with(
-        self, inputs: TurnInputs, facts: WindowFacts, reserve: int, budget: int, *, hold: bool = False
+        self, inputs: TurnInputs, facts: WindowFacts, reserve: int, budget: int, *, hold: bool
     ) -> ContextPlan:
         """The plan for a window of `facts.tokens` less `reserve` for the answer (`budget`: ours)."""
         ctx, view, route, request, store = (
