@@ -43,7 +43,6 @@ from gateway.services.listing import stored_tokens
 from gateway.types import Message, Record
 
 F = TypeVar("F", bound=Callable[..., Any])
-T = TypeVar("T")
 
 
 def _where(settings: Settings) -> str:
