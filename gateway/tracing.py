@@ -214,25 +214,25 @@ class TracedUpstream(Upstream):
     def __getattr__(self, name: str) -> Any:
         return getattr(self.inner, name)
 
-    async def complete(self, body: Body) -> Body:
+    async def complete(self, body: Body, *, waited: float = 0.0) -> Body:
         trace = current_trace.get()
         call = trace.call() if trace is not None else None
         if trace is None or call is None:
-            return await self.inner.complete(body)
+            return await self.inner.complete(body, waited=waited)
         try:
-            return await self.inner.complete({**body, TRACEPARENT: trace.traceparent(call)})
+            return await self.inner.complete({**body, TRACEPARENT: trace.traceparent(call)}, waited=waited)
         except BaseException as exc:
             call.error = exc
             raise
         finally:
             call.end_ns = time.time_ns()
 
-    async def stream(self, body: Body) -> AsyncIterator[Chunk]:
+    async def stream(self, body: Body, *, waited: float = 0.0) -> AsyncIterator[Chunk]:
         trace = current_trace.get()
         call = trace.call() if trace is not None else None
         if trace is not None and call is not None:
             body = {**body, TRACEPARENT: trace.traceparent(call)}
-        chunks = self.inner.stream(body)
+        chunks = self.inner.stream(body, waited=waited)
         try:
             async for chunk in chunks:
                 if call is not None and call.first_chunk_ns is None:

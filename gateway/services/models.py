@@ -123,6 +123,9 @@ class WindowFacts:
     num_ctx_option: bool = False
     cuts_silently: bool = True  # False for a server known to refuse an over-long prompt instead
     counts_prompts: bool = False  # the server counts a prompt on request (Upstream.count_prompt)
+    # Seconds this call waited for the server to say its window: the provider's deadline for the
+    # turn counts from its first question (`Upstream.complete`'s `waited`).
+    waited: float = 0.0
 
     def to_dict(self) -> JSONObject:
         return {"tokens": self.tokens, "source": self.source, "calibration": self.calibration.to_dict()}
@@ -182,10 +185,13 @@ class ModelFacts:
             await self._load(entry, route, store)
         configured = configured_window(self.settings, model, route.provider, route.model)
         server: ServerWindow | None = None
+        waited = 0.0
         if configured:
             tokens, source = configured, "config"
         else:
+            asked = time.monotonic()
             server = await self._ask(entry, route)
+            waited = time.monotonic() - asked
             if server is not None:
                 tokens, source = server.tokens, server.source
             else:
@@ -211,6 +217,7 @@ class ModelFacts:
             num_ctx_option=bool(server and server.num_ctx_option),
             cuts_silently=not (server is not None and server.refuses_overlong),
             counts_prompts=bool(server and server.prompt_counter),
+            waited=waited,
         )
 
     async def _ask(self, entry: _Entry, route: Route) -> ServerWindow | None:

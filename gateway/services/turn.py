@@ -126,6 +126,11 @@ class PreparedTurn:
     cache: JSONObject | None = None  # the provider's prompt and cached-token figures
     response_model: str | None = None  # the model the provider says answered
 
+    @property
+    def waited_on_provider(self) -> float:
+        """Seconds its plan waited on the provider (its window asked), off the call's deadline."""
+        return self.plan.facts.waited if self.plan is not None and self.plan.facts is not None else 0.0
+
     def note_context(self, snapshot: Record) -> None:
         """Log the window sent (the context snapshot); the turn's log line repeats its counts."""
         self.log.append(snapshot)

@@ -403,7 +403,8 @@ class ChatService:
             try:
                 # The log's file work is done once the request is on its way.
                 completion = await while_waiting(
-                    turn.route.upstream.complete(turn.upstream_body), turn.log.meanwhile
+                    turn.route.upstream.complete(turn.upstream_body, waited=turn.waited_on_provider),
+                    turn.log.meanwhile,
                 )
                 break
             except UpstreamStatusError as exc:
@@ -437,7 +438,9 @@ class ChatService:
         on a broken stream) and closes it."""
         turn.upstream_started = time.perf_counter()
         while True:
-            chunks = turn.route.upstream.stream(turn.upstream_body).__aiter__()
+            chunks = turn.route.upstream.stream(
+                turn.upstream_body, waited=turn.waited_on_provider
+            ).__aiter__()
             try:
                 first: Chunk | None = await while_waiting(chunks.__anext__(), turn.log.meanwhile)
                 break

@@ -80,13 +80,17 @@ async def complete_with_retries(
     provider: str,
     retries: int,
     retryable: Callable[[UpstreamError], bool],
-    once: Callable[[], Awaitable[Body]],
+    once: Callable[[float], Awaitable[Body]],
+    waited: float = 0.0,
 ) -> Body:
-    """`once()`, attempted again (up to `retries` times) while its failure is retryable."""
+    """`once(waited)`, attempted again (up to `retries` times) while its failure is retryable.
+
+    The first attempt is given `waited` (seconds already spent on the turn's deadline), the
+    others 0: each retry has its own deadline."""
     attempt = 0
     while True:
         try:
-            return await once()
+            return await once(waited if attempt == 0 else 0.0)
         except UpstreamError as exc:
             await retry_or_raise(provider, exc, attempt, retries, retryable(exc))
         attempt += 1
@@ -96,18 +100,19 @@ async def stream_with_retries(
     provider: str,
     retries: int,
     retryable: Callable[[UpstreamError], bool],
-    once: Callable[[], AsyncGenerator[Chunk, None]],
+    once: Callable[[float], AsyncGenerator[Chunk, None]],
     empty: Callable[[], UpstreamError] | None = None,
+    waited: float = 0.0,
 ) -> AsyncGenerator[Chunk, None]:
-    """The chunks of `once()`, started again while a retryable failure comes before the first chunk.
+    """The chunks of `once(waited)`, started again while a retryable failure comes before the first chunk.
 
     Never after it: part of the answer is already on its way. `empty()`, if given, is the error
-    for a stream that ended without any chunk."""
+    for a stream that ended without any chunk. `waited` as in `complete_with_retries`."""
     attempt = 0
     while True:
         started = False
         try:
-            async with aclosing(once()) as chunks:
+            async with aclosing(once(waited if attempt == 0 else 0.0)) as chunks:
                 async for chunk in chunks:
                     started = True
                     yield chunk
@@ -176,12 +181,18 @@ class Upstream(ABC):
     reports_real_usage: bool = True
 
     @abstractmethod
-    async def complete(self, body: Body) -> Body:
-        """A whole `chat.completion` object."""
+    async def complete(self, body: Body, *, waited: float = 0.0) -> Body:
+        """A whole `chat.completion` object.
+
+        `waited`: seconds the turn already waited on this provider for it (asking its window),
+        taken off the first attempt's `timeout`: the provider's deadline counts from the turn's
+        first question to it."""
 
     @abstractmethod
-    def stream(self, body: Body) -> AsyncIterator[Chunk]:
-        """`chat.completion.chunk` objects, in order; ends when the provider is done."""
+    def stream(self, body: Body, *, waited: float = 0.0) -> AsyncIterator[Chunk]:
+        """`chat.completion.chunk` objects, in order; ends when the provider is done.
+
+        `waited` as for `complete`: off the first attempt's deadline for the first event."""
 
     async def list_models(self) -> list[str]:
         """The model names the provider itself lists (empty when it lists none)."""

@@ -95,13 +95,13 @@ class DemoUpstream(Upstream):
         self.url = "builtin:demo"
         self.reports_real_usage = False
 
-    async def complete(self, body: Body) -> Body:
+    async def complete(self, body: Body, *, waited: float = 0.0) -> Body:
         messages = [as_object(m) for m in as_list(body.get("messages"))]
         return completion_from_text(
             str(body.get("model", "demo")), demo_reply(messages), prompt_tokens=approx_tokens(messages)
         )
 
-    async def stream(self, body: Body) -> AsyncIterator[Chunk]:
+    async def stream(self, body: Body, *, waited: float = 0.0) -> AsyncIterator[Chunk]:
         completion = await self.complete(body)
         include_usage = bool(as_object(body.get("stream_options")).get("include_usage"))
         for chunk in chunks_from_completion(completion, include_usage=include_usage):

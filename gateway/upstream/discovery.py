@@ -114,17 +114,18 @@ def server_root(base_url: str) -> str:
 
 
 async def describe_openai_compatible(
-    session: aiohttp.ClientSession, base_url: str, model: str
+    session: aiohttp.ClientSession, base_url: str, model: str, within: float | None = None
 ) -> ServerWindow | None:
     """Ask an OpenAI-compatible server for its runtime window: llama.cpp, vLLM, then Ollama.
 
-    The questions share one deadline (DESCRIBE_TIMEOUT in all, not each), and a server that
-    cannot be reached or does not answer one in time is asked nothing more: the turn waiting
-    on the answer then meets the provider's own timeout a few seconds late at most, not four
-    questions' worth of waiting (a hung server gave 15 s for a 3 s `timeout`)."""
+    The questions share one deadline (DESCRIBE_TIMEOUT in all, not each; `within` seconds if
+    that is shorter: the provider's `timeout`, which the turn waiting on the answer counts this
+    wait against), and a server that cannot be reached or does not answer one in time is asked
+    nothing more, not four questions' worth of waiting (a hung server gave 15 s for a 3 s
+    `timeout`)."""
     root = server_root(base_url)
     loop = asyncio.get_running_loop()
-    deadline = loop.time() + DESCRIBE_TIMEOUT
+    deadline = loop.time() + min(DESCRIBE_TIMEOUT, within or DESCRIBE_TIMEOUT)
     unreachable = False
 
     async def get_json(method: str, url: str, payload: object = None) -> object:

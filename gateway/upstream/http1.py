@@ -379,13 +379,21 @@ class Pool:
         return connection
 
     async def _send(
-        self, body: bytes, limit: int, error_limit: int, *, streaming: bool, headers: Mapping[str, str]
+        self,
+        body: bytes,
+        limit: int,
+        error_limit: int,
+        *,
+        streaming: bool,
+        headers: Mapping[str, str],
+        waited: float,
     ) -> _Connection:
         """Write the request on an idle connection (or a new one); its `waiter` has the answer.
 
-        `headers`: this request's own, besides the pool's."""
+        `headers`: this request's own, besides the pool's; `waited`: seconds already gone from
+        its deadline."""
         loop = asyncio.get_running_loop()
-        deadline = loop.time() + self.timeout if self.timeout else None
+        deadline = loop.time() + self.timeout - waited if self.timeout else None
         connection = None
         while self._idle:
             candidate = self._idle.pop()
@@ -413,12 +421,20 @@ class Pool:
             connection.close()  # cancelled, failed or left mid-answer: never reused
 
     async def post(
-        self, body: bytes, *, limit: int, error_limit: int, headers: Mapping[str, str] = _NONE
+        self,
+        body: bytes,
+        *,
+        limit: int,
+        error_limit: int,
+        headers: Mapping[str, str] = _NONE,
+        waited: float = 0.0,
     ) -> Answer:
-        """POST `body`; the answer, whole within the pool's `timeout`.
+        """POST `body`; the answer, whole within the pool's `timeout` (less `waited` seconds).
 
         Its body may be at most `limit` bytes (an error status's body is cut to `error_limit`)."""
-        connection = await self._send(body, limit, error_limit, streaming=False, headers=headers)
+        connection = await self._send(
+            body, limit, error_limit, streaming=False, headers=headers, waited=waited
+        )
         assert connection.waiter is not None
         try:
             return await connection.waiter
@@ -426,12 +442,15 @@ class Pool:
             self._release(connection)
 
     @asynccontextmanager
-    async def stream(self, body: bytes, headers: Mapping[str, str] = _NONE) -> AsyncIterator[Streamed]:
+    async def stream(
+        self, body: bytes, headers: Mapping[str, str] = _NONE, *, waited: float = 0.0
+    ) -> AsyncIterator[Streamed]:
         """POST `body`; the answer's status and headers, and its body as it arrives.
 
-        Sizes are the caller's to check; its deadline is the caller's to move. Leaving early
-        closes the connection."""
-        connection = await self._send(body, 0, 0, streaming=True, headers=headers)
+        Its head is due within the pool's `timeout` less `waited` seconds. Sizes are the
+        caller's to check; its deadline is the caller's to move. Leaving early closes the
+        connection."""
+        connection = await self._send(body, 0, 0, streaming=True, headers=headers, waited=waited)
         assert connection.waiter is not None
         try:
             head = await connection.waiter

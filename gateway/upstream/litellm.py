@@ -282,25 +282,41 @@ class LitellmUpstream(Upstream):
         from gateway.upstream.discovery import describe_openai_compatible
 
         async with aiohttp.ClientSession(headers=self.settings.headers or None) as session:
-            return await describe_openai_compatible(session, self.url or OLLAMA_DEFAULT_URL, model)
+            return await describe_openai_compatible(
+                session, self.url or OLLAMA_DEFAULT_URL, model, within=self.settings.timeout or None
+            )
 
-    async def complete(self, body: Body) -> Body:
+    async def complete(self, body: Body, *, waited: float = 0.0) -> Body:
         litellm = await litellm_module(self.name)
         kwargs = self._kwargs({**body, "stream": False})
 
-        async def once() -> Body:
+        async def once(waited: float) -> Body:
             with map_litellm_errors(self.name, self.url):
-                return _dump(await litellm.acompletion(**kwargs))
+                return _dump(await litellm.acompletion(**self._in_time(kwargs, waited)))
 
-        return await complete_with_retries(self.name, self.settings.retries, is_retryable, once)
+        return await complete_with_retries(self.name, self.settings.retries, is_retryable, once, waited)
 
-    def stream(self, body: Body) -> AsyncIterator[Chunk]:
-        async def once() -> AsyncGenerator[Chunk, None]:
+    def stream(self, body: Body, *, waited: float = 0.0) -> AsyncIterator[Chunk]:
+        async def once(waited: float) -> AsyncGenerator[Chunk, None]:
             kwargs = self._kwargs({**body, "stream": True})
             litellm = await litellm_module(self.name)
             with map_litellm_errors(self.name, self.url):
-                response = await litellm.acompletion(**kwargs)
+                response = await litellm.acompletion(**self._in_time(kwargs, waited))
                 async for chunk in response:
                     yield _dump(chunk)
 
-        return stream_with_retries(self.name, self.settings.retries, is_retryable, once)
+        return stream_with_retries(self.name, self.settings.retries, is_retryable, once, waited=waited)
+
+    def _in_time(self, kwargs: dict[str, Any], waited: float) -> dict[str, Any]:
+        """`kwargs` with litellm's `timeout` less the `waited` seconds of the turn's deadline.
+
+        A deadline used up is the provider's 504 at once, nothing sent."""
+        timeout = kwargs.get("timeout")
+        if not waited or not timeout:
+            return kwargs
+        if waited >= timeout:
+            where = f"Provider {self.name!r}" + (f" at {self.url}" if self.url else "")
+            raise UpstreamTimeout(
+                f"{where} sent no answer within {timeout:g} s (providers.{self.name}.timeout)"
+            )
+        return {**kwargs, "timeout": timeout - waited}

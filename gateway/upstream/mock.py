@@ -76,12 +76,12 @@ class MockUpstream(Upstream):
     async def describe(self, model: str) -> ServerWindow | None:
         return self.window
 
-    async def complete(self, body: Body) -> Body:
+    async def complete(self, body: Body, *, waited: float = 0.0) -> Body:
         if self.delay:
             await asyncio.sleep(self.delay)
         return self._completion(body)
 
-    async def stream(self, body: Body) -> AsyncIterator[Chunk]:
+    async def stream(self, body: Body, *, waited: float = 0.0) -> AsyncIterator[Chunk]:
         completion = await self.complete(body)
         include_usage = bool(as_object(body.get("stream_options")).get("include_usage"))
         for chunk in chunks_from_completion(completion, include_usage=include_usage):

@@ -321,7 +321,9 @@ class OpenAIUpstream(Upstream):
         return await list_openai_models(self._client(), self.url)
 
     async def describe(self, model: str) -> ServerWindow | None:
-        window = await describe_openai_compatible(self._client(), self.url, model)
+        # Never longer than the provider's own deadline: the turn asking waits for it, and it
+        # counts against that turn's `timeout` (`waited`).
+        window = await describe_openai_compatible(self._client(), self.url, model, within=self.deadline)
         if window is not None and window.prompt_counter:
             self._prompt_counter = window.prompt_counter  # (one server behind one base_url)
         if window is not None:
@@ -346,19 +348,29 @@ class OpenAIUpstream(Upstream):
     async def count_prompt(self, body: Body) -> int | None:
         return await count_prompt(self._client(), self.url, self._prompt_counter, body)
 
-    async def complete(self, body: Body) -> Body:
+    async def complete(self, body: Body, *, waited: float = 0.0) -> Body:
         body, own = _own_headers(body)
         data = self._outgoing(body)
         return await complete_with_retries(
-            self.name, self.retries, is_retryable, lambda: self._complete_once(data, own)
+            self.name,
+            self.retries,
+            is_retryable,
+            lambda waited: self._complete_once(data, own, waited),
+            waited,
         )
 
-    async def _complete_once(self, data: bytes, own: dict[str, str]) -> Body:
-        with map_upstream_errors(self.name, self.url), self._in_time("no whole answer within"):
+    async def _complete_once(self, data: bytes, own: dict[str, str], waited: float) -> Body:
+        late = "no whole answer within"
+        self._check_time_left(waited, late)
+        with map_upstream_errors(self.name, self.url), self._in_time(late):
             if self._pool is not None:
                 try:
                     answer = await self._pool.post(
-                        data, limit=self.max_response_bytes, error_limit=_ERROR_BODY_BYTES, headers=own
+                        data,
+                        limit=self.max_response_bytes,
+                        error_limit=_ERROR_BODY_BYTES,
+                        headers=own,
+                        waited=waited,
                     )
                 except http1.TooLarge:
                     raise self._too_large() from None
@@ -366,7 +378,7 @@ class OpenAIUpstream(Upstream):
                 headers: Mapping[str, str] = answer.headers
             else:
                 async with (
-                    asyncio.timeout(self.deadline),
+                    asyncio.timeout(self.deadline - waited if self.deadline else None),
                     self._client().post(self._endpoint, data=data, headers=own) as response,
                 ):
                     self._check_head(response)
@@ -389,7 +401,7 @@ class OpenAIUpstream(Upstream):
             raise UpstreamProtocolError(f"Provider {self.name!r} at {self.url} returned no choices")
         return result
 
-    def stream(self, body: Body) -> AsyncIterator[Chunk]:
+    def stream(self, body: Body, *, waited: float = 0.0) -> AsyncIterator[Chunk]:
         body, own = _own_headers(body)
         data = self._outgoing(body)
         wants_usage = bool(as_object(body.get("stream_options")).get("include_usage"))
@@ -397,33 +409,39 @@ class OpenAIUpstream(Upstream):
             self.name,
             self.retries,
             is_retryable,
-            lambda: self._stream_once(data, wants_usage, own),
+            lambda waited: self._stream_once(data, wants_usage, own, waited),
             # Still before the first byte: a proper HTTP error, not a 200.
             empty=lambda: UpstreamProtocolError(
                 f"Provider {self.name!r} at {self.url} ended the stream without an answer"
             ),
+            waited=waited,
         )
 
     async def _stream_once(
-        self, data: bytes, wants_usage: bool, own: dict[str, str]
+        self, data: bytes, wants_usage: bool, own: dict[str, str], waited: float
     ) -> AsyncGenerator[Chunk, None]:
+        late = "no stream event within"
+        self._check_time_left(waited, late)
         with map_upstream_errors(self.name, self.url):
             async with AsyncExitStack() as stack:
-                with self._in_time("no stream event within"):
-                    answer = await self._open_stream(stack, data, own)
+                with self._in_time(late):
+                    answer = await self._open_stream(stack, data, own, waited)
                     if answer.status >= 400:
                         content = await _read_cut(answer.read, _ERROR_BODY_BYTES)
                         raise status_error(self.name, answer.status, content, answer.headers)
                 async for chunk in self._events(answer, wants_usage):
                     yield chunk
 
-    async def _open_stream(self, stack: AsyncExitStack, data: bytes, own: dict[str, str]) -> http1.Streamed:
+    async def _open_stream(
+        self, stack: AsyncExitStack, data: bytes, own: dict[str, str], waited: float
+    ) -> http1.Streamed:
         """The stream's status and headers, once they came (within the deadline), and its body.
 
-        The body is closed with `stack`. `own`: this request's headers, besides the provider's."""
+        The body is closed with `stack`. `own`: this request's headers, besides the provider's;
+        `waited`: seconds already gone from the deadline."""
         if self._pool is not None:
-            return await stack.enter_async_context(self._pool.stream(data, own))
-        deadline = asyncio.get_running_loop().time() + self.deadline if self.deadline else None
+            return await stack.enter_async_context(self._pool.stream(data, own, waited=waited))
+        deadline = asyncio.get_running_loop().time() + self.deadline - waited if self.deadline else None
         async with asyncio.timeout_at(deadline):
             post = self._client().post(self._endpoint, data=data, headers=own)
             response = await stack.enter_async_context(post)
@@ -495,6 +513,13 @@ class OpenAIUpstream(Upstream):
             buffer = buffer[start:]
             if alive:
                 expire_at(loop.time() + idle if idle else None)
+
+    def _check_time_left(self, waited: float, late: str) -> None:
+        """A 504 at once, nothing sent, when the turn's wait on this provider used up its deadline.
+
+        (Its window asked of a server that left the question unanswered: see `describe`.)"""
+        if self.deadline is not None and waited >= self.deadline:
+            raise self._timed_out(late, self.deadline, "timeout")
 
     @contextmanager
     def _in_time(self, late: str) -> Iterator[None]:

@@ -19,7 +19,7 @@ class Slow(MockUpstream):
         super().__init__(lambda body: "one two three four five six seven eight nine ten eleven twelve")
         self.gate: asyncio.Event | None = None
 
-    async def stream(self, body: dict[str, Any]) -> Any:  # type: ignore[override]
+    async def stream(self, body: dict[str, Any], *, waited: float = 0.0) -> Any:  # type: ignore[override]
         completion = await self.complete(body)
         from gateway.upstream.base import chunks_from_completion
 

@@ -67,7 +67,7 @@ def test_a_client_that_leaves_mid_turn_has_its_turn_cancelled(caplog: pytest.Log
 class StallingStream(MockUpstream):
     """Streams its answer's first chunk, then stalls."""
 
-    async def stream(self, body: Body) -> AsyncIterator[Chunk]:
+    async def stream(self, body: Body, *, waited: float = 0.0) -> AsyncIterator[Chunk]:
         async for chunk in super().stream(body):
             yield chunk
             await asyncio.sleep(30.0)

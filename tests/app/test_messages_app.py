@@ -67,7 +67,7 @@ async def test_messages_turns_get_the_log_line_and_metrics_chat_turns_get(
 class BreaksMidStream(MockUpstream):
     """Sends a first chunk, then fails as a provider dropping the connection does."""
 
-    async def stream(self, body: Body) -> AsyncIterator[Chunk]:
+    async def stream(self, body: Body, *, waited: float = 0.0) -> AsyncIterator[Chunk]:
         self.requests.append(body)
         yield {"id": "x", "object": "chat.completion.chunk", "created": 0, "model": "m",
                "choices": [{"index": 0, "delta": {"role": "assistant", "content": "Hel"}}]}  # fmt: skip

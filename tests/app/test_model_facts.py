@@ -177,6 +177,60 @@ async def test_a_server_that_does_not_answer_is_asked_one_question_not_four(
     assert heads == [b"GET /props HTTP/1.1\r\n"]
 
 
+@pytest.mark.parametrize("stream", [False, True])
+async def test_a_hung_providers_first_turn_ends_at_its_timeout_not_after_the_window_question(
+    stream: bool,
+) -> None:
+    """A provider's `timeout` is the turn's deadline, its window's question included.
+
+    The first turn for a model on a server that accepts connections and never answers waited
+    3 s for the window (GET /props), then sent its request and waited the whole `timeout`
+    again: a 504 after 4 s for a 1 s `timeout`. Now the question is held to the `timeout`, the
+    time it took counts against the request's, and a deadline used up sends nothing more."""
+    heads: list[bytes] = []
+
+    async def hang(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        heads.append(await reader.readline())
+        await asyncio.sleep(30)
+
+    server = await asyncio.start_server(hang, "127.0.0.1", 0)
+    port = server.sockets[0].getsockname()[1]
+    provider = (
+        make_settings()
+        .providers["mock"]
+        .model_copy(update={"base_url": f"http://127.0.0.1:{port}/v1", "timeout": 1.0, "retries": 0})
+    )
+    settings = make_settings().model_copy(update={"providers": {"mock": provider}})
+    from gateway.app import create_app
+
+    app = create_app(settings, store=MemoryStore())
+    loop = asyncio.get_running_loop()
+    try:
+        async with (
+            httpx.AsyncClient(
+                transport=httpx.ASGITransport(app=app), base_url="http://g", timeout=30
+            ) as client,
+            app.router.lifespan_context(app),
+        ):
+            began = loop.time()
+            answer = await client.post(
+                "/v1/chat/completions",
+                json={
+                    "model": "mock/m",
+                    "stream": stream,
+                    "conversation_id": "c1",
+                    "messages": [{"role": "user", "content": "hi"}],
+                },
+            )
+            took = loop.time() - began
+    finally:
+        server.close()
+    assert answer.status_code == 504, answer.text
+    assert "providers.mock.timeout" in answer.json()["error"]["message"]
+    assert heads == [b"GET /props HTTP/1.1\r\n"]  # the request itself was never sent
+    assert took < 2.5  # (was 4 s: the window's 3 s question, then the whole timeout)
+
+
 async def test_window_precedence_and_the_server_is_asked_once() -> None:
     asked = []
 

@@ -227,7 +227,7 @@ async def test_the_response_log_is_on_disk_while_the_provider_answers(tmp_path: 
     seen: list[list[str]] = []
 
     class Watching(MockUpstream):
-        async def complete(self, body: dict[str, Any]) -> dict[str, Any]:
+        async def complete(self, body: dict[str, Any], *, waited: float = 0.0) -> dict[str, Any]:
             await asyncio.sleep(0.05)  # the provider at work
             seen.append([json.loads(p.read_text().splitlines()[0])["type"] for p in responses.iterdir()])
             return await super().complete(body)
@@ -361,7 +361,7 @@ async def test_upstream_timeout_is_504_and_adds_nothing(memory_store: MemoryStor
 
 async def test_stream_error_mid_stream_is_reported_in_band_and_not_stored(memory_store: MemoryStore) -> None:
     class Broken(MockUpstream):
-        async def stream(self, body: dict[str, Any]) -> Any:
+        async def stream(self, body: dict[str, Any], *, waited: float = 0.0) -> Any:
             yield {
                 "id": "x",
                 "object": "chat.completion.chunk",
@@ -384,7 +384,7 @@ async def test_stream_error_mid_stream_is_reported_in_band_and_not_stored(memory
 
 async def test_stream_without_finish_is_incomplete(memory_store: MemoryStore) -> None:
     class Cut(MockUpstream):
-        async def stream(self, body: dict[str, Any]) -> Any:
+        async def stream(self, body: dict[str, Any], *, waited: float = 0.0) -> Any:
             yield {
                 "id": "x",
                 "object": "chat.completion.chunk",
@@ -505,7 +505,7 @@ def test_active_conversation_tracking_is_bounded(monkeypatch: pytest.MonkeyPatch
 
 async def test_malformed_chunk_mid_stream_is_an_in_band_error(memory_store: MemoryStore) -> None:
     class Bad(MockUpstream):
-        async def stream(self, body: dict[str, Any]) -> Any:
+        async def stream(self, body: dict[str, Any], *, waited: float = 0.0) -> Any:
             yield {"choices": [{"index": 0, "delta": {"content": "Hel"}, "finish_reason": None}]}
             yield {"choices": [{"index": 0, "delta": "lo"}]}  # not an object: breaks the accumulator
 
@@ -628,7 +628,7 @@ async def test_a_closed_turn_gives_one_frozen_outcome(memory_store: MemoryStore)
 class _Breaking(MockUpstream):
     """A provider whose stream breaks after its first chunk with what no gateway error is."""
 
-    async def stream(self, body: Any) -> Any:
+    async def stream(self, body: Any, *, waited: float = 0.0) -> Any:
         yield {"choices": [{"index": 0, "delta": {"content": "fo"}, "finish_reason": None}]}
         raise ValueError("not JSON")
 

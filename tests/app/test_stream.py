@@ -171,7 +171,7 @@ def test_a_reply_that_could_not_be_replayed_is_the_providers_bad_answer(message:
 class SplitStream(MockUpstream):
     """Streams SPLIT_CALLS for the first request, then a plain answer."""
 
-    async def stream(self, body: Body) -> AsyncIterator[Chunk]:
+    async def stream(self, body: Body, *, waited: float = 0.0) -> AsyncIterator[Chunk]:
         self.requests.append(body)
         if len(self.requests) == 1:
             for chunk in SPLIT_CALLS:
@@ -213,7 +213,7 @@ async def test_split_tool_calls_through_the_app_are_stored_whole_and_replayed() 
 class BreaksMidStream(MockUpstream):
     """Sends a first chunk, then fails as a provider dropping the connection does."""
 
-    async def stream(self, body: Body) -> AsyncIterator[Chunk]:
+    async def stream(self, body: Body, *, waited: float = 0.0) -> AsyncIterator[Chunk]:
         from gateway.exceptions import UpstreamProtocolError
 
         self.requests.append(body)

@@ -40,7 +40,7 @@ class Model(MockUpstream):
         self.turns.append(body)
         return "noted."
 
-    async def complete(self, body: dict[str, Any]) -> dict[str, Any]:
+    async def complete(self, body: dict[str, Any], *, waited: float = 0.0) -> dict[str, Any]:
         if summarizing(body) and self.hold is not None:
             self.holding.set()
             await self.hold.wait()

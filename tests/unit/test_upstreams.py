@@ -231,6 +231,15 @@ async def test_litellm_path_retries_like_the_fast_path(
     )
     with pytest.raises(UpstreamUnreachable):  # not "returned HTTP 500"
         await LitellmUpstream("dead", dead).complete(dict(BODY))
+    # The turn's wait for the provider counts against its `timeout`: used up, nothing is sent.
+    upstream.reset()
+    with pytest.raises(UpstreamTimeout, match=r"providers\.lite\.timeout"):
+        await lite(1).complete(dict(BODY), waited=10)
+    with pytest.raises(UpstreamTimeout):
+        [c async for c in lite(1).stream(dict(BODY), waited=12)]
+    assert upstream.requests == []
+    assert (await lite(1).complete(dict(BODY), waited=9))["choices"]  # a second is left
+    assert len(upstream.requests) == 1
 
 
 async def test_litellm_path_takes_only_openai_parameters_from_the_client(
