@@ -7,6 +7,7 @@ reports how it ended."""
 from __future__ import annotations
 
 import asyncio
+import secrets
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable, Coroutine
 from typing import Any, TypeVar
@@ -54,9 +55,13 @@ def error_response(exc: GatewayError) -> Response:
     return JSONBody(exc.to_dict(), status_code=exc.status_code, headers=exc.headers())
 
 
-def anthropic_error_response(exc: GatewayError) -> Response:
-    body = error_body(exc.status_code, exc.message)
-    return JSONBody(body, status_code=exc.status_code, headers=exc.headers())
+def anthropic_error_response(exc: GatewayError, request_id: str | None = None) -> Response:
+    """The error in Anthropic's shape, its `request_id` in the body and the `request-id` header.
+
+    `request_id`: the turn's response id once there is one; else one made for this answer."""
+    request_id = request_id or f"req_{secrets.token_hex(12)}"
+    body = error_body(exc.status_code, exc.message, request_id)
+    return JSONBody(body, status_code=exc.status_code, headers={**exc.headers(), "request-id": request_id})
 
 
 def is_anthropic_path(path: str) -> bool:

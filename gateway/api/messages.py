@@ -14,10 +14,11 @@ app's error handlers render every error under /v1/messages so), after the stream
 from __future__ import annotations
 
 import asyncio
+import functools
 import logging
 import secrets
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from typing import Any
 
 import orjson
@@ -77,6 +78,11 @@ def _headers(turn: PreparedTurn) -> dict[str, str]:
     return {**turn_headers(turn), "request-id": turn.response_id}
 
 
+def _error_of(turn: PreparedTurn) -> Callable[[GatewayError], Response]:
+    """Anthropic's error for a turn that failed: its `request_id` is the turn's response id."""
+    return functools.partial(anthropic_error_response, request_id=turn.response_id)
+
+
 def _message(turn: PreparedTurn, outcome: TurnOutcome, completion: JSONObject | None) -> JSONObject:
     """The `message` of a completed turn: what was stored, with the provider's usage."""
     choices = as_list((completion or {}).get("choices"))
@@ -113,7 +119,9 @@ async def message_events(turn: PreparedTurn, chunks: TurnStream) -> AsyncIterato
     `message_stop`. The turn is committed and closed before `message_delta`; a failure once the
     stream began is an `error` event, as Anthropic sends it, after which nothing more comes."""
     model = turn.request.model
-    yield sse(anthropic.message_start(turn.response_id, model, turn.planned_tokens or 0))
+    yield sse(
+        anthropic.message_start(turn.response_id, model, turn.planned_tokens or 0, turn.conversation_id)
+    )
     yield sse({"type": "ping"})
     blocks = anthropic.BlockEvents()
     try:
@@ -162,7 +170,7 @@ async def create_message(request: Request) -> Response:
                 completion = await until_disconnect(service.complete(turn), request.receive, started=started)
         except BaseException as exc:
             return failed_response(
-                turn.closed(), exc, metrics, _headers(turn), event=EVENT, render=anthropic_error_response
+                turn.closed(), exc, metrics, _headers(turn), event=EVENT, render=_error_of(turn)
             )
         outcome = turn.closed()
         # The log line before the answer: whoever has the answer finds its line written.
@@ -174,7 +182,7 @@ async def create_message(request: Request) -> Response:
             chunks = await until_disconnect(service.open_chunks(turn), request.receive, started=started)
     except BaseException as exc:
         return failed_response(
-            turn.closed(), exc, metrics, _headers(turn), event=EVENT, render=anthropic_error_response
+            turn.closed(), exc, metrics, _headers(turn), event=EVENT, render=_error_of(turn)
         )
 
     async def on_close(exc: BaseException | None) -> None:

@@ -473,10 +473,13 @@ def message_object(
 # -- streams -------------------------------------------------------------------------------------
 
 
-def message_start(message_id: str, model: str, input_tokens: int) -> JSONObject:
+def message_start(
+    message_id: str, model: str, input_tokens: int, conversation_id: str | None = None
+) -> JSONObject:
     """The stream's first event: the message without content.
 
     `input_tokens` is the gateway's count of the prompt; `message_delta` gives the provider's.
+    The message names its `conversation_id` (the gateway's extension), as a whole one does.
     """
     usage: JSONObject = {"input_tokens": input_tokens, "output_tokens": 0}
     usage.update(cache_read_input_tokens=0, cache_creation_input_tokens=0)
@@ -484,6 +487,8 @@ def message_start(message_id: str, model: str, input_tokens: int) -> JSONObject:
         message_id=message_id, model=model, message=None, finish_reason=None, usage=usage
     )
     message["stop_reason"] = None
+    if conversation_id is not None:
+        message["conversation_id"] = conversation_id
     return {"type": "message_start", "message": message}
 
 
@@ -589,6 +594,11 @@ def error_type(status: int) -> str:
     return ERROR_TYPES.get(status) or ("invalid_request_error" if status < 500 else "api_error")
 
 
-def error_body(status: int, message: str) -> JSONObject:
-    """Anthropic's error shape: `{"type": "error", "error": {"type", "message"}}`."""
-    return {"type": "error", "error": {"type": error_type(status), "message": message}}
+def error_body(status: int, message: str, request_id: str | None = None) -> JSONObject:
+    """Anthropic's error shape: `{"type": "error", "error": {"type", "message"}, "request_id"}`.
+
+    A stream's `error` event has no `request_id` (the stream's head carried it)."""
+    body: JSONObject = {"type": "error", "error": {"type": error_type(status), "message": message}}
+    if request_id is not None:
+        body["request_id"] = request_id
+    return body

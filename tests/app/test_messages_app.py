@@ -59,6 +59,7 @@ async def test_messages_turns_get_the_log_line_and_metrics_chat_turns_get(
     assert lines[1]["conversation_id"] == "logged" and lines[1]["tokens"]["total"] > 0
     # The stream's message_start says the prompt as the window counted it.
     assert streamed[0][1]["message"]["usage"]["input_tokens"] == lines[1]["tokens"]["total"]
+    assert streamed[0][1]["message"]["conversation_id"] == "logged"  # as on a whole message
     assert 'gateway_upstream_seconds_count{provider="mock"} 2.0' in metrics  # both turns counted
     assert 'gateway_requests_total{route="create_message",status="200"} 2.0' in metrics
     assert len(upstream.requests) == 2
@@ -112,11 +113,14 @@ async def test_a_failure_before_the_answer_is_its_status_in_anthropics_shape() -
         for stream in (False, True):
             r = await client.post("/v1/messages", json=request(stream=stream), headers=VERSION)
             assert r.status_code == 504
+            # Anthropic's `request_id` (body) and `request-id` (header): the attempt's log
+            rid = r.headers["x-response-id"]
+            assert rid.startswith("mock-m-") and r.headers["request-id"] == rid
             assert r.json() == {
                 "type": "error",
                 "error": {"type": "timeout_error", "message": "Provider 'mock' did not answer within 5 s"},
+                "request_id": rid,
             }
-            assert r.headers["x-response-id"].startswith("mock-m-")  # the attempt's log
 
 
 async def test_the_stored_turn_is_the_chat_turn_the_other_apis_read() -> None:
@@ -177,9 +181,15 @@ async def test_a_bad_request_is_a_400_naming_the_field_as_anthropic_has_it(
     body = {k: v for k, v in {**request(), **fields}.items() if v is not None}
     async with build_client(make_settings(), MemoryStore(), upstream) as client:
         r = await client.post("/v1/messages", json=body, headers=VERSION)
+    request_id = r.headers["request-id"]  # Anthropic's, in the header and the body
+    assert request_id.startswith("req_")
     assert (r.status_code, r.json()) == (
         400,
-        {"type": "error", "error": {"type": "invalid_request_error", "message": message}},
+        {
+            "type": "error",
+            "error": {"type": "invalid_request_error", "message": message},
+            "request_id": request_id,
+        },
     )
     assert upstream.requests == []
 

@@ -226,12 +226,14 @@ def test_errors_are_in_anthropics_shape(gateway: GatewayProcess, upstream: MockS
             cast_to=Message,
         )
     assert caught.value.status_code == 400
+    assert caught.value.request_id and caught.value.request_id.startswith("req_")
     assert caught.value.body == {
         "type": "error",
         "error": {
             "type": "invalid_request_error",
             "message": "'max_tokens' is required and must be an integer between 1 and 10000000",
         },
+        "request_id": caught.value.request_id,
     }
     bad_image = {"type": "image", "source": {"type": "url", "url": "file:///etc/passwd"}}
     with pytest.raises(anthropic.BadRequestError, match=r"messages\[0\]\.content\[0\]"):
@@ -277,6 +279,7 @@ def test_gateway_keys_by_bearer_or_x_api_key(keyed_gateway: GatewayProcess, upst
     assert caught.value.body == {
         "type": "error",
         "error": {"type": "authentication_error", "message": "Invalid gateway key"},
+        "request_id": caught.value.request_id,
     }
     missing = httpx.post(f"{gw.url}/v1/messages/count_tokens", json={}, headers=VERSION)
     assert missing.status_code == 401 and missing.json()["error"]["type"] == "authentication_error"
