@@ -11,6 +11,7 @@ from typing import Any
 
 import orjson
 
+from gateway.api.background import sequence_of
 from gateway.context import Message
 from gateway.context.items import message_to_items
 from gateway.exceptions import GatewayError
@@ -54,11 +55,12 @@ def response_object(
     status: str | None = None,
     error: JSONObject | None = None,
     lead: list[JSONObject] | None = None,
+    completed: float | None = None,
 ) -> dict[str, Any]:
     """The Responses API's `response` object.
 
     `lead`: output items before the answer's (the compaction item of a turn that compacted its
-    conversation)."""
+    conversation). `completed`: when a completed one was (`completed_at`; default: now)."""
     prompt = int((usage or {}).get("prompt_tokens") or 0)
     completion = int((usage or {}).get("completion_tokens") or 0)
     prompt_details = (usage or {}).get("prompt_tokens_details")
@@ -69,6 +71,9 @@ def response_object(
         "id": response_id,
         "object": "response",
         "created_at": int(created),
+        "completed_at": int(completed if completed is not None else time.time())
+        if status == "completed"
+        else None,
         "status": status,
         "model": model,
         "output": [*(lead or ()), *output_items(message, response_id, position)],
@@ -296,10 +301,24 @@ def finishing_events(
             )
         seq += 1
         yield event("response.output_item.done", seq, output_index=index, item=item)
-    seq += 1
-    # As OpenAI's: an answer cut short (max_output_tokens) ends its stream `response.incomplete`.
-    done = "response.incomplete" if final.get("status") == "incomplete" else "response.completed"
-    yield event(done, seq, response=final)
+    yield from ending_events(final, seq)
+
+
+def ending_events(final: dict[str, Any], seq: int) -> Iterator[bytes]:
+    """A response stream's last event, numbered after `seq`, as its status says.
+
+    As OpenAI's: `response.completed`; an answer cut short (max_output_tokens)
+    `response.incomplete`; a failed one `error`, then `response.failed`. A cancelled one (OpenAI
+    names no event for it) ends `response.incomplete`, its status `cancelled`, so that a follower
+    waiting for an end sees one."""
+    status = final.get("status")
+    if status == "failed":
+        err = final.get("error") or {}
+        yield event("error", seq + 1, code=err.get("code"), message=err.get("message", ""), param=None)
+        yield event("response.failed", seq + 2, response=final)
+        return
+    done = "response.incomplete" if status in ("incomplete", "cancelled") else "response.completed"
+    yield event(done, seq + 1, response=final)
 
 
 def _added(item: JSONObject) -> JSONObject:
@@ -311,15 +330,24 @@ def _added(item: JSONObject) -> JSONObject:
     return item
 
 
-def replayed_events(final: dict[str, Any]) -> Iterator[bytes]:
-    """A stored response as the events of a whole answer.
+def replayed_events(final: dict[str, Any], after: int = -1) -> Iterator[bytes]:
+    """A stored response as the events of a whole answer, those numbered after `after`.
 
-    For a background response whose own events are no longer kept: created, in progress, then
-    every item's done events."""
-    skeleton = {**final, "status": "in_progress", "output": [], "error": None}
-    yield event("response.created", 0, response=skeleton)
-    yield event("response.in_progress", 1, response=skeleton)
-    yield from finishing_events(final, set(), 1)
+    For a background response whose own events are no longer kept (a restart, another worker):
+    created, in progress, then every item's done events, and the end its status says. These are
+    numbered afresh, fewer than the stream first had (no deltas): a client that had got further
+    than they go (`after` past their last) gets the last event alone, numbered `after` + 1, so
+    that it learns how the response ended."""
+    skeleton = {**final, "status": "in_progress", "output": [], "error": None, "completed_at": None}
+    frames = [
+        event("response.created", 0, response=skeleton),
+        event("response.in_progress", 1, response=skeleton),
+        *finishing_events(final, set(), 1),
+    ]
+    if after >= sequence_of(frames[-1]):
+        yield from ending_events(final, after)
+        return
+    yield from (frame for frame in frames if sequence_of(frame) > after)
 
 
 def failed_events(created: float, exc: GatewayError, common: dict[str, Any]) -> Iterator[bytes]:

@@ -34,7 +34,13 @@ from gateway.api.http import (
 )
 from gateway.api.observe import log_failure, log_line, refused, stream_closed
 from gateway.api.pages import list_params, paginate
-from gateway.api.response_shapes import failed_events, replayed_events, response_events, response_object
+from gateway.api.response_shapes import (
+    ending_events,
+    failed_events,
+    replayed_events,
+    response_events,
+    response_object,
+)
 from gateway.api.schemas import InputTokensCount, ResponseCreate
 from gateway.api.validation import parse_chat, validate
 from gateway.context import Message
@@ -46,7 +52,7 @@ from gateway.services import Services
 from gateway.services.counting import PromptCount
 from gateway.services.requests import ChatRequest
 from gateway.services.turn import PreparedTurn
-from gateway.types import JSONObject, Record, as_object
+from gateway.types import JSONObject, Record, as_object, number
 
 # OpenAI's reasoning models refuse `max_tokens` ("Use 'max_completion_tokens' instead").
 _REASONING_MODELS = re.compile(r"(o\d|gpt-5)")
@@ -254,6 +260,8 @@ async def create_response(request: Request) -> Response:
             chat_body["conversation_id"] = chat.conversation_id = cid
         chat.previous_response_id = previous
         chat.truncation = params["truncation"]
+        # A turn in a conversation is kept, `store: false` or not: naming one asks for that.
+        params["store"] = params["store"] or cid is not None
         # What the Responses API echoes back, kept in the request record for a later GET.
         chat.echo = {**params, "previous_response_id": previous}
         if params["background"]:
@@ -358,6 +366,18 @@ def start_background(
                     run.add(frame)
         except asyncio.CancelledError as exc:
             failure = exc
+            if run.cancelled:  # (`cancel`): its followers see how it ended, as a replay says it
+                ended = response_object(
+                    created=turn.created or time.time(),
+                    message=None,
+                    finish_reason=None,
+                    usage=None,
+                    status="cancelled",
+                    lead=lead,
+                    **common,
+                )
+                for frame in ending_events(ended, sequence_of(run.events[-1]) if run.events else 1):
+                    run.add(frame)
             raise
         except Exception as exc:  # noqa: BLE001 - said in the run's events and its log
             failure = exc
@@ -474,6 +494,7 @@ async def get_response(request: Request) -> Response:
         status=_status(stored.status, stored.outcome, echo),
         error=stored.error,
         lead=lead_items(echo),
+        completed=number(stored.outcome.get("committed")),
     )
     if streamed:
         if not (isinstance(echo, dict) and echo.get("background")):
@@ -486,11 +507,7 @@ async def get_response(request: Request) -> Response:
             raise ConversationBusy(
                 f"Response {rid!r} is running in another gateway process: poll it, or stream it from there"
             )
-        frames = [
-            f
-            for f in replayed_events(obj)
-            if sequence_of(f) > _starting_after(request.query_params.get("starting_after"))
-        ]
+        frames = list(replayed_events(obj, _starting_after(request.query_params.get("starting_after"))))
         return SSEResponse(_frames(frames), headers={}, on_close=_nothing)
     obj["gateway"] = {
         "request": _without_type(stored.request),
@@ -524,7 +541,7 @@ def _starting_after(value: str | None) -> int:
         after = int(value)
     except ValueError:
         after = -2
-    if after < -1:
+    if after < 0:
         raise InvalidRequest("'starting_after' must be a sequence number (0 or more)", param="starting_after")
     return after
 
@@ -546,6 +563,7 @@ async def _in_progress(request: Request, rid: str, tenant: str, status: str) -> 
         conversation_id=stored.conversation_id,
         previous_response_id=params.get("previous_response_id"),
         status=status,
+        lead=lead_items(echo),
     )
 
 

@@ -8,6 +8,8 @@ from typing import Any
 
 import httpx
 
+from gateway.exceptions import UpstreamTimeout
+from gateway.store.memory import MemoryStore
 from gateway.upstream.mock import MockUpstream
 from tests.conftest import app_of, build_client, make_settings
 
@@ -146,6 +148,10 @@ async def test_a_background_response_cancelled_mid_answer_keeps_nothing() -> Non
         assert (await client.post(f"/v1/responses/{rid}/cancel")).json()["status"] == "cancelled"
         again = await client.post(f"/v1/responses/{rid}/cancel")  # (a second cancel: as it is)
         assert again.status_code == 200 and again.json()["status"] == "cancelled"
+        # Its followers see it end (they saw its last delta, then nothing).
+        replay = (await client.get(f"/v1/responses/{rid}?stream=true")).content
+        last = httpx.Response(200, content=events(replay)[-1].partition(b"\ndata: ")[2]).json()
+        assert (last["type"], last["response"]["status"]) == ("response.incomplete", "cancelled")
         upstream.gate = None
         r = await client.post(
             "/v1/responses", json={"model": "mock/m", "input": "second", "conversation": conv}
@@ -158,3 +164,70 @@ async def test_a_background_response_cancelled_mid_answer_keeps_nothing() -> Non
         plain = (await client.post("/v1/responses", json={"model": "mock/m", "input": "x"})).json()["id"]
         refused = await client.post(f"/v1/responses/{plain}/cancel")
         assert refused.status_code == 400  # not a background response
+
+
+def kinds(body: bytes) -> list[tuple[str, int]]:
+    """(type, sequence_number) of each event of a stream's body."""
+    found = []
+    for frame in events(body):
+        data = frame.partition(b"\ndata: ")[2]
+        payload = httpx.Response(200, content=data).json()
+        found.append((payload["type"], payload["sequence_number"]))
+    return found
+
+
+async def test_a_replay_rebuilt_from_the_log_ends_as_the_response_did() -> None:
+    """Replayed where its own events were no longer kept (a restart, another worker), a failed
+    response ended `response.completed`, and a client that had read further than the rebuilt
+    events go (they have no deltas) got an empty stream, never learning it had ended."""
+    store = MemoryStore()
+
+    def fails(body: dict[str, Any]) -> str:
+        raise UpstreamTimeout("Provider 'mock' did not answer within 5 s")
+
+    async with build_client(make_settings(), store, Slow()) as client:
+        body = {"model": "mock/m", "input": "hi", "background": True, "stream": True}
+        async with client.stream("POST", "/v1/responses", json=body) as r:
+            live = b"".join([chunk async for chunk in r.aiter_bytes()])
+        done = httpx.Response(200, content=events(live)[-1].partition(b"\ndata: ")[2]).json()
+        rid = done["response"]["id"]
+        assert done["response"]["completed_at"] >= done["response"]["created_at"]
+    async with build_client(make_settings(), store, MockUpstream(fails)) as client:
+        failed = (await client.post("/v1/responses", json={**body, "stream": False})).json()["id"]
+        await poll(client, failed, {"failed"})
+    async with build_client(make_settings(), store, Slow()) as client:  # neither run kept here
+        whole = (await client.get(f"/v1/responses/{rid}?stream=true")).content
+        past = (await client.get(f"/v1/responses/{rid}?stream=true&starting_after=15")).content
+        broken = (await client.get(f"/v1/responses/{failed}?stream=true")).content
+        negative = await client.get(f"/v1/responses/{rid}?stream=true&starting_after=-1")
+        got = (await client.get(f"/v1/responses/{rid}")).json()
+    assert kinds(whole)[0] == ("response.created", 0) and kinds(whole)[-1][0] == "response.completed"
+    assert len(kinds(whole)) < 10 and kinds(live)[-1][1] > 15  # fewer than the live stream had
+    assert kinds(past) == [("response.completed", 16)]  # its end, after the client's place
+    assert [kind for kind, _ in kinds(broken)][-2:] == ["error", "response.failed"]
+    assert negative.status_code == 400
+    assert got["completed_at"] == done["response"]["completed_at"]
+
+
+async def test_a_compaction_item_is_first_in_the_output_while_polled() -> None:
+    """Queued, the response listed its compaction item; polled while in progress, not."""
+    upstream = Slow()
+    async with build_client(make_settings(), MemoryStore(), upstream) as client:
+        previous = None
+        for text in ["Hi, my name is Bob.", "my city is Oslo", "I like trains a lot."]:
+            body = {"model": "mock/m", "input": text, "previous_response_id": previous}
+            previous = (await client.post("/v1/responses", json=body)).json()["id"]
+        upstream.gate = asyncio.Event()
+        manage = [{"type": "compaction", "compact_threshold": 60}]
+        body = {"model": "mock/m", "input": "my dog is Rex", "previous_response_id": previous}
+        queued = (
+            await client.post(
+                "/v1/responses", json={**body, "background": True, "context_management": manage}
+            )
+        ).json()
+        polled = await poll(client, queued["id"], {"in_progress"})
+        upstream.gate.set()
+        done = await poll(client, queued["id"], {"completed"})
+    assert [i["type"] for i in queued["output"]] == ["compaction"]
+    assert [i["type"] for i in polled["output"]] == ["compaction"]
+    assert [i["type"] for i in done["output"]] == ["compaction", "message"]

@@ -136,3 +136,18 @@ async def test_input_items_leave_the_instructions_out() -> None:
         ]
     assert [(i["role"], i["content"][0]["text"]) for i in items] == [("user", "hi there")]
     assert [i["role"] for i in items2] == ["system", "user"]  # a system message of the input is listed
+
+
+async def test_store_false_in_a_named_conversation_keeps_the_turn_and_says_so() -> None:
+    """The turn went into the conversation (and was replayed) while its response said
+    `store: false`. Naming a conversation keeps the turn; without one, nothing is kept."""
+    async with build_client(make_settings(), MemoryStore(), MockUpstream()) as client:
+        first = (await respond(client, "my pin is 4321")).json()
+        kept = await respond(client, "and more", previous_response_id=first["id"], store=False)
+        chained = await respond(client, "again", previous_response_id=kept.json()["id"])
+        alone = await respond(client, "hello", store=False)
+        fetched = await client.get(f"/v1/responses/{kept.json()['id']}")
+    assert kept.status_code == chained.status_code == 200
+    assert kept.json()["store"] is True and fetched.json()["store"] is True
+    assert "(turn 3, 5 messages in my context)" in chained.json()["output"][0]["content"][0]["text"]
+    assert alone.json()["store"] is False and alone.json()["conversation"] is None
