@@ -152,6 +152,21 @@ def _tool_calls(param: str, error: ErrorDetails) -> str:
     return f"{param} must be an array on an assistant message"
 
 
+MAX_METADATA = 16
+Metadata = Annotated[
+    dict[Annotated[str, Field(max_length=64)], Annotated[str, Field(max_length=512)]],
+    Field(max_length=MAX_METADATA),
+]
+
+
+def _metadata(param: str, error: ErrorDetails) -> str:
+    if len(error["loc"]) > 1:
+        return "metadata keys are ≤64 characters and values strings ≤512"
+    if error["type"] == "missing" or error["input"] is None:
+        return "'metadata' is required"
+    return f"'metadata' must be an object of at most {MAX_METADATA} string pairs"
+
+
 class ChatCompletionRequest(BaseModel):
     model_config = BODY
 
@@ -175,9 +190,13 @@ class ChatCompletionRequest(BaseModel):
     temperature: SkipValidation[float | None] = None
     tools: SkipValidation[list[dict[str, object]] | None] = None
     tool_choice: SkipValidation[str | dict[str, object] | None] = None
+    # Kept with a stored chat completion (`GET /v1/chat/completions?metadata[k]=v`), as OpenAI
+    # checks it: refused here rather than stored in part.
+    metadata: Metadata | None = None
 
     error_messages: ClassVar[ErrorMessages] = {
         "": NOT_AN_OBJECT,
+        "metadata": _metadata,
         "model": "'model' is required and must be a non-empty string",
         "messages": "'messages' must be a non-empty array",
         "messages[]": "{param} must be an object",
@@ -299,21 +318,6 @@ def item_errors(field: str) -> ErrorMessages:
         f"{field}[].role": "{param} must be user, assistant, system or developer",
         f"{field}[].content": "{param} must be a string or an array of parts",
     }
-
-
-MAX_METADATA = 16
-Metadata = Annotated[
-    dict[Annotated[str, Field(max_length=64)], Annotated[str, Field(max_length=512)]],
-    Field(max_length=MAX_METADATA),
-]
-
-
-def _metadata(param: str, error: ErrorDetails) -> str:
-    if len(error["loc"]) > 1:
-        return "metadata keys are ≤64 characters and values strings ≤512"
-    if error["type"] == "missing" or error["input"] is None:
-        return "'metadata' is required"
-    return f"'metadata' must be an object of at most {MAX_METADATA} string pairs"
 
 
 # -- the Responses API ---------------------------------------------------------------------------

@@ -141,6 +141,22 @@ async def test_metadata_is_set_whole_within_openais_limits(client: Client) -> No
     assert (await client.get(f"/v1/chat/completions/{rid}")).json()["metadata"] == {}
 
 
+async def test_metadata_is_checked_on_create_as_on_update(client: Client) -> None:
+    """A create kept 20 pairs, and dropped a pair whose value was not a string, with a 200."""
+    listed_before = await listed(client)
+    for bad in (
+        {f"k{n}": "v" for n in range(17)},
+        {"a": 1, "b": "x"},
+        {"k" * 65: "v"},
+        "team",
+    ):
+        body = {"model": "mock/m", "messages": [{"role": "user", "content": "hi"}], "metadata": bad}
+        r = await client.post("/v1/chat/completions", json=body)
+        assert r.status_code == 400, (bad, r.text)
+        assert r.json()["error"]["param"] == "metadata" or r.json()["error"]["param"].startswith("metadata")
+    assert await listed(client) == listed_before  # nothing stored
+
+
 async def test_the_messages_are_what_the_request_added(client: Client) -> None:
     """The system message when the request set the system prompt, then its new messages; a
     history the client resends is not repeated; parts are `content_parts`."""
