@@ -70,6 +70,12 @@ def _chat(body: object, header_conversation_id: str | None) -> ChatRequest:
     chat_body.update({key: body[key] for key in EXTENSIONS if body.get(key) is not None})
     chat = parse_chat(chat_body, header_conversation_id=header_conversation_id)
     chat.from_messages_api = True  # (recorded: not a chat completion for the stored-completions lists)
+    last = chat.messages[-1]
+    text = last.get("content")
+    if last.get("role") == "assistant" and not last.get("tool_calls") and isinstance(text, str):
+        # Anthropic's prefill: the answer goes on from this text (and the message returned is
+        # what was added). The conversation keeps the two as one assistant message.
+        chat.prefill = text or None
     return chat
 
 

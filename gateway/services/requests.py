@@ -63,3 +63,6 @@ class ChatRequest:
     # The summary version a compaction made for this turn (Responses `context_management`):
     # the window is cut to start with it, whatever the previous turn's head was.
     compaction_version: int | None = None
+    # Anthropic's prefill: the request ends with this assistant text, which the answer goes on
+    # from. Sent as it is; stored as the beginning of the answer, not as a message of its own.
+    prefill: str | None = None

@@ -6,6 +6,7 @@ commit, and the `response` record."""
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import logging
 import secrets
 import time
@@ -273,6 +274,23 @@ class Planned:
             return [clean_message(m) for m in [*self.system_in, *self.new]]
         return self.plan.window.messages
 
+    def without_prefill(self, prefill: str | None) -> Planned:
+        """What of the turn is stored as its input: all that is new but the client's prefill.
+
+        A prefill (the request's last message, assistant text, which the answer goes on from)
+        is stored as the beginning of the answer (`with_prefill`), so that the conversation
+        goes on as one assistant message, not two in a row."""
+        last = self.new[-1] if self.new else None
+        if (
+            prefill is None
+            or last is None
+            or last.get("role") != "assistant"
+            or last.get("content") != prefill
+        ):
+            return self
+        tokens = self.new_tokens[:-1] if self.new_tokens is not None else None
+        return dataclasses.replace(self, new=self.new[:-1], new_tokens=tokens)
+
     @property
     def stored_system(self) -> list[Message] | None:
         """The system prompt this turn sets, when it changes the stored one."""
@@ -465,6 +483,14 @@ async def refit(
     snapshot = plan.snapshot(turn.view, len(turn.new), plan.window.messages, turn.response_id)
     snapshot["after_refusal"] = {"message": refusal.message[:500], "window": refusal.window}
     turn.note_context(snapshot)
+
+
+def with_prefill(prefill: str | None, message: Message) -> Message:
+    """The answer as stored: the client's prefill (`ChatRequest.prefill`), then what the model added."""
+    if not prefill:
+        return message
+    content = message.get("content")
+    return {**message, "content": prefill + (content if isinstance(content, str) else "")}
 
 
 def stored_turn(turn: PreparedTurn, message: Message, output_tokens: int | None) -> Turn:

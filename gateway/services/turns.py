@@ -61,6 +61,7 @@ from gateway.services.turn import (
     response_record,
     stored_turn,
     timings_until_now,
+    with_prefill,
 )
 from gateway.services.usage import UsageLearning
 from gateway.store import Store, StoreRegistry
@@ -174,7 +175,10 @@ class ChatService:
             view = planned.view
             upstream_body = self._upstream_body(request, route, tenant, cid, planned)
             created = self.clock()
-            record = request_record(request, response_id, route, cid, created, planned)
+            kept = planned.without_prefill(request.prefill)  # (sent whole, as planned)
+            if kept is planned:
+                request.prefill = None  # (not new: a history resent with it already stored)
+            record = request_record(request, response_id, route, cid, created, kept)
             response_log = store.start(response_id, record)
             turn = PreparedTurn(
                 request,
@@ -182,12 +186,12 @@ class ChatService:
                 route,
                 upstream_body,
                 response_log,
-                planned.new,
+                kept.new,
                 planned.stored_system,
                 stack,
                 started,
                 encoding=planned.encoding,
-                new_tokens=planned.new_tokens,
+                new_tokens=kept.new_tokens,
                 system_tokens=planned.system_tokens if planned.stored_system is not None else None,
                 plan=planned.plan,
                 store=store,
@@ -309,6 +313,9 @@ class ChatService:
         turn.done = True
 
     async def _count_and_commit(self, turn: PreparedTurn, message: Message, record: Record) -> None:
+        if turn.request.prefill is not None:  # the answer as the conversation goes on with it
+            message = record["message"] = with_prefill(turn.request.prefill, message)
+            record["prefill"] = turn.request.prefill
         output_tokens = None
         if turn.encoding is not None and turn.new_tokens is not None:
             _, count = counter_for(turn.request.model)

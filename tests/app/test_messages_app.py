@@ -204,3 +204,43 @@ async def test_a_messages_turn_is_no_stored_chat_completion() -> None:
         assert [c["id"] for c in listed] == [chat.json()["id"]]
         assert (await client.get(f"/v1/chat/completions/{message.json()['id']}")).status_code == 404
         assert (await client.get(f"/v1/responses/{message.json()['id']}")).status_code == 200
+
+
+@pytest.mark.parametrize("stream", [False, True])
+async def test_a_prefill_is_stored_as_the_beginning_of_its_answer(stream: bool) -> None:
+    """A request ending with assistant text (Anthropic's prefill) was stored as a message of its
+    own, then the answer as another: every later turn sent two assistant messages in a row,
+    which strict chat templates refuse. The answer goes on from the prefill: stored as one."""
+
+    def goes_on(body: Body) -> str:
+        last = body["messages"][-1]
+        return '"a": 1}' if last["role"] == "assistant" and last["content"] == "{" else "ok"
+
+    upstream = MockUpstream(goes_on)
+    prefilled = [{"role": "user", "content": "Give JSON"}, {"role": "assistant", "content": "{"}]
+    async with build_client(make_settings(), MemoryStore(), upstream) as client:
+        r = await client.post(
+            "/v1/messages",
+            json=request(messages=prefilled, conversation_id="pre", stream=stream),
+            headers=VERSION,
+        )
+        assert r.status_code == 200, r.text
+        if stream:
+            answered = "".join(
+                data["delta"].get("text", "")
+                for kind, data in events_of(r.text)
+                if kind == "content_block_delta"
+            )
+        else:
+            answered = r.json()["content"][0]["text"]
+        nxt = await client.post("/v1/messages", json=request("next", conversation_id="pre"), headers=VERSION)
+        items = (await client.get("/v1/conversations/pre/items?order=asc")).json()["data"]
+    assert answered == '"a": 1}'  # as Anthropic's: what the model added
+    assert upstream.requests[0]["messages"][-1] == {"role": "assistant", "content": "{"}  # sent as it is
+    assert nxt.status_code == 200
+    assert [m["role"] for m in upstream.requests[-1]["messages"]] == ["user", "assistant", "user"]
+    assert upstream.requests[-1]["messages"][1]["content"] == '{"a": 1}'
+    assert [(i["role"], i["content"][0]["text"]) for i in items[:2]] == [
+        ("user", "Give JSON"),
+        ("assistant", '{"a": 1}'),
+    ]
