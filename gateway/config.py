@@ -13,6 +13,7 @@ import re
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Annotated, Literal
+from urllib.parse import urlsplit
 from zoneinfo import ZoneInfo, ZoneInfoNotFoundError
 
 from pydantic import (
@@ -49,19 +50,29 @@ _TYPE_LABEL = re.compile(r"^(int|float|str|bool|none|dict\[.*\]|list\[.*\]|liter
 _UNIT_SECONDS = {"ms": 0.001, "s": 1.0, "m": 60.0, "h": 3600.0, "d": 86400.0, None: 1.0}
 
 
+# The longest duration taken: 100 years. Longer ones are mistakes, and past 2^63 ns they no
+# longer fit the clocks and the 64-bit integers they are written as (a 500, not a config error).
+MAX_DURATION = 100 * 365 * 86_400.0
+
+
 def parse_duration(value: object) -> float:
     """Seconds from a number or a string such as "90s", "30m", "24h", "7d"; "0" disables."""
     if isinstance(value, bool):
         raise ValueError("a duration must be a number of seconds or a string like '30m'")
+    seconds: float | None = None
     if isinstance(value, int | float):
         if not math.isfinite(value) or value < 0:
             raise ValueError("a duration must be a finite, non-negative number of seconds")
-        return float(value)
-    if isinstance(value, str):
+        seconds = float(value)
+    elif isinstance(value, str):
         match = _DURATION_RE.match(value)
         if match:
-            return float(match.group(1)) * _UNIT_SECONDS[match.group(2)]
-    raise ValueError(f"invalid duration {value!r}: use seconds or a unit, e.g. '90s', '30m', '24h'")
+            seconds = float(match.group(1)) * _UNIT_SECONDS[match.group(2)]
+    if seconds is None:
+        raise ValueError(f"invalid duration {value!r}: use seconds or a unit, e.g. '90s', '30m', '24h'")
+    if seconds > MAX_DURATION:
+        raise ValueError(f"duration {value!r} is longer than 100 years: use '0' for never")
+    return seconds
 
 
 Duration = Annotated[float, BeforeValidator(parse_duration)]
@@ -201,7 +212,7 @@ class TracingSettings(_Section):
 
 class ProviderSettings(_Section):
     kind: Literal["openai", "litellm", "demo"]
-    base_url: str = ""
+    base_url: str = Field("", validate_default=True)
     api_key_env: str = ""
     # A deadline: a whole answer within it; a stream's first event within it (from the ask).
     timeout: Duration = 600.0
@@ -220,6 +231,21 @@ class ProviderSettings(_Section):
     # Tell the provider how to keep a conversation's prompt cached (gateway/upstream/cache_hints.py):
     # `prompt_cache_key`, llama.cpp's `cache_prompt`/`id_slot`, Anthropic's `cache_control`.
     cache_hints: bool = True
+
+    @field_validator("base_url")
+    @classmethod
+    def _an_http_url(cls, value: str, info: ValidationInfo) -> str:
+        """An OpenAI-compatible provider is called at its `base_url`: http(s), with a host."""
+        if info.data.get("kind") == "openai":
+            parts = urlsplit(value)
+            if parts.scheme not in ("http", "https") or not parts.hostname:
+                raise ValueError(
+                    f"{value!r} is not an http:// or https:// URL: an OpenAI-compatible provider "
+                    'needs one, e.g. "http://127.0.0.1:11434/v1"'
+                    if value
+                    else 'required for kind = "openai", e.g. "http://127.0.0.1:11434/v1"'
+                )
+        return value
 
 
 class ModelSettings(_Section):

@@ -52,12 +52,18 @@ def _copy_data(source: Path, target: Path) -> int:
     def order(rel: Path) -> int:
         return 0 if "responses" in rel.parts else 2 if "conversations" in rel.parts else 1
 
-    for rel in sorted(files, key=order):
+    for done, rel in enumerate(sorted(files, key=order)):
         dest = target / rel
-        dest.parent.mkdir(parents=True, exist_ok=True)
-        temp = dest.with_name(f".{dest.name}.importing")
-        shutil.copy2(source / rel, temp)
-        os.replace(temp, dest)
+        try:
+            dest.parent.mkdir(parents=True, exist_ok=True)
+            temp = dest.with_name(f".{dest.name}.importing")
+            shutil.copy2(source / rel, temp)
+            os.replace(temp, dest)
+        except OSError as exc:
+            raise GatewayError(
+                f"could not write {dest} ({exc.strerror or exc}): {done} of {len(files)} files "
+                f"copied into {target}, responses first (the conversations name none of them yet)"
+            ) from None
     return len(files)
 
 

@@ -433,7 +433,25 @@ def test_durations(value: Any, seconds: float) -> None:
     assert s.sessions.idle_after == seconds
 
 
-@pytest.mark.parametrize("value", ["soon", "", "-5", -5, "5w", "30 minutes", "m", True, None, [30]])
+@pytest.mark.parametrize(
+    "value",
+    # (the last three: past 100 years, once taken, then a 500 where a conversation's expiry is written)
+    [
+        "soon",
+        "",
+        "-5",
+        -5,
+        "5w",
+        "30 minutes",
+        "m",
+        True,
+        None,
+        [30],
+        "99999999999999999999d",
+        1e300,
+        "36501d",
+    ],
+)
 def test_bad_durations(value: Any) -> None:
     with pytest.raises(ValueError):
         parse_duration(value)
@@ -458,3 +476,18 @@ def test_window_tokens_from_the_environment(value: str, expected: object) -> Non
     assert load_settings(path=SHIPPED, environ=environ).context.max_context_tokens == expected
     message = config_error(path=SHIPPED, environ={"GATEWAY_CONTEXT__MAX_CONTEXT_TOKENS": "-1"})
     assert message.startswith('config error: context.max_context_tokens: must be "auto" or a number')
+
+
+@pytest.mark.parametrize("base_url", [None, "", "ftp://host/v1", "127.0.0.1:11434/v1", "http:///v1"])
+def test_an_openai_provider_needs_an_http_base_url(base_url: str | None) -> None:
+    """Taken before: every request then got a 502 naming no URL ("at  failed: /chat/completions")."""
+    provider: dict[str, Any] = {"kind": "openai"}
+    if base_url is not None:
+        provider["base_url"] = base_url
+    message = config_error(path=SHIPPED, overrides={"providers": {"nourl": provider}})
+    assert "providers.nourl.base_url:" in message
+
+
+def test_other_kinds_need_no_base_url() -> None:
+    s = load_settings(SHIPPED, environ={}, overrides={"providers": {"lite": {"kind": "litellm"}}})
+    assert s.providers["lite"].base_url == ""

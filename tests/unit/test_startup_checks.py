@@ -42,3 +42,34 @@ async def test_a_writable_data_dir_leaves_no_probe_behind(tmp_path: Path) -> Non
     await s.open()
     assert not [p for p in (tmp_path / "var").iterdir() if p.name.startswith(".writable")]
     await s.close()
+
+
+@pytest.mark.parametrize("blocked", ["var", "var/logs", "var/logs/responses"])
+async def test_a_data_dir_that_is_a_file_is_named_not_a_traceback(tmp_path: Path, blocked: str) -> None:
+    """`gateway reset`, `delete` and `import` on such a data dir ended in a traceback
+    (NotADirectoryError, FileExistsError): the folders' creation was not checked."""
+    (tmp_path / blocked).parent.mkdir(parents=True, exist_ok=True)
+    (tmp_path / blocked).write_text("not a folder")
+    with pytest.raises(StorageError, match=f"the data dir {tmp_path / 'var'} cannot be written"):
+        await JsonlStore(tmp_path / "var").open()
+
+
+def test_an_import_into_a_data_dir_that_is_a_file_is_one_line(tmp_path: Path) -> None:
+    from gateway.exceptions import GatewayError
+    from gateway.services.transfer import import_data
+    from tests.conftest import make_settings
+
+    source = tmp_path / "exported" / "logs" / "responses"
+    source.mkdir(parents=True)
+    (source / "demo-0123456789ab.jsonl").write_text("{}\n")
+    (tmp_path / "var").write_text("not a folder")
+    settings = make_settings()
+    settings = settings.model_copy(
+        update={
+            "storage": settings.storage.model_copy(
+                update={"backend": "jsonl", "data_dir": str(tmp_path / "var")}
+            )
+        }
+    )
+    with pytest.raises(GatewayError, match=r"could not write .*\(Not a directory\): 0 of 1 files copied"):
+        import_data(settings, tmp_path / "exported")

@@ -115,8 +115,8 @@ class JsonlStore(Store):
         return self.durability.failed
 
     async def open(self) -> None:
-        self.data_dir.create()
         try:
+            self.data_dir.create()
             await asyncio.to_thread(writable, self.root)
         except OSError as exc:
             raise StorageError(self.unwritable(exc)) from exc
