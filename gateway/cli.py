@@ -486,15 +486,30 @@ def tail(
 
     check_conversation_id(conversation_id)
 
+    def where(name: str) -> str:
+        if settings.storage.backend != "jsonl":
+            return f"conversation {conversation_id} ({settings.storage.backend})"
+        folder = Path(settings.storage.data_dir) / ("tenants/" + name if name else "")
+        return f"{folder / 'logs' / 'conversations' / conversation_id}.jsonl"
+
     async def watch(services: Services) -> None:
         name, exists = await _conversation_tenant(services, tenant, conversation_id)
-        folder = Path(settings.storage.data_dir) / ("tenants/" + name if name else "")
-        where = f"{folder / 'logs' / 'conversations' / conversation_id}.jsonl"
-        if settings.storage.backend != "jsonl":
-            where = f"conversation {conversation_id} ({settings.storage.backend})"
-        waiting = "" if exists else "; it does not exist yet: waiting for its first turn"
         say_notice()
-        click.echo(click.style(f"following {where} (Ctrl-C to stop{waiting})", dim=True))
+        if not exists and tenant is None and settings.auth.keys_env:
+            # Whose it will be is not known yet (with gateway keys, each key's conversations are
+            # kept apart): wait for its first turn under any of them, then follow it there.
+            click.echo(
+                click.style(
+                    f"waiting for conversation {conversation_id}'s first turn (Ctrl-C to stop)", dim=True
+                )
+            )
+            while not exists:
+                await asyncio.sleep(poll)
+                name, exists = await _conversation_tenant(services, None, conversation_id)
+            click.echo(click.style(f"following {where(name)} (Ctrl-C to stop)", dim=True))
+        else:
+            waiting = "" if exists else "; it does not exist yet: waiting for its first turn"
+            click.echo(click.style(f"following {where(name)} (Ctrl-C to stop{waiting})", dim=True))
         async for entry in services.queries.follow(name, conversation_id, poll):
             click.echo(render_turn(entry) if isinstance(entry, Turn) else render_marker(entry))
 

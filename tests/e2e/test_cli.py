@@ -228,6 +228,50 @@ def test_tail_follows_new_turns(gateway: GatewayProcess, upstream: MockServer) -
             proc.wait(timeout=10)
 
 
+def test_tail_with_gateway_keys_follows_a_new_conversation_under_its_key(
+    tmp_path: Path, upstream: MockServer
+) -> None:
+    """With gateway keys, `gateway tail NEW` watched the default tenant's folder, where no turn
+    of a keyed client ever lands: it stayed silent unless given --tenant."""
+    from tests.conftest import write_config
+
+    config = write_config(tmp_path / "g.toml", upstream.url, extra='\n[auth]\nkeys_env = "GW_TAIL_KEYS"\n')
+    env = {"GW_TAIL_KEYS": "key-a,key-b"}
+    gw = GatewayProcess(config, tmp_path / "var", env=env).start()
+    out_path = tmp_path / "tail.out"
+    try:
+        with open(out_path, "w") as out_file:
+            command = [sys.executable, "-m", "gateway", "tail", "keyed-new", "--poll", "0.1"]
+            proc = subprocess.Popen(
+                [*command, "--config", str(config), "--data-dir", str(gw.data_dir)],
+                cwd=REPO,
+                stdout=out_file,
+                stderr=subprocess.STDOUT,
+                env={**os.environ, **env, "PYTHONUNBUFFERED": "1"},
+            )
+            try:
+                deadline = time.monotonic() + 15
+                while time.monotonic() < deadline and "waiting for" not in out_path.read_text():
+                    time.sleep(0.05)
+                client = OpenAI(base_url=f"{gw.url}/v1", api_key="key-b", max_retries=0)
+                client.chat.completions.create(
+                    model="mock/tiny",
+                    messages=[{"role": "user", "content": "my name is Keyed"}],
+                    extra_body={"conversation_id": "keyed-new"},
+                )
+                deadline = time.monotonic() + 15
+                while time.monotonic() < deadline and "my name is Keyed" not in out_path.read_text():
+                    time.sleep(0.1)
+                out = out_path.read_text()
+                assert "my name is Keyed" in out, out
+                assert "following " in out and "/tenants/" in out  # the key's own folder
+            finally:
+                proc.terminate()
+                proc.wait(timeout=10)
+    finally:
+        gw.stop()
+
+
 def test_serve_precedence_flag_over_env(tmp_path: Path, upstream: MockServer) -> None:
     from tests.conftest import write_config
 
