@@ -354,6 +354,7 @@ def usage_attributes(outcome: TurnOutcome) -> Attributes:
     attributes: Attributes = {}
     prompt = _count(cache.get("prompt_tokens"))
     prompt = prompt if prompt is not None else _count(usage.get("prompt_tokens"))
+    prompt = prompt if prompt is not None else outcome.prompt_counted
     if prompt is not None:
         attributes["gen_ai.usage.input_tokens"] = prompt
     completion = _count(usage.get("completion_tokens"))

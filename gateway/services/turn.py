@@ -72,6 +72,7 @@ class TurnOutcome:
     stored_messages: int | None = None  # as the context snapshot says (None: stateless)
     included_response_ids: list[str] | None = None
     output_tokens: int | None = None  # our count of the answer (None: not counted)
+    prompt_counted: int | None = None  # a stateless prompt the provider did not count: ours
     error: GatewayError | None = None  # why it was not stored, when a GatewayError says so
     cache: JSONObject | None = None  # the provider's prompt and cached-token figures (accounting)
     upstream_body: JSONObject | None = None  # what the provider was sent: its model, parameters, messages
@@ -115,6 +116,7 @@ class PreparedTurn:
     recap: Message | None = None
     final_message: Message | None = None
     output_tokens: int | None = None
+    prompt_counted: int | None = None  # stateless, the provider's count missing: ours (metrics)
     finish_reason: str | None = None
     first_of_user: str | None = None  # a new conversation of this end user: index it for recaps
     replan: Callable[..., Awaitable[ContextPlan]] | None = None  # after a provider's refusal (hold=False)
@@ -168,6 +170,7 @@ class PreparedTurn:
             stored_messages=stored if isinstance(stored, int) else None,
             included_response_ids=included if isinstance(included, list) else None,
             output_tokens=self.output_tokens,
+            prompt_counted=self.prompt_counted,
             error=error,
             cache=self.cache,
             upstream_body=self.upstream_body,

@@ -15,7 +15,7 @@ import secrets
 import time
 from collections.abc import AsyncGenerator, AsyncIterator, Awaitable, Callable
 from contextlib import AsyncExitStack, asynccontextmanager
-from typing import Any
+from typing import Any, cast
 
 from gateway.config import Settings
 from gateway.context import (
@@ -66,7 +66,7 @@ from gateway.services.turn import (
 from gateway.services.usage import UsageLearning
 from gateway.store import Store, StoreRegistry
 from gateway.tokens import counter_for
-from gateway.types import JSONObject, Record, first_choice
+from gateway.types import JSONObject, Record, as_list, first_choice
 from gateway.upstream import Route, Router
 from gateway.upstream.base import Chunk
 from gateway.upstream.cache_hints import CACHE_KEY, cache_key
@@ -321,6 +321,16 @@ class ChatService:
             _, count = counter_for(turn.request.model)
             output_tokens = await off_loop_if_large([message], lambda: count(message))
             record["message_tokens"] = turn.output_tokens = output_tokens
+        elif turn.plan is None and not record.get("usage"):
+            # A stateless answer its provider did not count (a stream without a usage chunk):
+            # ours, so that its tokens reach the metrics as a conversation's turn's do.
+            _, count = counter_for(turn.request.model)
+            sent = [
+                cast(Message, m) for m in as_list(turn.upstream_body.get("messages")) if isinstance(m, dict)
+            ]
+            turn.prompt_counted, turn.output_tokens = await off_loop_if_large(
+                [*sent, message], lambda: (sum(count(m) for m in sent), count(message))
+            )
         if turn.plan is not None:
             turn.upstream_truncated = self.usage.learn(
                 turn.plan.window, turn.plan.facts, turn.route, record, turn.conversation_id, turn.response_id

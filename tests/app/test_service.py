@@ -852,16 +852,17 @@ async def test_completion_tokens_are_counted_when_the_provider_reports_none(
     without a usage chunk), as for prompt tokens."""
     from prometheus_client.parser import text_string_to_metric_families
 
-    def out() -> float:
+    def tokens(direction: str) -> float:
         samples = [s for f in text_string_to_metric_families(metrics) for s in f.samples]
-        return next((s.value for s in samples if s.labels == {"direction": "out"}), 0.0)
+        return next((s.value for s in samples if s.labels == {"direction": direction}), 0.0)
 
-    metrics = (await app_client.get("/metrics")).text
-    before = out()
-    r = await chat(app_client, [user("count my answer")], stream=True)  # no include_usage: no usage
-    assert r.status_code == 200 and '"usage"' not in r.text
-    metrics = (await app_client.get("/metrics")).text
-    assert out() > before
+    for cid in ("c", None):  # (stateless too: its stream moved neither counter)
+        metrics = (await app_client.get("/metrics")).text
+        before = tokens("in"), tokens("out")
+        r = await chat(app_client, [user("count my answer")], cid=cid, stream=True)  # no include_usage
+        assert r.status_code == 200 and '"usage"' not in r.text
+        metrics = (await app_client.get("/metrics")).text
+        assert tokens("in") > before[0] and tokens("out") > before[1], cid
 
 
 async def test_an_answered_turn_is_stored_though_its_caller_leaves_while_the_answer_is_counted(
