@@ -126,17 +126,22 @@ async def response_events(
     chunks: TurnStream,
     common: dict[str, Any],
     lead: list[JSONObject] | None = None,
+    *,
+    queued: bool = False,
 ) -> AsyncIterator[bytes]:
     """Chat chunks as the Responses event stream.
 
-    `lead`: items done before the answer (a compaction item), sent first."""
-    seq = 0
+    `lead`: items done before the answer (a compaction item), sent first. `queued`: a background
+    response's, whose `response.created` and `response.queued` went out when it was made
+    (`queued_events`): this goes on from `response.in_progress`."""
+    seq = len(QUEUED) if queued else 0
     created = turn.created or time.time()
     skeleton = response_object(
         created=created, message=None, finish_reason=None, usage=None, status="in_progress", **common
     )
-    yield event("response.created", seq, response=skeleton)
-    seq += 1
+    if not queued:
+        yield event("response.created", seq, response=skeleton)
+        seq += 1
     yield event("response.in_progress", seq, response=skeleton)
     lead = lead or []
     for index, item in enumerate(lead):
@@ -350,14 +355,31 @@ def replayed_events(final: dict[str, Any], after: int = -1) -> Iterator[bytes]:
     yield from (frame for frame in frames if sequence_of(frame) > after)
 
 
-def failed_events(created: float, exc: GatewayError, common: dict[str, Any]) -> Iterator[bytes]:
-    """The events of a response that failed before its provider's stream began."""
+QUEUED = ("response.created", "response.queued")
+
+
+def queued_events(queued: dict[str, Any]) -> Iterator[bytes]:
+    """A background response's first events, sent as it is made: `response.created` and
+    `response.queued`, its status `queued` (as OpenAI's); the rest follow once it runs."""
+    for seq, kind in enumerate(QUEUED):
+        yield event(kind, seq, response=queued)
+
+
+def failed_events(
+    created: float, exc: GatewayError, common: dict[str, Any], *, queued: bool = False
+) -> Iterator[bytes]:
+    """The events of a response that failed before its provider's stream began.
+
+    `queued`: after a background response's `queued_events`."""
     skeleton = response_object(
         created=created, message=None, finish_reason=None, usage=None, status="in_progress", **common
     )
-    yield event("response.created", 0, response=skeleton)
-    yield event("response.in_progress", 1, response=skeleton)
-    yield from failure_events(created, exc, common, 1)
+    seq = len(QUEUED) if queued else 0
+    if not queued:
+        yield event("response.created", seq, response=skeleton)
+        seq += 1
+    yield event("response.in_progress", seq, response=skeleton)
+    yield from failure_events(created, exc, common, seq)
 
 
 def failure_events(

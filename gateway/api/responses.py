@@ -37,6 +37,7 @@ from gateway.api.pages import list_params, paginate
 from gateway.api.response_shapes import (
     ending_events,
     failed_events,
+    queued_events,
     replayed_events,
     response_events,
     response_object,
@@ -287,10 +288,6 @@ async def create_response(request: Request) -> Response:
     }
     headers = turn_headers(turn)
     if params["background"]:
-        run = start_background(request, turn, common, lead)
-        await service.visible(turn)  # its id is handed out next: a GET or cancel must find it
-        if body.get("stream"):
-            return SSEResponse(run.follow(-1), headers=headers, on_close=_nothing)
         queued = response_object(
             created=turn.created or time.time(),
             message=None,
@@ -300,6 +297,10 @@ async def create_response(request: Request) -> Response:
             lead=lead,
             **common,
         )
+        run = start_background(request, turn, common, lead, queued)
+        await service.visible(turn)  # its id is handed out next: a GET or cancel must find it
+        if body.get("stream"):
+            return SSEResponse(run.follow(-1), headers=headers, on_close=_nothing)
         return JSONBody(queued, headers=headers)
     if not chat.stream:
         try:
@@ -351,9 +352,16 @@ async def _nothing(exc: BaseException | None) -> None:
 
 
 def start_background(
-    request: Request, turn: PreparedTurn, common: dict[str, Any], lead: list[JSONObject] | None
+    request: Request,
+    turn: PreparedTurn,
+    common: dict[str, Any],
+    lead: list[JSONObject] | None,
+    queued: dict[str, Any],
 ) -> Run:
-    """Run a prepared turn to its end as a background response, its events kept."""
+    """Run a prepared turn to its end as a background response, its events kept.
+
+    Its first events (`queued`: the response as made) are kept at once, so that a stream of it
+    begins before the provider's first chunk."""
     service = services_of(request).turns
     metrics = request.app.state.metrics
 
@@ -362,7 +370,7 @@ def start_background(
         try:
             async with service.closing(turn):
                 chunks = await service.open_chunks(turn)
-                async for frame in response_events(turn, chunks, common, lead):
+                async for frame in response_events(turn, chunks, common, lead, queued=True):
                     run.add(frame)
         except asyncio.CancelledError as exc:
             failure = exc
@@ -382,7 +390,7 @@ def start_background(
         except Exception as exc:  # noqa: BLE001 - said in the run's events and its log
             failure = exc
             error = exc if isinstance(exc, GatewayError) else GatewayError(repr(exc)[:300])
-            for frame in failed_events(turn.created or time.time(), error, common):
+            for frame in failed_events(turn.created or time.time(), error, common, queued=True):
                 run.add(frame)
         finally:
             stream_closed(turn.closed(), failure, metrics, event="response")
@@ -396,7 +404,10 @@ def start_background(
             stream_closed(turn.closed(), cancelled, metrics, event="response")
 
     runs: BackgroundRuns = request.app.state.background
-    return runs.start(turn.response_id, tenant_of(request), work, abandon)
+    run = runs.start(turn.response_id, tenant_of(request), work, abandon)
+    for frame in queued_events(queued):
+        run.add(frame)
+    return run
 
 
 async def count_input_tokens(request: Request) -> Response:

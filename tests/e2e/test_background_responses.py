@@ -70,3 +70,24 @@ def test_a_gateway_killed_mid_background_turn_reads_it_as_interrupted(
         assert [i.content[0].text for i in users] == ["again"]  # nothing of the killed turn
     finally:
         second.stop()
+
+
+def test_a_background_stream_begins_before_the_provider_answers_and_ends_when_cancelled(
+    gateway: GatewayProcess, upstream: MockServer
+) -> None:
+    """A background stream said nothing until the provider's first chunk (its first event then
+    `in_progress`, never `queued`), and a cancel left it with no last event at all."""
+    client = sdk(gateway)
+    upstream.mode = "hang"
+    upstream.hang_seconds = 30
+    try:
+        stream = client.responses.create(model="mock/m", input="wait", background=True, stream=True)
+        events = iter(stream)
+        first, second = next(events), next(events)  # while the provider has not answered
+        assert (first.type, first.response.status) == ("response.created", "queued")
+        assert (second.type, second.sequence_number) == ("response.queued", 1)
+        assert client.responses.cancel(first.response.id).status == "cancelled"
+        last = list(events)[-1]
+        assert (last.type, last.response.status) == ("response.incomplete", "cancelled")
+    finally:
+        upstream.mode = "normal"
