@@ -119,6 +119,8 @@ class StoredResponses:
         cid = request.get("conversation_id")
         if not isinstance(cid, str):
             raise InvalidRequest(
-                f"Response {previous!r} was not stored (store=false)", param="previous_response_id"
+                f"Response {previous!r} is in no conversation (a request with store=false, or a "
+                "stateless chat completion): it cannot be continued",
+                param="previous_response_id",
             )
         return cid

@@ -219,7 +219,11 @@ async def lock_conversation(request: ChatRequest, store: Store, stack: AsyncExit
     async with AsyncExitStack() as source:
         await source.enter_async_context(store.lock(cid, timeout))
         index = await store.read_index(cid)
-        ids = [e for e in index if isinstance(e, str)]
+        # A deleted response is no longer in the conversation: the one before it may be its newest.
+        deleted = {
+            m.get("response_id") for m in index if isinstance(m, dict) and m.get("type") == "delete_response"
+        }
+        ids = [e for e in index if isinstance(e, str) and e not in deleted]
         if ids and ids[-1] == previous:
             stack.push_async_exit(source.pop_all())
             return cid

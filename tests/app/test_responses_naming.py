@@ -151,3 +151,24 @@ async def test_store_false_in_a_named_conversation_keeps_the_turn_and_says_so() 
     assert kept.json()["store"] is True and fetched.json()["store"] is True
     assert "(turn 3, 5 messages in my context)" in chained.json()["output"][0]["content"][0]["text"]
     assert alone.json()["store"] is False and alone.json()["conversation"] is None
+
+
+async def test_continuing_the_response_before_a_deleted_newest_one_stays_in_the_conversation() -> None:
+    """With the newest response deleted, continuing the one before it made a fork conversation,
+    though that response was the conversation's newest again."""
+    async with build_client(make_settings(), MemoryStore(), MockUpstream()) as client:
+        a1 = (await respond(client, "one")).json()
+        a2 = (await respond(client, "two", previous_response_id=a1["id"])).json()
+        assert (await client.delete(f"/v1/responses/{a2['id']}")).status_code == 200
+        a3 = (await respond(client, "three", previous_response_id=a1["id"])).json()
+    assert a3["conversation"] == a1["conversation"]  # not a `.fork-` of it
+    assert "(turn 2, 3 messages in my context)" in a3["output"][0]["content"][0]["text"]
+
+
+async def test_continuing_a_stateless_chat_completion_says_why_it_cannot() -> None:
+    """It said "was not stored (store=false)" of a chat completion sent without any store."""
+    async with build_client(make_settings(), MemoryStore(), MockUpstream()) as client:
+        body = {"model": "mock/m", "messages": [{"role": "user", "content": "hi"}]}
+        stateless = (await client.post("/v1/chat/completions", json=body)).json()["id"]
+        r = await respond(client, "more", previous_response_id=stateless)
+    assert r.status_code == 400 and "stateless chat completion" in r.json()["error"]["message"]
