@@ -621,6 +621,15 @@ def fsck(settings: Settings, *, config_path: str | None, repair: bool) -> None:
     where = settings.storage.data_dir if jsonl else f"the {settings.storage.backend} database"
     if jsonl and not Path(settings.storage.data_dir).is_dir():
         raise GatewayError(f"there is no data dir at {settings.storage.data_dir}")
+    if jsonl:
+        blocked = _files_in_the_layout(Path(settings.storage.data_dir))
+        for path in blocked:
+            click.echo(
+                f"{path}: a file where the gateway keeps a folder: no turn can be stored (move it away)"
+            )
+        if blocked:
+            click.echo(f"{len(blocked)} problem(s) in {where}: not repaired by --repair")
+            sys.exit(1)
     report = run_with_services(settings, lambda services: services.fsck.run(repair=repair), writes=repair)
     for damage in report.repaired:
         click.echo(f"repaired {damage.where}: {damage.problem} ({damage.action})")
@@ -632,6 +641,16 @@ def fsck(settings: Settings, *, config_path: str | None, repair: bool) -> None:
         sys.exit(1)
     done = f" after {len(report.repaired)} repair(s)" if report.repaired else ""
     click.echo(f"{where}: no damage found{done}")
+
+
+def _files_in_the_layout(data_dir: Path) -> list[Path]:
+    """Files where the JSONL layout has folders (`logs`, its `responses` and `conversations`,
+    also a tenant's), which `serve` refuses and every turn would fail on."""
+    roots = [data_dir, *sorted(p for p in (data_dir / "tenants").glob("*") if p.is_dir())]
+    folders = [
+        f for root in roots for f in (root / "logs", root / "logs/responses", root / "logs/conversations")
+    ]
+    return [f for f in folders if f.exists() and not f.is_dir()]
 
 
 # -- moving conversations between backends: the JSONL layout is the interchange format ----------

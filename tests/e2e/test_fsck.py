@@ -130,3 +130,14 @@ def test_fsck_reports_each_damage_and_repair_lets_every_conversation_go_on(
         assert "Traceback" not in gateway.log()
     finally:
         gateway.stop()
+
+
+def test_fsck_names_a_file_where_the_layout_has_a_folder(tmp_path: Path, upstream: MockServer) -> None:
+    """It said "no damage found" of a data dir `serve` refuses and no turn could be stored in."""
+    config = write_config(tmp_path / "g.toml", upstream.url)
+    data_dir = tmp_path / "var"
+    (data_dir / "logs").mkdir(parents=True)
+    (data_dir / "logs" / "conversations").write_text("not a folder")
+    done = fsck(data_dir, config)
+    assert done.returncode == 1
+    assert "logs/conversations: a file where the gateway keeps a folder" in done.stdout
