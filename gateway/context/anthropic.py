@@ -505,37 +505,73 @@ class BlockEvents:
     """A chat chunk stream as Anthropic's content-block events.
 
     The text, and each tool call, is a block of its own in the order they come
-    (`content_block_start`, deltas, `content_block_stop` when the next begins). The chunks are the
-    chat service's: each tool call piece names its call by `index`, with its id. A piece of a call
-    whose block another has closed (a provider interleaving parallel calls) still goes to that
-    block by its index, which is how SDKs assemble them.
+    (`content_block_start`, deltas, `content_block_stop` when the next begins), each block's
+    deltas between its start and its stop, as Anthropic's streams have them. The chunks are the
+    chat service's: each tool call piece names its call by `index`, with its id. A provider that
+    interleaves parallel calls (a call begun while the one before it is still incomplete JSON)
+    has the later call held back, its pieces kept, until the earlier one is complete or the
+    answer ends; then it follows as a block of its own.
     """
 
     def __init__(self) -> None:
         self.blocks = 0
         self.open: int | None = None  # the block deltas go to
-        self.open_call: bool = False
+        self.open_call: int | None = None  # the open block's call (its index), if it is a call
         self.calls: dict[int, int] = {}  # a call's index -> its block
+        self.arguments: dict[int, str] = {}  # a call's arguments so far
+        self.held: dict[int, tuple[JSONObject, list[str]]] = {}  # calls held back: start, pieces
         self.provider_stop: object = None  # vLLM's stop string, from the finishing choice
 
-    def _start(self, block: JSONObject, *, call: bool) -> list[JSONObject]:
+    def _start(self, block: JSONObject, *, call: int | None) -> list[JSONObject]:
         events = self.close()
+        return events + self._begin(block, call)
+
+    def _begin(self, block: JSONObject, call: int | None) -> list[JSONObject]:
         self.open, self.open_call = self.blocks, call
         self.blocks += 1
-        events.append({"type": "content_block_start", "index": self.open, "content_block": block})
-        return events
+        if call is not None:
+            self.calls[call] = self.open
+        return [{"type": "content_block_start", "index": self.open, "content_block": block}]
 
     def close(self) -> list[JSONObject]:
-        """The stop of the open block (none when none is open)."""
+        """The stop of the open block, then the calls held back, each whole (none: nothing)."""
+        events = self._stop()
+        while self.held:
+            key = next(iter(self.held))
+            block, pieces = self.held.pop(key)
+            events += self._begin(block, key)
+            events += [self._delta(key, piece) for piece in pieces]
+            events += self._stop()
+        return events
+
+    def _stop(self) -> list[JSONObject]:
         if self.open is None:
             return []
-        index, self.open = self.open, None
+        index, self.open, self.open_call = self.open, None, None
         return [{"type": "content_block_stop", "index": index}]
+
+    def _delta(self, key: int, piece: str) -> JSONObject:
+        self.arguments[key] = self.arguments.get(key, "") + piece
+        delta = {"type": "input_json_delta", "partial_json": piece}
+        return {"type": "content_block_delta", "index": self.calls[key], "delta": delta}
+
+    def _complete(self, key: int) -> bool:
+        """Are the call's arguments so far a whole JSON value? (Then a later call may begin.)
+
+        None yet is not: they may still come (a call named first, its arguments after)."""
+        text = self.arguments.get(key, "")
+        if not text.strip():
+            return False
+        try:
+            orjson.loads(text)
+        except orjson.JSONDecodeError:
+            return False
+        return True
 
     def _text(self, piece: str) -> list[JSONObject]:
         events = (
-            self._start({"type": "text", "text": ""}, call=False)
-            if self.open is None or self.open_call
+            self._start({"type": "text", "text": ""}, call=None)
+            if self.open is None or self.open_call is not None
             else []
         )
         events.append(
@@ -551,20 +587,45 @@ class BlockEvents:
         index = call.get("index")
         key = index if isinstance(index, int) else 0
         function = as_object(call.get("function"))
+        arguments = function.get("arguments")
+        piece = arguments if isinstance(arguments, str) and arguments else ""
+        if key in self.held:  # (held back behind an incomplete call)
+            if piece:
+                self.held[key][1].append(piece)
+            return []
         events: list[JSONObject] = []
-        block = self.calls.get(key)
-        if block is None:
+        if key not in self.calls:
             start = {
                 "type": "tool_use",
                 "id": str(call.get("id") or ""),
                 "name": str(function.get("name") or ""),
             }
-            events = self._start({**start, "input": {}}, call=True)
-            block = self.calls[key] = cast(int, self.open)
-        arguments = function.get("arguments")
-        if isinstance(arguments, str) and arguments:
-            delta = {"type": "input_json_delta", "partial_json": arguments}
-            events.append({"type": "content_block_delta", "index": block, "delta": delta})
+            block: JSONObject = {**start, "input": {}}
+            if self.open_call is not None and not self._complete(self.open_call):
+                self.held[key] = (block, [piece] if piece else [])
+                return []
+            events = self._start(block, call=key)
+        if not piece:
+            return events
+        if self.calls[key] != self.open and not piece.strip():
+            return events  # whitespace after a call's whole JSON, its block closed: nothing to say
+        events.append(self._delta(key, piece))
+        if key == self.open_call and self.held and self._complete(key):
+            events += self._advance()
+        return events
+
+    def _advance(self) -> list[JSONObject]:
+        """The open call is whole: its stop, then the first call held back opens with what it
+        has so far (and, itself whole with more held, stops for the next)."""
+        events = self._stop()
+        while self.held:
+            key = next(iter(self.held))
+            block, pieces = self.held.pop(key)
+            events += self._begin(block, key)
+            events += [self._delta(key, piece) for piece in pieces]
+            if not self.held or not self._complete(key):
+                break
+            events += self._stop()
         return events
 
     def feed(self, chunk: JSONObject) -> list[JSONObject]:

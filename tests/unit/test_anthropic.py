@@ -437,7 +437,7 @@ def test_a_stream_of_text_then_tool_calls_is_a_block_each() -> None:
         piece(0, id="call_a", name="get_weather", args='{"ci'),
         piece(0, args='ty": "Paris"}'),
         piece(1, id="call_b", name="get_time"),
-        piece(0, args=" "),  # (a provider interleaving parallel calls: still the first call's block)
+        piece(0, args=" "),  # (whitespace after the first call's whole JSON: nothing to send)
         {"choices": [{"index": 0, "delta": {}, "finish_reason": "tool_calls"}]},
         {"choices": [], "usage": {"prompt_tokens": 9, "completion_tokens": 4}},
     ]
@@ -468,14 +468,37 @@ def test_a_stream_of_text_then_tool_calls_is_a_block_each() -> None:
             "index": 2,
             "content_block": {"type": "tool_use", "id": "call_b", "name": "get_time", "input": {}},
         },
-        {
-            "type": "content_block_delta",
-            "index": 1,
-            "delta": {"type": "input_json_delta", "partial_json": " "},
-        },
         {"type": "content_block_stop", "index": 2},
     ]
     assert blocks.close() == []
+
+
+def test_interleaved_parallel_calls_each_have_their_deltas_between_start_and_stop() -> None:
+    """A provider interleaving two calls had the first call's arguments sent after its block's
+    stop: a client taking a call as done at `content_block_stop` got `{}` for its input."""
+    blocks = BlockEvents()
+    chunks = [
+        piece(0, id="call_a", name="get_weather"),
+        piece(1, id="call_b", name="get_time", args='{"tz"'),
+        piece(0, args='{"city": '),
+        piece(2, id="call_c", name="get_date"),
+        piece(1, args=': "UTC"}'),
+        piece(0, args='"Paris"}'),
+        piece(2, args="{}"),
+    ]
+    events = [event for chunk in chunks for event in blocks.feed(chunk)] + blocks.close()
+    stopped: set[int] = set()
+    inputs: dict[int, str] = {}
+    for event in events:
+        index = event["index"]
+        assert index not in stopped, event  # nothing of a block after its stop
+        if event["type"] == "content_block_stop":
+            stopped.add(index)
+        elif event["type"] == "content_block_delta":
+            inputs[index] = inputs.get(index, "") + event["delta"]["partial_json"]
+    starts = [e["content_block"]["id"] for e in events if e["type"] == "content_block_start"]
+    assert starts == ["call_a", "call_b", "call_c"] and stopped == {0, 1, 2}
+    assert inputs == {0: '{"city": "Paris"}', 1: '{"tz": "UTC"}', 2: "{}"}
 
 
 def test_the_stop_string_a_provider_names_is_kept() -> None:
