@@ -135,7 +135,10 @@ def _part(block: JSONObject, kind: str, at: str, param: str) -> ContentPart:
 
 
 def _tool_result(block: JSONObject, at: str, param: str) -> tuple[Message, list[ContentPart]]:
-    """A tool_result block as a `tool` message, and the images it holds."""
+    """A tool_result block as a `tool` message, and the images and PDFs it holds.
+
+    Its text, a plain-text document's and a search result's (its title, source and text) are
+    the message's; an image or a PDF cannot be in a `tool` message, so it goes after it."""
     call_id = _string(block.get("tool_use_id"), f"{at}.tool_use_id", param, empty=False)
     content = block.get("content")
     texts: list[str] = []
@@ -146,13 +149,19 @@ def _tool_result(block: JSONObject, at: str, param: str) -> tuple[Message, list[
         for k, inner in enumerate(content):
             where = f"{at}.content[{k}]"
             kind = _kind(inner, where, param)
-            if kind not in ("text", "image"):
-                raise InvalidRequest(f"{where}: a tool result holds text and image blocks", param=param)
+            if kind == "search_result":
+                texts.append(_search_result(cast(JSONObject, inner), where, param))
+                continue
+            if kind not in ("text", "image", "document"):
+                raise InvalidRequest(
+                    f"{where}: a tool result holds text, image, document and search_result blocks",
+                    param=param,
+                )
             part = _part(cast(JSONObject, inner), kind, where, param)
-            if kind == "image":
-                images.append(part)
-            else:
+            if part["type"] == "text":
                 texts.append(part.get("text", ""))
+            else:
+                images.append(part)
     elif content is not None:
         raise InvalidRequest(f"{at}.content must be a string or an array of blocks", param=param)
     is_error = block.get("is_error")
@@ -162,6 +171,22 @@ def _tool_result(block: JSONObject, at: str, param: str) -> tuple[Message, list[
     if is_error:
         text = TOOL_ERROR_PREFIX + text
     return {"role": "tool", "tool_call_id": call_id, "content": text}, images
+
+
+def _search_result(block: JSONObject, at: str, param: str) -> str:
+    """A search_result block as text: its title, its source, then its text blocks."""
+    inner = block.get("content")
+    if not isinstance(inner, list):
+        raise InvalidRequest(f"{at}.content must be an array of text blocks", param=param)
+    lines = [
+        _string(block.get("title"), f"{at}.title", param),
+        _string(block.get("source"), f"{at}.source", param),
+    ]
+    for k, text in enumerate(inner):
+        if _kind(text, f"{at}.content[{k}]", param) != "text":
+            raise InvalidRequest(f"{at}.content[{k}]: a search result holds text blocks", param=param)
+        lines.append(_string(cast(JSONObject, text).get("text"), f"{at}.content[{k}].text", param))
+    return "\n".join(lines)
 
 
 def _user_messages(blocks: list[object], at: str) -> list[Message]:

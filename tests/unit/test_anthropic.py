@@ -177,6 +177,39 @@ def test_tool_results_are_tool_messages_ahead_of_the_rest_of_the_user_message() 
     )
 
 
+def test_a_tool_result_may_hold_documents_and_search_results() -> None:
+    """Both are in the SDK's ToolResultBlockParam; they were a 400."""
+    pdf = {
+        "type": "document",
+        "source": {"type": "base64", "media_type": "application/pdf", "data": "JVBERi0="},
+    }
+    plain = {"type": "document", "source": {"type": "text", "media_type": "text/plain", "data": "page one"}}
+    found = {
+        "type": "search_result",
+        "title": "Doc",
+        "source": "https://example.com",
+        "content": [text("hit")],
+    }
+    content = [{"type": "tool_result", "tool_use_id": "t1", "content": [plain, found, pdf]}]
+    assert chat_messages(None, [{"role": "user", "content": content}]) == [
+        {"role": "tool", "tool_call_id": "t1", "content": "page one\nDoc\nhttps://example.com\nhit"},
+        {
+            "role": "user",
+            "content": [
+                {
+                    "type": "file",
+                    "file": {"file_data": "data:application/pdf;base64,JVBERi0=", "filename": "document.pdf"},
+                }
+            ],
+        },
+    ]
+    odd = {"type": "tool_result", "tool_use_id": "t", "content": [{"type": "tool_use", "id": "x"}]}
+    assert (
+        "holds text, image, document and search_result blocks"
+        in refused(messages=[{"role": "user", "content": [odd]}]).message
+    )
+
+
 def test_a_tool_round_trip_keeps_the_order_providers_require() -> None:
     history = [
         {"role": "user", "content": "weather in Paris and the time?"},
