@@ -84,6 +84,10 @@ def _content(parts: list[ContentPart]) -> str | list[ContentPart]:
     return parts
 
 
+# The image types Anthropic's API takes (a base64 image of another type is its 400 too).
+IMAGE_TYPES = ("image/jpeg", "image/png", "image/gif", "image/webp")
+
+
 def _image(block: JSONObject, at: str, param: str) -> ContentPart:
     """An image block as an `image_url` part (checked by the content rules every way in shares)."""
     source = block.get("source")
@@ -92,6 +96,12 @@ def _image(block: JSONObject, at: str, param: str) -> ContentPart:
     kind = source.get("type")
     if kind == "base64":
         media = _string(source.get("media_type"), f"{at}.source.media_type", param, empty=False)
+        if media not in IMAGE_TYPES:
+            raise InvalidRequest(
+                f"{at}.source.media_type must be one of {', '.join(IMAGE_TYPES)}",
+                param=param,
+                code="invalid_image",
+            )
         data = _string(source.get("data"), f"{at}.source.data", param)
         url: object = f"data:{media};base64,{data}"
     elif kind == "url":

@@ -177,6 +177,16 @@ def test_tool_results_are_tool_messages_ahead_of_the_rest_of_the_user_message() 
     )
 
 
+def test_an_image_of_a_type_anthropic_does_not_take_is_a_400() -> None:
+    """`text/html` was sent on as a `data:text/html;base64,...` image, stored and replayed."""
+    html = {"type": "image", "source": {"type": "base64", "media_type": "text/html", "data": PNG}}
+    refusal = refused(messages=[{"role": "user", "content": [html]}])
+    assert "media_type must be one of image/jpeg, image/png, image/gif, image/webp" in refusal.message
+    for media in ("image/jpeg", "image/png", "image/gif", "image/webp"):
+        ok = {"type": "image", "source": {"type": "base64", "media_type": media, "data": PNG}}
+        assert chat_messages(None, [{"role": "user", "content": [ok]}])
+
+
 def test_a_tool_result_may_hold_documents_and_search_results() -> None:
     """Both are in the SDK's ToolResultBlockParam; they were a 400."""
     pdf = {
