@@ -117,13 +117,17 @@ class ContextPlan:
     def window_from(self, view: ConversationView, response_id: str) -> str | None:
         """The item key of the first stored message the history began with.
 
-        The turn's own first message sent when none was; None: the conversation's first message."""
-        if self.kept_from == 0:
-            return None
+        The turn's own first message sent when none was (also when the conversation had none
+        stored: a long chat moved in by its first request, cut among its own messages); None: the
+        conversation's first message."""
         if self.kept_from < view.history_count:
+            if self.kept_from == 0:
+                return None
             i = view.loaded_from(self.kept_from)
             return item_key(view.history_owner[i], view.history_pos[i])
-        return item_key(response_id, self.new_from) if self.new_from is not None else None
+        if self.new_from is None or (self.kept_from == 0 and self.new_from == 0):
+            return None
+        return item_key(response_id, self.new_from)
 
     def snapshot(
         self, view: ConversationView, new_messages: int, sent: list[Message], response_id: str

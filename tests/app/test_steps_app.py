@@ -66,3 +66,26 @@ async def test_deleting_the_message_the_head_begins_with_makes_the_next_turn_a_c
         await say_each(client, CID, texts(16, 1))
         after = (await client.get(f"/v1/conversations/{CID}/context")).json()
     assert after["cut"] is True and after["window_from"] != first
+
+
+async def test_a_long_chat_moved_in_one_first_request_keeps_its_cut_head_next_turn(tmp_path: Path) -> None:
+    """A new conversation's first request carrying a long chat was cut inside its own messages,
+    but the head was not recorded (`window_from` null, "from the conversation's first message"):
+    the next turn, which fitted, was cut again and missed the provider's cache."""
+    upstream = MockUpstream()
+    history: list[dict[str, Any]] = []
+    for i, text in enumerate(texts(0, 40)):
+        history += [{"role": "user", "content": text}, {"role": "assistant", "content": f"noted {i}"}]
+    body = {
+        "model": "mock/m",
+        "conversation_id": "moved",
+        "messages": [*history, {"role": "user", "content": "go"}],
+    }
+    async with build_client(settings(tmp_path), None, upstream) as client:
+        assert (await client.post("/v1/chat/completions", json=body)).status_code == 200
+        first = (await client.get("/v1/conversations/moved/context")).json()
+        await say_each(client, "moved", texts(40, 2))
+        after = (await client.get("/v1/conversations/moved/context")).json()
+    assert first["cut"] is True and first["window_from"] is not None
+    assert heads(upstream.requests) == [True, True]  # each later prompt begins with the one before
+    assert after["window_from"] == first["window_from"]
