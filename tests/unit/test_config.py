@@ -491,3 +491,16 @@ def test_an_openai_provider_needs_an_http_base_url(base_url: str | None) -> None
 def test_other_kinds_need_no_base_url() -> None:
     s = load_settings(SHIPPED, environ={}, overrides={"providers": {"lite": {"kind": "litellm"}}})
     assert s.providers["lite"].base_url == ""
+
+
+def test_a_variable_that_spells_two_configured_models_alike_is_an_error(tmp_path: Path) -> None:
+    """It set one of them, the last read, silently."""
+    path = write(
+        tmp_path,
+        '[models."up/gpt-4.1"]\ncontext_window = 1000\n[models."up/gpt-4-1"]\ncontext_window = 2000\n',
+    )
+    variable = "GATEWAY_MODELS__UP_GPT_4_1__CONTEXT_WINDOW"
+    message = config_error(path=path, environ={variable: "5"})
+    assert message.startswith(f"config error: {variable}: names models 'up/gpt-4-1' and 'up/gpt-4.1'")
+    alone = load_settings(path, environ={})
+    assert alone.models["up/gpt-4.1"].context_window == 1000
