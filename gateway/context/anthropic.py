@@ -570,12 +570,21 @@ class BlockEvents:
 
     def close(self) -> list[JSONObject]:
         """The stop of the open block, then the calls held back, each whole (none: nothing)."""
+        return self._release(ending=True)
+
+    def _release(self, *, ending: bool) -> list[JSONObject]:
+        """The open block's stop, then the calls held back, each opened with what it has so far.
+
+        Each is stopped for the next when the answer is `ending`; else only while it is whole
+        JSON with more held behind it (the last, or one not whole yet, stays open)."""
         events = self._stop()
         while self.held:
             key = next(iter(self.held))
             block, pieces = self.held.pop(key)
             events += self._begin(block, key)
             events += [self._delta(key, piece) for piece in pieces]
+            if not ending and (not self.held or not self._complete(key)):
+                break
             events += self._stop()
         return events
 
@@ -646,21 +655,7 @@ class BlockEvents:
             return events  # whitespace after a call's whole JSON, its block closed: nothing to say
         events.append(self._delta(key, piece))
         if key == self.open_call and self.held and self._complete(key):
-            events += self._advance()
-        return events
-
-    def _advance(self) -> list[JSONObject]:
-        """The open call is whole: its stop, then the first call held back opens with what it
-        has so far (and, itself whole with more held, stops for the next)."""
-        events = self._stop()
-        while self.held:
-            key = next(iter(self.held))
-            block, pieces = self.held.pop(key)
-            events += self._begin(block, key)
-            events += [self._delta(key, piece) for piece in pieces]
-            if not self.held or not self._complete(key):
-                break
-            events += self._stop()
+            events += self._release(ending=False)  # the calls held behind it
         return events
 
     def feed(self, chunk: JSONObject) -> list[JSONObject]:
