@@ -295,33 +295,45 @@ class ModelFacts:
             ).decode()
         )
 
-    def refused(self, route: Route, ours: int, refusal: Refusal, window: int) -> None:
+    def refused(
+        self, route: Route, ours: int, refusal: Refusal, window: int, *, uncounted: bool = False
+    ) -> int | None:
         """The provider refused a prompt we counted as `ours` while planning with `window`.
 
         A refusal that names no window still says the window is smaller than that prompt: the
         next plan fits below it (less SHRINK), so the retry never resends the prompt just
         refused (a window assumed far too large would otherwise take a refusal per 15%). Nor does
-        it when the provider counts the prompt far higher than the calibration expects."""
+        it when the provider counts the prompt far higher than the calibration expects.
+
+        Returns the window the retry of this prompt alone must fit (None: the one learned).
+        A prompt with parts we cannot count as the provider does (`uncounted`: images, files)
+        refused by a provider that names a window no smaller than the one planned with: the
+        window was right, and this prompt is what it counted higher. Its retry fits below, and
+        no other prompt, of any conversation or tenant, is planned smaller for it."""
         entry = self._entry(route)
         if refusal.prompt_tokens:
             self.observe(route, ours, refusal.prompt_tokens)
         below = min(window, ours) if ours > 0 else window
         learned = refusal.window or max(MIN_LEARNED_WINDOW, int(below * SHRINK))
         expected = (entry.calibration or entry.prior).provider_tokens(ours) if ours > 0 else 0
+        this_prompt: int | None = None
         if 0 < expected <= learned:
             # The refused prompt would fit that window by our count: the provider counts it higher
             # than the calibration can tell (a count it rejects as implausible, a template or parts
-            # we do not see). Planned as it is, the retry and every later turn would resend a
-            # prompt of that size and be refused again: fit below it, by as much as the provider
-            # said it was over.
+            # we do not see). Planned as it is, the retry would resend a prompt of that size and
+            # be refused again: fit below it, by as much as the provider said it was over.
             theirs = refusal.prompt_tokens
             scale = learned / theirs if theirs and theirs > learned else SHRINK
-            learned = max(1, int(expected * scale))
+            this_prompt = max(1, int(expected * scale))
+            if uncounted and refusal.window and refusal.window >= window:
+                return this_prompt  # (the window itself stands)
+            learned = max(MIN_LEARNED_WINDOW, this_prompt)
         if learned < window or refusal.window:
             entry.learned, entry.learned_from = min(learned, window), "provider refusal"
         entry.server, entry.asked_at = None, None  # ask the server again
         entry.unsaved = max(entry.unsaved, SAVE_EVERY)
         entry.urgent = True
+        return this_prompt
 
     def truncated(self, route: Route, theirs: int) -> None:
         """Plan with no more than `theirs` tokens from now on: the provider saw only that much.

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import functools
 import logging
 import math
@@ -215,14 +216,15 @@ class Planner:
             "through": through,
         }
 
-    async def plan(self, inputs: TurnInputs, *, hold: bool = True) -> ContextPlan:
+    async def plan(self, inputs: TurnInputs, *, hold: bool = True, cap: int | None = None) -> ContextPlan:
         """Decide what of the stored conversation goes upstream (SPEC section 7).
 
         The window keeps the previous turn's head (`view.head`: where its history began and the
         summary it sent) while everything from there fits; otherwise it is cut in a step, down
         to `cut_to` of the budget, starting at the newest summary's coverage when that fits.
         `hold=False` cuts regardless (after the provider refused the previous plan), as does a
-        compaction made for this turn (`request.compaction_version`).
+        compaction made for this turn (`request.compaction_version`). `cap`: a window this plan
+        alone must fit (the retry of a prompt the provider counted higher than we could).
 
         The answer's reserve, when the client set none, is halved for a request that does not
         fit beside it."""
@@ -234,6 +236,8 @@ class Planner:
             else:
                 view.count_tokens(inputs.encoding, inputs.count)
         facts = await self.facts.window(inputs.route, request.model, inputs.store)
+        if cap is not None and cap < facts.tokens:
+            facts = dataclasses.replace(facts, tokens=cap, source=f"this prompt's retry (was {facts.tokens})")
         reserve, budget = self._budget(request, facts)
         try:
             return await self._plan_with(inputs, facts, reserve, budget, hold=hold)

@@ -441,6 +441,17 @@ async def archive_expired(store: Store, cache: ConversationCache, cid: str) -> C
     return ConversationView()
 
 
+def has_uncounted_parts(messages: list[Message]) -> bool:
+    """Does a message hold a part other than text (an image, a file), which a provider counts
+    its own way (an image: hundreds to thousands of tokens) and the gateway only estimates?"""
+    return any(
+        isinstance(part, dict) and part.get("type") != "text"
+        for message in messages
+        if isinstance(content := message.get("content"), list)
+        for part in content
+    )
+
+
 async def refit(
     turn: PreparedTurn, exc: UpstreamStatusError, facts: ModelFacts, on_refusal: Callable[[str], None]
 ) -> None:
@@ -453,7 +464,8 @@ async def refit(
     plan = turn.plan
     window = plan.context_window if plan is not None else (refusal.window or 0)
     ours = plan.window.total_tokens if plan is not None else 0
-    facts.refused(turn.route, ours, refusal, window)
+    sent = plan.window.messages if plan is not None else []
+    this_prompt = facts.refused(turn.route, ours, refusal, window, uncounted=has_uncounted_parts(sent))
     log.warning(
         orjson.dumps(
             {
@@ -466,6 +478,7 @@ async def refit(
                 "provider_window": refusal.window,
                 "provider_count": refusal.prompt_tokens,
                 "retry": turn.replan is not None and turn.refits == 0,
+                "retry_window": this_prompt,
             }
         ).decode()
     )
@@ -477,7 +490,8 @@ async def refit(
         ) from exc
     turn.refits += 1
     try:
-        plan = await turn.replan(hold=False)  # ContextLengthExceeded if the request alone cannot fit
+        # ContextLengthExceeded if the request alone cannot fit
+        plan = await turn.replan(hold=False, cap=this_prompt)
     except ContextLengthExceeded:
         on_refusal("refused")  # no second call: the client gets the 400
         raise

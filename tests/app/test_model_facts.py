@@ -1105,3 +1105,38 @@ async def test_a_configured_window_is_a_budget_kept_in_our_own_count() -> None:
         return 3 + sum(each)
 
     assert max(measured(body) for body in upstream.requests) <= 1500 * 1.02
+
+
+async def test_a_prompt_of_images_refused_as_too_long_shrinks_no_other_conversations_window() -> None:
+    """80 images counted a few tokens each, which the provider counts by the thousand: its
+    refusal ("203000 tokens > 200000 maximum") set a window of about our count of that prompt
+    (1,300) for every conversation of every tenant on the model, with no end."""
+    image = {"type": "image_url", "image_url": {"url": "https://example.com/cat.png"}}
+
+    def provider(body: dict[str, Any]) -> str:
+        if any(isinstance(m["content"], list) for m in body["messages"]):
+            error = {
+                "type": "invalid_request_error",
+                "message": "prompt is too long: 203000 tokens > 200000 maximum",
+            }
+            raise status_error("mock", 400, orjson.dumps({"type": "error", "error": error}), {})
+        return "ok"
+
+    settings = make_settings().model_copy(
+        update={"models": {"mock/big": ModelSettings(context_window=200_000)}}
+    )
+    store = MemoryStore()
+    async with build_client(settings, store, MockUpstream(provider)) as client:
+        pictures = {"role": "user", "content": [{"type": "text", "text": "describe"}, *[image] * 80]}
+        body = {"model": "mock/big", "conversation_id": "pics", "messages": [pictures]}
+        refused = await client.post("/v1/chat/completions", json=body)
+        other = {
+            "model": "mock/big",
+            "conversation_id": "words",
+            "messages": [{"role": "user", "content": "hi"}],
+        }
+        answered = await client.post("/v1/chat/completions", json=other)
+        context = (await client.get("/v1/conversations/words/context")).json()
+    assert refused.status_code == 400 and refused.json()["error"]["code"] == "context_length_exceeded"
+    assert answered.status_code == 200
+    assert (context["context_window"], context["context_window_source"]) == (200_000, "config")
