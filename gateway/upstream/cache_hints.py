@@ -20,6 +20,7 @@ from __future__ import annotations
 import hashlib
 from collections import OrderedDict
 from collections.abc import Sequence
+from typing import cast
 
 from gateway.types import as_object
 from gateway.upstream.base import Body, take_field
@@ -131,17 +132,46 @@ def _blocks(message: object) -> list[object] | None:
     return None
 
 
+def _newest_breakpoints(messages: list[object], keep: int) -> list[object]:
+    """The messages with at most `keep` of their breakpoints, the newest (the others removed,
+    from copies).
+
+    A client's breakpoints stay in the stored conversation and come back turn after turn: one
+    more each turn, until Anthropic refused the fifth and every turn after it. Those before the
+    newest `keep` only mark prefixes the newer ones cover."""
+    marked: list[tuple[int, int]] = []  # (message, block; -1: the message itself)
+    for i, message in enumerate(messages):
+        if not isinstance(message, dict):
+            continue
+        if message.get("cache_control"):
+            marked.append((i, -1))
+        content = message.get("content")
+        if isinstance(content, list):
+            marked += [(i, k) for k, block in enumerate(content) if as_object(block).get("cache_control")]
+    for i, k in marked[: max(0, len(marked) - max(0, keep))]:
+        changed = dict(as_object(messages[i]))
+        if k < 0:
+            changed.pop("cache_control", None)
+        else:
+            blocks = list(cast(list[object], changed["content"]))
+            blocks[k] = {key: v for key, v in as_object(blocks[k]).items() if key != "cache_control"}
+            changed["content"] = blocks
+        messages[i] = changed
+    return messages
+
+
 def with_cache_breakpoints(messages: Sequence[object], tools: object = None) -> list[object]:
     """The messages with Anthropic `cache_control` breakpoints, in litellm's format.
 
     A breakpoint is on the last content block of a message. One on the last message that can end
     with one, where the next turn reads the cache up to; then one at the end of the stable head
     (the leading system messages), which a cut of the history leaves in place; at most
-    Anthropic's four in all, the client's own counted. The messages given are left as they are:
-    the ones marked are copies.
+    Anthropic's four in all, the client's own counted (the newest of them, when more came back
+    with the stored conversation than that). The messages given are left as they are: the ones
+    marked are copies.
     """
-    out = list(messages)
-    room = ANTHROPIC_MAX_BREAKPOINTS - count_breakpoints(messages, tools)
+    out = _newest_breakpoints(list(messages), ANTHROPIC_MAX_BREAKPOINTS - count_breakpoints([], tools))
+    room = ANTHROPIC_MAX_BREAKPOINTS - count_breakpoints(out, tools)
     head = _head_end(out)
     after_head = range(len(out) - 1, -1 if head is None else head, -1)
     last = next((i for i in after_head if _blocks(out[i]) is not None), None)

@@ -269,6 +269,27 @@ def test_breakpoints_count_the_clients_own_within_four() -> None:
     )
 
 
+def test_the_clients_breakpoints_that_come_back_with_the_history_stay_within_four() -> None:
+    """A client marking its newest message each turn had every mark stored and replayed: five
+    on the fifth turn, which Anthropic refuses, and every turn after it."""
+
+    def mine(text: str) -> dict[str, Any]:
+        return {"role": "user", "content": [{"type": "text", "text": text, "cache_control": EPHEMERAL}]}
+
+    history: list[dict[str, Any]] = [{"role": "system", "content": "S"}]
+    for turn in range(6):
+        history += [mine(f"q{turn}"), {"role": "assistant", "content": f"a{turn}"}]
+    history.append(mine("now"))
+    before = copy.deepcopy(history)
+    out = with_cache_breakpoints(history)
+    assert history == before  # (copies)
+    assert count_breakpoints(out) == 4
+    marked = [i for i, m in enumerate(out) if _blocks_marked(m)]
+    assert marked == [i for i, m in enumerate(history) if _blocks_marked(m)][-4:]  # the newest four
+    tools = [{"type": "function", "function": {"name": "f"}, "cache_control": EPHEMERAL}]
+    assert count_breakpoints(with_cache_breakpoints(history, tools), tools) == 4
+
+
 def test_breakpoints_skip_messages_that_cannot_end_with_one() -> None:
     call = {"id": "c1", "type": "function", "function": {"name": "f", "arguments": "{}"}}
     messages: list[dict[str, Any]] = [
