@@ -69,6 +69,9 @@ class Message(TypedDict, total=False):
     refusal: str | None
     function_call: FunctionCall  # the legacy single call (functions API)
     audio: JSONObject  # an audio answer: {"id"} (as it is replayed)
+    # Anthropic's thinking through litellm (its signature included): replayed with the message,
+    # as Anthropic requires of an assistant message whose tool calls are answered next.
+    thinking_blocks: list[JSONObject]
     is_feedback: bool  # a gateway field: stored, never sent to a provider
     compaction: JSONObject  # a gateway field: the compaction item this summary is (stored, never sent)
 

@@ -115,8 +115,21 @@ def output_message(message: object) -> Message:
         # An audio answer is replayed by its id, as OpenAI documents (its data is not kept).
         out["audio"] = {"id": audio["id"]}
         out.setdefault("content", None)
+    thinking = thinking_blocks(message.get("thinking_blocks"))
+    if thinking:
+        out["thinking_blocks"] = thinking
     out.setdefault("content", "")
     return cast(Message, out)
+
+
+def thinking_blocks(value: object) -> list[JSONObject]:
+    """A provider's `thinking_blocks` (litellm's, for Anthropic's thinking) kept as they came:
+    objects with a `type` (none when it sent anything else)."""
+    if not isinstance(value, list) or not all(
+        isinstance(b, dict) and isinstance(b.get("type"), str) for b in value
+    ):
+        return []
+    return cast(list[JSONObject], value)
 
 
 class StreamAccumulator:
@@ -130,6 +143,7 @@ class StreamAccumulator:
         self._moved: dict[int, int] = {}  # a provider's index -> the call it names now
         self.function_call: FunctionCall | None = None  # the legacy single call, in pieces
         self.audio_id: str | None = None
+        self.thinking: list[JSONObject] = []  # thinking blocks, their pieces joined
         self.finish_reason: str | None = None
         self.usage: Usage | None = None
         self.timings: JSONObject | None = None  # llama.cpp's, in its last chunk: its cache figures
@@ -172,10 +186,29 @@ class StreamAccumulator:
         audio = delta.get("audio")
         if isinstance(audio, dict) and isinstance(audio.get("id"), str):
             self.audio_id = audio["id"]
+        for block in thinking_blocks(delta.get("thinking_blocks")):
+            self._add_thinking(block)
         calls = delta.get("tool_calls")
         for call in calls if isinstance(calls, list) else ():
             if isinstance(call, dict):
                 self._add_call(call)
+
+    def _add_thinking(self, block: JSONObject) -> None:
+        """A piece of a thinking block: its text goes on the one open (until its signature came)."""
+        last = self.thinking[-1] if self.thinking else None
+        text, signature = block.get("thinking"), block.get("signature")
+        if (
+            block.get("type") == "thinking"
+            and last is not None
+            and last.get("type") == "thinking"
+            and not last.get("signature")
+        ):
+            if isinstance(text, str):
+                last["thinking"] = str(last.get("thinking") or "") + text
+            if signature:
+                last["signature"] = signature
+            return
+        self.thinking.append(dict(block))
 
     def _add_call(self, call: JSONObject) -> None:
         """Add one piece of a streamed tool call to its call.
@@ -236,6 +269,8 @@ class StreamAccumulator:
             message["audio"] = {"id": self.audio_id}
             if not message["content"]:
                 message["content"] = None
+        if self.thinking:
+            message["thinking_blocks"] = self.thinking
         if self.tool_calls:
             message["tool_calls"] = [self.tool_calls[i] for i in sorted(self.tool_calls)]
             for call in message["tool_calls"]:  # a call streamed without arguments: as a whole answer's
