@@ -291,8 +291,18 @@ class LitellmUpstream(Upstream):
         kwargs = self._kwargs({**body, "stream": False})
 
         async def once(waited: float) -> Body:
+            asked = self._in_time(kwargs, waited)
             with map_litellm_errors(self.name, self.url):
-                return _dump(await litellm.acompletion(**self._in_time(kwargs, waited)))
+                try:
+                    # litellm's `timeout` holds each read, not the whole answer: the deadline does.
+                    async with asyncio.timeout(asked.get("timeout") or None):
+                        return _dump(await litellm.acompletion(**asked))
+                except TimeoutError:
+                    where = f"Provider {self.name!r}" + (f" at {self.url}" if self.url else "")
+                    raise UpstreamTimeout(
+                        f"{where} sent no whole answer within {self.settings.timeout:g} s "
+                        f"(providers.{self.name}.timeout)"
+                    ) from None
 
         return await complete_with_retries(self.name, self.settings.retries, is_retryable, once, waited)
 

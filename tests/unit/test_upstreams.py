@@ -421,3 +421,42 @@ def test_a_servers_routes_keep_the_base_urls_query_at_the_end() -> None:
     assert (
         url_at("https://u:p@h/openai/v1", "/chat/completions") == "https://u:p@h/openai/v1/chat/completions"
     )
+
+
+async def test_litellm_holds_timeout_as_a_deadline_for_a_whole_answer(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """An answer whose head came at once and whose body dripped a byte at a time was waited for
+    as long as it dripped: litellm's `timeout` holds each read, not the whole answer."""
+    import asyncio
+
+    from aiohttp import web
+
+    from gateway.upstream.litellm import LitellmUpstream, litellm_module
+
+    async def drip(request: web.Request) -> web.StreamResponse:
+        response = web.StreamResponse(headers={"content-type": "application/json"})
+        await response.prepare(request)
+        for byte in b'{"id": "x", "object": "chat.completion", "choices": []}':
+            await response.write(bytes([byte]))
+            await asyncio.sleep(0.2)
+        return response
+
+    app = web.Application()
+    app.router.add_post("/v1/chat/completions", drip)
+    monkeypatch.setenv("LITE_TEST_KEY", "sk-test")
+    async with serving_app(app) as url:
+        settings = ProviderSettings(
+            kind="litellm",
+            litellm_provider="openai",
+            base_url=f"{url}/v1",
+            api_key_env="LITE_TEST_KEY",
+            timeout=1,
+            retries=0,
+        )
+        await litellm_module("lite")  # (imported first: its import is not the provider's time)
+        loop = asyncio.get_running_loop()
+        began = loop.time()
+        with pytest.raises(UpstreamTimeout, match=r"no whole answer within 1 s \(providers\.lite\.timeout\)"):
+            await LitellmUpstream("lite", settings).complete(dict(BODY))
+        assert loop.time() - began < 5  # (the drip takes 11 s)
