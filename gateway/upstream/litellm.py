@@ -281,7 +281,11 @@ class LitellmUpstream(Upstream):
 
         from gateway.upstream.discovery import describe_openai_compatible
 
-        async with aiohttp.ClientSession(headers=self.settings.headers or None) as session:
+        headers = dict(self.settings.headers)
+        key = os.environ.get(self.settings.api_key_env, "") if self.settings.api_key_env else ""
+        if key and not any(name.lower() == "authorization" for name in headers):
+            headers["authorization"] = f"Bearer {key}"  # (an Ollama behind a proxy that wants it)
+        async with aiohttp.ClientSession(headers=headers or None) as session:
             return await describe_openai_compatible(
                 session, self.url or OLLAMA_DEFAULT_URL, model, within=self.settings.timeout or None
             )

@@ -148,6 +148,35 @@ async def test_discovery_over_http(kind: str, model: str, expected: ServerWindow
             await upstream.aclose()
 
 
+async def test_a_litellm_ollama_providers_window_questions_carry_its_key(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """`/api/chat` carried the provider's key, its window questions (`/api/ps`, `/api/show`) none:
+    an Ollama behind a proxy that wants the key answered them 401, and its window was not known."""
+    from gateway.upstream.litellm import LitellmUpstream
+
+    seen: list[str | None] = []
+    app = _server_app("ollama")
+
+    @web.middleware
+    async def keyed(request: web.Request, handler: Any) -> web.StreamResponse:
+        seen.append(request.headers.get("Authorization"))
+        if request.headers.get("Authorization") != "Bearer ollama-key":
+            return web.json_response({"error": "unauthorized"}, status=401)
+        response: web.StreamResponse = await handler(request)
+        return response
+
+    app.middlewares.append(keyed)
+    monkeypatch.setenv("OLLAMA_TEST_KEY", "ollama-key")
+    async with serving_app(app) as url:
+        settings = ProviderSettings(
+            kind="litellm", litellm_provider="ollama_chat", base_url=url, api_key_env="OLLAMA_TEST_KEY"
+        )
+        window = await LitellmUpstream("oll", settings).describe("qwen2.5:7b")
+    assert window == ServerWindow(6144, "Ollama POST /api/show", num_ctx_option=True)
+    assert seen and set(seen) == {"Bearer ollama-key"}
+
+
 async def test_a_server_that_does_not_answer_is_asked_one_question_not_four(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
