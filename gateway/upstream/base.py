@@ -25,7 +25,7 @@ Chunk = JSONObject  # a completion, or one chunk of a stream, as the provider se
 log = logging.getLogger("gateway.upstream")
 
 # Provider statuses worth another attempt (never 429: that is passed through with Retry-After).
-RETRY_STATUSES = frozenset({502, 503, 504})
+RETRY_STATUSES = frozenset({502, 503, 504, 529})  # (529: Anthropic's `overloaded_error`)
 _BACKOFF = (0.2, 0.5, 1.0, 2.0)
 # A traced turn's W3C `traceparent` for the provider, carried in the body (as `CACHE_KEY` is):
 # an implementation takes it out and sends it as the request's header.

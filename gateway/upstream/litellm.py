@@ -188,6 +188,9 @@ def map_litellm_errors(name: str, url: str) -> Iterator[None]:
             said = str(getattr(exc, "message", exc)).strip()[:300] or type(exc).__name__
             raise UpstreamUnreachable(f"{where} is unreachable: {said}") from exc
         status = getattr(exc, "status_code", None)
+        own = getattr(exc, "provider_status_code", None)  # the provider's (litellm's may be 500)
+        if isinstance(own, int) and own >= 400:
+            status = own
         if isinstance(status, int) and status >= 400:
             text = str(getattr(exc, "message", exc))
             refusal = parse_refusal(status, None, text)

@@ -460,3 +460,48 @@ async def test_litellm_holds_timeout_as_a_deadline_for_a_whole_answer(
         with pytest.raises(UpstreamTimeout, match=r"no whole answer within 1 s \(providers\.lite\.timeout\)"):
             await LitellmUpstream("lite", settings).complete(dict(BODY))
         assert loop.time() - began < 5  # (the drip takes 11 s)
+
+
+async def test_litellm_anthropic_overloaded_is_said_as_529_and_retried(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Anthropic's 529 `overloaded_error` came back as "returned HTTP 500" (litellm's own
+    status) and was not retried, unlike a 503."""
+    from aiohttp import web
+
+    from gateway.upstream.litellm import LitellmUpstream
+
+    calls: list[int] = []
+    overloaded = {"type": "error", "error": {"type": "overloaded_error", "message": "Overloaded"}}
+    answer = {
+        "id": "msg_1",
+        "type": "message",
+        "role": "assistant",
+        "model": "claude-3-5-haiku-20241022",
+        "content": [{"type": "text", "text": "hi"}],
+        "stop_reason": "end_turn",
+        "stop_sequence": None,
+        "usage": {"input_tokens": 3, "output_tokens": 1},
+    }
+
+    async def messages(request: web.Request) -> web.Response:
+        calls.append(1)
+        if len(calls) == 1 or always:
+            return web.json_response(overloaded, status=529)
+        return web.json_response(answer)
+
+    always = False
+    app = web.Application()
+    app.router.add_post("/v1/messages", messages)
+    monkeypatch.setenv("LITE_TEST_KEY", "sk-test")
+    async with serving_app(app) as url:
+        settings = ProviderSettings(
+            kind="litellm", litellm_provider="anthropic", base_url=url, api_key_env="LITE_TEST_KEY", retries=1
+        )
+        body = {"model": "claude-3-5-haiku-20241022", "messages": [{"role": "user", "content": "hi"}]}
+        assert (await LitellmUpstream("anth", settings).complete(dict(body)))["choices"]
+        assert len(calls) == 2  # retried
+        always = True
+        with pytest.raises(UpstreamStatusError, match="returned HTTP 529") as raised:
+            await LitellmUpstream("anth", settings.model_copy(update={"retries": 0})).complete(dict(body))
+    assert raised.value.status_code == 502
