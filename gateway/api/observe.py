@@ -107,15 +107,25 @@ def log_line(
 
 
 def refused(
-    request: Request, body: object, exc: GatewayError, started: float, *, event: str = "chat.completion"
+    request: Request,
+    body: object,
+    exc: GatewayError,
+    started: float,
+    *,
+    event: str = "chat.completion",
+    conversation_id: str | None = None,
 ) -> None:
-    """The log line and metric of a request the gateway refused before asking any provider."""
+    """The log line and metric of a request the gateway refused before asking any provider.
+
+    `conversation_id`: the one the request named, when it was known by other means than the
+    body's `conversation_id` or the header (the Responses API's `conversation`, or the
+    conversation of its `previous_response_id`)."""
     request.app.state.metrics.refusals.labels(exc.code or exc.error_type).inc()
     _mark_logged()
     if not access_log.isEnabledFor(logging.INFO):
         return
     body = body if isinstance(body, dict) else {}
-    cid = body.get("conversation_id") or request.headers.get("x-conversation-id")
+    cid = conversation_id or body.get("conversation_id") or request.headers.get("x-conversation-id")
     line: JSONObject = {
         "event": event,
         "response_id": None,

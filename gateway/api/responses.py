@@ -243,6 +243,7 @@ async def create_response(request: Request) -> Response:
     metrics = request.app.state.metrics
     started = time.perf_counter()
     body: Any = None
+    cid: str | None = None
     try:
         body = await read_json(request, services.settings.server.max_body_bytes)
         if isinstance(body, dict) and body.get("prompt") is not None:  # (said "'input' must be ...")
@@ -274,7 +275,7 @@ async def create_response(request: Request) -> Response:
         turn = await service.prepare(chat, tenant)
     except GatewayError as exc:
         _said_of_input(exc)
-        refused(request, body, exc, started, event="response")
+        refused(request, body, exc, started, event="response", conversation_id=cid)
         raise
     cid = turn.conversation_id
     position = len(turn.new)

@@ -172,3 +172,27 @@ async def test_continuing_a_stateless_chat_completion_says_why_it_cannot() -> No
         stateless = (await client.post("/v1/chat/completions", json=body)).json()["id"]
         r = await respond(client, "more", previous_response_id=stateless)
     assert r.status_code == 400 and "stateless chat completion" in r.json()["error"]["message"]
+
+
+async def test_a_refused_turns_log_line_names_the_conversation_of_conversation_or_previous(
+    caplog: Any,
+) -> None:
+    """Its `conversation_id` was null when the request named it by `conversation` or
+    `previous_response_id` (only the body's `conversation_id` and the header were read)."""
+    import logging
+
+    base = make_settings()
+    settings = base.model_copy(
+        update={"context": base.context.model_copy(update={"max_context_tokens": 400})}
+    )
+    async with build_client(settings, MemoryStore(), MockUpstream()) as client:
+        conv = (await client.post("/v1/conversations", json={})).json()["id"]
+        first = (await respond(client, "hello", conversation=conv)).json()
+        too_long = "word " * 2000
+        with caplog.at_level(logging.INFO, logger="gateway.access"):
+            by_conversation = await respond(client, too_long, conversation=conv)
+            by_previous = await respond(client, too_long, previous_response_id=first["id"])
+    assert by_conversation.status_code == by_previous.status_code == 400
+    lines = [json.loads(r.getMessage()) for r in caplog.records if r.name == "gateway.access"]
+    refused = [line for line in lines if line.get("outcome") == "refused"]
+    assert [line["conversation_id"] for line in refused] == [conv, conv]
