@@ -674,7 +674,10 @@ class MessageCreate(BaseModel):
 
 
 class CountTokensRequest(BaseModel):
-    """`POST /v1/messages/count_tokens`: a Messages request without `max_tokens`."""
+    """`POST /v1/messages/count_tokens`: a Messages request, `max_tokens` optional.
+
+    Anthropic's takes none; given, it is the room the turn would keep for its answer, which
+    decides where a conversation's window is cut, as it does on the turn."""
 
     model_config = BODY
 
@@ -683,5 +686,6 @@ class CountTokensRequest(BaseModel):
     system: str | list[SkipValidation[TextBlock]] | None = None
     tools: list[AnthropicTool] | None = None
     tool_choice: SkipValidation[ToolChoice | None] = None
+    max_tokens: AnswerTokens | None = None
 
     error_messages: ClassVar[ErrorMessages] = ANTHROPIC_ERRORS

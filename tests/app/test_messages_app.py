@@ -244,3 +244,28 @@ async def test_a_prefill_is_stored_as_the_beginning_of_its_answer(stream: bool) 
         ("user", "Give JSON"),
         ("assistant", '{"a": 1}'),
     ]
+
+
+async def test_count_tokens_with_max_tokens_counts_what_the_turn_then_sends() -> None:
+    """Counted without the turn's `max_tokens`, the window was cut where the gateway's own reserve
+    put it: past three quarters of the window the count said half of what the turn then sent."""
+    base = make_settings()
+    settings = base.model_copy(
+        update={
+            "context": base.context.model_copy(update={"max_context_tokens": 1000, "reserve_tokens": 250})
+        }
+    )
+    async with build_client(settings, MemoryStore(), MockUpstream()) as client:
+        for i in range(30):
+            said = "sentence " * 12
+            r = await client.post(
+                "/v1/messages",
+                json=request(f"{i}: {said}", conversation_id="count", max_tokens=40),
+                headers=VERSION,
+            )
+            assert r.status_code == 200
+        ask = request("and now?", conversation_id="count", max_tokens=40)
+        counted = (await client.post("/v1/messages/count_tokens", json=ask, headers=VERSION)).json()
+        assert (await client.post("/v1/messages", json=ask, headers=VERSION)).status_code == 200
+        sent = (await client.get("/v1/conversations/count/context")).json()
+    assert counted["input_tokens"] == sent["tokens"]["total"]
