@@ -620,6 +620,8 @@ def fsck(settings: Settings, *, config_path: str | None, repair: bool) -> None:
     jsonl = settings.storage.backend == "jsonl"
     where = settings.storage.data_dir if jsonl else f"the {settings.storage.backend} database"
     if jsonl and not Path(settings.storage.data_dir).is_dir():
+        if Path(settings.storage.data_dir).exists():
+            raise GatewayError(f"the data dir {settings.storage.data_dir} is a file, not a folder")
         raise GatewayError(f"there is no data dir at {settings.storage.data_dir}")
     if jsonl:
         blocked = _files_in_the_layout(Path(settings.storage.data_dir))

@@ -141,3 +141,11 @@ def test_fsck_names_a_file_where_the_layout_has_a_folder(tmp_path: Path, upstrea
     done = fsck(data_dir, config)
     assert done.returncode == 1
     assert "logs/conversations: a file where the gateway keeps a folder" in done.stdout
+
+
+def test_fsck_on_a_data_dir_that_is_a_file_says_so(tmp_path: Path, upstream: MockServer) -> None:
+    """It said "there is no data dir at ..." of a file."""
+    config = write_config(tmp_path / "g.toml", upstream.url)
+    (tmp_path / "var").write_text("not a folder")
+    done = fsck(tmp_path / "var", config)
+    assert done.returncode == 1 and "is a file, not a folder" in done.stderr
