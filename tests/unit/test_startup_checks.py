@@ -73,3 +73,16 @@ def test_an_import_into_a_data_dir_that_is_a_file_is_one_line(tmp_path: Path) ->
     )
     with pytest.raises(GatewayError, match=r"could not write .*\(Not a directory\): 0 of 1 files copied"):
         import_data(settings, tmp_path / "exported")
+
+
+async def test_a_response_read_through_a_file_where_a_folder_was_says_why(tmp_path: Path) -> None:
+    """It was "No response" (`exists()` says False of a path through a file): `gateway context`
+    and `GET /v1/responses/{id}` hid that the data dir cannot be read."""
+    s = JsonlStore(tmp_path / "var")
+    await s.open()
+    await s.close()
+    responses = tmp_path / "var" / "logs" / "responses"
+    responses.rmdir()
+    responses.write_text("not a folder")
+    with pytest.raises(StorageError, match="could not read the response: Not a directory"):
+        await JsonlStore(tmp_path / "var").read_response("demo-0123456789ab")

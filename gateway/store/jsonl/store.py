@@ -283,8 +283,10 @@ class JsonlStore(Store):
     async def read_response(self, response_id: str) -> list[Record]:
         path = self.data_dir.response_path(response_id)
         with os_errors("read the response"):
-            if not path.exists():
-                raise NotFound(f"No response {response_id!r}", param="response_id")
+            try:
+                os.stat(path)  # (not `exists()`, which says False of a folder that is a file)
+            except FileNotFoundError:
+                raise NotFound(f"No response {response_id!r}", param="response_id") from None
             return self._read_records(path)
 
     async def read_index(self, conversation_id: str) -> list[str | Record]:
