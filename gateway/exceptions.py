@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import asyncio
 from dataclasses import dataclass
+from typing import ClassVar
 
 from gateway.redact import redact
 from gateway.types import JSONObject
@@ -225,6 +226,10 @@ class UpstreamTimeout(UpstreamError):
 
 class UpstreamStatusError(UpstreamError):
     """The provider answered with an HTTP error; 4xx are passed through, 5xx become 502."""
+
+    # An error the provider reported inside a 200 answer (its `upstream_status` is the gateway's
+    # 502, not a status the provider sent).
+    in_band: ClassVar[bool] = False
 
     def __init__(
         self,

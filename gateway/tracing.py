@@ -312,7 +312,7 @@ def error_type(result: str, error: GatewayError | None) -> str | None:
     """
     if result == "complete":
         return None
-    if isinstance(error, UpstreamStatusError):
+    if isinstance(error, UpstreamStatusError) and not error.in_band:
         return str(error.upstream_status)
     if error is not None:
         return error.code or error.error_type
@@ -348,13 +348,14 @@ def usage_attributes(outcome: TurnOutcome) -> Attributes:
     """Token counts, as `gateway_tokens_total` takes them.
 
     The provider's (the whole prompt, its cached tokens included), else the gateway's own count
-    of the answer.
+    (the window it planned, a stateless prompt's, the answer).
     """
     usage, cache = as_object(outcome.usage), as_object(outcome.cache)
     attributes: Attributes = {}
     prompt = _count(cache.get("prompt_tokens"))
     prompt = prompt if prompt is not None else _count(usage.get("prompt_tokens"))
-    prompt = prompt if prompt is not None else outcome.prompt_counted
+    if prompt is None and outcome.committed:  # (an answer: what was sent, as we counted it)
+        prompt = (outcome.window_tokens or {}).get("total", outcome.prompt_counted)
     if prompt is not None:
         attributes["gen_ai.usage.input_tokens"] = prompt
     completion = _count(usage.get("completion_tokens"))

@@ -135,6 +135,8 @@ def proxied(url: str) -> bool:
 class UpstreamErrorEvent(UpstreamStatusError):
     """The provider reported an error inside a 200 answer (a stream's error event): never retried."""
 
+    in_band = True
+
 
 def status_error(
     name: str,

@@ -212,6 +212,25 @@ async def test_a_stream_says_it_is_one(traced: Traced) -> None:
     assert facts["gen_ai.response.id"] == r.headers["x-response-id"]
 
 
+async def test_a_stream_without_a_usage_chunk_has_the_input_tokens_the_metrics_count(traced: Traced) -> None:
+    """The span had output tokens (ours) and no input tokens, while `gateway_tokens_total`
+    counted the window's: the two exporters disagreed."""
+    body = {
+        "model": "mock/m",
+        "conversation_id": "u",
+        "stream": True,
+        "messages": [{"role": "user", "content": "hello"}],
+    }
+    async with build_client(
+        make_settings(), MemoryStore(), MockUpstream(answer), tracing=traced.tracing
+    ) as c:
+        r = await c.post("/v1/chat/completions", json=body)
+        context = (await c.get("/v1/conversations/u/context")).json()
+    assert r.status_code == 200 and '"usage"' not in r.text
+    (span,) = traced.spans()
+    assert attributes(span)["gen_ai.usage.input_tokens"] == context["tokens"]["total"]
+
+
 @pytest.mark.parametrize(
     ("fault", "error_type", "status"),
     [

@@ -117,6 +117,11 @@ def test_error_type_of_each_ending() -> None:
     assert error_type("disconnected", None) == "client_disconnected"
     assert error_type("cancelled", None) == "cancelled"
     assert error_type("error", None) == "_OTHER"  # an unexpected exception (a 500)
+    # An error the provider reported inside its 200 stream: its code, not the gateway's 502.
+    from gateway.upstream.openai import UpstreamErrorEvent
+
+    in_band = UpstreamErrorEvent("Provider 'p' reported an error", upstream_status=502)
+    assert error_type("error", in_band) == "upstream_error"
 
 
 def test_request_parameters_as_the_conventions_name_them() -> None:
