@@ -10,6 +10,8 @@ retries are the background job's (`gateway.jobs.summarizer`); this never runs on
 
 from __future__ import annotations
 
+import asyncio
+import contextvars
 import time
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
@@ -156,7 +158,12 @@ class Summaries:
         }
         started = time.perf_counter()
         try:
-            completion = await route.upstream.complete(body)
+            # In a context of its own: not a call of the request that may be waiting on it (a
+            # compaction before a turn), whose trace would count it as the turn's and send the
+            # provider that trace's `traceparent`; the summarizer's call is reported on its own.
+            completion = await asyncio.create_task(
+                route.upstream.complete(body), context=contextvars.Context()
+            )
         except BaseException as exc:
             seconds = time.perf_counter() - started
             self.on_call(SummaryCall(cid, route.provider, route.model, cap, seconds, None, exc))

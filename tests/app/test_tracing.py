@@ -429,3 +429,39 @@ async def test_a_compaction_of_input_alone_names_no_conversation_in_its_summariz
     alone, of_conversation = traced.spans("summary")
     assert "gen_ai.conversation.id" not in attributes(alone) and "session.id" not in attributes(alone)
     assert attributes(of_conversation)["gen_ai.conversation.id"] == conversation
+
+
+async def test_a_compaction_before_a_turn_is_not_one_of_the_turns_provider_calls(traced: Traced) -> None:
+    """The summarizer's call made for `context_management` was also counted as the turn's first
+    provider call: a child span starting before its turn, and the provider was sent a
+    `traceparent` of the request's trace."""
+    upstream = MockUpstream(answer)
+    async with build_client(make_settings(), MemoryStore(), upstream, tracing=traced.tracing) as c:
+        previous = None
+        for text in ["Hi, my name is Bob.", "my city is Oslo", "I like trains a lot."]:
+            body = {"model": "mock/m", "input": text, "previous_response_id": previous}
+            previous = (await c.post("/v1/responses", json=body)).json()["id"]
+        manage = [{"type": "compaction", "compact_threshold": 40}]
+        body = {
+            "model": "mock/m",
+            "input": "my dog is Rex",
+            "previous_response_id": previous,
+            "context_management": manage,
+        }
+        r = await c.post("/v1/responses", json=body)
+    assert r.status_code == 200 and r.json()["output"][0]["type"] == "compaction"
+    turn = traced.spans()[-1]
+    calls = [
+        s
+        for s in traced.exporter.get_finished_spans()
+        if s.parent is not None and s.parent.span_id == turn.context.span_id and s.name.startswith("upstream")
+    ]
+    assert len(calls) == 1 and calls[0].start_time >= turn.start_time
+    summarized = [
+        b
+        for b, tp in zip(upstream.requests, upstream.traceparents, strict=True)
+        if "running summary" in str(b["messages"][0].get("content"))
+    ]
+    assert summarized and traced.spans("summary")
+    asked = [tp for b, tp in zip(upstream.requests, upstream.traceparents, strict=True) if b in summarized]
+    assert asked == [None] * len(summarized)  # (its span is its own)
