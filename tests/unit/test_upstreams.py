@@ -104,6 +104,29 @@ async def test_openai_fast_path_complete_and_stream(upstream: MockServer) -> Non
     assert upstream.requests[0] == BODY
 
 
+async def test_an_openai_compatible_server_is_not_sent_thinking_blocks(upstream: MockServer) -> None:
+    """Stored with an answer for Anthropic (through litellm), they went to the next provider of
+    the conversation too: a strict server refuses a message field it does not know."""
+    up = OpenAIUpstream("mock", _provider(upstream.url))
+    thought = {
+        "role": "assistant",
+        "content": "x",
+        "thinking_blocks": [{"type": "thinking", "thinking": "t"}],
+    }
+    body = {
+        **BODY,
+        "messages": [{"role": "user", "content": "hi"}, thought, {"role": "user", "content": "go"}],
+    }
+    assert (await up.complete(body))["choices"]
+    sent = upstream.requests[-1]["messages"]
+    assert sent == [
+        {"role": "user", "content": "hi"},
+        {"role": "assistant", "content": "x"},
+        {"role": "user", "content": "go"},
+    ]
+    assert body["messages"][1]["thinking_blocks"]  # (the caller's copy is left as it is)
+
+
 async def test_openai_status_errors_keep_message_and_retry_after(upstream: MockServer) -> None:
     up = OpenAIUpstream("mock", _provider(upstream.url))
     try:
