@@ -63,6 +63,13 @@ def _instance(exc_class: type[BaseException]) -> BaseException:
     raise AssertionError(f"cannot build {exc_class}")
 
 
+def lite_openai(base_url: str, **extra: Any) -> ProviderSettings:
+    """A litellm provider of OpenAI's kind at `base_url`, its key in LITE_TEST_KEY."""
+    return ProviderSettings(
+        kind="litellm", litellm_provider="openai", base_url=base_url, api_key_env="LITE_TEST_KEY", **extra
+    )
+
+
 @pytest.mark.parametrize("exc_class", _all_client_exceptions(), ids=lambda c: c.__name__)
 def test_every_client_exception_is_mapped(exc_class: type[BaseException]) -> None:
     exc = _instance(exc_class)
@@ -169,14 +176,7 @@ async def test_litellm_path_against_real_http_mock(
     from gateway.upstream.litellm import LitellmUpstream
 
     monkeypatch.setenv("LITE_TEST_KEY", "sk-test")
-    settings = ProviderSettings(
-        kind="litellm",
-        litellm_provider="openai",
-        base_url=f"{upstream.url}/v1",
-        api_key_env="LITE_TEST_KEY",
-        timeout=10,
-    )
-    up = LitellmUpstream("lite", settings)
+    up = LitellmUpstream("lite", lite_openai(f"{upstream.url}/v1", timeout=10))
     result = await up.complete(dict(BODY))
     assert result["choices"][0]["message"]["content"] == "Nice to meet you, Kim! (turn 1)"
     assert upstream.requests[-1]["messages"] == BODY["messages"]
@@ -213,15 +213,7 @@ async def test_litellm_path_retries_like_the_fast_path(
     monkeypatch.setenv("LITE_TEST_KEY", "sk-test")
 
     def lite(retries: int) -> LitellmUpstream:
-        settings = ProviderSettings(
-            kind="litellm",
-            litellm_provider="openai",
-            base_url=f"{upstream.url}/v1",
-            api_key_env="LITE_TEST_KEY",
-            timeout=10,
-            retries=retries,
-        )
-        return LitellmUpstream("lite", settings)
+        return LitellmUpstream("lite", lite_openai(f"{upstream.url}/v1", timeout=10, retries=retries))
 
     for streaming in (False, True):
         upstream.reset()
@@ -246,12 +238,7 @@ async def test_litellm_path_retries_like_the_fast_path(
     assert len(upstream.requests) == 1
     # passed through as the fast path does: its Retry-After and OpenAI's error type
     assert info.value.headers() == {"Retry-After": "7"} and info.value.error_type == "rate_limit_error"
-    dead = ProviderSettings(
-        kind="litellm",
-        litellm_provider="openai",
-        base_url=f"http://127.0.0.1:{free_port()}/v1",
-        api_key_env="LITE_TEST_KEY",
-    )
+    dead = lite_openai(f"http://127.0.0.1:{free_port()}/v1")
     with pytest.raises(UpstreamUnreachable):  # not "returned HTTP 500"
         await LitellmUpstream("dead", dead).complete(dict(BODY))
     # The turn's wait for the provider counts against its `timeout`: used up, nothing is sent.
@@ -469,14 +456,7 @@ async def test_litellm_holds_timeout_as_a_deadline_for_a_whole_answer(
     app.router.add_post("/v1/chat/completions", drip)
     monkeypatch.setenv("LITE_TEST_KEY", "sk-test")
     async with serving_app(app) as url:
-        settings = ProviderSettings(
-            kind="litellm",
-            litellm_provider="openai",
-            base_url=f"{url}/v1",
-            api_key_env="LITE_TEST_KEY",
-            timeout=1,
-            retries=0,
-        )
+        settings = lite_openai(f"{url}/v1", timeout=1, retries=0)
         await litellm_module("lite")  # (imported first: its import is not the provider's time)
         loop = asyncio.get_running_loop()
         began = loop.time()
