@@ -376,15 +376,7 @@ def start_background(
         except asyncio.CancelledError as exc:
             failure = exc
             if run.cancelled:  # (`cancel`): its followers see how it ended, as a replay says it
-                ended = response_object(
-                    created=turn.created or time.time(),
-                    message=None,
-                    finish_reason=None,
-                    usage=None,
-                    status="cancelled",
-                    lead=lead,
-                    **common,
-                )
+                ended = {**queued, "status": "cancelled"}  # (no answer, as it was made)
                 for frame in ending_events(ended, sequence_of(run.events[-1]) if run.events else 1):
                     run.add(frame)
             raise
