@@ -134,15 +134,13 @@ async def response_events(
     `lead`: items done before the answer (a compaction item), sent first. `queued`: a background
     response's, whose `response.created` and `response.queued` went out when it was made
     (`queued_events`): this goes on from `response.in_progress`."""
-    seq = len(QUEUED) if queued else 0
     created = turn.created or time.time()
     skeleton = response_object(
         created=created, message=None, finish_reason=None, usage=None, status="in_progress", **common
     )
-    if not queued:
-        yield event("response.created", seq, response=skeleton)
-        seq += 1
-    yield event("response.in_progress", seq, response=skeleton)
+    opening, seq = opening_events(skeleton, queued=queued)
+    for frame in opening:
+        yield frame
     lead = lead or []
     for index, item in enumerate(lead):
         seq += 1
@@ -344,11 +342,8 @@ def replayed_events(final: dict[str, Any], after: int = -1) -> Iterator[bytes]:
     than they go (`after` past their last) gets the last event alone, numbered `after` + 1, so
     that it learns how the response ended."""
     skeleton = {**final, "status": "in_progress", "output": [], "error": None, "completed_at": None}
-    frames = [
-        event("response.created", 0, response=skeleton),
-        event("response.in_progress", 1, response=skeleton),
-        *finishing_events(final, set(), 1),
-    ]
+    frames, seq = opening_events(skeleton)
+    frames += finishing_events(final, set(), seq)
     if after >= sequence_of(frames[-1]):
         yield from ending_events(final, after)
         return
@@ -356,6 +351,18 @@ def replayed_events(final: dict[str, Any], after: int = -1) -> Iterator[bytes]:
 
 
 QUEUED = ("response.created", "response.queued")
+
+
+def opening_events(skeleton: dict[str, Any], *, queued: bool = False) -> tuple[list[bytes], int]:
+    """A response stream's first events, `response.created` then `response.in_progress`, and
+    the last one's number.
+
+    `queued`: a background response's, whose `response.created` and `response.queued` went out
+    when it was made (`queued_events`): `response.in_progress` alone, numbered after them."""
+    if queued:
+        return [event("response.in_progress", len(QUEUED), response=skeleton)], len(QUEUED)
+    created = event("response.created", 0, response=skeleton)
+    return [created, event("response.in_progress", 1, response=skeleton)], 1
 
 
 def queued_events(queued: dict[str, Any]) -> Iterator[bytes]:
@@ -374,11 +381,8 @@ def failed_events(
     skeleton = response_object(
         created=created, message=None, finish_reason=None, usage=None, status="in_progress", **common
     )
-    seq = len(QUEUED) if queued else 0
-    if not queued:
-        yield event("response.created", seq, response=skeleton)
-        seq += 1
-    yield event("response.in_progress", seq, response=skeleton)
+    opening, seq = opening_events(skeleton, queued=queued)
+    yield from opening
     yield from failure_events(created, exc, common, seq)
 
 
