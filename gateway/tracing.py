@@ -355,7 +355,7 @@ def usage_attributes(outcome: TurnOutcome) -> Attributes:
     prompt = _count(cache.get("prompt_tokens"))
     prompt = prompt if prompt is not None else _count(usage.get("prompt_tokens"))
     if prompt is None and outcome.committed:  # (an answer: what was sent, as we counted it)
-        prompt = (outcome.window_tokens or {}).get("total", outcome.prompt_counted)
+        prompt = outcome.prompt_ours
     if prompt is not None:
         attributes["gen_ai.usage.input_tokens"] = prompt
     completion = _count(usage.get("completion_tokens"))

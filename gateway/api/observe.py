@@ -39,8 +39,7 @@ def observe(metrics: Metrics, outcome: TurnOutcome) -> None:
     usage = outcome.usage or {}
     cache = outcome.cache or {}  # the whole prompt (Anthropic's input_tokens leaves its cache out)
     whole, cached = cache.get("prompt_tokens"), cache.get("cached_tokens")
-    counted = (outcome.window_tokens or {}).get("total", outcome.prompt_counted or 0)
-    prompt = whole if isinstance(whole, int) else counted
+    prompt = whole if isinstance(whole, int) else outcome.prompt_ours or 0
     metrics.child(metrics.tokens, "in").inc(prompt)
     if isinstance(whole, int) and isinstance(cached, int):
         metrics.child(metrics.prompt_tokens, outcome.provider, "cached").inc(cached)

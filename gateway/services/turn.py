@@ -84,6 +84,11 @@ class TurnOutcome:
     calibration: JSONObject | None = None  # the token-count calibration it was planned with
     started_ns: int | None = None  # when the turn began, wall clock (`elapsed_ms` later it closed)
 
+    @property
+    def prompt_ours(self) -> int | None:
+        """Our count of the prompt sent: the window planned, else a stateless prompt's (None: none)."""
+        return (self.window_tokens or {}).get("total", self.prompt_counted)
+
 
 @dataclass(slots=True)
 class PreparedTurn:
