@@ -115,12 +115,13 @@ class GatewayEnvSource(EnvSettingsSource):
                 path = tuple(env_spelling(part) for part in parts if part)
                 if len(path) > 1 or (path and path[0] in settings_cls.model_fields):
                     self.variables[path] = name
-        self.names = {table: {env_spelling(n): n for n in found} for table, found in (names or {}).items()}
-        # Names one spelling stands for: "up/gpt-4.1" and "up/gpt-4-1" are both UP_GPT_4_1.
-        self.shared: dict[tuple[str, str], list[str]] = {}
+        # By table, the configured names each spelling stands for: one, or several that a
+        # variable cannot tell apart ("up/gpt-4.1" and "up/gpt-4-1" are both UP_GPT_4_1).
+        self.names: dict[str, dict[str, list[str]]] = {}
         for table, found in (names or {}).items():
+            spelled = self.names[table] = {}
             for name in sorted(found):
-                self.shared.setdefault((table, env_spelling(name)), []).append(name)
+                spelled.setdefault(env_spelling(name), []).append(name)
 
     def variable_for(self, key: Sequence[str]) -> str | None:
         """The variable that set the dotted `key`, a table holding it or a key inside it, if one did."""
@@ -152,7 +153,7 @@ class GatewayEnvSource(EnvSettingsSource):
             entries = data.get(table)
             if isinstance(entries, dict):
                 for name in entries:
-                    both = self.shared.get((table, env_spelling(name)), [])
+                    both = known.get(env_spelling(name), [])
                     if len(both) > 1:
                         variable = self.variable_for((table, name)) or f"{ENV_PREFIX}{table.upper()}__..."
                         raise ConfigError(
@@ -160,7 +161,7 @@ class GatewayEnvSource(EnvSettingsSource):
                             f"{' and '.join(repr(n) for n in both)} alike (a variable spells "
                             "them the same): set this one in the config file"
                         )
-                data[table] = {known.get(env_spelling(name), name): v for name, v in entries.items()}
+                data[table] = {known.get(env_spelling(name), [name])[0]: v for name, v in entries.items()}
         for path in self.variables:
             if len(path) > 1 and path[0] not in self.settings_cls.model_fields:
                 data.setdefault(path[0], {})
