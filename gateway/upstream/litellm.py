@@ -170,6 +170,11 @@ def _provider_error(text: str) -> tuple[str, str | None, str | None]:
     return message or text, kind, code
 
 
+def provider_at(name: str, url: str) -> str:
+    """How errors name a provider: "Provider 'NAME'", and "at URL" when it has one."""
+    return f"Provider {name!r}" + (f" at {url}" if url else "")
+
+
 @contextmanager
 def map_litellm_errors(name: str, url: str) -> Iterator[None]:
     """Translate litellm's exceptions (which mirror OpenAI's) into gateway upstream errors."""
@@ -179,7 +184,7 @@ def map_litellm_errors(name: str, url: str) -> Iterator[None]:
         raise
     except Exception as exc:
         litellm = import_litellm()
-        where = f"Provider {name!r}" + (f" at {url}" if url else "")
+        where = provider_at(name, url)
         # (a timeout mid-stream comes wrapped: litellm's MidStreamFallbackError, "HTTP 408")
         if any(isinstance(item, litellm.exceptions.Timeout) for item in _causes(exc)):
             raise UpstreamTimeout(f"{where} timed out") from exc
@@ -253,9 +258,8 @@ class LitellmUpstream(Upstream):
         if self.settings.api_key_env:
             key = os.environ.get(self.settings.api_key_env, "")
             if not key:  # never litellm's fallback to the machine's own OPENAI_API_KEY & co.
-                where = f"Provider {self.name!r}" + (f" at {self.url}" if self.url else "")
                 raise UpstreamError(
-                    f"{where} was not called: its key's environment variable "
+                    f"{provider_at(self.name, self.url)} was not called: its key's environment variable "
                     f"{self.settings.api_key_env} (providers.{self.name}.api_key_env) is not set",
                     code="upstream_key_missing",
                 )
@@ -305,11 +309,7 @@ class LitellmUpstream(Upstream):
                     async with asyncio.timeout(asked.get("timeout") or None):
                         return _dump(await litellm.acompletion(**asked))
                 except TimeoutError:
-                    where = f"Provider {self.name!r}" + (f" at {self.url}" if self.url else "")
-                    raise UpstreamTimeout(
-                        f"{where} sent no whole answer within {self.settings.timeout:g} s "
-                        f"(providers.{self.name}.timeout)"
-                    ) from None
+                    raise self._timed_out("no whole answer") from None
 
         return await complete_with_retries(self.name, self.settings.retries, is_retryable, once, waited)
 
@@ -332,8 +332,12 @@ class LitellmUpstream(Upstream):
         if not waited or not timeout:
             return kwargs
         if waited >= timeout:
-            where = f"Provider {self.name!r}" + (f" at {self.url}" if self.url else "")
-            raise UpstreamTimeout(
-                f"{where} sent no answer within {timeout:g} s (providers.{self.name}.timeout)"
-            )
+            raise self._timed_out("no answer")
         return {**kwargs, "timeout": timeout - waited}
+
+    def _timed_out(self, late: str) -> UpstreamTimeout:
+        """The 504 of an answer (`late`: "no answer", ...) past the provider's `timeout`."""
+        return UpstreamTimeout(
+            f"{provider_at(self.name, self.url)} sent {late} within {self.settings.timeout:g} s "
+            f"(providers.{self.name}.timeout)"
+        )
