@@ -62,7 +62,7 @@ def _copy_data(source: Path, target: Path) -> int:
         except OSError as exc:
             raise GatewayError(
                 f"could not write {dest} ({exc.strerror or exc}): {done} of {len(files)} files "
-                f"copied into {target}, responses first (the conversations name none of them yet)"
+                f"copied into {target} (responses first, the conversations' indexes last)"
             ) from None
     return len(files)
 
