@@ -54,12 +54,45 @@ def split_system(messages: Sequence[Message]) -> tuple[list[Message], list[Messa
 
 
 def _content_text(content: object) -> object:
-    # Clients echo assistant text as a string or as a list of text parts; compare them alike.
+    """Content in the form messages are compared in: what a model is given, not how it is laid out.
+
+    Clients echo text as a string or as a list of text parts; and the three APIs carry the same
+    image or file with different trimmings (chat keeps an image's `detail`, Responses drops
+    "auto", Anthropic has none; an Anthropic PDF is named by its title or "document.pdf"). So
+    adjacent text is joined, and an image is its URL, a file its data or id, audio its data.
+    """
     if content is None:
         return ""
-    if isinstance(content, list) and all(isinstance(p, dict) and p.get("type") == "text" for p in content):
-        return "".join(str(p.get("text", "")) for p in content)
-    return content
+    if not isinstance(content, list):
+        return content
+    parts: list[object] = []
+    for part in content:
+        key = _part_key(part)
+        if isinstance(key, str) and parts and isinstance(parts[-1], str):
+            parts[-1] += key
+        else:
+            parts.append(key)
+    if not parts:
+        return ""
+    return parts[0] if len(parts) == 1 and isinstance(parts[0], str) else parts
+
+
+def _part_key(part: object) -> object:
+    if not isinstance(part, dict):
+        return part
+    kind = part.get("type")
+    if kind == "text":
+        return str(part.get("text", ""))
+    inner = part.get(kind) if isinstance(kind, str) else None
+    if not isinstance(inner, dict):
+        return part
+    if kind == "image_url":
+        return ["image", inner.get("url")]
+    if kind == "file":
+        return ["file", inner.get("file_data") or inner.get("file_id")]
+    if kind == "input_audio":
+        return ["audio", inner.get("data")]
+    return part
 
 
 def _arguments_key(arguments: object) -> object:
@@ -83,9 +116,11 @@ def _arguments_key(arguments: object) -> object:
 def message_key(message: Message) -> bytes:
     """A canonical form for "is this the same message?".
 
-    It is blind to null fields, part layout, how a tool call's arguments are spaced or ordered,
-    and the order of its tool calls (LangChain resends a message's calls in another order when
-    one's arguments are not JSON: the conversation branched on the model's own answer).
+    It is blind to null fields, part layout, an image's detail and a file's name, a message's
+    `name` (Anthropic's and Responses' messages have none), how a tool call's arguments are
+    spaced or ordered, and the order of its tool calls (LangChain resends a message's calls in
+    another order when one's arguments are not JSON: the conversation branched on the model's
+    own answer).
     """
     calls = [
         (
@@ -103,7 +138,6 @@ def message_key(message: Message) -> bytes:
         _content_text(message.get("content")),
         calls or None,
         message.get("tool_call_id"),
-        message.get("name"),
         audio.get("id") if isinstance(audio, dict) else None,  # an audio answer, by its id
         message.get("refusal") or None,
     )

@@ -269,3 +269,55 @@ async def test_count_tokens_with_max_tokens_counts_what_the_turn_then_sends() ->
         assert (await client.post("/v1/messages", json=ask, headers=VERSION)).status_code == 200
         sent = (await client.get("/v1/conversations/count/context")).json()
     assert counted["input_tokens"] == sent["tokens"]["total"]
+
+
+PNG = "iVBORw0KGgoAAAANSUhEUgAAAAEAAAABCAYAAAAfFcSJAAAADUlEQVR42mP8z8BQDwAEhQGAhKmMIQAAAABJRU5ErkJggg=="
+
+
+async def test_a_whole_history_resent_by_another_api_is_not_stored_twice() -> None:
+    """A chat turn with an image (its detail set), a file and a `name`, resent whole through
+    Messages, which carries none of those trimmings: the overlap is found, nothing repeated."""
+    upstream = MockUpstream()
+    async with build_client(make_settings(), MemoryStore(), upstream) as client:
+        first = [
+            {"type": "text", "text": "what is this?"},
+            {"type": "image_url", "image_url": {"url": f"data:image/png;base64,{PNG}", "detail": "low"}},
+            {
+                "type": "file",
+                "file": {"file_data": "data:application/pdf;base64,JVBERi0=", "filename": "a.pdf"},
+            },
+        ]
+        chat = await client.post(
+            "/v1/chat/completions",
+            json={
+                "model": "mock/m",
+                "conversation_id": "moved",
+                "messages": [{"role": "user", "name": "bob", "content": first}],
+            },
+        )
+        assert chat.status_code == 200, chat.text
+        answer = chat.json()["choices"][0]["message"]["content"]
+        resent = [
+            {
+                "role": "user",
+                "content": [
+                    {"type": "text", "text": "what is this?"},
+                    {"type": "image", "source": {"type": "base64", "media_type": "image/png", "data": PNG}},
+                    {
+                        "type": "document",
+                        "source": {"type": "base64", "media_type": "application/pdf", "data": "JVBERi0="},
+                    },
+                ],
+            },
+            {"role": "assistant", "content": answer},
+            {"role": "user", "content": "and now?"},
+        ]
+        r = await client.post(
+            "/v1/messages",
+            json={**request(), "messages": resent},
+            headers={**VERSION, "X-Conversation-Id": "moved"},
+        )
+        assert r.status_code == 200, r.text
+    sent = upstream.requests[-1]["messages"]
+    assert [m["role"] for m in sent] == ["user", "assistant", "user"]
+    assert sent[-1]["content"] == "and now?"
