@@ -70,7 +70,20 @@ def output_cap(model: str) -> str:
     return "max_completion_tokens" if _REASONING_MODELS.match(name) else "max_tokens"
 
 
-_PASSED = ("temperature", "top_p", "parallel_tool_calls", "user", "metadata", "service_tier", "seed")
+# Responses fields chat completions take under the same name, passed on as the client set them.
+_PASSED = (
+    "temperature",
+    "top_p",
+    "parallel_tool_calls",
+    "user",
+    "metadata",
+    "service_tier",
+    "seed",
+    "prompt_cache_key",
+    "prompt_cache_retention",
+    "safety_identifier",
+)
+_VERBOSITY = ("low", "medium", "high")
 
 
 def _tools(tools: list[dict[str, Any]] | None) -> list[dict[str, Any]] | None:
@@ -82,8 +95,22 @@ def _tools(tools: list[dict[str, Any]] | None) -> list[dict[str, Any]] | None:
 
 
 def _tool_choice(choice: object) -> object:
-    if isinstance(choice, dict) and choice.get("type") == "function" and choice.get("name"):
+    """A Responses `tool_choice` in chat completions' shape (function names nest in `function`)."""
+    if not isinstance(choice, dict):
+        return choice
+    if choice.get("type") == "function" and choice.get("name"):
         return {"type": "function", "function": {"name": choice["name"]}}
+    if choice.get("type") == "allowed_tools" and isinstance(choice.get("tools"), list):
+        tools = [
+            {"type": "function", "function": {"name": tool["name"]}}
+            if isinstance(tool, dict) and tool.get("type") == "function" and "name" in tool
+            else tool
+            for tool in choice["tools"]
+        ]
+        return {
+            "type": "allowed_tools",
+            "allowed_tools": {"mode": choice.get("mode", "auto"), "tools": tools},
+        }
     return choice
 
 
@@ -144,9 +171,12 @@ def _chat_body(
     if request.max_output_tokens is not None:
         chat[output_cap(request.model)] = request.max_output_tokens
     background = _background(body)
-    response_format = _response_format(body.get("text"))
+    text = _text(body.get("text"))
+    response_format = _response_format(text.get("format"))
     if response_format is not None:
         chat["response_format"] = response_format
+    if text.get("verbosity") is not None:
+        chat["verbosity"] = text["verbosity"]
     reasoning = body.get("reasoning")
     if isinstance(reasoning, dict) and isinstance(reasoning.get("effort"), str):
         chat["reasoning_effort"] = reasoning["effort"]
@@ -154,7 +184,7 @@ def _chat_body(
         chat["stream"] = True
     if chat["stream"]:
         chat["stream_options"] = {"include_usage": True}
-    return chat, _echoed(body, request, tools, response_format is not None, background)
+    return chat, _echoed(body, request, tools, text, background)
 
 
 def _input_messages(
@@ -192,7 +222,7 @@ def _echoed(
     body: dict[str, Any],
     request: ResponseCreate,
     tools: list[dict[str, Any]] | None,
-    formatted: bool,
+    text: dict[str, Any],
     background: bool,
 ) -> dict[str, Any]:
     """The request's parameters as a response object echoes them back."""
@@ -209,17 +239,28 @@ def _echoed(
         "store": body.get("store", True),
         "truncation": request.truncation or "auto",
         "user": body.get("user"),
-        "text": body.get("text") if formatted else None,
+        "text": {"format": {"type": "text"}, **text} if text else None,
         "reasoning": reasoning if isinstance(reasoning, dict) else None,
         "background": background,
     }
 
 
-def _response_format(text: object) -> dict[str, Any] | None:
-    """The Responses `text.format` as chat completions' `response_format` (None: plain text)."""
+def _text(text: object) -> dict[str, Any]:
+    """The Responses `text` options: `format` and `verbosity`, each optional."""
     if text is None:
+        return {}
+    if not isinstance(text, dict):
+        raise InvalidRequest("'text' must be an object: {format, verbosity}", param="text")
+    verbosity = text.get("verbosity")
+    if verbosity is not None and verbosity not in _VERBOSITY:
+        raise InvalidRequest("'text.verbosity' must be 'low', 'medium' or 'high'", param="text.verbosity")
+    return {key: text[key] for key in ("format", "verbosity") if text.get(key) is not None}
+
+
+def _response_format(fmt: object) -> dict[str, Any] | None:
+    """A Responses `text.format` as chat completions' `response_format` (None: plain text)."""
+    if fmt is None:
         return None
-    fmt = text.get("format") if isinstance(text, dict) else None
     kind = fmt.get("type") if isinstance(fmt, dict) else None
     if not isinstance(fmt, dict) or kind not in ("text", "json_object", "json_schema"):
         raise InvalidRequest(

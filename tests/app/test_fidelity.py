@@ -120,6 +120,42 @@ async def test_text_format_reasoning_and_image_detail_reach_the_provider(
     assert unknown.value.body["param"] == "previous_response_id"  # type: ignore[index]
 
 
+async def test_verbosity_allowed_tools_and_cache_fields_reach_the_provider_in_chat_shape(
+    sdk: AsyncOpenAI, upstream: MockUpstream
+) -> None:
+    """`text` with a verbosity and no format is plain text (it was a 400 "'text.format' must
+    be..."); an `allowed_tools` choice nests as chat completions nest it; the client's
+    `prompt_cache_key` and `safety_identifier` are passed on, not replaced or dropped."""
+    made = await sdk.responses.create(model="mock/m", input="hi", text={"verbosity": "low"})
+    assert made.text is not None and made.text.verbosity == "low" and made.text.format.type == "text"
+    assert upstream.requests[-1]["verbosity"] == "low" and "response_format" not in upstream.requests[-1]
+    tool = {"type": "function", "name": "get_weather", "parameters": {"type": "object", "properties": {}}}
+    await sdk.responses.create(
+        model="mock/m",
+        input="weather?",
+        tools=[tool],  # type: ignore[list-item]
+        tool_choice={
+            "type": "allowed_tools",
+            "mode": "required",
+            "tools": [{"type": "function", "name": "get_weather"}],
+        },
+        prompt_cache_key="mine",
+        safety_identifier="user-7",
+    )
+    sent = upstream.requests[-1]
+    assert sent["tool_choice"] == {
+        "type": "allowed_tools",
+        "allowed_tools": {
+            "mode": "required",
+            "tools": [{"type": "function", "function": {"name": "get_weather"}}],
+        },
+    }
+    assert sent["prompt_cache_key"] == "mine" and sent["safety_identifier"] == "user-7"
+    with pytest.raises(Exception) as refused:
+        await sdk.responses.create(model="mock/m", input="hi", text={"verbosity": "loud"})  # type: ignore[typeddict-item]
+    assert getattr(refused.value, "status_code", None) == 400
+
+
 @pytest.mark.parametrize("stream", [False, True])
 async def test_audio_answers_and_legacy_calls_are_replayed_as_they_came(
     sdk: AsyncOpenAI, upstream: MockUpstream, stream: bool
