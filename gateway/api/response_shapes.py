@@ -265,6 +265,17 @@ def finishing_events(
                     )
                 seq += 1
                 if part["type"] == "refusal":
+                    # (a refusal is known whole once the answer is: one delta, as a stream
+                    # reader that builds its text from deltas expects one)
+                    yield event(
+                        "response.refusal.delta",
+                        seq,
+                        item_id=item["id"],
+                        output_index=index,
+                        content_index=k,
+                        delta=part["refusal"],
+                    )
+                    seq += 1
                     yield event(
                         "response.refusal.done",
                         seq,

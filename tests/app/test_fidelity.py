@@ -60,12 +60,14 @@ async def test_a_responses_stream_without_text_announces_what_it_finishes(
     """The SDK's stream helper once raised "a content event for output index 0 before
     receiving its output item" on an empty answer or a refusal."""
     async with sdk.responses.stream(model="mock/m", input=text) as stream:
-        async for _ in stream:
-            pass
+        types = [event.type async for event in stream]
         final = await stream.get_final_response()
     assert final.status == "completed"
     if text == "[refuse]":
         assert [p.type for p in final.output[0].content] == ["refusal"]
+        # (a reader that builds the refusal from deltas, as streaming UIs do, gets it too)
+        at = types.index("response.refusal.delta")
+        assert types[at + 1] == "response.refusal.done"
 
 
 async def test_a_refusal_is_a_refusal_part_everywhere(sdk: AsyncOpenAI) -> None:
