@@ -51,7 +51,7 @@ log = logging.getLogger("gateway.api")
 EVENT = "message"  # the log line's `event`
 # The gateway's own fields, as chat completions take them (the SDK's `extra_body`): the
 # conversation's name and the user's time zone.
-EXTENSIONS = ("conversation_id", "session_id", "agent_id", "user_timezone")
+EXTENSIONS = ("conversation_id", "session_id", "agent_id", "user_timezone", "is_feedback")
 
 
 def _check_version(request: Request) -> None:

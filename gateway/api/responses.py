@@ -164,6 +164,8 @@ def _chat_body(
     tools = _tools(body.get("tools"))
     chat: dict[str, Any] = {"model": request.model, "messages": messages, "stream": bool(request.stream)}
     chat.update({key: body[key] for key in _PASSED if body.get(key) is not None and key != "metadata"})
+    if body.get("is_feedback") is not None:  # (the gateway's flag: the last input item is feedback)
+        chat["is_feedback"] = body["is_feedback"]
     if tools:
         chat["tools"] = tools
     if body.get("tool_choice") is not None:

@@ -34,7 +34,7 @@ from typing import cast
 
 import orjson
 
-from gateway.context.content import image_url
+from gateway.context.content import feedback_flag, image_url
 from gateway.exceptions import InvalidRequest
 from gateway.types import ContentPart, JSONObject, Message, ToolCall, as_list, as_object
 
@@ -294,15 +294,18 @@ def chat_messages(system: object, messages: object) -> list[Message]:
             raise InvalidRequest(f"{at}.role must be 'user' or 'assistant'", param=f"{at}.role")
         content = cast(JSONObject, message).get("content")
         if isinstance(content, str):
-            out.append({"role": cast(str, role), "content": content})
+            made: list[Message] = [{"role": cast(str, role), "content": content}]
         elif not isinstance(content, list):
             raise InvalidRequest(
                 f"{at}.content must be a string or an array of content blocks", param=f"{at}.content"
             )
         elif role == "assistant":
-            out.append(_assistant_message(content, at))
+            made = [_assistant_message(content, at)]
         else:
-            out.extend(_user_messages(content, at))
+            made = _user_messages(content, at)
+        if feedback_flag(message, at):  # (the gateway's flag, as on chat completions' messages)
+            made = [{**m, "is_feedback": True} for m in made]
+        out.extend(made)
     return out
 
 

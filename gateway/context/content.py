@@ -9,6 +9,7 @@ back to the provider on every later turn, and what one way in refuses must not c
 - Chat's `image_url` is an object with a string `url` and, if any, a `detail` of `IMAGE_DETAILS`;
   a Responses `input_image` holds the URL itself in `image_url` (`invalid_image`).
 - A model name holds no control character: C0, DEL or C1 (`invalid_model`).
+- A message's `is_feedback` (the gateway's flag: forwarded once, never replayed) is a boolean.
 
 A refusal is a 400 whose message starts with the place (`messages[0].content[1]: ...`), whose
 `param` is the field that holds it (`messages[0].content`) and whose `code` names the rule.
@@ -35,6 +36,14 @@ def check_model(model: str, param: str = "model") -> str:
             f"'{param}' must not contain control characters: {model!r}", param=param, code="invalid_model"
         )
     return model
+
+
+def feedback_flag(message: object, at: str) -> bool:
+    """Whether a message (a chat message, a Responses item, an Anthropic message) is feedback."""
+    flag = message.get("is_feedback") if isinstance(message, dict) else None
+    if flag is not None and not isinstance(flag, bool):
+        raise InvalidRequest(f"{at}.is_feedback must be a boolean", param=f"{at}.is_feedback")
+    return flag is True
 
 
 def image_url(url: object, at: str, param: str) -> str:

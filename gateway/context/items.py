@@ -10,7 +10,7 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import cast
 
-from gateway.context.content import image_detail, image_url
+from gateway.context.content import feedback_flag, image_detail, image_url
 from gateway.context.tools import default_arguments
 from gateway.exceptions import InvalidRequest
 from gateway.types import ContentPart, ImageURL, JSONObject, Message, ToolCall, ascii_int
@@ -177,6 +177,8 @@ def _item_message(item: JSONObject, where: str) -> Message:
         message["content"] = _text_of(item.get("content"))
         if refusal:
             message["refusal"] = refusal
+    if feedback_flag(item, where):
+        message["is_feedback"] = True
     return message
 
 

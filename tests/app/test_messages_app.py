@@ -321,3 +321,42 @@ async def test_a_whole_history_resent_by_another_api_is_not_stored_twice() -> No
     sent = upstream.requests[-1]["messages"]
     assert [m["role"] for m in sent] == ["user", "assistant", "user"]
     assert sent[-1]["content"] == "and now?"
+
+
+@pytest.mark.parametrize("api", ["messages", "responses"])
+async def test_feedback_through_messages_and_responses_is_never_replayed(api: str) -> None:
+    """`is_feedback` on a message (or on the request: its last message) is the gateway's flag on
+    every API, as on chat completions: sent once, left out of later history whole."""
+    upstream = MockUpstream()
+    async with build_client(make_settings(), MemoryStore(), upstream) as client:
+
+        async def turn(text: str, **flags: Any) -> None:
+            message = {"role": "user", "content": text, **flags.pop("message", {})}
+            if api == "messages":
+                r = await client.post(
+                    "/v1/messages",
+                    json={**request(), "messages": [message], **flags},
+                    headers={**VERSION, "X-Conversation-Id": f"fb-{api}"},
+                )
+            else:
+                r = await client.post(
+                    "/v1/responses",
+                    json={"model": "mock/m", "input": [message], "conversation_id": f"fb-{api}", **flags},
+                )
+            assert r.status_code == 200, r.text
+
+        await turn("my name is Bob")
+        await turn("that answer was bad", message={"is_feedback": True})
+        await turn("too short", is_feedback=True)
+        await turn("what is my name?")
+        sent = [m["content"] for m in upstream.requests[-1]["messages"]]
+        assert sent[0] == "my name is Bob" and sent[-1] == "what is my name?"
+        assert len(sent) == 3  # the first exchange and the new question: no feedback turn
+        assert all("is_feedback" not in m for r in upstream.requests for m in r["messages"])
+        bad = {"role": "user", "content": "x", "is_feedback": "yes"}
+        if api == "messages":
+            r = await client.post("/v1/messages", json={**request(), "messages": [bad]}, headers=VERSION)
+            assert r.status_code == 400 and r.json()["error"]["type"] == "invalid_request_error"
+        else:
+            r = await client.post("/v1/responses", json={"model": "mock/m", "input": [bad]})
+            assert r.status_code == 400 and r.json()["error"]["param"] == "input[0].is_feedback"
