@@ -235,17 +235,37 @@ class ProviderSettings(_Section):
     @field_validator("base_url")
     @classmethod
     def _an_http_url(cls, value: str, info: ValidationInfo) -> str:
-        """An OpenAI-compatible provider is called at its `base_url`: http(s), with a host."""
-        if info.data.get("kind") == "openai":
+        """A provider's `base_url` parses, with a port that is a number; an OpenAI-compatible
+        provider is called at it: http(s), with a host. What is said of it leaves out a
+        `user:password@` it may hold."""
+        if not value:
+            if info.data.get("kind") == "openai":
+                raise ValueError('required for kind = "openai", e.g. "http://127.0.0.1:11434/v1"')
+            return value
+        try:
             parts = urlsplit(value)
-            if parts.scheme not in ("http", "https") or not parts.hostname:
-                raise ValueError(
-                    f"{value!r} is not an http:// or https:// URL: an OpenAI-compatible provider "
-                    'needs one, e.g. "http://127.0.0.1:11434/v1"'
-                    if value
-                    else 'required for kind = "openai", e.g. "http://127.0.0.1:11434/v1"'
-                )
+            parts.port  # noqa: B018 (raises for a port that is not a number from 0 to 65535)
+        except ValueError as exc:
+            raise ValueError(f"{_without_credentials(value)!r} is not a URL: {exc}") from None
+        if info.data.get("kind") == "openai" and (
+            parts.scheme not in ("http", "https") or not parts.hostname
+        ):
+            raise ValueError(
+                f"{_without_credentials(value)!r} is not an http:// or https:// URL: an "
+                'OpenAI-compatible provider needs one, e.g. "http://127.0.0.1:11434/v1"'
+            )
         return value
+
+
+def _without_credentials(url: str) -> str:
+    """`url` with the `user:password@` of its authority (if any) said as `***@`."""
+    scheme, sep, rest = url.partition("://")
+    if not sep:
+        scheme, rest = "", url
+    authority, slash, path = rest.partition("/")
+    if "@" in authority:
+        authority = "***@" + authority.rsplit("@", 1)[1]
+    return f"{scheme}{sep}{authority}{slash}{path}"
 
 
 class ModelSettings(_Section):

@@ -488,6 +488,30 @@ def test_an_openai_provider_needs_an_http_base_url(base_url: str | None) -> None
     assert "providers.nourl.base_url:" in message
 
 
+@pytest.mark.parametrize("kind", ["openai", "litellm"])
+@pytest.mark.parametrize(
+    ("base_url", "said"),
+    [
+        ("http://127.0.0.1:99999/v1", "Port out of range"),
+        ("http://127.0.0.1:abc/v1", "Port could not be cast"),
+        ("http://admin:hunter2@10.0.0.1:99999/v1", "'http://***@10.0.0.1:99999/v1'"),
+    ],
+)
+def test_a_base_url_with_a_bad_port_is_one_config_error_without_its_password(
+    kind: str, base_url: str, said: str
+) -> None:
+    """A port out of range was taken, and every command then ended in a traceback (`serve` once
+    it had said it was listening); and a rejected URL was said whole, its password too."""
+    message = config_error(path=SHIPPED, overrides={"providers": {"p": {"kind": kind, "base_url": base_url}}})
+    assert "providers.p.base_url:" in message and said in message and "hunter2" not in message
+
+
+def test_a_rejected_base_url_is_said_without_its_password() -> None:
+    url = "ftp://admin:hunter2@10.0.0.1/v1"
+    message = config_error(path=SHIPPED, overrides={"providers": {"p": {"kind": "openai", "base_url": url}}})
+    assert "'ftp://***@10.0.0.1/v1' is not an http:// or https:// URL" in message and "hunter2" not in message
+
+
 def test_other_kinds_need_no_base_url() -> None:
     s = load_settings(SHIPPED, environ={}, overrides={"providers": {"lite": {"kind": "litellm"}}})
     assert s.providers["lite"].base_url == ""
