@@ -93,6 +93,8 @@ def render_marker(marker: Record) -> str:
         text = f"response {marker.get('response_id')} deleted: no longer sent"
     elif kind == "metadata":
         text = f"metadata set: {orjson.dumps(marker.get('metadata')).decode()}"
+    elif kind == "restarted":
+        text = "conversation deleted or expired: what follows is a new history under the same id"
     elif kind == "withdraw_recap":
         names = ", ".join(str(c) for c in as_list(marker.get("conversations")))
         text = f"recap: what it quoted of {names} withdrawn (deleted there): no longer sent"

@@ -297,17 +297,21 @@ class Queries:
         """Turns as they are committed (`gateway tail`), from the first, and the index's markers.
 
         Each marker (a reset, a deleted item or response, new metadata) comes where it stands among
-        the turns.
+        the turns. An index that is gone, or no longer begins as the one followed did (deleted or
+        expired, then started again between two looks), is a marker of its own, `{"type":
+        "restarted"}`, and what it holds now follows from its first turn.
         """
         store = await self.stores.get(tenant)
         seen = 0
+        last: object = None  # the entry at seen - 1: the same index still holds it there
         while True:
             try:
                 entries = await store.read_index(cid)
             except NotFound:
                 entries = []  # not created yet (or deleted: it may start again)
-            if len(entries) < seen:
+            if seen and (len(entries) < seen or entries[seen - 1] != last):
                 seen = 0
+                yield {"type": "restarted"}
             for entry in entries[seen:]:
                 if not isinstance(entry, str):
                     yield entry
@@ -317,4 +321,5 @@ class Queries:
                 if turn is not None:
                     yield turn
             seen = len(entries)
+            last = entries[-1] if entries else None
             await asyncio.sleep(poll)
