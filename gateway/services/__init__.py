@@ -27,7 +27,7 @@ from gateway.services.responses import StoredResponses
 from gateway.services.sessions import Sessions
 from gateway.services.summaries import Summaries
 from gateway.services.turns import ChatService
-from gateway.store import Store, StoreRegistry, create_store, tenant_root
+from gateway.store import Store, StoreRegistry, create_store, require_data, tenant_root
 from gateway.upstream import Router
 
 log = logging.getLogger("gateway.services")
@@ -68,12 +68,15 @@ class Services:
         """The services of one command.
 
         A JSONL store is opened (which creates the data dir) only by commands that write; reads
-        need no durability.
+        need no durability. A command that only reads finds a PostgreSQL database without the
+        gateway's tables an error, and leaves it so (opening the store would make them).
         """
         if not writes and settings.storage.backend == "jsonl":
             settings = settings.model_copy(
                 update={"storage": settings.storage.model_copy(update={"durability": "none"})}
             )
+        if not writes:
+            await require_data(settings)
         store = create_store(settings)
         if settings.storage.backend != "jsonl" or writes:
             await store.open()

@@ -12,12 +12,22 @@ from gateway.config import Settings
 from gateway.exceptions import ConfigError
 from gateway.store.base import ResponseLog, Store
 
-__all__ = ["ResponseLog", "Store", "StoreRegistry", "create_store"]
+__all__ = ["ResponseLog", "Store", "StoreRegistry", "create_store", "require_data"]
 
 
 def tenant_root(settings: Settings, tenant: str) -> Path:
     root = Path(settings.storage.data_dir)
     return root if not tenant else root / "tenants" / tenant
+
+
+async def require_data(settings: Settings) -> None:
+    """For a command that only reads: GatewayError when a PostgreSQL store holds no gateway data.
+
+    (A JSONL data dir that is not there reads as empty: the commands that read open none.)"""
+    if settings.storage.backend == "postgres" and settings.storage.dsn:
+        from gateway.store.postgres import require_schema
+
+        await require_schema(settings.storage.dsn)
 
 
 def create_store(settings: Settings, tenant: str = "") -> Store:

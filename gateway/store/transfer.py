@@ -21,7 +21,7 @@ from gateway.ids import is_valid_conversation_id, is_valid_response_id, is_valid
 from gateway.redact import redact_dsn
 from gateway.store.base import SIDE_LOGS
 from gateway.store.jsonl import parse_index, parse_jsonl
-from gateway.store.postgres import map_errors, migrate
+from gateway.store.postgres import has_schema, map_errors, migrate
 from gateway.store.postgres.schema import Conn, Row
 
 log = logging.getLogger("gateway.store")
@@ -74,7 +74,7 @@ async def export_jsonl(dsn: str, target: Path) -> TransferStats:
         try:
             # A database without the gateway's tables (a DSN naming another one) holds nothing to
             # export: said, as of a data dir, not "exported 0" after making the tables there.
-            if await conn.fetchval("SELECT to_regclass('gateway_schema')") is None:
+            if not await has_schema(conn):
                 raise GatewayError(
                     f"{redact_dsn(dsn)} holds no gateway data (no gateway tables): nothing to export"
                 )

@@ -174,8 +174,8 @@ def test_export_refuses_a_folder_with_data_and_import_an_empty_one(tmp_path: Pat
     assert result.exit_code == 1 and "holds no gateway data" in result.output
 
 
-def test_export_from_a_database_without_gateway_data_is_an_error(tmp_path: Path, pg_dsn: str) -> None:
-    """It exited 0 with "exported 0 conversations ... to DIR" (no DIR made), and the read-only
+def test_reading_a_database_without_gateway_data_is_an_error(tmp_path: Path, pg_dsn: str) -> None:
+    """Export exited 0 with "exported 0 conversations ... to DIR" (no DIR made), and the read-only
     command made the gateway's six tables in that database (a DSN naming another database)."""
     import asyncpg
 
@@ -194,6 +194,12 @@ def test_export_from_a_database_without_gateway_data_is_an_error(tmp_path: Path,
         finally:
             await conn.close()
 
+    assert asyncio.run(tables()) == []
+    # Nor do the commands that only read: each made the six tables, and fsck found "no damage".
+    for command in (["conversations"], ["show", "c1"], ["context", "m-0123456789ab"], ["fsck"]):
+        result = CliRunner().invoke(main, [*command, "--config", config], env=env)
+        assert result.exit_code == 1 and "holds no gateway data" in result.output, (command, result.output)
+        assert len(result.output.strip().splitlines()) == 1, result.output
     assert asyncio.run(tables()) == []
     asyncio.run(_open_and_close(pg_dsn))  # the gateway's tables, no conversation yet
     result = CliRunner().invoke(main, target, env=env)

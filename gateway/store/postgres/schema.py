@@ -181,6 +181,30 @@ def advisory_key(namespace: str, conversation_id: str) -> int:
     return int.from_bytes(digest, "big", signed=True)
 
 
+async def has_schema(conn: Conn) -> bool:
+    """Whether the database holds the gateway's tables (`migrate` makes them)."""
+    return await conn.fetchval("SELECT to_regclass('gateway_schema')") is not None
+
+
+async def require_schema(dsn: str) -> None:
+    """GatewayError unless the database at `dsn` holds the gateway's tables.
+
+    For the commands that only read: they leave a database that is not the gateway's (a DSN
+    naming another one) as they found it, and say so, where opening the store would make the
+    tables there and report an empty gateway."""
+    with map_errors(f"cannot open PostgreSQL storage at {redact_dsn(dsn)}"), bad_dsn(dsn):
+        conn = await asyncpg.connect(dsn)
+        try:
+            found = await has_schema(conn)
+        finally:
+            await conn.close()
+    if not found:
+        raise GatewayError(
+            f"{redact_dsn(dsn)} holds no gateway data (no gateway tables: `gateway serve` or "
+            "`gateway import` makes them)"
+        )
+
+
 async def migrate(conn: Conn) -> int:
     """Bring the schema up to SCHEMA_VERSION (idempotent, safe with replicas starting together)."""
     async with conn.transaction():
