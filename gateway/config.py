@@ -236,8 +236,8 @@ class ProviderSettings(_Section):
     @classmethod
     def _an_http_url(cls, value: str, info: ValidationInfo) -> str:
         """A provider's `base_url` parses, with a port that is a number; an OpenAI-compatible
-        provider is called at it: http(s), with a host. What is said of it leaves out a
-        `user:password@` it may hold."""
+        provider is called at it: http(s), with a host. What is said of it leaves out the
+        credentials it may hold."""
         if not value:
             if info.data.get("kind") == "openai":
                 raise ValueError('required for kind = "openai", e.g. "http://127.0.0.1:11434/v1"')
@@ -258,14 +258,16 @@ class ProviderSettings(_Section):
 
 
 def _without_credentials(url: str) -> str:
-    """`url` with the `user:password@` of its authority (if any) said as `***@`."""
+    """`url` as a message may say it: a `user:password@` as `***@`, a query as `?…` (either may
+    hold a credential, `?api-key=` for one)."""
+    url, query, _ = url.partition("?")
     scheme, sep, rest = url.partition("://")
     if not sep:
         scheme, rest = "", url
     authority, slash, path = rest.partition("/")
     if "@" in authority:
         authority = "***@" + authority.rsplit("@", 1)[1]
-    return f"{scheme}{sep}{authority}{slash}{path}"
+    return f"{scheme}{sep}{authority}{slash}{path}{'?…' if query else ''}"
 
 
 class ModelSettings(_Section):

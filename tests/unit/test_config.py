@@ -495,6 +495,7 @@ def test_an_openai_provider_needs_an_http_base_url(base_url: str | None) -> None
         ("http://127.0.0.1:99999/v1", "Port out of range"),
         ("http://127.0.0.1:abc/v1", "Port could not be cast"),
         ("http://admin:hunter2@10.0.0.1:99999/v1", "'http://***@10.0.0.1:99999/v1'"),
+        ("http://10.0.0.1:99999/v1?api-key=hunter2", "'http://10.0.0.1:99999/v1?…'"),
     ],
 )
 def test_a_base_url_with_a_bad_port_is_one_config_error_without_its_password(
@@ -506,10 +507,16 @@ def test_a_base_url_with_a_bad_port_is_one_config_error_without_its_password(
     assert "providers.p.base_url:" in message and said in message and "hunter2" not in message
 
 
-def test_a_rejected_base_url_is_said_without_its_password() -> None:
-    url = "ftp://admin:hunter2@10.0.0.1/v1"
+@pytest.mark.parametrize(
+    ("url", "said"),
+    [
+        ("ftp://admin:hunter2@10.0.0.1/v1", "'ftp://***@10.0.0.1/v1'"),
+        ("myres.openai.azure.com/openai?api-key=hunter2", "'myres.openai.azure.com/openai?…'"),
+    ],
+)
+def test_a_rejected_base_url_is_said_without_its_credentials(url: str, said: str) -> None:
     message = config_error(path=SHIPPED, overrides={"providers": {"p": {"kind": "openai", "base_url": url}}})
-    assert "'ftp://***@10.0.0.1/v1' is not an http:// or https:// URL" in message and "hunter2" not in message
+    assert f"{said} is not an http:// or https:// URL" in message and "hunter2" not in message
 
 
 def test_other_kinds_need_no_base_url() -> None:
