@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import copy
 import errno
 import logging
 import os
@@ -122,12 +123,24 @@ def bind(host: str, port: int) -> socket.socket:
     return sock
 
 
+def uvicorn_logging(access_log: bool) -> dict[str, Any]:
+    """uvicorn's logging: its own lines from warnings up; its access lines (INFO) when asked for.
+
+    A `log_level` would set the access logger's level too, and drop every access line."""
+    config = copy.deepcopy(uvicorn.config.LOGGING_CONFIG)
+    config["loggers"]["uvicorn"]["level"] = "WARNING"
+    config["loggers"]["uvicorn.error"]["level"] = "WARNING"
+    config["loggers"]["uvicorn.access"]["level"] = "INFO" if access_log else "WARNING"
+    return config
+
+
 def uvicorn_options(settings: Settings) -> dict[str, Any]:
     """The options `serve` runs uvicorn with (the app from `gateway.app:app_from_env`)."""
     return {
         "factory": True,
         "access_log": settings.server.access_log,
-        "log_level": "warning",
+        "log_config": uvicorn_logging(settings.server.access_log),
+        "log_level": None,
         "timeout_graceful_shutdown": settings.server.shutdown_timeout,
         # Nothing reads the client's address or the scheme: no X-Forwarded-* layer per request.
         "proxy_headers": False,

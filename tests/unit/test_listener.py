@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import errno
+import logging
 import socket
 from collections.abc import Callable
 from typing import Any
@@ -169,3 +170,21 @@ def test_serve_reads_no_forwarded_headers() -> None:
     config.load()
     assert options["proxy_headers"] is False
     assert not isinstance(config.loaded_app, ProxyHeadersMiddleware)
+
+
+@pytest.mark.parametrize("access_log", [True, False])
+def test_server_access_log_turns_uvicorns_access_lines_on(access_log: bool) -> None:
+    """With `server.access_log = true` uvicorn wrote no access line: its `log_level` of "warning"
+    set the access logger's level too. Its own lines stay at warnings and up either way."""
+
+    async def app(scope: Any, receive: Any, send: Any) -> None:
+        raise AssertionError("not called")
+
+    settings = make_settings()
+    settings = settings.model_copy(
+        update={"server": settings.server.model_copy(update={"access_log": access_log})}
+    )
+    options = {k: v for k, v in server.uvicorn_options(settings).items() if k != "factory"}
+    uvicorn.Config(app, **options)  # (configures uvicorn's loggers, as `serve` does)
+    assert logging.getLogger("uvicorn.access").isEnabledFor(logging.INFO) is access_log
+    assert not logging.getLogger("uvicorn.error").isEnabledFor(logging.INFO)
