@@ -307,6 +307,16 @@ class Settings(BaseSettings):
         file = TomlFileSource(settings_cls, None, os.environ)
         return init_settings, GatewayEnvSource(settings_cls, os.environ, names=table_names(file.data)), file
 
+    @field_validator("providers")
+    @classmethod
+    def _demo_built_in(cls, providers: dict[str, ProviderSettings]) -> dict[str, ProviderSettings]:
+        """The `demo` provider is built in: there beside the configured ones unless one is named so
+        (providers defined in the environment alone, with no file, add to it: they used to
+        replace it, and the default provider `demo` was then "not a configured provider")."""
+        if "demo" in providers:
+            return providers
+        return {**providers, "demo": ProviderSettings(kind="demo")}
+
     def model_post_init(self, _context: object) -> None:
         if self.default_provider and self.default_provider not in self.providers:
             raise ConfigError(

@@ -141,7 +141,7 @@ def test_env_names_match_provider_and_model_keys_with_punctuation(tmp_path: Path
             "GATEWAY_MODELS__OLLAMA_PHI4_MINI__CONTEXT_WINDOW": "8192",
         },
     )
-    assert set(s.providers) == {"my-llm"}
+    assert set(s.providers) == {"my-llm", "demo"}  # (demo is built in)
     assert s.providers["my-llm"].base_url == "http://b/v1"
     assert s.models["ollama/phi4-mini"].context_window == 8192
 
@@ -238,6 +238,22 @@ def test_provider_created_only_from_env(tmp_path: Path, monkeypatch: pytest.Monk
     assert gpu.connect_timeout == 10.0  # the rest are the provider defaults
 
 
+def test_a_provider_from_the_environment_alone_adds_to_the_built_in_demo(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """With no file and no GATEWAY_DEFAULT_PROVIDER, it replaced `demo`, and the default
+    provider `demo` was then "not a configured provider": the documented recipe did not start."""
+    monkeypatch.chdir(tmp_path)
+    s = load_settings(
+        environ={
+            "GATEWAY_PROVIDERS__LLAMA__KIND": "openai",
+            "GATEWAY_PROVIDERS__LLAMA__BASE_URL": "http://l/v1",
+        }
+    )
+    assert s.default_provider == "demo" and set(s.providers) == {"demo", "llama"}
+    assert s.providers["demo"].kind == "demo"
+
+
 def test_env_beats_file_at_every_level(tmp_path: Path) -> None:
     path = write(
         tmp_path,
@@ -255,7 +271,7 @@ def test_env_beats_file_at_every_level(tmp_path: Path) -> None:
     )
     assert (s.default_provider, s.server.port) == ("b", 8000)
     assert (s.providers["a"].base_url, s.providers["a"].timeout) == ("http://env/v1", 5.0)
-    assert set(s.providers) == {"a", "b"}
+    assert set(s.providers) == {"a", "b", "demo"}
 
 
 def test_gateway_variables_that_are_not_keys_are_left_alone() -> None:
