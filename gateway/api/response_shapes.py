@@ -263,37 +263,18 @@ def finishing_events(
                         content_index=k,
                         part=blank,
                     )
-                seq += 1
                 if part["type"] == "refusal":
                     # (a refusal is known whole once the answer is: one delta, as a stream
-                    # reader that builds its text from deltas expects one)
-                    yield event(
-                        "response.refusal.delta",
-                        seq,
-                        item_id=item["id"],
-                        output_index=index,
-                        content_index=k,
-                        delta=part["refusal"],
-                    )
-                    seq += 1
-                    yield event(
-                        "response.refusal.done",
-                        seq,
-                        item_id=item["id"],
-                        output_index=index,
-                        content_index=k,
-                        refusal=part["refusal"],
-                    )
+                    # reader that builds its text from deltas expects one, then its done)
+                    said: list[tuple[str, dict[str, Any]]] = [
+                        ("response.refusal.delta", {"delta": part["refusal"]}),
+                        ("response.refusal.done", {"refusal": part["refusal"]}),
+                    ]
                 else:
-                    yield event(
-                        "response.output_text.done",
-                        seq,
-                        item_id=item["id"],
-                        output_index=index,
-                        content_index=k,
-                        text=part.get("text", ""),
-                        logprobs=[],
-                    )
+                    said = [("response.output_text.done", {"text": part.get("text", ""), "logprobs": []})]
+                for name, fields in said:
+                    seq += 1
+                    yield event(name, seq, item_id=item["id"], output_index=index, content_index=k, **fields)
                 seq += 1
                 yield event(
                     "response.content_part.done",
