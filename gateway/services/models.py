@@ -317,7 +317,12 @@ class ModelFacts:
         learned = refusal.window or max(MIN_LEARNED_WINDOW, int(below * SHRINK))
         expected = (entry.calibration or entry.prior).provider_tokens(ours) if ours > 0 else 0
         this_prompt: int | None = None
-        if 0 < expected <= learned:
+        # A provider that counted the prompt below the window it names refused the room asked
+        # for the answer with it ("you requested 5008 tokens (5 in the messages, 5000 in the
+        # completion)"): the window it names is the whole lesson, and no prompt is smaller for it.
+        stated, counted = refusal.window, refusal.prompt_tokens
+        prompt_fits = bool(stated and counted and counted < stated)
+        if 0 < expected <= learned and not prompt_fits:
             # The refused prompt would fit that window by our count: the provider counts it higher
             # than the calibration can tell (a count it rejects as implausible, a template or parts
             # we do not see). Planned as it is, the retry would resend a prompt of that size and

@@ -351,7 +351,15 @@ class Planner:
         The reserve is `reserve` when given; else the client's own max_tokens when sent, else
         reserve_tokens, at most a quarter of the window."""
         if reserve is None:
-            reserve = _answer_tokens(request) or min(self.settings.context.reserve_tokens, facts.tokens // 4)
+            asked = _answer_tokens(request)
+            if asked >= facts.tokens:
+                name = "max_completion_tokens" if request.body.get("max_completion_tokens") else "max_tokens"
+                raise ContextLengthExceeded(
+                    f"'{name}' of {asked} leaves no room for the prompt in the model's context "
+                    f"window of {facts.tokens} tokens; lower it",
+                    param=name,
+                )
+            reserve = asked or min(self.settings.context.reserve_tokens, facts.tokens // 4)
         # A server that counts prompts itself is asked for the exact count of the window
         # planned (below): planned from the calibration's best estimate, without its margin.
         calibration = replace(facts.calibration, margin=0) if facts.counts_prompts else facts.calibration

@@ -1169,3 +1169,48 @@ async def test_a_prompt_of_images_refused_as_too_long_shrinks_no_other_conversat
     assert refused.status_code == 400 and refused.json()["error"]["code"] == "context_length_exceeded"
     assert answered.status_code == 200
     assert (context["context_window"], context["context_window_source"]) == (200_000, "config")
+
+
+async def test_a_refused_max_tokens_teaches_the_stated_window_and_nothing_smaller() -> None:
+    """ "you requested 5008 tokens (5 in the messages, 5000 in the completion)": the prompt was
+    taken for one the provider counts higher than we can tell, and the model's window became 256
+    tokens for every conversation (a long one then lost its history; Messages clients, whose
+    max_tokens is required, were refused outright). The window named is learned; the client is
+    told its max_tokens leaves no room."""
+
+    def provider(body: dict[str, Any]) -> str:
+        prompt = sum(len(str(m["content"])) // 4 + 4 for m in body["messages"])
+        asked = body.get("max_tokens") or 0
+        if prompt + asked > 4096:
+            message = (
+                "This model's maximum context length is 4096 tokens. However, you requested "
+                f"{prompt + asked} tokens ({prompt} in the messages, {asked} in the completion). "
+                "Please reduce the length of the messages or completion."
+            )
+            error = {"message": message, "type": "invalid_request_error", "code": "context_length_exceeded"}
+            raise status_error("mock", 400, orjson.dumps({"error": error}), {})
+        return "ok"
+
+    settings = make_settings().model_copy(update={"models": {"mock/m": ModelSettings(context_window=8192)}})
+    upstream = MockUpstream(provider)
+    async with build_client(settings, MemoryStore(), upstream) as client:
+        for i in range(6):
+            long = {"role": "user", "content": f"part {i}: " + "word " * 300}
+            body = {"model": "mock/m", "conversation_id": "long", "messages": [long]}
+            assert (await client.post("/v1/chat/completions", json=body)).status_code == 200
+        greedy = {"model": "mock/m", "max_tokens": 5000, "messages": [{"role": "user", "content": "hi"}]}
+        refused = await client.post("/v1/chat/completions", json={**greedy, "conversation_id": "greedy"})
+        again = {
+            "model": "mock/m",
+            "conversation_id": "long",
+            "messages": [{"role": "user", "content": "and?"}],
+        }
+        answered = await client.post("/v1/chat/completions", json=again)
+        context = (await client.get("/v1/conversations/long/context")).json()
+    assert refused.status_code == 400, refused.text
+    error = refused.json()["error"]
+    assert error["code"] == "context_length_exceeded" and error["param"] == "max_tokens"
+    assert "'max_tokens' of 5000 leaves no room" in error["message"] and "4096" in error["message"]
+    assert answered.status_code == 200
+    assert context["context_window"] == 4096 and context["truncated"] == 0, context
+    assert len(upstream.requests[-1]["messages"]) == 13  # the whole history and the new question
