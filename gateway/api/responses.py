@@ -32,7 +32,7 @@ from gateway.api.http import (
     turn_headers,
     until_disconnect,
 )
-from gateway.api.observe import log_failure, log_line, refused, stream_closed
+from gateway.api.observe import failed_response, log_line, refused, stream_closed
 from gateway.api.pages import list_params, paginate
 from gateway.api.response_shapes import (
     ending_events,
@@ -47,7 +47,7 @@ from gateway.api.validation import parse_chat, validate
 from gateway.context import Message
 from gateway.context.content import check_model
 from gateway.context.items import Item, items_to_messages, message_to_items
-from gateway.exceptions import ClientDisconnected, ConversationBusy, GatewayError, InvalidRequest
+from gateway.exceptions import ConversationBusy, GatewayError, InvalidRequest
 from gateway.ids import check_conversation_id
 from gateway.services import Services
 from gateway.services.counting import PromptCount
@@ -352,10 +352,7 @@ async def create_response(request: Request) -> Response:
                 await until_disconnect(service.complete(turn), request.receive, started=started)
         except BaseException as exc:
             _said_of_input(exc)
-            log_failure(turn.closed(), exc, metrics, event="response")
-            if isinstance(exc, ClientDisconnected):
-                return Response(status_code=499)
-            raise
+            return failed_response(turn.closed(), exc, metrics, headers, event="response")
         outcome = turn.closed()
         log_line(outcome, 200, "complete", metrics, event="response")
         return JSONBody(
@@ -374,10 +371,7 @@ async def create_response(request: Request) -> Response:
             chunks = await until_disconnect(service.open_chunks(turn), request.receive, started=started)
     except BaseException as exc:
         _said_of_input(exc)
-        log_failure(turn.closed(), exc, metrics, event="response")
-        if isinstance(exc, ClientDisconnected):
-            return Response(status_code=499)
-        raise
+        return failed_response(turn.closed(), exc, metrics, headers, event="response")
 
     async def on_close(exc: BaseException | None) -> None:
         stream_closed(await chunks.aclose(exc), exc, metrics, event="response")

@@ -11,6 +11,7 @@ import pytest
 from openai import AsyncOpenAI, NotFoundError
 from pydantic import BaseModel
 
+from gateway.exceptions import UpstreamUnreachable
 from gateway.store.memory import MemoryStore
 from gateway.upstream.base import completion_from_text
 from gateway.upstream.mock import MockUpstream
@@ -196,3 +197,21 @@ async def test_the_request_id_is_the_response_id(sdk: AsyncOpenAI) -> None:
         model="mock/m", messages=[{"role": "user", "content": "hi"}]
     )
     assert raw.request_id == raw.parse().id == raw.headers["x-response-id"]
+
+
+@pytest.mark.parametrize("stream", [False, True])
+async def test_a_failed_responses_turn_names_its_logged_attempt(stream: bool) -> None:
+    """Chat completions and Messages answer a failure with `X-Response-Id` naming the response
+    log that records the attempt; the Responses API answered with no id at all."""
+
+    def down(body: dict[str, Any]) -> Any:
+        raise UpstreamUnreachable("Provider 'mock' at http://mock.invalid/v1 is unreachable")
+
+    async with build_client(make_settings(), MemoryStore(), MockUpstream(down)) as client:
+        body = {"model": "mock/m", "input": "hi", "conversation_id": "down", "stream": stream}
+        r = await client.post("/v1/responses", json=body)
+        assert r.status_code == 502 and r.json()["error"]["code"] == "upstream_unreachable", r.text
+        rid = r.headers["x-response-id"]
+        assert r.headers["x-conversation-id"] == "down" and r.headers["x-request-id"] == rid
+        logged = await client.get(f"/v1/responses/{rid}")
+    assert logged.status_code == 200 and logged.json()["status"] == "failed", logged.text
