@@ -119,10 +119,14 @@ class MockServer:
                 status_code=429,
                 headers={"retry-after": "7"},
             )
+        if self.mode == "error_in_200":  # (a provider's error said in a 200, streamed or not)
+            return Response(
+                b'{"error": {"message": "model overloaded, try later"}}', media_type="application/json"
+            )
         if self.mode == "hang" or (self.mode == "stall" and not body.get("stream")):
             await asyncio.sleep(self.hang_seconds)
         completion = self.completion(body)
-        if not body.get("stream"):
+        if not body.get("stream") or self.mode == "no_stream":  # (a server that does not stream)
             return Response(orjson.dumps(completion), media_type="application/json")
         include_usage = bool((body.get("stream_options") or {}).get("include_usage"))
         chunks = chunks_from_completion(completion, include_usage=include_usage)

@@ -177,6 +177,31 @@ async def _read_cut(read: Callable[[], Awaitable[bytes]], limit: int) -> bytes:
     return b"".join(parts)[:limit]
 
 
+def completion_chunks(completion: Body, wants_usage: bool) -> list[Chunk]:
+    """A whole chat completion as the chunks a stream of it would have been.
+
+    One chunk holds each choice's whole message as its delta (tool calls numbered, as deltas
+    number them) and its finish_reason; the usage follows in a chunk of its own when asked for."""
+    head: dict[str, object] = {key: completion[key] for key in ("id", "created", "model") if key in completion}
+    choices = []
+    for n, choice in enumerate(as_list(completion.get("choices"))):
+        choice = as_object(choice)
+        delta = dict(as_object(choice.get("message")))
+        calls = delta.get("tool_calls")
+        if isinstance(calls, list):
+            delta["tool_calls"] = [{**as_object(call), "index": k} for k, call in enumerate(calls)]
+        index = choice.get("index", n)
+        choices.append(
+            {"index": index, "delta": delta, "finish_reason": choice.get("finish_reason") or "stop"}
+        )
+    chunks: list[Chunk] = [{**head, "object": "chat.completion.chunk", "choices": choices}]
+    if wants_usage and isinstance(completion.get("usage"), dict):
+        chunks.append(
+            {**head, "object": "chat.completion.chunk", "choices": [], "usage": completion["usage"]}
+        )
+    return chunks
+
+
 def parse_sse_line(line: str) -> Chunk | None | bool:
     """One SSE line -> a chunk dict, None (nothing to yield) or True (the [DONE] sentinel)."""
     if not line.startswith("data:"):
@@ -407,6 +432,10 @@ class OpenAIUpstream(Upstream):
                     content = await self._read_limited(response, limit, truncate=status >= 400)
         if status >= 400:
             raise status_error(self.name, status, content, headers)
+        return self._whole_answer(content, headers)
+
+    def _whole_answer(self, content: bytes, headers: Mapping[str, str]) -> Body:
+        """A whole answer's completion: an error object in it is the provider's error (a 502)."""
         try:
             result: object = orjson.loads(content)
         except orjson.JSONDecodeError as exc:
@@ -447,6 +476,17 @@ class OpenAIUpstream(Upstream):
                     if answer.status >= 400:
                         content = await _read_cut(answer.read, _ERROR_BODY_BYTES)
                         raise status_error(self.name, answer.status, content, answer.headers)
+                    if answer.headers.get("content-type", "").startswith("application/json"):
+                        # A JSON body, not events: the provider's error said in a 200, or a
+                        # whole answer from a server that does not stream.
+                        content = await _read_cut(answer.read, self.max_response_bytes + 1)
+                        if len(content) > self.max_response_bytes:
+                            raise self._too_large()
+                        for chunk in completion_chunks(
+                            self._whole_answer(content, answer.headers), wants_usage
+                        ):
+                            yield chunk
+                        return
                 async for chunk in self._events(answer, wants_usage):
                     yield chunk
 

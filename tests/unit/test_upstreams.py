@@ -152,6 +152,28 @@ async def test_openai_status_errors_keep_message_and_retry_after(upstream: MockS
         await up.aclose()
 
 
+async def test_a_json_answer_to_a_stream_is_read_as_the_error_or_answer_it_holds(
+    upstream: MockServer,
+) -> None:
+    """Both were "ended the stream without an answer": the provider's own error message was lost,
+    and a server that answers `stream: true` with a whole completion was refused."""
+    up = OpenAIUpstream("mock", _provider(upstream.url, retries=0))
+    try:
+        upstream.mode = "error_in_200"
+        with pytest.raises(UpstreamStatusError) as info:
+            [c async for c in up.stream({**BODY, "stream": True})]
+        assert info.value.status_code == 502 and "model overloaded, try later" in info.value.message
+        upstream.mode = "no_stream"
+        wants_usage = {**BODY, "stream": True, "stream_options": {"include_usage": True}}
+        chunks = [c async for c in up.stream(wants_usage)]
+        whole = upstream.completion(BODY)
+        assert chunks[0]["choices"][0]["delta"]["content"] == whole["choices"][0]["message"]["content"]
+        assert chunks[0]["choices"][0]["finish_reason"] == "stop"
+        assert chunks[-1]["choices"] == [] and chunks[-1]["usage"] == whole["usage"]
+    finally:
+        await up.aclose()
+
+
 async def test_openai_timeout_and_unreachable(upstream: MockServer) -> None:
     upstream.mode = "hang"
     upstream.hang_seconds = 2
