@@ -13,7 +13,7 @@ from gateway.types import Message
 
 FEEDBACK = "feedback: not replayed"
 DELETED = "deleted"
-CALL_DELETED = "its tool call deleted"
+CALL_GONE = "no tool call left to answer (deleted, or answered before it came)"
 BRANCHED = "left behind by a branch"
 REPLACED = "replaced by a later system prompt"
 
@@ -22,7 +22,7 @@ class Unsent:
     """The messages of a view's stored turns that the model is no longer given, with the reason.
 
     A message is given when it is in the view's history and survives the tool-call repair (a
-    result whose call was deleted is dropped); a turn's system prompt is given while no later
+    result whose call was deleted, or answered before it came, is dropped); a turn's system prompt is given while no later
     turn replaced it and it was not deleted.
     """
 
@@ -42,7 +42,7 @@ class Unsent:
         if item_key(response_id, position) in self.view.deleted_items:
             return DELETED
         if (response_id, position) in self.in_history:
-            return CALL_DELETED
+            return CALL_GONE
         return BRANCHED
 
     def of_turn(

@@ -182,7 +182,9 @@ def completion_chunks(completion: Body, wants_usage: bool) -> list[Chunk]:
 
     One chunk holds each choice's whole message as its delta (tool calls numbered, as deltas
     number them) and its finish_reason; the usage follows in a chunk of its own when asked for."""
-    head: dict[str, object] = {key: completion[key] for key in ("id", "created", "model") if key in completion}
+    head: dict[str, object] = {
+        key: completion[key] for key in ("id", "created", "model") if key in completion
+    }
     choices = []
     for n, choice in enumerate(as_list(completion.get("choices"))):
         choice = as_object(choice)

@@ -500,7 +500,10 @@ def test_show_marks_what_is_no_longer_sent(gateway: GatewayProcess, upstream: Mo
     data = ["--data-dir", str(gateway.data_dir)]
     out = gw("show", conv.id, *data).stdout
     assert "first question" in out and "deleted: no longer sent" in out
-    assert "sunny and warm" in out and "its tool call deleted: no longer sent" in out
+    assert (
+        "sunny and warm" in out
+        and "no tool call left to answer (deleted, or answered before it came): no longer sent" in out
+    )
     import json
 
     doc = json.loads(gw("show", conv.id, "--json", *data).stdout)

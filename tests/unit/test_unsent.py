@@ -6,7 +6,7 @@ from __future__ import annotations
 from typing import Any
 
 from gateway.context import ConversationView, Turn
-from gateway.context.unsent import BRANCHED, CALL_DELETED, DELETED, FEEDBACK, REPLACED, Unsent
+from gateway.context.unsent import BRANCHED, CALL_GONE, DELETED, FEEDBACK, REPLACED, Unsent
 
 
 def turn(rid: str, input: list[dict[str, Any]], output: dict[str, Any], **kw: Any) -> Turn:
@@ -52,7 +52,7 @@ def test_every_reason_a_message_is_no_longer_given() -> None:
     }
     assert unsent.of_turn("r2", [user("b")], answer) == {1: DELETED}
     assert unsent.of_turn("r3", [{"role": "tool", "tool_call_id": "c1", "content": "42"}], answer) == {
-        0: CALL_DELETED
+        0: CALL_GONE
     }
     assert unsent.of_turn("r4", [user("rude", is_feedback=True)], answer) == {0: FEEDBACK, 1: FEEDBACK}
     assert unsent.why("r5", 0) is None and unsent.why("gone", 0) == BRANCHED
