@@ -22,8 +22,8 @@ class Unsent:
     """The messages of a view's stored turns that the model is no longer given, with the reason.
 
     A message is given when it is in the view's history and survives the tool-call repair (a
-    result whose call was deleted, or answered before it came, is dropped); a turn's system prompt is given while no later
-    turn replaced it and it was not deleted.
+    result whose call was deleted, or answered before it came, is dropped); a turn's system
+    prompt is given while no later turn replaced it and it was not deleted.
     """
 
     def __init__(self, view: ConversationView) -> None:
