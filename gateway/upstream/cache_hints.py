@@ -2,8 +2,9 @@
 
 The gateway resends the whole conversation every turn; a provider that caches prompts reads
 the part it saw before from its cache, when it is told how:
-- OpenAI and OpenAI-compatible servers: `prompt_cache_key`, one per conversation (OpenAI routes
-  requests with the same key to the same cache);
+- OpenAI's own API: `prompt_cache_key`, one per conversation (OpenAI routes requests with the
+  same key to the same cache); not other OpenAI-compatible servers, which cache a repeated
+  prompt start by themselves, and some of which refuse a field they do not know;
 - llama.cpp: `cache_prompt: true`, and on a server of several slots `id_slot`, one slot per
   conversation so that conversations taking turns do not evict each other's prompt;
 - Anthropic (through litellm): `cache_control` breakpoints at the end of the stable head of
@@ -21,6 +22,7 @@ import hashlib
 from collections import OrderedDict
 from collections.abc import Sequence
 from typing import cast
+from urllib.parse import urlsplit
 
 from gateway.types import as_object
 from gateway.upstream.base import Body, take_field
@@ -44,6 +46,17 @@ def cache_key(tenant: str, conversation_id: str | None) -> str | None:
 def take_cache_key(body: Body) -> tuple[Body, str | None]:
     """The body without the gateway's `CACHE_KEY`, and the key it held."""
     return take_field(body, CACHE_KEY)
+
+
+OPENAI_HOST = "api.openai.com"
+
+
+def takes_prompt_cache_key(base_url: str) -> bool:
+    """Whether the provider at `base_url` is OpenAI's own API, the one that reads `prompt_cache_key`."""
+    try:
+        return (urlsplit(base_url).hostname or "").lower() == OPENAI_HOST
+    except ValueError:
+        return False
 
 
 def with_prompt_cache_key(body: Body, key: str | None) -> Body:

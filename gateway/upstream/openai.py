@@ -52,6 +52,7 @@ from gateway.upstream.base import (
 from gateway.upstream.cache_hints import (
     SlotTable,
     take_cache_key,
+    takes_prompt_cache_key,
     with_llamacpp_hints,
     with_prompt_cache_key,
 )
@@ -322,6 +323,9 @@ class OpenAIUpstream(Upstream):
         self._session: aiohttp.ClientSession | None = None
         self._prompt_counter = ""  # how the server counts a prompt (from `describe`), if it can
         self._cache_hints = settings.cache_hints
+        # `prompt_cache_key` goes to OpenAI's own API only: servers that check the fields they
+        # get (Groq, Cerebras, some Azure deployments) refuse it, and the others ignore it.
+        self._takes_cache_key = takes_prompt_cache_key(self.url)
         self._llamacpp = False  # known to be llama.cpp (from `describe`): its own cache hints
         self._slots: SlotTable | None = None  # a llama.cpp server's slots, when it has several
         self.retries = settings.retries
@@ -379,11 +383,11 @@ class OpenAIUpstream(Upstream):
     def _outgoing(self, body: Body) -> bytes:
         """The body as the provider gets it: the gateway's cache key out, its cache hints in.
 
-        The cache hints the key stands for are llama.cpp's own, else `prompt_cache_key`."""
+        The cache hints the key stands for are llama.cpp's own, or OpenAI's `prompt_cache_key`."""
         body, key = take_cache_key(body)
         if self._cache_hints and self._llamacpp:
             body = with_llamacpp_hints(body, key, self._slots)
-        elif self._cache_hints:
+        elif self._cache_hints and self._takes_cache_key:
             body = with_prompt_cache_key(body, key)
         data = orjson.dumps(body)
         if b'"thinking_blocks"' in data:  # (rare: looked for in the bytes, at C speed)

@@ -22,6 +22,7 @@ from gateway.upstream.cache_hints import (
     SlotTable,
     cache_key,
     count_breakpoints,
+    takes_prompt_cache_key,
     with_cache_breakpoints,
 )
 from gateway.upstream.discovery import slots_from_llamacpp_props
@@ -73,6 +74,34 @@ async def _say(
 # -- OpenAI-compatible servers: prompt_cache_key -----------------------------------------------
 
 
+@pytest.fixture
+def as_openai(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The mock server taken for OpenAI's own API, the one provider sent `prompt_cache_key`."""
+    monkeypatch.setattr("gateway.upstream.openai.takes_prompt_cache_key", lambda url: True)
+
+
+def test_only_openais_own_api_takes_prompt_cache_key() -> None:
+    assert takes_prompt_cache_key("https://api.openai.com/v1")
+    assert takes_prompt_cache_key("https://API.OpenAI.com/v1?x=1")
+    for url in (
+        "https://api.groq.com/openai/v1",
+        "http://127.0.0.1:11434/v1",
+        "https://x.openai.azure.com/openai",
+    ):
+        assert not takes_prompt_cache_key(url)
+
+
+async def test_a_compatible_server_is_not_sent_prompt_cache_key(upstream: MockServer) -> None:
+    """It went to every OpenAI-compatible server: Groq, Cerebras and some Azure deployments refuse
+    a field they do not know, and every turn of a conversation was a 400 the client never caused."""
+    async with _gateway(f"{upstream.url}/v1") as client:
+        await _say(client, "hi", "c")
+        await _say(client, "again", "c", stream=True)
+    assert len(upstream.requests) == 2
+    assert all("prompt_cache_key" not in body and CACHE_KEY not in body for body in upstream.requests)
+
+
+@pytest.mark.usefixtures("as_openai")
 async def test_prompt_cache_key_names_the_conversation_and_tenant(
     upstream: MockServer, monkeypatch: pytest.MonkeyPatch
 ) -> None:
@@ -101,6 +130,7 @@ async def test_the_clients_own_prompt_cache_key_is_kept(upstream: MockServer) ->
     assert upstream.requests[-1]["prompt_cache_key"] == "mine"
 
 
+@pytest.mark.usefixtures("as_openai")
 async def test_no_prompt_cache_key_when_the_provider_is_told_not_to(upstream: MockServer) -> None:
     async with _gateway(f"{upstream.url}/v1", cache_hints=False) as client:
         await _say(client, "hi", "c")
