@@ -39,6 +39,9 @@ from gateway.upstream.base import ServerWindow
 DEFAULT_CONTEXT_WINDOW = 8192
 # A server that could not be asked is asked again after this long.
 REASK_AFTER = 300.0
+# A provisional answer (an Ollama model not loaded yet: a guess at its window) is checked again
+# after this long.
+REASK_PROVISIONAL = 30.0
 # Calibration is written to the store after this many new observations, at most once a
 # SAVE_INTERVAL (and at once after a refusal); refitted every REFIT_EVERY once it has learned.
 SAVE_EVERY = 8
@@ -140,6 +143,7 @@ class _Entry:
     learned_from: str = ""
     server: ServerWindow | None = None
     asked_at: float | None = None
+    stale: bool = False  # the server may have restarted since it was asked: ask it again
     asking: asyncio.Task[ServerWindow | None] | None = None
     loaded: bool = False
     unsaved: int = 0
@@ -221,13 +225,20 @@ class ModelFacts:
         )
 
     async def _ask(self, entry: _Entry, route: Route) -> ServerWindow | None:
-        fresh = entry.asked_at is not None and self.clock() - entry.asked_at < REASK_AFTER
-        if entry.asked_at is not None and (entry.server is not None or fresh):
-            return entry.server
+        """The server's answer, asked once and kept; asked again when it had none (after
+        REASK_AFTER), when it was a guess (after REASK_PROVISIONAL) or when a call failed since
+        (`unanswered`). An answer kept is kept while asking again gets none."""
+        if entry.asked_at is not None and not entry.stale:
+            since = self.clock() - entry.asked_at
+            known = entry.server
+            if known is None and since < REASK_AFTER:
+                return None
+            if known is not None and not (known.provisional and since >= REASK_PROVISIONAL):
+                return known
         if entry.asking is None or entry.asking.done():
             entry.asking = asyncio.ensure_future(self._describe(route))
-        server = await asyncio.shield(entry.asking)
-        entry.server, entry.asked_at = server, self.clock()
+        server = await asyncio.shield(entry.asking) or entry.server
+        entry.server, entry.asked_at, entry.stale = server, self.clock(), False
         if server is not None and entry.learned is not None and server.tokens <= entry.learned:
             entry.learned = None  # the server's own word replaces what a refusal suggested
         return server
@@ -339,6 +350,12 @@ class ModelFacts:
         entry.unsaved = max(entry.unsaved, SAVE_EVERY)
         entry.urgent = True
         return this_prompt
+
+    def unanswered(self, route: Route) -> None:
+        """A call to the provider timed out or found it unreachable: it may be restarting, with
+        other facts (a llama.cpp server started with fewer slots, a model loaded with another
+        window). The next turn asks it again, and keeps what it said before if it cannot say."""
+        self._entry(route).stale = True
 
     def truncated(self, route: Route, theirs: int) -> None:
         """Plan with no more than `theirs` tokens from now on: the provider saw only that much.

@@ -34,6 +34,8 @@ from gateway.exceptions import (
     GatewayError,
     UpstreamProtocolError,
     UpstreamStatusError,
+    UpstreamTimeout,
+    UpstreamUnreachable,
     shutting_down,
 )
 from gateway.ids import mint_response_id
@@ -400,6 +402,8 @@ class ChatService:
         plan = turn.plan
         task = turn.commit_task
         committed = task is not None and task.done() and not task.cancelled() and task.exception() is None
+        if isinstance(exc, UpstreamTimeout | UpstreamUnreachable):
+            self.facts.unanswered(turn.route)
         if turn.store is not None:
             await self.facts.save(turn.route, turn.store)
         if plan is not None and plan.summary_target and turn.conversation_id and committed and turn.store:

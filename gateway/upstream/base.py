@@ -142,6 +142,9 @@ class ServerWindow:
     prompt_counter: str = ""
     # llama.cpp: its slots (`total_slots` of GET /props), each keeping one prompt cached; 0 elsewhere.
     total_slots: int = 0
+    # A guess the server will soon replace (an Ollama model not loaded yet: its window comes with
+    # its first load): asked again a little later.
+    provisional: bool = False
 
     @property
     def is_llamacpp(self) -> bool:

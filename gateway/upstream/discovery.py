@@ -75,10 +75,12 @@ def window_from_ollama_ps(ps: object, model: str) -> int | None:
 OLLAMA_DEFAULT_NUM_CTX = 4096
 
 
-def window_from_ollama_show(show: object) -> int | None:
-    """Ollama `POST /api/show`: the Modelfile's `num_ctx`, else the model's trained length, capped.
+def window_from_ollama_show(show: object) -> tuple[int, bool] | None:
+    """Ollama `POST /api/show`: the Modelfile's `num_ctx` (and True: the model's runtime window),
+    else the model's trained length capped at Ollama's smallest default (and False: a guess).
 
-    The cap is Ollama's default runtime window (what a request gets unless told otherwise).
+    Ollama's default runtime window is `OLLAMA_CONTEXT_LENGTH`, else one it picks by memory, which
+    `/api/show` does not say: `/api/ps` says it once the model is loaded.
     """
     if not isinstance(show, dict):
         return None
@@ -87,14 +89,14 @@ def window_from_ollama_show(show: object) -> int | None:
         for line in parameters.splitlines():
             parts = line.split()
             if len(parts) == 2 and parts[0] == "num_ctx" and parts[1].isdigit():
-                return int(parts[1])
+                return int(parts[1]), True
     info = show.get("model_info")
     trained = None
     if isinstance(info, dict):
         trained = next(
             (_positive(v) for k, v in info.items() if k.endswith(".context_length") and _positive(v)), None
         )
-    return min(trained, OLLAMA_DEFAULT_NUM_CTX) if trained else None
+    return (min(trained, OLLAMA_DEFAULT_NUM_CTX), False) if trained else None
 
 
 DESCRIBE_TIMEOUT = 3.0
@@ -162,9 +164,13 @@ async def describe_openai_compatible(
     found = window_from_ollama_ps(await get_json("GET", url_at(root, "/api/ps")), model)
     if found:
         return ServerWindow(found, "Ollama GET /api/ps", num_ctx_option=True)
-    found = window_from_ollama_show(await get_json("POST", url_at(root, "/api/show"), {"model": model}))
-    if found:
-        return ServerWindow(found, "Ollama POST /api/show", num_ctx_option=True)
+    shown = window_from_ollama_show(await get_json("POST", url_at(root, "/api/show"), {"model": model}))
+    if shown:
+        tokens, set_in_modelfile = shown
+        if set_in_modelfile:
+            return ServerWindow(tokens, "Ollama POST /api/show", num_ctx_option=True)
+        # (a guess: never told to Ollama as num_ctx, which would hold its own window down to it)
+        return ServerWindow(tokens, "Ollama POST /api/show (model not loaded)", provisional=True)
     return None
 
 

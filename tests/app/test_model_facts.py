@@ -19,6 +19,7 @@ from gateway.config import ModelSettings, ProviderSettings
 from gateway.context.calibration import UNCALIBRATED, Calibration, fit
 from gateway.context.summary import chunk_budget, summary_cap
 from gateway.context.window import fit_window
+from gateway.exceptions import UpstreamTimeout
 from gateway.services.models import ModelFacts
 from gateway.store.memory import MemoryStore
 from gateway.tokens import count_message, get_encoding
@@ -78,8 +79,8 @@ def test_each_servers_answer_gives_its_runtime_window() -> None:
     assert window_from_ollama_ps(loaded, "llama3.2:1b") is None
     untagged = {"models": [{"name": "me/tuned", "context_length": 2048}]}
     assert window_from_ollama_ps(untagged, "me/tuned:latest") == 2048
-    assert window_from_ollama_show(OLLAMA_SHOW) == 6144  # the Modelfile's num_ctx
-    assert window_from_ollama_show(OLLAMA_SHOW_DEFAULT) == 4096  # Ollama's default runtime window
+    assert window_from_ollama_show(OLLAMA_SHOW) == (6144, True)  # the Modelfile's num_ctx
+    assert window_from_ollama_show(OLLAMA_SHOW_DEFAULT) == (4096, False)  # a guess: Ollama's least default
     assert window_from_models(OPENAI_MODELS, "gpt-4o") is None
     for junk in (None, [], "x", {"default_generation_settings": {"n_ctx": "512"}}, {"data": "x"}):
         assert window_from_llamacpp_props(junk) is None
@@ -258,6 +259,70 @@ async def test_a_hung_providers_first_turn_ends_at_its_timeout_not_after_the_win
     assert "providers.mock.timeout" in answer.json()["error"]["message"]
     assert heads == [b"GET /props HTTP/1.1\r\n"]  # the request itself was never sent
     assert took < 2.5  # (was 4 s: the window's 3 s question, then the whole timeout)
+
+
+async def test_a_guessed_window_is_checked_again_and_a_failed_call_asks_the_server_again() -> None:
+    """An Ollama model not loaded yet: its window was Ollama's least default (4096), kept for
+    good, and told to Ollama as num_ctx (which holds a server of 8192 down to it). And a server
+    that restarted (a llama.cpp with fewer slots) was never asked again: conversations whose slot
+    was gone waited for it until their timeout, every turn."""
+    answers = [
+        ServerWindow(4096, "Ollama POST /api/show (model not loaded)", provisional=True),
+        ServerWindow(8192, "Ollama GET /api/ps", num_ctx_option=True),
+        None,  # (restarting: no answer)
+        ServerWindow(8192, "Ollama GET /api/ps", num_ctx_option=True),
+    ]
+    asked: list[str] = []
+
+    class Scripted(MockUpstream):
+        async def describe(self, model: str) -> ServerWindow | None:
+            asked.append(model)
+            return answers[len(asked) - 1]
+
+    now = [0.0]
+    route = Route("mock", Scripted(), "qwen")
+    facts = ModelFacts(make_settings(), clock=lambda: now[0])
+    guess = await facts.window(route, "mock/qwen")
+    assert (guess.tokens, guess.num_ctx_option) == (4096, False)  # (a guess is never sent as num_ctx)
+    now[0] = 10.0
+    assert (await facts.window(route, "mock/qwen")).tokens == 4096 and len(asked) == 1
+    now[0] = 40.0  # past REASK_PROVISIONAL: the model is loaded by now
+    loaded = await facts.window(route, "mock/qwen")
+    assert (loaded.tokens, loaded.source, loaded.num_ctx_option) == (8192, "Ollama GET /api/ps", True)
+    now[0] = 4000.0
+    assert (await facts.window(route, "mock/qwen")).tokens == 8192 and len(asked) == 2  # kept
+    facts.unanswered(route)  # a call timed out
+    kept = await facts.window(route, "mock/qwen")
+    assert kept.tokens == 8192 and len(asked) == 3  # asked; no answer: what it said before stands
+    facts.unanswered(route)
+    await facts.window(route, "mock/qwen")
+    assert len(asked) == 4
+
+
+async def test_a_turn_whose_provider_timed_out_has_the_next_turn_ask_the_server_again() -> None:
+    asked: list[str] = []
+    calls = [0]
+
+    def answer(body: dict[str, Any]) -> str:
+        calls[0] += 1
+        if calls[0] == 1:
+            raise UpstreamTimeout("Provider 'mock' gave no whole answer within 1 s")
+        return "ok"
+
+    class Asked(MockUpstream):
+        async def describe(self, model: str) -> ServerWindow | None:
+            asked.append(model)
+            return ServerWindow(512, "llama.cpp GET /props", total_slots=2)
+
+    async with build_client(make_settings(), MemoryStore(), Asked(answer)) as client:
+        for expected in (504, 200, 200):
+            body = {
+                "model": "mock/smol",
+                "conversation_id": "t",
+                "messages": [{"role": "user", "content": "hi"}],
+            }
+            assert (await client.post("/v1/chat/completions", json=body)).status_code == expected
+    assert asked == ["smol", "smol"]  # the first turn's question, and one more after its timeout
 
 
 async def test_window_precedence_and_the_server_is_asked_once() -> None:
