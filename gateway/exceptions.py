@@ -42,6 +42,7 @@ class Refusal:
     message: str
     window: int | None = None  # the provider's real window, when it said
     prompt_tokens: int | None = None  # what it counted for the refused prompt, when it said
+    completion_tokens: int | None = None  # the room for the answer it counted with it, when it said
 
 
 class GatewayError(Exception):

@@ -328,11 +328,14 @@ class ModelFacts:
         learned = refusal.window or max(MIN_LEARNED_WINDOW, int(below * SHRINK))
         expected = (entry.calibration or entry.prior).provider_tokens(ours) if ours > 0 else 0
         this_prompt: int | None = None
-        # A provider that counted the prompt below the window it names refused the room asked
-        # for the answer with it ("you requested 5008 tokens (5 in the messages, 5000 in the
-        # completion)"): the window it names is the whole lesson, and no prompt is smaller for it.
-        stated, counted = refusal.window, refusal.prompt_tokens
-        prompt_fits = bool(stated and counted and counted < stated)
+        # A provider that counted the prompt below the window it names, or named a room for the
+        # answer that our count of the prompt does not fit beside, refused that room ("you
+        # requested 5008 tokens (5 in the messages, 5000 in the completion)"): the window it
+        # names is the whole lesson, and no prompt is smaller for it.
+        stated, counted, asked = refusal.window, refusal.prompt_tokens, refusal.completion_tokens
+        prompt_fits = bool(stated and counted and counted < stated) or bool(
+            stated and asked and 0 < expected <= stated < expected + asked
+        )
         if 0 < expected <= learned and not prompt_fits:
             # The refused prompt would fit that window by our count: the provider counts it higher
             # than the calibration can tell (a count it rejects as implausible, a template or parts

@@ -6,7 +6,10 @@ Shapes seen:
 - llama.cpp: 400, type `exceed_context_size_error`, numeric code, "request (527 tokens) exceeds
   the available context size (512 tokens)", plus `n_prompt_tokens` and `n_ctx` fields
 - vLLM: 400, "This model's maximum context length is 4096 tokens. However, you requested 5000
-  tokens (4900 in the messages, 100 in the completion)" or "... your request has 5000 input tokens"
+  tokens (4900 in the messages, 100 in the completion)" or "... your request has 5000 input tokens";
+  newer: "You passed 900 input tokens and requested 200 output tokens. However, the model's
+  context length is only 1024 tokens, ..." (its input count is of a prompt it cut first to what
+  could fit: a least figure, not read as the prompt's count)
 - Ollama: "the input length exceeds the context length", "prompt too long"
 """
 
@@ -27,6 +30,7 @@ _WINDOW = (
     re.compile(r"available context size \((\d+) tokens?\)", re.IGNORECASE),
     re.compile(r"context (?:length|size|window) (?:of|is) (\d+)", re.IGNORECASE),
     re.compile(r"\d+ tokens? > (\d+) maximum", re.IGNORECASE),  # Anthropic: "762 tokens > 600 maximum"
+    re.compile(r"context length is only (\d+) tokens", re.IGNORECASE),  # vLLM, newer
 )
 _PROMPT = (
     re.compile(r"\((\d+) in the messages", re.IGNORECASE),
@@ -34,6 +38,12 @@ _PROMPT = (
     re.compile(r"messages resulted in (\d+) tokens", re.IGNORECASE),
     re.compile(r"request has (\d+) input tokens", re.IGNORECASE),
     re.compile(r"prompt (?:is too long|too long)[^0-9]*(\d+) tokens", re.IGNORECASE),
+)
+
+
+_COMPLETION = (
+    re.compile(r"(\d+) in the completion", re.IGNORECASE),
+    re.compile(r"requested (\d+) output tokens", re.IGNORECASE),
 )
 
 
@@ -63,4 +73,5 @@ def parse_refusal(status: int, payload: object, text: str) -> Refusal | None:
         return None
     window = _positive_int(err.get("n_ctx")) or _first(_WINDOW, text)
     prompt = _positive_int(err.get("n_prompt_tokens")) or _first(_PROMPT, text)
-    return Refusal(message=text, window=window, prompt_tokens=prompt)
+    completion = _first(_COMPLETION, text)
+    return Refusal(message=text, window=window, prompt_tokens=prompt, completion_tokens=completion)

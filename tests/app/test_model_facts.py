@@ -460,11 +460,20 @@ def test_refusals_of_each_provider_are_recognised_with_their_numbers() -> None:
     )
     err = status_error("vllm", 400, orjson.dumps({"object": "error", "message": vllm, "code": 400}), {})
     assert err.refusal is not None and (err.refusal.window, err.refusal.prompt_tokens) == (4096, 4900)
+    assert err.refusal.completion_tokens == 100
     newer_vllm = (
         "This model's maximum context length is 2048 tokens. However, your request has 3000 input tokens."
     )
     refusal = parse_refusal(400, None, newer_vllm)
     assert refusal is not None and (refusal.window, refusal.prompt_tokens) == (2048, 3000)
+    newest_vllm = (
+        "You passed 900 input tokens and requested 200 output tokens. However, the model's context "
+        "length is only 1024 tokens, resulting in a maximum input length of 824 tokens. Please reduce "
+        "the length of the input prompt. (parameter=input_tokens, value=900)"
+    )
+    refusal = parse_refusal(400, {"error": {"message": newest_vllm, "type": "BadRequestError"}}, newest_vllm)
+    assert refusal is not None  # (its input count is a least one: not read as the prompt's)
+    assert (refusal.window, refusal.prompt_tokens, refusal.completion_tokens) == (1024, None, 200)
     anthropic = parse_refusal(400, None, "prompt is too long: 762 tokens > 600 maximum")
     assert anthropic is not None and (anthropic.window, anthropic.prompt_tokens) == (600, 762)
     ollama = parse_refusal(
@@ -1236,7 +1245,8 @@ async def test_a_prompt_of_images_refused_as_too_long_shrinks_no_other_conversat
     assert (context["context_window"], context["context_window_source"]) == (200_000, "config")
 
 
-async def test_a_refused_max_tokens_teaches_the_stated_window_and_nothing_smaller() -> None:
+@pytest.mark.parametrize("wording", ["openai", "vllm"])
+async def test_a_refused_max_tokens_teaches_the_stated_window_and_nothing_smaller(wording: str) -> None:
     """ "you requested 5008 tokens (5 in the messages, 5000 in the completion)": the prompt was
     taken for one the provider counts higher than we can tell, and the model's window became 256
     tokens for every conversation (a long one then lost its history; Messages clients, whose
@@ -1252,6 +1262,12 @@ async def test_a_refused_max_tokens_teaches_the_stated_window_and_nothing_smalle
                 f"{prompt + asked} tokens ({prompt} in the messages, {asked} in the completion). "
                 "Please reduce the length of the messages or completion."
             )
+            if wording == "vllm":  # (newer vLLM; its input count is of a prompt it cut first)
+                message = (
+                    f"You passed {min(prompt, 4097 - asked)} input tokens and requested {asked} output "
+                    "tokens. However, the model's context length is only 4096 tokens, resulting in a "
+                    f"maximum input length of {4096 - asked} tokens."
+                )
             error = {"message": message, "type": "invalid_request_error", "code": "context_length_exceeded"}
             raise status_error("mock", 400, orjson.dumps({"error": error}), {})
         return "ok"
