@@ -107,7 +107,12 @@ def response_object(
             "total_tokens": prompt + completion,
         },
         "user": params.get("user"),
+        **{key: params.get(key) for key in ECHOED_AS_SENT},
     }
+
+
+# Request fields a response object says back as the client sent them (null when it did not).
+ECHOED_AS_SENT = ("prompt_cache_key", "prompt_cache_retention", "safety_identifier")
 
 
 def _detail(details: object, key: str) -> int:

@@ -35,6 +35,7 @@ from gateway.api.http import (
 from gateway.api.observe import failed_response, log_line, refused, stream_closed
 from gateway.api.pages import list_params, paginate
 from gateway.api.response_shapes import (
+    ECHOED_AS_SENT,
     ending_events,
     failed_events,
     queued_events,
@@ -241,6 +242,7 @@ def _echoed(
         "store": body.get("store", True),
         "truncation": request.truncation or "auto",
         "user": body.get("user"),
+        **{key: body[key] for key in ECHOED_AS_SENT if body.get(key) is not None},
         "text": {"format": {"type": "text"}, **text} if text else None,
         "reasoning": reasoning if isinstance(reasoning, dict) else None,
         "background": background,
@@ -380,9 +382,15 @@ async def create_response(request: Request) -> Response:
 
 
 def _said_of_input(exc: BaseException) -> None:
-    """An error the chat core says of `messages` is said of the Responses API's `input`."""
-    if isinstance(exc, GatewayError) and exc.param == "messages":
+    """An error the chat core says of its fields is said of the Responses API's: `messages` is
+    `input`, the answer's cap `max_output_tokens`."""
+    if not isinstance(exc, GatewayError):
+        return
+    if exc.param == "messages":
         exc.param = "input"
+    elif exc.param in ("max_tokens", "max_completion_tokens"):
+        exc.message = exc.message.replace(f"'{exc.param}'", "'max_output_tokens'")
+        exc.param = "max_output_tokens"
 
 
 async def _nothing(exc: BaseException | None) -> None:

@@ -133,7 +133,7 @@ async def test_verbosity_allowed_tools_and_cache_fields_reach_the_provider_in_ch
     assert made.text is not None and made.text.verbosity == "low" and made.text.format.type == "text"
     assert upstream.requests[-1]["verbosity"] == "low" and "response_format" not in upstream.requests[-1]
     tool = {"type": "function", "name": "get_weather", "parameters": {"type": "object", "properties": {}}}
-    await sdk.responses.create(
+    made = await sdk.responses.create(
         model="mock/m",
         input="weather?",
         tools=[tool],  # type: ignore[list-item]
@@ -154,6 +154,8 @@ async def test_verbosity_allowed_tools_and_cache_fields_reach_the_provider_in_ch
         },
     }
     assert sent["prompt_cache_key"] == "mine" and sent["safety_identifier"] == "user-7"
+    for said in (made, await sdk.responses.retrieve(made.id)):  # (said back, as OpenAI's are)
+        assert (said.prompt_cache_key, said.safety_identifier) == ("mine", "user-7")
     with pytest.raises(Exception) as refused:
         await sdk.responses.create(model="mock/m", input="hi", text={"verbosity": "loud"})  # type: ignore[typeddict-item]
     assert getattr(refused.value, "status_code", None) == 400

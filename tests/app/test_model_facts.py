@@ -1288,6 +1288,10 @@ async def test_a_refused_max_tokens_teaches_the_stated_window_and_nothing_smalle
         }
         answered = await client.post("/v1/chat/completions", json=again)
         context = (await client.get("/v1/conversations/long/context")).json()
+        # (the Responses API names its own field: it named the chat field it is sent as)
+        output = {"model": "mock/m", "input": "hi", "max_output_tokens": 5000}
+        capped = (await client.post("/v1/responses", json=output)).json()["error"]
+    assert capped["param"] == "max_output_tokens" and "'max_output_tokens' of 5000" in capped["message"]
     assert refused.status_code == 400, refused.text
     error = refused.json()["error"]
     assert error["code"] == "context_length_exceeded" and error["param"] == "max_tokens"
