@@ -6,6 +6,7 @@ import asyncio
 import os
 import re
 import sys
+import time
 from collections.abc import Awaitable, Callable
 from pathlib import Path
 from typing import Any, TypeVar, cast
@@ -37,7 +38,7 @@ from gateway.context import Turn
 from gateway.context.history import clean_message, message_key, repair_tool_calls
 from gateway.context.summary import is_summary_message
 from gateway.context.unsent import Unsent
-from gateway.exceptions import GatewayError, NotFound
+from gateway.exceptions import GatewayError, NoGatewayData, NotFound
 from gateway.services import Services
 from gateway.services.listing import stored_tokens
 from gateway.types import Message, Record
@@ -492,6 +493,8 @@ def tail(
         folder = Path(settings.storage.data_dir) / ("tenants/" + name if name else "")
         return f"{folder / 'logs' / 'conversations' / conversation_id}.jsonl"
 
+    said_waiting = False
+
     async def watch(services: Services) -> None:
         name, exists = await _conversation_tenant(services, tenant, conversation_id)
         say_notice()
@@ -514,7 +517,17 @@ def tail(
             click.echo(render_turn(entry) if isinstance(entry, Turn) else render_marker(entry))
 
     try:
-        run_with_services(settings, watch)
+        while True:
+            try:
+                run_with_services(settings, watch)
+                return
+            except NoGatewayData as exc:  # (a database the gateway has not served yet: waited for)
+                if not said_waiting:
+                    click.echo(
+                        click.style(f"{exc.message}: waiting for its first turn (Ctrl-C to stop)", dim=True)
+                    )
+                    said_waiting = True
+                time.sleep(poll)
     except KeyboardInterrupt:
         pass
 

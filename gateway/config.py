@@ -258,16 +258,18 @@ class ProviderSettings(_Section):
 
 
 def _without_credentials(url: str) -> str:
-    """`url` as a message may say it: a `user:password@` as `***@`, a query as `?…` (either may
-    hold a credential, `?api-key=` for one)."""
-    url, query, _ = url.partition("?")
+    """`url` as a message may say it: a `user:password@` as `***@`, and all from its first `?`,
+    `;` or `#` on (parameters, a query or a fragment) as `…`: each may hold a credential
+    (`?api-key=` for one)."""
+    cut = min((at for at in map(url.find, "?;#") if at >= 0), default=len(url))
+    url, query = url[:cut], url[cut:]
     scheme, sep, rest = url.partition("://")
     if not sep:
         scheme, rest = "", url
     authority, slash, path = rest.partition("/")
     if "@" in authority:
         authority = "***@" + authority.rsplit("@", 1)[1]
-    return f"{scheme}{sep}{authority}{slash}{path}{'?…' if query else ''}"
+    return f"{scheme}{sep}{authority}{slash}{path}{query[:1] + '…' if query else ''}"
 
 
 class ModelSettings(_Section):

@@ -189,6 +189,10 @@ class StorageError(GatewayError):
     code = "storage_unavailable"
 
 
+class NoGatewayData(GatewayError):
+    """The configured database holds none of the gateway's tables (a command leaves it so)."""
+
+
 class CorruptRecord(StorageError):
     """A stored line could not be decoded; keeps where it was found."""
 

@@ -68,15 +68,14 @@ class Services:
         """The services of one command.
 
         A JSONL store is opened (which creates the data dir) only by commands that write; reads
-        need no durability. A command that only reads finds a PostgreSQL database without the
-        gateway's tables an error, and leaves it so (opening the store would make them).
+        need no durability. A command finds a PostgreSQL database without the gateway's tables an
+        error (`NoGatewayData`), and leaves it so (opening the store would make them).
         """
         if not writes and settings.storage.backend == "jsonl":
             settings = settings.model_copy(
                 update={"storage": settings.storage.model_copy(update={"durability": "none"})}
             )
-        if not writes:
-            await require_data(settings)
+        await require_data(settings)
         store = create_store(settings)
         if settings.storage.backend != "jsonl" or writes:
             await store.open()

@@ -4,7 +4,11 @@ for byte, and the conversations read the same from either backend."""
 from __future__ import annotations
 
 import asyncio
+import os
 import re
+import subprocess
+import sys
+import time
 from pathlib import Path
 from typing import Any
 
@@ -196,10 +200,28 @@ def test_reading_a_database_without_gateway_data_is_an_error(tmp_path: Path, pg_
 
     assert asyncio.run(tables()) == []
     # Nor do the commands that only read: each made the six tables, and fsck found "no damage".
-    for command in (["conversations"], ["show", "c1"], ["context", "m-0123456789ab"], ["fsck"]):
+    commands = [["conversations"], ["show", "c1"], ["context", "m-0123456789ab"], ["fsck"]]
+    commands += [["fsck", "--repair"], ["reset", "c1"], ["delete", "c1", "--yes"]]  # (these too)
+    for command in commands:
         result = CliRunner().invoke(main, [*command, "--config", config], env=env)
         assert result.exit_code == 1 and "holds no gateway data" in result.output, (command, result.output)
         assert len(result.output.strip().splitlines()) == 1, result.output
+    assert asyncio.run(tables()) == []
+    # `tail` waits for such a database, as for a data dir with nothing in it yet.
+    tail = subprocess.Popen(
+        [sys.executable, "-m", "gateway", "tail", "c1", "--poll", "0.1", "--config", config],
+        env={**os.environ, **env},
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+    )
+    try:
+        time.sleep(3)
+        assert tail.poll() is None  # still waiting
+    finally:
+        tail.kill()
+    said = tail.communicate()[0]
+    assert "holds no gateway data" in said and "waiting for its first turn" in said, said
     assert asyncio.run(tables()) == []
     asyncio.run(_open_and_close(pg_dsn))  # the gateway's tables, no conversation yet
     result = CliRunner().invoke(main, target, env=env)

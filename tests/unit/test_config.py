@@ -512,6 +512,8 @@ def test_an_openai_provider_needs_an_http_base_url(base_url: str | None) -> None
         ("http://127.0.0.1:abc/v1", "Port could not be cast"),
         ("http://admin:hunter2@10.0.0.1:99999/v1", "'http://***@10.0.0.1:99999/v1'"),
         ("http://10.0.0.1:99999/v1?api-key=hunter2", "'http://10.0.0.1:99999/v1?…'"),
+        ("http://10.0.0.1:99999/v1;api-key=hunter2", "'http://10.0.0.1:99999/v1;…'"),
+        ("http://10.0.0.1:99999/v1#token=hunter2", "'http://10.0.0.1:99999/v1#…'"),
     ],
 )
 def test_a_base_url_with_a_bad_port_is_one_config_error_without_its_password(

@@ -11,7 +11,7 @@ from typing import TYPE_CHECKING, TypeAlias, TypeVar
 import asyncpg
 import orjson
 
-from gateway.exceptions import ConversationBusy, GatewayError, StorageError
+from gateway.exceptions import ConversationBusy, GatewayError, NoGatewayData, StorageError
 from gateway.redact import redact_dsn
 from gateway.store.postgres.outage import UNREACHABLE, Outage
 from gateway.types import Record
@@ -199,7 +199,7 @@ async def require_schema(dsn: str) -> None:
         finally:
             await conn.close()
     if not found:
-        raise GatewayError(
+        raise NoGatewayData(
             f"{redact_dsn(dsn)} holds no gateway data (no gateway tables: `gateway serve` or "
             "`gateway import` makes them)"
         )
