@@ -103,7 +103,9 @@ class InputMessage(TypedDict, total=False):
     name: str | None
     tool_call_id: str | None
     tool_calls: None  # only an assistant message calls tools
-    is_feedback: Annotated[bool, Field(description="Gateway extension: forwarded once, never replayed")]
+    is_feedback: Annotated[
+        bool | None, Field(description="Gateway extension: forwarded once, never replayed")
+    ]
 
 
 def _ids_apart(calls: list[ToolCall]) -> list[ToolCall]:
@@ -119,7 +121,7 @@ class AssistantMessage(TypedDict, total=False):
     name: str | None
     tool_call_id: str | None
     tool_calls: Annotated[list[ToolCall], AfterValidator(_ids_apart)] | None
-    is_feedback: bool
+    is_feedback: bool | None
 
 
 @with_config(MESSAGE)
@@ -129,7 +131,7 @@ class ToolMessage(TypedDict, total=False):
     name: str | None
     tool_call_id: Required[str]
     tool_calls: None
-    is_feedback: bool
+    is_feedback: bool | None
 
 
 Message = Annotated[InputMessage | AssistantMessage | ToolMessage, Field(discriminator="role")]

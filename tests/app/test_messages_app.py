@@ -360,3 +360,16 @@ async def test_feedback_through_messages_and_responses_is_never_replayed(api: st
         else:
             r = await client.post("/v1/responses", json={"model": "mock/m", "input": [bad]})
             assert r.status_code == 400 and r.json()["error"]["param"] == "input[0].is_feedback"
+
+
+async def test_is_feedback_null_is_no_feedback_on_every_api() -> None:
+    """A chat message's `"is_feedback": null` was a 400 where the other APIs took it as absent."""
+    upstream = MockUpstream()
+    async with build_client(make_settings(), MemoryStore(), upstream) as client:
+        for text in ("my name is Bob", "what is my name?"):
+            message = {"role": "user", "content": text, "is_feedback": None}
+            body = {"model": "mock/m", "conversation_id": "nul", "messages": [message]}
+            r = await client.post("/v1/chat/completions", json=body)
+            assert r.status_code == 200, r.text
+    assert [m["content"] for m in upstream.requests[-1]["messages"]][0] == "my name is Bob"
+    assert all("is_feedback" not in m for m in upstream.requests[-1]["messages"])
