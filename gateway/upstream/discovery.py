@@ -11,7 +11,7 @@ from __future__ import annotations
 import asyncio
 from collections.abc import Mapping
 from typing import Any
-from urllib.parse import urlsplit, urlunsplit
+from urllib.parse import urlencode, urlsplit, urlunsplit
 
 import aiohttp
 import orjson
@@ -108,6 +108,13 @@ def url_at(base_url: str, path: str) -> str:
     return urlunsplit(parts._replace(path=parts.path.rstrip("/") + path))
 
 
+def with_query(url: str, **fields: str) -> str:
+    """`url` with `fields` added to its query (after what it holds already)."""
+    parts = urlsplit(url)
+    added = urlencode(fields)
+    return urlunsplit(parts._replace(query=f"{parts.query}&{added}" if parts.query else added))
+
+
 def server_root(base_url: str) -> str:
     """The server's own root for its non-OpenAI routes (`/props`, `/api/...`): `base_url` less `/v1`."""
     parts = urlsplit(base_url)
@@ -148,11 +155,17 @@ async def describe_openai_compatible(
             return None
 
     props = await get_json("GET", url_at(root, "/props"))
+    source = "llama.cpp GET /props"
+    if isinstance(props, dict) and props.get("role") == "router":
+        # A llama.cpp router (several models behind one server) says a model's facts when it
+        # is named: `GET /props?model=NAME`.
+        source = "llama.cpp GET /props?model="
+        props = await get_json("GET", with_query(url_at(root, "/props"), model=model))
     found = window_from_llamacpp_props(props)
     if found:
         return ServerWindow(
             found,
-            "llama.cpp GET /props",
+            source,
             refuses_overlong=True,
             prompt_counter="llama.cpp",
             total_slots=slots_from_llamacpp_props(props),
@@ -228,7 +241,11 @@ async def count_prompt(
         prompt = await answer("/apply-template", body, "prompt")
         if not isinstance(prompt, str):
             return None
-        tokens = await answer("/tokenize", {"content": prompt, "add_special": True}, "tokens")
+        # (`model`: a llama.cpp router sends the request to that model's server by it)
+        asked = {"content": prompt, "add_special": True}
+        if isinstance(body.get("model"), str):
+            asked["model"] = body["model"]
+        tokens = await answer("/tokenize", asked, "tokens")
     except (aiohttp.ClientError, TimeoutError, orjson.JSONDecodeError, ValueError):
         return None
     return len(tokens) if isinstance(tokens, list) else None

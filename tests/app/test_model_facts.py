@@ -100,6 +100,14 @@ def _server_app(kind: str) -> web.Application:
     if kind == "llama.cpp":
         app.router.add_get("/props", reply(LLAMACPP_PROPS))
         app.router.add_get("/v1/models", reply(LLAMACPP_MODELS))
+    elif kind == "llama.cpp router":  # (several models: a model's props when it is named)
+
+        async def props(request: web.Request) -> web.Response:
+            if request.query.get("model") != "org/gemma-GGUF:Q4_K_M":
+                return web.json_response({"role": "router", "max_instances": 4})
+            return web.json_response({**LLAMACPP_PROPS, "default_generation_settings": {"n_ctx": 4096}})
+
+        app.router.add_get("/props", props)
     elif kind == "vllm":
         app.router.add_get("/v1/models", reply(VLLM_MODELS))
     elif kind == "ollama":
@@ -132,6 +140,17 @@ async def serving(kind: str) -> AsyncIterator[str]:
             "Qwen/Qwen2.5-1.5B-Instruct",
             ServerWindow(
                 32768, "vLLM GET /v1/models max_model_len", refuses_overlong=True, prompt_counter="vllm"
+            ),
+        ),
+        (
+            "llama.cpp router",
+            "org/gemma-GGUF:Q4_K_M",
+            ServerWindow(
+                4096,
+                "llama.cpp GET /props?model=",
+                refuses_overlong=True,
+                prompt_counter="llama.cpp",
+                total_slots=1,
             ),
         ),
         ("ollama", "qwen2.5:7b", ServerWindow(6144, "Ollama POST /api/show", num_ctx_option=True)),
