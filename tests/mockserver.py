@@ -123,6 +123,8 @@ class MockServer:
             return Response(
                 b'{"error": {"message": "model overloaded, try later"}}', media_type="application/json"
             )
+        if self.mode == "detail_in_200":  # (a web framework's error object, in a 200)
+            return Response(b'{"detail": "model is still loading"}', media_type="application/json")
         if self.mode == "hang" or (self.mode == "stall" and not body.get("stream")):
             await asyncio.sleep(self.hang_seconds)
         completion = self.completion(body)

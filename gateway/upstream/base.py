@@ -154,7 +154,8 @@ class ServerWindow:
 def error_fields(payload: object) -> tuple[str | None, str | None, str | None, str | None]:
     """(message, type, code, param) of a provider's error object; None for what it does not say.
 
-    The object comes as `{"error": {...}}`, as itself, or as `{"error": "text"}`."""
+    The object comes as `{"error": {...}}`, as itself, as `{"error": "text"}`, or as a web
+    framework's `{"detail": "text"}` (FastAPI's, which some servers answer with)."""
     err = payload.get("error", payload) if isinstance(payload, dict) else None
     if isinstance(err, str):
         return err or None, None, None, None
@@ -165,7 +166,7 @@ def error_fields(payload: object) -> tuple[str | None, str | None, str | None, s
         value = err.get(key)
         return value if isinstance(value, str) else None
 
-    message = err.get("message")
+    message = err.get("message") or text("detail")
     return (str(message) if message else None), text("type"), text("code"), text("param")
 
 

@@ -449,7 +449,7 @@ class OpenAIUpstream(Upstream):
                 f"Provider {self.name!r} at {self.url} returned invalid JSON"
             ) from exc
         if not isinstance(result, dict) or not isinstance(result.get("choices"), list):
-            if isinstance(result, dict) and "error" in result:
+            if isinstance(result, dict) and ("error" in result or isinstance(result.get("detail"), str)):
                 raise status_error(self.name, 502, content, headers, UpstreamErrorEvent)
             raise UpstreamProtocolError(f"Provider {self.name!r} at {self.url} returned no choices")
         return result

@@ -163,6 +163,11 @@ async def test_a_json_answer_to_a_stream_is_read_as_the_error_or_answer_it_holds
         with pytest.raises(UpstreamStatusError) as info:
             [c async for c in up.stream({**BODY, "stream": True})]
         assert info.value.status_code == 502 and "model overloaded, try later" in info.value.message
+        upstream.mode = "detail_in_200"  # (it was "returned no choices", the text not quoted)
+        for call in (up.complete(BODY), anext(aiter(up.stream({**BODY, "stream": True})))):
+            with pytest.raises(UpstreamStatusError) as info:
+                await call
+            assert info.value.status_code == 502 and "model is still loading" in info.value.message
         upstream.mode = "no_stream"
         wants_usage = {**BODY, "stream": True, "stream_options": {"include_usage": True}}
         chunks = [c async for c in up.stream(wants_usage)]
