@@ -54,7 +54,8 @@ def common_options(func: F) -> F:
                 overrides["server"] = server
             settings = load_settings(config_path, overrides=overrides)
             if config_path is None and CONFIG_ENV not in os.environ:
-                click.get_current_context().meta[_NOTICE] = no_config_file_notice(settings)
+                serves = func.__name__ != "demo"  # (the demo's server is its own, on its --port)
+                click.get_current_context().meta[_NOTICE] = no_config_file_notice(settings, address=serves)
             done = func(settings, *args, config_path=config_path, **kwargs)
             say_notice()
             return done
@@ -79,20 +80,22 @@ def say_notice() -> None:
         click.echo(notice, err=True)
 
 
-def no_config_file_notice(settings: Settings) -> str | None:
+def no_config_file_notice(settings: Settings, *, address: bool = True) -> str | None:
     """Which defaults are in force and where the data goes, when there is no config file.
 
-    Outside a checkout there is often no config/gateway.toml: say so instead of silently creating ./var."""
+    Outside a checkout there is often no config/gateway.toml: say so instead of silently creating
+    ./var. `address`: with the server's host and port (not for a command serving on its own)."""
     if Path(DEFAULT_CONFIG_PATH).is_file():
         return None
     storage = settings.storage
     data = f"data in {Path(storage.data_dir).absolute()}" if storage.backend == "jsonl" else storage.where()
     env = " + GATEWAY_* environment" if any(k.startswith("GATEWAY_") for k in os.environ) else ""
     providers = ", ".join(sorted(settings.providers))
+    where = f"{settings.server.host}:{settings.server.port}, " if address else ""
     return (
         f"gateway: no config file ({DEFAULT_CONFIG_PATH} not found in {Path.cwd()}; "
         "name one with --config or GATEWAY_CONFIG; `gateway example-config` prints a commented one): "
-        f"using built-in defaults{env}: {settings.server.host}:{settings.server.port}, "
+        f"using built-in defaults{env}: {where}"
         f"providers {providers} (default {settings.default_provider!r}), {data}"
     )
 

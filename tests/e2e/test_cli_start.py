@@ -18,11 +18,21 @@ def _env_without_config() -> dict[str, str]:
 
 
 def test_demo_runs_on_the_port_it_is_given(tmp_path: Path) -> None:
+    """Without a config file its notice named the default server's 127.0.0.1:8080, which the
+    demo does not listen on."""
     port = free_port()
-    result = gw("demo", "--port", str(port), "--data-dir", str(tmp_path / "var"))
+    result = subprocess.run(
+        [sys.executable, "-m", "gateway", "demo", "--port", str(port), "--data-dir", str(tmp_path / "var")],
+        cwd=tmp_path,
+        env=_env_without_config(),
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
     assert result.returncode == 0, result.stderr
     assert f"gateway on http://127.0.0.1:{port}," in result.stdout
     assert "Your name is Bob." in result.stdout
+    assert "no config file" in result.stderr and ":8080" not in result.stderr
 
 
 def test_demo_on_a_taken_port_is_one_line(tmp_path: Path) -> None:
