@@ -493,8 +493,6 @@ def tail(
         folder = Path(settings.storage.data_dir) / ("tenants/" + name if name else "")
         return f"{folder / 'logs' / 'conversations' / conversation_id}.jsonl"
 
-    said_waiting = False
-
     async def watch(services: Services) -> None:
         name, exists = await _conversation_tenant(services, tenant, conversation_id)
         say_notice()
@@ -516,6 +514,7 @@ def tail(
         async for entry in services.queries.follow(name, conversation_id, poll):
             click.echo(render_turn(entry) if isinstance(entry, Turn) else render_marker(entry))
 
+    said_waiting = False
     try:
         while True:
             try:

@@ -71,7 +71,8 @@ def output_cap(model: str) -> str:
     return "max_completion_tokens" if _REASONING_MODELS.match(name) else "max_tokens"
 
 
-# Responses fields chat completions take under the same name, passed on as the client set them.
+# Responses fields chat completions take under the same name, passed on as the client set them
+# (those a response says back as sent among them).
 _PASSED = (
     "temperature",
     "top_p",
@@ -80,9 +81,7 @@ _PASSED = (
     "metadata",
     "service_tier",
     "seed",
-    "prompt_cache_key",
-    "prompt_cache_retention",
-    "safety_identifier",
+    *ECHOED_AS_SENT,
 )
 _VERBOSITY = ("low", "medium", "high")
 

@@ -166,10 +166,17 @@ INPUT_TOO_LONG = (
 )
 
 
+def _answer_field(request: ChatRequest) -> tuple[str, int]:
+    """The field the client asked its answer's room with (max_completion_tokens, else
+    max_tokens), and that room; 0: none."""
+    name = "max_completion_tokens" if request.body.get("max_completion_tokens") else "max_tokens"
+    requested = request.body.get(name) or 0
+    return name, requested if isinstance(requested, int) and requested > 0 else 0
+
+
 def _answer_tokens(request: ChatRequest) -> int:
     """The room the client asked for its answer (max_completion_tokens, max_tokens); 0: none."""
-    requested = request.body.get("max_completion_tokens") or request.body.get("max_tokens") or 0
-    return requested if isinstance(requested, int) and requested > 0 else 0
+    return _answer_field(request)[1]
 
 
 def refuse_cut(plan: ContextPlan) -> None:
@@ -351,9 +358,8 @@ class Planner:
         The reserve is `reserve` when given; else the client's own max_tokens when sent, else
         reserve_tokens, at most a quarter of the window."""
         if reserve is None:
-            asked = _answer_tokens(request)
+            name, asked = _answer_field(request)
             if asked >= facts.tokens:
-                name = "max_completion_tokens" if request.body.get("max_completion_tokens") else "max_tokens"
                 raise ContextLengthExceeded(
                     f"'{name}' of {asked} leaves no room for the prompt in the model's context "
                     f"window of {facts.tokens} tokens; lower it",

@@ -21,9 +21,10 @@ def tenant_root(settings: Settings, tenant: str) -> Path:
 
 
 async def require_data(settings: Settings) -> None:
-    """For a command that only reads: GatewayError when a PostgreSQL store holds no gateway data.
+    """For a command: NoGatewayData when a PostgreSQL store holds no gateway data (opening it
+    would make the tables there).
 
-    (A JSONL data dir that is not there reads as empty: the commands that read open none.)"""
+    (A JSONL data dir that is not there reads as empty: the commands that only read open none.)"""
     if settings.storage.backend == "postgres" and settings.storage.dsn:
         from gateway.store.postgres import require_schema
 

@@ -187,11 +187,11 @@ async def has_schema(conn: Conn) -> bool:
 
 
 async def require_schema(dsn: str) -> None:
-    """GatewayError unless the database at `dsn` holds the gateway's tables.
+    """NoGatewayData unless the database at `dsn` holds the gateway's tables.
 
-    For the commands that only read: they leave a database that is not the gateway's (a DSN
-    naming another one) as they found it, and say so, where opening the store would make the
-    tables there and report an empty gateway."""
+    For the commands: they leave a database that is not the gateway's (a DSN naming another
+    one) as they found it, and say so, where opening the store would make the tables there and
+    report an empty gateway."""
     with map_errors(f"cannot open PostgreSQL storage at {redact_dsn(dsn)}"), bad_dsn(dsn):
         conn = await asyncpg.connect(dsn)
         try:
