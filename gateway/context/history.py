@@ -248,6 +248,9 @@ class ConversationView:
     # it did not): their tokens, and the newest user message's text among them ("": none).
     tokens_base: int | None = 0
     preview_base: str | None = ""
+    # The newest turns when they are feedback alone (left out of history) and the last ended in
+    # tool calls: the messages a result for those calls goes on from, sent with it once.
+    feedback_calls: list[Message] = field(default_factory=list)
 
     @property
     def partial(self) -> bool:
@@ -344,8 +347,33 @@ class ConversationView:
         self.response_ids.append(turn.response_id)
         if turn.head is not None:
             self.head = turn.head
-        if not turn.is_feedback_only:
+        if turn.is_feedback_only:
+            self._follow_feedback(turn)
+        else:
+            self.feedback_calls = []
             self._add_history(turn, same_encoding)
+
+    def _follow_feedback(self, turn: Turn) -> None:
+        """Note a feedback turn that ended in tool calls, with the feedback it goes on from."""
+        out = turn.output
+        if out is None or not out.get("tool_calls"):
+            self.feedback_calls = []
+            return
+        goes_on = bool(self.feedback_calls) and all(m.get("role") == "tool" for m in turn.input)
+        before = self.feedback_calls if goes_on else []
+        self.feedback_calls = [*before, *(clean_message(m) for m in turn.input), out]
+
+    def pending_feedback_calls(self, new: Sequence[Message]) -> list[Message]:
+        """The feedback exchange `new` goes on from: [] unless `new` is only results for its calls.
+
+        A feedback turn the model answered with tool calls is left out of history whole; the
+        results the client sends for those calls go on from it (and are feedback too).
+        """
+        if not self.feedback_calls or not new or any(m.get("role") != "tool" for m in new):
+            return []
+        calls = self.feedback_calls[-1].get("tool_calls")
+        pending = {c.get("id") for c in calls if isinstance(c, dict)} if isinstance(calls, list) else set()
+        return self.feedback_calls if all(m.get("tool_call_id") in pending for m in new) else []
 
     def _note_facts(self, turn: Turn) -> None:
         """A turn's time, model, user, time zone and recap, as the conversation's latest."""
@@ -399,6 +427,8 @@ class ConversationView:
             if kind == "delete_response" or not isinstance(position, int) or position >= 0:
                 raise NotLoaded("a deletion in the part of history not loaded")
         self.entries += 1
+        if kind in ("reset", "delete_response", "delete_item"):
+            self.feedback_calls = []
         at = marker.get("at") or marker.get("created_at")
         if isinstance(at, int | float):
             self.last_activity = max(self.last_activity or 0.0, float(at))
@@ -496,6 +526,7 @@ class ConversationView:
         self.transcript = list(self.history)
         self.transcript_base = self.history_base
         self._keys = {}
+        self.feedback_calls = []
 
     def _ends(self) -> None:
         self.history_end = {}
@@ -523,6 +554,7 @@ class ConversationView:
             system=list(self.system) if self.system is not None else None,
             system_tokens=list(self.system_tokens) if self.system_tokens is not None else None,
             _keys={},
+            feedback_calls=list(self.feedback_calls),
         )
 
     def branched(self, keep: int) -> ConversationView:
@@ -552,6 +584,7 @@ class ConversationView:
         self.prefix_ids = frozenset()
         self.head = None
         self.tokens_base, self.preview_base = 0, ""
+        self.feedback_calls = []
         self.needs_count = self.system_tokens is not None and None in self.system_tokens
 
     def count_tokens(self, encoding: str, count: Callable[[Message], int]) -> None:

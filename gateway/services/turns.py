@@ -254,6 +254,10 @@ class ChatService:
                 branch = reconciled if reconciled.branch_at is not None else None
                 if reconciled.branch_at is not None:
                     view = view.branched(reconciled.branch_at)  # planned on the client's version
+                # Results for a feedback turn's tool calls go on from it: sent with it, feedback too.
+                goes_on = view.pending_feedback_calls(new) if branch is None else []
+                if goes_on:
+                    new = [{**m, "is_feedback": True} for m in new]
                 # + 1: the reply this turn would store
                 check_size(self.settings.storage.max_conversation_messages, cid, view, len(new) + 1)
                 new_tokens = await off_loop_if_large(
@@ -269,7 +273,8 @@ class ChatService:
                         request, store, others, planned_as, count, self.clock()
                     )
                 inputs = TurnInputs(
-                    request, route, view, store, planned_as, system_in, system_tokens, new, new_tokens,
+                    request, route, view, store, planned_as, system_in, system_tokens,
+                    [*goes_on, *new], [*(count(m) for m in goes_on), *new_tokens],
                     encoding, count, recap or view.recap,
                 )  # fmt: skip
                 plan = await self.planner.plan(inputs)

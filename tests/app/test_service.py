@@ -94,6 +94,78 @@ async def test_feedback_beside_ordinary_message_left_out_alone(
     assert [r for r, _ in sent(mock_upstream)] == ["user", "assistant", "user", "assistant", "user"]
 
 
+def _weather_call(body: dict[str, Any]) -> Any:
+    """A model that calls a weather tool when asked about the weather, and reads its result."""
+    last = body["messages"][-1]
+    if last["role"] == "user" and "weather" in str(last["content"]):
+        call = {"id": "call_fb", "type": "function", "function": {"name": "weather", "arguments": "{}"}}
+        return {"role": "assistant", "content": None, "tool_calls": [call]}
+    if last["role"] == "tool":
+        return f"It is {last['content']}."
+    return "noted"
+
+
+@pytest.mark.parametrize("backend", ["memory", "jsonl"])
+async def test_feedback_answered_by_a_tool_call_goes_on_and_stays_out(backend: str, tmp_path: Path) -> None:
+    upstream = MockUpstream(_weather_call)
+    settings = make_settings(tmp_path if backend == "jsonl" else None)
+    async with build_client(settings, MemoryStore() if backend == "memory" else None, upstream) as client:
+        await chat(client, [user("my name is Eve")])
+        fb = await chat(client, [user("wrong: check the weather again", is_feedback=True)])
+        assert fb.json()["choices"][0]["finish_reason"] == "tool_calls"
+        # The call's result goes on from the feedback's turn: sent with it, this once.
+        r = await chat(client, [{"role": "tool", "tool_call_id": "call_fb", "content": "sunny"}])
+        assert r.status_code == 200, r.text
+        assert sent(upstream)[2:] == [
+            ("user", "wrong: check the weather again"),
+            ("assistant", None),
+            ("tool", "sunny"),
+        ]
+        assert r.json()["choices"][0]["message"]["content"] == "It is sunny."
+        # The whole exchange stays out of history, as the feedback it answers does.
+        await chat(client, [user("what is my name?")])
+        asked = [("user", "my name is Eve"), ("assistant", "noted"), ("user", "what is my name?")]
+        assert sent(upstream) == asked
+        # Once an ordinary turn came between, a result for that call answers nothing.
+        orphan = await chat(client, [{"role": "tool", "tool_call_id": "call_fb", "content": "rainy"}])
+        assert orphan.status_code == 400
+        # Nor is it among the conversation's items, as feedback is not.
+        items = (await client.get("/v1/conversations/c/items", params={"order": "asc"})).json()["data"]
+        assert [i.get("role") or i["type"] for i in items] == ["user", "assistant", "user", "assistant"]
+
+
+async def test_feedback_tool_chain_from_a_client_that_resends_its_history() -> None:
+    def two_calls(body: dict[str, Any]) -> Any:
+        last = body["messages"][-1]
+        n = sum(1 for m in body["messages"] if m["role"] == "tool")
+        if last["role"] == "tool" and n == 1:  # the first result asks for a second call
+            call = {"id": "call_2", "type": "function", "function": {"name": "f", "arguments": "{}"}}
+            return {"role": "assistant", "content": None, "tool_calls": [call]}
+        return _weather_call(body)
+
+    upstream = MockUpstream(two_calls)
+    async with build_client(make_settings(), MemoryStore(), upstream) as client:
+        history: list[dict[str, Any]] = []
+        for message in ([user("hi")], [user("bad: the weather?", is_feedback=True)], [], []):
+            history += message
+            r = await chat(client, history)
+            assert r.status_code == 200, r.text
+            answer = r.json()["choices"][0]["message"]
+            history.append({k: v for k, v in answer.items() if v is not None})
+            for call in answer.get("tool_calls") or []:
+                result = {"role": "tool", "tool_call_id": call["id"], "content": f"result {call['id']}"}
+                history.append(result)
+        assert sent(upstream)[2:] == [
+            ("user", "bad: the weather?"),
+            ("assistant", None),
+            ("tool", "result call_fb"),
+            ("assistant", None),
+            ("tool", "result call_2"),
+        ]
+        r = await chat(client, [*history, user("and now?")])
+        assert sent(upstream) == [("user", "hi"), ("assistant", "noted"), ("user", "and now?")]
+
+
 async def test_tool_calls_round_trip_exactly() -> None:
     def handler(body: dict[str, Any]) -> Any:
         last = body["messages"][-1]
