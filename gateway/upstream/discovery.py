@@ -1,6 +1,7 @@
 """Asking an OpenAI-compatible server for the context window it runs a model with.
 
-llama.cpp's `/props`, vLLM's `max_model_len`, Ollama's `/api/ps` and `/api/show`. Each reader
+llama.cpp's `/props`, vLLM's `max_model_len`, Ollama's `/api/ps` and `/api/show`, LM Studio's
+`/api/v1/models`. Each reader
 takes one answer and returns the window, or None when that answer does not say (llama.cpp's also
 says how many slots it keeps prompts in). Then, where the server offers it, its own count of a
 prompt (`count_prompt`).
@@ -99,6 +100,34 @@ def window_from_ollama_show(show: object) -> tuple[int, bool] | None:
     return (min(trained, OLLAMA_DEFAULT_NUM_CTX), False) if trained else None
 
 
+# LM Studio's context length for a model it loads on demand, unless its settings say otherwise.
+LMSTUDIO_DEFAULT_CONTEXT = 4096
+
+
+def window_from_lmstudio_models(listing: object, model: str) -> tuple[int, bool] | None:
+    """LM Studio `GET /api/v1/models`: a loaded instance's `context_length` (and True: its runtime
+    window), else, for a model not loaded, its `max_context_length` capped at LM Studio's default
+    context length (and False: a guess; LM Studio loads it on the first request).
+
+    A request names a model by its key or by a loaded instance's id (`qwen3-8b:2`)."""
+    models = listing.get("models") if isinstance(listing, dict) else None
+    for entry in models if isinstance(models, list) else ():
+        if not isinstance(entry, dict):
+            continue
+        instances = [i for i in entry.get("loaded_instances") or () if isinstance(i, dict)]
+        named = [i for i in instances if i.get("id") == model]
+        if not named and entry.get("key") != model:
+            continue
+        for instance in named or instances:
+            config = instance.get("config")
+            found = _positive(config.get("context_length")) if isinstance(config, dict) else None
+            if found:
+                return found, True
+        longest = _positive(entry.get("max_context_length"))
+        return (min(longest, LMSTUDIO_DEFAULT_CONTEXT), False) if longest else None
+    return None
+
+
 DESCRIBE_TIMEOUT = 3.0
 
 
@@ -125,7 +154,7 @@ def server_root(base_url: str) -> str:
 async def describe_openai_compatible(
     session: aiohttp.ClientSession, base_url: str, model: str, within: float | None = None
 ) -> ServerWindow | None:
-    """Ask an OpenAI-compatible server for its runtime window: llama.cpp, vLLM, then Ollama.
+    """Ask an OpenAI-compatible server for its runtime window: llama.cpp, vLLM, Ollama, then LM Studio.
 
     The questions share one deadline (DESCRIBE_TIMEOUT in all, not each; `within` seconds if
     that is shorter: the provider's `timeout`, which the turn waiting on the answer counts this
@@ -184,6 +213,12 @@ async def describe_openai_compatible(
             return ServerWindow(tokens, "Ollama POST /api/show", num_ctx_option=True)
         # (a guess: never told to Ollama as num_ctx, which would hold its own window down to it)
         return ServerWindow(tokens, "Ollama POST /api/show (model not loaded)", provisional=True)
+    listed = window_from_lmstudio_models(await get_json("GET", url_at(root, "/api/v1/models")), model)
+    if listed:
+        tokens, loaded = listed
+        if loaded:
+            return ServerWindow(tokens, "LM Studio GET /api/v1/models")
+        return ServerWindow(tokens, "LM Studio GET /api/v1/models (model not loaded)", provisional=True)
     return None
 
 

@@ -27,6 +27,7 @@ from gateway.upstream import Route
 from gateway.upstream.base import ServerWindow, completion_from_text
 from gateway.upstream.discovery import (
     window_from_llamacpp_props,
+    window_from_lmstudio_models,
     window_from_models,
     window_from_ollama_ps,
     window_from_ollama_show,
@@ -61,6 +62,18 @@ OLLAMA_SHOW = {
     "model_info": {"general.architecture": "qwen2", "qwen2.context_length": 32768},
 }
 OLLAMA_SHOW_DEFAULT = {"parameters": "", "model_info": {"llama.context_length": 131072}}
+LMSTUDIO_MODELS = {  # GET /api/v1/models (LM Studio 0.4): one model loaded at 8192, one not loaded
+    "models": [
+        {
+            "type": "llm",
+            "key": "qwen3-8b",
+            "loaded_instances": [{"id": "qwen3-8b", "config": {"context_length": 8192}}],
+            "max_context_length": 40960,
+        },
+        {"type": "llm", "key": "gemma-3-270m-it", "loaded_instances": [], "max_context_length": 32768},
+        {"type": "llm", "key": "tiny", "loaded_instances": [], "max_context_length": 2048},
+    ]
+}
 OPENAI_MODELS = {"object": "list", "data": [{"id": "gpt-4o", "object": "model", "owned_by": "system"}]}
 
 
@@ -82,10 +95,20 @@ def test_each_servers_answer_gives_its_runtime_window() -> None:
     assert window_from_ollama_show(OLLAMA_SHOW) == (6144, True)  # the Modelfile's num_ctx
     assert window_from_ollama_show(OLLAMA_SHOW_DEFAULT) == (4096, False)  # a guess: Ollama's least default
     assert window_from_models(OPENAI_MODELS, "gpt-4o") is None
+    assert window_from_lmstudio_models(LMSTUDIO_MODELS, "qwen3-8b") == (8192, True)  # loaded: its runtime
+    second = {"id": "qwen3-8b:2", "config": {"context_length": 16384}}
+    both = {"models": [{**LMSTUDIO_MODELS["models"][0], "loaded_instances": [
+        LMSTUDIO_MODELS["models"][0]["loaded_instances"][0], second]}]}  # fmt: skip
+    assert window_from_lmstudio_models(both, "qwen3-8b:2") == (16384, True)  # an instance by its id
+    # Not loaded: LM Studio loads it on demand at its default context length (a guess).
+    assert window_from_lmstudio_models(LMSTUDIO_MODELS, "gemma-3-270m-it") == (4096, False)
+    assert window_from_lmstudio_models(LMSTUDIO_MODELS, "tiny") == (2048, False)
+    assert window_from_lmstudio_models(LMSTUDIO_MODELS, "other") is None
     for junk in (None, [], "x", {"default_generation_settings": {"n_ctx": "512"}}, {"data": "x"}):
         assert window_from_llamacpp_props(junk) is None
         assert window_from_models(junk, "m") is None
         assert window_from_ollama_show(junk) is None
+        assert window_from_lmstudio_models(junk, "m") is None
 
 
 def _server_app(kind: str) -> web.Application:
@@ -114,6 +137,9 @@ def _server_app(kind: str) -> web.Application:
         app.router.add_get("/v1/models", reply({"object": "list", "data": [{"id": "qwen2.5:7b"}]}))
         app.router.add_get("/api/ps", reply({"models": []}))
         app.router.add_post("/api/show", reply(OLLAMA_SHOW))
+    elif kind == "lm studio":
+        app.router.add_get("/v1/models", reply({"object": "list", "data": [{"id": "qwen3-8b"}]}))
+        app.router.add_get("/api/v1/models", reply(LMSTUDIO_MODELS))
     else:  # OpenAI itself: only a model list, without windows
         app.router.add_get("/v1/models", reply(OPENAI_MODELS))
     return app
@@ -154,6 +180,12 @@ async def serving(kind: str) -> AsyncIterator[str]:
             ),
         ),
         ("ollama", "qwen2.5:7b", ServerWindow(6144, "Ollama POST /api/show", num_ctx_option=True)),
+        ("lm studio", "qwen3-8b", ServerWindow(8192, "LM Studio GET /api/v1/models")),
+        (
+            "lm studio",
+            "gemma-3-270m-it",
+            ServerWindow(4096, "LM Studio GET /api/v1/models (model not loaded)", provisional=True),
+        ),
         ("openai", "gpt-4o", None),
     ],
 )
