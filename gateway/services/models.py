@@ -39,7 +39,7 @@ from gateway.upstream.base import ServerWindow
 DEFAULT_CONTEXT_WINDOW = 8192
 # A server that could not be asked is asked again after this long.
 REASK_AFTER = 300.0
-# A provisional answer (an Ollama model not loaded yet: a guess at its window) is checked again
+# A provisional answer (an Ollama or LM Studio model not loaded yet: a guess at its window) is checked again
 # after this long.
 REASK_PROVISIONAL = 30.0
 # Calibration is written to the store after this many new observations, at most once a
