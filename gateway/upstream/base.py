@@ -151,6 +151,11 @@ class ServerWindow:
         return self.prompt_counter == "llama.cpp"
 
 
+def provider_at(name: str, url: str) -> str:
+    """How errors name a provider: "Provider 'NAME'", and "at URL" when it has one."""
+    return f"Provider {name!r}" + (f" at {url}" if url else "")
+
+
 def error_fields(payload: object) -> tuple[str | None, str | None, str | None, str | None]:
     """(message, type, code, param) of a provider's error object; None for what it does not say.
 

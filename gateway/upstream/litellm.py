@@ -37,6 +37,7 @@ from gateway.upstream.base import (
     Upstream,
     complete_with_retries,
     error_fields,
+    provider_at,
     stream_with_retries,
     take_traceparent,
 )
@@ -168,11 +169,6 @@ def _provider_error(text: str) -> tuple[str, str | None, str | None]:
         payload = None
     message, kind, code, _ = error_fields(payload)
     return message or text, kind, code
-
-
-def provider_at(name: str, url: str) -> str:
-    """How errors name a provider: "Provider 'NAME'", and "at URL" when it has one."""
-    return f"Provider {name!r}" + (f" at {url}" if url else "")
 
 
 @contextmanager

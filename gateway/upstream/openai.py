@@ -46,6 +46,7 @@ from gateway.upstream.base import (
     Upstream,
     complete_with_retries,
     error_fields,
+    provider_at,
     stream_with_retries,
     take_traceparent,
 )
@@ -108,21 +109,19 @@ def map_upstream_errors(name: str, url: str) -> Iterator[None]:
     except UpstreamError:
         raise
     except (aiohttp.ConnectionTimeoutError, http1.ConnectTimedOut) as exc:
-        raise UpstreamTimeout(f"Provider {name!r} at {url} timed out while connecting") from exc
+        raise UpstreamTimeout(f"{provider_at(name, url)} timed out while connecting") from exc
     except aiohttp.ClientResponseError as exc:  # (raise_for_status is never called: the parser's)
         raise UpstreamProtocolError(
-            f"Provider {name!r} at {url} sent an answer that is not valid HTTP: {exc.message}"
+            f"{provider_at(name, url)} sent an answer that is not valid HTTP: {exc.message}"
         ) from exc
     except _TIMEOUTS as exc:
-        raise UpstreamTimeout(f"Provider {name!r} at {url} timed out ({type(exc).__name__})") from exc
+        raise UpstreamTimeout(f"{provider_at(name, url)} timed out ({type(exc).__name__})") from exc
     except _UNREACHABLE as exc:
         raise UpstreamUnreachable(
-            f"Provider {name!r} at {url} is unreachable: {exc or type(exc).__name__}"
+            f"{provider_at(name, url)} is unreachable: {exc or type(exc).__name__}"
         ) from exc
     except _PROTOCOL as exc:
-        raise UpstreamProtocolError(
-            f"Provider {name!r} at {url} failed: {exc or type(exc).__name__}"
-        ) from exc
+        raise UpstreamProtocolError(f"{provider_at(name, url)} failed: {exc or type(exc).__name__}") from exc
 
 
 def proxied(url: str) -> bool:
@@ -445,13 +444,11 @@ class OpenAIUpstream(Upstream):
         try:
             result: object = orjson.loads(content)
         except orjson.JSONDecodeError as exc:
-            raise UpstreamProtocolError(
-                f"Provider {self.name!r} at {self.url} returned invalid JSON"
-            ) from exc
+            raise UpstreamProtocolError(f"{provider_at(self.name, self.url)} returned invalid JSON") from exc
         if not isinstance(result, dict) or not isinstance(result.get("choices"), list):
             if isinstance(result, dict) and ("error" in result or isinstance(result.get("detail"), str)):
                 raise status_error(self.name, 502, content, headers, UpstreamErrorEvent)
-            raise UpstreamProtocolError(f"Provider {self.name!r} at {self.url} returned no choices")
+            raise UpstreamProtocolError(f"{provider_at(self.name, self.url)} returned no choices")
         return result
 
     def stream(self, body: Body, *, waited: float = 0.0) -> AsyncIterator[Chunk]:
@@ -465,7 +462,7 @@ class OpenAIUpstream(Upstream):
             lambda waited: self._stream_once(data, wants_usage, own, waited),
             # Still before the first byte: a proper HTTP error, not a 200.
             empty=lambda: UpstreamProtocolError(
-                f"Provider {self.name!r} at {self.url} ended the stream without an answer"
+                f"{provider_at(self.name, self.url)} ended the stream without an answer"
             ),
             waited=waited,
         )
@@ -607,8 +604,7 @@ class OpenAIUpstream(Upstream):
 
     def _timed_out(self, late: str, seconds: float | None, key: str) -> UpstreamTimeout:
         return UpstreamTimeout(
-            f"Provider {self.name!r} at {self.url} sent {late} {seconds or 0:g} s "
-            f"(providers.{self.name}.{key})"
+            f"{provider_at(self.name, self.url)} sent {late} {seconds or 0:g} s (providers.{self.name}.{key})"
         )
 
     def _check_head(self, response: aiohttp.ClientResponse) -> None:
@@ -618,13 +614,13 @@ class OpenAIUpstream(Upstream):
         size = sum(len(name) + len(value) + 4 for name, value in response.raw_headers)
         if size + len(response.reason or "") + 15 > http1.HEAD_LIMIT:
             raise UpstreamProtocolError(
-                f"Provider {self.name!r} at {self.url} failed: the answer's head is larger than "
+                f"{provider_at(self.name, self.url)} failed: the answer's head is larger than "
                 f"{http1.HEAD_LIMIT} bytes"
             )
 
     def _too_large(self) -> UpstreamProtocolError:
         return UpstreamProtocolError(
-            f"Provider {self.name!r} at {self.url} sent an answer larger than "
+            f"{provider_at(self.name, self.url)} sent an answer larger than "
             f"{self.max_response_bytes} bytes (providers.{self.name}.max_response_bytes)"
         )
 
@@ -665,7 +661,7 @@ class OpenAIUpstream(Upstream):
         try:
             return check_chunk(chunk)
         except UpstreamProtocolError as exc:
-            raise UpstreamProtocolError(f"Provider {self.name!r} at {self.url} sent {exc.message}") from exc
+            raise UpstreamProtocolError(f"{provider_at(self.name, self.url)} sent {exc.message}") from exc
 
     def _decode(self, line: str, headers: Mapping[str, str]) -> Chunk | None | bool:
         """One SSE line -> a checked chunk, None (nothing to yield) or True (`[DONE]`)."""
@@ -674,7 +670,7 @@ class OpenAIUpstream(Upstream):
             if isinstance(parsed, dict) and not ("error" in parsed and "choices" not in parsed):
                 check_chunk(parsed)
         except UpstreamProtocolError as exc:
-            raise UpstreamProtocolError(f"Provider {self.name!r} at {self.url} sent {exc.message}") from exc
+            raise UpstreamProtocolError(f"{provider_at(self.name, self.url)} sent {exc.message}") from exc
         if isinstance(parsed, dict) and "error" in parsed and "choices" not in parsed:
             raise status_error(self.name, 502, orjson.dumps(parsed), headers, UpstreamErrorEvent)
         return parsed
