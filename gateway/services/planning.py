@@ -114,6 +114,7 @@ class ContextPlan:
     server_tokens: int | None = None  # the server's own count of the prompt, when it gave one
     new_from: int | None = None  # no stored message sent: the first new message sent, by index
     cut: bool = False  # the window was cut (its head changed) rather than held as it was
+    pinned: int = 0  # the first stored messages, sent ahead of the cut (`keep_first`)
 
     def window_from(self, view: ConversationView, response_id: str) -> str | None:
         """The item key of the first stored message the history began with.
@@ -133,7 +134,9 @@ class ContextPlan:
     def snapshot(
         self, view: ConversationView, new_messages: int, sent: list[Message], response_id: str
     ) -> Record:
-        included = list(dict.fromkeys(view.history_owner[view.loaded_from(self.kept_from) :]))
+        owners = view.history_owner
+        pinned = owners[view.loaded_from(0) : view.loaded_from(self.pinned)] if self.pinned else []
+        included = list(dict.fromkeys([*pinned, *owners[view.loaded_from(self.kept_from) :]]))
         return {
             "type": "context",
             "encoding": self.encoding,
@@ -313,6 +316,7 @@ class Planner:
             server_tokens=fitted.server_tokens,
             new_from=part.new_index(window.history_start),
             cut=cut,
+            pinned=part.first_end if part.first and any(m is part.first[0] for m in window.messages) else 0,
         )
         if request.truncation == "disabled":
             refuse_cut(chosen)

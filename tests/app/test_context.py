@@ -468,6 +468,20 @@ async def test_keep_first_holds_on_the_turn_that_moves_a_chat_in() -> None:
             body = upstream.requests[-1]["messages"]
             assert body[0] == first, body[:2]
             assert re.fullmatch(r"\[\d+ earlier messages omitted\]", str(body[1]["content"]))
+        # Turn by turn, the window moves past the turns after the first: the response that
+        # stored the first message is still among those whose messages were sent.
+        ids = [(await client.get("/v1/conversations/kf/context")).json()["included_response_ids"][0]]
+        for i in range(12):
+            r = await client.post(
+                "/v1/chat/completions",
+                json={"model": "mock/m", "messages": [{"role": "user", "content": f"q{i} " + "word " * 60}],
+                      "conversation_id": "kf"},
+            )  # fmt: skip
+            ids.append(r.json()["id"])
+        context = (await client.get("/v1/conversations/kf/context")).json()
+        assert upstream.requests[-1]["messages"][0] == first
+        assert context["included_response_ids"][0] == ids[0], context["included_response_ids"]
+        assert ids[1] not in context["included_response_ids"]  # (cut past it)
 
 
 async def test_a_summary_left_out_for_lack_of_room_is_not_claimed() -> None:
