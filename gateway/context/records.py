@@ -77,6 +77,10 @@ def turn_from_records(records: list[Record]) -> Turn | None:
     )
 
 
+# How an attempt that ended without an error of its own is said to have ended, by its reason.
+INCOMPLETE_REASONS = {
+    "cancelled": "The attempt was cancelled before its answer was complete (its client left, or a cancel)",
+}
 Status = Literal["completed", "failed", "in_progress"]
 
 
@@ -156,7 +160,19 @@ class StoredResponse:
 
     @property
     def error(self) -> JSONObject | None:
-        return obj(self.outcome.get("error")) if self.status == "failed" else None
+        """Why a failed attempt failed, in OpenAI's error shape (None unless it failed).
+
+        One that ended without an error of its own (its client left: `cancelled`) says how it ended.
+        """
+        if self.status != "failed":
+            return None
+        error = obj(self.outcome.get("error"))
+        if error is not None:
+            return error
+        reason = text(self.outcome.get("reason")) or "incomplete"
+        said = INCOMPLETE_REASONS.get(reason, f"The attempt ended before it was complete ({reason})")
+        return {"message": f"{said}; nothing was added to the conversation", "type": "server_error",
+                "param": None, "code": reason}  # fmt: skip
 
 
 def string_pairs(value: object) -> dict[str, str] | None:

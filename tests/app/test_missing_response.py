@@ -144,3 +144,17 @@ async def test_a_response_committed_between_the_reads_of_its_log_and_index_is_no
         found = await client.get(f"/v1/responses/{turn.response_id}")
     assert found.status_code == 200, found.text
     assert found.json()["status"] == "completed"
+
+
+async def test_an_attempt_its_client_left_reads_back_failed_with_an_error(
+    app_client: Any, memory_store: Any
+) -> None:
+    """It read back `status: "failed"` with `error: null`: code written for OpenAI's shape, where a
+    failed response carries its error, broke on `response.error.message`."""
+    from tests.helpers import request_record, user
+
+    rid = "mock-m-0123456789ac"
+    await memory_store.start(rid, request_record(rid, None, [user("left")])).abandon("cancelled")
+    failed = (await app_client.get(f"/v1/responses/{rid}")).json()
+    assert failed["status"] == "failed" and failed["error"]["code"] == "cancelled", failed
+    assert "nothing was added to the conversation" in failed["error"]["message"]
