@@ -5,9 +5,11 @@ Its Responses events are kept so that a client can poll it, follow it from any s
 
 The events of a run are kept in this process: a run in progress is followed live; a finished
 one is replayed byte for byte while it is among the newest `keep_finished` runs (and its events
-within `max_events`). Elsewhere (another worker, after a restart) its log answers: the stored
-response, replayed as the events of a whole answer. A run whose process stopped is read back
-as interrupted (its turn never committed: nothing to duplicate).
+within `max_events`). Elsewhere (another worker, a replica, after a restart) its log answers: the
+stored response, replayed as the events of a whole answer once it has ended. A cancel asked
+elsewhere is written down (the `cancels` side log), and the process running the response looks
+for one every CANCEL_POLL seconds. A run whose process stopped is read back as interrupted (its
+turn never committed: nothing to duplicate).
 """
 
 from __future__ import annotations
@@ -24,6 +26,8 @@ from gateway.exceptions import TooManyBackground
 
 # Finished runs whose events are kept for replay (the newest this many, per process).
 KEEP_FINISHED = 256
+# How often a running background response looks for a cancel asked in another process, in seconds.
+CANCEL_POLL = 0.5
 
 
 @dataclass(slots=True)
@@ -101,25 +105,46 @@ class BackgroundRuns:
         tenant: str,
         work: Callable[[Run], Awaitable[None]],
         abandon: Callable[[], Awaitable[None]],
+        cancel_asked: Callable[[], Awaitable[bool]] | None = None,
     ) -> Run:
         """Run `work(run)` as a task of its own; it adds the run's events and ends it.
 
-        `abandon()` ends what `work` would have, when the run is cancelled before it began.
+        `abandon()` ends what `work` would have, when the run is cancelled before it began;
+        `cancel_asked()` says whether another process asked for a cancel (looked at every
+        CANCEL_POLL seconds while the run goes on).
         """
         run = Run(response_id, tenant, self.max_events)
         self._runs[response_id] = run
 
         async def body() -> None:
             run.started = True
+            watch = asyncio.ensure_future(self._watch(run, cancel_asked)) if cancel_asked else None
             try:
                 await work(run)
             finally:
+                if watch is not None:
+                    watch.cancel()
                 run.finish()
                 self._forget_old()
 
         run.task = asyncio.ensure_future(body())
         run.abandon = abandon
         return run
+
+    async def _watch(self, run: Run, cancel_asked: Callable[[], Awaitable[bool]]) -> None:
+        """Cancel `run` once another process asks to (a failed look is tried again)."""
+        while not run.done:
+            await asyncio.sleep(CANCEL_POLL)
+            try:
+                asked = await cancel_asked()
+            except Exception:  # noqa: BLE001 - the store could not say: look again later
+                continue
+            if asked and not run.done:
+                # (not awaited here: `cancel` waits for the task this watch belongs to)
+                run.cancelled = True
+                if run.task is not None:
+                    run.task.cancel()
+                return
 
     async def cancel(self, run: Run) -> None:
         """Stop the run's turn (it is closed as cancelled) and wait until it has ended."""

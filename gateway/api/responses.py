@@ -12,6 +12,7 @@ ids are the gateway's minted ids, so chat-completions and Responses turns see ea
 from __future__ import annotations
 
 import asyncio
+import functools
 import re
 import secrets
 import time
@@ -48,7 +49,8 @@ from gateway.api.validation import parse_chat, validate
 from gateway.context import Message
 from gateway.context.content import check_model
 from gateway.context.items import Item, items_to_messages, message_to_items
-from gateway.exceptions import ConversationBusy, GatewayError, InvalidRequest
+from gateway.context.records import StoredResponse
+from gateway.exceptions import GatewayError, InvalidRequest
 from gateway.ids import check_conversation_id
 from gateway.services import Services
 from gateway.services.counting import PromptCount
@@ -58,6 +60,11 @@ from gateway.types import JSONObject, Record, as_object, number
 
 # OpenAI's reasoning models refuse `max_tokens` ("Use 'max_completion_tokens' instead").
 _REASONING_MODELS = re.compile(r"(o\d|gpt-5)")
+
+# How long a cancel asked of a response that another process runs waits for it to end, in seconds.
+CANCEL_WAIT = 10.0
+# How long a stream of a response that another process runs waits for it to end, at most.
+FOLLOW_WAIT = 600.0
 
 
 def output_cap(model: str) -> str:
@@ -441,7 +448,9 @@ def start_background(
             stream_closed(turn.closed(), cancelled, metrics, event="response")
 
     runs: BackgroundRuns = request.app.state.background
-    run = runs.start(turn.response_id, tenant_of(request), work, abandon)
+    tenant, stored = tenant_of(request), services_of(request).responses
+    asked = functools.partial(stored.cancel_asked, tenant, turn.response_id)
+    run = runs.start(turn.response_id, tenant, work, abandon, asked)
     for frame in queued_events(queued):
         run.add(frame)
     return run
@@ -518,9 +527,42 @@ async def get_response(request: Request) -> Response:
     elif run is not None and not run.done:
         return JSONBody(await _in_progress(request, rid, tenant, "in_progress" if run.started else "queued"))
     stored = await services_of(request).responses.get(tenant, rid)
+    echo = stored.request.get("responses")  # a Responses-API turn: what its create returned
+    if streamed:
+        if not (isinstance(echo, dict) and echo.get("background")):
+            # (OpenAI streams only a background response's events again)
+            raise InvalidRequest(
+                "Only a background response is streamed again: retrieve this one without stream",
+                param="stream",
+            )
+        return SSEResponse(_replayed_once_ended(request, stored, after), headers={}, on_close=_nothing)
+    obj = _stored_object(stored)
+    obj["gateway"] = {
+        "request": _without_type(stored.request),
+        "context": _without_type(stored.context),
+        "response": _without_type(stored.response),
+        "outcome": stored.outcome,
+    }
+    return JSONBody(obj)
+
+
+async def _replayed_once_ended(request: Request, stored: StoredResponse, after: int) -> AsyncIterator[bytes]:
+    """A background response run elsewhere (another process, a replica), replayed from its log
+    once it has ended: its events after sequence number `after`."""
+    if stored.status == "in_progress":  # (it ends within its provider's timeout, or fails)
+        settings = services_of(request).settings
+        wait = max((p.timeout for p in settings.providers.values()), default=FOLLOW_WAIT)
+        stored = await services_of(request).responses.ended(tenant_of(request), stored.response_id, wait)
+    for frame in replayed_events(_stored_object(stored), after):
+        yield frame
+
+
+def _stored_object(stored: StoredResponse) -> dict[str, Any]:
+    """A stored response in the Responses API shape (without the gateway's log)."""
+    rid = stored.response_id
     params = stored.params
     echo = stored.request.get("responses")  # a Responses-API turn: what its create returned
-    obj = response_object(
+    return response_object(
         response_id=rid,
         created=stored.created,
         model=stored.model,
@@ -544,26 +586,6 @@ async def get_response(request: Request) -> Response:
         lead=lead_items(echo),
         completed=number(stored.outcome.get("committed")),
     )
-    if streamed:
-        if not (isinstance(echo, dict) and echo.get("background")):
-            # (OpenAI streams only a background response's events again)
-            raise InvalidRequest(
-                "Only a background response is streamed again: retrieve this one without stream",
-                param="stream",
-            )
-        if obj["status"] == "in_progress":
-            raise ConversationBusy(
-                f"Response {rid!r} is running in another gateway process: poll it, or stream it from there"
-            )
-        frames = list(replayed_events(obj, _starting_after(request.query_params.get("starting_after"))))
-        return SSEResponse(_frames(frames), headers={}, on_close=_nothing)
-    obj["gateway"] = {
-        "request": _without_type(stored.request),
-        "context": _without_type(stored.context),
-        "response": _without_type(stored.response),
-        "outcome": stored.outcome,
-    }
-    return JSONBody(obj)
 
 
 def _status(status: str, outcome: Record, echo: object) -> str | None:
@@ -575,11 +597,6 @@ def _status(status: str, outcome: Record, echo: object) -> str | None:
     if background and outcome.get("type") == "incomplete" and outcome.get("reason") == "cancelled":
         return "cancelled"
     return status if status != "completed" else None
-
-
-async def _frames(frames: list[bytes]) -> AsyncIterator[bytes]:
-    for frame in frames:
-        yield frame
 
 
 def _starting_after(value: str | None) -> int:
@@ -630,8 +647,9 @@ async def cancel_response(request: Request) -> Response:
         raise InvalidRequest("Only a background response can be cancelled", param="response_id")
     if run is not None:
         await runs.cancel(run)
-    elif stored.status == "in_progress":
-        raise ConversationBusy(f"Response {rid!r} is running in another gateway process: cancel it there")
+    elif stored.status == "in_progress":  # run by another process (a worker, a replica): asked there
+        await services_of(request).responses.ask_cancel(tenant, rid)
+        await services_of(request).responses.ended(tenant, rid, CANCEL_WAIT)
     return await get_response(request)
 
 

@@ -6,6 +6,7 @@ conversation.
 
 from __future__ import annotations
 
+import asyncio
 import functools
 import time
 from dataclasses import replace
@@ -20,6 +21,9 @@ from gateway.store import StoreRegistry
 from gateway.store.base import Store
 from gateway.types import Record, as_object
 from gateway.writers import gone
+
+# How often a wait for a response running in another process looks at its log, in seconds.
+ENDED_POLL = 0.2
 
 
 class StoredResponses:
@@ -58,6 +62,26 @@ class StoredResponses:
             error = {"message": message, "type": "server_error", "param": None, "code": "interrupted"}
             stored = replace(stored, outcome={"type": "incomplete", "reason": "interrupted", "error": error})
         return stored
+
+    async def ask_cancel(self, tenant: str, rid: str) -> None:
+        """Ask the process running background response `rid` to cancel it (it looks every
+        CANCEL_POLL seconds)."""
+        store = await self.stores.get(tenant)
+        await store.append_side("cancels", rid, {"type": "cancel", "at": time.time()})
+
+    async def cancel_asked(self, tenant: str, rid: str) -> bool:
+        """Whether a cancel of background response `rid` was asked (by any process)."""
+        store = await self.stores.get(tenant)
+        return bool(await store.read_side("cancels", rid, keep=False))
+
+    async def ended(self, tenant: str, rid: str, within: float) -> StoredResponse:
+        """The response once it is no longer in progress, or as it is after `within` seconds."""
+        deadline = time.monotonic() + within
+        while True:
+            stored = await self.get(tenant, rid)
+            if stored.status != "in_progress" or time.monotonic() >= deadline:
+                return stored
+            await asyncio.sleep(ENDED_POLL)
 
     @staticmethod
     async def _index(store: Store, cid: str) -> list[str | Record]:

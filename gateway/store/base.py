@@ -84,7 +84,9 @@ class LRU(OrderedDict[K, V]):
 
 
 # The side logs every backend keeps beside the conversations (`append_side` / `read_side`).
-SideLog = Literal["summaries", "lifecycle", "users", "digests", "models", "compactions", "metadata"]
+SideLog = Literal[
+    "summaries", "lifecycle", "users", "digests", "models", "compactions", "metadata", "cancels"
+]
 SIDE_LOGS: frozenset[str] = frozenset(get_args(SideLog))
 
 
@@ -396,7 +398,8 @@ class Store(ABC):
         `summaries`/`lifecycle` (key: conversation id), `users` (key: hashed user), `digests`
         (key: hashed user and day), `models` (key: provider and model), `compactions` (key:
         compaction id), `metadata` (key: response id; metadata set on a stored chat completion
-        since).
+        since), `cancels` (key: response id; a cancel asked of a background response that another
+        process runs).
         """
 
     @abstractmethod
