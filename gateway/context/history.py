@@ -582,7 +582,7 @@ class ConversationView:
         self._keys = {}
         self.history_base = self.transcript_base = 0
         self.prefix_ids = frozenset()
-        self.head = None
+        self.head = Head(after_reset=True)
         self.tokens_base, self.preview_base = 0, ""
         self.feedback_calls = []
         self.needs_count = self.system_tokens is not None and None in self.system_tokens

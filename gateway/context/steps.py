@@ -25,6 +25,8 @@ class Head:
 
     start: str | None = None
     summary: int | None = None
+    # The conversation was reset since: the next window is a cut (what the prompt began with is gone).
+    after_reset: bool = False
 
     @classmethod
     def of(cls, context: JSONObject) -> Head | None:

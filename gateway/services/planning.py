@@ -290,7 +290,8 @@ class Planner:
         held_summary = summary_version(records, view, head.summary) if head.summary is not None else None
         fit = functools.partial(self._fit, frame, budget=budget, limit=window_size - reserve, facts=facts)
         fitted: _Fitted | None = None
-        if hold and start is not None and (head.summary is None or held_summary is not None):
+        held = start is not None and not head.after_reset
+        if hold and held and (head.summary is None or held_summary is not None):
             with contextlib.suppress(ContextLengthExceeded):  # (the cut decides what the request needs)
                 fitted = await fit(held_summary, start, route, request)
             if fitted is not None and not fitted.window.held:
@@ -391,7 +392,8 @@ class Planner:
 
         It holds its history at position `hold_at` when all from there fits."""
         part = frame.part(summary)
-        hold = part.index_of(hold_at) if hold_at is not None else None
+        # (a start among the first messages kept ahead of the cut is the history after them)
+        hold = part.index_of(max(hold_at, part.first_end)) if hold_at is not None else None
         fit_request = functools.partial(part.fit_request, hold)
         try:
             window = fit_request(budget)

@@ -89,3 +89,26 @@ async def test_a_long_chat_moved_in_one_first_request_keeps_its_cut_head_next_tu
     assert first["cut"] is True and first["window_from"] is not None
     assert heads(upstream.requests) == [True, True]  # each later prompt begins with the one before
     assert after["window_from"] == first["window_from"]
+
+
+async def test_the_manifests_cut_says_whether_the_head_moved_after_a_reset_and_with_keep_first(
+    tmp_path: Path,
+) -> None:
+    """After a reset the head of the prompt changed, yet `cut` said false; with `keep_first` the
+    second turn's prompt began with the whole first one, yet `cut` said true."""
+    base = settings(tmp_path)
+    kept = base.model_copy(update={"context": base.context.model_copy(update={"keep_first": True})})
+    upstream = MockUpstream()
+    async with build_client(kept, None, upstream) as client:
+        cuts = []
+        for text in texts(0, 3):
+            await say_each(client, "kf", [text])
+            cuts.append((await client.get("/v1/conversations/kf/context")).json()["cut"])
+        assert heads(upstream.requests) == [True, True] and cuts == [False, False, False]
+        await say_each(client, CID, texts(0, 16))
+        assert (await client.post(f"/v1/conversations/{CID}/reset", json={})).status_code == 200
+        after = []
+        for text in texts(16, 2):
+            await say_each(client, CID, [text])
+            after.append((await client.get(f"/v1/conversations/{CID}/context")).json()["cut"])
+    assert after == [True, False]  # the reset's next turn began afresh; the one after it held
