@@ -70,6 +70,9 @@ class GatewayApp(Starlette):
 
     def __init__(self, *, direct: Iterable[str], **kwargs: Any) -> None:
         super().__init__(**kwargs)
+        # A path with a slash more is no route, not a redirect to the path without it: an id that
+        # ends in "/" (or "%2F") named another resource, which a client following the 307 changed.
+        self.router.redirect_slashes = False
         paths = set(direct)
         self.direct: dict[str, Endpoint] = {
             route.path: route.endpoint

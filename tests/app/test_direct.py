@@ -99,3 +99,17 @@ def test_a_direct_path_is_served_by_its_own_post_route() -> None:
     assert GatewayApp(direct=["/v1/things"], routes=routes).direct == {"/v1/things": create}
     with pytest.raises(ValueError, match="/v1/other"):
         GatewayApp(direct=["/v1/other"], routes=routes)
+
+
+async def test_a_path_with_a_slash_more_is_no_route_not_a_redirect_to_another_resource() -> None:
+    """`DELETE /v1/conversations/victim/` (an id that ends in "/", or "%2F") was a 307 to
+    `/v1/conversations/victim`, which the SDK followed: it deleted conversation `victim`."""
+    async with build_client(make_settings(), MemoryStore(), MockUpstream()) as client:
+        assert (await client.post("/v1/chat/completions", json={**CHAT, "conversation_id": "victim"})).is_success
+        for path in ("/v1/conversations/victim/", "/v1/conversations/victim%2F"):
+            gone = await client.delete(path)
+            assert gone.status_code == 404 and gone.json()["error"]["code"] == "unknown_url", gone.text
+        changed = await client.post("/v1/conversations/%2F", json={"metadata": {"k": "v"}})
+        assert changed.status_code == 404, changed.text  # (not a new conversation made by a redirect)
+        assert (await client.get("/v1/conversations/victim")).status_code == 200
+        assert len((await client.get("/v1/conversations")).json()["data"]) == 1
