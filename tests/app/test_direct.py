@@ -105,7 +105,8 @@ async def test_a_path_with_a_slash_more_is_no_route_not_a_redirect_to_another_re
     """`DELETE /v1/conversations/victim/` (an id that ends in "/", or "%2F") was a 307 to
     `/v1/conversations/victim`, which the SDK followed: it deleted conversation `victim`."""
     async with build_client(make_settings(), MemoryStore(), MockUpstream()) as client:
-        assert (await client.post("/v1/chat/completions", json={**CHAT, "conversation_id": "victim"})).is_success
+        made = await client.post("/v1/chat/completions", json={**CHAT, "conversation_id": "victim"})
+        assert made.is_success
         for path in ("/v1/conversations/victim/", "/v1/conversations/victim%2F"):
             gone = await client.delete(path)
             assert gone.status_code == 404 and gone.json()["error"]["code"] == "unknown_url", gone.text
