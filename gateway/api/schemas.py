@@ -60,14 +60,15 @@ class ImageURL(TypedDict, total=False):
 
 @with_config(MESSAGE)
 class ContentPart(TypedDict, total=False):
-    """A content part (text, image_url, ...): an object with a string `type`.
+    """A content part (text, image_url, ...): an object with a string `type` (required, as every
+    other way into a conversation requires it).
 
     Its text is a string (a number, once stored, would go back to the provider on every later
     turn, and the items API refuses it); its image is checked by the content rules every way in
     shares (`context/content.py`); what else is in it is the provider's to check.
     """
 
-    type: str
+    type: Required[str]
     text: str
     image_url: SkipValidation[ImageURL]
 
@@ -134,7 +135,20 @@ class ToolMessage(TypedDict, total=False):
     is_feedback: bool | None
 
 
-Message = Annotated[InputMessage | AssistantMessage | ToolMessage, Field(discriminator="role")]
+def _has_content(message: InputMessage | ToolMessage) -> InputMessage | ToolMessage:
+    """A system, developer, user or tool message says something (the items API, Responses and
+    Messages refuse one without content; stored, it went to the provider on every later turn)."""
+    if message.get("role") != "function" and message.get("content") is None:
+        raise ValueError(f"a {message.get('role')} message needs its content: a string or a list of parts")
+    return message
+
+
+Message = Annotated[
+    Annotated[InputMessage, AfterValidator(_has_content)]
+    | AssistantMessage
+    | Annotated[ToolMessage, AfterValidator(_has_content)],
+    Field(discriminator="role"),
+]
 
 
 @with_config(BODY)
@@ -146,6 +160,18 @@ def _tool_call_id(param: str, error: ErrorDetails) -> str:
     if error["type"] == "missing" or error["input"] is None:
         return f"{param} is required for a tool message"
     return f"{param} must be a string"
+
+
+def _message(param: str, error: ErrorDetails) -> str:
+    if error["type"] == "value_error":  # (a message without its content: `_has_content`)
+        return f"{param}: {error['msg'].removeprefix('Value error, ')}"
+    return f"{param} must be an object"
+
+
+def _content_part(param: str, error: ErrorDetails) -> str:
+    if error["type"] == "value_error":  # (a text part without its text)
+        return f"{param}: {error['msg'].removeprefix('Value error, ')}"
+    return f"{param} must be a content part: an object with a string 'type'"
 
 
 def _tool_calls(param: str, error: ErrorDetails) -> str:
@@ -201,9 +227,10 @@ class ChatCompletionRequest(BaseModel):
         "metadata": _metadata,
         "model": "'model' is required and must be a non-empty string",
         "messages": "'messages' must be a non-empty array",
-        "messages[]": "{param} must be an object",
+        "messages[]": _message,
         "messages[].role": "{param} must be one of " + ", ".join(sorted(MESSAGE_ROLES)),
         "messages[].content": "{param} must be a string, an array of content parts, or null",
+        "messages[].content[]": _content_part,
         "messages[].name": "{param} must be a string",
         "messages[].tool_call_id": _tool_call_id,
         "messages[].tool_calls": _tool_calls,

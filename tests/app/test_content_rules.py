@@ -191,3 +191,26 @@ async def test_a_model_name_has_no_control_characters_on_every_way_in(
 )
 def test_what_an_image_url_may_be(url: str, taken: bool) -> None:
     assert is_image_url(url) is taken
+
+
+@pytest.mark.parametrize(
+    ("content", "what"),
+    [([{"text": "hi"}], "a part without its type"), (None, "no content")],
+    ids=["untyped part", "no content"],
+)
+@pytest.mark.parametrize("way", list(WAYS_IN))
+async def test_a_message_without_content_or_a_part_without_type_is_refused_on_every_way_in(
+    app_client: httpx.AsyncClient, mock_upstream: MockUpstream, way: str, content: Any, what: str
+) -> None:
+    """Chat completions stored `{"role": "user"}` and a part `{"text": "hi"}`, which the other ways
+    in refuse; stored, they went to the provider on every later turn."""
+    path, body, where = WAYS_IN[way](content, "mock/m")
+    for message in body.get("messages") or body.get("input") or body["items"]:
+        if content is None:
+            del message["content"]
+    assert (await app_client.post("/v1/conversations", json={"id": CID})).status_code == 200
+    r = await app_client.post(path, json=body)
+    assert r.status_code == 400, (what, r.text)
+    assert r.json()["error"]["param"].startswith(where)
+    assert (await app_client.get(f"/v1/conversations/{CID}/items")).json()["data"] == []
+    assert mock_upstream.requests == []
