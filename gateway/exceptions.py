@@ -4,7 +4,8 @@ GatewayError
 ├── ConfigError                    bad configuration (raised at start, never over HTTP)
 ├── InvalidRequest          400    malformed body, bad field, bad conversation id
 │   ├── ContextLengthExceeded 400  the request alone does not fit the model's window
-│   └── ConversationTooLarge  400  the conversation is at storage.max_conversation_messages
+│   ├── ConversationTooLarge  400  the conversation is at storage.max_conversation_messages
+│   └── UnsupportedEncoding   415  a request body sent compressed (Content-Encoding)
 ├── AuthenticationError     401    missing or unknown gateway key
 ├── CrossOriginRefused      403    another site's page, or a rebound name, on an open gateway
 ├── BodyTimeout             408    the request head or body arrived slower than server.body_timeout
@@ -99,6 +100,16 @@ class ConversationTooLarge(InvalidRequest):
     """The turn would take the conversation past storage.max_conversation_messages."""
 
     code = "conversation_too_large"
+
+
+class UnsupportedEncoding(InvalidRequest):
+    """A request body with a Content-Encoding (gzip, br, ...): bodies are taken as sent, uncompressed."""
+
+    status_code = 415
+    code = "unsupported_content_encoding"
+
+    def headers(self) -> dict[str, str]:
+        return {"connection": "close"}  # its body is not read (see BodyTooLarge)
 
 
 class AuthenticationError(GatewayError):

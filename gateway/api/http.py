@@ -26,6 +26,7 @@ from gateway.exceptions import (
     ClientGone,
     GatewayError,
     InvalidRequest,
+    UnsupportedEncoding,
 )
 from gateway.services import Services
 from gateway.services.turn import PreparedTurn
@@ -88,6 +89,12 @@ async def read_json(request: Request, limit: int, *, allow_empty: bool = False) 
 
     Too large: over `limit` bytes, refused before they are read whole. Too slow: taking longer
     than `server.body_timeout` to arrive (slow-body clients)."""
+    encoding = request.headers.get("content-encoding")
+    if encoding is not None and encoding.strip().lower() not in ("", "identity"):
+        # (read as it is, a gzip body was "not valid JSON", and a plain one labelled `br` taken)
+        raise UnsupportedEncoding(
+            f"A request body with Content-Encoding {encoding!r} is not taken: send it uncompressed"
+        )
     declared = request.headers.get("content-length")
     size = ascii_int(declared, 30) if declared is not None else None
     if size is not None and size > limit:

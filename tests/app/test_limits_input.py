@@ -223,3 +223,38 @@ async def test_creating_a_conversation_with_items_is_all_or_nothing() -> None:
         bad = await client.post("/v1/conversations", json={"id": "bad", "items": [{"type": "nonsense"}]})
         assert bad.status_code == 400
         assert (await client.get("/v1/conversations/bad")).status_code == 404  # refused before any write
+
+
+@pytest.mark.parametrize(
+    ("path", "shape"),
+    [("/v1/chat/completions", "openai"), ("/v1/responses", "openai"), ("/v1/messages", "anthropic")],
+)
+async def test_a_compressed_request_body_is_a_415_that_says_so(path: str, shape: str) -> None:
+    """A gzip body was a 400 "not valid JSON: ... surrogates not allowed", and a plain body
+    labelled `br` was taken: the encoding is refused, by name."""
+    import gzip
+
+    body = {
+        "model": "mock/m",
+        "max_tokens": 8,
+        "messages": [{"role": "user", "content": "hi"}],
+        "input": "hi",
+    }
+    raw = orjson.dumps(body)
+    upstream = MockUpstream()
+    headers = {"content-type": "application/json", "anthropic-version": "2023-06-01"}
+    async with build_client(make_settings(), MemoryStore(), upstream) as client:
+        for encoding, data in (("gzip", gzip.compress(raw)), ("br", raw)):
+            r = await client.post(path, content=data, headers={**headers, "content-encoding": encoding})
+            assert r.status_code == 415, r.text
+            error = r.json()["error"]
+            assert f"Content-Encoding '{encoding}'" in error["message"]
+            assert (
+                r.json()["type"] == "error"
+                if shape == "anthropic"
+                else error["code"] == "unsupported_content_encoding"
+            )
+        assert (
+            await client.post(path, content=raw, headers={**headers, "content-encoding": "identity"})
+        ).is_success
+    assert len(upstream.requests) == 1
