@@ -702,19 +702,16 @@ class MessageCreate(BaseModel):
     }
 
 
-class CountTokensRequest(BaseModel):
+class CountTokensRequest(MessageCreate):
     """`POST /v1/messages/count_tokens`: a Messages request, `max_tokens` optional.
 
     Anthropic's takes none; given, it is the room the turn would keep for its answer, which
-    decides where a conversation's window is cut, as it does on the turn."""
+    decides where a conversation's window is cut, as it does on the turn. The rest is checked as
+    the turn checks it: a body `POST /v1/messages` refuses is not counted."""
 
-    model_config = BODY
+    max_tokens: AnswerTokens | None = None  # type: ignore[assignment]  # (optional here only)
 
-    model: ModelName
-    messages: Annotated[list[AnthropicMessage], Field(min_length=1)]
-    system: str | list[SkipValidation[TextBlock]] | None = None
-    tools: list[AnthropicTool] | None = None
-    tool_choice: SkipValidation[ToolChoice | None] = None
-    max_tokens: AnswerTokens | None = None
-
-    error_messages: ClassVar[ErrorMessages] = ANTHROPIC_ERRORS
+    error_messages: ClassVar[ErrorMessages] = {
+        **MessageCreate.error_messages,
+        "max_tokens": f"'max_tokens' {TOKENS}",
+    }

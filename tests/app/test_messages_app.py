@@ -373,3 +373,17 @@ async def test_is_feedback_null_is_no_feedback_on_every_api() -> None:
             assert r.status_code == 200, r.text
     assert [m["content"] for m in upstream.requests[-1]["messages"]][0] == "my name is Bob"
     assert all("is_feedback" not in m for m in upstream.requests[-1]["messages"])
+
+
+@pytest.mark.parametrize(
+    ("field", "value"), [("stream", "yes"), ("stop_sequences", "x"), ("metadata", "x"), ("max_tokens", 0)]
+)
+async def test_count_tokens_refuses_what_the_turn_refuses(field: str, value: Any) -> None:
+    """`/v1/messages` refused these with a 400, `count_tokens` counted them: it counts what the
+    turn would send, and the turn sends nothing."""
+    async with build_client(make_settings(), MemoryStore(), MockUpstream()) as client:
+        body = request(**{field: value})
+        turn = await client.post("/v1/messages", json=body, headers=VERSION)
+        counted = await client.post("/v1/messages/count_tokens", json=body, headers=VERSION)
+    assert turn.status_code == counted.status_code == 400, (turn.text, counted.text)
+    assert counted.json()["type"] == "error" and counted.json()["error"]["type"] == "invalid_request_error"
