@@ -142,10 +142,15 @@ class Frame:
     tools_tokens: int
     head_room: int  # the window less the answer, the framing, the system prompt and the tools
 
-    def part(self, summary: Summary | None) -> Part:
-        """The stored history a window drawing on `summary` may send, and the request."""
+    def part(self, summary: Summary | None, overlap_from: int | None = None) -> Part:
+        """The stored history a window drawing on `summary` may send, and the request.
+
+        It begins where the summary's coverage ends, or at `overlap_from` when that is before:
+        the newest turns a summary of the whole conversation covers too (post-processing's) are
+        still sent as they are."""
         view, count = self.view, self.count
         covered = summary.covered if summary else 0
+        floor = covered if overlap_from is None else min(covered, max(0, overlap_from))
         # Positions count every stored message; a partial view holds its newest ones (the
         # loaded part is `history`, from `loaded_from`): NotLoaded when more is needed.
         history, total = view.history, view.history_count
@@ -157,8 +162,8 @@ class Frame:
                 first_end += 1
         # Only the newest max_history_messages (or keep_recent_messages) can be sent.
         newest = max(self.max_history, self.keep_recent)
-        lower = max(covered, first_end, total - newest - 1)
-        while lower > max(covered, first_end) and history[view.loaded_from(lower)].get("role") == "tool":
+        lower = max(floor, first_end, total - newest - 1)
+        while lower > max(floor, first_end) and history[view.loaded_from(lower)].get("role") == "tool":
             lower -= 1
         hist = history[view.loaded_from(lower) :]
         hist_tokens = [int(n or 0) for n in view.history_tokens[view.loaded_from(lower) :]]

@@ -107,7 +107,8 @@ def fit_window(
 
     `conversation` is the stored history (after any summary's coverage) followed by the new
     messages, starting at `first_new`; `conversation_tokens` are their counts;
-    `omitted_before` history messages were already left out before `conversation`; `first` is
+    `omitted_before` history messages were already left out before `conversation` (negative: so
+    many of its first messages a summary covers too, not left out when cut); `first` is
     the conversation's first unit, sent ahead of the marker when it fits (`keep_first`);
     `tools_tokens` is what the request's tool definitions cost (fixed, like the request).
     `hold` is where in `conversation` the previous window's history began: the history starts
@@ -140,7 +141,7 @@ def fit_window(
         )
     # Walk back from the newest stored message, a whole unit at a time (tool results belong
     # to the assistant message before them). Room is kept for the widest possible marker.
-    marker_bound = marker_tokens(omitted_before + pinned_from + len(first))
+    marker_bound = marker_tokens(max(1, omitted_before + pinned_from + len(first)))
     first_cost = sum(first_tokens)
     dropped_first = 0
     recent_cost = _recent_cost(conversation, conversation_tokens, pinned_from, keep_recent)
@@ -151,7 +152,7 @@ def fit_window(
     room = budget - fixed
     held = hold is not None and holds(
         conversation_tokens[hold:pinned_from],
-        room - (marker_bound if omitted_before + hold else 0),
+        room - (marker_bound if omitted_before + hold > 0 else 0),
         max(max_history_messages, keep_recent),
     )
     kept_from = (
@@ -165,7 +166,7 @@ def fit_window(
             low_room=int(budget * cut_share) - fixed,
             max_messages=max_history_messages if cut_share >= 1 else int(max_history_messages * cut_share),
             keep_recent=keep_recent,
-            marker=lambda start: marker_bound if omitted_before + start else 0,
+            marker=lambda start: marker_bound if omitted_before + start > 0 else 0,
         )
     )
     # Whole turns: a cut never leaves an answer whose question was left out at the head of the
@@ -186,7 +187,7 @@ def fit_window(
         kept_from = head_end
     # Stored messages left out: a result the repair added for an unanswered call is not one.
     added = sum(1 for m in conversation[:kept_from] if m.get("content") == UNANSWERED_TOOL_RESULT)
-    omitted = omitted_before + kept_from - added + dropped_first
+    omitted = max(0, omitted_before + kept_from - added) + dropped_first
     marker_cost = marker_tokens(omitted) if omitted else 0
     if omitted and fixed + marker_cost > budget:
         raise ContextLengthExceeded(

@@ -299,6 +299,8 @@ class Planner:
         cut = fitted is None
         if fitted is None:  # a cut: the newest summary enters here, and only here
             fitted = await fit(newest, newest.covered if newest is not None else None, route, request)
+            if newest is not None and not newest.compaction and fitted.window.held:
+                fitted = await self._newest_turns_kept(fit, fitted, newest, ctx.cut_to * budget, route, request)
         window, part = fitted.window, fitted.part
         kept_abs = part.absolute(window.history_start, view.history_count)
         target = None
@@ -322,6 +324,27 @@ class Planner:
         if request.truncation == "disabled":
             refuse_cut(chosen)
         return chosen
+
+    @staticmethod
+    async def _newest_turns_kept(
+        fit: Callable[..., Awaitable[_Fitted]],
+        fitted: _Fitted,
+        summary: Summary,
+        low_water: float,
+        route: Route,
+        request: ChatRequest,
+    ) -> _Fitted:
+        """The cut's window, its newest turns kept where `summary` covers them too.
+
+        A summary of the whole conversation (post-processing's, made while it was idle) covers
+        the turns a cut keeps: the window from its end held the new message alone. When what it
+        holds is under half the cut's low water, the window is cut as without a summary and the
+        summary goes in front of it (covering some of its turns too)."""
+        if fitted.window.tokens.get("history", 0) * 2 >= low_water:
+            return fitted
+        plain = await fit(None, None, route, request)
+        start = plain.part.absolute(plain.window.history_start, plain.part.frame.view.history_count)
+        return await fit(summary, start, route, request) if start < summary.covered else fitted
 
     def _frame(self, inputs: TurnInputs, room: int) -> Frame:
         """What every window of the turn shares, `room` being the window less the answer's reserve.
@@ -391,7 +414,9 @@ class Planner:
         """The window drawn on `summary` (or none), checked with the server's own count where given.
 
         It holds its history at position `hold_at` when all from there fits."""
-        part = frame.part(summary)
+        # A start inside what a summary (not a compaction) covers: those turns are sent as well.
+        overlap = hold_at if summary is not None and not summary.compaction and hold_at is not None else None
+        part = frame.part(summary, overlap)
         # (a start among the first messages kept ahead of the cut is the history after them)
         hold = part.index_of(max(hold_at, part.first_end)) if hold_at is not None else None
         fit_request = functools.partial(part.fit_request, hold)

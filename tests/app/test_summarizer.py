@@ -175,3 +175,42 @@ async def test_the_metric_counts_summary_versions_written_rolling_and_post_proce
         summaries = app_of(client).state.processor.sessions.summaries
         await summaries.summarize_all("", "sum", "mock/m")  # post-processing folds the rest
         assert versions() > rolling and counted((await client.get("/metrics")).text) == versions()
+
+
+async def test_a_conversation_back_after_post_processing_keeps_its_newest_turns_at_the_cut() -> None:
+    """Post-processing's summary covers the whole conversation: at the first cut after it, the
+    window began where it ended, and the model got the summary and the new message alone (not
+    even the answer before it), where a cut keeps its low water of newest turns."""
+    upstream = MockUpstream()
+    settings = make_settings()
+    context = {"strategy": "summarize", "max_context_tokens": 700, "reserve_tokens": 100, "cut_to": 0.6}
+    settings = settings.model_copy(update={"context": settings.context.model_copy(update=context)})
+    store = MemoryStore()
+    facts = [f"fact {i}: box {i} is shade-{i * 7}, please remember it" for i in range(40)]
+    async with build_client(settings, store, upstream) as client:
+        summaries = app_of(client).state.processor.sessions.summaries
+        said = 0
+        while said < len(facts):  # until the window is nearly full, short of a cut
+            await say_each(client, "back", [facts[said]])
+            said += 1
+            snapshot = (await client.get("/v1/conversations/back/context")).json()
+            if snapshot["tokens"]["total"] > 0.85 * snapshot["budget"]:
+                break
+        await app_of(client).state.summarizer.wait_idle()
+        await summaries.summarize_all("", "back", "mock/m")  # idle: post-processing folds it all
+        for fact in facts[said : said + 6]:
+            await say_each(client, "back", [fact])
+            snapshot = (await client.get("/v1/conversations/back/context")).json()
+            if snapshot["cut"]:
+                break
+        await say_each(client, "back", ["and one more"])  # the next turn holds that head
+        after = (await client.get("/v1/conversations/back/context")).json()
+    assert snapshot["cut"], snapshot
+    sent = upstream.requests[-2]["messages"]
+    assert after["cut"] is False and upstream.requests[-1]["messages"][: len(sent)] == sent
+    assert sent[0]["content"].startswith("Summary of the earlier conversation")
+    kept = [m for m in sent if m["role"] in ("user", "assistant")]
+    assert len(kept) >= 5, [m["content"][:20] for m in sent]  # the newest turns, not the new message alone
+    assert kept[-3]["role"] == "user" and kept[-2]["role"] == "assistant"  # the answer before it
+    assert snapshot["truncated"] == 0  # what the window left out, the summary covers
+    assert "omitted" not in str(sent)
