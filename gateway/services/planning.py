@@ -300,7 +300,8 @@ class Planner:
         if fitted is None:  # a cut: the newest summary enters here, and only here
             fitted = await fit(newest, newest.covered if newest is not None else None, route, request)
             if newest is not None and not newest.compaction and fitted.window.held:
-                fitted = await self._newest_turns_kept(fit, fitted, newest, ctx.cut_to * budget, route, request)
+                low_water = ctx.cut_to * budget
+                fitted = await self._newest_turns_kept(fit, fitted, newest, low_water, route, request)
         window, part = fitted.window, fitted.part
         kept_abs = part.absolute(window.history_start, view.history_count)
         target = None
