@@ -31,13 +31,20 @@ from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
 
 from gateway import metrics
 from gateway.api.http import BODY_COMPLETE, ON_GONE
+from gateway.context.anthropic import error_body
 from gateway.exceptions import BodyTimeout, GatewayError, InvalidRequest
 from gateway.metrics import access_log
 
 
-def _closing_answer(status: str, error: GatewayError) -> bytes:
-    """A whole HTTP answer in OpenAI's error shape, after which the connection is closed."""
-    body = orjson.dumps(error.to_dict())
+def _closing_answer(status: str, error: GatewayError) -> tuple[bytes, bytes]:
+    """A whole HTTP answer in OpenAI's error shape, and one in Anthropic's (for `/v1/messages`),
+    after which the connection is closed."""
+    return _answer(status, orjson.dumps(error.to_dict())), _answer(
+        status, orjson.dumps(error_body(error.status_code, error.message))
+    )
+
+
+def _answer(status: str, body: bytes) -> bytes:
     return (
         f"HTTP/1.1 {status}\r\ncontent-type: application/json\r\nconnection: close\r\n".encode()
         + b"content-length: "
@@ -47,6 +54,8 @@ def _closing_answer(status: str, error: GatewayError) -> bytes:
     )
 
 
+# Requests under this path are answered in Anthropic's error shape.
+ANTHROPIC_PATH = b"/v1/messages"
 _HEAD_LATE = BodyTimeout("The request head did not arrive within server.body_timeout")
 TIMEOUT_RESPONSE = _closing_answer("408 Request Timeout", _HEAD_LATE)
 _UNPARSABLE = InvalidRequest(
@@ -177,13 +186,16 @@ class HeadDeadlineProtocol(HttpToolsProtocol):
         if self._in_head and self._head_bytes > HEAD_LIMIT and not self.transport.is_closing():
             self._refuse(HEAD_TOO_LARGE_RESPONSE, _TOO_LARGE, "head_too_large")
 
-    def _refuse(self, answer: bytes, error: GatewayError, route: str) -> None:
+    def _refuse(self, answers: tuple[bytes, bytes], error: GatewayError, route: str) -> None:
         """Answer a request refused before it was one, close the connection, and log and count it.
 
-        `answer` is the whole answer, in OpenAI's error shape.
+        `answers` is the whole answer in OpenAI's error shape and in Anthropic's, which a request
+        whose path was read as Anthropic's Messages API gets.
         """
         self._disarm()
-        self.transport.write(answer)
+        url = getattr(self, "url", b"")
+        anthropic = isinstance(url, bytes) and url.startswith(ANTHROPIC_PATH)
+        self.transport.write(answers[1] if anthropic else answers[0])
         self.transport.close()
         _refusal_line(error, route)
 

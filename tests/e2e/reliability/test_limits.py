@@ -205,8 +205,9 @@ def test_a_body_refused_unread_closes_the_connection(
     [
         b"\x16\x03\x01 not http\r\n\r\n",
         b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nContent-Length: abc\r\n\r\n",
+        b"POST /v1/messages HTTP/1.1\r\nHost: x\r\nContent-Length: abc\r\n\r\n",
     ],
-    ids=["not HTTP", "Content-Length not a number"],
+    ids=["not HTTP", "Content-Length not a number", "under /v1/messages: Anthropic's shape"],
 )
 def test_a_request_the_parser_refuses_gets_a_json_400_and_a_json_log_line(
     gw: GatewayProcess, fault: FaultServer, raw: bytes
@@ -218,7 +219,10 @@ def test_a_request_the_parser_refuses_gets_a_json_400_and_a_json_log_line(
         assert sock.recv(1) == b""  # and the connection is closed
     assert status == 400 and headers["content-type"] == "application/json"
     assert payload["error"]["type"] == "invalid_request_error"
-    assert payload["error"]["code"] == "invalid_http_request"
+    if b"/v1/messages" in raw:
+        assert payload["type"] == "error" and "Invalid HTTP request" in payload["error"]["message"]
+    else:
+        assert payload["error"]["code"] == "invalid_http_request"
     time.sleep(0.2)
     lines = gw.log()[before:].splitlines()
     assert lines and all(line.startswith("{") for line in lines), lines
