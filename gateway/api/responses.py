@@ -141,8 +141,12 @@ async def _conversation_for(
             f"Use '{named}' or 'previous_response_id', not both", param="previous_response_id"
         )
     if conversation is not None:
-        cid = conversation.get("id") if isinstance(conversation, dict) else conversation
-        cid = check_conversation_id(cid, param="conversation")
+        if isinstance(conversation, dict):
+            if not isinstance(conversation.get("id"), str):
+                said = "'conversation' must be a conversation id or an object with its 'id'"
+                raise InvalidRequest(said, param="conversation.id")
+            conversation = conversation["id"]
+        cid = check_conversation_id(conversation, param="conversation")
         return await services.responses.named_conversation(tenant, cid), None
     if previous is not None:
         return await services.responses.continued_conversation(tenant, previous), previous

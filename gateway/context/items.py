@@ -75,7 +75,8 @@ def _chat_content(content: object, where: str, where_role: str = "user") -> str 
                 )
             parts.append({"type": "file", "file": file})
         else:
-            raise InvalidRequest(f"{at}: unsupported content part {kind!r}", param=f"{where}.content")
+            said = f"of type {kind!r}" if isinstance(kind, str) else "without a string 'type'"
+            raise InvalidRequest(f"{at}: unsupported content part {said}", param=f"{where}.content")
     if all(p["type"] == "text" for p in parts):
         return "".join(p.get("text", "") for p in parts)
     return parts

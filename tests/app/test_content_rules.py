@@ -214,3 +214,16 @@ async def test_a_message_without_content_or_a_part_without_type_is_refused_on_ev
     assert r.json()["error"]["param"].startswith(where)
     assert (await app_client.get(f"/v1/conversations/{CID}/items")).json()["data"] == []
     assert mock_upstream.requests == []
+
+
+async def test_errors_name_what_is_missing_not_a_python_none(app_client: httpx.AsyncClient) -> None:
+    """They said "unsupported content part None" and "Invalid conversation None"."""
+    item = {"items": [{"type": "message", "role": "user", "content": [{"text": "hi"}]}]}
+    assert (await app_client.post("/v1/conversations", json={"id": CID})).status_code == 200
+    untyped = (await app_client.post(f"/v1/conversations/{CID}/items", json=item)).json()["error"]
+    assert "without a string 'type'" in untyped["message"] and "None" not in untyped["message"]
+    empty = await app_client.post(
+        "/v1/responses", json={"model": "mock/m", "input": "hi", "conversation": {}}
+    )
+    assert empty.status_code == 400 and empty.json()["error"]["param"] == "conversation.id"
+    assert "None" not in empty.json()["error"]["message"]
