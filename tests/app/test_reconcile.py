@@ -112,6 +112,10 @@ def test_a_resend_that_leaves_the_tool_results_out_is_no_edit() -> None:
     assert edited.branch_at == 5 and edited.new == [a("It is raining."), u("thanks")]
     # with the results, as before
     assert reconcile([*history, result, a("It is sunny."), u("thanks")], view).new == [u("thanks")]
+    # Resent up to the result, to have another answer: a regenerate that keeps the result. It
+    # was taken for calls without their results, and the result went after the stored one: a 400.
+    again = reconcile([*history, result], view)
+    assert (again.branch_at, again.new, again.regenerated) == (4, [result], True)
 
 
 def test_a_branch_cuts_the_view_where_the_client_diverged() -> None:
