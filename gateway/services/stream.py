@@ -78,12 +78,15 @@ def new_call_id() -> str:
 def _complete_calls(calls: list[JSONObject]) -> None:
     """A whole answer's calls as the client gets them and the gateway stores them.
 
-    An id where the provider gave none (as streamed calls get one, rather than a 502), and
-    `"{}"` where it gave no arguments (null, left out or ""; stored as "", a strict provider
-    would refuse every later turn)."""
+    An id where the provider gave none (as streamed calls get one, rather than a 502) or one an
+    earlier call of the answer has (results could not tell them apart, and Anthropic's clients
+    refuse to send such calls back), and `"{}"` where it gave no arguments (null, left out or "";
+    stored as "", a strict provider would refuse every later turn)."""
+    seen: set[object] = set()
     for call in calls:
-        if not call.get("id"):
+        if not call.get("id") or call["id"] in seen:
             call["id"] = new_call_id()
+        seen.add(call["id"])
         default_arguments(call.get("function"))
 
 
@@ -238,10 +241,11 @@ class StreamAccumulator:
             slot = self.tool_calls[at] = cast(
                 ToolCall, {"id": None, "type": "function", "function": {"name": "", "arguments": ""}}
             )
-            if not call.get("id"):
-                # A call streamed without an id (vLLM, Ollama and others do): one of the
-                # gateway's, in the piece the client gets too, so that its result can name it
-                # (stored as null, it went back to the provider on every later turn).
+            if not call.get("id") or any(other["id"] == call["id"] for other in self.tool_calls.values()):
+                # A call streamed without an id (vLLM, Ollama and others do), or with an earlier
+                # call's: one of the gateway's, in the piece the client gets too, so that its
+                # result can name it (stored as null, it went back to the provider on every
+                # later turn; twice, Anthropic's clients refuse to send it back).
                 call["id"] = new_call_id()
                 self._minted.add(at)
         if call.get("id"):

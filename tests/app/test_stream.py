@@ -107,6 +107,28 @@ def test_a_call_streamed_without_an_id_gets_one_the_client_sees_too() -> None:
     assert chunks[0]["choices"][0]["delta"]["tool_calls"][0]["id"] == call["id"]  # what the client got
 
 
+def test_calls_a_provider_gave_one_id_get_ids_apart_streamed_or_not() -> None:
+    """Two parallel calls with one id were relayed so; a client that resent them (Anthropic's
+    SDK flow) was refused "two tool_use blocks with one id", and results could not tell them apart."""
+    from gateway.services.stream import output_message
+
+    acc = StreamAccumulator()
+    chunks = [
+        {"choices": [{"index": 0, "delta": {"tool_calls": [
+            {"index": k, "id": "call_same", "type": "function", "function": {"name": name, "arguments": "{}"}}
+        ]}, "finish_reason": None}]}
+        for k, name in enumerate(("a", "b"))
+    ]  # fmt: skip
+    for chunk in chunks:
+        acc.add(chunk)
+    first, second = acc.message()["tool_calls"]
+    assert first["id"] == "call_same" and second["id"] != "call_same" and second["id"].startswith("call_")
+    assert chunks[1]["choices"][0]["delta"]["tool_calls"][0]["id"] == second["id"]  # what the client got
+    same = {"id": "call_same", "type": "function", "function": {"name": "a", "arguments": "{}"}}
+    whole = output_message({"role": "assistant", "content": None, "tool_calls": [same, {**same}]})
+    assert len({call["id"] for call in whole["tool_calls"]}) == 2
+
+
 def test_a_call_streamed_without_arguments_is_stored_as_a_whole_answers_is() -> None:
     acc = StreamAccumulator()
     call = {"index": 0, "id": "c1", "type": "function", "function": {"name": "now"}}
