@@ -156,7 +156,8 @@ async def response_events(
     text_id = f"msg_{rid}_{position}"
     text_open = False
     calls_seen: dict[int, int] = {}  # tool call index -> output index
-    output_index = len(lead)
+    # Items take their output index in the order they begin (a call may come before the text).
+    output_index = next_index = len(lead)
     try:
         async for chunk in chunks:
             choices: Any = chunk.get("choices") or ()  # (a provider's chunk, checked as it goes)
@@ -166,6 +167,7 @@ async def response_events(
                 if isinstance(piece, str) and piece:
                     if not text_open:
                         text_open = True
+                        output_index, next_index = next_index, next_index + 1
                         item = {
                             "type": "message",
                             "id": text_id,
@@ -198,7 +200,7 @@ async def response_events(
                     k = int(call.get("index", 0))
                     fn = call.get("function") or {}
                     if k not in calls_seen:
-                        calls_seen[k] = len(lead) + len(calls_seen) + (1 if text_open else 0)
+                        calls_seen[k], next_index = next_index, next_index + 1
                         item = {
                             "type": "function_call",
                             "id": f"fc_{rid}_{position}_{k}",
@@ -231,10 +233,27 @@ async def response_events(
         lead=lead,
         **common,
     )
-    announced = {*calls_seen.values(), *((len(lead),) if text_open else ())}
+    final["output"] = _in_streamed_order(
+        final["output"], len(lead), output_index if text_open else None, calls_seen
+    )
+    announced = {*calls_seen.values(), *((output_index,) if text_open else ())}
     for frame in finishing_events(final, announced, seq, skip=len(lead)):
         yield frame
-    del output_index
+
+
+def _in_streamed_order(
+    output: list[dict[str, Any]], skip: int, text_index: int | None, calls_seen: dict[int, int]
+) -> list[dict[str, Any]]:
+    """The answer's output items at the output indexes the stream gave them as they began (a
+    call streamed before the text comes first); those it did not announce after them, in order.
+
+    The first `skip` items were done before the answer began (a compaction item)."""
+    call_indexes = iter(calls_seen[k] for k in sorted(calls_seen))
+    placed: list[tuple[int, int, dict[str, Any]]] = []
+    for n, item in enumerate(output[skip:]):
+        at = text_index if item["type"] == "message" else next(call_indexes, None)
+        placed.append((at if at is not None else len(output) + n, n, item))
+    return [*output[:skip], *(item for _, _, item in sorted(placed, key=lambda p: (p[0], p[1])))]
 
 
 def finishing_events(

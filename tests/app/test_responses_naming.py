@@ -196,3 +196,52 @@ async def test_a_refused_turns_log_line_names_the_conversation_of_conversation_o
     lines = [json.loads(r.getMessage()) for r in caplog.records if r.name == "gateway.access"]
     refused = [line for line in lines if line.get("outcome") == "refused"]
     assert [line["conversation_id"] for line in refused] == [conv, conv]
+
+
+class CallThenText(MockUpstream):
+    """A provider that streams a tool call before its text (some local models, litellm routes)."""
+
+    async def stream(self, body: dict[str, Any], *, waited: float = 0.0) -> Any:  # type: ignore[override]
+        self.requests.append(body)
+        head = {"id": "x", "object": "chat.completion.chunk", "created": 1, "model": "m"}
+        call = {
+            "index": 0,
+            "id": "call_1",
+            "type": "function",
+            "function": {"name": "f", "arguments": '{"a":'},
+        }
+        for delta in (
+            {"role": "assistant", "tool_calls": [call]},
+            {"tool_calls": [{"index": 0, "function": {"arguments": " 1}"}}]},
+            {"content": "Let me "},
+            {"content": "check."},
+        ):
+            yield {**head, "choices": [{"index": 0, "delta": delta, "finish_reason": None}]}
+        yield {**head, "choices": [{"index": 0, "delta": {}, "finish_reason": "tool_calls"}]}
+
+
+async def test_a_call_streamed_before_the_text_keeps_one_output_index_per_item() -> None:
+    """The message was announced at the call's output index, and the call announced again at
+    the next: the SDK's `responses.stream` raised "Duplicate response output index 0"."""
+    async with build_client(make_settings(), MemoryStore(), CallThenText()) as client:
+        streamed = await respond(client, "hello", stream=True)
+    events = [
+        json.loads(line[len("data: ") :]) for line in streamed.text.splitlines() if line.startswith("data: ")
+    ]
+    added = [
+        (e["output_index"], e["item"]["type"]) for e in events if e["type"] == "response.output_item.added"
+    ]
+    assert added == [(0, "function_call"), (1, "message")]
+    done = [
+        (e["output_index"], e["item"]["type"]) for e in events if e["type"] == "response.output_item.done"
+    ]
+    assert sorted(done) == added
+    indexes = {e["type"]: e["output_index"] for e in events if "output_index" in e and "item" not in e}
+    assert (
+        indexes["response.function_call_arguments.done"]
+        == indexes["response.function_call_arguments.delta"]
+        == 0
+    )
+    assert indexes["response.output_text.delta"] == indexes["response.output_text.done"] == 1
+    final = events[-1]["response"]
+    assert [item["type"] for item in final["output"]] == ["function_call", "message"]
