@@ -548,7 +548,10 @@ class BlockEvents:
     chat service's: each tool call piece names its call by `index`, with its id. A provider that
     interleaves parallel calls (a call begun while the one before it is still incomplete JSON)
     has the later call held back, its pieces kept, until the earlier one is complete or the
-    answer ends; then it follows as a block of its own.
+    answer ends; then it follows as a block of its own. A call's input goes whole, in one
+    `input_json_delta` just before its block stops: the JSON object its arguments hold, else `{}`
+    (as a whole answer's `input`; a client assembling the pieces of arguments that are not JSON,
+    which small models write, raised before it had the message).
     """
 
     def __init__(self) -> None:
@@ -585,7 +588,8 @@ class BlockEvents:
             key = next(iter(self.held))
             block, pieces = self.held.pop(key)
             events += self._begin(block, key)
-            events += [self._delta(key, piece) for piece in pieces]
+            for piece in pieces:
+                self._delta(key, piece)
             if not ending and (not self.held or not self._complete(key)):
                 break
             events += self._stop()
@@ -594,13 +598,18 @@ class BlockEvents:
     def _stop(self) -> list[JSONObject]:
         if self.open is None:
             return []
-        index, self.open, self.open_call = self.open, None, None
-        return [{"type": "content_block_stop", "index": index}]
+        index, call, self.open, self.open_call = self.open, self.open_call, None, None
+        events: list[JSONObject] = []
+        text = self.arguments.get(call, "") if call is not None else ""
+        if text.strip():
+            whole = tool_input(text)
+            delta = {"type": "input_json_delta", "partial_json": text if whole else "{}"}
+            events.append({"type": "content_block_delta", "index": index, "delta": delta})
+        return [*events, {"type": "content_block_stop", "index": index}]
 
-    def _delta(self, key: int, piece: str) -> JSONObject:
+    def _delta(self, key: int, piece: str) -> None:
+        """A piece of a call's arguments, kept until its block stops (`_stop` sends them)."""
         self.arguments[key] = self.arguments.get(key, "") + piece
-        delta = {"type": "input_json_delta", "partial_json": piece}
-        return {"type": "content_block_delta", "index": self.calls[key], "delta": delta}
 
     def _complete(self, key: int) -> bool:
         """Are the call's arguments so far a whole JSON value? (Then a later call may begin.)
@@ -656,7 +665,7 @@ class BlockEvents:
             return events
         if self.calls[key] != self.open and not piece.strip():
             return events  # whitespace after a call's whole JSON, its block closed: nothing to say
-        events.append(self._delta(key, piece))
+        self._delta(key, piece)
         if key == self.open_call and self.held and self._complete(key):
             events += self._release(ending=False)  # the calls held behind it
         return events

@@ -495,15 +495,10 @@ def test_a_stream_of_text_then_tool_calls_is_a_block_each() -> None:
             "index": 1,
             "content_block": {"type": "tool_use", "id": "call_a", "name": "get_weather", "input": {}},
         },
-        {
+        {  # (its input whole, just before its block stops)
             "type": "content_block_delta",
             "index": 1,
-            "delta": {"type": "input_json_delta", "partial_json": '{"ci'},
-        },
-        {
-            "type": "content_block_delta",
-            "index": 1,
-            "delta": {"type": "input_json_delta", "partial_json": 'ty": "Paris"}'},
+            "delta": {"type": "input_json_delta", "partial_json": '{"city": "Paris"}'},
         },
         {"type": "content_block_stop", "index": 1},
         {
@@ -572,3 +567,18 @@ def test_the_stop_string_a_provider_names_is_kept() -> None:
 )
 def test_errors_in_anthropics_shape(status: int, kind: str) -> None:
     assert error_body(status, "why") == {"type": "error", "error": {"type": kind, "message": "why"}}
+
+
+def test_a_calls_arguments_that_are_no_json_object_are_streamed_as_the_whole_answer_has_them() -> None:
+    """Streamed piece by piece, `{not json` made the SDK raise "Unable to parse tool parameter
+    JSON" before the application had the message; a whole answer says `input: {}`."""
+    blocks = BlockEvents()
+    chunks = [
+        piece(0, id="call_a", name="f", args="{not "),
+        piece(0, args="json"),
+        piece(1, id="b", name="g", args="[1]"),
+    ]
+    events = [event for chunk in chunks for event in blocks.feed(chunk)] + blocks.close()
+    inputs = [e["delta"]["partial_json"] for e in events if e["type"] == "content_block_delta"]
+    assert inputs == ["{}", "{}"]  # (a list is no object either)
+    assert [e["type"] for e in events].count("content_block_stop") == 2
