@@ -18,7 +18,10 @@ Requests:
   takes text only);
 - `tools` (`input_schema` is `parameters`), `tool_choice` (`any` is "required", `tool` that
   function, `disable_parallel_tool_use` is `parallel_tool_calls: false`), `stop_sequences`
-  (`stop`), `temperature`, `top_p` and `metadata.user_id` (`user`) are passed on.
+  (`stop`), `temperature`, `top_p` and `metadata.user_id` (`user`) are passed on; so are
+  structured outputs: `output_config.format` (or the earlier `output_format`) is
+  `response_format: json_schema` (strict), a tool's `strict` the function's, and
+  `output_config.effort` is `reasoning_effort` (`xhigh` and `max` as `high`).
 
 The mapping is deterministic, so a client that resends its history (as Anthropic's clients do)
 resends messages equal to the stored ones: the overlap is recognised, never stored twice.
@@ -333,7 +336,55 @@ def chat_tools(tools: object) -> list[JSONObject] | None:
         if not isinstance(schema, dict):
             raise InvalidRequest(f"{at}.input_schema must be an object (a JSON schema)", param=at)
         function["parameters"] = schema
+        strict = tool.get("strict")
+        if strict is not None and not isinstance(strict, bool):
+            raise InvalidRequest(f"{at}.strict must be a boolean", param=f"{at}.strict")
+        if strict:
+            function["strict"] = True
         out.append({"type": "function", "function": function})
+    return out
+
+
+# Anthropic's `output_config.effort` as chat completions' `reasoning_effort` (its nearest).
+EFFORTS = {"low": "low", "medium": "medium", "high": "high", "xhigh": "high", "max": "high"}
+
+
+def chat_output(body: JSONObject) -> JSONObject:
+    """Anthropic's structured outputs and effort as chat completions' fields (none: {}).
+
+    `output_config.format` (or the earlier top-level `output_format`), `{"type": "json_schema",
+    "schema": {...}}`, is `response_format` with that schema, strict; `output_config.effort` is
+    `reasoning_effort`."""
+    out: JSONObject = {}
+    config = body.get("output_config")
+    if config is not None and not isinstance(config, dict):
+        raise InvalidRequest("'output_config' must be an object", param="output_config")
+    config = config or {}
+    for name, fmt in (
+        ("output_config.format", config.get("format")),
+        ("output_format", body.get("output_format")),
+    ):
+        if fmt is None:
+            continue
+        if (
+            not isinstance(fmt, dict)
+            or fmt.get("type") != "json_schema"
+            or not isinstance(fmt.get("schema"), dict)
+        ):
+            raise InvalidRequest(
+                f'\'{name}\' must be {{"type": "json_schema", "schema": {{...}}}}', param=name
+            )
+        out["response_format"] = {
+            "type": "json_schema",
+            "json_schema": {"name": "output", "schema": fmt["schema"], "strict": True},
+        }
+    effort = config.get("effort")
+    if effort is not None:
+        if effort not in EFFORTS:
+            raise InvalidRequest(
+                "'output_config.effort' must be one of " + ", ".join(EFFORTS), param="output_config.effort"
+            )
+        out["reasoning_effort"] = EFFORTS[effort]
     return out
 
 
@@ -381,6 +432,7 @@ def chat_request(body: JSONObject, *, cap: str) -> JSONObject:
     for key in ("temperature", "top_p"):
         if body.get(key) is not None:
             chat[key] = body[key]
+    chat.update(chat_output(body))
     metadata = body.get("metadata")
     user = metadata.get("user_id") if isinstance(metadata, dict) else None
     if user is not None:

@@ -323,6 +323,33 @@ def test_chat_request_passes_on_what_a_chat_provider_takes() -> None:
     assert plain == {"model": "m", "messages": [{"role": "user", "content": "x"}], "max_tokens": 1}
 
 
+def test_structured_outputs_strict_tools_and_effort_are_passed_on() -> None:
+    """`output_config` (the SDK's `messages.parse(output_format=...)`) and a tool's `strict` were
+    dropped: the model was not held to the schema, and nothing said so."""
+    schema = {"type": "object", "properties": {"name": {"type": "string"}}, "required": ["name"]}
+    body = {
+        "model": "m",
+        "max_tokens": 64,
+        "messages": [{"role": "user", "content": "x"}],
+        "output_config": {"format": {"type": "json_schema", "schema": schema}, "effort": "max"},
+        "tools": [{"name": "t", "input_schema": {"type": "object"}, "strict": True}],
+    }
+    chat = chat_request(body, cap="max_tokens")
+    assert chat["response_format"] == {
+        "type": "json_schema",
+        "json_schema": {"name": "output", "schema": schema, "strict": True},
+    }
+    assert chat["reasoning_effort"] == "high" and chat["tools"][0]["function"]["strict"] is True
+    earlier = chat_request(
+        {**body, "output_config": None, "output_format": {"type": "json_schema", "schema": schema}},
+        cap="max_tokens",
+    )
+    assert earlier["response_format"]["json_schema"]["schema"] == schema
+    for bad in ({"format": {"type": "text"}}, {"effort": "extreme"}, "fast"):
+        with pytest.raises(InvalidRequest):
+            chat_request({**body, "output_config": bad}, cap="max_tokens")
+
+
 # -- answers -------------------------------------------------------------------------------------
 
 
