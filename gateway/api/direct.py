@@ -12,8 +12,10 @@ through Starlette as before.
 
 from __future__ import annotations
 
+import re
 from collections.abc import Awaitable, Callable, Iterable, Mapping
 from typing import Any
+from urllib.parse import unquote
 
 from starlette.applications import Starlette
 from starlette.exceptions import HTTPException
@@ -63,6 +65,12 @@ class DirectEndpoints:
         await response(scope, receive, send)
 
 
+def kept_slashes(raw_path: bytes) -> str:
+    """The request's path decoded but for its encoded slashes ("%2F"), which stay as written."""
+    path = raw_path.split(b"?", 1)[0].decode("latin-1")
+    return "%2F".join(unquote(part) for part in re.split("%2[fF]", path))
+
+
 class GatewayApp(Starlette):
     """Starlette, with the POSTs to `direct` paths served by `DirectEndpoints` behind the same middlewares.
 
@@ -94,6 +102,12 @@ class GatewayApp(Starlette):
         return ServerErrorMiddleware(app, handler=server_error, debug=self.debug)
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] == "http":
+            raw = scope.get("raw_path") or b""
+            if b"%2f" in raw.lower():
+                # An encoded "/" is part of the segment it is in, never a separator: decoded before
+                # routing, "ID%2Freset" reached the reset route of conversation ID.
+                scope["path"] = kept_slashes(raw)
         if (
             scope["type"] == "http"
             and scope["method"] == "POST"

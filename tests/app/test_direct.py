@@ -107,10 +107,19 @@ async def test_a_path_with_a_slash_more_is_no_route_not_a_redirect_to_another_re
     async with build_client(make_settings(), MemoryStore(), MockUpstream()) as client:
         made = await client.post("/v1/chat/completions", json={**CHAT, "conversation_id": "victim"})
         assert made.is_success
-        for path in ("/v1/conversations/victim/", "/v1/conversations/victim%2F"):
-            gone = await client.delete(path)
-            assert gone.status_code == 404 and gone.json()["error"]["code"] == "unknown_url", gone.text
+        gone = await client.delete("/v1/conversations/victim/")
+        assert gone.status_code == 404 and gone.json()["error"]["code"] == "unknown_url", gone.text
+        gone = await client.delete("/v1/conversations/victim%2F")  # (an id with a "/" in it)
+        assert gone.status_code == 400 and gone.json()["error"]["code"] == "invalid_conversation_id"
         changed = await client.post("/v1/conversations/%2F", json={"metadata": {"k": "v"}})
-        assert changed.status_code == 404, changed.text  # (not a new conversation made by a redirect)
+        assert changed.status_code == 400, changed.text  # (not a new conversation made by a redirect)
+        # An encoded "/" inside an id reached another route: the reset of `victim`, an item's
+        # deletion, the list of its items.
+        reset = await client.post("/v1/conversations/victim%2Freset", json={"metadata": {"k": "v"}})
+        assert reset.status_code == 400 and reset.json()["error"]["code"] == "invalid_conversation_id"
+        items = await client.get("/v1/conversations/victim%2fitems")
+        assert items.status_code == 400, items.text
+        assert (await client.post("/v1/messages%2Fcount_tokens", json={})).status_code == 404
         assert (await client.get("/v1/conversations/victim")).status_code == 200
         assert len((await client.get("/v1/conversations")).json()["data"]) == 1
+        assert len((await client.get("/v1/conversations/victim/items")).json()["data"]) == 2  # (kept)
