@@ -33,7 +33,7 @@ from gateway.context.compaction import (
 )
 from gateway.context.history import ConversationView
 from gateway.context.items import message_to_items
-from gateway.context.summary import Summary, current_summary
+from gateway.context.summary import Summary, current_summary, summary_version
 from gateway.exceptions import InvalidRequest, NotFound
 from gateway.ids import mint_response_id
 from gateway.services.cache import ConversationCache
@@ -209,8 +209,9 @@ class Compactions:
     ) -> TurnCompaction | None:
         """Before a turn of conversation `cid`, compact it when its prompt passes `threshold` tokens.
 
-        The prompt is as it would be sent whole: system prompt, summary, every message after it,
-        and `messages`, the turn's input. A `threshold` of None is DEFAULT_THRESHOLD_SHARE of the
+        The prompt is as it would be sent whole: system prompt, the summary the window sends (the
+        one its head holds, not a newer one waiting for the next cut, such as post-processing's
+        of the whole conversation), every message after it, and `messages`, the turn's input. A `threshold` of None is DEFAULT_THRESHOLD_SHARE of the
         model's window. Compacting folds every turn but the newest into a new summary version and
         records the compaction. None when none is due (or the turn goes on from an older
         response, on a branch of its own: not compacted).
@@ -228,7 +229,9 @@ class Compactions:
             if previous is not None and (not view.response_ids or view.response_ids[-1] != previous):
                 return None
             await _counted(view, encoding, count)
-            summary = current_summary(await store.read_side("summaries", cid), view)
+            records = await store.read_side("summaries", cid)
+            held = view.head.summary if view.head is not None else None
+            summary = summary_version(records, view, held) if held is not None else None
             covered = summary.covered if summary is not None else 0
             new_tokens = sum(count(clean_message(m)) for m in messages)
             summary_tokens = count_text(summary.text, model) if summary is not None else 0

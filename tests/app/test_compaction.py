@@ -349,3 +349,26 @@ def test_a_replayed_response_announces_its_compaction_item_whole() -> None:
     added = [(e["output_index"], e["item"]) for e in frames if e["type"] == "response.output_item.added"]
     assert added[0] == (0, item) and added[1][1]["content"] == []
     assert [e["output_index"] for e in frames if e["type"] == "response.output_item.done"] == [0, 1]
+
+
+async def test_context_management_compacts_a_conversation_post_processing_summarized() -> None:
+    """Post-processing's summary covers the whole conversation but waits for a cut: the prompt
+    was measured as that summary and the new input, so no compaction was due while the whole
+    history went to the provider on every turn."""
+    from tests.conftest import app_of
+
+    upstream = MockUpstream()
+    async with build_client(make_settings(), MemoryStore(), upstream) as client:
+        previous = None
+        for text in ["Hi, my name is Bob.", "my city is Oslo", "I like trains a lot.", "my dog is Rex"]:
+            previous = (await respond(client, input=text, previous_response_id=previous))["id"]
+        cid = (await client.get(f"/v1/responses/{previous}")).json()["conversation"]["id"]
+        summaries = app_of(client).state.processor.sessions.summaries
+        await summaries.summarize_all("", cid, "mock/m")  # idle: post-processing folds it all
+        manage = [{"type": "compaction", "compact_threshold": 60}]
+        response = await respond(
+            client, input="and my cat is Tom", previous_response_id=previous, context_management=manage
+        )
+    assert [i["type"] for i in response["output"]] == ["compaction", "message"]
+    sent = [m["content"] for m in turns(upstream)[-1]["messages"]]
+    assert "Hi, my name is Bob." not in sent and sent[0].startswith("Summary of the earlier conversation")
