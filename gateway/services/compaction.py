@@ -211,10 +211,11 @@ class Compactions:
 
         The prompt is as it would be sent whole: system prompt, the summary the window sends (the
         one its head holds, not a newer one waiting for the next cut, such as post-processing's
-        of the whole conversation), every message after it, and `messages`, the turn's input. A `threshold` of None is DEFAULT_THRESHOLD_SHARE of the
-        model's window. Compacting folds every turn but the newest into a new summary version and
-        records the compaction. None when none is due (or the turn goes on from an older
-        response, on a branch of its own: not compacted).
+        of the whole conversation), every message after it, and `messages`, the turn's input. A
+        `threshold` of None is DEFAULT_THRESHOLD_SHARE of the model's window. Compacting folds
+        every turn but the newest into a new summary version and records the compaction. None
+        when none is due (or the turn goes on from an older response, on a branch of its own: not
+        compacted).
         """
         store = await self.stores.get(tenant)
         if not await store.exists(cid):
