@@ -6,6 +6,7 @@ No I/O and no async: every function takes plain lists of OpenAI message dicts.
 from __future__ import annotations
 
 import dataclasses
+import itertools
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import cast
@@ -25,6 +26,11 @@ PREVIEW_CHARS = 120  # how much of the newest user message a list shows
 
 def is_feedback(message: Message) -> bool:
     return message.get("is_feedback") is True
+
+
+def leading_results(messages: Sequence[Message]) -> list[Message]:
+    """The `tool` messages `messages` begin with."""
+    return list(itertools.takewhile(lambda m: m.get("role") == "tool", messages))
 
 
 def clean_message(message: Message) -> Message:
@@ -364,16 +370,18 @@ class ConversationView:
         self.feedback_calls = [*before, *(clean_message(m) for m in turn.input), out]
 
     def pending_feedback_calls(self, new: Sequence[Message]) -> list[Message]:
-        """The feedback exchange `new` goes on from: [] unless `new` is only results for its calls.
+        """The feedback exchange `new` goes on from: [] unless `new` begins with results for its
+        calls (and only for them), whatever follows.
 
         A feedback turn the model answered with tool calls is left out of history whole; the
         results the client sends for those calls go on from it (and are feedback too).
         """
-        if not self.feedback_calls or not new or any(m.get("role") != "tool" for m in new):
+        results = leading_results(new)
+        if not self.feedback_calls or not results:
             return []
         calls = self.feedback_calls[-1].get("tool_calls")
         pending = {c.get("id") for c in calls if isinstance(c, dict)} if isinstance(calls, list) else set()
-        return self.feedback_calls if all(m.get("tool_call_id") in pending for m in new) else []
+        return self.feedback_calls if all(m.get("tool_call_id") in pending for m in results) else []
 
     def _note_facts(self, turn: Turn) -> None:
         """A turn's time, model, user, time zone and recap, as the conversation's latest."""

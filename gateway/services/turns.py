@@ -26,7 +26,7 @@ from gateway.context import (
     reconcile,
     split_system,
 )
-from gateway.context.history import NotLoaded
+from gateway.context.history import NotLoaded, leading_results
 from gateway.context.lifecycle import user_key
 from gateway.coroutines import await_commit, run_to_end, while_waiting
 from gateway.exceptions import (
@@ -256,8 +256,9 @@ class ChatService:
                     view = view.branched(reconciled.branch_at)  # planned on the client's version
                 # Results for a feedback turn's tool calls go on from it: sent with it, feedback too.
                 goes_on = view.pending_feedback_calls(new) if branch is None else []
-                if goes_on:
-                    new = [{**m, "is_feedback": True} for m in new]
+                if goes_on:  # (the results it begins with; what follows them is the client's turn)
+                    k = len(leading_results(new))
+                    new = [*(cast(Message, {**m, "is_feedback": True}) for m in new[:k]), *new[k:]]
                 # + 1: the reply this turn would store
                 check_size(self.settings.storage.max_conversation_messages, cid, view, len(new) + 1)
                 new_tokens = await off_loop_if_large(

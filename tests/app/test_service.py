@@ -129,9 +129,26 @@ async def test_feedback_answered_by_a_tool_call_goes_on_and_stays_out(backend: s
         # Once an ordinary turn came between, a result for that call answers nothing.
         orphan = await chat(client, [{"role": "tool", "tool_call_id": "call_fb", "content": "rainy"}])
         assert orphan.status_code == 400
+        # A result sent with a new message goes on from the feedback as well; the message is the
+        # client's turn, kept (it was sent without the result, which was dropped without a word).
+        await chat(client, [user("wrong again: the weather?", is_feedback=True)])
+        both = await chat(
+            client, [{"role": "tool", "tool_call_id": "call_fb", "content": "rainy"}, user("and?")]
+        )
+        assert both.status_code == 200, both.text
+        assert sent(upstream)[-4:] == [
+            ("user", "wrong again: the weather?"), ("assistant", None), ("tool", "rainy"), ("user", "and?"),
+        ]  # fmt: skip
+        await chat(client, [user("last")])
+        assert [c for r, c in sent(upstream) if r == "user"] == [
+            "my name is Eve",
+            "what is my name?",
+            "and?",
+            "last",
+        ]
         # Nor is it among the conversation's items, as feedback is not.
         items = (await client.get("/v1/conversations/c/items", params={"order": "asc"})).json()["data"]
-        assert [i.get("role") or i["type"] for i in items] == ["user", "assistant", "user", "assistant"]
+        assert [i.get("role") or i["type"] for i in items] == ["user", "assistant"] * 4
 
 
 async def test_feedback_tool_chain_from_a_client_that_resends_its_history() -> None:
