@@ -123,6 +123,10 @@ class AssistantMessage(TypedDict, total=False):
     tool_call_id: str | None
     tool_calls: Annotated[list[ToolCall], AfterValidator(_ids_apart)] | None
     is_feedback: bool | None
+    # (kept for the check that the message says something; what they hold is the provider's)
+    function_call: SkipValidation[object]
+    audio: SkipValidation[object]
+    refusal: SkipValidation[object]
 
 
 @with_config(MESSAGE)
@@ -138,14 +142,24 @@ class ToolMessage(TypedDict, total=False):
 def _has_content(message: InputMessage | ToolMessage) -> InputMessage | ToolMessage:
     """A system, developer, user or tool message says something (the items API, Responses and
     Messages refuse one without content; stored, it went to the provider on every later turn)."""
-    if message.get("role") != "function" and message.get("content") is None:
+    if message.get("role") != "function" and message.get("content") in (None, []):
         raise ValueError(f"a {message.get('role')} message needs its content: a string or a list of parts")
+    return message
+
+
+def _says_something(message: AssistantMessage) -> AssistantMessage:
+    """An assistant message has content unless it calls tools (or is an audio answer or a
+    refusal), as OpenAI requires: stored empty, it went to the provider on every later turn."""
+    if message.get("content") in (None, []) and not any(
+        message.get(key) not in (None, [], "") for key in ("tool_calls", "function_call", "audio", "refusal")
+    ):
+        raise ValueError("an assistant message needs its content unless it has tool_calls")
     return message
 
 
 Message = Annotated[
     Annotated[InputMessage, AfterValidator(_has_content)]
-    | AssistantMessage
+    | Annotated[AssistantMessage, AfterValidator(_says_something)]
     | Annotated[ToolMessage, AfterValidator(_has_content)],
     Field(discriminator="role"),
 ]

@@ -78,7 +78,16 @@ def validate(model: type[B], body: object) -> B:
     try:
         return model.model_validate(body)
     except ValidationError as exc:
-        error = exc.errors(include_url=False)[0]
+        errors = exc.errors(include_url=False)
+        error = errors[0]
+        # A value no member of a union took (a message's content): the member that got furthest
+        # says most (a part without its type, rather than "must be a string").
+        parent = error["loc"][:-1]
+        deeper = [
+            e for e in errors if e["loc"][: len(parent)] == parent and len(e["loc"]) > len(error["loc"])
+        ]
+        if deeper:
+            error = max(deeper, key=lambda e: len(e["loc"]))
         messages: ErrorMessages = getattr(model, "error_messages", {})
         raise invalid_request(error, body, messages) from None
 

@@ -612,12 +612,16 @@ async def test_malformed_chunk_mid_stream_is_an_in_band_error(memory_store: Memo
         ({"role": {}, "content": "x"}, "messages[0].role"),  # unhashable: was a 500
         ({"role": ["user"], "content": "x"}, "messages[0].role"),
         ({"role": "user", "content": 5}, "messages[0].content"),
-        ({"role": "user", "content": ["a"]}, "messages[0].content"),
+        ({"role": "user", "content": ["a"]}, "messages[0].content[0]"),
         ({"role": "user", "content": "x", "name": 3}, "messages[0].name"),
         ({"role": "tool", "content": "x"}, "messages[0].tool_call_id"),
         ({"role": "user", "content": "x", "tool_calls": []}, "messages[0].tool_calls"),
         ({"role": "assistant", "content": None, "tool_calls": {}}, "messages[0].tool_calls"),
         ({"role": "assistant", "content": None, "tool_calls": [{"id": "c"}]}, "messages[0].tool_calls[0]"),
+        # Stored, these went to the provider on every later turn (OpenAI refuses them).
+        ({"role": "assistant"}, "messages[0]"),
+        ({"role": "assistant", "content": []}, "messages[0]"),
+        ({"role": "user", "content": []}, "messages[0]"),
     ],
 )
 def test_malformed_messages_are_a_400_naming_the_field(message: dict[str, Any], param: str) -> None:
