@@ -65,6 +65,11 @@ class DirectEndpoints:
         await response(scope, receive, send)
 
 
+# Paths whose last part is an id that may hold a "/" (a model's: "ollama/phi4-mini"), which
+# clients send encoded ("%2F").
+SLASHED_IDS = (b"/v1/models/",)
+
+
 def kept_slashes(raw_path: bytes) -> str:
     """The request's path decoded but for its encoded slashes ("%2F"), which stay as written."""
     path = raw_path.split(b"?", 1)[0].decode("latin-1")
@@ -104,7 +109,7 @@ class GatewayApp(Starlette):
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] == "http":
             raw = scope.get("raw_path") or b""
-            if b"%2f" in raw.lower():
+            if b"%2f" in raw.lower() and not raw.startswith(SLASHED_IDS):
                 # An encoded "/" is part of the segment it is in, never a separator: decoded before
                 # routing, "ID%2Freset" reached the reset route of conversation ID.
                 scope["path"] = kept_slashes(raw)

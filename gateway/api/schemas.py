@@ -13,7 +13,7 @@ history is checked as fast as by hand. Each body's `error_messages` says what a 
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import Annotated, ClassVar, Literal, NotRequired, Required
+from typing import Annotated, ClassVar, Literal, NotRequired, Required, cast
 
 from pydantic import (
     AfterValidator,
@@ -95,7 +95,37 @@ class ToolCall(TypedDict):
     function: FunctionCall
 
 
-@with_config(MESSAGE)
+def _said_in_schema(schema: JsonDict) -> None:
+    """The schema says a message's content as its check (`_has_content`) takes it: required, a
+    string or a non-empty array (so that generated requests are taken)."""
+    schema["additionalProperties"] = True
+    required = cast(list[str], schema.setdefault("required", []))
+    if "content" not in required:
+        required.append("content")
+    content = cast(JsonDict, cast(JsonDict, schema["properties"])["content"])
+    content["anyOf"] = [
+        _non_empty(kind) for kind in cast(list[JsonDict], content["anyOf"]) if kind.get("type") != "null"
+    ]
+
+
+def _non_empty(kind: JsonDict) -> JsonDict:
+    return {**kind, "minItems": 1} if kind.get("type") == "array" else kind
+
+
+def _answer_in_schema(schema: JsonDict) -> None:
+    """The schema says an assistant message as its check (`_says_something`) takes it: content,
+    or tool calls."""
+    schema["additionalProperties"] = True
+    schema["anyOf"] = [
+        {"required": ["tool_calls"], "properties": {"tool_calls": {"type": "array", "minItems": 1}}},
+        {
+            "required": ["content"],
+            "properties": {"content": {"anyOf": [{"type": "string"}, {"type": "array", "minItems": 1}]}},
+        },
+    ]
+
+
+@with_config(ConfigDict(strict=True, json_schema_extra=_said_in_schema))
 class InputMessage(TypedDict, total=False):
     """A system, developer or user message (or a legacy `function` result)."""
 
@@ -115,7 +145,7 @@ def _ids_apart(calls: list[ToolCall]) -> list[ToolCall]:
     return calls
 
 
-@with_config(MESSAGE)
+@with_config(ConfigDict(strict=True, json_schema_extra=_answer_in_schema))
 class AssistantMessage(TypedDict, total=False):
     role: Required[Literal["assistant"]]
     content: Content
@@ -129,7 +159,7 @@ class AssistantMessage(TypedDict, total=False):
     refusal: SkipValidation[object]
 
 
-@with_config(MESSAGE)
+@with_config(ConfigDict(strict=True, json_schema_extra=_said_in_schema))
 class ToolMessage(TypedDict, total=False):
     role: Required[Literal["tool"]]
     content: Content

@@ -120,6 +120,10 @@ async def test_a_path_with_a_slash_more_is_no_route_not_a_redirect_to_another_re
         items = await client.get("/v1/conversations/victim%2fitems")
         assert items.status_code == 400, items.text
         assert (await client.post("/v1/messages%2Fcount_tokens", json={})).status_code == 404
+        # A model's id holds a "/", which clients send encoded: still the model.
+        listed = (await client.get("/v1/models")).json()["data"][0]["id"]
+        one = await client.get("/v1/models/" + listed.replace("/", "%2F"))
+        assert one.status_code == 200 and one.json()["id"] == listed, one.text
         assert (await client.get("/v1/conversations/victim")).status_code == 200
         assert len((await client.get("/v1/conversations")).json()["data"]) == 1
         assert len((await client.get("/v1/conversations/victim/items")).json()["data"]) == 2  # (kept)
