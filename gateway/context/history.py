@@ -376,8 +376,10 @@ class ConversationView:
         A feedback turn the model answered with tool calls is left out of history whole; the
         results the client sends for those calls go on from it (and are feedback too).
         """
+        if not self.feedback_calls:
+            return []
         results = leading_results(new)
-        if not self.feedback_calls or not results:
+        if not results:
             return []
         calls = self.feedback_calls[-1].get("tool_calls")
         pending = {c.get("id") for c in calls if isinstance(c, dict)} if isinstance(calls, list) else set()
