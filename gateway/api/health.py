@@ -34,6 +34,8 @@ async def models(request: Request) -> Response:
 async def model(request: Request) -> Response:
     """`GET /v1/models/{model}` (the SDK's `models.retrieve`): one entry of the list, or 404."""
     wanted = request.path_params["model"]
+    if not wanted:  # (`/v1/models/`: no model named, a path of its own)
+        raise NotFound(f"Unknown path {request.url.path}", code="unknown_url")
     for entry in await _model_objects(request):
         if entry["id"] == wanted:
             return JSONBody(entry)

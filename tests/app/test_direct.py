@@ -124,6 +124,8 @@ async def test_a_path_with_a_slash_more_is_no_route_not_a_redirect_to_another_re
         listed = (await client.get("/v1/models")).json()["data"][0]["id"]
         one = await client.get("/v1/models/" + listed.replace("/", "%2F"))
         assert one.status_code == 200 and one.json()["id"] == listed, one.text
+        bare = await client.get("/v1/models/")
+        assert bare.status_code == 404 and bare.json()["error"]["code"] == "unknown_url", bare.text
         assert (await client.get("/v1/conversations/victim")).status_code == 200
         assert len((await client.get("/v1/conversations")).json()["data"]) == 1
         assert len((await client.get("/v1/conversations/victim/items")).json()["data"]) == 2  # (kept)
