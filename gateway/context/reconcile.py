@@ -128,8 +128,8 @@ def _without_tool_results(
         return None
     keys = view.keys("history")
     n = len(incoming)
-    if shared < min(n, len(keys)) and message_key(incoming[shared]) == keys[shared]:
-        return None  # (the client's message there is the stored one: a last message, not left out)
+    if shared < n and incoming[shared].get("role") == "tool":
+        return None  # (the client's message there is a result, as stored or edited: not left out)
     matched = min(_common_prefix(incoming, [keys[i] for i in kept]), n - 1)
     before = sum(1 for i in kept if i < shared)  # how far the whole history's match went, so counted
     if matched < before or (matched == before and history[shared].get("role") != "tool"):

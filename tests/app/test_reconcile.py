@@ -116,6 +116,11 @@ def test_a_resend_that_leaves_the_tool_results_out_is_no_edit() -> None:
     # was taken for calls without their results, and the result went after the stored one: a 400.
     again = reconcile([*history, result], view)
     assert (again.branch_at, again.new, again.regenerated) == (4, [result], True)
+    # ... or with the result edited, to have the answer to another: an edit there (it was a 400).
+    rainy = {**result, "content": "rainy"}
+    edited = reconcile([*history, rainy], view)
+    assert (edited.branch_at, edited.new, edited.regenerated) == (4, [rainy], False)
+    assert reconcile([*history, rainy, a("It is rainy."), u("ok")], view).branch_at == 4
 
 
 def test_a_branch_cuts_the_view_where_the_client_diverged() -> None:
