@@ -242,7 +242,10 @@ class Compactions:
         if target is None:
             return None
         summarizer = self.summaries.model_for(model)
-        await self.summaries.fold(tenant, cid, target, summarizer)
+        # From the summary the window sends: a newer one may cover the newest turn as well.
+        await self.summaries.fold(
+            tenant, cid, target, summarizer, base_version=summary.version if summary else 0
+        )
         async with store.lock(cid, lock_timeout):
             view = await self.cache.load(store, cid)
             made = current_summary(await store.read_side("summaries", cid), view)

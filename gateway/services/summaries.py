@@ -25,6 +25,7 @@ from gateway.context.summary import (
     last_version,
     render_for_summary,
     summary_cap,
+    summary_version,
     withdrawal,
 )
 from gateway.exceptions import UpstreamStatusError
@@ -216,18 +217,32 @@ class Summaries:
             {"type": "summary_failed", "attempt": attempt, "error": message[:500], "created": now()},
         )
 
-    async def fold(self, tenant: str, cid: str, target: str, model: str, *, keep: bool = True) -> None:
+    async def fold(
+        self,
+        tenant: str,
+        cid: str,
+        target: str,
+        model: str,
+        *,
+        keep: bool = True,
+        base_version: int | None = None,
+    ) -> None:
         """Fold the turns not yet covered, through response `target`, into new summary versions.
 
         Whole turns, in chunks that fit `model`'s window. The lock is held only to read. `keep`:
         whether the view may take a place in the cache (not for idle conversations).
+        `base_version`: go on from that version (0: from none) rather than from the newest, which
+        may cover more than `target` (post-processing's, of the whole conversation).
         """
         store = await self.stores.get(tenant)
         encoding = encoding_name_for(model)
         async with store.lock(cid, self.settings.storage.lock_timeout):
             view = await self.cache.load(store, cid, keep=keep)
             records = await store.read_side("summaries", cid, keep=keep)
-            summary = current_summary(records, view)
+            newest = current_summary(records, view)
+            summary = newest
+            if base_version is not None:
+                summary = summary_version(records, view, base_version) if base_version else None
             end = view.history_end.get(target)
             if end is None:
                 return  # the conversation was reset or deleted meanwhile
@@ -238,7 +253,7 @@ class Summaries:
             owners = list(view.history_owner[start:end])
             positions = list(view.history_pos[start:end])
         text = summary.text if summary else ""
-        base = summary.version if summary else 0
+        base = newest.version if newest else 0  # (the newest when it began: none made since)
         route = self.router.resolve(model)
         facts = await self.facts.window(route, model, store)
         cap = summary_cap(self.settings.context.summary_max_tokens, facts.tokens)

@@ -372,3 +372,6 @@ async def test_context_management_compacts_a_conversation_post_processing_summar
     assert [i["type"] for i in response["output"]] == ["compaction", "message"]
     sent = [m["content"] for m in turns(upstream)[-1]["messages"]]
     assert "Hi, my name is Bob." not in sent and sent[0].startswith("Summary of the earlier conversation")
+    # Every turn but the newest folded: the newest is sent as it is (post-processing's summary
+    # of all of them had stood in for it too).
+    assert sent[-3:-1] == ["my dog is Rex", sent[-2]] and sent[-1] == "and my cat is Tom"
