@@ -20,6 +20,9 @@ GATEWAY_FIELDS = frozenset(
         "previous_response_id",
     }
 )  # fmt: skip
+# The prefix of the fields the gateway itself adds to a provider's body (`gateway.cache_key`,
+# `gateway.traceparent`), taken out before it is sent: a client's own such field is never passed on.
+OWN = "gateway."
 # Never forwarded: a client must not redirect the gateway or choose its credentials.
 FORBIDDEN_FIELDS = frozenset({"api_base", "base_url", "api_key", "api_version", "extra_headers"})
 # Larger than any model's window: a bigger max_tokens is a mistake, not a request.

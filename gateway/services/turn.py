@@ -34,7 +34,7 @@ from gateway.exceptions import (
 from gateway.services.cache import ConversationCache
 from gateway.services.models import ModelFacts
 from gateway.services.planning import ContextPlan, TurnInputs
-from gateway.services.requests import FORBIDDEN_FIELDS, GATEWAY_FIELDS, ChatRequest
+from gateway.services.requests import FORBIDDEN_FIELDS, GATEWAY_FIELDS, OWN, ChatRequest
 from gateway.store.base import ResponseLog, Store
 from gateway.types import JSONObject, Message, Record, Timings, Usage
 from gateway.upstream import Route
@@ -327,7 +327,7 @@ def client_params(request: ChatRequest) -> JSONObject:
     params = {
         k: v
         for k, v in request.body.items()
-        if k not in GATEWAY_FIELDS and k not in FORBIDDEN_FIELDS and k != "messages"
+        if k not in GATEWAY_FIELDS and k not in FORBIDDEN_FIELDS and k != "messages" and not k.startswith(OWN)
     }
     nested = params.get("extra_body")
     if isinstance(nested, dict) and not FORBIDDEN_FIELDS.isdisjoint(nested):

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import re
 import time
 from abc import ABC, abstractmethod
 from collections.abc import AsyncGenerator, AsyncIterator, Awaitable, Callable
@@ -30,6 +31,7 @@ _BACKOFF = (0.2, 0.5, 1.0, 2.0)
 # A traced turn's W3C `traceparent` for the provider, carried in the body (as `CACHE_KEY` is):
 # an implementation takes it out and sends it as the request's header.
 TRACEPARENT = "gateway.traceparent"
+_W3C_TRACEPARENT = re.compile(r"[0-9a-f]{2}-[0-9a-f]{32}-[0-9a-f]{16}-[0-9a-f]{2}")
 
 
 def take_field(body: Body, field: str) -> tuple[Body, str | None]:
@@ -45,8 +47,10 @@ def take_field(body: Body, field: str) -> tuple[Body, str | None]:
 
 
 def take_traceparent(body: Body) -> tuple[Body, str | None]:
-    """The body without the gateway's `TRACEPARENT`, and the header value it held."""
-    return take_field(body, TRACEPARENT)
+    """The body without the gateway's `TRACEPARENT`, and the header value it held when that is a
+    W3C `traceparent` (anything else is no header: never a client's text written as one)."""
+    body, value = take_field(body, TRACEPARENT)
+    return body, value if value is not None and _W3C_TRACEPARENT.fullmatch(value) else None
 
 
 def backoff(attempt: int) -> float:

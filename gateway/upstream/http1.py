@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import asyncio
 import base64
+import re
 import zlib
 from collections.abc import AsyncIterator, Awaitable, Callable, Mapping
 from contextlib import asynccontextmanager
@@ -23,6 +24,7 @@ import httptools
 from gateway import __version__
 from gateway.types import ascii_int
 
+_BREAKS = re.compile(r"[\r\n\x00]")  # what ends a header line, or a C string
 _NONE: Mapping[str, str] = {}  # a request with no headers of its own
 
 
@@ -339,6 +341,22 @@ def _decode(body: bytes, encoding: str, limit: int) -> bytes:
     return out
 
 
+def head_lines(headers: Mapping[str, str]) -> bytes:
+    """Header lines, each `name: value\\r\\n`; ValueError for a name or value that would break
+    the request's framing (a line break, a NUL, a non-latin-1 character): written raw on a kept
+    connection, a line break in a value would start a request of its own."""
+    out = []
+    for name, value in headers.items():
+        line = f"{name}: {value}\r\n"
+        if _BREAKS.search(name) or _BREAKS.search(value) or ":" in name:
+            raise ValueError(f"header {name!r} holds a line break or a NUL: not sent")
+        out.append(line)
+    try:
+        return "".join(out).encode("latin-1")
+    except UnicodeEncodeError:
+        raise ValueError("a header holds a character HTTP/1.1 cannot carry (not latin-1): not sent") from None
+
+
 class Pool:
     """Keep-alive connections to one `http://` origin, for POSTs of JSON bodies."""
 
@@ -363,8 +381,7 @@ class Pool:
         given.setdefault("user-agent", f"llm-continuity-gateway/{__version__}")
         # Without it a provider may compress (RFC 9110 12.5.3), and a stream must not be.
         given.setdefault("accept-encoding", "identity")
-        lines = [f"POST {self.target} HTTP/1.1", *(f"{name}: {value}" for name, value in given.items())]
-        self._head = ("\r\n".join(lines) + "\r\n").encode("latin-1")
+        self._head = f"POST {self.target} HTTP/1.1\r\n".encode("latin-1") + head_lines(given)
         self._idle: list[_Connection] = []
 
     async def _connect(self) -> _Connection:
@@ -406,7 +423,7 @@ class Pool:
             connection = await self._connect()
         connection.reset(loop.create_future(), limit, error_limit, streaming=streaming)
         assert connection.transport is not None
-        own = "".join(f"{name}: {value}\r\n" for name, value in headers.items()).encode("latin-1")
+        own = head_lines(headers)
         length = b"content-length: " + str(len(body)).encode() + b"\r\n\r\n"
         connection.transport.write(self._head + own + length + body)
         connection.expire_at(deadline)

@@ -1001,3 +1001,26 @@ async def test_an_answered_turn_is_stored_though_its_caller_leaves_while_the_ans
     view = await load(memory_store, "counted")
     assert view.response_ids == [turn.response_id]
     assert view.history[-1] == {"role": "assistant", "content": answer}
+
+
+async def test_a_clients_own_gateway_fields_never_reach_the_provider() -> None:
+    """A `gateway.traceparent` in the body became the provider request's raw header: a value with
+    a line break and a second request in it was written on a kept connection, and one tenant's
+    answer went to another's turn."""
+    upstream = MockUpstream()
+    smuggled = "00-" + "a" * 32 + "-" + "b" * 16 + "-01\r\n\r\nPOST /v1/chat/completions HTTP/1.1\r\nX: y"
+    fields = {"gateway.traceparent": smuggled, "gateway.cache_key": "someone-else", "gateway.other": 1}
+    async with build_client(make_settings(), MemoryStore(), upstream) as client:
+        r = await chat(client, [user("hi")], **fields)
+        assert r.status_code == 200, r.text
+    assert upstream.traceparents == [None]  # (not a W3C traceparent: no header at all)
+    assert not any(key.startswith("gateway.") for key in upstream.requests[-1])
+
+
+def test_a_header_that_would_break_the_request_is_never_written() -> None:
+    from gateway.upstream.http1 import head_lines
+
+    assert head_lines({"traceparent": "00-abc", "x-team": "ml"}) == b"traceparent: 00-abc\r\nx-team: ml\r\n"
+    for bad in ({"x": "a\r\nPOST / HTTP/1.1"}, {"x": "a\nb"}, {"x\r\ny": "v"}, {"x": "a\x00"}, {"x": "€"}):
+        with pytest.raises(ValueError):
+            head_lines(bad)
