@@ -17,6 +17,7 @@ from urllib.parse import urlsplit
 from zoneinfo import ZoneInfo, ZoneInfoNotFoundError
 
 from pydantic import (
+    AfterValidator,
     BaseModel,
     BeforeValidator,
     ConfigDict,
@@ -189,8 +190,22 @@ class UISettings(_Section):
     enabled: bool = True
 
 
+def _env_name(value: str) -> str:
+    """The name of an environment variable (or "" for none), never the secret it would hold: a
+    key pasted in its place was said in errors, logs and answers to clients."""
+    if value and not re.fullmatch(r"[A-Za-z_][A-Za-z0-9_]*", value):
+        raise ValueError(
+            "must name an environment variable (letters, digits and _, e.g. OPENAI_API_KEY), "
+            "not hold the key itself"
+        )
+    return value
+
+
+EnvName = Annotated[str, AfterValidator(_env_name)]
+
+
 class AuthSettings(_Section):
-    keys_env: str = ""
+    keys_env: EnvName = ""
 
 
 def _otlp_endpoint(value: object) -> object:
@@ -213,7 +228,7 @@ class TracingSettings(_Section):
 class ProviderSettings(_Section):
     kind: Literal["openai", "litellm", "demo"]
     base_url: str = Field("", validate_default=True)
-    api_key_env: str = ""
+    api_key_env: EnvName = ""
     # A deadline: a whole answer within it; a stream's first event within it (from the ask).
     timeout: Duration = 600.0
     # A stream's longest wait between events, after its first (unset: `timeout`; "0": none).

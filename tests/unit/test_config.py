@@ -553,3 +553,17 @@ def test_a_variable_that_spells_two_configured_models_alike_is_an_error(tmp_path
     assert message.startswith(f"config error: {variable}: names models 'up/gpt-4-1' and 'up/gpt-4.1'")
     alone = load_settings(path, environ={})
     assert alone.models["up/gpt-4.1"].context_window == 1000
+
+
+@pytest.mark.parametrize("key", ["providers.x.api_key_env", "auth.keys_env"])
+def test_a_key_pasted_where_its_variables_name_goes_is_refused_and_never_said(
+    tmp_path: Path, key: str
+) -> None:
+    """`api_key_env = "sk-proj-..."` was said in the 502 every client got, and in the logs; a key
+    in `auth.keys_env` in the start error."""
+    pasted = "sk-proj-REALKEYpastedByMistake123"
+    section, _, name = key.rpartition(".")
+    table = f'[{section}]\nkind = "litellm"\n' if section.startswith("providers") else f"[{section}]\n"
+    message = config_error(path=write(tmp_path, f'{table}{name} = "{pasted}"\n'))
+    assert key in message and "environment variable" in message and pasted not in message
+    assert load_settings(path=write(tmp_path, f'{table}{name} = "MY_KEY_2"\n'), environ={})
