@@ -22,7 +22,7 @@ import urllib.request
 from collections.abc import AsyncGenerator, AsyncIterator, Awaitable, Callable, Iterator, Mapping
 from contextlib import AsyncExitStack, contextmanager
 from typing import cast
-from urllib.parse import urlsplit
+from urllib.parse import urlsplit, urlunsplit
 
 import aiohttp
 import orjson
@@ -297,6 +297,14 @@ def _own_headers(body: Body) -> tuple[Body, dict[str, str]]:
     return body, {"traceparent": traceparent} if traceparent else {}
 
 
+def without_userinfo(url: str) -> str:
+    """`url` without its `user:password@`, if it has one."""
+    parts = urlsplit(url)
+    if parts.username is None and parts.password is None:
+        return url
+    return urlunsplit(parts._replace(netloc=parts.netloc.rpartition("@")[2]))
+
+
 class OpenAIUpstream(Upstream):
     def __init__(self, name: str, settings: ProviderSettings) -> None:
         self.name = name
@@ -308,6 +316,10 @@ class OpenAIUpstream(Upstream):
         keep_url_secrets(settings.base_url)
         if key:
             self._headers["authorization"] = f"Bearer {key}"
+            # The key is the provider's authorization: a `user:password@` in the URL too is left
+            # out (aiohttp refuses the two together: the model list and the window questions
+            # failed without a word).
+            self.url = without_userinfo(self.url)
         # The deadlines are the gateway's own (aiohttp's socket timeouts would be idle timers).
         self._timeout = aiohttp.ClientTimeout(
             total=None,

@@ -1350,3 +1350,26 @@ async def test_a_refused_max_tokens_teaches_the_stated_window_and_nothing_smalle
     assert answered.status_code == 200
     assert context["context_window"] == 4096 and context["truncated"] == 0, context
     assert len(upstream.requests[-1]["messages"]) == 13  # the whole history and the new question
+
+
+async def test_a_provider_with_a_key_and_credentials_in_its_url_is_still_asked(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """aiohttp refuses an Authorization header beside a `user:password@` URL: the model list and
+    the window questions came back empty, without a word. The key is the provider's
+    authorization; the URL's credentials are then left out."""
+    monkeypatch.setenv("FACTS_TEST_KEY", "sk-test")
+    async with serving("vllm") as base_url:
+        with_user = base_url.replace("http://", "http://user:pw@")
+        settings = (
+            make_settings()
+            .providers["mock"]
+            .model_copy(update={"base_url": with_user, "api_key_env": "FACTS_TEST_KEY"})
+        )
+        upstream = OpenAIUpstream("p", settings)
+        try:
+            assert await upstream.list_models() == ["Qwen/Qwen2.5-1.5B-Instruct", "other"]
+            window = await upstream.describe("Qwen/Qwen2.5-1.5B-Instruct")
+            assert window is not None and window.tokens == 32768
+        finally:
+            await upstream.aclose()
