@@ -302,6 +302,11 @@ def chat_messages(system: object, messages: object) -> list[Message]:
             raise InvalidRequest(
                 f"{at}.content must be a string or an array of content blocks", param=f"{at}.content"
             )
+        elif not content and i < len(messages) - 1:  # (as Anthropic's: but a final assistant's)
+            raise InvalidRequest(
+                f"{at}.content must not be empty: only the final assistant message may be",
+                param=f"{at}.content",
+            )
         elif role == "assistant":
             made = [_assistant_message(content, at)]
         else:

@@ -51,6 +51,8 @@ def _chat_content(content: object, where: str, where_role: str = "user") -> str 
         raise InvalidRequest(
             f"{where}.content must be a string or an array of parts", param=f"{where}.content"
         )
+    if not content:  # (stored, an empty message went to the provider on every later turn)
+        raise InvalidRequest(f"{where}.content must not be an empty array", param=f"{where}.content")
     parts: list[ContentPart] = []
     for k, part in enumerate(content):
         at = f"{where}.content[{k}]"

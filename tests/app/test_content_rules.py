@@ -227,3 +227,29 @@ async def test_errors_name_what_is_missing_not_a_python_none(app_client: httpx.A
     )
     assert empty.status_code == 400 and empty.json()["error"]["param"] == "conversation.id"
     assert "None" not in empty.json()["error"]["message"]
+
+
+@pytest.mark.parametrize("way", ["responses", "items", "messages"])
+async def test_an_empty_content_array_is_refused_on_every_way_in(
+    app_client: httpx.AsyncClient, way: str
+) -> None:
+    """Chat refused `content: []`; Responses and items stored it (an empty message sent on every
+    later turn), and Messages took an empty assistant message mid-history."""
+    assert (await app_client.post("/v1/conversations", json={"id": CID})).status_code == 200
+    if way == "messages":
+        empty = [
+            {"role": "user", "content": "a"},
+            {"role": "assistant", "content": []},
+            {"role": "user", "content": "b"},
+        ]
+        r = await app_client.post(
+            "/v1/messages",
+            json={"model": "mock/m", "max_tokens": 8, "messages": empty, "conversation_id": CID},
+            headers={"anthropic-version": "2023-06-01"},
+        )
+        assert r.status_code == 400 and r.json()["type"] == "error", r.text
+    else:
+        path, body, where = WAYS_IN[way]([], "mock/m")
+        r = await app_client.post(path, json=body)
+        assert r.status_code == 400 and r.json()["error"]["param"] == f"{where}.content", r.text
+    assert (await app_client.get(f"/v1/conversations/{CID}/items")).json()["data"] == []
