@@ -109,14 +109,14 @@ def sized(
     return (smaller, count(smaller)) if smaller is not None else (None, 0)
 
 
-def orphan_results(new: list[Message]) -> InvalidRequest:
-    """The error for a request whose new input is only `tool` results that answer no pending call.
+def orphan_results(results: list[Message]) -> InvalidRequest:
+    """The error for a request whose new `tool` results answer no pending call.
 
-    There is nothing to send: providers refuse an orphan result, and an empty list.
+    Providers refuse such a result; stored, it would be kept and never sent.
     """
-    ids = ", ".join(repr(m.get("tool_call_id")) for m in new)
+    ids = ", ".join(repr(m.get("tool_call_id")) for m in results)
     return InvalidRequest(
-        f"The request's new messages are only tool results that answer no tool call (tool_call_id {ids}): "
+        f"The request's new messages hold tool results that answer no tool call (tool_call_id {ids}): "
         "a 'tool' message must follow the assistant message whose tool_calls it answers",
         param="messages",
     )
@@ -176,8 +176,10 @@ class Frame:
             conversation_tokens = [known[id(m)] if id(m) in known else count(m) for m in conversation]
             new_ids = {id(m) for m in clean_new}
             first_new = next((i for i, m in enumerate(conversation) if id(m) in new_ids), len(conversation))
-            if clean_new and first_new == len(conversation):
-                raise orphan_results(clean_new)
+            kept = {id(m) for m in conversation}
+            dropped = [m for m in clean_new if id(m) not in kept and m.get("role") == "tool"]
+            if dropped:  # (a request's own result that answers no call: providers refuse it)
+                raise orphan_results(dropped)
         else:  # no tool calls anywhere: nothing to repair
             conversation = combined
             conversation_tokens = [*hist_tokens, *self.new_tokens]

@@ -183,6 +183,21 @@ async def test_feedback_tool_chain_from_a_client_that_resends_its_history() -> N
         assert sent(upstream) == [("user", "hi"), ("assistant", "noted"), ("user", "and now?")]
 
 
+async def test_a_new_result_that_answers_no_call_is_refused_beside_other_messages() -> None:
+    """Beside a user message, a result for a call answered before (or never made) was stored and
+    never sent: the stored history showed two results for one call."""
+    upstream = MockUpstream(_weather_call)
+    async with build_client(make_settings(), MemoryStore(), upstream) as client:
+        await chat(client, [user("the weather?")])
+        await chat(client, [{"role": "tool", "tool_call_id": "call_fb", "content": "sunny"}])
+        again = {"role": "tool", "tool_call_id": "call_fb", "content": "sunny again"}
+        r = await chat(client, [again, user("thanks")])
+        assert r.status_code == 400 and r.json()["error"]["param"] == "messages", r.text
+        assert "'call_fb'" in r.json()["error"]["message"]
+        items = (await client.get("/v1/conversations/c/items")).json()["data"]
+    assert [i.get("output") for i in items if i["type"] == "function_call_output"] == ["sunny"]
+
+
 async def test_tool_calls_round_trip_exactly() -> None:
     def handler(body: dict[str, Any]) -> Any:
         last = body["messages"][-1]
