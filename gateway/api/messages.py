@@ -74,8 +74,12 @@ def _chat(body: object, header_conversation_id: str | None) -> ChatRequest:
     text = last.get("content")
     if last.get("role") == "assistant" and not last.get("tool_calls") and isinstance(text, str):
         # Anthropic's prefill: the answer goes on from this text (and the message returned is
-        # what was added). The conversation keeps the two as one assistant message.
-        chat.prefill = text or None
+        # what was added). The conversation keeps the two as one assistant message. An empty one
+        # is no prefill: left out (stored, it was an empty message sent on every later turn).
+        if text:
+            chat.prefill = text
+        elif len(chat.messages) > 1:
+            chat.messages.pop()
     return chat
 
 

@@ -246,6 +246,22 @@ async def test_a_prefill_is_stored_as_the_beginning_of_its_answer(stream: bool) 
     ]
 
 
+@pytest.mark.parametrize("empty", ["", []])
+async def test_an_empty_prefill_is_no_prefill(empty: object) -> None:
+    """`[user, assistant ""]` stored an empty assistant message and then the answer: every later
+    turn sent two assistant messages in a row, the first empty."""
+    upstream = MockUpstream()
+    messages = [{"role": "user", "content": "hi"}, {"role": "assistant", "content": empty}]
+    async with build_client(make_settings(), MemoryStore(), upstream) as client:
+        r = await client.post(
+            "/v1/messages", json=request(messages=messages, conversation_id="e"), headers=VERSION
+        )
+        assert r.status_code == 200, r.text
+        await client.post("/v1/messages", json=request("next", conversation_id="e"), headers=VERSION)
+    assert [m["role"] for m in upstream.requests[0]["messages"]] == ["user"]
+    assert [m["role"] for m in upstream.requests[-1]["messages"]] == ["user", "assistant", "user"]
+
+
 async def test_count_tokens_with_max_tokens_counts_what_the_turn_then_sends() -> None:
     """Counted without the turn's `max_tokens`, the window was cut where the gateway's own reserve
     put it: past three quarters of the window the count said half of what the turn then sent."""
