@@ -204,6 +204,28 @@ def _env_name(value: str) -> str:
 EnvName = Annotated[str, AfterValidator(_env_name)]
 
 
+def _http_headers(headers: dict[str, str]) -> dict[str, str]:
+    """Headers HTTP/1.1 can carry: a token for each name, and values without a line break or a
+    NUL, in latin-1 (written raw, a line break in a value would start a request of its own; caught
+    only when sent, it stopped every worker at its start)."""
+    for name, value in headers.items():
+        if not re.fullmatch(r"[!#$%&'*+.^_`|~0-9A-Za-z-]+", name):
+            raise ValueError(f"{name!r} is not a header name (letters, digits and !#$%&'*+-.^_`|~)")
+        if re.search(r"[\r\n\x00]", value) or not value.isascii() and not _latin1(value):
+            raise ValueError(
+                f"the value of {name!r} holds a line break, a NUL or a character HTTP cannot carry"
+            )
+    return headers
+
+
+def _latin1(text: str) -> bool:
+    try:
+        text.encode("latin-1")
+    except UnicodeEncodeError:
+        return False
+    return True
+
+
 class AuthSettings(_Section):
     keys_env: EnvName = ""
 
@@ -242,7 +264,7 @@ class ProviderSettings(_Section):
     max_response_bytes: int = Field(32_000_000, gt=0)
     # litellm only: the litellm provider prefix (defaults to the provider's own name).
     litellm_provider: str = ""
-    headers: dict[str, str] = Field(default_factory=dict)
+    headers: Annotated[dict[str, str], AfterValidator(_http_headers)] = Field(default_factory=dict)
     # Tell the provider how to keep a conversation's prompt cached (gateway/upstream/cache_hints.py):
     # `prompt_cache_key`, llama.cpp's `cache_prompt`/`id_slot`, Anthropic's `cache_control`.
     cache_hints: bool = True

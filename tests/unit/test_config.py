@@ -567,3 +567,22 @@ def test_a_key_pasted_where_its_variables_name_goes_is_refused_and_never_said(
     message = config_error(path=write(tmp_path, f'{table}{name} = "{pasted}"\n'))
     assert key in message and "environment variable" in message and pasted not in message
     assert load_settings(path=write(tmp_path, f'{table}{name} = "MY_KEY_2"\n'), environ={})
+
+
+@pytest.mark.parametrize(
+    "headers",
+    [
+        '{ X-Team = "t1\\r\\nX-Smuggled: yes" }',
+        '{ "X Team" = "a" }',
+        '{ X-Team = "a\\u0000" }',
+        '{ X-Team = "€" }',
+    ],
+)
+def test_a_provider_header_http_cannot_carry_is_a_config_error(tmp_path: Path, headers: str) -> None:
+    """Caught only when sent: `serve` printed that it listened, then stopped with a traceback (with
+    `--workers 2`, workers were made again and again, never serving), or every request failed."""
+    text = f'[providers.up]\nkind = "openai"\nbase_url = "http://127.0.0.1:9/v1"\nheaders = {headers}\n'
+    message = config_error(path=write(tmp_path, text))
+    assert "providers.up.headers" in message and "Smuggled" not in message
+    ok = text.replace(headers, '{ X-Team = "ml", "Ocp-Apim-Subscription-Key" = "k" }')
+    assert load_settings(path=write(tmp_path, ok), environ={}).providers["up"].headers["X-Team"] == "ml"
