@@ -63,8 +63,10 @@ _REASONING_MODELS = re.compile(r"(o\d|gpt-5)")
 
 # How long a cancel asked of a response that another process runs waits for it to end, in seconds.
 CANCEL_WAIT = 10.0
-# How long a stream of a response that another process runs waits for it to end, at most.
+# How long a stream of a response that another process runs waits for it to end, at most, and
+# how often it says so meanwhile (an SSE comment, which clients skip).
 FOLLOW_WAIT = 600.0
+KEEP_ALIVE = 15.0
 
 
 def output_cap(model: str) -> str:
@@ -554,9 +556,13 @@ async def _replayed_once_ended(request: Request, stored: StoredResponse, after: 
     """A background response run elsewhere (another process, a replica), replayed from its log
     once it has ended: its events after sequence number `after`."""
     if stored.status == "in_progress":  # (it ends within its provider's timeout, or fails)
-        settings = services_of(request).settings
+        settings, responses = services_of(request).settings, services_of(request).responses
         wait = max((p.timeout for p in settings.providers.values()), default=FOLLOW_WAIT)
-        stored = await services_of(request).responses.ended(tenant_of(request), stored.response_id, wait)
+        until = time.monotonic() + wait
+        while stored.status == "in_progress" and time.monotonic() < until:
+            stored = await responses.ended(tenant_of(request), stored.response_id, KEEP_ALIVE)
+            if stored.status == "in_progress":
+                yield b": running in another process\n\n"  # (an SSE comment: the connection lives)
     for frame in replayed_events(_stored_object(stored), after):
         yield frame
 
