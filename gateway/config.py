@@ -44,7 +44,7 @@ from gateway.config_sources import (
 )
 from gateway.exceptions import ConfigError
 from gateway.redact import names_a_secret, redact_dsn
-from gateway.types import ascii_int
+from gateway.types import ascii_int, header_problem
 
 _DURATION_RE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*(ms|s|m|h|d)?\s*$")
 _TYPE_LABEL = re.compile(r"^(int|float|str|bool|none|dict\[.*\]|list\[.*\]|literal\[.*\]|function-.*)$")
@@ -205,25 +205,13 @@ EnvName = Annotated[str, AfterValidator(_env_name)]
 
 
 def _http_headers(headers: dict[str, str]) -> dict[str, str]:
-    """Headers HTTP/1.1 can carry: a token for each name, and values without a line break or a
-    NUL, in latin-1 (written raw, a line break in a value would start a request of its own; caught
-    only when sent, it stopped every worker at its start)."""
+    """Headers HTTP/1.1 can carry (`header_problem`): caught only when sent, a line break in a
+    value stopped every worker at its start."""
     for name, value in headers.items():
-        if not re.fullmatch(r"[!#$%&'*+.^_`|~0-9A-Za-z-]+", name):
-            raise ValueError(f"{name!r} is not a header name (letters, digits and !#$%&'*+-.^_`|~)")
-        if re.search(r"[\r\n\x00]", value) or not value.isascii() and not _latin1(value):
-            raise ValueError(
-                f"the value of {name!r} holds a line break, a NUL or a character HTTP cannot carry"
-            )
+        problem = header_problem(name, value)
+        if problem is not None:
+            raise ValueError(problem)
     return headers
-
-
-def _latin1(text: str) -> bool:
-    try:
-        text.encode("latin-1")
-    except UnicodeEncodeError:
-        return False
-    return True
 
 
 class AuthSettings(_Section):

@@ -7,6 +7,7 @@ trusted).
 
 from __future__ import annotations
 
+import re
 from typing import Literal, Required, TypeAlias, cast
 
 from typing_extensions import TypedDict
@@ -155,6 +156,27 @@ def ascii_int(text: str, max_digits: int = 18) -> int | None:
     """
     if text.isascii() and text.isdigit() and len(text) <= max_digits:
         return int(text)
+    return None
+
+
+# An HTTP header name (RFC 9110's token), and what ends a header line or a C string.
+_HEADER_NAME = re.compile(r"[!#$%&'*+.^_`|~0-9A-Za-z-]+")
+_LINE_ENDS = re.compile(r"[\r\n\x00]")
+
+
+def header_problem(name: str, value: str) -> str | None:
+    """Why HTTP/1.1 cannot carry the header `name: value` as written, or None when it can.
+
+    Written raw, a line break in a value would end the header there and start whatever follows
+    as a header or a request of its own."""
+    if not _HEADER_NAME.fullmatch(name):
+        return f"{name!r} is not a header name (letters, digits and !#$%&'*+-.^_`|~)"
+    if _LINE_ENDS.search(value):
+        return f"the value of {name!r} holds a line break or a NUL"
+    try:
+        value.encode("latin-1")
+    except UnicodeEncodeError:
+        return f"the value of {name!r} holds a character HTTP/1.1 cannot carry (not latin-1)"
     return None
 
 

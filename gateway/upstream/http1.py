@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import asyncio
 import base64
-import re
 import zlib
 from collections.abc import AsyncIterator, Awaitable, Callable, Mapping
 from contextlib import asynccontextmanager
@@ -22,9 +21,8 @@ from urllib.parse import unquote, urlsplit
 import httptools
 
 from gateway import __version__
-from gateway.types import ascii_int
+from gateway.types import ascii_int, header_problem
 
-_BREAKS = re.compile(r"[\r\n\x00]")  # what ends a header line, or a C string
 _NONE: Mapping[str, str] = {}  # a request with no headers of its own
 
 
@@ -342,19 +340,14 @@ def _decode(body: bytes, encoding: str, limit: int) -> bytes:
 
 
 def head_lines(headers: Mapping[str, str]) -> bytes:
-    """Header lines, each `name: value\\r\\n`; ValueError for a name or value that would break
-    the request's framing (a line break, a NUL, a non-latin-1 character): written raw on a kept
-    connection, a line break in a value would start a request of its own."""
-    out = []
+    """Header lines, each `name: value\\r\\n`; ValueError for one HTTP/1.1 cannot carry
+    (`header_problem`): written raw on a kept connection, a line break in a value would start a
+    request of its own."""
     for name, value in headers.items():
-        line = f"{name}: {value}\r\n"
-        if _BREAKS.search(name) or _BREAKS.search(value) or ":" in name:
-            raise ValueError(f"header {name!r} holds a line break or a NUL: not sent")
-        out.append(line)
-    try:
-        return "".join(out).encode("latin-1")
-    except UnicodeEncodeError:
-        raise ValueError("a header holds a character HTTP/1.1 cannot carry (not latin-1): not sent") from None
+        problem = header_problem(name, value)
+        if problem is not None:
+            raise ValueError(f"{problem}: not sent")
+    return "".join(f"{name}: {value}\r\n" for name, value in headers.items()).encode("latin-1")
 
 
 class Pool:
