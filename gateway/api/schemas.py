@@ -206,16 +206,16 @@ def _tool_call_id(param: str, error: ErrorDetails) -> str:
     return f"{param} must be a string"
 
 
-def _message(param: str, error: ErrorDetails) -> str:
-    if error["type"] == "value_error":  # (a message without its content: `_has_content`)
-        return f"{param}: {error['msg'].removeprefix('Value error, ')}"
-    return f"{param} must be an object"
+def _checked_or(otherwise: str) -> Callable[[str, ErrorDetails], str]:
+    """What a field's own check said when it refused the value (`_has_content`, `_text_has_text`),
+    else `otherwise` (its `{param}` the field)."""
 
+    def said(param: str, error: ErrorDetails) -> str:
+        if error["type"] == "value_error":
+            return f"{param}: {error['msg'].removeprefix('Value error, ')}"
+        return otherwise.format(param=param)
 
-def _content_part(param: str, error: ErrorDetails) -> str:
-    if error["type"] == "value_error":  # (a text part without its text)
-        return f"{param}: {error['msg'].removeprefix('Value error, ')}"
-    return f"{param} must be a content part: an object with a string 'type'"
+    return said
 
 
 def _tool_calls(param: str, error: ErrorDetails) -> str:
@@ -271,10 +271,10 @@ class ChatCompletionRequest(BaseModel):
         "metadata": _metadata,
         "model": "'model' is required and must be a non-empty string",
         "messages": "'messages' must be a non-empty array",
-        "messages[]": _message,
+        "messages[]": _checked_or("{param} must be an object"),
         "messages[].role": "{param} must be one of " + ", ".join(sorted(MESSAGE_ROLES)),
         "messages[].content": "{param} must be a string, an array of content parts, or null",
-        "messages[].content[]": _content_part,
+        "messages[].content[]": _checked_or("{param} must be a content part: an object with a string 'type'"),
         "messages[].name": "{param} must be a string",
         "messages[].tool_call_id": _tool_call_id,
         "messages[].tool_calls": _tool_calls,
