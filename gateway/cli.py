@@ -18,6 +18,7 @@ from gateway.cli_frame import (
     GatewayGroup,
     common_options,
     notice_missing_litellm,
+    notice_unset_keys,
     run_with_services,
     say_notice,
 )
@@ -161,6 +162,7 @@ def serve(
     asyncio.run(Services.check_store(settings))
     say_notice()
     notice_missing_litellm(settings)
+    notice_unset_keys(settings)
     run(settings, workers=workers, log_level=log_level)
 
 

@@ -14,7 +14,7 @@ from typing import Any, TypeVar
 
 import click
 
-from gateway.config import Settings, load_settings
+from gateway.config import Settings, load_settings, unset_key_variables
 from gateway.config_sources import CONFIG_ENV, DEFAULT_CONFIG_PATH
 from gateway.exceptions import GatewayError
 from gateway.ids import is_valid_response_id
@@ -157,6 +157,12 @@ class GatewayGroup(click.Group):
             click.echo("gateway: aborted", err=True)
             sys.exit(1)
         sys.exit(code if isinstance(code, int) else 0)
+
+
+def notice_unset_keys(settings: Settings) -> None:
+    """A line at start for each provider whose key variable is not set (`unset_key_variables`)."""
+    for line in unset_key_variables(settings.providers, os.environ):
+        click.echo(f"gateway: note: {line}", err=True)
 
 
 def notice_missing_litellm(settings: Settings) -> None:

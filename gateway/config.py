@@ -204,6 +204,25 @@ def _env_name(value: str) -> str:
 EnvName = Annotated[str, AfterValidator(_env_name)]
 
 
+def env_name_said(name: str) -> str | None:
+    """The name of an environment variable as errors and logs may say it: itself when it is in
+    upper case, as variable names are, else None (to be named by its setting): a key of letters,
+    digits and `_` (Groq's `gsk_...`, Mistral's) pasted in place of a name is a legal name."""
+    return name if re.fullmatch(r"[A-Z_][A-Z0-9_]*", name) else None
+
+
+def unset_key_variables(providers: Mapping[str, ProviderSettings], environ: Mapping[str, str]) -> list[str]:
+    """What a server's start says of the providers whose `api_key_env` names a variable that is
+    not set (a typo, a forgotten export): once, rather than at each refused call."""
+    said = []
+    for name, provider in providers.items():
+        if provider.api_key_env and not environ.get(provider.api_key_env):
+            then = "are refused (502)" if provider.kind == "litellm" else "go without a key"
+            variable = env_name_said(provider.api_key_env) or "a variable"
+            said.append(f"providers.{name}.api_key_env names {variable}, which is not set: its calls {then}")
+    return said
+
+
 def _http_headers(headers: dict[str, str]) -> dict[str, str]:
     """Headers HTTP/1.1 can carry (`header_problem`): caught only when sent, a line break in a
     value stopped every worker at its start."""

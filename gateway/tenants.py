@@ -15,7 +15,7 @@ from urllib.parse import urlsplit
 
 from starlette.types import ASGIApp, Receive, Scope, Send
 
-from gateway.config import Settings
+from gateway.config import Settings, env_name_said
 from gateway.exceptions import AuthenticationError, ConfigError, CrossOriginRefused
 from gateway.redact import keep_secret
 
@@ -40,9 +40,11 @@ class Tenants:
         if name and not keys:
             # A typo in the name or a forgotten export must not serve every tenant's data open.
             state = "is not set" if name not in environ else "holds no keys"
+            said = env_name_said(name)
             raise ConfigError(
-                f"auth.keys_env names {name}, which {state}: the gateway would be open to anyone "
-                f'(set {name} to comma-separated keys, or set auth.keys_env to "" for an open gateway)'
+                f"auth.keys_env names {said or 'a variable'}, which {state}: the gateway would be open "
+                f'to anyone (set {said or "it"} to comma-separated keys, or set auth.keys_env to "" '
+                "for an open gateway)"
             )
         for key in keys:
             keep_secret(key)

@@ -19,7 +19,7 @@ from typing import Any
 
 import orjson
 
-from gateway.config import ProviderSettings
+from gateway.config import ProviderSettings, env_name_said
 from gateway.exceptions import (
     Refusal,
     UpstreamError,
@@ -254,9 +254,10 @@ class LitellmUpstream(Upstream):
         if self.settings.api_key_env:
             key = os.environ.get(self.settings.api_key_env, "")
             if not key:  # never litellm's fallback to the machine's own OPENAI_API_KEY & co.
+                said = env_name_said(self.settings.api_key_env)
                 raise UpstreamError(
                     f"{provider_at(self.name, self.url)} was not called: its key's environment variable "
-                    f"{self.settings.api_key_env} (providers.{self.name}.api_key_env) is not set",
+                    f"{f'{said} (' if said else '(named by '}providers.{self.name}.api_key_env) is not set",
                     code="upstream_key_missing",
                 )
             kwargs["api_key"] = key

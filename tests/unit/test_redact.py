@@ -45,3 +45,20 @@ def test_credentials_in_a_provider_url_are_secrets() -> None:
     said = "at http://svc:url-pass%2Fword@127.0.0.1:1/v1?api-key=query-key-123 (url-pass/word)"
     assert "url-pass" not in redact(said) and "query-key-123" not in redact(said)
     assert redact("region=eu") == "region=eu"
+
+
+def test_a_key_pasted_as_the_gateway_keys_variable_is_not_said_at_start() -> None:
+    """`auth.keys_env = "gsk_..."` (a key of letters, digits and `_` is a legal name) was quoted in
+    the start error."""
+    import pytest
+
+    from gateway.exceptions import ConfigError
+
+    pasted = "gsk_R3alKeyPastedByMistake0123456789abcdef"
+    with pytest.raises(ConfigError) as info:
+        Tenants.from_settings(Settings.model_validate({"auth": {"keys_env": pasted}}), {})
+    assert pasted not in str(info.value)
+    assert str(info.value).startswith("auth.keys_env names a variable, which is not set")
+    with pytest.raises(ConfigError) as named:
+        Tenants.from_settings(Settings.model_validate({"auth": {"keys_env": "GW_KEYS"}}), {"GW_KEYS": " "})
+    assert str(named.value).startswith("auth.keys_env names GW_KEYS, which holds no keys")

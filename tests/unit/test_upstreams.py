@@ -12,7 +12,7 @@ from aiohttp.client_reqrep import ConnectionKey
 from multidict import CIMultiDict, CIMultiDictProxy
 from yarl import URL
 
-from gateway.config import ProviderSettings
+from gateway.config import ProviderSettings, unset_key_variables
 from gateway.exceptions import (
     NotFound,
     UpstreamError,
@@ -316,6 +316,35 @@ async def test_litellm_path_takes_only_openai_parameters_from_the_client(
         await LitellmUpstream("keyless", keyless).complete(dict(BODY))
     assert info.value.code == "upstream_key_missing" and "UNSET_TEST_KEY" in info.value.message
     assert len(upstream.requests) == before  # not called at all
+
+
+async def test_a_key_pasted_as_its_variables_name_is_never_said(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A Groq-style key (`gsk_` and letters and digits) is a legal variable name: pasted into
+    `api_key_env`, it was quoted in the 502 every client of a litellm provider got."""
+    from gateway.upstream.litellm import LitellmUpstream
+
+    pasted = "gsk_R3alKeyPastedByMistake0123456789abcdefXYZ"
+    monkeypatch.delenv(pasted, raising=False)
+    lite = ProviderSettings(kind="litellm", litellm_provider="groq", api_key_env=pasted)
+    with pytest.raises(UpstreamError) as info:
+        await LitellmUpstream("groq", lite).complete(dict(BODY))
+    message = info.value.message
+    assert info.value.code == "upstream_key_missing" and pasted not in message
+    assert "environment variable (named by providers.groq.api_key_env) is not set" in message
+    providers = {
+        "groq": ProviderSettings(kind="openai", base_url="http://127.0.0.1:9", api_key_env=pasted),
+        "lite": lite,
+        "up": ProviderSettings(kind="openai", base_url="http://127.0.0.1:9", api_key_env="UNSET_K"),
+        "set": ProviderSettings(kind="openai", base_url="http://127.0.0.1:9", api_key_env="SET_K"),
+        "none": ProviderSettings(kind="openai", base_url="http://127.0.0.1:9"),
+    }
+    assert unset_key_variables(providers, {"SET_K": "k"}) == [
+        "providers.groq.api_key_env names a variable, which is not set: its calls go without a key",
+        "providers.lite.api_key_env names a variable, which is not set: its calls are refused (502)",
+        "providers.up.api_key_env names UNSET_K, which is not set: its calls go without a key",
+    ]
 
 
 async def test_litellm_anthropic_errors_say_what_happened(monkeypatch: pytest.MonkeyPatch) -> None:
