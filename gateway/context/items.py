@@ -260,17 +260,15 @@ def message_to_items(message: Message, response_id: str, position: int) -> list[
     items: list[Item] = []
     parts = _content_parts(message, str(role))
     if parts:
-        prefix = "sys" if position < 0 else "msg"
         items.append(
             {
                 "type": "message",
-                "id": f"{prefix}_{base}" if position >= 0 else f"sys_{response_id}_{-position}",
+                "id": f"msg_{base}" if position >= 0 else f"sys_{response_id}_{-position}",
                 "role": role if role in ("user", "assistant", "system", "developer", "tool") else "unknown",
                 "status": "completed",
                 "content": parts,
             }
         )
-        del prefix
     for k, call in enumerate(message.get("tool_calls") or []):
         fn = call.get("function") or {}
         items.append(
