@@ -251,7 +251,7 @@ def _echoed(
         "tool_choice_raw": body.get("tool_choice", "auto"),
         "tools": tools,
         "max_output_tokens": body.get("max_output_tokens"),
-        "store": body.get("store", True),
+        "store": body.get("store") is not False,  # (null: the default)
         "truncation": request.truncation or "auto",
         "user": body.get("user"),
         **{key: body[key] for key in ECHOED_AS_SENT if body.get(key) is not None},

@@ -456,7 +456,7 @@ class ResponseCreate(BaseModel):
         None,
         description="Gateway extension, as on chat completions: the conversation it continues (or starts)",
     )
-    store: bool = True
+    store: bool | None = Field(None, description="Stored unless false (null: the default, true)")
     metadata: Metadata | None = None
     context_management: list[ContextManagement] | None = Field(
         None, description="Compaction when the conversation's prompt passes compact_threshold tokens"

@@ -245,3 +245,16 @@ async def test_a_call_streamed_before_the_text_keeps_one_output_index_per_item()
     assert indexes["response.output_text.delta"] == indexes["response.output_text.done"] == 1
     final = events[-1]["response"]
     assert [item["type"] for item in final["output"]] == ["function_call", "message"]
+
+
+async def test_store_null_is_the_default() -> None:
+    """The SDK types `store` as optional; `store: null` was a 400 ("must be a boolean"), where every
+    other nullable create parameter takes null."""
+    async with build_client(make_settings(), MemoryStore(), MockUpstream()) as client:
+        first = await respond(client, "my pin is 4321", store=None)
+        then = await respond(client, "and more", previous_response_id=first.json()["id"])
+        wrong = await respond(client, "hello", store="yes")
+    assert first.status_code == then.status_code == 200, first.text
+    assert first.json()["store"] is True and first.json()["conversation"] is not None
+    assert "(turn 2, 3 messages in my context)" in then.json()["output"][0]["content"][0]["text"]
+    assert wrong.status_code == 400 and wrong.json()["error"]["param"] == "store"
