@@ -10,10 +10,9 @@ from dataclasses import dataclass, replace
 
 from gateway.context import ConversationView
 from gateway.context.calibration import Calibration
-from gateway.exceptions import NotFound
 from gateway.services.planning import ContextPlan
 from gateway.services.tail import Skipped, apply_entries
-from gateway.services.turn import DELETIONS
+from gateway.services.turn import branch_at
 from gateway.store.base import IndexEntry, Store
 
 
@@ -52,25 +51,14 @@ async def branch_view(store: Store, cid: str, previous: str, skipped: Skipped) -
     newest: the turn continues the conversation itself.
     """
     index = await store.read_index(cid)
-    ids = [e for e in index if isinstance(e, str)]
-    if ids and ids[-1] == previous:
+    branch = branch_at(index, previous)
+    if branch is None:
         return None
-    if previous not in ids:
-        raise NotFound(
-            f"Response {previous!r} is no longer part of a conversation", param="previous_response_id"
-        )
-    end = index.index(previous) + 1
-    shared = set(ids[: ids.index(previous) + 1])
-    later = [
-        m
-        for m in index[end:]
-        if isinstance(m, dict) and m.get("type") in DELETIONS and m.get("response_id") in shared
-    ]
-    prefix = [e for e in index[:end] if isinstance(e, str)]
+    prefix = [e for e in index[: branch.end] if isinstance(e, str)]
     records = iter(await store.read_turns(prefix))
     entries = [
         IndexEntry(e, None, next(records)) if isinstance(e, str) else IndexEntry(None, e, [])
-        for e in [*index[:end], *later]
+        for e in [*index[: branch.end], *branch.deletions]
     ]
     view = ConversationView()
     apply_entries(view, cid, entries, skipped)

@@ -210,11 +210,44 @@ class PreparedTurn:
 DELETIONS = ("delete_item", "delete_response")
 
 
+@dataclass(frozen=True, slots=True)
+class BranchAt:
+    """Where a turn continuing an earlier response branches: the conversation's index up to that
+    response (`end` entries), and the deletions made since of what the branch shares."""
+
+    end: int
+    deletions: list[JSONObject]
+
+
+def branch_at(index: list[str | Record], previous: str) -> BranchAt | None:
+    """Where a turn continuing `previous` branches from the conversation `index` is of; None when
+    it goes on in the conversation itself.
+
+    It goes on when `previous` is the newest response (a deleted one is no longer in the
+    conversation: the one before it may be its newest), unless a reset since emptied the
+    conversation: the turn's history is the response's, as a branch made at it has."""
+    deleted = {
+        m.get("response_id") for m in index if isinstance(m, dict) and m.get("type") == "delete_response"
+    }
+    ids = [e for e in index if isinstance(e, str) and e not in deleted]
+    if previous not in ids:
+        raise NotFound(
+            f"Response {previous!r} is no longer part of a conversation", param="previous_response_id"
+        )
+    end = index.index(previous) + 1
+    later = [m for m in index[end:] if isinstance(m, dict)]
+    if ids[-1] == previous and not any(m.get("type") == "reset" for m in later):
+        return None
+    shared = set(ids[: ids.index(previous) + 1])
+    return BranchAt(end, [m for m in later if m.get("type") in DELETIONS and m.get("response_id") in shared])
+
+
 async def lock_conversation(request: ChatRequest, store: Store, stack: AsyncExitStack, timeout: float) -> str:
     """Lock the request's conversation (held until the turn closes) and return its id.
 
-    With `previous_response_id`: when that response is no longer the newest, the turn moves to a
-    fork made at it; decided under the lock, so a turn landing meanwhile cannot slip in."""
+    With `previous_response_id`: when the turn does not go on in that response's conversation
+    (`branch_at`), it moves to a fork made at it; decided under the lock, so a turn landing
+    meanwhile cannot slip in."""
     cid = request.conversation_id
     assert cid is not None
     previous = request.previous_response_id
@@ -223,28 +256,15 @@ async def lock_conversation(request: ChatRequest, store: Store, stack: AsyncExit
         return cid
     async with AsyncExitStack() as source:
         await source.enter_async_context(store.lock(cid, timeout))
-        index = await store.read_index(cid)
-        # A deleted response is no longer in the conversation: the one before it may be its newest.
-        deleted = {
-            m.get("response_id") for m in index if isinstance(m, dict) and m.get("type") == "delete_response"
-        }
-        ids = [e for e in index if isinstance(e, str) and e not in deleted]
-        if ids and ids[-1] == previous:
+        branch = branch_at(await store.read_index(cid), previous)
+        if branch is None:
             stack.push_async_exit(source.pop_all())
             return cid
-        if previous not in ids:
-            raise NotFound(
-                f"Response {previous!r} is no longer part of a conversation", param="previous_response_id"
-            )
         fork = f"{cid[:100]}.fork-{secrets.token_hex(6)}"
         await stack.enter_async_context(store.lock(fork, timeout))
         await store.fork(cid, fork, previous)
-        # Deletions made since of what the fork shares: the fork keeps them.
-        shared = set(ids[: ids.index(previous) + 1])
-        later = [m for m in index[index.index(previous) + 1 :] if isinstance(m, dict)]
-        for marker in later:
-            if marker.get("type") in DELETIONS and marker.get("response_id") in shared:
-                await store.append_marker(fork, marker)
+        for marker in branch.deletions:  # (the fork keeps them)
+            await store.append_marker(fork, marker)
     request.conversation_id = fork
     return fork
 

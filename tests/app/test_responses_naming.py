@@ -258,3 +258,23 @@ async def test_store_null_is_the_default() -> None:
     assert first.json()["store"] is True and first.json()["conversation"] is not None
     assert "(turn 2, 3 messages in my context)" in then.json()["output"][0]["content"][0]["text"]
     assert wrong.status_code == 400 and wrong.json()["error"]["param"] == "store"
+
+
+async def test_the_newest_response_after_a_reset_goes_on_with_its_own_history() -> None:
+    """Continuing the newest response of a conversation reset since sent the model an empty
+    history (the reset conversation went on), while continuing an older one branched with its
+    history. Both branch now, and counting the turn first says what it will send."""
+    async with build_client(make_settings(), MemoryStore(), MockUpstream()) as client:
+        r1 = (await respond(client, "my dog is Rex", conversation_id="c-r")).json()
+        r2 = (await respond(client, "my cat is Tom", conversation_id="c-r")).json()
+        body = {"model": "mock/m", "input": "what are my pets?", "previous_response_id": r2["id"]}
+        before = (await client.post("/v1/responses/input_tokens", json=body)).json()
+        assert (await client.post("/v1/conversations/c-r/reset")).status_code == 200
+        counted = (await client.post("/v1/responses/input_tokens", json=body)).json()
+        went_on = (await client.post("/v1/responses", json=body)).json()
+        fresh = (await respond(client, "hello", conversation_id="c-r")).json()
+    assert r1["conversation"] == {"id": "c-r"}
+    assert "(turn 3, 5 messages in my context)" in went_on["output"][0]["content"][0]["text"]
+    assert went_on["conversation"]["id"].startswith("c-r.fork-")
+    assert counted == before
+    assert "(turn 1, 1 messages in my context)" in fresh["output"][0]["content"][0]["text"]
