@@ -1,14 +1,17 @@
 """Moving conversations between backends (`gateway export` / `gateway import`).
 
 The JSONL layout is the interchange format. PostgreSQL goes through `gateway.store.transfer`; a
-JSONL data dir is copied file by file, response logs first and indexes last (the ordering rule).
+JSONL data dir is copied file by file: its indexes read first and written last (the ordering rule).
 """
 
 from __future__ import annotations
 
 import asyncio
+import errno
+import functools
 import os
 import shutil
+from collections.abc import Callable
 from pathlib import Path
 
 from gateway.config import Settings
@@ -36,11 +39,23 @@ def _data_files(root: Path) -> list[Path]:
     return found
 
 
+def _is_index(rel: Path) -> bool:
+    return "conversations" in rel.parts
+
+
+def _write(data: bytes, path: Path) -> None:
+    path.write_bytes(data)
+
+
 def _copy_data(source: Path, target: Path) -> int:
     """Copy a JSONL data dir's files, refusing to overwrite any.
 
-    Response logs first and indexes last (the ordering rule), each through a temporary name so a
-    running gateway never sees a half-copied file.
+    The indexes are read first and written last, the files they name in between (the ordering
+    rule holds in the copy while a gateway writes the source): every response an index read names
+    was complete before it was named. What was written after those reads comes along unnamed
+    (responses no index claims, as a turn in flight leaves) or not at all (the indexes of
+    conversations begun since). Each file goes through a temporary name, so a running gateway
+    never sees a half-copied one.
     """
     files = _data_files(source)
     clashes = [f for f in files if (target / f).exists()]
@@ -48,23 +63,43 @@ def _copy_data(source: Path, target: Path) -> int:
         raise GatewayError(
             f"{len(clashes)} files already exist in {target} (e.g. {clashes[0]}); nothing was copied"
         )
+    indexes: dict[Path, bytes] = {}
+    for rel in filter(_is_index, files):
+        try:
+            indexes[rel] = (source / rel).read_bytes()
+        except FileNotFoundError:
+            continue  # (deleted since it was listed)
+    rest = [f for f in _data_files(source) if not _is_index(f)]  # (listed after the indexes were read)
+    rest.sort(key=lambda rel: 0 if "responses" in rel.parts else 1)
+    written = 0
 
-    def order(rel: Path) -> int:
-        return 0 if "responses" in rel.parts else 2 if "conversations" in rel.parts else 1
-
-    for done, rel in enumerate(sorted(files, key=order)):
+    def put(rel: Path, copy: Callable[[Path], object]) -> None:
         dest = target / rel
         try:
+            if dest.exists():
+                raise FileExistsError(errno.EEXIST, "it exists now")
             dest.parent.mkdir(parents=True, exist_ok=True)
             temp = dest.with_name(f".{dest.name}.importing")
-            shutil.copy2(source / rel, temp)
+            copy(temp)
             os.replace(temp, dest)
         except OSError as exc:
             raise GatewayError(
-                f"could not write {dest} ({exc.strerror or exc}): {done} of {len(files)} files "
-                f"copied into {target} (responses first, the conversations' indexes last)"
+                f"could not write {dest} ({exc.strerror or exc}): {written} of {len(rest) + len(indexes)} "
+                f"files copied into {target} (responses first, the conversations' indexes last)"
             ) from None
-    return len(files)
+
+    for rel in rest:
+        try:
+            put(rel, functools.partial(shutil.copy2, source / rel))
+        except GatewayError:
+            if (source / rel).exists():
+                raise
+            continue  # (deleted since it was listed: a file a turn no longer needs)
+        written += 1
+    for rel, data in indexes.items():
+        put(rel, functools.partial(_write, data))
+        written += 1
+    return written
 
 
 def export_data(settings: Settings, target: Path) -> str:

@@ -233,20 +233,8 @@ def _existing(detail: str | None) -> str:
 
 async def _import_namespace(conn: Conn, ns: str, root: Path, stats: TransferStats) -> None:
     logs = root / "logs"
-    responses: list[tuple[str, str, int, str, str]] = []
-    for path in _jsonl_files(logs / "responses"):
-        rid = path.name[: -len(".jsonl")]
-        if not is_valid_response_id(rid):
-            log.warning("skipping %s: not a response log", path)
-            continue
-        for seq, line in enumerate(_complete_lines(path, stats)):
-            value = orjson.loads(line)
-            kind = str(value.get("type") or "") if isinstance(value, dict) else ""
-            responses.append((ns, rid, seq, kind, line))
-        stats.responses += 1
-    await conn.copy_records_to_table(
-        "gateway_responses", records=responses, columns=["namespace", "response_id", "seq", "kind", "record"]
-    )
+    # The indexes are read before the response logs (the ordering rule, while a gateway writes
+    # the source): every response an index read names was complete before it was named.
     conversations: list[tuple[str, str, int, float]] = []
     entries: list[tuple[str, str, int, str | None, str | None, float]] = []
     for path in _jsonl_files(logs / "conversations"):
@@ -268,6 +256,20 @@ async def _import_namespace(conn: Conn, ns: str, root: Path, stats: TransferStat
             is_marker = line.startswith("{")
             entries.append((ns, cid, seq, None if is_marker else line, line if is_marker else None, mtime))
         stats.conversations += 1
+    responses: list[tuple[str, str, int, str, str]] = []
+    for path in _jsonl_files(logs / "responses"):
+        rid = path.name[: -len(".jsonl")]
+        if not is_valid_response_id(rid):
+            log.warning("skipping %s: not a response log", path)
+            continue
+        for seq, line in enumerate(_complete_lines(path, stats)):
+            value = orjson.loads(line)
+            kind = str(value.get("type") or "") if isinstance(value, dict) else ""
+            responses.append((ns, rid, seq, kind, line))
+        stats.responses += 1
+    await conn.copy_records_to_table(
+        "gateway_responses", records=responses, columns=["namespace", "response_id", "seq", "kind", "record"]
+    )
     await conn.copy_records_to_table(
         "gateway_conversations",
         records=conversations,
