@@ -303,6 +303,9 @@ class ChatService:
     ) -> JSONObject:
         """The request the provider gets: the client's parameters, the window's messages."""
         upstream_body = {**client_params(request), "model": route.model, "messages": planned.sent}
+        if "metadata" in upstream_body and upstream_body.get("store") is not True:
+            # The gateway keeps the tag itself; OpenAI refuses `metadata` without `store: true`.
+            del upstream_body["metadata"]
         upstream_body[CACHE_KEY] = cache_key(tenant, cid)  # for the provider's cache hints, never sent on
         plan = planned.plan
         if plan is not None and plan.facts is not None and plan.facts.num_ctx_option:

@@ -219,3 +219,16 @@ async def test_a_deleted_completion_is_gone_from_the_list_and_the_history(client
             break
         after = page["last_id"]
     assert await listed(client) == []
+
+
+async def test_metadata_reaches_the_provider_only_with_store() -> None:
+    """The tag went to the provider without `store: true`, which OpenAI refuses (400 "The
+    'metadata' parameter is only allowed when 'store' is enabled"): the documented example
+    failed on OpenAI's models. The gateway keeps it either way."""
+    upstream = MockUpstream()
+    async with build_client(make_settings(), None, upstream) as client:
+        plain = await chat(client, "one", metadata={"run": "7"})
+        stored = await chat(client, "two", metadata={"run": "7"}, store=True)
+        assert await listed(client, **{"metadata[run]": "7"}) == [plain, stored]
+    sent = [(body.get("metadata"), body.get("store")) for body in upstream.requests]
+    assert sent == [(None, None), ({"run": "7"}, True)]
