@@ -121,9 +121,15 @@ class StoredResponses:
         A mistyped or deleted id is a 404, not a new conversation that knows nothing. (Chat
         completions' `conversation_id` starts one instead: that is how they begin.)
         """
-        if not await (await self.stores.get(tenant)).exists(cid):
-            raise NotFound(f"No conversation found with id {cid!r}", param="conversation")
-        return cid
+        store = await self.stores.get(tenant)
+        if await store.exists(cid):
+            return cid
+        # A conversation whose first turn is running (a background response's) is there once that
+        # turn ends: its lock is held until then.
+        async with store.lock(cid, self.settings.storage.lock_timeout):
+            if await store.exists(cid):
+                return cid
+        raise NotFound(f"No conversation found with id {cid!r}", param="conversation")
 
     async def continued_conversation(self, tenant: str, previous: object) -> str:
         """The conversation a `previous_response_id` belongs to.
@@ -138,7 +144,10 @@ class StoredResponses:
         except NotFound:
             records = []
         request = next((r for r in records if r.get("type") == "request"), {})
-        if not records or records[-1].get("type") != "commit":
+        # One still running (a background response, a turn in flight) is waited for: the turn
+        # takes its conversation's lock, which that turn holds until it ends, then finds it there.
+        running = bool(request) and not any(r.get("type") in ("commit", "incomplete") for r in records)
+        if not records or (records[-1].get("type") != "commit" and not running):
             raise NotFound(f"Response {previous!r} is not a completed response", param="previous_response_id")
         cid = request.get("conversation_id")
         if not isinstance(cid, str):

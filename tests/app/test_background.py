@@ -264,3 +264,60 @@ async def test_a_response_run_by_another_process_is_cancelled_and_followed_from_
         alive = b": running in another process\n\n"
         assert followed.content.startswith(alive)  # (an SSE comment, which clients skip)
         assert kinds(followed.content.replace(alive, b""))[-1][0] == "response.incomplete"
+
+
+async def test_a_running_background_response_is_continued_once_it_ends() -> None:
+    """`previous_response_id` naming a background response still running was a 404 "is not a
+    completed response" (though a GET found it in progress), and `conversation` naming the
+    conversation its first turn was making was a 404 "No conversation found". Both wait for it,
+    as a turn on a busy conversation does."""
+    upstream = Slow()
+    upstream.gate = asyncio.Event()
+    async with build_client(make_settings(), None, upstream) as client:
+        first = await client.post(
+            "/v1/responses", json={"model": "mock/m", "input": "hi", "background": True}
+        )
+        running = first.json()
+        assert (await client.get(f"/v1/responses/{running['id']}")).json()["status"] in (
+            "queued",
+            "in_progress",
+        )
+        by_id = asyncio.ensure_future(
+            client.post(
+                "/v1/responses",
+                json={"model": "mock/m", "input": "more", "previous_response_id": running["id"]},
+            )
+        )
+        await asyncio.sleep(0.05)
+        assert not by_id.done()
+        upstream.gate.set()
+        chained = await by_id
+        named = {"model": "mock/m", "input": "again", "conversation": chained.json()["conversation"]["id"]}
+        again = await client.post("/v1/responses", json=named)
+    assert chained.status_code == 200, chained.text
+    assert chained.json()["conversation"] == running["conversation"]
+    assert again.status_code == 200, again.text
+    sent = [[m["content"] for m in body["messages"] if m["role"] == "user"] for body in upstream.requests]
+    assert sent == [["hi"], ["hi", "more"], ["hi", "more", "again"]]
+
+
+async def test_a_conversation_whose_first_turn_runs_is_named_once_it_ends() -> None:
+    upstream = Slow()
+    upstream.gate = asyncio.Event()
+    async with build_client(make_settings(), None, upstream) as client:
+        body = {"model": "mock/m", "input": "hi", "background": True}
+        running = (await client.post("/v1/responses", json=body)).json()
+        cid = running["conversation"]["id"]
+        named = asyncio.ensure_future(
+            client.post("/v1/responses", json={"model": "mock/m", "input": "more", "conversation": cid})
+        )
+        await asyncio.sleep(0.05)
+        assert not named.done()
+        upstream.gate.set()
+        r = await named
+        unknown = await client.post(
+            "/v1/responses", json={"model": "mock/m", "input": "x", "conversation": "nope"}
+        )
+    assert r.status_code == 200, r.text
+    assert [m["content"] for m in upstream.requests[-1]["messages"] if m["role"] == "user"] == ["hi", "more"]
+    assert unknown.status_code == 404 and unknown.json()["error"]["param"] == "conversation"
