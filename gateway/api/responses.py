@@ -202,6 +202,15 @@ def _chat_body(
     return chat, _echoed(body, request, tools, text, background)
 
 
+def _system_prompt_count(body: dict[str, Any], request: ResponseCreate) -> int | None:
+    """How many leading messages of a Responses turn are the system prompt (`ChatRequest`):
+    its `instructions` when it names OpenAI's `conversation` or `previous_response_id`, whose
+    input items are appended; else None, as on chat completions (the gateway's own naming)."""
+    if body.get("conversation") is None and body.get("previous_response_id") is None:
+        return None
+    return 0 if request.instructions is None else 1
+
+
 def _input_messages(
     raw_input: object,
     instructions: str | None,
@@ -319,6 +328,7 @@ async def create_response(request: Request) -> Response:
             chat_body["conversation_id"] = chat.conversation_id = cid
         chat.previous_response_id = previous
         chat.truncation = params["truncation"]
+        chat.system_prompt_count = _system_prompt_count(body, parsed)
         # A turn in a conversation is kept, `store: false` or not: naming one asks for that.
         params["store"] = params["store"] or cid is not None
         # What the Responses API echoes back, kept in the request record for a later GET.
@@ -489,6 +499,7 @@ async def count_input_tokens(request: Request) -> Response:
     )
     chat.conversation_id = cid
     chat.truncation = params["truncation"]
+    chat.system_prompt_count = _system_prompt_count(body, checked)
     counted = await services.turns.count(chat, tenant)
     return JSONBody(
         {

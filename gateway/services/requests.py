@@ -66,6 +66,12 @@ class ChatRequest:
     # The summary version a compaction made for this turn (Responses `context_management`):
     # the window is cut to start with it, whatever the previous turn's head was.
     compaction_version: int | None = None
+    # A Responses turn naming OpenAI's `conversation` or `previous_response_id`: how many of the
+    # leading messages are the system prompt (its `instructions`: 0 or 1). The input's own
+    # system/developer items after them are items in line once the conversation holds anything,
+    # as OpenAI appends every input item (and as `items.create` does). None: every leading
+    # system message is the system prompt (chat completions, which resend it).
+    system_prompt_count: int | None = None
     # Anthropic's prefill: the request ends with this assistant text, which the answer goes on
     # from. Sent as it is; stored as the beginning of the answer, not as a message of its own.
     prefill: str | None = None

@@ -247,6 +247,9 @@ class ChatService:
             await asyncio.shield(self.warm_up)  # never load a tokenizer on the event loop
         encoding, count = counter_for(request.model)
         system_in, rest = split_system(request.messages)
+        kept = request.system_prompt_count
+        if kept is not None and len(system_in) > kept and (view.system or view.history_count):
+            system_in, rest = system_in[:kept], [*system_in[kept:], *rest]
         for attempt in range(2):
             try:
                 reconciled = reconcile(rest, view)

@@ -278,3 +278,41 @@ async def test_the_newest_response_after_a_reset_goes_on_with_its_own_history() 
     assert went_on["conversation"]["id"].startswith("c-r.fork-")
     assert counted == before
     assert "(turn 1, 1 messages in my context)" in fresh["output"][0]["content"][0]["text"]
+
+
+async def test_a_developer_item_in_a_named_conversations_input_is_appended_not_the_system_prompt() -> None:
+    """`input=[developer "Answer in French.", user ...]` on a conversation made with a system
+    item replaced that system prompt (never sent again, its item gone from the list); OpenAI
+    appends input items, as `items.create` does here. `instructions` still set the system prompt,
+    and the gateway's own naming (`conversation_id`) keeps chat completions' rule."""
+    upstream = MockUpstream()
+    async with build_client(make_settings(), MemoryStore(), upstream) as client:
+        items = [
+            {"type": "message", "role": "system", "content": "You are a vet."},
+            {"type": "message", "role": "user", "content": "my dog is Rex"},
+        ]
+        conv = (await client.post("/v1/conversations", json={"items": items})).json()["id"]
+        note = {"type": "message", "role": "developer", "content": "Answer in French."}
+        user = {"type": "message", "role": "user", "content": "hi"}
+        body = {"model": "mock/m", "conversation": conv, "input": [note, user]}
+        counted = (await client.post("/v1/responses/input_tokens", json=body)).json()
+        first = await client.post("/v1/responses", json=body)
+        again = await client.post("/v1/responses", json={**body, "input": "and now?"})
+        told = await client.post("/v1/responses", json={**body, "input": "ok", "instructions": "Be brief."})
+        listed = (await client.get(f"/v1/conversations/{conv}/items", params={"order": "asc"})).json()["data"]
+    assert first.status_code == again.status_code == told.status_code == 200, first.text
+    roles = [
+        [(m["role"], m["content"]) for m in b["messages"] if m["role"] != "assistant"]
+        for b in upstream.requests
+    ]
+    assert roles[0] == [
+        ("system", "You are a vet."),
+        ("user", "my dog is Rex"),
+        ("developer", "Answer in French."),
+        ("user", "hi"),
+    ]
+    assert roles[1][:3] == roles[0][:3] and roles[1][-1] == ("user", "and now?")
+    assert roles[2][0] == ("system", "Be brief.") and ("developer", "Answer in French.") in roles[2]
+    assert ("system", "You are a vet.") not in roles[2]
+    assert [i["role"] for i in listed][:4] == ["system", "user", "developer", "user"]
+    assert counted["input_tokens"] > 0
