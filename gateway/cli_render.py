@@ -88,7 +88,11 @@ def render_marker(marker: Record) -> str:
         kept = " (the system prompt kept)" if marker.get("keep_system_message") else ""
         text = f"conversation reset{kept}: the history before this is no longer sent"
     elif kind == "delete_item":
-        text = f"message {marker.get('position')} of {marker.get('response_id')} deleted: no longer sent"
+        part = "the text of " if marker.get("text") else ""
+        if "call" in marker:
+            part = f"call {marker['call']} of "
+        message = f"message {marker.get('position')} of {marker.get('response_id')}"
+        text = f"{part}{message} deleted: no longer sent"
     elif kind == "delete_response":
         text = f"response {marker.get('response_id')} deleted: no longer sent"
     elif kind == "metadata":

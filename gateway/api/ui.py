@@ -122,7 +122,7 @@ async def conversation(request: Request) -> Response:
             kind = entry.get("type")
             if kind in ("reset", "delete_item", "delete_response") and index >= since:
                 marker: JSONObject = {"index": index, "marker": kind, "at": entry.get("at")}
-                for key in ("response_id", "position"):  # what a deletion names
+                for key in ("response_id", "position", "call", "text"):  # what a deletion names
                     if key in entry:
                         marker[key] = entry[key]
                 turns.append(marker)

@@ -235,6 +235,9 @@ class ConversationView:
     created_at: float | None = None
     metadata: dict[str, str] = field(default_factory=dict)
     deleted_items: set[str] = field(default_factory=set)
+    # item key -> the numbers its calls had at first, for an answer some of whose calls were
+    # deleted (its `fc_..._K` item ids stay what they were)
+    call_numbers: dict[str, list[int]] = field(default_factory=dict)
     last_deletion: float | None = None  # when an item or a response was last deleted
     last_activity: float | None = None
     last_model: str | None = None
@@ -453,9 +456,7 @@ class ConversationView:
             if isinstance(owner, str):
                 self._delete_response(owner)
         elif kind == "delete_item":
-            rid, pos = marker.get("response_id"), marker.get("position")
-            if isinstance(rid, str) and isinstance(pos, int):
-                self.delete_item(rid, pos)
+            self._delete_marked(marker)
         elif kind == "withdraw_recap":  # other conversations' content deleted since it was made
             withdrawn = marker.get("conversations")
             if isinstance(withdrawn, list) and self.recap is not None:
@@ -494,6 +495,40 @@ class ConversationView:
                     del column[i]
                 self._keys.pop("history", None)
                 self._ends()
+                return
+
+    def _delete_marked(self, marker: JSONObject) -> None:
+        """A `delete_item` marker: a stored message, or one item of an answer (`call`, `text`)."""
+        rid, pos, call = marker.get("response_id"), marker.get("position"), marker.get("call")
+        if not isinstance(rid, str) or not isinstance(pos, int):
+            return
+        if isinstance(call, int) or marker.get("text") is True:
+            self.delete_part(rid, pos, call if isinstance(call, int) else None)
+        else:
+            self.delete_item(rid, pos)
+
+    def delete_part(self, response_id: str, position: int, call: int | None) -> None:
+        """One item of an answer that holds several (its text, its calls): call number `call`,
+        or its text when None. The answer goes on without it, and goes when nothing is left."""
+        for i in range(len(self.history) - 1, -1, -1):
+            if self.history_owner[i] == response_id and self.history_pos[i] == position:
+                message, key = self.history[i], item_key(response_id, position)
+                calls = list(message.get("tool_calls") or [])
+                numbers = self.call_numbers.get(key) or list(range(len(calls)))
+                if call is None:
+                    kept = {k: v for k, v in message.items() if k not in ("content", "refusal", "audio")}
+                    kept["content"] = None
+                else:
+                    pairs = [(n, c) for n, c in zip(numbers, calls, strict=False) if n != call]
+                    kept = {k: v for k, v in message.items() if k != "tool_calls"}
+                    if pairs:
+                        kept["tool_calls"] = [c for _, c in pairs]
+                    self.call_numbers[key] = [n for n, _ in pairs]
+                if not kept.get("tool_calls") and not kept.get("content"):
+                    self.delete_item(response_id, position)
+                    return
+                self.history[i] = cast(Message, kept)
+                self._keys.pop("history", None)
                 return
 
     def position_of(self, key: str) -> int | None:
@@ -559,6 +594,7 @@ class ConversationView:
             history_end=dict(self.history_end),
             history_pos=list(self.history_pos),
             deleted_items=set(self.deleted_items),
+            call_numbers=dict(self.call_numbers),
             metadata=dict(self.metadata),
             created_of=dict(self.created_of),
             system=list(self.system) if self.system is not None else None,

@@ -237,8 +237,13 @@ def _item_part(part: JSONObject) -> JSONObject:
     return dict(part)
 
 
-def message_to_items(message: Message, response_id: str, position: int) -> list[Item]:
-    """One stored chat message as Conversations API items (as OpenAI returns them)."""
+def message_to_items(
+    message: Message, response_id: str, position: int, call_numbers: list[int] | None = None
+) -> list[Item]:
+    """One stored chat message as Conversations API items (as OpenAI returns them).
+
+    `call_numbers`: the numbers its calls had at first, when some were deleted (item ids keep them).
+    """
     role = message.get("role")
     base = f"{response_id}_{position}"
     mark = message.get("compaction")
@@ -269,7 +274,8 @@ def message_to_items(message: Message, response_id: str, position: int) -> list[
                 "content": parts,
             }
         )
-    for k, call in enumerate(message.get("tool_calls") or []):
+    calls = message.get("tool_calls") or []
+    for k, call in zip(call_numbers or range(len(calls)), calls, strict=False):
         fn = call.get("function") or {}
         items.append(
             {

@@ -15,6 +15,7 @@ from collections.abc import Callable
 
 from gateway.config import Settings
 from gateway.context import ConversationView, Message, Turn, split_system
+from gateway.context.history import item_key
 from gateway.context.items import Item, items_to_messages, message_to_items, parse_item_id
 from gateway.context.tail import checkpoint
 from gateway.exceptions import InvalidRequest, NotFound
@@ -38,7 +39,7 @@ def view_items(view: ConversationView) -> list[Item]:
         for k, message in enumerate(view.system):
             items.extend(message_to_items(message, view.system_owner, -(k + 1)))
     for message, owner, pos in zip(view.history, view.history_owner, view.history_pos, strict=True):
-        items.extend(message_to_items(message, owner, pos))
+        items.extend(message_to_items(message, owner, pos, view.call_numbers.get(item_key(owner, pos))))
     return items
 
 
@@ -217,12 +218,19 @@ class Conversations:
         find_item(await self._existing(store, cid), item_id)  # (a 404 withdraws nothing)
         await self._withdraw_recaps(store, cid)
         async with store.lock(cid, self.lock_timeout):
-            find_item(await self._existing(store, cid), item_id)
+            view = await self._existing(store, cid)
+            find_item(view, item_id)
             named = parse_item_id(item_id)
             assert named is not None  # find_item only finds ids we made
             rid, position = named
             await withdraw(store, cid, rid, functools.partial(self.cache.load, store, cid))
-            await store.append_marker(
-                cid, {"type": "delete_item", "response_id": rid, "position": position, "at": now()}
-            )
+            marker: Record = {"type": "delete_item", "response_id": rid, "position": position, "at": now()}
+            if sum(parse_item_id(str(i["id"])) == named for i in view_items(view)) > 1:
+                # One item of an answer that holds several (its text, its calls): that one alone,
+                # as OpenAI deletes an item (the others were deleted with it).
+                if item_id.startswith("fc_"):
+                    marker["call"] = int(item_id.rsplit("_", 1)[1])
+                else:
+                    marker["text"] = True
+            await store.append_marker(cid, marker)
             return await self.cache.load(store, cid)

@@ -132,7 +132,10 @@ function branchWords(turn) {
 
 function turnCard(turn, isNew, points = new Map()) {
   if (turn.marker === "reset") return el("div", { class: "marker-reset", text: `— conversation reset ${when(turn.at)} —` });
-  if (turn.marker === "delete_item") return el("div", { class: "marker-reset", text: `— item ${turn.position} of ${turn.response_id} deleted ${when(turn.at)} —` });
+  if (turn.marker === "delete_item") {
+    const part = turn.call !== undefined ? `call ${turn.call} of ` : turn.text ? "the text of " : "";
+    return el("div", { class: "marker-reset", text: `— ${part}item ${turn.position} of ${turn.response_id} deleted ${when(turn.at)} —` });
+  }
   if (turn.marker === "delete_response") return el("div", { class: "marker-reset", text: `— response ${turn.response_id} deleted ${when(turn.at)} —` });
   const card = el("div", { class: "turn" + (isNew ? " new-turn" : ""), "data-response-id": turn.response_id });
   const ctx = turn.context || {};
