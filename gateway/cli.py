@@ -38,7 +38,7 @@ from gateway.config import Settings, load_settings
 from gateway.context import Turn
 from gateway.context.history import clean_message, message_key, repair_tool_calls
 from gateway.context.summary import is_summary_message
-from gateway.context.unsent import Unsent
+from gateway.context.unsent import RESET, Unsent
 from gateway.exceptions import GatewayError, NoGatewayData, NotFound
 from gateway.services import Services
 from gateway.services.listing import stored_tokens
@@ -382,6 +382,8 @@ class _ShowText:
         """Why the model is not given this turn (None: it is)."""
         window = self.window
         if turn.response_id not in self.live:
+            if turn.response_id in self.unsent.view.reset_away:
+                return f"no longer sent to the model: {RESET}"
             return "no longer sent to the model: left behind by a branch, reset or deleted"
         if window is not None and turn.response_id not in window["included"]:
             where = f"outside the last turn's window ({window['response_id']})"

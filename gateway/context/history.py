@@ -238,6 +238,9 @@ class ConversationView:
     # item key -> the numbers its calls had at first, for an answer some of whose calls were
     # deleted (its `fc_..._K` item ids stay what they were)
     call_numbers: dict[str, list[int]] = field(default_factory=dict)
+    # What resets took out of what the model is given: the responses whose messages were in
+    # history, and (as `item_key(id, -1)`) the one whose system prompt went with them.
+    reset_away: set[str] = field(default_factory=set)
     last_deletion: float | None = None  # when an item or a response was last deleted
     last_activity: float | None = None
     last_model: str | None = None
@@ -595,6 +598,7 @@ class ConversationView:
             history_pos=list(self.history_pos),
             deleted_items=set(self.deleted_items),
             call_numbers=dict(self.call_numbers),
+            reset_away=set(self.reset_away),
             metadata=dict(self.metadata),
             created_of=dict(self.created_of),
             system=list(self.system) if self.system is not None else None,
@@ -610,6 +614,9 @@ class ConversationView:
         return copy
 
     def reset(self, *, keep_system_message: bool) -> None:
+        self.reset_away.update(self.history_owner)
+        if not keep_system_message and self.system_owner is not None:
+            self.reset_away.add(item_key(self.system_owner, -1))
         if not keep_system_message:
             self.system = None
             self.system_tokens = None

@@ -15,6 +15,7 @@ FEEDBACK = "feedback: not replayed"
 DELETED = "deleted"
 CALL_GONE = "no tool call left to answer (deleted, or answered before it came)"
 BRANCHED = "left behind by a branch"
+RESET = "before a reset of the conversation"
 REPLACED = "replaced by a later system prompt"
 
 
@@ -43,7 +44,7 @@ class Unsent:
             return DELETED
         if (response_id, position) in self.in_history:
             return CALL_GONE
-        return BRANCHED
+        return RESET if response_id in self.view.reset_away else BRANCHED
 
     def of_turn(
         self,
@@ -65,6 +66,11 @@ class Unsent:
         if output is not None and input and all(is_feedback(m) for m in input):
             out[len(input)] = FEEDBACK
         if system and self.view.system_owner != response_id:
-            deleted = item_key(response_id, -1) in self.view.deleted_items
-            out.update({-(i + 1): DELETED if deleted else REPLACED for i in range(len(system))})
+            key = item_key(response_id, -1)
+            why = REPLACED
+            if key in self.view.deleted_items:
+                why = DELETED
+            elif key in self.view.reset_away:
+                why = RESET
+            out.update({-(i + 1): why for i in range(len(system))})
         return out

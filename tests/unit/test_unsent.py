@@ -6,7 +6,7 @@ from __future__ import annotations
 from typing import Any
 
 from gateway.context import ConversationView, Turn
-from gateway.context.unsent import BRANCHED, CALL_GONE, DELETED, FEEDBACK, REPLACED, Unsent
+from gateway.context.unsent import BRANCHED, CALL_GONE, DELETED, FEEDBACK, REPLACED, RESET, Unsent
 
 
 def turn(rid: str, input: list[dict[str, Any]], output: dict[str, Any], **kw: Any) -> Turn:
@@ -56,3 +56,28 @@ def test_every_reason_a_message_is_no_longer_given() -> None:
     }
     assert unsent.of_turn("r4", [user("rude", is_feedback=True)], answer) == {0: FEEDBACK, 1: FEEDBACK}
     assert unsent.why("r5", 0) is None and unsent.why("gone", 0) == BRANCHED
+
+
+def test_what_a_reset_took_away_says_so() -> None:
+    """Messages before a reset read "left behind by a branch", and their system prompt "replaced
+    by a later system prompt": there had been neither."""
+    system = [{"role": "system", "content": "S"}]
+    view = ConversationView()
+    view.extend(turn("r1", [user("a")], {"role": "assistant", "content": "A"}, system=system))
+    view.apply_marker({"type": "reset", "keep_system_message": False})
+    view.extend(turn("r2", [user("b")], {"role": "assistant", "content": "B"}))
+    kept = ConversationView()
+    kept.extend(turn("k1", [user("a")], {"role": "assistant", "content": "A"}, system=system))
+    kept.apply_marker({"type": "reset", "keep_system_message": True})
+    kept.extend(
+        turn(
+            "k2",
+            [user("b")],
+            {"role": "assistant", "content": "B"},
+            system=[{"role": "system", "content": "S2"}],
+        )
+    )
+    answer = {"role": "assistant", "content": "A"}
+    assert Unsent(view).of_turn("r1", [user("a")], answer, system) == {0: RESET, 1: RESET, -1: RESET}
+    assert Unsent(view).of_turn("r2", [user("b")], answer) == {}
+    assert Unsent(kept).of_turn("k1", [user("a")], answer, system) == {0: RESET, 1: RESET, -1: REPLACED}
