@@ -46,6 +46,7 @@ def completion_object(completion: StoredCompletion) -> JSONObject:
         ],
         "usage": stored.usage,
         "metadata": completion.metadata,
+        **stored.served,  # (`system_fingerprint`, `service_tier`, as the provider said them)
     }
     if stored.conversation_id is not None:
         obj["conversation_id"] = stored.conversation_id

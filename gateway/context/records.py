@@ -154,6 +154,11 @@ class StoredResponse:
         return text(self.response.get("finish_reason")) if self.response else None
 
     @property
+    def served(self) -> JSONObject:
+        """How the provider served it (`system_fingerprint`, `service_tier`), as it said."""
+        return (obj(self.response.get("served")) if self.response else None) or {}
+
+    @property
     def usage(self) -> Usage | None:
         usage = obj(self.response.get("usage")) if self.response else None
         return cast(Usage, usage) if usage is not None else None

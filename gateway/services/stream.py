@@ -135,6 +135,16 @@ def thinking_blocks(value: object) -> list[JSONObject]:
     return cast(list[JSONObject], value)
 
 
+SERVED = ("system_fingerprint", "service_tier")
+
+
+def served_by(completion: JSONObject) -> JSONObject | None:
+    """How a provider says it served an answer (a completion or a chunk): its `system_fingerprint`
+    and `service_tier`, kept for the stored completion (None: it said neither)."""
+    said = {key: completion[key] for key in SERVED if isinstance(completion.get(key), str)}
+    return said or None
+
+
 class StreamAccumulator:
     """Rebuilds the assistant message of choice 0 from a chunk stream."""
 
@@ -150,6 +160,7 @@ class StreamAccumulator:
         self.finish_reason: str | None = None
         self.usage: Usage | None = None
         self.timings: JSONObject | None = None  # llama.cpp's, in its last chunk: its cache figures
+        self.served: JSONObject | None = None  # `served_by` of the chunk that finished the answer
 
     def add(self, chunk: JSONObject) -> None:
         usage = chunk.get("usage")
@@ -172,6 +183,7 @@ class StreamAccumulator:
             finish = choice.get("finish_reason")
             if finish:
                 self.finish_reason = str(finish)
+                self.served = served_by(chunk)
 
     def _add_delta(self, delta: JSONObject) -> None:
         """Take a piece of choice 0 that may carry more than text: a refusal, audio, calls."""

@@ -427,8 +427,10 @@ def response_record(
     usage: object,
     raw: object = None,
     provider_timings: object = None,
+    served: JSONObject | None = None,
 ) -> Record:
-    """The `response` record; `provider_timings`: llama.cpp's `timings`, with its cache figures."""
+    """The `response` record; `provider_timings`: llama.cpp's `timings`, with its cache figures;
+    `served`: how the provider served it (`stream.served_by`)."""
     timings = timings_until_now(turn)
     record: Record = {
         "type": "response",
@@ -437,6 +439,8 @@ def response_record(
         "usage": usage,
         "timings": timings,
     }
+    if served is not None:
+        record["served"] = served
     if raw is not None and raw != message:
         record["upstream_message"] = raw
     turn.cache = prompt_accounting(usage, provider_timings)

@@ -47,7 +47,7 @@ from gateway.services.models import ModelFacts
 from gateway.services.planning import Planner, TurnInputs, off_loop_if_large
 from gateway.services.recap import stale_recap_sources, withdrawal
 from gateway.services.requests import ChatRequest, check_size
-from gateway.services.stream import StreamAccumulator, output_message, stream_error
+from gateway.services.stream import StreamAccumulator, output_message, served_by, stream_error
 from gateway.services.turn import (
     Planned,
     PreparedTurn,
@@ -453,7 +453,8 @@ class ChatService:
         if isinstance(answered_by, str):
             turn.response_model = answered_by
         usage, timings = completion.get("usage"), completion.get("timings")
-        record = response_record(turn, message, choice.get("finish_reason"), usage, raw, timings)
+        finish = choice.get("finish_reason")
+        record = response_record(turn, message, finish, usage, raw, timings, served_by(completion))
         await self._commit(turn, message, record)
         turn.final_message = message
         completion["id"] = turn.response_id
@@ -534,7 +535,9 @@ class ChatService:
                 provider = turn.route.provider
                 raise UpstreamProtocolError(f"Provider {provider!r} ended the stream before finishing")
             message = acc.message()
-            record = response_record(turn, message, acc.finish_reason, acc.usage, None, acc.timings)
+            record = response_record(
+                turn, message, acc.finish_reason, acc.usage, None, acc.timings, acc.served
+            )
             await self._commit(turn, message, record)
             turn.final_message = message
             for chunk in held:

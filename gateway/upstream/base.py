@@ -258,6 +258,8 @@ def chunks_from_completion(completion: Body, *, include_usage: bool) -> list[Chu
         "object": "chat.completion.chunk",
         "created": created,
         "model": model,
+        # (on every chunk, as OpenAI streams them)
+        **{key: completion[key] for key in ("system_fingerprint", "service_tier") if key in completion},
     }
     choice = first_choice(completion)
     message = as_object(choice.get("message"))

@@ -13,7 +13,7 @@ import pytest
 
 from gateway.exceptions import UpstreamUnreachable
 from gateway.types import as_list, as_object
-from gateway.upstream.base import Body
+from gateway.upstream.base import Body, completion_from_text
 from gateway.upstream.demo import demo_reply
 from gateway.upstream.mock import MockUpstream
 from tests.conftest import build_client, make_settings
@@ -232,3 +232,22 @@ async def test_metadata_reaches_the_provider_only_with_store() -> None:
         assert await listed(client, **{"metadata[run]": "7"}) == [plain, stored]
     sent = [(body.get("metadata"), body.get("store")) for body in upstream.requests]
     assert sent == [(None, None), ({"run": "7"}, True)]
+
+
+@pytest.mark.parametrize("stream", [False, True])
+async def test_a_stored_completion_says_how_it_was_served(tmp_path: Path, stream: bool) -> None:
+    """`system_fingerprint` and `service_tier` were dropped: retrieve and list said None where
+    the create had said `fp_mock` and `default`."""
+
+    def served(body: Body) -> object:
+        completion = completion_from_text("m", "hello")
+        return {**completion, "system_fingerprint": "fp_mock", "service_tier": "default"}
+
+    async with build_client(make_settings(tmp_path), None, MockUpstream(served)) as client:
+        body = {"model": "mock/m", "messages": [{"role": "user", "content": "hi"}], "stream": stream}
+        made = await client.post("/v1/chat/completions", json=body)
+        rid = made.headers["x-response-id"] if stream else made.json()["id"]
+        got = (await client.get(f"/v1/chat/completions/{rid}")).json()
+        page = (await client.get("/v1/chat/completions")).json()["data"]
+    assert (got["system_fingerprint"], got["service_tier"]) == ("fp_mock", "default")
+    assert (page[0]["system_fingerprint"], page[0]["service_tier"]) == ("fp_mock", "default")
