@@ -439,8 +439,14 @@ _ONE_NAMING: JsonDict = {
 }
 
 
+# OpenAI's Responses parameters the gateway accepts without reading them (`openai` 3.57's
+# `responses.create`): any other field is a 400 `unknown_parameter`, as OpenAI answers a typo
+# (`previous_respons_id` had started a new conversation that knew nothing).
+Accepted = Annotated[SkipValidation[object], Field(None, description="OpenAI's; accepted, not used")]
+
+
 class ResponseCreate(BaseModel):
-    model_config = ConfigDict(extra="allow", strict=True, json_schema_extra=_ONE_NAMING)
+    model_config = ConfigDict(extra="forbid", strict=True, json_schema_extra=_ONE_NAMING)
 
     model: ModelName
     input: ResponseInput
@@ -467,6 +473,28 @@ class ResponseCreate(BaseModel):
     parallel_tool_calls: SkipValidation[bool | None] = None
     tool_choice: SkipValidation[str | dict[str, object] | None] = None
     user: SkipValidation[str | None] = None
+    service_tier: SkipValidation[str | None] = None
+    prompt_cache_key: SkipValidation[str | None] = None
+    prompt_cache_retention: SkipValidation[str | None] = None
+    safety_identifier: SkipValidation[str | None] = None
+    seed: SkipValidation[int | None] = Field(None, description="Passed on (local servers take it)")
+    # Checked where they are used.
+    background: SkipValidation[bool | None] = None
+    text: SkipValidation[dict[str, object] | None] = None
+    reasoning: SkipValidation[dict[str, object] | None] = None
+    prompt: SkipValidation[object] = Field(None, description="Not supported: a 400 unless null")
+    is_feedback: SkipValidation[bool | None] = Field(
+        None, description="Gateway extension: the last input item is feedback"
+    )
+    include: Accepted
+    stream_options: Accepted
+    top_logprobs: Accepted
+    max_tool_calls: Accepted
+    prompt_cache_options: Accepted
+    background_options: Accepted
+    moderation: Accepted
+    image: Accepted
+    access_programs: Accepted
 
     error_messages: ClassVar[ErrorMessages] = {
         "": NOT_AN_OBJECT,
@@ -493,7 +521,7 @@ class ResponseCompact(BaseModel):
     """
 
     model_config = ConfigDict(
-        extra="allow",
+        extra="forbid",
         strict=True,
         json_schema_extra={"not": {"required": ["conversation", "previous_response_id"]}},
     )
@@ -505,6 +533,11 @@ class ResponseCompact(BaseModel):
     conversation: SkipValidation[ConversationId | ConversationRef | None] = Field(
         None, description="Gateway extension: compact this conversation's history"
     )
+    prompt_cache_key: Accepted
+    prompt_cache_retention: Accepted
+    prompt_cache_options: Accepted
+    service_tier: Accepted
+    image: Accepted
 
     error_messages: ClassVar[ErrorMessages] = {
         "": NOT_AN_OBJECT,
@@ -522,6 +555,7 @@ class InputTokensCount(ResponseCreate):
     """
 
     input: ResponseInput | None = None  # type: ignore[assignment]  # (optional here only)
+    personality: Accepted
 
 
 # -- the Conversations API -----------------------------------------------------------------------
@@ -532,7 +566,7 @@ def _items(param: str, error: ErrorDetails) -> str:
 
 
 class ConversationCreate(BaseModel):
-    model_config = BODY
+    model_config = ConfigDict(extra="forbid", strict=True)  # (`metdata` was taken for nothing)
 
     metadata: Metadata | None = None
     items: list[Item] | None = None

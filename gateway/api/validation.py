@@ -88,6 +88,11 @@ def validate(model: type[B], body: object) -> B:
         ]
         if deeper:
             error = max(deeper, key=lambda e: len(e["loc"]))
+        if error["type"] == "extra_forbidden":  # (as OpenAI says it)
+            name = _render([*error["loc"]])
+            raise InvalidRequest(
+                f"Unknown parameter: '{name}'.", param=name, code="unknown_parameter"
+            ) from None
         messages: ErrorMessages = getattr(model, "error_messages", {})
         raise invalid_request(error, body, messages) from None
 

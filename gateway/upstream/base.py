@@ -253,7 +253,7 @@ def chunks_from_completion(completion: Body, *, include_usage: bool) -> list[Chu
     """Split a completion into the chunk sequence an OpenAI-compatible server would stream."""
     created = completion.get("created", int(time.time()))
     model = completion.get("model", "")
-    base = {
+    base: Chunk = {
         "id": completion.get("id", "chatcmpl-local"),
         "object": "chat.completion.chunk",
         "created": created,

@@ -49,9 +49,15 @@ async def test_json_nested_deeper_than_64_levels_is_a_400_everywhere(depth: int,
         headers = {"content-type": "application/json"}
         r = await client.post("/v1/chat/completions", content=body(chat, nested(depth - 4)), headers=headers)
         assert r.status_code == status, r.text
-        conversation = {"metadata": {"k": "v"}, "deep": "DEEP"}
+        # the body object, items, the item, content and the part are 5 levels, as above
+        item = {
+            "type": "message",
+            "role": "user",
+            "content": [{"type": "input_text", "text": "hi", "x": "DEEP"}],
+        }
+        conversation = {"metadata": {"k": "v"}, "items": [item]}
         r2 = await client.post(
-            "/v1/conversations", content=body(conversation, nested(depth)), headers=headers
+            "/v1/conversations", content=body(conversation, nested(depth - 4)), headers=headers
         )
         assert r2.status_code == (200 if depth <= 64 else 400)
         if status == 200:  # what was stored can be read back
@@ -234,12 +240,13 @@ async def test_a_compressed_request_body_is_a_415_that_says_so(path: str, shape:
     labelled `br` was taken: the encoding is refused, by name."""
     import gzip
 
-    body = {
+    body: dict[str, Any] = {
         "model": "mock/m",
         "max_tokens": 8,
         "messages": [{"role": "user", "content": "hi"}],
-        "input": "hi",
     }
+    if path == "/v1/responses":
+        body = {"model": "mock/m", "input": "hi"}
     raw = orjson.dumps(body)
     upstream = MockUpstream()
     headers = {"content-type": "application/json", "anthropic-version": "2023-06-01"}

@@ -316,3 +316,39 @@ async def test_a_developer_item_in_a_named_conversations_input_is_appended_not_t
     assert ("system", "You are a vet.") not in roles[2]
     assert [i["role"] for i in listed][:4] == ["system", "user", "developer", "user"]
     assert counted["input_tokens"] > 0
+
+
+async def test_an_unknown_parameter_is_a_400_as_openai_says_it() -> None:
+    """`previous_respons_id` (a typo) was dropped without a word: the turn started a new
+    conversation and the model got no history; `max_output_token` and `metdata` were ignored."""
+    store = MemoryStore()
+    async with build_client(make_settings(), store, MockUpstream()) as client:
+        r1 = (await respond(client, "my dog is Rex")).json()
+        typo = await respond(client, "what is my dog?", previous_respons_id=r1["id"])
+        capped = await respond(client, "hi", max_output_token=5)
+        conv = await client.post("/v1/conversations", json={"metdata": {"a": "1"}})
+        count = await client.post(
+            "/v1/responses/input_tokens", json={"model": "mock/m", "input": "x", "n": 2}
+        )
+        compact = await client.post(
+            "/v1/responses/compact", json={"model": "mock/m", "input": "x", "stream": True}
+        )
+        known = await respond(
+            client, "hi", include=["reasoning.encrypted_content"], service_tier="auto", top_logprobs=0, seed=7
+        )
+    for r, name in [
+        (typo, "previous_respons_id"),
+        (capped, "max_output_token"),
+        (conv, "metdata"),
+        (count, "n"),
+        (compact, "stream"),
+    ]:
+        assert r.status_code == 400, (name, r.text)
+        assert r.json()["error"] == {
+            "message": f"Unknown parameter: '{name}'.",
+            "type": "invalid_request_error",
+            "param": name,
+            "code": "unknown_parameter",
+        }
+    assert known.status_code == 200, known.text
+    assert len(store.indexes) == 2  # the first turn's and the last one's
