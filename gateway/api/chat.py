@@ -22,6 +22,7 @@ from gateway.api.observe import failed_response, log_line, refused, stream_close
 from gateway.api.sse import chat_events
 from gateway.api.validation import parse_chat
 from gateway.exceptions import GatewayError, shutting_down
+from gateway.services.requests import take_prefill
 
 
 async def chat_completions(request: Request) -> Response:
@@ -32,6 +33,7 @@ async def chat_completions(request: Request) -> Response:
         try:
             body = await read_json(request, service.settings.server.max_body_bytes)
             chat = parse_chat(body, header_conversation_id=request.headers.get("x-conversation-id"))
+            take_prefill(chat)
             turn = await service.prepare(chat, tenant_of(request))
         except asyncio.CancelledError as exc:
             raise shutting_down(exc) or exc from None

@@ -41,8 +41,8 @@ from gateway.api.schemas import NOT_AN_OBJECT, CountTokensRequest, MessageCreate
 from gateway.api.validation import parse_chat, validate
 from gateway.context import anthropic
 from gateway.exceptions import GatewayError, InvalidRequest, shutting_down
-from gateway.services.requests import ChatRequest
-from gateway.services.turn import PreparedTurn, TurnOutcome
+from gateway.services.requests import ChatRequest, take_prefill
+from gateway.services.turn import PreparedTurn, TurnOutcome, added_to
 from gateway.services.turns import TurnStream
 from gateway.types import JSONObject, as_list
 
@@ -70,16 +70,7 @@ def _chat(body: object, header_conversation_id: str | None) -> ChatRequest:
     chat_body.update({key: body[key] for key in EXTENSIONS if body.get(key) is not None})
     chat = parse_chat(chat_body, header_conversation_id=header_conversation_id)
     chat.from_messages_api = True  # (recorded: not a chat completion for the stored-completions lists)
-    last = chat.messages[-1]
-    text = last.get("content")
-    if last.get("role") == "assistant" and not last.get("tool_calls") and isinstance(text, str):
-        # Anthropic's prefill: the answer goes on from this text (and the message returned is
-        # what was added). The conversation keeps the two as one assistant message. An empty one
-        # is no prefill: left out (stored, it was an empty message sent on every later turn).
-        if text:
-            chat.prefill = text
-        elif len(chat.messages) > 1:
-            chat.messages.pop()
+    take_prefill(chat)  # (the message returned is what the model added: `added_to`)
     return chat
 
 
@@ -107,7 +98,7 @@ def _message(turn: PreparedTurn, outcome: TurnOutcome, completion: JSONObject | 
     message = anthropic.message_object(
         message_id=turn.response_id,
         model=turn.request.model,
-        message=outcome.message,
+        message=added_to(turn.request.prefill, outcome.message),
         finish_reason=outcome.finish_reason,
         usage=usage,
         matched=stop,

@@ -50,6 +50,21 @@ def _branch(new: Sequence[Message], branch_at: int, view: ConversationView) -> R
     return Reconciled(list(new), branch_at, regenerated, left_from)
 
 
+def _all_stored(incoming: Sequence[Message], common: int, view: ConversationView) -> Reconciled:
+    """A request that starts with the whole stored transcript (its first `common` messages).
+
+    What follows is new, and its last message always is. All of it and nothing more, its last
+    answer last, asks that answer to go on (a prefill, a client going on from an answer cut
+    short): the answer is taken back and sent once, as the request's last message, and the
+    answer to come is stored in its place."""
+    n = len(incoming)
+    if common == n and incoming[-1].get("role") == "assistant":
+        history = view.keys("history")
+        if history and history[-1] == view.keys("transcript")[-1]:
+            return _branch(incoming[n - 1 :], len(history) - 1, view)
+    return Reconciled(list(incoming[min(common, n - 1) :]))
+
+
 def reconcile(incoming: Sequence[Message], view: ConversationView) -> Reconciled:
     """Match the request's messages (system prompt already split off) with the stored ones.
 
@@ -62,7 +77,8 @@ def reconcile(incoming: Sequence[Message], view: ConversationView) -> Reconciled
       overlap is dropped;
     - starts with a stored run that is not the tail, an answer among it (a trimmed history that
       was edited or regenerated): a branch after that run;
-    - else every message is new. The last message is always new.
+    - else every message is new. The last message is always new: all that is stored and
+      nothing more, its last answer last, takes that answer back to go on from it (a prefill).
     """
     n = len(incoming)
     if n > 1 and view.partial:
@@ -72,7 +88,7 @@ def reconcile(incoming: Sequence[Message], view: ConversationView) -> Reconciled
     transcript = view.keys("transcript")
     common = _common_prefix(incoming, transcript)
     if common >= len(transcript):  # all of it, feedback included
-        return Reconciled(list(incoming[min(common, n - 1) :]))
+        return _all_stored(incoming, common, view)
     history = view.keys("history")
     m = len(history)
     shared = min(_common_prefix(incoming, history), n - 1)

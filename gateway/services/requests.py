@@ -30,6 +30,21 @@ MAX_ANSWER_TOKENS = 10_000_000
 MESSAGE_ROLES = frozenset({"system", "developer", "user", "assistant", "tool", "function"})
 
 
+def take_prefill(request: ChatRequest) -> None:
+    """A request that ends with an assistant message of text asks the answer to go on from it
+    (a prefill: Anthropic's, llama.cpp's, vLLM's, Ollama's; a client going on from an answer cut
+    short): `request.prefill`, stored with the answer as one assistant message. An empty one is
+    no prefill: left out (stored, it was an empty message sent on every later turn)."""
+    last = request.messages[-1] if request.messages else None
+    if last is None or last.get("role") != "assistant" or last.get("tool_calls"):
+        return
+    text = last.get("content")
+    if isinstance(text, str) and text:
+        request.prefill = text
+    elif text == "" and len(request.messages) > 1:
+        request.messages.pop()
+
+
 def check_size(cap: int, cid: str, view: ConversationView, adding: int) -> None:
     """A conversation past the cap gets a clear 400 instead of an ever slower load."""
     stored = view.transcript_count
@@ -72,6 +87,6 @@ class ChatRequest:
     # as OpenAI appends every input item (and as `items.create` does). None: every leading
     # system message is the system prompt (chat completions, which resend it).
     system_prompt_count: int | None = None
-    # Anthropic's prefill: the request ends with this assistant text, which the answer goes on
-    # from. Sent as it is; stored as the beginning of the answer, not as a message of its own.
+    # A prefill (`take_prefill`): the request ends with this assistant text, which the answer goes
+    # on from. Sent as it is; stored as the beginning of the answer, not as a message of its own.
     prefill: str | None = None

@@ -536,11 +536,23 @@ async def refit(
 
 
 def with_prefill(prefill: str | None, message: Message) -> Message:
-    """The answer as stored: the client's prefill (`ChatRequest.prefill`), then what the model added."""
-    if not prefill:
-        return message
+    """The answer as stored: the client's prefill (`ChatRequest.prefill`), then what the model added.
+
+    An answer that begins with the prefill has it already: llama.cpp says it again in a whole
+    answer (not in a stream)."""
     content = message.get("content")
-    return {**message, "content": prefill + (content if isinstance(content, str) else "")}
+    text = content if isinstance(content, str) else ""
+    if not prefill or text.startswith(prefill):
+        return message
+    return {**message, "content": prefill + text}
+
+
+def added_to(prefill: str | None, message: Message | None) -> Message | None:
+    """What the model added to the client's prefill: its answer without the prefill said again."""
+    content = message.get("content") if message is not None else None
+    if not prefill or message is None or not isinstance(content, str) or not content.startswith(prefill):
+        return message
+    return {**message, "content": content[len(prefill) :]}
 
 
 def stored_turn(turn: PreparedTurn, message: Message, output_tokens: int | None) -> Turn:

@@ -1,0 +1,107 @@
+"""A request that ends with an assistant message asks the answer to go on from it (a prefill):
+sent once, stored with the answer as one assistant message, on chat completions and Messages,
+whether or not the provider says the prefill again in its answer (llama.cpp's whole answers do)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+
+from gateway.store.memory import MemoryStore
+from gateway.upstream.mock import MockUpstream
+from tests.conftest import build_client, make_settings
+
+
+def going_on(echo: bool) -> Any:
+    """A provider that goes on from a final assistant message (saying it again when `echo`)."""
+
+    def answer(body: dict[str, Any]) -> str:
+        last = body["messages"][-1]
+        if last["role"] != "assistant":
+            return "Apples."
+        return (last["content"] if echo else "") + " and more."
+
+    return answer
+
+
+def sent(upstream: MockUpstream) -> list[tuple[str, str]]:
+    return [(m["role"], m["content"]) for m in upstream.requests[-1]["messages"]]
+
+
+async def history(client: Any, cid: str) -> list[tuple[str, str]]:
+    items = (await client.get(f"/v1/conversations/{cid}/items", params={"order": "asc"})).json()["data"]
+    return [(i["role"], i["content"][0]["text"]) for i in items]
+
+
+@pytest.mark.parametrize("echo", [False, True])
+async def test_a_history_resent_whole_ending_with_its_answer_goes_on_from_that_answer(echo: bool) -> None:
+    """`[q, a1]` resent as stored, nothing new (going on from an answer cut short): the provider
+    got `[q, a1, a1]`, which llama.cpp refuses ("Cannot have 2 or more assistant messages at the
+    end of the list")."""
+    upstream = MockUpstream(going_on(echo))
+    async with build_client(make_settings(), MemoryStore(), upstream) as client:
+        q = {"role": "user", "content": "Fruits?"}
+        body = {"model": "mock/m", "conversation_id": "c", "messages": [q]}
+        a1 = (await client.post("/v1/chat/completions", json=body)).json()["choices"][0]["message"]
+        again = await client.post("/v1/chat/completions", json={**body, "messages": [q, a1]})
+        assert again.status_code == 200, again.text
+        assert sent(upstream) == [("user", "Fruits?"), ("assistant", "Apples.")]
+        assert await history(client, "c") == [("user", "Fruits?"), ("assistant", "Apples. and more.")]
+        then = {"role": "user", "content": "thanks"}
+        joined = {"role": "assistant", "content": "Apples. and more."}
+        r = await client.post("/v1/chat/completions", json={**body, "messages": [q, joined, then]})
+        assert r.status_code == 200
+        assert sent(upstream) == [("user", "Fruits?"), ("assistant", "Apples. and more."), ("user", "thanks")]
+
+
+@pytest.mark.parametrize("echo", [False, True])
+async def test_a_chat_prefill_is_stored_with_its_answer_as_one_message(echo: bool) -> None:
+    """It was stored as a message of its own: every later turn sent two assistant messages in a
+    row (the prefill, then the answer), which chat templates that alternate roles refuse."""
+    upstream = MockUpstream(going_on(echo))
+    async with build_client(make_settings(), MemoryStore(), upstream) as client:
+        prefill = {"role": "assistant", "content": "Sure: apple,"}
+        body = {
+            "model": "mock/m",
+            "conversation_id": "p",
+            "messages": [{"role": "user", "content": "Fruits?"}],
+        }
+        first = await client.post(
+            "/v1/chat/completions", json={**body, "messages": [*body["messages"], prefill]}
+        )
+        told = first.json()["choices"][0]["message"]["content"]
+        assert sent(upstream)[-1] == ("assistant", "Sure: apple,")
+        r = await client.post(
+            "/v1/chat/completions", json={**body, "messages": [{"role": "user", "content": "more"}]}
+        )
+        assert r.status_code == 200
+    assert told == ("Sure: apple, and more." if echo else " and more.")  # (the provider's, as it said it)
+    assert sent(upstream) == [
+        ("user", "Fruits?"),
+        ("assistant", "Sure: apple, and more."),
+        ("user", "more"),
+    ]
+
+
+@pytest.mark.parametrize("echo", [False, True])
+async def test_a_messages_prefill_said_again_by_the_provider_is_kept_once(echo: bool) -> None:
+    """With llama.cpp, whose whole answer says the prefill again, the stored answer held it twice
+    and the client's `content[0].text` held it too (Anthropic's holds what the model added)."""
+    upstream = MockUpstream(going_on(echo))
+    async with build_client(make_settings(), MemoryStore(), upstream) as client:
+        body = {
+            "model": "mock/m",
+            "max_tokens": 32,
+            "conversation_id": "m",
+            "messages": [
+                {"role": "user", "content": "Fruits?"},
+                {"role": "assistant", "content": "Sure: apple,"},
+            ],
+        }
+        headers = {"anthropic-version": "2023-06-01"}
+        r = await client.post("/v1/messages", json=body, headers=headers)
+        assert r.status_code == 200, r.text
+        stored = await history(client, "m")
+    assert r.json()["content"][0]["text"] == " and more."
+    assert stored == [("user", "Fruits?"), ("assistant", "Sure: apple, and more.")]
