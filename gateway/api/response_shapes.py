@@ -56,11 +56,13 @@ def response_object(
     error: JSONObject | None = None,
     lead: list[JSONObject] | None = None,
     completed: float | None = None,
+    served: JSONObject | None = None,
 ) -> dict[str, Any]:
     """The Responses API's `response` object.
 
     `lead`: output items before the answer's (the compaction item of a turn that compacted its
-    conversation). `completed`: when a completed one was (`completed_at`; default: now)."""
+    conversation). `completed`: when a completed one was (`completed_at`; default: now).
+    `served`: how the provider says it served it (its `service_tier`)."""
     prompt = int((usage or {}).get("prompt_tokens") or 0)
     completion = int((usage or {}).get("completion_tokens") or 0)
     prompt_details = (usage or {}).get("prompt_tokens_details")
@@ -107,6 +109,7 @@ def response_object(
             "total_tokens": prompt + completion,
         },
         "user": params.get("user"),
+        "service_tier": (served or {}).get("service_tier"),
         **{key: params.get(key) for key in ECHOED_AS_SENT},
     }
 
@@ -231,6 +234,7 @@ async def response_events(
         finish_reason=outcome.finish_reason,
         usage=outcome.usage,
         lead=lead,
+        served=outcome.served,
         **common,
     )
     final["output"] = _in_streamed_order(

@@ -54,7 +54,7 @@ from gateway.exceptions import GatewayError, InvalidRequest
 from gateway.ids import check_conversation_id
 from gateway.services import Services
 from gateway.services.counting import PromptCount
-from gateway.services.requests import ChatRequest
+from gateway.services.requests import ChatRequest, take_prefill
 from gateway.services.turn import PreparedTurn
 from gateway.types import JSONObject, Record, as_object, number
 
@@ -321,6 +321,7 @@ async def create_response(request: Request) -> Response:
             body, parsed, await input_compactions(services, tenant, body.get("input"))
         )
         chat = parse_chat(chat_body)  # every validation error before a fork is made
+        take_prefill(chat)  # (input ending with assistant text: a provider goes on from it)
         cid, previous = await _conversation_for(
             services, tenant, body, request.headers.get("x-conversation-id")
         )
@@ -386,6 +387,7 @@ async def create_response(request: Request) -> Response:
                 finish_reason=outcome.finish_reason,
                 usage=outcome.usage,
                 lead=lead,
+                served=outcome.served,
                 **common,
             ),
             headers=headers,
@@ -606,6 +608,7 @@ def _stored_object(stored: StoredResponse) -> dict[str, Any]:
         error=stored.error,
         lead=lead_items(echo),
         completed=number(stored.outcome.get("committed")),
+        served=stored.served,
     )
 
 

@@ -77,6 +77,7 @@ class TurnOutcome:
     cache: JSONObject | None = None  # the provider's prompt and cached-token figures (accounting)
     upstream_body: JSONObject | None = None  # what the provider was sent: its model, parameters, messages
     response_model: str | None = None  # the model the provider says answered
+    served: JSONObject | None = None  # how the provider says it served it (`stream.served_by`)
     cut: bool | None = None  # this turn moved the window's head (None: stateless)
     summary_covers: int | None = None  # history messages the summary sent stands for
     recap: bool = False  # an "earlier today" recap was sent
@@ -133,6 +134,7 @@ class PreparedTurn:
     context: Record | None = None  # the window sent: its latest context snapshot
     cache: JSONObject | None = None  # the provider's prompt and cached-token figures
     response_model: str | None = None  # the model the provider says answered
+    served: JSONObject | None = None  # how the provider says it served it (`stream.served_by`)
 
     @property
     def waited_on_provider(self) -> float:
@@ -180,6 +182,7 @@ class PreparedTurn:
             cache=self.cache,
             upstream_body=self.upstream_body,
             response_model=self.response_model,
+            served=self.served,
             cut=cut if isinstance(cut, bool) else None,
             summary_covers=covers if isinstance(covers, int) and covers > 0 else None,
             recap=context.get("recap") is True,
@@ -440,7 +443,7 @@ def response_record(
         "timings": timings,
     }
     if served is not None:
-        record["served"] = served
+        record["served"] = turn.served = served
     if raw is not None and raw != message:
         record["upstream_message"] = raw
     turn.cache = prompt_accounting(usage, provider_timings)

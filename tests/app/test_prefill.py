@@ -105,3 +105,33 @@ async def test_a_messages_prefill_said_again_by_the_provider_is_kept_once(echo: 
         stored = await history(client, "m")
     assert r.json()["content"][0]["text"] == " and more."
     assert stored == [("user", "Fruits?"), ("assistant", "Sure: apple, and more.")]
+
+
+async def test_a_responses_input_ending_with_assistant_text_is_stored_with_its_answer() -> None:
+    """It was stored as two assistant messages in a row, sent on every later turn."""
+    upstream = MockUpstream(going_on(False))
+    async with build_client(make_settings(), MemoryStore(), upstream) as client:
+        items = [
+            {"type": "message", "role": "user", "content": "Fruits?"},
+            {"type": "message", "role": "assistant", "content": "Sure: apple,"},
+        ]
+        first = await client.post(
+            "/v1/responses", json={"model": "mock/m", "input": items, "conversation_id": "r"}
+        )
+        assert first.status_code == 200, first.text
+        stored = await history(client, "r")
+    assert stored == [("user", "Fruits?"), ("assistant", "Sure: apple, and more.")]
+
+
+async def test_the_responses_object_says_the_service_tier_the_provider_served() -> None:
+    """It said `service_tier: null` whatever the provider answered."""
+    from gateway.upstream.base import completion_from_text
+
+    upstream = MockUpstream(lambda body: {**completion_from_text("m", "hi"), "service_tier": "flex"})
+    async with build_client(make_settings(), MemoryStore(), upstream) as client:
+        body = {"model": "mock/m", "input": "hi", "service_tier": "flex"}
+        made = (await client.post("/v1/responses", json=body)).json()
+        streamed = (await client.post("/v1/responses", json={**body, "stream": True})).text
+        got = (await client.get(f"/v1/responses/{made['id']}")).json()
+    assert made["service_tier"] == got["service_tier"] == "flex"
+    assert '"service_tier":"flex"' in streamed.split("response.completed")[-1]
