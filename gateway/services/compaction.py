@@ -133,6 +133,9 @@ class Compactions:
         kept: list[JSONObject] = []
         prior, folded, covers_through, end = "", list(messages), None, 0
         if conversation is not None:
+            if previous is not None:  # (one still running is compacted once it ended, as a turn waits)
+                async with store.lock(conversation, self.settings.storage.lock_timeout):
+                    pass
             view = await self.cache.load(store, conversation)
             through = view.history_count if previous is None else view.history_end.get(previous)
             if through is None:

@@ -564,13 +564,19 @@ class ChatService:
     async def count(self, request: ChatRequest, tenant: str = "") -> PromptCount:
         """Plan the window a turn of `request` would send, as `prepare` does, and stop there.
 
-        No lock held, no response log, nothing stored or sent. The conversation is read as it
-        stands (as any reader reads it) and planned on a copy; a turn of another request may
-        land meanwhile, as it may before the counted turn itself is sent."""
+        No lock held (but waited for, with `previous_response_id`), no response log, nothing
+        stored or sent. The conversation is read as it stands (as any reader reads it) and
+        planned on a copy; a turn of another request may land meanwhile, as it may before the
+        counted turn itself is sent."""
         store = await self.stores.get(tenant)
         route = self.router.resolve(request.model)
         cid = request.conversation_id
         assert cid is not None  # (a new conversation: an id no conversation has, as a new turn's)
+        if request.previous_response_id is not None:
+            # A response still running (a background one) is counted on once it ended, as the
+            # turn would wait for it: its conversation's lock is held until then.
+            async with store.lock(cid, self.settings.storage.lock_timeout):
+                pass
         view, planned_as = await self._counted_view(store, cid, request.previous_response_id)
 
         async def reload() -> ConversationView:

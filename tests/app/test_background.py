@@ -321,3 +321,25 @@ async def test_a_conversation_whose_first_turn_runs_is_named_once_it_ends() -> N
     assert r.status_code == 200, r.text
     assert [m["content"] for m in upstream.requests[-1]["messages"] if m["role"] == "user"] == ["hi", "more"]
     assert unknown.status_code == 404 and unknown.json()["error"]["param"] == "conversation"
+
+
+async def test_counting_and_compacting_on_a_running_background_response_wait_for_it() -> None:
+    """`input_tokens` and `compact` with `previous_response_id` of a background response still
+    running were 404s ("No conversation", "no longer part of a conversation"), where the turn
+    itself waits for it."""
+    upstream = Slow()
+    upstream.gate = asyncio.Event()
+    async with build_client(make_settings(), None, upstream) as client:
+        running = (
+            await client.post("/v1/responses", json={"model": "mock/m", "input": "hi", "background": True})
+        ).json()
+        body = {"model": "mock/m", "input": "more", "previous_response_id": running["id"]}
+        counted = asyncio.ensure_future(client.post("/v1/responses/input_tokens", json=body))
+        compacted = asyncio.ensure_future(client.post("/v1/responses/compact", json=body))
+        await asyncio.sleep(0.05)
+        assert not counted.done() and not compacted.done()
+        upstream.gate.set()
+        count, compact = await counted, await compacted
+    assert count.status_code == 200, count.text
+    assert count.json()["input_tokens"] > 0
+    assert compact.status_code == 200, compact.text
