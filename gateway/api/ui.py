@@ -32,9 +32,25 @@ def _enabled(request: Request) -> None:
         raise NotFound("The inspector is disabled ([ui] enabled = false)")
 
 
+# The page keeps the gateway key (localStorage) and shows what clients wrote: it runs its own
+# script and nothing else, is never framed, and names nothing to other sites.
+PAGE_HEADERS = {
+    "content-security-policy": (
+        "default-src 'none'; script-src 'self'; style-src 'self' 'unsafe-inline'; img-src 'self' data:; "
+        "connect-src 'self'; base-uri 'none'; form-action 'self'; frame-ancestors 'none'"
+    ),
+    "x-content-type-options": "nosniff",
+    "x-frame-options": "DENY",
+    "referrer-policy": "no-referrer",
+}
+
+
+NOSNIFF = {"x-content-type-options": "nosniff"}
+
+
 async def page(request: Request) -> Response:
     _enabled(request)
-    return FileResponse(STATIC / "index.html", media_type="text/html")
+    return FileResponse(STATIC / "index.html", media_type="text/html", headers=PAGE_HEADERS)
 
 
 async def static(request: Request) -> Response:
@@ -42,7 +58,8 @@ async def static(request: Request) -> Response:
     name = request.path_params["name"]
     if name not in _FILES:
         raise NotFound(f"No file {name!r}")
-    return FileResponse(STATIC / name, media_type=_FILES[name], headers={"cache-control": "no-cache"})
+    headers = {**PAGE_HEADERS, "cache-control": "no-cache"}
+    return FileResponse(STATIC / name, media_type=_FILES[name], headers=headers)
 
 
 async def conversations(request: Request) -> Response:
@@ -67,7 +84,7 @@ async def conversations(request: Request) -> Response:
         for row in rows
     ]
     # `next`: older conversations remain unread; ask again with `after` set to it.
-    return JSONBody({"data": out, "next": next_after} if next_after else {"data": out})
+    return JSONBody({"data": out, "next": next_after} if next_after else {"data": out}, headers=NOSNIFF)
 
 
 def _turn(records: list[Record], rid: str, index: int) -> JSONObject | None:
@@ -170,5 +187,6 @@ async def conversation(request: Request) -> Response:
             # entry is a marker or an edit, what was sent before may have changed too.
             "entries": len(entries),
             "turns": turns,
-        }
+        },
+        headers=NOSNIFF,
     )

@@ -62,6 +62,9 @@ def chat(gw: GatewayProcess, cid: str, text: str, model: str = "mock/m", **extra
     return r.json()
 
 
+VIEWPORT = {"width": 1200, "height": 900}
+
+
 @pytest.fixture
 def browser() -> Iterator[Any]:
     with playwright.sync_playwright() as p:
@@ -81,7 +84,7 @@ def test_inspector_list_conversation_bar_and_live_update(inspector: GatewayProce
             f"turn {i}: a message that takes some room in a very small context window",
             model="mock/small",
         )
-    page = browser.new_page(viewport={"width": 1200, "height": 900})
+    page = browser.new_page(viewport=VIEWPORT, bypass_csp=True)  # (wait_for_function evaluates)
     page.goto(f"{inspector.url}/ui")
     page.wait_for_selector("tr.conv-row[data-id='tiny']")
     assert page.locator("tr.conv-row").count() == 2
@@ -144,7 +147,7 @@ def test_inspector_shows_what_was_deleted(inspector: GatewayProcess, browser: An
     api = httpx.get(f"{inspector.url}/ui/api/conversations/gone").json()
     assert [t.get("not_sent") for t in api["turns"] if "response_id" in t and "marker" not in t] == [[], [0]]
     assert api["turns"][-1]["marker"] == "delete_item"
-    page = browser.new_page(viewport={"width": 1200, "height": 900})
+    page = browser.new_page(viewport=VIEWPORT, bypass_csp=True)  # (wait_for_function evaluates)
     page.goto(f"{inspector.url}/ui#/c/gone")
     page.wait_for_selector(".msg.not-sent")
     assert "delete this question" in page.locator(".msg.not-sent").inner_text()
@@ -162,7 +165,7 @@ def test_inspector_live_view_follows_resets_deletions_and_edits(
     system = {"role": "system", "content": "SYSTEM-PROMPT-TO-DELETE"}
     first = chat(inspector, "live", "hello", messages=[system, {"role": "user", "content": "hello"}])
     chat(inspector, "live", "please forget this line")
-    page = browser.new_page(viewport={"width": 1200, "height": 900})
+    page = browser.new_page(viewport=VIEWPORT, bypass_csp=True)  # (wait_for_function evaluates)
     errors: list[str] = []
     page.on("pageerror", lambda exc: errors.append(str(exc)))
     page.goto(f"{inspector.url}/ui#/c/live")
@@ -221,7 +224,7 @@ def test_inspector_marks_where_each_branch_starts(inspector: GatewayProcess, bro
     history += [{"role": "user", "content": "second, edited"}, edited["choices"][0]["message"]]
     chat(inspector, "forks", "", messages=[*history, {"role": "user", "content": "third question"}])
     chat(inspector, "forks", "", messages=[*history, {"role": "user", "content": "third question"}])
-    page = browser.new_page(viewport={"width": 1200, "height": 900})
+    page = browser.new_page(viewport=VIEWPORT, bypass_csp=True)  # (wait_for_function evaluates)
     page.goto(f"{inspector.url}/ui#/c/forks")
     page.wait_for_function("document.querySelectorAll('.turn').length === 5")
     starts = page.locator(".msg.branch-start")
@@ -257,7 +260,7 @@ def test_inspector_marks_compactions(inspector: GatewayProcess, browser: Any) ->
         assert r.status_code == 200, r.text
         previous = r.json()["id"]
     cid = r.json()["conversation"]["id"]
-    page = browser.new_page(viewport={"width": 1200, "height": 900})
+    page = browser.new_page(viewport=VIEWPORT, bypass_csp=True)  # (wait_for_function evaluates)
     page.goto(f"{inspector.url}/ui#/c/{cid}")
     page.wait_for_function("document.querySelectorAll('.turn').length === 2")
     assert page.locator(".marker-compaction").count() == 0
@@ -280,3 +283,57 @@ def test_inspector_marks_compactions(inspector: GatewayProcess, browser: Any) ->
     page.wait_for_selector(".msg.compaction")
     assert "compaction item" in page.locator(".msg.compaction").inner_text().lower()
     page.screenshot(path=str(ARTIFACTS / "inspector-compaction.png"), full_page=True)
+
+
+# Answers for the conversation "slow" and for searches come 600 ms late: a later view is asked
+# for before they arrive. Every conversation read is counted (`window.reads`).
+LATE_ANSWERS = """
+window.reads = [];
+const ask = window.fetch;
+window.fetch = async (url, options) => {
+  const u = String(url);
+  if (u.includes("/ui/api/conversations/")) window.reads.push(u);
+  const late = u.includes("/ui/api/conversations/slow") || u.includes("q=");
+  if (late) await new Promise(r => setTimeout(r, 600));
+  return ask(url, options);
+};
+"""
+
+
+def test_inspector_shows_the_latest_view_asked_for(inspector: GatewayProcess, browser: Any) -> None:
+    """A conversation opened while another one was loading showed the other's turns under its
+    title, for good, and left a poll running once a second on every view after (the list
+    included); a search cleared while it ran left its results; a poll that succeeded after a
+    failure left the error said. The page also carries the headers that keep it to itself."""
+    chat(inspector, "slow", "the slow conversation speaks")
+    chat(inspector, "fast", "the fast conversation speaks")
+    for i in range(3):
+        chat(inspector, f"other-{i}", "nothing to find here")
+    page = browser.new_page(viewport=VIEWPORT)
+    blocked: list[str] = []
+    page.on("console", lambda m: blocked.append(m.text) if "Content Security Policy" in m.text else None)
+    page.add_init_script(LATE_ANSWERS)
+    response = page.goto(f"{inspector.url}/ui#/c/slow")
+    assert response is not None
+    headers = response.headers
+    assert "frame-ancestors 'none'" in headers["content-security-policy"]
+    assert headers["x-content-type-options"] == "nosniff" and headers["x-frame-options"] == "DENY"
+    page.evaluate("location.hash = '#/c/fast'")
+    page.wait_for_timeout(1500)  # the slow answer has come meanwhile
+    assert page.locator("#conversation-head h1").inner_text() == "fast"
+    assert "the fast conversation speaks" in page.locator("#turns").inner_text()
+    assert "slow" not in page.locator("#turns").inner_text()
+    assert page.locator("#status").inner_text() == "live"
+
+    page.evaluate("location.hash = '#/'")
+    page.wait_for_selector("tr.conv-row[data-id='fast']")
+    reads = page.evaluate("window.reads.length")
+    page.wait_for_timeout(2500)
+    assert page.evaluate("window.reads.length") == reads  # no poll left running on the list
+
+    page.fill("#search", "slow conversation")  # (its answer is late)
+    page.wait_for_timeout(300)
+    page.fill("#search", "")
+    page.wait_for_timeout(1500)
+    assert page.locator("tr.conv-row").count() == 5
+    assert blocked == []

@@ -63,17 +63,21 @@ function withCompactions(cards, turns, compactions) {
 // -- list -----------------------------------------------------------------------------------
 // One request reads a bounded number of conversations (newest first); "older" goes on from `next`.
 let listed = { rows: [], next: null };
+let listAsked = 0;  // the latest list asked for: an answer to an earlier one (a search typed over) is dropped
 
 async function showList(more = false) {
   stopPolling();
+  current = { id: null, count: 0, entries: 0, compactions: 0 };
   $("#conversation-view").hidden = true;
   $("#list-view").hidden = false;
   const q = $("#search").value.trim();
   const params = new URLSearchParams();
   if (q) params.set("q", q);
   if (more && listed.next) params.set("after", listed.next);
+  const asked = ++listAsked;
   try {
     const { data, next } = await api("/ui/api/conversations" + (params.size ? "?" + params : ""));
+    if (asked !== listAsked) return;
     listed = { rows: more ? listed.rows.concat(data) : data, next: next || null };
     const body = $("#conversation-list tbody");
     body.replaceChildren(...listed.rows.map(c => el("tr", { class: "conv-row", "data-id": c.id, onclick: () => { location.hash = "#/c/" + encodeURIComponent(c.id); } },
@@ -90,7 +94,7 @@ async function showList(more = false) {
         onclick: (e) => { e.preventDefault(); showList(true); } }));
     }
     status("");
-  } catch (e) { status(e.message); }
+  } catch (e) { if (asked === listAsked) status(e.message); }
 }
 
 // -- one conversation -------------------------------------------------------------------------
@@ -197,10 +201,12 @@ async function showConversation(id) {
   $("#turns").replaceChildren();
   try {
     const data = await api("/ui/api/conversations/" + encodeURIComponent(id));
+    if (id !== current.id) return;  // (another conversation, or the list, was opened meanwhile)
     render(data);
     status("live");
+    stopPolling();
     pollTimer = setInterval(poll, 1000);
-  } catch (e) { status(e.message); }
+  } catch (e) { if (id === current.id) status(e.message); }
 }
 
 // The whole conversation drawn again (what the model no longer gets may have changed).
@@ -232,11 +238,12 @@ function renderHead(data) {
 }
 
 async function poll() {
-  if (!current.id) return;
+  const id = current.id;
+  if (!id) return;
   try {
-    const id = current.id;
     const data = await api(`/ui/api/conversations/${encodeURIComponent(id)}?since=${current.count}`);
     if (id !== current.id) return;  // (another conversation was opened meanwhile)
+    status("live");  // (after a failed poll: it answers again)
     renderHead(data);
     const compacted = (data.compactions || []).length !== current.compactions;
     if (data.entries === current.entries && !compacted) return;  // nothing new in its index
@@ -250,7 +257,7 @@ async function poll() {
     for (const turn of data.turns) $("#turns").append(turnCard(turn, true));
     current.count = data.count;
     current.entries = data.entries;
-  } catch (e) { status(e.message); }
+  } catch (e) { if (id === current.id) status(e.message); }
 }
 
 function stopPolling() { if (pollTimer) clearInterval(pollTimer); pollTimer = null; }
