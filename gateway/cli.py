@@ -438,15 +438,19 @@ class _ShowText:
             click.echo(click.style(render_message(m, note=f"{why}: no longer sent"), dim=True))
             return
         n = self.stored_count.get((turn.response_id, pos)) or count_message(m)
+        parts, given = self.unsent.parts(turn.response_id, pos)  # (deleted alone: the rest is sent)
+        deleted = f"{', '.join(parts)} deleted: no longer sent" if parts else ""
+        m = given or m  # (as the model is given it)
         if not self.in_window(turn, m, pos):
-            note = "outside the last turn's window: left out or summarized"
+            outside = "outside the last turn's window: left out or summarized"
+            note = f"{outside}; {deleted}" if deleted else outside
             click.echo(click.style(render_message(m, tokens=n, note=note), dim=True))
             return
         if self.window is not None and not self.marked:  # the window begins inside this turn
             self.marked = True
             render_window_marker(self.window)
         self.in_window_total += n
-        click.echo(render_message(m, tokens=n))
+        click.echo(render_message(m, tokens=n, note=deleted))
 
 
 def _poll_seconds(ctx: click.Context, param: click.Parameter, seconds: float) -> float:

@@ -161,6 +161,9 @@ async def conversation(request: Request) -> Response:
                 )
                 turn["not_sent"] = list(reasons)
                 turn["not_sent_why"] = {str(p): why for p, why in reasons.items()}
+                answer = len(given) if isinstance(given, list) else 0
+                parts, _ = unsent.parts(entry, answer)  # (only an answer has parts deleted alone)
+                turn["not_sent_parts"] = {str(answer): parts} if parts else {}
                 turns.append(turn)
         index += 1
     summaries = await queries.summaries(tenant, cid, view)

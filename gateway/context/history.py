@@ -238,6 +238,9 @@ class ConversationView:
     # item key -> the numbers its calls had at first, for an answer some of whose calls were
     # deleted (its `fc_..._K` item ids stay what they were)
     call_numbers: dict[str, list[int]] = field(default_factory=dict)
+    # item key -> what of that answer was deleted while the rest is still sent ("its text",
+    # "call K")
+    deleted_parts: dict[str, list[str]] = field(default_factory=dict)
     # What resets took out of what the model is given: the responses whose messages were in
     # history, and (as `item_key(id, -1)`) the one whose system prompt went with them.
     reset_away: set[str] = field(default_factory=set)
@@ -532,6 +535,7 @@ class ConversationView:
                     return
                 self.history[i] = cast(Message, kept)
                 self._keys.pop("history", None)
+                self.deleted_parts.setdefault(key, []).append("its text" if call is None else f"call {call}")
                 return
 
     def position_of(self, key: str) -> int | None:
@@ -598,6 +602,7 @@ class ConversationView:
             history_pos=list(self.history_pos),
             deleted_items=set(self.deleted_items),
             call_numbers=dict(self.call_numbers),
+            deleted_parts={k: list(v) for k, v in self.deleted_parts.items()},
             reset_away=set(self.reset_away),
             metadata=dict(self.metadata),
             created_of=dict(self.created_of),

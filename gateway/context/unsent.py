@@ -46,6 +46,16 @@ class Unsent:
             return CALL_GONE
         return RESET if response_id in self.view.reset_away else BRANCHED
 
+    def parts(self, response_id: str, position: int) -> tuple[list[str], Message | None]:
+        """What of a message still given was deleted (an answer's text, some of its calls), and
+        the message as it is given now ([] and None: nothing was)."""
+        deleted = self.view.deleted_parts.get(item_key(response_id, position))
+        if not deleted or (response_id, position) not in self.sent:
+            return [], None
+        pairs = zip(self.view.history_owner, self.view.history_pos, self.view.history, strict=True)
+        given = next((m for owner, pos, m in pairs if owner == response_id and pos == position), None)
+        return deleted, given
+
     def of_turn(
         self,
         response_id: str,

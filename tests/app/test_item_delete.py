@@ -60,6 +60,10 @@ async def test_an_answers_items_are_deleted_one_by_one(settings: Any) -> None:
         assert all("call_numbers" not in m for m in sent)
         assert (await client.delete(f"/v1/conversations/{conv}/items/{text}")).status_code == 200
         assert calls[1] in await items() and text not in await items()
+        # The inspector (and `gateway show`) says what of the answer is no longer sent.
+        shown = (await client.get(f"/ui/api/conversations/{conv}")).json()["turns"]
+        first = next(t for t in shown if t.get("response_id") and "marker" not in t)
+        assert first["not_sent_parts"] == {"1": ["call 0", "its text"]} and 1 not in first["not_sent"]
         for item in await items():  # the SDK's loop: each listed item deleted
             r = await client.delete(f"/v1/conversations/{conv}/items/{item}")
             assert r.status_code == 200, (item, r.text)

@@ -151,7 +151,14 @@ function turnCard(turn, isNew, points = new Map()) {
   // (a system prompt's messages have positions -1, -2, ...: struck once deleted or replaced)
   // The reason (`not_sent_why`) is the one `gateway show` prints.
   const why = turn.not_sent_why || {};
-  const mark = (m, pos, extra = "") => { const b = bubble(m, extra + (notSent.has(pos) ? " not-sent" : "")); if (notSent.has(pos)) b.title = `${why[pos] || "no longer sent"}: no longer sent to the model`; return b; };
+  // Parts of an answer deleted alone (its text, a call): the rest of it is still sent.
+  const parts = turn.not_sent_parts || {};
+  const mark = (m, pos, extra = "") => {
+    const b = bubble(m, extra + (notSent.has(pos) ? " not-sent" : ""));
+    if (notSent.has(pos)) b.title = `${why[pos] || "no longer sent"}: no longer sent to the model`;
+    if (parts[pos]) b.append(el("div", { class: "part-deleted", text: `(${parts[pos].join(", ")} deleted: no longer sent)` }));
+    return b;
+  };
   // Where a branch starts: this turn's first message when it branched, and the message a later
   // branch left behind (struck through with what followed it).
   const branched = (m, pos) => {
