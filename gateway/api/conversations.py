@@ -13,7 +13,7 @@ from starlette.responses import Response
 
 from gateway.api.http import JSONBody, read_json, services_of, tenant_of
 from gateway.api.pages import NEWEST_FIRST, list_params, page, paginate
-from gateway.api.schemas import ConversationCreate, ConversationUpdate, ItemsCreate
+from gateway.api.schemas import ConversationCreate, ConversationUpdate, ItemsCreate, Reset
 from gateway.api.validation import validate
 from gateway.context.lifecycle import State
 from gateway.exceptions import InvalidRequest
@@ -128,6 +128,7 @@ async def reset_conversation(request: Request) -> Response:
     body = await read_json(request, services.settings.server.max_body_bytes, allow_empty=True)
     if not isinstance(body, dict):
         raise InvalidRequest("The request body must be a JSON object")
+    validate(Reset, body)  # (`keep_system_messages` would have reset it without its system prompt)
     keep = body.get("keep_system_message", False)
     if not isinstance(keep, bool):
         raise InvalidRequest("'keep_system_message' must be a boolean", param="keep_system_message")

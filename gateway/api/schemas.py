@@ -37,6 +37,9 @@ from gateway.services.requests import MAX_ANSWER_TOKENS, MESSAGE_ROLES
 ErrorMessages = dict[str, str | Callable[[str, ErrorDetails], str]]
 
 BODY = ConfigDict(extra="allow", strict=True)
+# The gateway's own bodies and OpenAI's state endpoints: a field they do not know is a 400
+# `unknown_parameter` (`api/validation.py`), as OpenAI answers a typo, never taken for nothing.
+OWN_BODY = ConfigDict(extra="forbid", strict=True)
 # For the shapes repeated in a history: unknown fields are accepted, only not copied (a third
 # faster on long histories), as nobody reads the validated copy.
 MESSAGE = ConfigDict(strict=True, json_schema_extra={"additionalProperties": True})
@@ -566,7 +569,7 @@ def _items(param: str, error: ErrorDetails) -> str:
 
 
 class ConversationCreate(BaseModel):
-    model_config = ConfigDict(extra="forbid", strict=True)  # (`metdata` was taken for nothing)
+    model_config = OWN_BODY  # (`metdata` was taken for nothing)
 
     metadata: Metadata | None = None
     items: list[Item] | None = None
@@ -581,7 +584,7 @@ class ConversationCreate(BaseModel):
 
 
 class ConversationUpdate(BaseModel):
-    model_config = BODY
+    model_config = OWN_BODY
 
     metadata: Metadata
 
@@ -589,7 +592,7 @@ class ConversationUpdate(BaseModel):
 
 
 class ItemsCreate(BaseModel):
-    model_config = BODY
+    model_config = OWN_BODY
 
     items: list[Item]
 
@@ -597,7 +600,7 @@ class ItemsCreate(BaseModel):
 
 
 class Reset(BaseModel):
-    model_config = BODY
+    model_config = OWN_BODY
 
     keep_system_message: SkipValidation[bool] = False
 
@@ -611,7 +614,7 @@ class ChatCompletionUpdate(BaseModel):
     Null clears it.
     """
 
-    model_config = BODY
+    model_config = OWN_BODY
 
     metadata: Metadata | None
 

@@ -352,3 +352,22 @@ async def test_an_unknown_parameter_is_a_400_as_openai_says_it() -> None:
         }
     assert known.status_code == 200, known.text
     assert len(store.indexes) == 2  # the first turn's and the last one's
+
+
+async def test_the_gateways_own_bodies_refuse_a_field_they_do_not_know() -> None:
+    """`reset` with `keep_system_messages` (a typo) reset the conversation without its system
+    prompt; `items.create` and the updates took unknown fields for nothing."""
+    async with build_client(make_settings(), MemoryStore(), MockUpstream()) as client:
+        body = {"model": "mock/m", "conversation_id": "k", "messages": [{"role": "system", "content": "S"}]}
+        body["messages"].append({"role": "user", "content": "hi"})
+        made = (await client.post("/v1/chat/completions", json=body)).json()
+        typo = await client.post("/v1/conversations/k/reset", json={"keep_system_messages": True})
+        items = await client.post("/v1/conversations/k/items", json={"items": [], "itmes": []})
+        update = await client.post(f"/v1/chat/completions/{made['id']}", json={"metadata": None, "tags": {}})
+        kept = await client.post("/v1/conversations/k/reset", json={"keep_system_message": True})
+        listed = (await client.get("/v1/conversations/k/items")).json()["data"]
+    for r, name in [(typo, "keep_system_messages"), (items, "itmes"), (update, "tags")]:
+        assert r.status_code == 400 and r.json()["error"]["code"] == "unknown_parameter", (name, r.text)
+        assert r.json()["error"]["param"] == name
+    assert kept.status_code == 200
+    assert [i["role"] for i in listed] == ["system"]

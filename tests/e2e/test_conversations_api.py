@@ -209,6 +209,8 @@ def test_tenants_are_isolated_and_secrets_never_stored(
         body = (
             {"metadata": {"x": "y"}}
             if path.endswith(conv_b.id) and method == "POST"
+            else {}
+            if path.endswith("/reset")
             else {"items": [{"type": "message", "role": "user", "content": "x"}]}
         )
         r = httpx.request(method, f"{gw.url}{path}", headers=ha, json=body if method == "POST" else None)
