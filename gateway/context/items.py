@@ -124,7 +124,8 @@ def items_to_messages(
 ) -> list[Message]:
     """Responses-style input items as chat messages.
 
-    Consecutive function calls merge into one assistant message with several tool_calls. A field
+    An assistant message and the function calls next to it are one assistant message with its
+    tool_calls, as the answer was made (a response's `output` sent back as input). A field
     of the wrong type is a 400: what is stored is replayed on every later turn, so it must be what
     a provider accepts. A `compaction` item becomes the message `compactions` resolved its
     `encrypted_content` to (`context.compaction`); where none is given, it is an unsupported item.
@@ -138,12 +139,23 @@ def items_to_messages(
             raise InvalidRequest(f"{where} must be an object", param=where)
         kind = item.get("type", "message")
         if kind == "message":
-            out.append(_item_message(item, where))
+            message = _item_message(item, where)
+            last = out[-1] if out else None
+            if (
+                last is not None
+                and message["role"] == last["role"] == "assistant"
+                and last.get("tool_calls")
+                and last.get("content") is None
+            ):
+                last["content"] = message.get("content")  # (its calls came first: one answer)
+            else:
+                out.append(message)
         elif kind == "function_call":
             call = _item_call(item, where)
-            calls = out[-1].get("tool_calls") if out and out[-1]["role"] == "assistant" else None
-            if calls and not out[-1].get("content"):
-                calls.append(call)
+            if out and out[-1]["role"] == "assistant" and "tool_call_id" not in out[-1]:
+                # The answer's calls after its text (a response's `output` sent back, as
+                # OpenAI's function-calling guide does): one assistant message, as it was made.
+                out[-1].setdefault("tool_calls", []).append(call)
             else:
                 out.append({"role": "assistant", "content": None, "tool_calls": [call]})
         elif kind == "function_call_output":

@@ -37,6 +37,7 @@ from gateway.context.summary import Summary, current_summary, summary_version
 from gateway.exceptions import InvalidRequest, NotFound
 from gateway.ids import mint_response_id
 from gateway.services.cache import ConversationCache
+from gateway.services.counting import branch_view
 from gateway.services.models import ModelFacts
 from gateway.services.summaries import Summaries
 from gateway.store import StoreRegistry
@@ -136,14 +137,21 @@ class Compactions:
             if previous is not None:  # (one still running is compacted once it ended, as a turn waits)
                 async with store.lock(conversation, self.settings.storage.lock_timeout):
                     pass
-            view = await self.cache.load(store, conversation)
-            through = view.history_count if previous is None else view.history_end.get(previous)
+            # Through a response that is not where the conversation goes on (an older one, one a
+            # reset or an edit left behind): its history, as a turn continuing it branches with.
+            branch = (
+                await branch_view(store, conversation, previous, self.cache.skipped) if previous else None
+            )
+            view = branch or await self.cache.load(store, conversation)
+            through = view.history_count if previous is None or branch else view.history_end.get(previous)
             if through is None:
                 raise NotFound(
                     f"Response {previous!r} is no longer part of a conversation", param="previous_response_id"
                 )
             end = through
-            summary = current_summary(await store.read_side("summaries", conversation), view)
+            summary = (
+                None if branch else current_summary(await store.read_side("summaries", conversation), view)
+            )
             start = summary.covered if summary is not None and summary.covered <= end else 0
             prior = summary.text if summary is not None and start else ""
             folded = [*view.history[start:end], *messages]

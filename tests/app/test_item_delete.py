@@ -70,3 +70,28 @@ async def test_an_answers_items_are_deleted_one_by_one(settings: Any) -> None:
         assert await items() == []
         assert (await client.post("/v1/responses", json={**body, "input": "hi"})).status_code == 200
     assert [m["role"] for m in upstream.requests[-1]["messages"]] == ["user"]
+
+
+async def test_a_response_output_sent_back_is_one_answer() -> None:
+    """OpenAI's function-calling loop (`input += response.output`, then the results): the answer's
+    text and its calls went to the provider, and into the conversation, as two assistant messages
+    in a row."""
+    upstream = MockUpstream(answer)
+    async with build_client(make_settings(), None, upstream) as client:
+        question = {"role": "user", "content": "weather and time?"}
+        first = (await client.post("/v1/responses", json={"model": "mock/m", "input": [question]})).json()
+        results = [
+            {"type": "function_call_output", "call_id": f"call_{k}", "output": f"r{k}"} for k in (0, 1)
+        ]
+        again = await client.post(
+            "/v1/responses", json={"model": "mock/m", "input": [question, *first["output"], *results]}
+        )
+        assert again.status_code == 200, again.text
+        cid = again.json()["conversation"]["id"]
+        items = (await client.get(f"/v1/conversations/{cid}/items", params={"order": "asc"})).json()["data"]
+    roles = [m["role"] for m in upstream.requests[-1]["messages"]]
+    assert roles == ["user", "assistant", "tool", "tool"]
+    assert upstream.requests[-1]["messages"][1]["content"] == "Looking both up."
+    assert [i["type"] for i in items][:4] == ["message", "message", "function_call", "function_call"]
+    text, calls = items[1]["id"], [i["id"] for i in items[2:4]]  # one stored message: one position
+    assert calls == [f"fc_{text.removeprefix('msg_')}_0", f"fc_{text.removeprefix('msg_')}_1"]

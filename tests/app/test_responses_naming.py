@@ -371,3 +371,20 @@ async def test_the_gateways_own_bodies_refuse_a_field_they_do_not_know() -> None
         assert r.json()["error"]["param"] == name
     assert kept.status_code == 200
     assert [i["role"] for i in listed] == ["system"]
+
+
+async def test_compacting_through_a_response_a_reset_or_an_edit_left_behind() -> None:
+    """`compact` with such a `previous_response_id` was a 404 "no longer part of a conversation",
+    where `create` and `input_tokens` go on from that response's history."""
+    upstream = MockUpstream()
+    async with build_client(make_settings(), MemoryStore(), upstream) as client:
+        r1 = (await respond(client, "my dog is Rex", conversation_id="c-x")).json()
+        r2 = (await respond(client, "my cat is Tom", conversation_id="c-x")).json()
+        assert (await client.post("/v1/conversations/c-x/reset")).status_code == 200
+        body = {"model": "mock/m", "input": "and fish?", "previous_response_id": r2["id"]}
+        after_reset = await client.post("/v1/responses/compact", json=body)
+        older = await client.post("/v1/responses/compact", json={**body, "previous_response_id": r1["id"]})
+    assert after_reset.status_code == 200, after_reset.text
+    assert older.status_code == 200, older.text
+    summarized = [b for b in upstream.requests if "my cat is Tom" in str(b["messages"])]
+    assert summarized and "my dog is Rex" in str(summarized[-1]["messages"])
