@@ -65,6 +65,37 @@ def _all_stored(incoming: Sequence[Message], common: int, view: ConversationView
     return Reconciled(list(incoming[min(common, n - 1) :]))
 
 
+def _going_on(incoming: Sequence[Message], view: ConversationView) -> Reconciled | None:
+    """A request that ends with the stored last answer, or with text that goes on from it, after
+    nothing or after the stored messages before that answer (a trimmed history): the client asks
+    that answer to go on (a prefill; an answer cut short). It is taken back and sent once, as the
+    request's last message, and the answer to come is stored in its place. None otherwise."""
+    if not incoming or not view.history:
+        return None
+    last, stored = incoming[-1], view.history[-1]
+    text = last.get("content")
+    said = stored.get("content")
+    if (
+        last.get("role") != "assistant"
+        or stored.get("role") != "assistant"
+        or last.get("tool_calls")
+        or stored.get("tool_calls")
+        or not isinstance(text, str)
+        or not isinstance(said, str)
+        or not said
+        or not text.startswith(said)
+    ):
+        return None
+    if view.partial:
+        raise NotLoaded("taking back the stored answer needs all of the history")
+    history = view.keys("history")
+    before = [message_key(m) for m in incoming[:-1]]
+    m = len(history)
+    if len(before) >= m or history[m - 1 - len(before) : m - 1] != before:
+        return None
+    return _branch(incoming[-1:], m - 1, view)
+
+
 def reconcile(incoming: Sequence[Message], view: ConversationView) -> Reconciled:
     """Match the request's messages (system prompt already split off) with the stored ones.
 
@@ -77,12 +108,16 @@ def reconcile(incoming: Sequence[Message], view: ConversationView) -> Reconciled
       overlap is dropped;
     - starts with a stored run that is not the tail, an answer among it (a trimmed history that
       was edited or regenerated): a branch after that run;
-    - else every message is new. The last message is always new: all that is stored and
-      nothing more, its last answer last, takes that answer back to go on from it (a prefill).
+    - else every message is new. The last message is always new: one that is the stored last
+      answer, or text going on from it, after nothing or after what is stored before that answer,
+      takes that answer back to go on from it (a prefill).
     """
     n = len(incoming)
     if n > 1 and view.partial:
         raise NotLoaded("matching a resent history needs all of it")
+    going_on = _going_on(incoming, view)
+    if going_on is not None:
+        return going_on
     if n <= 1 or not view.transcript:
         return Reconciled(list(incoming))
     transcript = view.keys("transcript")

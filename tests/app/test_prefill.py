@@ -135,3 +135,30 @@ async def test_the_responses_object_says_the_service_tier_the_provider_served() 
         got = (await client.get(f"/v1/responses/{made['id']}")).json()
     assert made["service_tier"] == got["service_tier"] == "flex"
     assert '"service_tier":"flex"' in streamed.split("response.completed")[-1]
+
+
+@pytest.mark.parametrize("sent_back", ["alone", "trimmed"])
+async def test_an_answer_cut_short_sent_back_alone_or_trimmed_goes_on_once(sent_back: str) -> None:
+    """An only-new-messages client sending the cut answer alone as its prefill, or a trimmed
+    history ending with it: the model got the answer twice (two assistant messages in a row) and
+    the conversation kept both."""
+    upstream = MockUpstream(going_on(False))
+    async with build_client(make_settings(), MemoryStore(), upstream) as client:
+        body: dict[str, Any] = {"model": "mock/m", "conversation_id": "g"}
+        for text in ("first", "Fruits?"):
+            r = await client.post(
+                "/v1/chat/completions", json={**body, "messages": [{"role": "user", "content": text}]}
+            )
+        cut = r.json()["choices"][0]["message"]
+        resent = [cut] if sent_back == "alone" else [{"role": "user", "content": "Fruits?"}, cut]
+        again = await client.post("/v1/chat/completions", json={**body, "messages": resent})
+        assert again.status_code == 200, again.text
+        stored = await history(client, "g")
+    assert sent(upstream) == [
+        ("user", "first"),
+        ("assistant", "Apples."),
+        ("user", "Fruits?"),
+        ("assistant", "Apples."),
+    ]
+    assert stored[-2:] == [("user", "Fruits?"), ("assistant", "Apples. and more.")]
+    assert len(stored) == 4
