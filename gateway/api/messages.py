@@ -44,7 +44,7 @@ from gateway.exceptions import GatewayError, InvalidRequest, shutting_down
 from gateway.services.requests import ChatRequest, take_prefill
 from gateway.services.turn import PreparedTurn, TurnOutcome, added_to
 from gateway.services.turns import TurnStream
-from gateway.types import JSONObject, as_list
+from gateway.types import JSONObject, as_list, as_object
 
 log = logging.getLogger("gateway.api")
 
@@ -113,6 +113,47 @@ def sse(payload: JSONObject) -> bytes:
     return b"event: " + str(payload["type"]).encode() + b"\ndata: " + orjson.dumps(payload) + b"\n\n"
 
 
+class EchoCut:
+    """The client's prefill left out of a streamed answer that says it again first (as
+    `added_to` leaves it out of a whole one): Anthropic's answer holds what the model added.
+
+    Text that may be the prefill said again is held until it is known: then left out, or sent."""
+
+    def __init__(self, prefill: str) -> None:
+        self.prefill = prefill
+        self.held = ""
+        self.done = False
+
+    def text(self, piece: str) -> str:
+        if self.done:
+            return piece
+        seen = self.held + piece
+        if len(seen) < len(self.prefill) and self.prefill.startswith(seen):
+            self.held = seen
+            return ""
+        self.done, self.held = True, ""
+        return seen[len(self.prefill) :] if seen.startswith(self.prefill) else seen
+
+    def chunk(self, chunk: JSONObject) -> JSONObject:
+        """`chunk` with its text as the client is to get it."""
+        choices = as_list(chunk.get("choices"))
+        choice = as_object(choices[0]) if choices and not self.done else {}
+        delta = as_object(choice.get("delta"))
+        content = delta.get("content")
+        if not isinstance(content, str):
+            return chunk
+        return {
+            **chunk,
+            "choices": [{**choice, "delta": {**delta, "content": self.text(content)}}, *choices[1:]],
+        }
+
+    def rest(self) -> JSONObject:
+        """A chunk with what was held when the answer ended (it was not the prefill after all)."""
+        self.done, held = True, self.held
+        self.held = ""
+        return {"choices": [{"index": 0, "delta": {"content": held}}]}
+
+
 async def message_events(turn: PreparedTurn, chunks: TurnStream) -> AsyncIterator[bytes]:
     """The turn's chunks as Anthropic's event stream.
 
@@ -125,13 +166,17 @@ async def message_events(turn: PreparedTurn, chunks: TurnStream) -> AsyncIterato
     )
     yield sse({"type": "ping"})
     blocks = anthropic.BlockEvents()
+    echo = EchoCut(turn.request.prefill) if turn.request.prefill else None
     try:
         async for chunk in chunks:
-            for payload in blocks.feed(chunk):
+            for payload in blocks.feed(echo.chunk(chunk) if echo is not None else chunk):
                 yield sse(payload)
     except GatewayError as error:  # (the stream closed its turn with it)
         yield sse(anthropic.error_body(error.status_code, error.message))
         return
+    if echo is not None and echo.held:  # (the answer ended inside what looked like the prefill)
+        for payload in blocks.feed(echo.rest()):
+            yield sse(payload)
     for payload in blocks.close():
         yield sse(payload)
     outcome = chunks.outcome  # committed and closed by now: the lock is released early

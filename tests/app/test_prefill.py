@@ -4,6 +4,7 @@ whether or not the provider says the prefill again in its answer (llama.cpp's wh
 
 from __future__ import annotations
 
+import json
 from typing import Any
 
 import pytest
@@ -162,3 +163,39 @@ async def test_an_answer_cut_short_sent_back_alone_or_trimmed_goes_on_once(sent_
     ]
     assert stored[-2:] == [("user", "Fruits?"), ("assistant", "Apples. and more.")]
     assert len(stored) == 4
+
+
+@pytest.mark.parametrize("echo", [False, True])
+async def test_a_streamed_messages_prefill_said_again_is_left_out(echo: bool) -> None:
+    """A provider that says the prefill again in its stream: the Messages stream gave it to the
+    client again (`text_stream` read "Sure: apple, and more."), where the whole answer did not."""
+    upstream = MockUpstream(going_on(echo))
+    async with build_client(make_settings(), MemoryStore(), upstream) as client:
+        body = {
+            "model": "mock/m",
+            "max_tokens": 32,
+            "stream": True,
+            "conversation_id": "s",
+            "messages": [
+                {"role": "user", "content": "Fruits?"},
+                {"role": "assistant", "content": "Sure: apple,"},
+            ],
+        }
+        r = await client.post("/v1/messages", json=body, headers={"anthropic-version": "2023-06-01"})
+        stored = await history(client, "s")
+    deltas = [
+        json.loads(line[6:])["delta"]["text"]
+        for line in r.text.splitlines()
+        if line.startswith("data: ") and '"text_delta"' in line
+    ]
+    assert "".join(deltas) == " and more."
+    assert stored == [("user", "Fruits?"), ("assistant", "Sure: apple, and more.")]
+
+
+def test_text_like_the_prefill_that_goes_elsewhere_is_sent_whole() -> None:
+    from gateway.api.messages import EchoCut
+
+    cut = EchoCut("Sure: apple,")
+    assert [cut.text(p) for p in ("Sure", ": ban", "ana")] == ["", "Sure: ban", "ana"]
+    held = EchoCut("Sure: apple,")
+    assert held.text("Sure:") == "" and held.rest()["choices"][0]["delta"]["content"] == "Sure:"
