@@ -135,17 +135,17 @@ class EchoCut:
         return seen[len(self.prefill) :] if seen.startswith(self.prefill) else seen
 
     def chunk(self, chunk: JSONObject) -> JSONObject:
-        """`chunk` with its text as the client is to get it."""
+        """`chunk` with its text as the client is to get it (held text goes out before a call)."""
         choices = as_list(chunk.get("choices"))
         choice = as_object(choices[0]) if choices and not self.done else {}
         delta = as_object(choice.get("delta"))
         content = delta.get("content")
-        if not isinstance(content, str):
+        if not isinstance(content, str) and not (self.held and delta.get("tool_calls")):
             return chunk
-        return {
-            **chunk,
-            "choices": [{**choice, "delta": {**delta, "content": self.text(content)}}, *choices[1:]],
-        }
+        text = self.text(content) if isinstance(content, str) else ""
+        if delta.get("tool_calls") and not self.done:  # (the answer went elsewhere: a call)
+            text, self.held, self.done = self.held + text, "", True
+        return {**chunk, "choices": [{**choice, "delta": {**delta, "content": text}}, *choices[1:]]}
 
     def rest(self) -> JSONObject:
         """A chunk with what was held when the answer ended (it was not the prefill after all)."""

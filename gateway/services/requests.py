@@ -39,6 +39,11 @@ def take_prefill(request: ChatRequest) -> None:
     if last is None or last.get("role") != "assistant" or last.get("tool_calls"):
         return
     text = last.get("content")
+    parts = text if isinstance(text, list) else None
+    if parts and all(isinstance(p, dict) and p.get("type") == "text" for p in parts):
+        # Text given as parts (OpenAI's array form): the same prefill, as the string it joins to.
+        text = "".join(str(p.get("text", "")) for p in parts)
+        request.messages[-1] = {**last, "content": text}
     if isinstance(text, str) and text:
         request.prefill = text
     elif text == "" and len(request.messages) > 1:

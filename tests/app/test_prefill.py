@@ -199,3 +199,39 @@ def test_text_like_the_prefill_that_goes_elsewhere_is_sent_whole() -> None:
     assert [cut.text(p) for p in ("Sure", ": ban", "ana")] == ["", "Sure: ban", "ana"]
     held = EchoCut("Sure: apple,")
     assert held.text("Sure:") == "" and held.rest()["choices"][0]["delta"]["content"] == "Sure:"
+
+
+async def test_an_answer_sent_back_as_text_parts_goes_on_as_a_string_does() -> None:
+    """OpenAI's array form (`[{"type": "text", ...}]`) was no prefill: the cut answer was sent
+    twice and the conversation kept three assistant messages in a row."""
+    upstream = MockUpstream(going_on(False))
+    async with build_client(make_settings(), MemoryStore(), upstream) as client:
+        body: dict[str, Any] = {"model": "mock/m", "conversation_id": "tp"}
+        r = await client.post(
+            "/v1/chat/completions", json={**body, "messages": [{"role": "user", "content": "Fruits?"}]}
+        )
+        cut = r.json()["choices"][0]["message"]["content"]
+        parts = {"role": "assistant", "content": [{"type": "text", "text": cut}]}
+        again = await client.post("/v1/chat/completions", json={**body, "messages": [parts]})
+        assert again.status_code == 200, again.text
+        stored = await history(client, "tp")
+    assert sent(upstream) == [("user", "Fruits?"), ("assistant", "Apples.")]
+    assert stored == [("user", "Fruits?"), ("assistant", "Apples. and more.")]
+
+
+def test_text_held_as_maybe_the_prefill_goes_out_before_a_call() -> None:
+    """Held text came out after the call's block: the stream's blocks were in another order than
+    the whole answer's."""
+    from gateway.api.messages import EchoCut
+
+    cut = EchoCut("Let me check")
+    text = {"choices": [{"index": 0, "delta": {"content": "Let"}}]}
+    call = {
+        "choices": [
+            {"index": 0, "delta": {"tool_calls": [{"index": 0, "id": "c", "function": {"name": "f"}}]}}
+        ]
+    }
+    assert cut.chunk(text)["choices"][0]["delta"]["content"] == ""
+    flushed = cut.chunk(call)["choices"][0]["delta"]
+    assert flushed["content"] == "Let" and flushed["tool_calls"][0]["id"] == "c"
+    assert cut.held == "" and cut.chunk(text) is text  # (done: as they come)
