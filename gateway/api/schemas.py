@@ -444,7 +444,7 @@ _ONE_NAMING: JsonDict = {
 
 # OpenAI's Responses parameters the gateway accepts without reading them (`openai` 3.57's
 # `responses.create`): any other field is a 400 `unknown_parameter`, as OpenAI answers a typo
-# (`previous_respons_id` had started a new conversation that knew nothing).
+# (taken for nothing, `previous_respons_id` would start a new conversation that knows nothing).
 Accepted = Annotated[SkipValidation[object], Field(None, description="OpenAI's; accepted, not used")]
 
 
@@ -569,7 +569,7 @@ def _items(param: str, error: ErrorDetails) -> str:
 
 
 class ConversationCreate(BaseModel):
-    model_config = OWN_BODY  # (`metdata` was taken for nothing)
+    model_config = OWN_BODY  # (a `metdata` typo is said, not taken for nothing)
 
     metadata: Metadata | None = None
     items: list[Item] | None = None

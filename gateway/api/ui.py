@@ -32,6 +32,7 @@ def _enabled(request: Request) -> None:
         raise NotFound("The inspector is disabled ([ui] enabled = false)")
 
 
+NOSNIFF = {"x-content-type-options": "nosniff"}
 # The page keeps the gateway key (localStorage) and shows what clients wrote: it runs its own
 # script and nothing else, is never framed, and names nothing to other sites.
 PAGE_HEADERS = {
@@ -39,13 +40,10 @@ PAGE_HEADERS = {
         "default-src 'none'; script-src 'self'; style-src 'self' 'unsafe-inline'; img-src 'self' data:; "
         "connect-src 'self'; base-uri 'none'; form-action 'self'; frame-ancestors 'none'"
     ),
-    "x-content-type-options": "nosniff",
+    **NOSNIFF,
     "x-frame-options": "DENY",
     "referrer-policy": "no-referrer",
 }
-
-
-NOSNIFF = {"x-content-type-options": "nosniff"}
 
 
 async def page(request: Request) -> Response:

@@ -227,7 +227,7 @@ class Conversations:
             marker: Record = {"type": "delete_item", "response_id": rid, "position": position, "at": now()}
             if sum(parse_item_id(str(i["id"])) == named for i in view_items(view)) > 1:
                 # One item of an answer that holds several (its text, its calls): that one alone,
-                # as OpenAI deletes an item (the others were deleted with it).
+                # as OpenAI deletes an item (the message's deletion would take the others too).
                 if item_id.startswith("fc_"):
                     marker["call"] = int(item_id.rsplit("_", 1)[1])
                 else:
