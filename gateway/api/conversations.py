@@ -128,10 +128,8 @@ async def reset_conversation(request: Request) -> Response:
     body = await read_json(request, services.settings.server.max_body_bytes, allow_empty=True)
     if not isinstance(body, dict):
         raise InvalidRequest("The request body must be a JSON object")
-    validate(Reset, body)  # (`keep_system_messages` would have reset it without its system prompt)
-    keep = body.get("keep_system_message", False)
-    if not isinstance(keep, bool):
-        raise InvalidRequest("'keep_system_message' must be a boolean", param="keep_system_message")
+    # (a `keep_system_messages` typo is said: taken for nothing, it resets the system prompt too)
+    keep = validate(Reset, body).keep_system_message
     view = await services.conversations.reset(tenant_of(request), cid, keep_system_message=keep)
     return JSONBody(conversation_object(cid, view, _ttl(request), reset=True, keep_system_message=keep))
 

@@ -602,7 +602,11 @@ class ItemsCreate(BaseModel):
 class Reset(BaseModel):
     model_config = OWN_BODY
 
-    keep_system_message: SkipValidation[bool] = False
+    keep_system_message: bool = False
+
+    error_messages: ClassVar[ErrorMessages] = {
+        "keep_system_message": "'keep_system_message' must be a boolean",
+    }
 
 
 # -- stored chat completions ---------------------------------------------------------------------
