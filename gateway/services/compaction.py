@@ -135,8 +135,7 @@ class Compactions:
         prior, folded, covers_through, end = "", list(messages), None, 0
         if conversation is not None:
             if previous is not None:  # (one still running is compacted once it ended, as a turn waits)
-                async with store.lock(conversation, self.settings.storage.lock_timeout):
-                    pass
+                await store.settled(conversation, self.settings.storage.lock_timeout)
             # Through a response that is not where the conversation goes on (an older one, one a
             # reset or an edit left behind): its history, as a turn continuing it branches with.
             branch = (

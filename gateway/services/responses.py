@@ -125,10 +125,10 @@ class StoredResponses:
         if await store.exists(cid):
             return cid
         # A conversation whose first turn is running (a background response's) is there once that
-        # turn ends: its lock is held until then.
-        async with store.lock(cid, self.settings.storage.lock_timeout):
-            if await store.exists(cid):
-                return cid
+        # turn ends.
+        await store.settled(cid, self.settings.storage.lock_timeout)
+        if await store.exists(cid):
+            return cid
         raise NotFound(f"No conversation found with id {cid!r}", param="conversation")
 
     async def continued_conversation(self, tenant: str, previous: object) -> str:

@@ -572,11 +572,8 @@ class ChatService:
         route = self.router.resolve(request.model)
         cid = request.conversation_id
         assert cid is not None  # (a new conversation: an id no conversation has, as a new turn's)
-        if request.previous_response_id is not None:
-            # A response still running (a background one) is counted on once it ended, as the
-            # turn would wait for it: its conversation's lock is held until then.
-            async with store.lock(cid, self.settings.storage.lock_timeout):
-                pass
+        if request.previous_response_id is not None:  # (one still running: once it ended)
+            await store.settled(cid, self.settings.storage.lock_timeout)
         view, planned_as = await self._counted_view(store, cid, request.previous_response_id)
 
         async def reload() -> ConversationView:

@@ -270,6 +270,12 @@ class Store(ABC):
     def lock(self, conversation_id: str, timeout: float) -> AbstractAsyncContextManager[None]:
         """Serialize turns on one conversation; raise ConversationBusy after `timeout` s."""
 
+    async def settled(self, conversation_id: str, timeout: float) -> None:
+        """Return once the turn running on a conversation (a background response's, say) has
+        ended, as a turn would wait for it: its lock is taken and let go."""
+        async with self.lock(conversation_id, timeout):
+            pass
+
     @abstractmethod
     async def read_conversation(self, conversation_id: str, after: Version | None = None) -> IndexRead:
         """The index entries after `after` (all of them when None, or when the index was replaced since).
