@@ -138,19 +138,21 @@ class Compactions:
                 await store.settled(conversation, self.settings.storage.lock_timeout)
             # Through a response that is not where the conversation goes on (an older one, one a
             # reset or an edit left behind): its history, as a turn continuing it branches with.
-            branch = (
-                await branch_view(store, conversation, previous, self.cache.skipped) if previous else None
-            )
-            view = branch or await self.cache.load(store, conversation)
-            through = view.history_count if previous is None or branch else view.history_end.get(previous)
+            branch = None
+            if previous is not None:
+                branch = await branch_view(store, conversation, previous, self.cache.skipped)
+            view = branch if branch is not None else await self.cache.load(store, conversation)
+            through: int | None = view.history_count  # (a branch ends with `previous`)
+            if previous is not None and branch is None:
+                through = view.history_end.get(previous)
             if through is None:
                 raise NotFound(
                     f"Response {previous!r} is no longer part of a conversation", param="previous_response_id"
                 )
             end = through
-            summary = (
-                None if branch else current_summary(await store.read_side("summaries", conversation), view)
-            )
+            summary = None  # (a branch has none of its own yet)
+            if branch is None:
+                summary = current_summary(await store.read_side("summaries", conversation), view)
             start = summary.covered if summary is not None and summary.covered <= end else 0
             prior = summary.text if summary is not None and start else ""
             folded = [*view.history[start:end], *messages]
