@@ -604,9 +604,7 @@ class Reset(BaseModel):
 
     keep_system_message: bool = False
 
-    error_messages: ClassVar[ErrorMessages] = {
-        "keep_system_message": "'keep_system_message' must be a boolean",
-    }
+    error_messages: ClassVar[ErrorMessages] = {"keep_system_message": "'{param}' must be a boolean"}
 
 
 # -- stored chat completions ---------------------------------------------------------------------
