@@ -50,50 +50,37 @@ def _branch(new: Sequence[Message], branch_at: int, view: ConversationView) -> R
     return Reconciled(list(new), branch_at, regenerated, left_from)
 
 
-def _all_stored(incoming: Sequence[Message], common: int, view: ConversationView) -> Reconciled:
-    """A request that starts with the whole stored transcript (its first `common` messages).
-
-    What follows is new, and its last message always is. All of it and nothing more, its last
-    answer last, asks that answer to go on (a prefill, a client going on from an answer cut
-    short): the answer is taken back and sent once, as the request's last message, and the
-    answer to come is stored in its place."""
-    n = len(incoming)
-    if common == n and incoming[-1].get("role") == "assistant":
-        history = view.keys("history")
-        if history and history[-1] == view.keys("transcript")[-1]:
-            return _branch(incoming[n - 1 :], len(history) - 1, view)
-    return Reconciled(list(incoming[min(common, n - 1) :]))
-
-
 def _going_on(incoming: Sequence[Message], view: ConversationView) -> Reconciled | None:
-    """A request that ends with the stored last answer, or with text that goes on from it, after
-    nothing or after the stored messages before that answer (a trimmed history): the client asks
-    that answer to go on (a prefill; an answer cut short). It is taken back and sent once, as the
-    request's last message, and the answer to come is stored in its place. None otherwise."""
+    """A request that ends with the stored last answer (as stored, or text going on from it),
+    after nothing or after the stored messages before that answer (the history's, or the
+    transcript's with feedback: a whole or a trimmed history): the client asks that answer to go
+    on (a prefill; an answer cut short). It is taken back and sent once, as the request's last
+    message, and the answer to come is stored in its place. None otherwise."""
     if not incoming or not view.history:
         return None
     last, stored = incoming[-1], view.history[-1]
-    text = last.get("content")
-    said = stored.get("content")
-    if (
-        last.get("role") != "assistant"
-        or stored.get("role") != "assistant"
-        or last.get("tool_calls")
-        or stored.get("tool_calls")
-        or not isinstance(text, str)
-        or not isinstance(said, str)
-        or not said
-        or not text.startswith(said)
-    ):
+    if last.get("role") != "assistant" or stored.get("role") != "assistant":
+        return None
+    text, said = last.get("content"), stored.get("content")
+    goes_on = (
+        isinstance(text, str)
+        and isinstance(said, str)
+        and bool(said)
+        and text.startswith(said)
+        and not last.get("tool_calls")
+        and not stored.get("tool_calls")
+    )
+    if not goes_on and message_key(last) != view.keys("history")[-1]:
         return None
     if view.partial:
         raise NotLoaded("taking back the stored answer needs all of the history")
-    history = view.keys("history")
+    history, transcript = view.keys("history"), view.keys("transcript")
     before = [message_key(m) for m in incoming[:-1]]
-    m = len(history)
-    if len(before) >= m or history[m - 1 - len(before) : m - 1] != before:
-        return None
-    return _branch(incoming[-1:], m - 1, view)
+    k = len(before)
+    for kept in (history, transcript):
+        if k < len(kept) and kept[-1] == history[-1] and kept[len(kept) - 1 - k : -1] == before:
+            return _branch(incoming[-1:], len(history) - 1, view)
+    return None
 
 
 def reconcile(incoming: Sequence[Message], view: ConversationView) -> Reconciled:
@@ -123,7 +110,7 @@ def reconcile(incoming: Sequence[Message], view: ConversationView) -> Reconciled
     transcript = view.keys("transcript")
     common = _common_prefix(incoming, transcript)
     if common >= len(transcript):  # all of it, feedback included
-        return _all_stored(incoming, common, view)
+        return Reconciled(list(incoming[min(common, n - 1) :]))
     history = view.keys("history")
     m = len(history)
     shared = min(_common_prefix(incoming, history), n - 1)
