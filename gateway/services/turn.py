@@ -107,6 +107,9 @@ class PreparedTurn:
     system_in: list[Message] | None
     stack: AsyncExitStack
     started: float = field(default_factory=time.perf_counter)
+    # The same moment on the wall clock, read then: provider calls' spans are timed on it, and a
+    # start counted back from the close would move with any step of that clock meanwhile.
+    started_ns: int = field(default_factory=time.time_ns)
     upstream_started: float = 0.0
     done: bool = False
     commit_task: asyncio.Future[None] | None = None
@@ -166,7 +169,7 @@ class PreparedTurn:
             new_messages=len(self.new),
             sent_messages=len(messages) if isinstance(messages, list) else 0,
             elapsed_ms=round(elapsed * 1000, 3),
-            started_ns=time.time_ns() - int(elapsed * 1e9),
+            started_ns=self.started_ns,
             usage=self.usage,
             timings=self.timings,
             window_tokens=dict(plan.window.tokens) if plan is not None else None,

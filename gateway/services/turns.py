@@ -159,7 +159,7 @@ class ChatService:
         of `open_chunks` once it began."""
         # The gateway's own time starts here: a wait for this pass's share of starts, the lock,
         # the load and the plan.
-        started = time.perf_counter()
+        started, started_ns = time.perf_counter(), time.time_ns()
         await self.starts.enter()
         store = await self.stores.get(tenant)
         store.refuse_if_failed()  # before the provider is asked for an answer nobody could keep
@@ -192,6 +192,7 @@ class ChatService:
                 planned.stored_system,
                 stack,
                 started,
+                started_ns,
                 encoding=planned.encoding,
                 new_tokens=kept.new_tokens,
                 system_tokens=planned.system_tokens if planned.stored_system is not None else None,

@@ -5,6 +5,7 @@ says them, failures' `error.type`, content only when asked for, and summarizer c
 from __future__ import annotations
 
 import json
+import time
 from collections.abc import Iterator
 from typing import Any
 
@@ -465,3 +466,26 @@ async def test_a_compaction_before_a_turn_is_not_one_of_the_turns_provider_calls
     assert summarized and traced.spans("summary")
     asked = [tp for b, tp in zip(upstream.requests, upstream.traceparents, strict=True) if b in summarized]
     assert asked == [None] * len(summarized)  # (its span is its own)
+
+
+async def test_a_step_of_the_wall_clock_during_a_turn_leaves_its_calls_inside_its_span(
+    traced: Traced, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The turn's span began at its close's wall-clock time less its (monotonic) length, and its
+    provider calls at their own wall-clock times: a step of that clock in between (NTP, a busy
+    host) put a call's span before its turn's."""
+    real = time.time_ns
+
+    def stepping(body: dict[str, Any]) -> Any:
+        monkeypatch.setattr(time, "time_ns", lambda: real() + 10_000_000_000)  # 10 s forward
+        return answer(body)
+
+    upstream = MockUpstream(stepping)
+    async with build_client(make_settings(), MemoryStore(), upstream, tracing=traced.tracing) as c:
+        r = await c.post("/v1/responses", json={"model": "mock/m", "input": "hello"})
+    assert r.status_code == 200
+    (turn,) = traced.spans()
+    calls = [s for s in traced.exporter.get_finished_spans() if s.name.startswith("upstream")]
+    assert len(calls) == 1 and calls[0].parent is not None and calls[0].parent.span_id == turn.context.span_id
+    assert turn.start_time is not None and calls[0].start_time is not None
+    assert turn.start_time <= calls[0].start_time
