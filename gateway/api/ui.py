@@ -24,6 +24,7 @@ STATIC = Path(__file__).resolve().parent.parent / "ui" / "static"
 _FILES = {"index.html": "text/html", "app.js": "text/javascript", "style.css": "text/css"}
 # What the page shows of each compaction made of a conversation (where, what it covered, why).
 _COMPACTION_FIELDS = ("id", "trigger", "covers_through", "covered_messages", "summary_version", "created")
+SENT_FORMS = ("whole", "delta")  # how a conversation's turns say what was sent (`?sent=`)
 PAGE = 200  # conversations listed at most by one request (the page asks for older ones after)
 
 
@@ -118,6 +119,26 @@ def _turn(records: list[Record], rid: str, index: int) -> JSONObject | None:
     }
 
 
+def as_deltas(turns: list[JSONObject]) -> None:
+    """Each turn's sent list said as what it shares with the turn's before it, and the rest.
+
+    Between two cuts a turn sends the turn before's prompt and more (the window keeps the
+    prompt's head for the provider's cache), so whole lists repeat each other: a conversation
+    of a few hundred turns would say its window a few hundred times. `sent_shared` is how many
+    leading messages are the previous turn's (in this answer) and `sent_tail` the messages after.
+    """
+    before: list[object] = []
+    for turn in turns:
+        sent = turn.pop("sent", None)
+        if not isinstance(sent, list):
+            continue  # (a marker)
+        shared, most = 0, min(len(before), len(sent))
+        while shared < most and sent[shared] == before[shared]:
+            shared += 1
+        turn["sent_shared"], turn["sent_tail"] = shared, sent[shared:]
+        before = sent
+
+
 async def conversation(request: Request) -> Response:
     _enabled(request)
     queries = services_of(request).queries
@@ -127,6 +148,9 @@ async def conversation(request: Request) -> Response:
     since = ascii_int(raw_since)
     if since is None:
         raise InvalidRequest("'since' must be a non-negative integer (a turn index)", param="since")
+    form = request.query_params.get("sent", "whole") or "whole"
+    if form not in SENT_FORMS:
+        raise InvalidRequest("'sent' must be 'whole' or 'delta'", param="sent")
     entries = await queries.index(tenant, cid)
     view = await queries.view(tenant, cid)
     unsent = Unsent(view)
@@ -164,6 +188,8 @@ async def conversation(request: Request) -> Response:
                 turn["not_sent_parts"] = {str(answer): parts} if parts else {}
                 turns.append(turn)
         index += 1
+    if form == "delta":
+        as_deltas(turns)
     summaries = await queries.summaries(tenant, cid, view)
     compactions = await queries.compactions(tenant, cid)
     state = await queries.state(tenant, cid, view)

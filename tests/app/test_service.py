@@ -672,6 +672,44 @@ async def test_the_inspectors_since_must_be_a_turn_index(app_client: httpx.Async
     assert r.status_code == 200 and len(r.json()["turns"]) == 1
 
 
+async def test_the_inspectors_delta_form_says_each_window_once(app_client: httpx.AsyncClient) -> None:
+    """Each turn's whole sent list repeated the window of the turn before it: 40 turns said it
+    40 times. `?sent=delta` says what a turn shares with the one before it as a count."""
+    cid = {"conversation_id": "long"}
+    r = await app_client.post(
+        "/v1/chat/completions",
+        json={"model": "mock/m", "messages": [{"role": "system", "content": "Be brief."}], **cid},
+    )
+    for n in range(40):
+        body = {"model": "mock/m", "messages": [user(f"question {n} " + "words " * 20)], **cid}
+        assert (await app_client.post("/v1/chat/completions", json=body)).status_code == 200
+    r = await app_client.post("/v1/conversations/long/reset", json={"keep_system_message": True})
+    assert r.status_code == 200
+    body = {"model": "mock/m", "messages": [user("after the reset")], **cid}
+    assert (await app_client.post("/v1/chat/completions", json=body)).status_code == 200
+    whole = await app_client.get("/ui/api/conversations/long")
+    delta = await app_client.get("/ui/api/conversations/long?sent=delta")
+    assert whole.status_code == delta.status_code == 200
+    rebuilt, before = [], []
+    # The first turn sent the system prompt; each turn after it, the answer before it and its
+    # question (the reset's turn, its question alone).
+    assert sum(len(t.get("sent_tail", [])) for t in delta.json()["turns"]) == 1 + 2 * 40 + 1
+    for turn in delta.json()["turns"]:
+        assert "sent" not in turn
+        if "marker" in turn:
+            rebuilt.append(turn)
+            continue
+        turn["sent"] = before[: turn.pop("sent_shared")] + turn.pop("sent_tail")
+        before = turn["sent"]
+        rebuilt.append(turn)
+    assert rebuilt == whole.json()["turns"]
+    assert [t.get("marker") for t in rebuilt][-2:] == ["reset", None]
+    later = (await app_client.get("/ui/api/conversations/long?since=40&sent=delta")).json()["turns"]
+    assert later[0]["sent_shared"] == 0 and later[0]["sent_tail"] == whole.json()["turns"][40]["sent"]
+    r = await app_client.get("/ui/api/conversations/long?sent=some")
+    assert r.status_code == 400 and r.json()["error"]["param"] == "sent"
+
+
 async def test_a_stream_whose_commit_fails_never_shows_a_finish_reason(
     memory_store: MemoryStore, app_client: httpx.AsyncClient, caplog: pytest.LogCaptureFixture
 ) -> None:

@@ -193,8 +193,10 @@ function turnCard(turn, isNew, points = new Map()) {
     card.append(facts);
   }
   if (turn.sent && turn.sent.length) {
-    const list = el("div", { class: "sent-list", hidden: "" }, ...turn.sent.map(m => bubble(m)));
+    // Drawn when first asked for: a long conversation holds its window once per turn.
+    const list = el("div", { class: "sent-list", hidden: "" });
     card.append(el("button", { class: "toggle-sent", onclick: (e) => {
+      if (!list.childElementCount) list.append(...turn.sent.map(m => bubble(m)));
       list.hidden = !list.hidden; e.target.textContent = list.hidden ? "what was sent" : "hide what was sent"; } , text: "what was sent" }), list);
   }
   return card;
@@ -207,13 +209,26 @@ async function showConversation(id) {
   current = { id, count: 0, entries: 0, compactions: 0 };
   $("#turns").replaceChildren();
   try {
-    const data = await api("/ui/api/conversations/" + encodeURIComponent(id));
+    const data = await conversationData(id, 0);
     if (id !== current.id) return;  // (another conversation, or the list, was opened meanwhile)
     render(data);
     status("live");
     stopPolling();
     pollTimer = setInterval(poll, 1000);
   } catch (e) { if (id === current.id) status(e.message); }
+}
+
+// A conversation's turns from turn `since` on, each with its whole sent list: the answer says
+// each list as what it shares with the turn's before it and the rest (`?sent=delta`).
+async function conversationData(id, since) {
+  const data = await api(`/ui/api/conversations/${encodeURIComponent(id)}?since=${since}&sent=delta`);
+  let before = [];
+  for (const turn of data.turns) {
+    if (!Array.isArray(turn.sent_tail)) continue;  // (a marker)
+    turn.sent = before.slice(0, turn.sent_shared).concat(turn.sent_tail);
+    before = turn.sent;
+  }
+  return data;
 }
 
 // The whole conversation drawn again (what the model no longer gets may have changed).
@@ -248,7 +263,7 @@ async function poll() {
   const id = current.id;
   if (!id) return;
   try {
-    const data = await api(`/ui/api/conversations/${encodeURIComponent(id)}?since=${current.count}`);
+    const data = await conversationData(id, current.count);
     if (id !== current.id) return;  // (another conversation was opened meanwhile)
     status("live");  // (after a failed poll: it answers again)
     renderHead(data);
@@ -257,7 +272,7 @@ async function poll() {
     // A reset, a deletion or an edit changes what earlier turns still send, and a compaction
     // is marked after a turn already drawn: draw them all again.
     if (compacted || data.entries !== current.entries + data.turns.length || data.turns.some(t => t.marker || t.branch_at != null)) {
-      const whole = await api("/ui/api/conversations/" + encodeURIComponent(id));
+      const whole = await conversationData(id, 0);
       if (id === current.id) render(whole);
       return;
     }
