@@ -16,7 +16,6 @@ from __future__ import annotations
 import asyncio
 import functools
 import logging
-import secrets
 import time
 from collections.abc import AsyncIterator, Callable
 from typing import Any
@@ -240,9 +239,10 @@ async def create_message(request: Request) -> Response:
 async def count_tokens(request: Request) -> Response:
     """`POST /v1/messages/count_tokens`: count the prompt `POST /v1/messages` with this body would send.
 
-    Counted as `POST /v1/responses/input_tokens` counts (the window planned: the conversation
-    named, else a new one; nothing sent or stored). The answer adds the extension `gateway`: how
-    it was counted, and the window."""
+    Counted as `POST /v1/responses/input_tokens` counts (the window planned for the conversation
+    named; nothing sent or stored), and with no conversation named, as the stateless turn sends
+    it: the request whole. The answer adds the extension `gateway`: how it was counted, and the
+    window."""
     services = services_of(request)
     _check_version(request)
     body = await read_json(request, services.settings.server.max_body_bytes)
@@ -262,7 +262,5 @@ async def count_tokens(request: Request) -> Response:
         chat_body[output_cap(body["model"])] = body["max_tokens"]
     chat_body.update({key: body[key] for key in EXTENSIONS if body.get(key) is not None})
     chat = parse_chat(chat_body, header_conversation_id=request.headers.get("x-conversation-id"))
-    if chat.conversation_id is None:  # counted as the first turn of a conversation of its own
-        chat.conversation_id = f"count-{secrets.token_hex(12)}"
     counted = await services.turns.count(chat, tenant_of(request))
     return JSONBody({"input_tokens": counted.input_tokens, "gateway": count_details(counted)})

@@ -12,6 +12,7 @@ import dataclasses
 import functools
 import logging
 import math
+import sys
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, replace
 from typing import Any
@@ -23,19 +24,20 @@ from gateway.context import (
     ConversationView,
     Message,
     clean_message,
+    split_system,
 )
 from gateway.context.draw import Frame, Part, request_alone
 from gateway.context.history import item_key
 from gateway.context.lifecycle import zone
 from gateway.context.steps import Head
 from gateway.context.summary import Summary, current_summary, snap_to_turn_end, summary_version
-from gateway.context.window import REQUEST_OVERHEAD_TOKENS, Window
+from gateway.context.window import REQUEST_OVERHEAD_TOKENS, Window, fit_window
 from gateway.exceptions import ContextLengthExceeded
 from gateway.services.models import ModelFacts, WindowFacts
 from gateway.services.recap import build_recap
 from gateway.services.requests import ChatRequest
 from gateway.store.base import LRU, Store
-from gateway.tokens import get_encoding
+from gateway.tokens import counter_for, get_encoding
 from gateway.types import Record
 from gateway.upstream import Route
 
@@ -265,6 +267,44 @@ class Planner:
             except ContextLengthExceeded:
                 raise refused from None
 
+    async def as_sent(self, request: ChatRequest, route: Route, store: Store) -> ContextPlan:
+        """A stateless request's prompt as it is sent: its messages as they came, none left out.
+
+        No window is fitted (a request with no conversation goes to the provider whole, and one
+        too long for it is the provider's to refuse); the model's window and the answer's room
+        are said beside it, as a plan says them."""
+        facts = await self.facts.window(route, request.model, store)
+        encoding, count = counter_for(request.model)
+        system, rest = split_system(request.messages)
+        system, rest = [clean_message(m) for m in system], [clean_message(m) for m in rest]
+        tools = request.body.get("tools")
+        window = fit_window(
+            system=system,
+            system_tokens=[count(m) for m in system],
+            conversation=rest,
+            conversation_tokens=[count(m) for m in rest],
+            first_new=0,  # (all of it is the request, never cut)
+            budget=sys.maxsize,
+            max_history_messages=0,
+            marker_tokens=lambda omitted: 0,
+            tools_tokens=tools_cost(orjson.dumps(tools).decode(), encoding) if tools else 0,
+        )
+        return ContextPlan(
+            window=window,
+            encoding=encoding,
+            context_window=facts.tokens,
+            reserve=_answer_tokens(request) or self._default_reserve(facts),
+            summary=None,
+            kept_from=0,
+            summary_target=None,
+            facts=facts,
+        )
+
+    def _default_reserve(self, facts: WindowFacts) -> int:
+        """The answer's room when the client asks for none: reserve_tokens, at most a quarter of
+        the window."""
+        return min(self.settings.context.reserve_tokens, facts.tokens // 4)
+
     async def _plan_with(
         self, inputs: TurnInputs, facts: WindowFacts, reserve: int, budget: int, *, hold: bool
     ) -> ContextPlan:
@@ -394,7 +434,7 @@ class Planner:
                     f"window of {facts.tokens} tokens; lower it",
                     param=name,
                 )
-            reserve = asked or min(self.settings.context.reserve_tokens, facts.tokens // 4)
+            reserve = asked or self._default_reserve(facts)
         # A server that counts prompts itself is asked for the exact count of the window
         # planned (below): planned from the calibration's best estimate, without its margin.
         calibration = replace(facts.calibration, margin=0) if facts.counts_prompts else facts.calibration

@@ -565,6 +565,8 @@ class ChatService:
     async def count(self, request: ChatRequest, tenant: str = "") -> PromptCount:
         """Plan the window a turn of `request` would send, as `prepare` does, and stop there.
 
+        With no conversation, the prompt a stateless turn sends: the request as it came.
+
         No lock held (but waited for, with `previous_response_id`), no response log, nothing
         stored or sent. The conversation is read as it stands (as any reader reads it) and
         planned on a copy; a turn of another request may land meanwhile, as it may before the
@@ -572,7 +574,9 @@ class ChatService:
         store = await self.stores.get(tenant)
         route = self.router.resolve(request.model)
         cid = request.conversation_id
-        assert cid is not None  # (a new conversation: an id no conversation has, as a new turn's)
+        if cid is None:  # stateless: the request as it is sent, nothing planned
+            sent = await self.planner.as_sent(request, route, store)
+            return prompt_count(sent, self.facts.calibration(route))
         if request.previous_response_id is not None:  # (one still running: once it ended)
             await store.settled(cid, self.settings.storage.lock_timeout)
         view, planned_as = await self._counted_view(store, cid, request.previous_response_id)

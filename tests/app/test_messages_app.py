@@ -287,6 +287,44 @@ async def test_count_tokens_with_max_tokens_counts_what_the_turn_then_sends() ->
     assert counted["input_tokens"] == sent["tokens"]["total"]
 
 
+async def test_count_tokens_with_no_conversation_counts_the_request_whole_as_it_is_sent() -> None:
+    """A history resent with no conversation named was counted as a new conversation's first
+    turn, cut to the window: the stateless turn sends it whole, so a client was told it fits and
+    the turn was then refused by the provider."""
+    base = make_settings()
+    settings = base.model_copy(
+        update={"context": base.context.model_copy(update={"max_context_tokens": 1000})}
+    )
+    history: list[dict[str, Any]] = []
+    for i in range(30):
+        history += [
+            {"role": "user", "content": f"{i}: " + "sentence " * 30},
+            {"role": "assistant", "content": f"answer {i}"},
+        ]
+    body = {
+        "model": "mock/m",
+        "max_tokens": 64,
+        "system": "Be brief.",
+        "messages": [*history, {"role": "user", "content": "and now?"}],
+    }
+    upstream = MockUpstream()
+    async with build_client(settings, MemoryStore(), upstream) as client:
+        whole = (await client.post("/v1/messages/count_tokens", json=body, headers=VERSION)).json()
+        named = {**body, "conversation_id": "new"}
+        planned = (await client.post("/v1/messages/count_tokens", json=named, headers=VERSION)).json()
+        short = {**body, "messages": body["messages"][-3:]}
+        alone = (await client.post("/v1/messages/count_tokens", json=short, headers=VERSION)).json()
+        as_new = {**short, "conversation_id": "new"}
+        as_first = (await client.post("/v1/messages/count_tokens", json=as_new, headers=VERSION)).json()
+        assert (await client.post("/v1/messages", json=body, headers=VERSION)).status_code == 200
+    assert whole["gateway"]["truncated"] == 0 and whole["gateway"]["sent_messages"] == 62
+    assert len(upstream.requests[-1]["messages"]) == 62  # (what the stateless turn sent)
+    assert whole["input_tokens"] > 1000 > planned["input_tokens"] and planned["gateway"]["truncated"] > 0
+    assert whole["gateway"]["context_window"] == 1000 and whole["gateway"]["reserve_tokens"] == 64
+    # What fits is counted the same either way.
+    assert alone["input_tokens"] == as_first["input_tokens"] and alone["gateway"] == as_first["gateway"]
+
+
 PNG = "iVBORw0KGgoAAAANSUhEUgAAAAEAAAABCAYAAAAfFcSJAAAADUlEQVR42mP8z8BQDwAEhQGAhKmMIQAAAABJRU5ErkJggg=="
 
 
