@@ -290,6 +290,7 @@ def chat_messages(system: object, messages: object) -> list[Message]:
         raise InvalidRequest("'messages' must be a non-empty array", param="messages")
     head = system_message(system)
     out: list[Message] = [head] if head is not None else []
+    joinable = False  # the last message made is an assistant's another one joins
     for i, message in enumerate(messages):
         at = f"messages[{i}]"
         role = message.get("role") if isinstance(message, dict) else None
@@ -311,10 +312,39 @@ def chat_messages(system: object, messages: object) -> list[Message]:
             made = [_assistant_message(content, at)]
         else:
             made = _user_messages(content, at)
-        if feedback_flag(message, at):  # (the gateway's flag, as on chat completions' messages)
+        flagged = feedback_flag(message, at)
+        if flagged:  # (the gateway's flag, as on chat completions' messages)
             made = [{**m, "is_feedback": True} for m in made]
+        elif role == "assistant" and i and joinable:
+            # Anthropic's API makes one turn of assistant messages in a row: so does the gateway
+            # (a prefill a client keeps apart from its answer is the one message stored).
+            out[-1] = _one_turn(out[-1], made[0])
+            continue
+        joinable = role == "assistant" and not flagged
         out.extend(made)
     return out
+
+
+def _one_turn(first: Message, then: Message) -> Message:
+    """Two assistant messages as one: their text joined (a continuation: as it was written), then
+    the second's parts and the calls of both."""
+    parts = [*_parts_of(first.get("content")), *_parts_of(then.get("content"))]
+    calls = [*(first.get("tool_calls") or []), *(then.get("tool_calls") or [])]
+    content: str | list[ContentPart] | None
+    if all(p["type"] == "text" for p in parts):
+        content = "".join(p.get("text", "") for p in parts) if parts or not calls else None
+    else:
+        content = parts
+    message: Message = {"role": "assistant", "content": content}
+    if calls:
+        message["tool_calls"] = calls
+    return message
+
+
+def _parts_of(content: object) -> list[ContentPart]:
+    if isinstance(content, str):
+        return [{"type": "text", "text": content}] if content else []
+    return list(content) if isinstance(content, list) else []
 
 
 def chat_tools(tools: object) -> list[JSONObject] | None:

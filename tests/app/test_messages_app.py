@@ -246,6 +246,64 @@ async def test_a_prefill_is_stored_as_the_beginning_of_its_answer(stream: bool) 
     ]
 
 
+@pytest.mark.parametrize("answer", ["string", "blocks"])
+async def test_a_prefill_kept_apart_from_its_answer_is_the_one_turn_stored(answer: str) -> None:
+    """LangChain keeps a prefill and the answer that went on from it as two assistant messages,
+    which Anthropic's API makes one turn of. The gateway took the resent pair for an edit of the
+    stored answer (prefill and answer as one message): a branch, and the two sent in a row."""
+
+    def goes_on(body: Body) -> str:
+        last = body["messages"][-1]
+        return '"a": 1}' if last["role"] == "assistant" and last["content"] == "{" else "ok"
+
+    upstream = MockUpstream(goes_on)
+    prefilled = [{"role": "user", "content": "Give JSON"}, {"role": "assistant", "content": "{"}]
+    async with build_client(make_settings(), MemoryStore(), upstream) as client:
+        r = await client.post(
+            "/v1/messages", json=request(messages=prefilled, conversation_id="pf"), headers=VERSION
+        )
+        assert r.status_code == 200, r.text
+        said = r.json()["content"][0]["text"]
+        kept: object = said if answer == "string" else [{"type": "text", "text": said}]
+        history = [*prefilled, {"role": "assistant", "content": kept}, {"role": "user", "content": "Thanks."}]
+        nxt = await client.post(
+            "/v1/messages", json=request(messages=history, conversation_id="pf"), headers=VERSION
+        )
+        items = (await client.get("/v1/conversations/pf/items?order=asc")).json()["data"]
+        logged = (await client.get(f"/v1/responses/{nxt.json()['id']}")).json()["gateway"]
+    assert nxt.status_code == 200
+    assert [m["role"] for m in upstream.requests[-1]["messages"]] == ["user", "assistant", "user"]
+    assert upstream.requests[-1]["messages"][1]["content"] == '{"a": 1}'
+    assert [(i["role"], i["content"][0]["text"]) for i in items] == [
+        ("user", "Give JSON"),
+        ("assistant", '{"a": 1}'),
+        ("user", "Thanks."),
+        ("assistant", "ok"),
+    ]
+    assert logged["request"].get("branch") is None
+
+
+def test_assistant_messages_in_a_row_are_one_turn_of_text_and_calls() -> None:
+    """As Anthropic's API combines them: text joined as written, then the calls of both."""
+    from gateway.context.anthropic import chat_messages
+
+    use = {"type": "tool_use", "id": "t1", "name": "f", "input": {"x": 1}}
+    made = chat_messages(
+        None,
+        [
+            {"role": "user", "content": "q"},
+            {"role": "assistant", "content": "Let me "},
+            {"role": "assistant", "content": [{"type": "text", "text": "look."}, use]},
+            {"role": "user", "content": [{"type": "tool_result", "tool_use_id": "t1", "content": "2"}]},
+            {"role": "assistant", "content": "It is 2.", "is_feedback": True},
+            {"role": "assistant", "content": "Two."},
+        ],
+    )
+    assert [m["role"] for m in made] == ["user", "assistant", "tool", "assistant", "assistant"]
+    assert made[1]["content"] == "Let me look." and [c["id"] for c in made[1]["tool_calls"]] == ["t1"]
+    assert made[3].get("is_feedback") and made[4]["content"] == "Two."  # (feedback stays its own)
+
+
 @pytest.mark.parametrize("empty", ["", []])
 async def test_an_empty_prefill_is_no_prefill(empty: object) -> None:
     """`[user, assistant ""]` stored an empty assistant message and then the answer: every later
