@@ -105,18 +105,17 @@ def _arguments_key(arguments: object) -> object:
     """A tool call's arguments as their JSON value, the form calls are compared in.
 
     Clients that resend a call (LangChain, `llm`) rebuild its arguments with `json.dumps`, so
-    `{"city":"Paris"}` comes back as `{"city": "Paris"}`, the same call. Arguments that are not
-    JSON are compared as written; none at all (null, left out, "") are `{}`, as the gateway stores
-    them.
+    `{"city":"Paris"}` comes back as `{"city": "Paris"}`, the same call. Arguments that are not a
+    JSON object (a small model's broken JSON, none at all) are `{}`: the Messages API gives such a
+    call to its client as `input: {}`, which comes back so.
     """
-    if arguments is None or arguments == "":
-        return ["json", {}]
-    if isinstance(arguments, str):
+    if isinstance(arguments, str) and arguments:
         try:
-            return ["json", orjson.loads(arguments)]
+            value = orjson.loads(arguments)
         except orjson.JSONDecodeError:
-            pass
-    return ["raw", arguments]
+            return ["json", {}]
+        return ["json", value if isinstance(value, dict) else {}]
+    return ["json", {}]
 
 
 def message_key(message: Message) -> bytes:

@@ -304,6 +304,40 @@ def test_assistant_messages_in_a_row_are_one_turn_of_text_and_calls() -> None:
     assert made[3].get("is_feedback") and made[4]["content"] == "Two."  # (feedback stays its own)
 
 
+async def test_a_call_with_broken_arguments_resent_as_given_is_no_edit() -> None:
+    """A call whose arguments are not JSON (small models write such) is given to the client as
+    `input: {}`; resent so with its result, it was taken for an edit of the stored call: a branch
+    that left the turn's own log behind."""
+
+    def answer(body: Body) -> Any:
+        if body["messages"][-1]["role"] == "tool":
+            return "done"
+        call = {"id": "call_1", "type": "function", "function": {"name": "f", "arguments": "not json {"}}
+        return {"role": "assistant", "content": None, "tool_calls": [call]}
+
+    upstream = MockUpstream(answer)
+    tools = [{"name": "f", "input_schema": {"type": "object"}}]
+    asked = [{"role": "user", "content": "call f"}]
+    async with build_client(make_settings(), MemoryStore(), upstream) as client:
+        r = await client.post(
+            "/v1/messages", json=request(messages=asked, tools=tools, conversation_id="bad"), headers=VERSION
+        )
+        (use,) = r.json()["content"]
+        assert use["type"] == "tool_use" and use["input"] == {}
+        result = {"type": "tool_result", "tool_use_id": use["id"], "content": "2"}
+        history = [*asked, {"role": "assistant", "content": [use]}, {"role": "user", "content": [result]}]
+        nxt = await client.post(
+            "/v1/messages",
+            json=request(messages=history, tools=tools, conversation_id="bad"),
+            headers=VERSION,
+        )
+        logged = (await client.get(f"/v1/responses/{nxt.json()['id']}")).json()["gateway"]
+    assert nxt.status_code == 200 and logged["request"].get("branch") is None
+    sent = upstream.requests[-1]["messages"]
+    assert [m["role"] for m in sent] == ["user", "assistant", "tool"]
+    assert sent[1]["tool_calls"][0]["function"]["arguments"] == "not json {"  # (the stored call)
+
+
 @pytest.mark.parametrize("empty", ["", []])
 async def test_an_empty_prefill_is_no_prefill(empty: object) -> None:
     """`[user, assistant ""]` stored an empty assistant message and then the answer: every later
