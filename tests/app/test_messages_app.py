@@ -206,18 +206,22 @@ async def test_a_messages_turn_is_no_stored_chat_completion() -> None:
         assert (await client.get(f"/v1/responses/{message.json()['id']}")).status_code == 200
 
 
+PREFILLED = [{"role": "user", "content": "Give JSON"}, {"role": "assistant", "content": "{"}]
+
+
+def goes_on(body: Body) -> str:
+    """A provider that goes on from the prefill `{` (and answers "ok" to anything else)."""
+    last = body["messages"][-1]
+    return '"a": 1}' if last["role"] == "assistant" and last["content"] == "{" else "ok"
+
+
 @pytest.mark.parametrize("stream", [False, True])
 async def test_a_prefill_is_stored_as_the_beginning_of_its_answer(stream: bool) -> None:
     """A request ending with assistant text (Anthropic's prefill) was stored as a message of its
     own, then the answer as another: every later turn sent two assistant messages in a row,
     which strict chat templates refuse. The answer goes on from the prefill: stored as one."""
 
-    def goes_on(body: Body) -> str:
-        last = body["messages"][-1]
-        return '"a": 1}' if last["role"] == "assistant" and last["content"] == "{" else "ok"
-
-    upstream = MockUpstream(goes_on)
-    prefilled = [{"role": "user", "content": "Give JSON"}, {"role": "assistant", "content": "{"}]
+    upstream, prefilled = MockUpstream(goes_on), PREFILLED
     async with build_client(make_settings(), MemoryStore(), upstream) as client:
         r = await client.post(
             "/v1/messages",
@@ -252,12 +256,7 @@ async def test_a_prefill_kept_apart_from_its_answer_is_the_one_turn_stored(answe
     which Anthropic's API makes one turn of. The gateway took the resent pair for an edit of the
     stored answer (prefill and answer as one message): a branch, and the two sent in a row."""
 
-    def goes_on(body: Body) -> str:
-        last = body["messages"][-1]
-        return '"a": 1}' if last["role"] == "assistant" and last["content"] == "{" else "ok"
-
-    upstream = MockUpstream(goes_on)
-    prefilled = [{"role": "user", "content": "Give JSON"}, {"role": "assistant", "content": "{"}]
+    upstream, prefilled = MockUpstream(goes_on), PREFILLED
     async with build_client(make_settings(), MemoryStore(), upstream) as client:
         r = await client.post(
             "/v1/messages", json=request(messages=prefilled, conversation_id="pf"), headers=VERSION
