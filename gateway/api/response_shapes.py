@@ -28,7 +28,11 @@ def _response_tools(tools: object) -> list[JSONObject]:
     ]
 
 
-def output_items(message: Message | None, response_id: str, position: int) -> list[JSONObject]:
+def output_items(
+    message: Message | None, response_id: str, position: int, text_after: int = 0
+) -> list[JSONObject]:
+    """The answer's output items: its text, then its calls; `text_after` calls first, as a
+    stream that gave them before the text listed them."""
     if message is None:
         return []
     items = message_to_items(message, response_id, position)
@@ -37,6 +41,9 @@ def output_items(message: Message | None, response_id: str, position: int) -> li
         if item["type"] == "message" and isinstance(content, list):
             for part in content:
                 part.setdefault("annotations", [])
+    if text_after and items and items[0]["type"] == "message":
+        text = items.pop(0)
+        items.insert(min(text_after, len(items)), text)
     return items
 
 
@@ -57,6 +64,7 @@ def response_object(
     lead: list[JSONObject] | None = None,
     completed: float | None = None,
     served: JSONObject | None = None,
+    text_after: int = 0,
 ) -> dict[str, Any]:
     """The Responses API's `response` object.
 
@@ -78,7 +86,7 @@ def response_object(
         else None,
         "status": status,
         "model": model,
-        "output": [*(lead or ()), *output_items(message, response_id, position)],
+        "output": [*(lead or ()), *output_items(message, response_id, position, text_after)],
         "error": error,
         "incomplete_details": {"reason": "max_output_tokens"}
         if status == "incomplete" and not error

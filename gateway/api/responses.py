@@ -609,6 +609,7 @@ def _stored_object(stored: StoredResponse) -> dict[str, Any]:
         lead=lead_items(echo),
         completed=number(stored.outcome.get("committed")),
         served=stored.served,
+        text_after=stored.text_after_calls,
     )
 
 

@@ -150,6 +150,12 @@ class StoredResponse:
         return raw if raw is not None else self.message
 
     @property
+    def text_after_calls(self) -> int:
+        """How many of the answer's calls a stream gave before its text (0: the text came first)."""
+        after = self.response.get("text_after_calls") if self.response else None
+        return after if isinstance(after, int) and not isinstance(after, bool) and after > 0 else 0
+
+    @property
     def finish_reason(self) -> str | None:
         return text(self.response.get("finish_reason")) if self.response else None
 

@@ -161,6 +161,7 @@ class StreamAccumulator:
         self.usage: Usage | None = None
         self.timings: JSONObject | None = None  # llama.cpp's, in its last chunk: its cache figures
         self.served: JSONObject | None = None  # `served_by` of the chunk that finished the answer
+        self.text_after: int | None = None  # how many calls had begun when the text began
 
     def add(self, chunk: JSONObject) -> None:
         usage = chunk.get("usage")
@@ -177,6 +178,8 @@ class StreamAccumulator:
             if type(delta) is dict and delta.keys() <= _TEXT_KEYS:  # most pieces: text or nothing
                 content = delta.get("content")
                 if isinstance(content, str):
+                    if content and self.text_after is None:
+                        self.text_after = len(self.tool_calls)
                     self.content.append(content)
             else:
                 self._add_delta(_object(delta))
@@ -189,6 +192,8 @@ class StreamAccumulator:
         """Take a piece of choice 0 that may carry more than text: a refusal, audio, calls."""
         content, refusal = delta.get("content"), delta.get("refusal")
         if isinstance(content, str):
+            if content and self.text_after is None:
+                self.text_after = len(self.tool_calls)
             self.content.append(content)
         if isinstance(refusal, str):
             self.refusal.append(refusal)

@@ -434,9 +434,11 @@ def response_record(
     raw: object = None,
     provider_timings: object = None,
     served: JSONObject | None = None,
+    text_after: int | None = None,
 ) -> Record:
     """The `response` record; `provider_timings`: llama.cpp's `timings`, with its cache figures;
-    `served`: how the provider served it (`stream.served_by`)."""
+    `served`: how the provider served it (`stream.served_by`); `text_after`: how many calls a
+    stream gave before the text (the Responses API lists them first)."""
     timings = timings_until_now(turn)
     record: Record = {
         "type": "response",
@@ -447,6 +449,8 @@ def response_record(
     }
     if served is not None:
         record["served"] = turn.served = served
+    if text_after:
+        record["text_after_calls"] = text_after
     if raw is not None and raw != message:
         record["upstream_message"] = raw
     turn.cache = prompt_accounting(usage, provider_timings)

@@ -537,7 +537,7 @@ class ChatService:
                 raise UpstreamProtocolError(f"Provider {provider!r} ended the stream before finishing")
             message = acc.message()
             record = response_record(
-                turn, message, acc.finish_reason, acc.usage, None, acc.timings, acc.served
+                turn, message, acc.finish_reason, acc.usage, None, acc.timings, acc.served, acc.text_after
             )
             await self._commit(turn, message, record)
             turn.final_message = message

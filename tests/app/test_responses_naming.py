@@ -225,6 +225,8 @@ async def test_a_call_streamed_before_the_text_keeps_one_output_index_per_item()
     the next: the SDK's `responses.stream` raised "Duplicate response output index 0"."""
     async with build_client(make_settings(), MemoryStore(), CallThenText()) as client:
         streamed = await respond(client, "hello", stream=True)
+        rid = streamed.headers["x-response-id"]
+        stored = (await client.get(f"/v1/responses/{rid}")).json()
     events = [
         json.loads(line[len("data: ") :]) for line in streamed.text.splitlines() if line.startswith("data: ")
     ]
@@ -245,6 +247,10 @@ async def test_a_call_streamed_before_the_text_keeps_one_output_index_per_item()
     assert indexes["response.output_text.delta"] == indexes["response.output_text.done"] == 1
     final = events[-1]["response"]
     assert [item["type"] for item in final["output"]] == ["function_call", "message"]
+    # Read back, it lists them as the stream did (it had listed the message first).
+    assert [(item["type"], item["id"]) for item in stored["output"]] == [
+        (item["type"], item["id"]) for item in final["output"]
+    ]
 
 
 async def test_store_null_is_the_default() -> None:
