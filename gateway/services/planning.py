@@ -272,7 +272,7 @@ class Planner:
 
         No window is fitted (a request with no conversation goes to the provider whole, and one
         too long for it is the provider's to refuse); the model's window and the answer's room
-        are said beside it, as a plan says them."""
+        are said beside it, as a plan says them, and the server's own count where it gives one."""
         facts = await self.facts.window(route, request.model, store)
         encoding, count = counter_for(request.model)
         system, rest = split_system(request.messages)
@@ -298,6 +298,9 @@ class Planner:
             kept_from=0,
             summary_target=None,
             facts=facts,
+            server_tokens=await server_count(route, request, window.messages)
+            if facts.counts_prompts
+            else None,
         )
 
     def _default_reserve(self, facts: WindowFacts) -> int:
@@ -542,16 +545,13 @@ class Planner:
         exact, so no margin is needed, and no prompt the server counts higher than the
         calibration expected (digits, emoji, other scripts) takes the answer's room. Without the
         server's count, the plan made with the calibration's margin."""
-        asked = ("tools", "tool_choice", "chat_template_kwargs")
-        extra: dict[str, object] = {"model": route.model}  # (the provider's name: vLLM checks it)
-        extra.update((k, request.body[k]) for k in asked if k in request.body)
 
         def ratio(counted: int, window: Window) -> float:
             # This window's own (the calibration's is an average: digits, say, count 3x theirs)
             return max(counted / max(window.tokens.get("total", 0), 1), 0.2)
 
         async def count(window: Window) -> int | None:
-            return await route.upstream.count_prompt({**extra, "messages": window.messages})
+            return await server_count(route, request, window.messages)
 
         for _ in range(_EXACT_TRIES):
             counted = await count(window)
@@ -608,6 +608,15 @@ class Planner:
         return await build_recap(
             store, load, user, tz, exclude=cid, now=now, max_tokens=sessions.recap_max_tokens, count=count
         )
+
+
+async def server_count(route: Route, request: ChatRequest, messages: list[Message]) -> int | None:
+    """The server's own count of a prompt of `messages` with the request's tools (None: it gives none)."""
+    extra: dict[str, object] = {"model": route.model}  # (the provider's name: vLLM checks it)
+    extra.update(
+        (k, request.body[k]) for k in ("tools", "tool_choice", "chat_template_kwargs") if k in request.body
+    )
+    return await route.upstream.count_prompt({**extra, "messages": messages})
 
 
 @functools.lru_cache(maxsize=64)

@@ -12,7 +12,7 @@ import pytest
 
 from gateway.exceptions import UpstreamProtocolError, UpstreamTimeout
 from gateway.store.memory import MemoryStore
-from gateway.upstream.base import Body, Chunk
+from gateway.upstream.base import Body, Chunk, ServerWindow
 from gateway.upstream.mock import MockUpstream
 from tests.conftest import build_client, make_settings
 
@@ -414,6 +414,28 @@ async def test_count_tokens_with_no_conversation_counts_the_request_whole_as_it_
     assert whole["gateway"]["context_window"] == 1000 and whole["gateway"]["reserve_tokens"] == 64
     # What fits is counted the same either way.
     assert alone["input_tokens"] == as_first["input_tokens"] and alone["gateway"] == as_first["gateway"]
+
+
+class CountsPrompts(MockUpstream):
+    """A server that counts prompts on request (as llama.cpp does): 3 tokens a message, and 7."""
+
+    def __init__(self) -> None:
+        super().__init__(window=ServerWindow(4096, "llama.cpp GET /props", prompt_counter="llama.cpp"))
+
+    async def count_prompt(self, body: dict[str, Any]) -> int | None:
+        return 3 * len(body["messages"]) + 7
+
+
+async def test_count_tokens_with_no_conversation_takes_the_servers_count() -> None:
+    """The stateless count was the gateway's own where the server counts prompts itself: 10
+    tokens on llama.cpp for a prompt it counts 33, as a named conversation's count says."""
+    body = request(messages=[{"role": "user", "content": "Hello there friend"}])
+    async with build_client(make_settings(), MemoryStore(), CountsPrompts()) as client:
+        alone = (await client.post("/v1/messages/count_tokens", json=body, headers=VERSION)).json()
+        named = {**body, "conversation_id": "c"}
+        planned = (await client.post("/v1/messages/count_tokens", json=named, headers=VERSION)).json()
+    assert alone["input_tokens"] == planned["input_tokens"] == 3 + 7
+    assert alone["gateway"]["counted_by"] == planned["gateway"]["counted_by"] == "server"
 
 
 PNG = "iVBORw0KGgoAAAANSUhEUgAAAAEAAAABCAYAAAAfFcSJAAAADUlEQVR42mP8z8BQDwAEhQGAhKmMIQAAAABJRU5ErkJggg=="
