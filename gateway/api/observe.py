@@ -18,7 +18,7 @@ from starlette.requests import Request
 from starlette.responses import Response
 
 from gateway.api.http import error_response
-from gateway.exceptions import ClientDisconnected, GatewayError
+from gateway.exceptions import ClientDisconnected, GatewayError, ShuttingDown
 from gateway.metrics import Metrics, access_log, access_logged
 from gateway.services.turn import TurnOutcome
 from gateway.types import JSONObject
@@ -154,6 +154,8 @@ def log_failure(
     """
     if isinstance(exc, ClientDisconnected):
         log_line(outcome, 499, "disconnected", metrics, event=event)
+    elif isinstance(exc, ShuttingDown):  # (the server's stop cancelled it: the client got a 503)
+        log_line(outcome, 200 if streaming else exc.status_code, "cancelled", metrics, event=event, error=exc)
     elif isinstance(exc, GatewayError):
         status = 200 if streaming else exc.status_code
         log_line(outcome, status, "error", metrics, event=event, error=exc)

@@ -619,7 +619,8 @@ def _status(status: str, outcome: Record, echo: object) -> str | None:
     A background response stopped by a cancel is `cancelled`.
     """
     background = isinstance(echo, dict) and echo.get("background")
-    if background and outcome.get("type") == "incomplete" and outcome.get("reason") == "cancelled":
+    cancelled = outcome.get("type") == "incomplete" and outcome.get("reason") == "cancelled"
+    if background and cancelled and outcome.get("error") is None:  # (not the server's stop)
         return "cancelled"
     return status if status != "completed" else None
 

@@ -32,6 +32,7 @@ from gateway.coroutines import await_commit, run_to_end, while_waiting
 from gateway.exceptions import (
     ClientDisconnected,
     GatewayError,
+    ShuttingDown,
     UpstreamProtocolError,
     UpstreamStatusError,
     UpstreamTimeout,
@@ -405,6 +406,8 @@ class ChatService:
                 turn.done = True
                 if isinstance(exc, asyncio.CancelledError | ClientDisconnected) or exc is None:
                     reason, error = "cancelled", None
+                elif isinstance(exc, ShuttingDown):  # (cancelled by the server's stop: it says so)
+                    reason, error = "cancelled", exc.to_dict()["error"]
                 elif isinstance(exc, GatewayError):
                     reason, error = "error", exc.to_dict()["error"]
                 else:

@@ -1077,3 +1077,28 @@ def test_a_header_that_would_break_the_request_is_never_written() -> None:
     for bad in ({"x": "a\r\nPOST / HTTP/1.1"}, {"x": "a\nb"}, {"x\r\ny": "v"}, {"x": "a\x00"}, {"x": "€"}):
         with pytest.raises(ValueError):
             head_lines(bad)
+
+
+async def test_a_turn_cut_by_the_servers_stop_is_logged_as_cancelled(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """A turn that outlived the shutdown's grace got its 503 and was recorded as an `error` (its
+    log line, the failed-turns metric, its response log), where the metrics name `cancelled`."""
+    import logging
+
+    def stopped(body: dict[str, Any]) -> str:
+        raise asyncio.CancelledError("graceful shutdown")  # (as uvicorn cancels what outlives it)
+
+    store = MemoryStore()
+    async with build_client(make_settings(), store, MockUpstream(stopped)) as client:
+        with caplog.at_level(logging.INFO, logger="gateway.access"):
+            body = {"model": "mock/m", "messages": [user("hi")], "conversation_id": "c"}
+            r = await client.post("/v1/chat/completions", json=body)
+        metrics = (await client.get("/metrics")).text
+    assert r.status_code == 503 and r.json()["error"]["code"] == "shutting_down"
+    (line,) = [json.loads(rec.getMessage()) for rec in caplog.records if rec.name == "gateway.access"]
+    assert (line["status"], line["outcome"], line["error"]["code"]) == (503, "cancelled", "shutting_down")
+    assert 'gateway_failed_turns_total{outcome="cancelled"} 1.0' in metrics
+    (records,) = [await store.read_response(r.headers["x-response-id"])]
+    assert records[-1]["type"] == "incomplete" and records[-1]["reason"] == "cancelled"
+    assert records[-1]["error"]["code"] == "shutting_down"
