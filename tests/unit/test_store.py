@@ -1332,3 +1332,18 @@ async def test_a_list_row_is_handed_out_only_for_its_version(store: Store, secon
     assert await store.delete_conversation("c")
     await commit_with_row(store, "c", None)  # begun anew: nothing of the old one
     assert await row_of(second, "c") is None
+
+
+@pytest.mark.parametrize("skip_context", [False, True])
+def test_a_damaged_line_after_a_context_line_is_named_by_its_own_number(
+    tmp_path: Path, skip_context: bool
+) -> None:
+    """Read without its context lines (as history is rebuilt), a response log named a damaged
+    line after one by the line number it had with them left out: `:2` for its third line."""
+    path = tmp_path / "r.jsonl"
+    path.write_bytes(
+        b'{"type":"request","input":[]}\n{"type":"context","messages":[]}\n{"type":"response", broken\n'
+    )
+    with pytest.raises(CorruptRecord) as raised:
+        read_records(path, "logs/responses/r.jsonl", skip_context=skip_context)
+    assert (raised.value.path, raised.value.lineno) == ("logs/responses/r.jsonl", 3)

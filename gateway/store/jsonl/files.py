@@ -213,8 +213,9 @@ def read_records(path: Path, shown: str, *, skip_context: bool = False) -> list[
     whole = data.rfind(b"\n") + 1
     torn = whole < len(data)
     if skip_context and CONTEXT_PREFIX in data:
+        # (blanked, not left out: a damaged line after them is named by its own line number)
         lines = data[:whole].split(b"\n")
-        data = b"\n".join(line for line in lines if not line.startswith(CONTEXT_PREFIX))
+        data = b"\n".join(b"" if line.startswith(CONTEXT_PREFIX) else line for line in lines)
     parsed, _ = parse_jsonl(data, path=shown)
     records = [r for r in parsed if isinstance(r, dict)]
     if torn:
