@@ -53,7 +53,7 @@ def common_options(func: F) -> F:
             if server and func.__name__ == "serve":  # (demo's --port is its own server's)
                 overrides["server"] = server
             settings = load_settings(config_path, overrides=overrides)
-            if config_path is None and CONFIG_ENV not in os.environ:
+            if config_path is None and not os.environ.get(CONFIG_ENV, "").strip():  # (empty: as if unset)
                 serves = func.__name__ != "demo"  # (the demo's server is its own, on its --port)
                 click.get_current_context().meta[_NOTICE] = no_config_file_notice(settings, address=serves)
             done = func(settings, *args, config_path=config_path, **kwargs)
@@ -89,7 +89,8 @@ def no_config_file_notice(settings: Settings, *, address: bool = True) -> str | 
         return None
     storage = settings.storage
     data = f"data in {Path(storage.data_dir).absolute()}" if storage.backend == "jsonl" else storage.where()
-    env = " + GATEWAY_* environment" if any(k.startswith("GATEWAY_") for k in os.environ) else ""
+    settings_env = any(k.startswith("GATEWAY_") and k != CONFIG_ENV for k in os.environ)
+    env = " + GATEWAY_* environment" if settings_env else ""
     providers = ", ".join(sorted(settings.providers))
     where = f"{settings.server.host}:{settings.server.port}, " if address else ""
     return (

@@ -62,6 +62,16 @@ def test_no_config_file_is_a_notice_naming_defaults_and_data_dir(tmp_path: Path)
     assert "no config file" in notice and "config/gateway.toml" in notice
     assert "built-in defaults" in notice and "127.0.0.1:8080" in notice and "demo" in notice
     assert f"data in {tmp_path / 'var'}" in notice
+    # An empty GATEWAY_CONFIG is as if unset (it named no file, and no notice said so).
+    empty = subprocess.run(
+        [sys.executable, "-m", "gateway", "conversations"],
+        cwd=tmp_path,
+        env={**_env_without_config(), "GATEWAY_CONFIG": ""},
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert empty.returncode == 0 and empty.stderr == notice
     # A config file (found, or named) means no notice.
     found = gw("conversations", "--data-dir", str(tmp_path / "var"))
     assert "no config file" not in found.stderr
