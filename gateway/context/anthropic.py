@@ -290,7 +290,7 @@ def chat_messages(system: object, messages: object) -> list[Message]:
         raise InvalidRequest("'messages' must be a non-empty array", param="messages")
     head = system_message(system)
     out: list[Message] = [head] if head is not None else []
-    joinable = False  # the last message made is an assistant's another one joins
+    joinable = False  # the last message made is an assistant's, which a next assistant's joins
     for i, message in enumerate(messages):
         at = f"messages[{i}]"
         role = message.get("role") if isinstance(message, dict) else None
@@ -315,7 +315,7 @@ def chat_messages(system: object, messages: object) -> list[Message]:
         flagged = feedback_flag(message, at)
         if flagged:  # (the gateway's flag, as on chat completions' messages)
             made = [{**m, "is_feedback": True} for m in made]
-        elif role == "assistant" and i and joinable:
+        elif role == "assistant" and joinable:
             # Anthropic's API makes one turn of assistant messages in a row: so does the gateway
             # (a prefill a client keeps apart from its answer is the one message stored).
             out[-1] = _one_turn(out[-1], made[0])
