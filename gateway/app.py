@@ -184,7 +184,7 @@ def create_app(
         routes=routes,
         lifespan=lifespan,
         middleware=[
-            *([Middleware(TraceContextMiddleware)] if tracing.enabled else []),
+            *([Middleware(TraceContextMiddleware, samples=tracing.samples)] if tracing.enabled else []),
             Middleware(MetricsMiddleware, metrics=metrics),
             # (`serving`: a serving process, listening where settings.server says)
             Middleware(

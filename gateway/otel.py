@@ -23,6 +23,7 @@ from opentelemetry.sdk.resources import Resource
 from opentelemetry.sdk.trace import TracerProvider
 from opentelemetry.sdk.trace.export import BatchSpanProcessor, SpanExporter
 from opentelemetry.sdk.trace.id_generator import RandomIdGenerator
+from opentelemetry.sdk.trace.sampling import Decision
 from opentelemetry.trace import (
     NonRecordingSpan,
     Span,
@@ -44,12 +45,14 @@ from gateway.tracing import (
     Attributes,
     ExportTargets,
     ProviderCall,
+    RemoteParent,
     TraceContext,
     Tracing,
     content_attributes,
     current_trace,
     error_type,
     metric_attributes,
+    parent_samples,
     plan_attributes,
     server_of,
     turn_attributes,
@@ -200,6 +203,26 @@ class OtelTracing(Tracing):
         except Exception:  # noqa: BLE001 - tracing never fails a summary
             self._note_failure()
 
+    def samples(self, trace_id: int, parent: RemoteParent | None) -> bool:
+        """Whether a turn's span in this trace is recorded: the tracer's sampler asked now, as it
+        is asked again when the span begins (`OTEL_TRACES_SAMPLER`; a provider told "sampled" of a
+        trace the gateway drops would record its spans under a parent never exported)."""
+        try:
+            context = self._remote(trace_id, parent) if parent is not None else None
+            kind = SpanKind.CLIENT
+            decision = self.tracer_provider.sampler.should_sample(context, trace_id, "chat", kind)
+            return bool(decision.decision == Decision.RECORD_AND_SAMPLE)  # (RECORD_ONLY: not exported)
+        except Exception:  # noqa: BLE001 - tracing never fails a turn
+            self._note_failure()
+            return parent_samples(trace_id, parent)
+
+    @staticmethod
+    def _remote(trace_id: int, parent: RemoteParent) -> Context:
+        """A context whose span is the client's (`traceparent`), for a span continuing it."""
+        flags = TraceFlags(TraceFlags.SAMPLED if parent.sampled else TraceFlags.DEFAULT)
+        remote = SpanContext(trace_id, parent.span_id, is_remote=True, trace_flags=flags)
+        return set_span_in_context(NonRecordingSpan(remote))
+
     def _parent(self, trace: TraceContext | None) -> Context:
         """The context a turn's span starts in: the client's span, else a new trace.
 
@@ -210,9 +233,7 @@ class OtelTracing(Tracing):
         if trace.parent is None:
             self.ids.trace_id = trace.trace_id
             return Context()
-        flags = TraceFlags(TraceFlags.SAMPLED if trace.parent.sampled else TraceFlags.DEFAULT)
-        remote = SpanContext(trace.trace_id, trace.parent.span_id, is_remote=True, trace_flags=flags)
-        return set_span_in_context(NonRecordingSpan(remote))
+        return self._remote(trace.trace_id, trace.parent)
 
     def _span(
         self,
@@ -329,10 +350,14 @@ def _error_of(exc: BaseException) -> str:
 def _resource_attributes(settings: Settings, environ: Mapping[str, str]) -> Attributes:
     """`service.name` and `service.version`; `OTEL_RESOURCE_ATTRIBUTES` adds to them.
 
-    `service.name` is the configured one; else `OTEL_SERVICE_NAME`, else "gateway". The additions
-    are made by `Resource.create`.
+    `service.name` is the configured one; else `OTEL_SERVICE_NAME`, else the one
+    `OTEL_RESOURCE_ATTRIBUTES` names, else "gateway". The additions are made by `Resource.create`.
     """
     attributes: Attributes = {"service.version": gateway.__version__}
-    if "service_name" in settings.tracing.model_fields_set or not environ.get("OTEL_SERVICE_NAME"):
+    named = environ.get("OTEL_SERVICE_NAME") or any(
+        pair.partition("=")[0].strip() == "service.name"
+        for pair in environ.get("OTEL_RESOURCE_ATTRIBUTES", "").split(",")
+    )
+    if "service_name" in settings.tracing.model_fields_set or not named:
         attributes["service.name"] = settings.tracing.service_name
     return attributes

@@ -16,10 +16,11 @@ span says is worked out here, from the turn's outcome, as plain attributes."""
 
 from __future__ import annotations
 
+import asyncio
 import random
 import re
 import time
-from collections.abc import AsyncIterator, Mapping
+from collections.abc import AsyncIterator, Callable, Mapping
 from contextvars import ContextVar
 from dataclasses import dataclass
 from dataclasses import field as dataclass_field
@@ -107,6 +108,15 @@ class RemoteParent:
     sampled: bool
 
 
+# Whether a turn's span in trace `trace_id` (continuing `parent`, if any) is recorded.
+Samples: TypeAlias = Callable[[int, RemoteParent | None], bool]
+
+
+def parent_samples(trace_id: int, parent: RemoteParent | None) -> bool:
+    """Recorded unless the client's span was not (the SDK's default sampler, parent-based)."""
+    return parent is None or parent.sampled
+
+
 def parse_traceparent(value: str | None) -> RemoteParent | None:
     """The parent a W3C `traceparent` header names (None: absent or not valid)."""
     match = _TRACEPARENT.fullmatch(value.strip()) if value else None
@@ -142,17 +152,17 @@ class TraceContext:
 
     trace_id: int
     parent: RemoteParent | None = None
+    sampled: bool = True  # its turn's span is recorded (the provider is told so)
     calls: list[ProviderCall] = dataclass_field(default_factory=list)
     closed: bool = False
 
     @classmethod
-    def of(cls, traceparent: str | None) -> TraceContext:
+    def of(cls, traceparent: str | None, samples: Samples = parent_samples) -> TraceContext:
+        """The trace a request with this `traceparent` header is served in; `samples` says
+        whether its turn's span is recorded, as the tracer's sampler will."""
         parent = parse_traceparent(traceparent)
-        return cls(parent.trace_id if parent is not None else _random_id(128), parent)
-
-    @property
-    def sampled(self) -> bool:
-        return self.parent is None or self.parent.sampled
+        trace_id = parent.trace_id if parent is not None else _random_id(128)
+        return cls(trace_id, parent, samples(trace_id, parent))
 
     def call(self) -> ProviderCall | None:
         """A provider call begun now, in this turn (None: the turn is closed)."""
@@ -181,15 +191,16 @@ current_trace: ContextVar[TraceContext | None] = ContextVar("gateway_trace", def
 class TraceContextMiddleware:
     """Pure ASGI: each POST gets its `TraceContext`, continuing the client's `traceparent`."""
 
-    def __init__(self, app: ASGIApp) -> None:
+    def __init__(self, app: ASGIApp, samples: Samples = parent_samples) -> None:
         self.app = app
+        self.samples = samples
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] != "http" or scope["method"] != "POST":
             await self.app(scope, receive, send)
             return
         value = next((v for k, v in scope["headers"] if k == b"traceparent"), None)
-        token = current_trace.set(TraceContext.of(value.decode("latin-1") if value else None))
+        token = current_trace.set(TraceContext.of(value.decode("latin-1") if value else None, self.samples))
         try:
             await self.app(scope, receive, send)
         finally:
@@ -221,6 +232,8 @@ class TracedUpstream(Upstream):
             return await self.inner.complete(body, waited=waited)
         try:
             return await self.inner.complete({**body, TRACEPARENT: trace.traceparent(call)}, waited=waited)
+        except asyncio.CancelledError:  # the turn stopped waiting (its client left): not the provider's
+            raise
         except BaseException as exc:
             call.error = exc
             raise
@@ -238,7 +251,10 @@ class TracedUpstream(Upstream):
                 if call is not None and call.first_chunk_ns is None:
                     call.first_chunk_ns = time.time_ns()
                 yield chunk
-        except GeneratorExit:  # the turn stopped reading (its client left): not the provider's
+        except (
+            GeneratorExit,
+            asyncio.CancelledError,
+        ):  # the turn stopped (its client left): not the provider's
             raise
         except BaseException as exc:
             if call is not None:
@@ -274,6 +290,10 @@ class Tracing:
         for name, upstream in list(router.upstreams.items()):
             if not isinstance(upstream, TracedUpstream):
                 router.upstreams[name] = TracedUpstream(upstream)
+
+    def samples(self, trace_id: int, parent: RemoteParent | None) -> bool:
+        """Whether a turn's span in this trace is recorded (its provider is told so)."""
+        return parent_samples(trace_id, parent)
 
     def turn(
         self, outcome: TurnOutcome, status: int, result: str, *, api: str, error: GatewayError | None = None

@@ -4,6 +4,7 @@ says them, failures' `error.type`, content only when asked for, and summarizer c
 
 from __future__ import annotations
 
+import asyncio
 import json
 import time
 from collections.abc import Iterator
@@ -489,3 +490,72 @@ async def test_a_step_of_the_wall_clock_during_a_turn_leaves_its_calls_inside_it
     assert len(calls) == 1 and calls[0].parent is not None and calls[0].parent.span_id == turn.context.span_id
     assert turn.start_time is not None and calls[0].start_time is not None
     assert turn.start_time <= calls[0].start_time
+
+
+@pytest.mark.parametrize("sampler", ["always_off", "traceidratio"])
+async def test_the_provider_is_told_sampled_only_of_traces_the_gateway_records(
+    sampler: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Every provider call said "sampled" (`-01`), also in traces the gateway's own sampler
+    dropped: a provider honouring it recorded spans under a parent never exported."""
+    monkeypatch.setenv("OTEL_TRACES_SAMPLER", sampler)
+    monkeypatch.setenv("OTEL_TRACES_SAMPLER_ARG", "0.5")
+    traced = Traced(make_settings())
+    upstream = MockUpstream(answer)
+    try:
+        async with build_client(make_settings(), MemoryStore(), upstream, tracing=traced.tracing) as c:
+            for n in range(16):
+                body = {"model": "mock/m", "messages": [{"role": "user", "content": f"hi {n}"}]}
+                assert (await c.post("/v1/chat/completions", json=body)).status_code == 200
+        recorded = {f"{s.context.trace_id:032x}" for s in traced.spans()}
+    finally:
+        traced.close()
+    told = [(tp.split("-")[1], tp.endswith("-01")) for tp in upstream.traceparents if tp is not None]
+    assert len(told) == 16
+    assert [sampled for _, sampled in told] == [trace in recorded for trace, _ in told]
+    if sampler == "traceidratio":  # (half of them, by their trace ids: both kinds, for sure)
+        assert 0 < len(recorded) < 16
+    else:
+        assert not recorded
+
+
+async def test_a_client_that_leaves_fails_its_turn_not_its_provider_call(traced: Traced) -> None:
+    """A client gone mid-stream marked the provider's call as failed (status ERROR, `cancelled`),
+    counted among the provider's errors."""
+
+    class Slow(MockUpstream):
+        async def stream(self, body: dict[str, Any], *, waited: float = 0.0) -> Any:  # type: ignore[override]
+            async for chunk in super().stream(body, waited=waited):
+                yield chunk
+                await asyncio.sleep(30)
+
+    async with build_client(make_settings(), MemoryStore(), Slow(answer), tracing=traced.tracing) as c:
+        body = {"model": "mock/m", "stream": True, "messages": [{"role": "user", "content": "hi"}]}
+        with pytest.raises(TimeoutError):
+            async with asyncio.timeout(1.0):
+                async with c.stream("POST", "/v1/chat/completions", json=body) as r:
+                    async for _ in r.aiter_lines():
+                        pass
+        for _ in range(50):  # (the turn ends once the gateway sees the client gone)
+            if traced.spans():
+                break
+            await asyncio.sleep(0.02)
+    (turn,) = traced.spans()
+    (call,) = [s for s in traced.exporter.get_finished_spans() if s.name.startswith("upstream")]
+    assert turn.status.status_code == StatusCode.ERROR
+    assert call.status.status_code != StatusCode.ERROR and "error.type" not in (call.attributes or {})
+
+
+def test_a_service_name_in_the_resource_attributes_is_kept(monkeypatch: pytest.MonkeyPatch) -> None:
+    """`OTEL_RESOURCE_ATTRIBUTES=service.name=...` was replaced by "gateway"."""
+    monkeypatch.setenv(
+        "OTEL_RESOURCE_ATTRIBUTES", "service.name=my-llm-gateway,deployment.environment.name=prod"
+    )
+    monkeypatch.delenv("OTEL_SERVICE_NAME", raising=False)
+    traced = Traced(make_settings())
+    try:
+        attributes = dict(traced.tracing.tracer_provider.resource.attributes)
+    finally:
+        traced.close()
+    assert attributes["service.name"] == "my-llm-gateway"
+    assert attributes["deployment.environment.name"] == "prod"
