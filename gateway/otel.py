@@ -32,6 +32,7 @@ from opentelemetry.trace import (
     Status,
     StatusCode,
     TraceFlags,
+    TraceState,
     set_span_in_context,
 )
 
@@ -217,10 +218,14 @@ class OtelTracing(Tracing):
             return parent_samples(trace_id, parent)
 
     @staticmethod
-    def _remote(trace_id: int, parent: RemoteParent) -> Context:
-        """A context whose span is the client's (`traceparent`), for a span continuing it."""
+    def _remote(trace_id: int, parent: RemoteParent, state: str | None = None) -> Context:
+        """A context whose span is the client's (`traceparent`, `tracestate`), for a span continuing
+        it."""
         flags = TraceFlags(TraceFlags.SAMPLED if parent.sampled else TraceFlags.DEFAULT)
-        remote = SpanContext(trace_id, parent.span_id, is_remote=True, trace_flags=flags)
+        trace_state = TraceState.from_header([state]) if state else None
+        remote = SpanContext(
+            trace_id, parent.span_id, is_remote=True, trace_flags=flags, trace_state=trace_state
+        )
         return set_span_in_context(NonRecordingSpan(remote))
 
     def _parent(self, trace: TraceContext | None) -> Context:
@@ -233,7 +238,7 @@ class OtelTracing(Tracing):
         if trace.parent is None:
             self.ids.trace_id = trace.trace_id
             return Context()
-        return self._remote(trace.trace_id, trace.parent)
+        return self._remote(trace.trace_id, trace.parent, trace.state)
 
     def _span(
         self,

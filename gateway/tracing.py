@@ -33,7 +33,7 @@ from gateway.config import ProviderSettings, TracingSettings
 from gateway.exceptions import GatewayError, UpstreamStatusError
 from gateway.types import JSONObject, Message, as_list, as_object, messages
 from gateway.upstream import Router
-from gateway.upstream.base import TRACEPARENT, Body, Chunk, ServerWindow, Upstream
+from gateway.upstream.base import TRACEPARENT, TRACESTATE, Body, Chunk, ServerWindow, Upstream
 
 if TYPE_CHECKING:
     from starlette.types import ASGIApp, Receive, Scope, Send
@@ -153,16 +153,20 @@ class TraceContext:
     trace_id: int
     parent: RemoteParent | None = None
     sampled: bool = True  # its turn's span is recorded (the provider is told so)
+    state: str | None = None  # the client's `tracestate`, passed on (with its `traceparent` only)
     calls: list[ProviderCall] = dataclass_field(default_factory=list)
     closed: bool = False
 
     @classmethod
-    def of(cls, traceparent: str | None, samples: Samples = parent_samples) -> TraceContext:
-        """The trace a request with this `traceparent` header is served in; `samples` says
-        whether its turn's span is recorded, as the tracer's sampler will."""
+    def of(
+        cls, traceparent: str | None, samples: Samples = parent_samples, tracestate: str | None = None
+    ) -> TraceContext:
+        """The trace a request with these `traceparent` and `tracestate` headers is served in;
+        `samples` says whether its turn's span is recorded, as the tracer's sampler will."""
         parent = parse_traceparent(traceparent)
         trace_id = parent.trace_id if parent is not None else _random_id(128)
-        return cls(trace_id, parent, samples(trace_id, parent))
+        state = tracestate.strip() or None if parent is not None and tracestate is not None else None
+        return cls(trace_id, parent, samples(trace_id, parent), state)
 
     def call(self) -> ProviderCall | None:
         """A provider call begun now, in this turn (None: the turn is closed)."""
@@ -175,6 +179,12 @@ class TraceContext:
     def traceparent(self, call: ProviderCall) -> str:
         """The `traceparent` header the provider gets for `call`."""
         return f"00-{self.trace_id:032x}-{call.span_id:016x}-{'01' if self.sampled else '00'}"
+
+    def headed(self, body: Body, call: ProviderCall) -> Body:
+        """`body` with the trace headers the provider gets for `call` (taken out and sent as headers)."""
+        if self.state is None:
+            return {**body, TRACEPARENT: self.traceparent(call)}
+        return {**body, TRACEPARENT: self.traceparent(call), TRACESTATE: self.state}
 
 
 def _random_id(bits: int) -> int:
@@ -200,7 +210,11 @@ class TraceContextMiddleware:
             await self.app(scope, receive, send)
             return
         value = next((v for k, v in scope["headers"] if k == b"traceparent"), None)
-        token = current_trace.set(TraceContext.of(value.decode("latin-1") if value else None, self.samples))
+        states = [v.decode("latin-1") for k, v in scope["headers"] if k == b"tracestate"]
+        trace = TraceContext.of(
+            value.decode("latin-1") if value else None, self.samples, ",".join(states) if states else None
+        )
+        token = current_trace.set(trace)
         try:
             await self.app(scope, receive, send)
         finally:
@@ -231,7 +245,7 @@ class TracedUpstream(Upstream):
         if trace is None or call is None:
             return await self.inner.complete(body, waited=waited)
         try:
-            return await self.inner.complete({**body, TRACEPARENT: trace.traceparent(call)}, waited=waited)
+            return await self.inner.complete(trace.headed(body, call), waited=waited)
         except asyncio.CancelledError:  # the turn stopped waiting (its client left): not the provider's
             raise
         except BaseException as exc:
@@ -244,7 +258,7 @@ class TracedUpstream(Upstream):
         trace = current_trace.get()
         call = trace.call() if trace is not None else None
         if trace is not None and call is not None:
-            body = {**body, TRACEPARENT: trace.traceparent(call)}
+            body = trace.headed(body, call)
         chunks = self.inner.stream(body, waited=waited)
         try:
             async for chunk in chunks:

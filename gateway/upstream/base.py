@@ -31,7 +31,10 @@ _BACKOFF = (0.2, 0.5, 1.0, 2.0)
 # A traced turn's W3C `traceparent` for the provider, carried in the body (as `CACHE_KEY` is):
 # an implementation takes it out and sends it as the request's header.
 TRACEPARENT = "gateway.traceparent"
+TRACESTATE = "gateway.tracestate"  # the client's W3C `tracestate`, passed on with it
 _W3C_TRACEPARENT = re.compile(r"[0-9a-f]{2}-[0-9a-f]{32}-[0-9a-f]{16}-[0-9a-f]{2}")
+# A `tracestate` header value: printable ASCII list members, at most 512 characters (W3C).
+_W3C_TRACESTATE = re.compile(r"[\x20-\x7e]{1,512}")
 
 
 def take_field(body: Body, field: str) -> tuple[Body, str | None]:
@@ -51,6 +54,18 @@ def take_traceparent(body: Body) -> tuple[Body, str | None]:
     W3C `traceparent` (anything else is no header: never a client's text written as one)."""
     body, value = take_field(body, TRACEPARENT)
     return body, value if value is not None and _W3C_TRACEPARENT.fullmatch(value) else None
+
+
+def take_trace_headers(body: Body) -> tuple[Body, dict[str, str]]:
+    """The body without the gateway's `TRACEPARENT` and `TRACESTATE`, and the W3C headers they
+    hold: `traceparent`, and with it the client's `tracestate`."""
+    body, traceparent = take_traceparent(body)
+    body, state = take_field(body, TRACESTATE)
+    if traceparent is None:
+        return body, {}
+    if state is not None and _W3C_TRACESTATE.fullmatch(state):
+        return body, {"traceparent": traceparent, "tracestate": state}
+    return body, {"traceparent": traceparent}
 
 
 def backoff(attempt: int) -> float:

@@ -39,7 +39,7 @@ from gateway.upstream.base import (
     error_fields,
     provider_at,
     stream_with_retries,
-    take_traceparent,
+    take_trace_headers,
 )
 from gateway.upstream.cache_hints import take_cache_key, with_cache_breakpoints
 from gateway.upstream.refusal import parse_refusal
@@ -241,7 +241,7 @@ class LitellmUpstream(Upstream):
 
     def _kwargs(self, body: Body) -> dict[str, Any]:
         body, conversation = take_cache_key(body)
-        body, traceparent = take_traceparent(body)
+        body, own = take_trace_headers(body)
         kwargs = {k: v for k, v in body.items() if k in OPENAI_CHAT_PARAMS}
         kwargs["model"] = f"{self.prefix}/{body['model']}"
         messages = kwargs.get("messages")
@@ -265,8 +265,7 @@ class LitellmUpstream(Upstream):
         # Only the gateway's retry policy applies (before the first byte, never a 429).
         kwargs["max_retries"] = 0
         kwargs["num_retries"] = 0
-        if self.settings.headers or traceparent:
-            own = {"traceparent": traceparent} if traceparent else {}
+        if self.settings.headers or own:
             kwargs["extra_headers"] = {**self.settings.headers, **own}
         options = body.get("options")
         num_ctx = options.get("num_ctx") if isinstance(options, dict) else None

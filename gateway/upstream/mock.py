@@ -19,7 +19,7 @@ from gateway.upstream.base import (
     approx_tokens,
     chunks_from_completion,
     completion_from_text,
-    take_traceparent,
+    take_trace_headers,
 )
 from gateway.upstream.cache_hints import take_cache_key
 from gateway.upstream.demo import demo_reply
@@ -50,12 +50,14 @@ class MockUpstream(Upstream):
         self.delay = delay
         self.requests: list[Body] = []
         self.traceparents: list[str | None] = []  # each request's `traceparent` (tracing on)
+        self.tracestates: list[str | None] = []  # and the client's `tracestate` passed on with it
         self.record = True
 
     def _completion(self, body: Body) -> Body:
         body, _ = take_cache_key(body)  # (as every provider: the gateway's own fields are not sent)
-        body, traceparent = take_traceparent(body)
-        self.traceparents.append(traceparent)
+        body, trace = take_trace_headers(body)
+        self.traceparents.append(trace.get("traceparent"))
+        self.tracestates.append(trace.get("tracestate"))
         self.requests.append(copy.deepcopy(body) if self.record else body)
         reply = self.handler(body)
         model = str(body.get("model", "mock"))

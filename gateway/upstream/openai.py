@@ -48,7 +48,7 @@ from gateway.upstream.base import (
     error_fields,
     provider_at,
     stream_with_retries,
-    take_traceparent,
+    take_trace_headers,
 )
 from gateway.upstream.cache_hints import (
     SlotTable,
@@ -292,9 +292,8 @@ class _TimedContent:
 
 
 def _own_headers(body: Body) -> tuple[Body, dict[str, str]]:
-    """The body without the gateway's `TRACEPARENT`, and the headers of this request alone."""
-    body, traceparent = take_traceparent(body)
-    return body, {"traceparent": traceparent} if traceparent else {}
+    """The body without the gateway's trace fields, and the headers of this request alone."""
+    return take_trace_headers(body)
 
 
 def without_userinfo(url: str) -> str:

@@ -559,3 +559,37 @@ def test_a_service_name_in_the_resource_attributes_is_kept(monkeypatch: pytest.M
         traced.close()
     assert attributes["service.name"] == "my-llm-gateway"
     assert attributes["deployment.environment.name"] == "prod"
+
+
+async def test_the_clients_tracestate_goes_on_with_its_trace(traced: Traced) -> None:
+    """W3C Trace Context: a `tracestate` received with a `traceparent` is passed on. It was
+    dropped: neither the provider nor the turn's span had it."""
+    trace, span = "0af7651916cd43dd8448eb211c80319c", "b7ad6b7169203331"
+    headers = {
+        "traceparent": f"00-{trace}-{span}-01",
+        "tracestate": "congo=t61rcWkgMzE,rojo=00f067aa0ba902b7",
+    }
+    upstream = MockUpstream(answer)
+    body = {"model": "mock/m", "messages": [{"role": "user", "content": "hi"}]}
+    async with build_client(make_settings(), MemoryStore(), upstream, tracing=traced.tracing) as c:
+        assert (await c.post("/v1/chat/completions", json=body, headers=headers)).status_code == 200
+        alone = {"tracestate": "congo=t61rcWkgMzE"}  # (without a traceparent it is no one's: dropped)
+        assert (await c.post("/v1/chat/completions", json=body, headers=alone)).status_code == 200
+    assert upstream.tracestates == ["congo=t61rcWkgMzE,rojo=00f067aa0ba902b7", None]
+    assert upstream.traceparents[0] is not None and upstream.traceparents[0].startswith(f"00-{trace}-")
+    first = next(s for s in traced.spans() if f"{s.context.trace_id:032x}" == trace)
+    assert first.context.trace_state.to_header() == "congo=t61rcWkgMzE,rojo=00f067aa0ba902b7"
+
+
+def test_only_a_well_formed_tracestate_becomes_a_header() -> None:
+    from gateway.upstream.base import TRACEPARENT, TRACESTATE, take_trace_headers
+
+    parent = "00-0af7651916cd43dd8448eb211c80319c-b7ad6b7169203331-01"
+    assert take_trace_headers({"a": 1, TRACEPARENT: parent, TRACESTATE: "k=v"}) == (
+        {"a": 1},
+        {"traceparent": parent, "tracestate": "k=v"},
+    )
+    assert take_trace_headers({TRACEPARENT: parent, TRACESTATE: "k=v\r\nx-evil: 1"})[1] == {
+        "traceparent": parent
+    }
+    assert take_trace_headers({TRACESTATE: "k=v"}) == ({}, {})  # (no traceparent: nothing)
