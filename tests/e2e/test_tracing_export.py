@@ -190,7 +190,7 @@ def test_a_chat_turn_continues_the_clients_trace_with_every_attribute(traced: Tr
     r = httpx.post(
         f"{traced.gateway.url}/v1/chat/completions",
         json=body,
-        headers={"traceparent": traceparent},
+        headers={"traceparent": traceparent, "tracestate": "vendor=opaque-1"},
         timeout=10,
     )
     assert r.status_code == 200, r.text
@@ -241,6 +241,7 @@ def test_a_chat_turn_continues_the_clients_trace_with_every_attribute(traced: Tr
     # The provider was told the same trace, with the call's span as its parent.
     sent = traced.upstream.headers[-1]["traceparent"]
     assert sent == f"00-{CLIENT_TRACE}-{call.span_id.hex()}-01"
+    assert traced.upstream.headers[-1]["tracestate"] == "vendor=opaque-1"  # (the client's, passed on)
 
 
 def test_a_turn_without_a_traceparent_starts_a_trace_the_provider_is_told(traced: Traced) -> None:
