@@ -1102,3 +1102,37 @@ async def test_a_turn_cut_by_the_servers_stop_is_logged_as_cancelled(
     (records,) = [await store.read_response(r.headers["x-response-id"])]
     assert records[-1]["type"] == "incomplete" and records[-1]["reason"] == "cancelled"
     assert records[-1]["error"]["code"] == "shutting_down"
+
+
+async def test_a_data_dir_refusing_writes_refuses_turns_before_their_provider_is_asked(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A full or read-only data dir was found out only once the provider had answered: every turn
+    (and each of an SDK's retries of its 503) was a provider call whose answer was thrown away.
+    After the data dir refused a response log, turns are refused first for a while."""
+    import errno
+
+    from gateway.store.jsonl import durability
+
+    store = JsonlStore(tmp_path / "var")
+    await store.open()
+    upstream = MockUpstream()
+    real_create = store.spares.create
+
+    def full(path: Path, flags: int) -> int:
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    body = {"model": "mock/m", "messages": [user("hi")], "conversation_id": "c"}
+    async with build_client(make_settings(tmp_path), store, upstream) as client:
+        monkeypatch.setattr(store.spares, "create", full)
+        first = await client.post("/v1/chat/completions", json=body)
+        held = await client.post("/v1/chat/completions", json=body)
+        assert len(upstream.requests) == 1  # (the second was refused before its provider was asked)
+        monkeypatch.setattr(store.spares, "create", real_create)
+        monkeypatch.setattr(durability, "HOLD_OFF_SECONDS", 0.0)  # (its while is over)
+        again = await client.post("/v1/chat/completions", json=body)
+        items = (await client.get("/v1/conversations/c/items")).json()["data"]
+    assert first.status_code == held.status_code == 503
+    assert "No space left on device" in held.json()["error"]["message"]
+    assert held.json()["error"]["code"] == "storage_unavailable"
+    assert again.status_code == 200 and len(upstream.requests) == 2 and len(items) == 2

@@ -128,8 +128,11 @@ class JsonlLog(ResponseLog):
         try:
             self._fd = self.spares.create(self.path, os.O_WRONLY | os.O_APPEND)
             write_all(self._fd, self.first)
+            if self.durability.refused is not None:
+                self.durability.refused = None  # (the data dir takes writes again)
         except OSError as exc:
             self.create_error = exc.strerror or str(exc)
+            self.durability.refused_write(self.create_error)
             log.error("cannot create response log %s: %s", self.path.name, self.create_error)
             if self._fd >= 0:  # created, but its first record did not fit (a full disk)
                 os.close(self._fd)

@@ -114,6 +114,12 @@ class JsonlStore(Store):
     def refusing_writes(self) -> str | None:
         return self.durability.failed
 
+    def refuse_if_failed(self) -> None:
+        """Refuse a turn before its provider is asked once a sync failed, and a while after the
+        data dir refused a response log (full, read-only): its answer could not be kept."""
+        super().refuse_if_failed()
+        self.durability.hold_off()
+
     async def open(self) -> None:
         try:
             self.data_dir.create()
@@ -205,7 +211,9 @@ class JsonlStore(Store):
                 if stat.f_bavail * stat.f_frsize < 2 * PREALLOCATE:
                     raise OSError(errno.ENOSPC, "No space left on device for the journal")
         except OSError as exc:
+            self.durability.refused_write(exc.strerror or str(exc))
             raise StorageError(f"the data dir cannot be written: {exc.strerror or exc}") from exc
+        self.durability.refused = None  # (written: turns go on)
         self.endings.write()
 
     async def close(self) -> None:
