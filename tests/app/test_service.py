@@ -1109,10 +1109,8 @@ async def test_a_data_dir_refusing_writes_refuses_turns_before_their_provider_is
 ) -> None:
     """A full or read-only data dir was found out only once the provider had answered: every turn
     (and each of an SDK's retries of its 503) was a provider call whose answer was thrown away.
-    After the data dir refused a response log, turns are refused first for a while."""
+    After the data dir refused a response log, a turn looks first whether it takes writes again."""
     import errno
-
-    from gateway.store.jsonl import durability
 
     store = JsonlStore(tmp_path / "var")
     await store.open()
@@ -1122,14 +1120,22 @@ async def test_a_data_dir_refusing_writes_refuses_turns_before_their_provider_is
     def full(path: Path, flags: int) -> int:
         raise OSError(errno.ENOSPC, "No space left on device")
 
+    real_open = os.open
+
+    def no_room(path: Any, flags: int, *args: Any) -> int:  # (the probe's file finds no room either)
+        if ".probe-" in str(path):
+            raise OSError(errno.ENOSPC, "No space left on device")
+        return real_open(path, flags, *args)
+
     body = {"model": "mock/m", "messages": [user("hi")], "conversation_id": "c"}
     async with build_client(make_settings(tmp_path), store, upstream) as client:
         monkeypatch.setattr(store.spares, "create", full)
+        monkeypatch.setattr(os, "open", no_room)
         first = await client.post("/v1/chat/completions", json=body)
         held = await client.post("/v1/chat/completions", json=body)
         assert len(upstream.requests) == 1  # (the second was refused before its provider was asked)
-        monkeypatch.setattr(store.spares, "create", real_create)
-        monkeypatch.setattr(durability, "HOLD_OFF_SECONDS", 0.0)  # (its while is over)
+        monkeypatch.setattr(store.spares, "create", real_create)  # (room again: a probe sees it)
+        monkeypatch.setattr(os, "open", real_open)
         again = await client.post("/v1/chat/completions", json=body)
         items = (await client.get("/v1/conversations/c/items")).json()["data"]
     assert first.status_code == held.status_code == 503

@@ -11,18 +11,12 @@ from __future__ import annotations
 
 import logging
 import os
-import time
 from collections.abc import Callable
 from typing import Any
 
-from gateway.exceptions import StorageError
 from gateway.store.base import writes_refused
 
 log = logging.getLogger("gateway.store")
-
-# After the data dir refused a new response log (full, read-only), turns are refused this long
-# before their provider is asked (its answer could not be kept); then the next one tries again.
-HOLD_OFF_SECONDS = 2.0
 
 
 class Durability:
@@ -31,18 +25,9 @@ class Durability:
     def __init__(self, *, fsync: bool) -> None:
         self.fsync = fsync
         self.failed: str | None = None  # the first failed sync, as "name: reason"
-        self.refused: str | None = None  # why the data dir last refused a write, until one goes through
-        self._refused_at = 0.0
-
-    def refused_write(self, reason: str) -> None:
-        """The data dir refused a write (a full disk, a read-only folder): hold turns off a while."""
-        self.refused, self._refused_at = reason, time.monotonic()
-
-    def hold_off(self) -> None:
-        """Raise StorageError, before a turn asks its provider, while the data dir was just seen
-        refusing writes (not latched: after HOLD_OFF_SECONDS a turn tries again)."""
-        if self.refused is not None and time.monotonic() - self._refused_at < HOLD_OFF_SECONDS:
-            raise StorageError(f"the data dir cannot be written: {self.refused}; retry later")
+        # Why the data dir last refused a write (a full disk, a read-only folder), until one goes
+        # through: not latched, but turns look first whether it takes writes again.
+        self.refused: str | None = None
 
     def sync(self, sync: Callable[[Any], None], target: Any) -> None:
         """Run `sync(target)`, latching a failure before raising it.

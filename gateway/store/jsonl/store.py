@@ -115,10 +115,22 @@ class JsonlStore(Store):
         return self.durability.failed
 
     def refuse_if_failed(self) -> None:
-        """Refuse a turn before its provider is asked once a sync failed, and a while after the
-        data dir refused a response log (full, read-only): its answer could not be kept."""
+        """Refuse a turn before its provider is asked (its answer could not be kept) once a sync
+        failed, or while the data dir, seen refusing a write, still does.
+
+        Only then is a small file written to find out, on the loop: a few system calls, and none
+        on a turn while the data dir takes writes."""
         super().refuse_if_failed()
-        self.durability.hold_off()
+        if self.durability.refused is None:
+            return
+        try:
+            probe_file(self.data_dir.responses_dir / f".probe-{os.getpid()}", False)
+        except OSError as exc:
+            self.durability.refused = exc.strerror or str(exc)
+            raise StorageError(
+                f"the data dir cannot be written: {self.durability.refused}; retry later"
+            ) from exc
+        self.durability.refused = None
 
     async def open(self) -> None:
         try:
@@ -211,7 +223,7 @@ class JsonlStore(Store):
                 if stat.f_bavail * stat.f_frsize < 2 * PREALLOCATE:
                     raise OSError(errno.ENOSPC, "No space left on device for the journal")
         except OSError as exc:
-            self.durability.refused_write(exc.strerror or str(exc))
+            self.durability.refused = exc.strerror or str(exc)
             raise StorageError(f"the data dir cannot be written: {exc.strerror or exc}") from exc
         self.durability.refused = None  # (written: turns go on)
         self.endings.write()
