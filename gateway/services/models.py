@@ -366,6 +366,11 @@ class ModelFacts:
         The provider answered having seen only `theirs` tokens of a longer prompt (Ollama's silent
         num_ctx cut).
         """
+        if theirs < MIN_LEARNED_WINDOW:
+            # No model runs with a window that small: such a count is the provider's usage figures
+            # at fault (a constant, a placeholder), not a cut prompt; learned, it would leave
+            # every conversation of the model a few hundred tokens.
+            return
         entry = self._entry(route)
         seen, entry.suspected = entry.suspected, theirs
         if seen is None or abs(theirs - seen) > max(8, seen // 20):

@@ -1036,6 +1036,24 @@ async def test_one_cheaply_counted_prompt_is_not_taken_for_a_cut_but_a_run_of_cu
         assert await window_after("hello", "after") == 300  # capped at what it sees
 
 
+async def test_usage_figures_too_low_for_any_window_are_no_cut() -> None:
+    """A provider whose usage says 50 prompt tokens whatever it is sent (a placeholder) looked
+    like a silent cut repeated: the model's window, 8192 by its configuration, became 256 for
+    every conversation, and ordinary prompts were refused."""
+    upstream = real_counting(lambda body: completion_from_text("m", "ok", prompt_tokens=50))
+    settings = make_settings().model_copy(update={"models": {"mock/o": ModelSettings(context_window=8192)}})
+    async with build_client(settings, MemoryStore(), upstream) as client:
+        for n in range(4):
+            body = {
+                "model": "mock/o",
+                "conversation_id": f"c{n}",
+                "messages": [{"role": "user", "content": SENTENCE * 30}],
+            }
+            assert (await client.post("/v1/chat/completions", json=body)).status_code == 200
+        context = (await client.get("/v1/conversations/c3/context")).json()
+    assert context["context_window"] == 8192
+
+
 async def test_ollama_native_through_litellm_gets_the_servers_window() -> None:
     """kind = "litellm" for Ollama's native API (`ollama_chat/...`) never asked the server: a
     prompt planned for the 8192 default went to a model running with num_ctx 2048."""
