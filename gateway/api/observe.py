@@ -171,8 +171,9 @@ def stream_closed(
     """The log line of a stream once it ended: complete (stored), or how it failed."""
     if exc is None and outcome.committed:
         log_line(outcome, 200, "complete", metrics, event=event)
-    elif exc is None:  # ended in an in-band error: the provider's, or the store refusing the commit
-        log_line(outcome, 200, "error", metrics, event=event, error=outcome.error)
+    elif exc is None:  # ended in an in-band error: the provider's, the store's, or the server's stop
+        result = "cancelled" if isinstance(outcome.error, ShuttingDown) else "error"
+        log_line(outcome, 200, result, metrics, event=event, error=outcome.error)
     else:
         log_failure(outcome, exc, metrics, event=event, streaming=True)
 

@@ -1104,6 +1104,30 @@ async def test_a_turn_cut_by_the_servers_stop_is_logged_as_cancelled(
     assert records[-1]["error"]["code"] == "shutting_down"
 
 
+async def test_a_stream_cut_by_the_servers_stop_is_logged_as_cancelled(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """Cut after its first chunk, a stream's in-band `shutting_down` was logged and counted as an
+    `error`; a whole answer cut so was `cancelled`."""
+    import logging
+
+    class StopsMidStream(MockUpstream):
+        async def stream(self, body: dict[str, Any], *, waited: float = 0.0) -> Any:  # type: ignore[override]
+            async for chunk in super().stream(body, waited=waited):
+                yield chunk
+                raise asyncio.CancelledError("graceful shutdown")  # (as uvicorn cancels what outlives it)
+
+    async with build_client(make_settings(), MemoryStore(), StopsMidStream()) as client:
+        with caplog.at_level(logging.INFO, logger="gateway.access"):
+            body = {"model": "mock/m", "stream": True, "messages": [user("hi")], "conversation_id": "c"}
+            r = await client.post("/v1/chat/completions", json=body)
+        metrics = (await client.get("/metrics")).text
+    assert r.status_code == 200 and "shutting_down" in r.text and "[DONE]" not in r.text
+    (line,) = [json.loads(rec.getMessage()) for rec in caplog.records if rec.name == "gateway.access"]
+    assert (line["status"], line["outcome"], line["error"]["code"]) == (200, "cancelled", "shutting_down")
+    assert 'gateway_failed_turns_total{outcome="cancelled"} 1.0' in metrics
+
+
 async def test_a_data_dir_refusing_writes_refuses_turns_before_their_provider_is_asked(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
