@@ -1166,3 +1166,33 @@ async def test_a_data_dir_refusing_writes_refuses_turns_before_their_provider_is
     assert "No space left on device" in held.json()["error"]["message"]
     assert held.json()["error"]["code"] == "storage_unavailable"
     assert again.status_code == 200 and len(upstream.requests) == 2 and len(items) == 2
+
+
+async def test_a_disk_with_less_room_than_a_turn_refuses_it_before_its_provider(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """With room for a small file but not for a turn's log, the check written before a turn (a
+    few bytes) passed, and each turn was still a provider call whose answer was thrown away. It
+    now writes as much as was refused."""
+    import errno
+
+    store = JsonlStore(tmp_path / "var")
+    await store.open()
+    upstream = MockUpstream()
+    real_write = os.write
+
+    def little_room(fd: int, data: Any) -> int:
+        if len(data) > 4000:
+            raise OSError(errno.ENOSPC, "No space left on device")
+        return real_write(fd, data)
+
+    body = {"model": "mock/m", "messages": [user("hello " * 1000)], "conversation_id": "c"}
+    async with build_client(make_settings(tmp_path), store, upstream) as client:
+        monkeypatch.setattr(os, "write", little_room)
+        first = await client.post("/v1/chat/completions", json=body)
+        held = await client.post("/v1/chat/completions", json=body)
+        assert len(upstream.requests) == 1  # (the second was refused before its provider was asked)
+        monkeypatch.setattr(os, "write", real_write)
+        again = await client.post("/v1/chat/completions", json=body)
+    assert first.status_code == held.status_code == 503
+    assert again.status_code == 200 and len(upstream.requests) == 2

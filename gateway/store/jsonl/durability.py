@@ -28,6 +28,7 @@ class Durability:
         # Why the data dir last refused a write (a full disk, a read-only folder), until one goes
         # through: not latched, but turns look first whether it takes writes again.
         self.refused: str | None = None
+        self.refused_bytes = 0  # the size of the write it refused (a test write is as large)
 
     def sync(self, sync: Callable[[Any], None], target: Any) -> None:
         """Run `sync(target)`, latching a failure before raising it.

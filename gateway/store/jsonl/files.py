@@ -279,11 +279,12 @@ def read_turn_records(path: Path, shown: str) -> list[Record]:
     return read_records(path, shown, skip_context=True)
 
 
-def probe_file(path: Path, sync: bool) -> None:
-    """Create, write (and sync) and remove a small file: fails as a turn's write would."""
+def probe_file(path: Path, sync: bool, size: int = 0) -> None:
+    """Create, write (and sync) and remove a small file, or one of `size` bytes: fails as a
+    turn's write would."""
     fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
     try:
-        write_all(fd, b"probe\n")
+        write_all(fd, b"probe\n" + bytes(max(0, size - 6)))
         if sync:
             os.fdatasync(fd)
     finally:

@@ -132,7 +132,7 @@ class JsonlLog(ResponseLog):
                 self.durability.refused = None  # (the data dir takes writes again)
         except OSError as exc:
             self.create_error = exc.strerror or str(exc)
-            self.durability.refused = self.create_error
+            self.durability.refused, self.durability.refused_bytes = self.create_error, len(self.first)
             log.error("cannot create response log %s: %s", self.path.name, self.create_error)
             if self._fd >= 0:  # created, but its first record did not fit (a full disk)
                 os.close(self._fd)

@@ -118,13 +118,14 @@ class JsonlStore(Store):
         """Refuse a turn before its provider is asked (its answer could not be kept) once a sync
         failed, or while the data dir, seen refusing a write, still does.
 
-        Only then is a small file written to find out, on the loop: a few system calls, and none
-        on a turn while the data dir takes writes."""
+        Only then is a file as large as the refused write written to find out, on the loop: a few
+        system calls, and none on a turn while the data dir takes writes."""
         super().refuse_if_failed()
         if self.durability.refused is None:
             return
         try:
-            probe_file(self.data_dir.responses_dir / f".probe-{os.getpid()}", False)
+            probe = self.data_dir.responses_dir / f".probe-{os.getpid()}"
+            probe_file(probe, False, self.durability.refused_bytes)  # (as large as what was refused)
         except OSError as exc:
             self.durability.refused = exc.strerror or str(exc)
             raise StorageError(
