@@ -33,8 +33,12 @@ _BACKOFF = (0.2, 0.5, 1.0, 2.0)
 TRACEPARENT = "gateway.traceparent"
 TRACESTATE = "gateway.tracestate"  # the client's W3C `tracestate`, passed on with it
 _W3C_TRACEPARENT = re.compile(r"[0-9a-f]{2}-[0-9a-f]{32}-[0-9a-f]{16}-[0-9a-f]{2}")
-# A `tracestate` header value: printable ASCII list members, at most 512 characters (W3C).
-_W3C_TRACESTATE = re.compile(r"[\x20-\x7e]{1,512}")
+# A `tracestate` list member (W3C Trace Context): a key (`vendor` or `tenant@vendor`) = a value.
+_KEY_CHARS = r"[a-z0-9_\-*/]"
+_W3C_MEMBER = re.compile(
+    rf"(?:[a-z]{_KEY_CHARS}{{0,255}}|[a-z0-9]{_KEY_CHARS}{{0,240}}@[a-z]{_KEY_CHARS}{{0,13}})"
+    r"=[\x20-\x2b\x2d-\x3c\x3e-\x7e]{0,255}[\x21-\x2b\x2d-\x3c\x3e-\x7e]"
+)
 
 
 def take_field(body: Body, field: str) -> tuple[Body, str | None]:
@@ -63,9 +67,19 @@ def take_trace_headers(body: Body) -> tuple[Body, dict[str, str]]:
     body, state = take_field(body, TRACESTATE)
     if traceparent is None:
         return body, {}
-    if state is not None and _W3C_TRACESTATE.fullmatch(state):
+    if state is not None and well_formed_tracestate(state):
         return body, {"traceparent": traceparent, "tracestate": state}
     return body, {"traceparent": traceparent}
+
+
+def well_formed_tracestate(value: str) -> bool:
+    """Is `value` a W3C `tracestate`: at most 32 list members, at most 512 characters? (One that
+    is not is dropped, as OpenTelemetry drops it from the span: the provider and the trace agree.)"""
+    if len(value) > 512:
+        return False
+    members = [m.strip(" \t") for m in value.split(",")]
+    named = [m for m in members if m]
+    return 0 < len(named) <= 32 and all(_W3C_MEMBER.fullmatch(m) for m in named)
 
 
 def backoff(attempt: int) -> float:

@@ -593,3 +593,9 @@ def test_only_a_well_formed_tracestate_becomes_a_header() -> None:
         "traceparent": parent
     }
     assert take_trace_headers({TRACESTATE: "k=v"}) == ({}, {})  # (no traceparent: nothing)
+    # Not W3C list members (OpenTelemetry drops them from the span too): not passed on.
+    many = ",".join(f"k{n}=v" for n in range(33))
+    for bad in ("UPPER=val", "k=a=b", many, "k=", "x" * 513):
+        assert take_trace_headers({TRACEPARENT: parent, TRACESTATE: bad})[1] == {"traceparent": parent}, bad
+    tenant = "t61@rojo=00f067aa0ba902b7, congo=t61rcWkgMzE"
+    assert take_trace_headers({TRACEPARENT: parent, TRACESTATE: tenant})[1]["tracestate"] == tenant
