@@ -15,7 +15,7 @@ from typing import Any, TypeVar
 import click
 
 from gateway.config import Settings, load_settings, unset_key_variables
-from gateway.config_sources import CONFIG_ENV, DEFAULT_CONFIG_PATH
+from gateway.config_sources import CONFIG_ENV, DEFAULT_CONFIG_PATH, config_from_env
 from gateway.exceptions import GatewayError
 from gateway.ids import is_valid_response_id
 from gateway.services import Services
@@ -53,7 +53,7 @@ def common_options(func: F) -> F:
             if server and func.__name__ == "serve":  # (demo's --port is its own server's)
                 overrides["server"] = server
             settings = load_settings(config_path, overrides=overrides)
-            if config_path is None and not os.environ.get(CONFIG_ENV, "").strip():  # (empty: as if unset)
+            if config_path is None and config_from_env(os.environ) is None:
                 serves = func.__name__ != "demo"  # (the demo's server is its own, on its --port)
                 click.get_current_context().meta[_NOTICE] = no_config_file_notice(settings, address=serves)
             done = func(settings, *args, config_path=config_path, **kwargs)

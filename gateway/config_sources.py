@@ -41,6 +41,12 @@ def table_names(*layers: Mapping[str, object] | None) -> dict[str, set[str]]:
     return names
 
 
+def config_from_env(environ: Mapping[str, str]) -> str | None:
+    """The config file `GATEWAY_CONFIG` names, or None (an empty one, `GATEWAY_CONFIG= gateway ...`,
+    is as good as unset)."""
+    return environ.get(CONFIG_ENV, "").strip() or None
+
+
 class TomlFileSource(PydanticBaseSettingsSource):
     """The config file: `path`, else `$GATEWAY_CONFIG`, else config/gateway.toml if it exists.
 
@@ -54,8 +60,7 @@ class TomlFileSource(PydanticBaseSettingsSource):
         environ: Mapping[str, str],
     ) -> None:
         super().__init__(settings_cls)
-        # An empty GATEWAY_CONFIG (`GATEWAY_CONFIG= gateway ...`) is as good as unset.
-        from_env = environ.get(CONFIG_ENV, "").strip() or None
+        from_env = config_from_env(environ)
         named = path is not None or from_env is not None
         self.path = Path(path if path is not None else from_env or DEFAULT_CONFIG_PATH)
         self.data: dict[str, object] = {}

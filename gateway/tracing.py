@@ -165,8 +165,8 @@ class TraceContext:
         `samples` says whether its turn's span is recorded, as the tracer's sampler will."""
         parent = parse_traceparent(traceparent)
         trace_id = parent.trace_id if parent is not None else _random_id(128)
-        state = tracestate.strip() or None if parent is not None and tracestate is not None else None
-        return cls(trace_id, parent, samples(trace_id, parent), state)
+        state = tracestate.strip() if parent is not None and tracestate is not None else ""
+        return cls(trace_id, parent, samples(trace_id, parent), state or None)
 
     def call(self) -> ProviderCall | None:
         """A provider call begun now, in this turn (None: the turn is closed)."""
@@ -265,10 +265,8 @@ class TracedUpstream(Upstream):
                 if call is not None and call.first_chunk_ns is None:
                     call.first_chunk_ns = time.time_ns()
                 yield chunk
-        except (
-            GeneratorExit,
-            asyncio.CancelledError,
-        ):  # the turn stopped (its client left): not the provider's
+        # The turn stopped reading or waiting (its client left): not the provider's failure.
+        except (GeneratorExit, asyncio.CancelledError):
             raise
         except BaseException as exc:
             if call is not None:

@@ -154,15 +154,18 @@ def log_failure(
     """
     if isinstance(exc, ClientDisconnected):
         log_line(outcome, 499, "disconnected", metrics, event=event)
-    elif isinstance(exc, ShuttingDown):  # (the server's stop cancelled it: the client got a 503)
-        log_line(outcome, 200 if streaming else exc.status_code, "cancelled", metrics, event=event, error=exc)
     elif isinstance(exc, GatewayError):
         status = 200 if streaming else exc.status_code
-        log_line(outcome, status, "error", metrics, event=event, error=exc)
+        log_line(outcome, status, _failed(exc), metrics, event=event, error=exc)
     else:
         cancelled = isinstance(exc, asyncio.CancelledError)
         status = 499 if cancelled else 200 if streaming else 500
         log_line(outcome, status, "cancelled" if cancelled else "error", metrics, event=event)
+
+
+def _failed(error: GatewayError | None) -> str:
+    """How a turn that failed with `error` ended: `cancelled` by the server's stop, else `error`."""
+    return "cancelled" if isinstance(error, ShuttingDown) else "error"
 
 
 def stream_closed(
@@ -172,8 +175,7 @@ def stream_closed(
     if exc is None and outcome.committed:
         log_line(outcome, 200, "complete", metrics, event=event)
     elif exc is None:  # ended in an in-band error: the provider's, the store's, or the server's stop
-        result = "cancelled" if isinstance(outcome.error, ShuttingDown) else "error"
-        log_line(outcome, 200, result, metrics, event=event, error=outcome.error)
+        log_line(outcome, 200, _failed(outcome.error), metrics, event=event, error=outcome.error)
     else:
         log_failure(outcome, exc, metrics, event=event, streaming=True)
 

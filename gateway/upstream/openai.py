@@ -291,11 +291,6 @@ class _TimedContent:
         self.deadline = when
 
 
-def _own_headers(body: Body) -> tuple[Body, dict[str, str]]:
-    """The body without the gateway's trace fields, and the headers of this request alone."""
-    return take_trace_headers(body)
-
-
 def without_userinfo(url: str) -> str:
     """`url` without its `user:password@`, if it has one."""
     parts = urlsplit(url)
@@ -408,7 +403,7 @@ class OpenAIUpstream(Upstream):
         return await count_prompt(self._client(), self.url, self._prompt_counter, body)
 
     async def complete(self, body: Body, *, waited: float = 0.0) -> Body:
-        body, own = _own_headers(body)
+        body, own = take_trace_headers(body)  # (the headers of this request alone)
         data = self._outgoing(body)
         return await complete_with_retries(
             self.name,
@@ -463,7 +458,7 @@ class OpenAIUpstream(Upstream):
         return result
 
     def stream(self, body: Body, *, waited: float = 0.0) -> AsyncIterator[Chunk]:
-        body, own = _own_headers(body)
+        body, own = take_trace_headers(body)  # (the headers of this request alone)
         data = self._outgoing(body)
         wants_usage = bool(as_object(body.get("stream_options")).get("include_usage"))
         return stream_with_retries(
