@@ -1168,6 +1168,44 @@ async def test_a_data_dir_refusing_writes_refuses_turns_before_their_provider_is
     assert again.status_code == 200 and len(upstream.requests) == 2 and len(items) == 2
 
 
+async def test_a_conversations_folder_refusing_writes_refuses_turns_before_their_provider(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """With the response logs writable but `logs/conversations` not (read-only on its own), each
+    turn was a provider call whose answer was thrown away when its index could not be made."""
+    import errno
+
+    store = JsonlStore(tmp_path / "var")
+    await store.open()
+    upstream = MockUpstream()
+    conversations = str(store.data_dir.conversations_dir)
+    real_create, real_open = store.spares.create, os.open
+
+    def create(path: Path, flags: int) -> int:
+        if str(path).startswith(conversations):
+            raise OSError(errno.EROFS, "Read-only file system")
+        return real_create(path, flags)
+
+    def opening(path: Any, flags: int, *args: Any) -> int:
+        if str(path).startswith(conversations) and flags & (os.O_WRONLY | os.O_RDWR):
+            raise OSError(errno.EROFS, "Read-only file system")
+        return real_open(path, flags, *args)
+
+    body = {"model": "mock/m", "messages": [user("hi")], "conversation_id": "c"}
+    async with build_client(make_settings(tmp_path), store, upstream) as client:
+        monkeypatch.setattr(store.spares, "create", create)
+        monkeypatch.setattr(os, "open", opening)
+        first = await client.post("/v1/chat/completions", json=body)
+        held = await client.post("/v1/chat/completions", json=body)
+        assert len(upstream.requests) == 1  # (the second was refused before its provider was asked)
+        monkeypatch.setattr(store.spares, "create", real_create)
+        monkeypatch.setattr(os, "open", real_open)
+        again = await client.post("/v1/chat/completions", json=body)
+    assert first.status_code == held.status_code == 503
+    assert "Read-only file system" in held.json()["error"]["message"]
+    assert again.status_code == 200 and len(upstream.requests) == 2
+
+
 async def test_a_disk_with_less_room_than_a_turn_refuses_it_before_its_provider(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:

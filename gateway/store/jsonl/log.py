@@ -255,6 +255,8 @@ class JsonlLog(ResponseLog):
             reason = exc.strerror or str(exc)
             if not (written and before < 0):  # else: complete, not indexed (as a crash leaves it)
                 self.mark_failed(b"", reason, conversation_id, before)
+            if written:  # the index refused (a read-only folder of its own): turns are held too
+                self.durability.refused = reason
             raise StorageError(f"could not record the response durably: {reason}") from exc
 
     def _open_index(self, index: Path) -> int:

@@ -118,14 +118,16 @@ class JsonlStore(Store):
         """Refuse a turn before its provider is asked (its answer could not be kept) once a sync
         failed, or while the data dir, seen refusing a write, still does.
 
-        Only then is a file as large as the refused write written to find out, on the loop: a few
-        system calls, and none on a turn while the data dir takes writes."""
+        Only then is a file as large as the refused write written to find out (and a small one
+        where indexes are made), on the loop: a few system calls, and none on a turn while the
+        data dir takes writes."""
         super().refuse_if_failed()
         if self.durability.refused is None:
             return
         try:
-            probe = self.data_dir.responses_dir / f".probe-{os.getpid()}"
-            probe_file(probe, False, self.durability.refused_bytes)  # (as large as what was refused)
+            probe = f".probe-{os.getpid()}"
+            probe_file(self.data_dir.responses_dir / probe, False, self.durability.refused_bytes)
+            probe_file(self.data_dir.conversations_dir / probe, False)  # (a new index is made there)
         except OSError as exc:
             self.durability.refused = exc.strerror or str(exc)
             raise StorageError(
