@@ -92,7 +92,7 @@ async def update_conversation(request: Request) -> Response:
     cid = _cid(request)
     body = await read_json(request, services.settings.server.max_body_bytes)
     update = validate(ConversationUpdate, body)
-    view = await services.conversations.update_metadata(tenant_of(request), cid, update.metadata)
+    view = await services.conversations.update_metadata(tenant_of(request), cid, update.metadata or {})
     return JSONBody(conversation_object(cid, view, _ttl(request)))
 
 

@@ -584,9 +584,12 @@ class ConversationCreate(BaseModel):
 
 
 class ConversationUpdate(BaseModel):
+    """`POST /v1/conversations/{id}`: the conversation's metadata, all of it. Null clears it
+    (the SDK's type: `Required[Optional[Metadata]]`)."""
+
     model_config = OWN_BODY
 
-    metadata: Metadata
+    metadata: Metadata | None
 
     error_messages: ClassVar[ErrorMessages] = {"": NOT_AN_OBJECT, "metadata": _metadata}
 

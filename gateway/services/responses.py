@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import functools
+import hashlib
 import time
 from dataclasses import replace
 
@@ -91,10 +92,16 @@ class StoredResponses:
             return []
 
     async def delete(self, tenant: str, rid: str) -> None:
+        """Delete response `rid` once: of deletes racing, one is done and the others are a 404.
+
+        Whether it is still there is asked again under a lock (its conversation's, or for a
+        stateless response one named from its id), as the tombstone is written."""
         store = await self.stores.get(tenant)
         cid = (await self.get(tenant, rid)).conversation_id
         if cid is None:
-            await store.tombstone(rid)
+            async with store.lock(_deleting(rid), self.settings.storage.lock_timeout):
+                await self._still_there(store, rid)
+                await store.tombstone(rid)
             return
         lock_timeout = self.settings.storage.lock_timeout
         await withdraw_recaps(store, functools.partial(self.cache.load, store, keep=False), cid, lock_timeout)
@@ -105,15 +112,24 @@ class StoredResponses:
         marker = {"type": "delete_response", "response_id": rid, "at": time.time()}
         for other in await store.sharing(cid, rid):
             async with store.lock(other, self.settings.storage.lock_timeout):
+                if _marked(await self._index(store, other), rid):  # (by a delete racing this one)
+                    continue
                 await withdraw(store, other, rid, functools.partial(self.cache.load, store, other))
                 await store.append_marker(other, marker)
         async with store.lock(cid, self.settings.storage.lock_timeout):
+            await self._still_there(store, rid)
             exists = await store.exists(cid)
             if exists:
                 await withdraw(store, cid, rid, functools.partial(self.cache.load, store, cid))
             await store.tombstone(rid)
             if exists:
                 await store.append_marker(cid, marker)
+
+    @staticmethod
+    async def _still_there(store: Store, rid: str) -> None:
+        records = await store.read_response(rid)
+        if not records or records[-1].get("type") == "deleted":  # (deleted meanwhile)
+            raise NotFound(f"No response found with id {rid!r}", param="response_id")
 
     async def named_conversation(self, tenant: str, cid: str) -> str:
         """A conversation a request names (`conversation`), which must exist, as in OpenAI's API.
@@ -157,3 +173,14 @@ class StoredResponses:
                 param="previous_response_id",
             )
         return cid
+
+
+def _deleting(rid: str) -> str:
+    """The name of the lock a stateless response's delete holds (a conversation id's shape)."""
+    return "deleting." + hashlib.sha256(rid.encode()).hexdigest()[:32]
+
+
+def _marked(index: list[str | Record], rid: str) -> bool:
+    """Does this index already hold the marker of `rid`'s delete?"""
+    marker = {"type": "delete_response", "response_id": rid}
+    return any(isinstance(e, dict) and marker.items() <= e.items() for e in index)

@@ -237,8 +237,13 @@ async def test_responses_and_items_errors_name_the_item(app_client: httpx.AsyncC
         "items[0]",
         "items[0]: a function_call needs call_id and name (non-empty strings)",
     )
-    err = await error("/v1/conversations/c1", {"metadata": None})
+    err = await error("/v1/conversations/c1", {})
     assert (err["param"], err["message"]) == ("metadata", "'metadata' is required")
+    # Null clears it, as the SDK's `conversations.update(id, metadata=None)` sends (a 400 before).
+    r = await app_client.post("/v1/conversations/c1", json={"metadata": {"k": "v"}})
+    assert r.json()["metadata"] == {"k": "v"}
+    r = await app_client.post("/v1/conversations/c1", json={"metadata": None})
+    assert r.status_code == 200 and r.json()["metadata"] == {}
 
 
 @pytest.mark.parametrize("value", ["lots", 1.5, True, 0, 10**8])

@@ -4,6 +4,7 @@ metadata rules, and deletion."""
 
 from __future__ import annotations
 
+import asyncio
 from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import Any
@@ -219,6 +220,23 @@ async def test_a_deleted_completion_is_gone_from_the_list_and_the_history(client
             break
         after = page["last_id"]
     assert await listed(client) == []
+
+
+@pytest.mark.parametrize("conversation", [{"conversation_id": "race"}, {}], ids=["conversation", "stateless"])
+async def test_of_deletes_racing_one_deletes_and_the_others_are_404(
+    client: Client, conversation: dict[str, str]
+) -> None:
+    """Several deletes of one turn at once were each told 200, and each wrote its own marker and
+    tombstone: whether it was still there was asked before the lock."""
+    ids = [await chat(client, text, **conversation) for text in ("one", "two")]
+    completions = [client.delete(f"/v1/chat/completions/{ids[0]}") for _ in range(4)]
+    responses = [client.delete(f"/v1/responses/{ids[1]}") for _ in range(4)]
+    answers = await asyncio.gather(*completions, *responses)
+    assert sorted(r.status_code for r in answers[:4]) == [200, 404, 404, 404]
+    assert sorted(r.status_code for r in answers[4:]) == [200, 404, 404, 404]
+    if conversation:
+        index = (await client.get("/v1/conversations/race/items")).json()["data"]
+        assert index == []
 
 
 async def test_metadata_reaches_the_provider_only_with_store() -> None:
