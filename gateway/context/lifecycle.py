@@ -21,6 +21,7 @@ from gateway.exceptions import InvalidRequest
 from gateway.types import Message, Record, number, text
 
 ACTIVE, PROCESSING, PROCESSED, FAILED = "active", "processing", "processed", "failed"
+EXPIRED = "expired"  # (a list's word for one idle past `ttl`, not yet archived: never logged)
 
 
 def user_key(user: str) -> str:

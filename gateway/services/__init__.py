@@ -56,7 +56,7 @@ class Services:
         self.conversations = Conversations(settings, stores, self.cache)
         self.responses = StoredResponses(settings, stores, self.cache)
         self.completions = StoredCompletions(stores, self.responses)
-        self.queries = Queries(stores, self.cache)
+        self.queries = Queries(stores, self.cache, settings.sessions.ttl)
         self.model_catalog = ModelCatalog(settings, router)
         self.fsck = Fsck(settings, stores)
         self._probed_at: float | None = None

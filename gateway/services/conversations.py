@@ -25,6 +25,7 @@ from gateway.services.listing import Listing
 from gateway.services.recap import withdraw_recaps
 from gateway.services.requests import check_size
 from gateway.services.summaries import withdraw
+from gateway.services.turn import archive_expired, expired
 from gateway.store import Store, StoreRegistry
 from gateway.store.base import now
 from gateway.types import JSONObject, Record, ascii_int
@@ -89,11 +90,22 @@ class Conversations:
         self.stores = stores
         self.cache = cache
         self.lock_timeout = settings.storage.lock_timeout
+        self.clock: Callable[[], float] = time.time
 
-    async def _existing(self, store: Store, cid: str) -> ConversationView:
+    async def _existing(self, store: Store, cid: str, *, locked: bool = False) -> ConversationView:
+        """The conversation's view; NotFound when there is none, or it has expired (`ttl`).
+
+        An expired one is what the next turn would archive: with its lock held (`locked`) it is
+        archived now, so that no write reaches it (items added to it made it new again, and its
+        old history went to the model with them)."""
         if not await store.exists(cid):
             raise NotFound(f"No conversation found with id {cid!r}", param="conversation_id")
-        return await self.cache.load(store, cid)
+        view = await self.cache.load(store, cid)
+        if expired(view, self.settings.sessions.ttl, self.clock()):
+            if locked:
+                await archive_expired(store, self.cache, cid)
+            raise NotFound(f"No conversation found with id {cid!r}: it expired", param="conversation_id")
+        return view
 
     async def create(
         self, tenant: str, *, requested_id: object, metadata: dict[str, str], items: object
@@ -109,7 +121,8 @@ class Conversations:
         if items:
             self._messages(items)  # a bad item is a 400 before anything is written
         async with store.lock(cid, self.lock_timeout):
-            if await store.exists(cid):
+            with contextlib.suppress(NotFound):  # (an expired one is archived: the id is free)
+                await self._existing(store, cid, locked=True)
                 raise InvalidRequest(
                     f"Conversation {cid!r} already exists", param="id", code="conversation_exists"
                 )
@@ -132,7 +145,7 @@ class Conversations:
     async def _marker(self, tenant: str, cid: str, marker: Record) -> ConversationView:
         store = await self.stores.get(tenant)
         async with store.lock(cid, self.lock_timeout):
-            view = await self._existing(store, cid)
+            view = await self._existing(store, cid, locked=True)
             await store.append_marker(cid, marker, _row_after(view, marker))
             return await self.cache.load(store, cid)
 
@@ -179,7 +192,9 @@ class Conversations:
         async with contextlib.AsyncExitStack() as stack:
             if not locked:
                 await stack.enter_async_context(store.lock(cid, self.lock_timeout))
-            view = await self.cache.load(store, cid)
+                view = await self._existing(store, cid, locked=True)
+            else:  # (made just now, by `create`)
+                view = await self.cache.load(store, cid)
             check_size(self.settings.storage.max_conversation_messages, cid, view, len(messages))
             # Items are added, as in OpenAI's API: leading system messages are the system prompt
             # only of a conversation that has nothing yet; later ones take their place in line
@@ -218,7 +233,7 @@ class Conversations:
         find_item(await self._existing(store, cid), item_id)  # (a 404 withdraws nothing)
         await self._withdraw_recaps(store, cid)
         async with store.lock(cid, self.lock_timeout):
-            view = await self._existing(store, cid)
+            view = await self._existing(store, cid, locked=True)
             find_item(view, item_id)
             named = parse_item_id(item_id)
             assert named is not None  # find_item only finds ids we made

@@ -10,12 +10,13 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from collections.abc import AsyncIterator
+import time
+from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
 
 from gateway.context import ConversationView, Turn
 from gateway.context.history import text_of
-from gateway.context.lifecycle import State, derive_state
+from gateway.context.lifecycle import EXPIRED, State, derive_state
 from gateway.context.records import latest, turn_from_records
 from gateway.context.summary import applicable_versions
 from gateway.exceptions import CorruptRecord, NotFound
@@ -62,10 +63,18 @@ class ConversationRow:
         return self.summary.conversation_id
 
     @classmethod
-    def of(cls, listed: Listed, listing: Listing, lifecycle: list[Record]) -> ConversationRow:
+    def of(
+        cls, listed: Listed, listing: Listing, lifecycle: list[Record], expired_before: float | None = None
+    ) -> ConversationRow:
+        """The row; `expired` when its last activity is before `expired_before` (`ttl` ago): the
+        next use archives it, and it reads as gone until then."""
         cid = listed.conversation_id
         summary = ConversationSummary(cid, listing.turns, listing.messages, listed.changed, listing.tokens)
-        return cls(summary, listing, derive_state(lifecycle, listing.last_activity))
+        state = derive_state(lifecycle, listing.last_activity)
+        last = listing.last_activity
+        if expired_before is not None and listing.turns and last is not None and last < expired_before:
+            state = State(EXPIRED, state.attempts, last)
+        return cls(summary, listing, state)
 
 
 def _matches(row: ConversationRow, view: ConversationView | None, query: str) -> bool:
@@ -75,9 +84,11 @@ def _matches(row: ConversationRow, view: ConversationView | None, query: str) ->
 
 
 class Queries:
-    def __init__(self, stores: StoreRegistry, cache: ConversationCache) -> None:
+    def __init__(self, stores: StoreRegistry, cache: ConversationCache, ttl: float = 0.0) -> None:
         self.stores = stores
         self.cache = cache
+        self.ttl = ttl  # (`sessions.ttl`: a row idle longer is `expired`, archived when next used)
+        self.clock: Callable[[], float] = time.time
 
     async def _rows(
         self, store: Store, page: list[Listed], views: list[ConversationView | None] | None = None
@@ -100,8 +111,9 @@ class Queries:
             for i, listing in zip(missing, made, strict=True):
                 listings[i] = listing
         lifecycles = await store.read_sides("lifecycle", [listed.conversation_id for listed in page])
+        expired_before = self.clock() - self.ttl if self.ttl > 0 else None
         return [
-            ConversationRow.of(listed, listing, records) if listing is not None else None
+            ConversationRow.of(listed, listing, records, expired_before) if listing is not None else None
             for listed, listing, records in zip(page, listings, lifecycles, strict=True)
         ]
 

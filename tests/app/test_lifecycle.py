@@ -216,6 +216,33 @@ async def test_expiry_is_checked_when_the_conversation_is_used_not_only_by_the_p
     await client.aclose()
 
 
+async def test_an_expired_conversation_takes_no_items_and_reads_as_gone(tmp_path: Path) -> None:
+    """Items added to an expired conversation (the background pass not run yet) made it new
+    again, and its old history went to the model with the next turn."""
+    app, store, clock, model, client = await make(tmp_path, ttl=3600.0)
+    app.state.services.conversations.clock = clock
+    await say(client, "c6", "the secret is 3333")
+    await say(client, "c7", "the secret is 4444")
+    await say(client, "c8", "the secret is 5555")
+    clock.offset = 3601  # no processor pass runs
+    app.state.services.queries.clock = clock
+    listed = (await client.get("/v1/conversations")).json()["data"]
+    assert {c["id"]: c["state"] for c in listed} == {"c6": "expired", "c7": "expired", "c8": "expired"}
+    assert (await client.get("/v1/conversations/c6")).status_code == 404
+    assert (await client.get("/v1/conversations/c6/items")).status_code == 404
+    item = {"type": "message", "role": "user", "content": "an item after expiry"}
+    r = await client.post("/v1/conversations/c6/items", json={"items": [item]})
+    assert r.status_code == 404 and "expired" in r.json()["error"]["message"]
+    await say(client, "c6", "what was the secret?")
+    sent = [m["content"] for m in model.turns[-1]["messages"]]
+    assert sent == ["what was the secret?"]
+    r = await client.post("/v1/conversations/c7", json={"metadata": {"k": "v"}})
+    assert r.status_code == 404 and not await store.exists("c7")
+    r = await client.post("/v1/conversations", json={"id": "c8"})  # (its id is free again)
+    assert r.status_code == 200 and (await client.get("/v1/conversations/c8/items")).json()["data"] == []
+    await client.aclose()
+
+
 def test_derive_state() -> None:
     assert derive_state([], 5.0).state == "active"
     done = [{"state": "processed", "at": 10.0}]
