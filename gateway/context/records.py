@@ -68,7 +68,7 @@ def turn_from_records(records: list[Record]) -> Turn | None:
         system_tokens=ints(request.get("system_tokens")),
         created=created if isinstance(created, int | float) else None,
         model=text(request.get("model")),
-        user=text((obj(request.get("params")) or {}).get("user")),
+        user=end_user(obj(request.get("params")) or {}),
         recap=message(request.get("recap")),
         timezone=text(request.get("user_timezone")),
         branch_at=branch_at if isinstance(branch_at, int) else None,
@@ -230,3 +230,8 @@ class StoredCompletion:
         client resent is not repeated).
         """
         return [*self.stored.system, *self.stored.input]
+
+
+def end_user(params: Record) -> str | None:
+    """A request's end user: `user`, else `safety_identifier` (OpenAI's newer name for it)."""
+    return text(params.get("user")) or text(params.get("safety_identifier"))

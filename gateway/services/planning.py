@@ -601,8 +601,8 @@ class Planner:
     ) -> tuple[Message | None, list[str]]:
         """The "Earlier today" recap for a user's new conversation (SPEC section 8)."""
         sessions = self.settings.sessions
-        user = request.body.get("user")
-        if not sessions.recap or not isinstance(user, str) or not user:
+        user = request.end_user
+        if not sessions.recap or user is None:
             return None, []
         tz = zone(request.body.get("user_timezone"), sessions.default_timezone)
         return await build_recap(

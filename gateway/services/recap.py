@@ -57,7 +57,9 @@ async def build_recap(
         # (a digest covers the activity its attempt began with: a turn landing meanwhile is newer)
         covered = number(digest.get("covers_activity")) or number(digest.get("at")) if digest else None
         if digest and (covered or 0.0) >= view.last_activity:
-            lines = [str(digest.get("summary", ""))]
+            # Line by line: its own lines at column 0 (a model's list) read as other blocks' heads.
+            lines = [" ".join(line.split()) for line in str(digest.get("summary", "")).splitlines()]
+            lines = [line for line in lines if line]
         else:
             lines = todays_lines(view, tz, today)
         if lines:

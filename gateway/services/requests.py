@@ -10,6 +10,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from gateway.context import ConversationView, Message
+from gateway.context.records import end_user
 from gateway.exceptions import ConversationTooLarge
 
 # Consumed by the gateway, never forwarded (providers that validate arguments reject them);
@@ -95,3 +96,8 @@ class ChatRequest:
     # A prefill (`take_prefill`): the request ends with this assistant text, which the answer goes
     # on from. Sent as it is; stored as the beginning of the answer, not as a message of its own.
     prefill: str | None = None
+
+    @property
+    def end_user(self) -> str | None:
+        """The end user: `user`, else `safety_identifier` (OpenAI's newer name for it)."""
+        return end_user(self.body) or None

@@ -579,7 +579,7 @@ def stored_turn(turn: PreparedTurn, message: Message, output_tokens: int | None)
         system_tokens=tuple(turn.system_tokens) if turn.system_tokens is not None else None,
         created=turn.created,
         model=turn.request.model,
-        user=body.get("user") if isinstance(body.get("user"), str) else None,
+        user=turn.request.end_user,
         recap=turn.recap,
         timezone=body.get("user_timezone") if isinstance(body.get("user_timezone"), str) else None,
         branch_at=turn.branch_at,

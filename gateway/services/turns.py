@@ -205,9 +205,7 @@ class ChatService:
                 replan=functools.partial(self.planner.plan, planned.inputs) if planned.inputs else None,
                 created=created,
                 recap=planned.recap,
-                first_of_user=request.body["user"]
-                if view.turns == 0 and isinstance(request.body.get("user"), str)
-                else None,
+                first_of_user=request.end_user if view.turns == 0 else None,
             )
             turn.note_context(context_snapshot(planned, response_id))
             return turn
