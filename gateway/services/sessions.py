@@ -135,6 +135,10 @@ class Sessions:
             return True  # processed or failed
         if not view.turns:
             return True  # nothing to process until a turn comes
+        if state.attempts and now - state.since < sessions.idle_after:
+            # After a failed attempt, the next waits idle_after (the next pass made it at once: a
+            # short outage of the summary model took every attempt).
+            return False
         if sessions.idle_after > 0 and now - last >= sessions.idle_after:
             return await self.process(tenant, store, cid, view, state.attempts, clock, modified) != ACTIVE
         return sessions.idle_after <= 0

@@ -150,6 +150,12 @@ async def test_failures_retry_then_fail(tmp_path: Path) -> None:
         state = await processor.state_of("", "c2")
         assert state.state == "active" and state.attempts == expected_attempts
         assert "unreachable" in (state.error or "")
+        # The next attempt waits idle_after (the next pass made it at once: a short outage of
+        # the model took every attempt).
+        clock.offset += 60 - 2
+        await processor.run_once()
+        assert (await processor.state_of("", "c2")).attempts == expected_attempts
+        clock.offset += 2
     await processor.run_once()
     state = await processor.state_of("", "c2")
     assert state.state == FAILED and state.attempts == 3
@@ -161,10 +167,10 @@ async def test_failures_retry_then_fail(tmp_path: Path) -> None:
     await processor.run_once()
     assert (await processor.state_of("", "c2")).state == FAILED  # failed stays failed...
     model.fail = False
-    clock.offset = 62
+    clock.offset += 1
     await say(client, "c2", "still there?")  # ...until a new message
     clock.stamp(store, "c2")
-    clock.offset = 124
+    clock.offset += 62
     await processor.run_once()
     assert (await processor.state_of("", "c2")).state == PROCESSED
     await client.aclose()
@@ -185,6 +191,7 @@ async def test_lease_expiry_after_a_crashed_processor(tmp_path: Path) -> None:
     await processor.run_once()
     records = await store.read_side("lifecycle", "c3")
     assert records[1]["state"] == "active" and records[1]["attempts"] == 1 and "lease" in records[1]["error"]
+    clock.offset = 125 + 60  # (as after a failed attempt: the next waits idle_after)
     await processor.run_once()
     assert (await processor.state_of("", "c3")).state == PROCESSED
     # No conversation is ever left processing beyond its lease.

@@ -54,10 +54,11 @@ async def test_an_unsettled_conversation_holds_the_watermark_back(tmp_path: Path
     app, store, clock, model, client = await make(tmp_path)
     processor = app.state.processor
     await say(client, "failing", "my name is F")
-    model.fail = True  # post-processing fails: active again, retried at the next pass
+    model.fail = True  # post-processing fails: active again, retried idle_after later
     clock.offset = 61
     await processor.run_once()
     reads = count_reads(store)
+    clock.offset += 60
     await processor.run_once()
     assert reads.get("failing", 0) >= 1
     state = await processor.state_of("", "failing")
