@@ -122,8 +122,9 @@ class ServerSettings(_Section):
     # On SIGTERM: how long requests in flight may still take; then they get 503 `shutting_down`.
     shutdown_timeout: Duration = 30.0
     access_log: bool = False
-    # Background responses (`background: true`) running at once per key, and the Responses
-    # events kept per background response for clients that resume its stream.
+    # Background responses (`background: true`) running at once per key (in each worker
+    # process), and the Responses events kept per background response for clients that resume
+    # its stream.
     background_responses: int = Field(16, ge=0)
     background_events: int = Field(20_000, ge=1)
     # Turn starts (parse, lock, load, plan) run per pass of the event loop at most, first come

@@ -625,6 +625,9 @@ def _status(status: str, outcome: Record, echo: object) -> str | None:
     return status if status != "completed" else None
 
 
+MAX_SEQUENCE = 2**53 - 1  # (a JSON number every client reads exactly)
+
+
 def _starting_after(value: str | None) -> int:
     if value is None:
         return -1
@@ -632,8 +635,10 @@ def _starting_after(value: str | None) -> int:
         after = int(value)
     except ValueError:
         after = -2
-    if after < 0:
-        raise InvalidRequest("'starting_after' must be a sequence number (0 or more)", param="starting_after")
+    if not 0 <= after <= MAX_SEQUENCE:  # (a larger one was a 500 once the events were written)
+        raise InvalidRequest(
+            f"'starting_after' must be a sequence number (0 to {MAX_SEQUENCE})", param="starting_after"
+        )
     return after
 
 

@@ -25,7 +25,33 @@ GATEWAY_FIELDS = frozenset(
 # `gateway.traceparent`), taken out before it is sent: a client's own such field is never passed on.
 OWN = "gateway."
 # Never forwarded: a client must not redirect the gateway or choose its credentials.
-FORBIDDEN_FIELDS = frozenset({"api_base", "base_url", "api_key", "api_version", "extra_headers"})
+# Where a provider is, and who it is asked as: never the client's to say. Beside OpenAI's, the
+# credentials and routing litellm takes as arguments (a client's are no provider's business).
+FORBIDDEN_FIELDS = frozenset(
+    {
+        "api_base",
+        "base_url",
+        "api_key",
+        "api_version",
+        "api_type",
+        "extra_headers",
+        "headers",
+        "organization",
+        "custom_llm_provider",
+        "azure_ad_token",
+        "azure_ad_token_provider",
+        "aws_access_key_id",
+        "aws_secret_access_key",
+        "aws_session_token",
+        "aws_region_name",
+        "aws_profile_name",
+        "aws_role_name",
+        "aws_web_identity_token",
+        "vertex_credentials",
+        "vertex_project",
+        "vertex_location",
+    }
+)
 # Larger than any model's window: a bigger max_tokens is a mistake, not a request.
 MAX_ANSWER_TOKENS = 10_000_000
 MESSAGE_ROLES = frozenset({"system", "developer", "user", "assistant", "tool", "function"})

@@ -533,10 +533,24 @@ async def test_client_supplied_endpoints_and_keys_are_not_forwarded(
         api_key="sk-x",
         user_timezone="Europe/Berlin",
         temperature=0.3,
+        # litellm's credentials and routing, passed on to an OpenAI-compatible provider before
+        aws_secret_access_key="aws-x",
+        vertex_credentials="{}",
+        azure_ad_token="ad-x",
+        custom_llm_provider="bedrock",
+        headers={"Authorization": "Bearer x"},
     )
     body = mock_upstream.requests[-1]
     assert body["temperature"] == 0.3
     for key in ("api_base", "base_url", "api_key", "user_timezone", "conversation_id"):
+        assert key not in body
+    for key in (
+        "aws_secret_access_key",
+        "vertex_credentials",
+        "azure_ad_token",
+        "custom_llm_provider",
+        "headers",
+    ):
         assert key not in body
     # The Responses API's field, sent to chat completions: left out (it went to the provider).
     await chat(app_client, [user("hi")], previous_response_id="mock-m-0123456789ab")
