@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import secrets
 from typing import Any
 
 import orjson
@@ -36,17 +37,22 @@ from gateway.exceptions import BodyTimeout, GatewayError, InvalidRequest
 from gateway.metrics import access_log
 
 
-def _closing_answer(status: str, error: GatewayError) -> tuple[bytes, bytes]:
-    """A whole HTTP answer in OpenAI's error shape, and one in Anthropic's (for `/v1/messages`),
-    after which the connection is closed."""
-    return _answer(status, orjson.dumps(error.to_dict())), _answer(
-        status, orjson.dumps(error_body(error.status_code, error.message))
-    )
+def _closing_answer(status: str, error: GatewayError) -> tuple[bytes, str]:
+    """A whole HTTP answer in OpenAI's error shape, after which the connection is closed, and
+    its status line (an answer in Anthropic's shape is made with it: `_anthropic_answer`)."""
+    return _answer(status, orjson.dumps(error.to_dict())), status
 
 
-def _answer(status: str, body: bytes) -> bytes:
+def _anthropic_answer(status: str, error: GatewayError) -> bytes:
+    """The answer in Anthropic's shape (for `/v1/messages`), with a `request_id` of its own."""
+    request_id = f"req_{secrets.token_hex(12)}"
+    body = orjson.dumps(error_body(error.status_code, error.message, request_id))
+    return _answer(status, body, f"request-id: {request_id}\r\n")
+
+
+def _answer(status: str, body: bytes, headers: str = "") -> bytes:
     return (
-        f"HTTP/1.1 {status}\r\ncontent-type: application/json\r\nconnection: close\r\n".encode()
+        f"HTTP/1.1 {status}\r\ncontent-type: application/json\r\nconnection: close\r\n{headers}".encode()
         + b"content-length: "
         + str(len(body)).encode()
         + b"\r\n\r\n"
@@ -186,16 +192,16 @@ class HeadDeadlineProtocol(HttpToolsProtocol):
         if self._in_head and self._head_bytes > HEAD_LIMIT and not self.transport.is_closing():
             self._refuse(HEAD_TOO_LARGE_RESPONSE, _TOO_LARGE, "head_too_large")
 
-    def _refuse(self, answers: tuple[bytes, bytes], error: GatewayError, route: str) -> None:
+    def _refuse(self, answer: tuple[bytes, str], error: GatewayError, route: str) -> None:
         """Answer a request refused before it was one, close the connection, and log and count it.
 
-        `answers` is the whole answer in OpenAI's error shape and in Anthropic's, which a request
-        whose path was read as Anthropic's Messages API gets.
+        `answer` is the whole answer in OpenAI's error shape, and its status line: a request whose
+        path was read as Anthropic's Messages API gets one in Anthropic's shape instead.
         """
         self._disarm()
         url = getattr(self, "url", b"")
         anthropic = isinstance(url, bytes) and url.startswith(ANTHROPIC_PATH)
-        self.transport.write(answers[1] if anthropic else answers[0])
+        self.transport.write(_anthropic_answer(answer[1], error) if anthropic else answer[0])
         self.transport.close()
         _refusal_line(error, route)
 

@@ -221,6 +221,7 @@ def test_a_request_the_parser_refuses_gets_a_json_400_and_a_json_log_line(
     assert payload["error"]["type"] == "invalid_request_error"
     if b"/v1/messages" in raw:
         assert payload["type"] == "error" and "Invalid HTTP request" in payload["error"]["message"]
+        assert payload["request_id"].startswith("req_") and headers["request-id"] == payload["request_id"]
     else:
         assert payload["error"]["code"] == "invalid_http_request"
     time.sleep(0.2)
