@@ -258,6 +258,7 @@ async def count_tokens(request: Request) -> Response:
         chat_body["tools"] = tools
     anthropic.chat_tool_choice(body.get("tool_choice"))  # (checked as a turn checks it)
     chat_body.update(anthropic.chat_output(body))
+    chat_body.update(anthropic.chat_user(body))  # (a new conversation's recap is counted too)
     if body.get("max_tokens") is not None:  # the answer's room, as the turn keeps it
         chat_body[output_cap(body["model"])] = body["max_tokens"]
     chat_body.update({key: body[key] for key in EXTENSIONS if body.get(key) is not None})

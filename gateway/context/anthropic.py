@@ -468,11 +468,15 @@ def chat_request(body: JSONObject, *, cap: str) -> JSONObject:
         if body.get(key) is not None:
             chat[key] = body[key]
     chat.update(chat_output(body))
+    chat.update(chat_user(body))
+    return chat
+
+
+def chat_user(body: JSONObject) -> JSONObject:
+    """`metadata.user_id` as chat completions' `user` (the end user: a recap's key), if given."""
     metadata = body.get("metadata")
     user = metadata.get("user_id") if isinstance(metadata, dict) else None
-    if user is not None:
-        chat["user"] = _string(user, "metadata.user_id", "metadata.user_id")
-    return chat
+    return {"user": _string(user, "metadata.user_id", "metadata.user_id")} if user is not None else {}
 
 
 # -- answers -------------------------------------------------------------------------------------

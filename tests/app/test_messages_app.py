@@ -378,6 +378,22 @@ async def test_count_tokens_with_max_tokens_counts_what_the_turn_then_sends() ->
     assert counted["input_tokens"] == sent["tokens"]["total"]
 
 
+async def test_count_tokens_for_a_users_new_conversation_counts_its_recap() -> None:
+    """`metadata.user_id` names the end user as on a turn: the count left the recap out, which
+    the turn then sent (62 tokens more here)."""
+    base = make_settings()
+    settings = base.model_copy(update={"sessions": base.sessions.model_copy(update={"recap": True})})
+    async with build_client(settings, MemoryStore(), MockUpstream()) as client:
+        said = request("my flight is LH 454 to Berlin", conversation_id="a", metadata={"user_id": "alice"})
+        assert (await client.post("/v1/messages", json=said, headers=VERSION)).status_code == 200
+        ask = request("hi", conversation_id="b", metadata={"user_id": "alice"})
+        counted = (await client.post("/v1/messages/count_tokens", json=ask, headers=VERSION)).json()
+        assert (await client.post("/v1/messages", json=ask, headers=VERSION)).status_code == 200
+        sent = (await client.get("/v1/conversations/b/context")).json()
+    assert counted["gateway"]["tokens"]["recap"] == sent["tokens"]["recap"] > 0
+    assert counted["input_tokens"] == sent["tokens"]["total"]
+
+
 async def test_count_tokens_with_no_conversation_counts_the_request_whole_as_it_is_sent() -> None:
     """A history resent with no conversation named was counted as a new conversation's first
     turn, cut to the window: the stateless turn sends it whole, so a client was told it fits and
