@@ -493,9 +493,11 @@ class Planner:
     ) -> str | None:
         """The summary for the next cut, until there is one: its coverage is chosen once per head.
 
-        Asking again for the same is no new work; a later one would be."""
+        Asking again for the same is no new work; a later one would be. One chosen through a
+        response no longer in the history (an edit after the head left it on the abandoned
+        branch) is chosen again: its summary would not apply, and the cut would find none."""
         asked = self._asked.get(key)
-        if asked is not None and asked[0] == kept_from:
+        if asked is not None and asked[0] == kept_from and asked[1] in frame.view.history_end:
             return asked[1]
         target = self._summary_target(frame, part, window, budget)
         if target is not None:

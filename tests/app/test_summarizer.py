@@ -214,3 +214,37 @@ async def test_a_conversation_back_after_post_processing_keeps_its_newest_turns_
     assert kept[-3]["role"] == "user" and kept[-2]["role"] == "assistant"  # the answer before it
     assert snapshot["truncated"] == 0  # what the window left out, the summary covers
     assert "omitted" not in str(sent)
+
+
+async def test_an_edit_after_the_head_has_the_next_cuts_summary_asked_again() -> None:
+    """The summary asked for once per head covered a turn the edit then abandoned: it could not
+    apply, nothing was asked again, and the next cut left 8 messages in neither the summary nor
+    the window."""
+    settings = make_settings()
+    context = {"strategy": "summarize", "max_history_messages": 12, "keep_recent_messages": 2, "cut_to": 0.5}
+    settings = settings.model_copy(update={"context": settings.context.model_copy(update=context)})
+    async with build_client(settings, MemoryStore(), MockUpstream()) as client:
+        transcript: list[dict[str, Any]] = []
+
+        async def turn(messages: list[dict[str, Any]]) -> dict[str, Any]:
+            body = {"model": "mock/m", "conversation_id": "e", "messages": messages}
+            r = await client.post("/v1/chat/completions", json=body)
+            assert r.status_code == 200, r.text
+            transcript.append(r.json()["choices"][0]["message"])
+            await app_of(client).state.summarizer.wait_idle()  # (the summary ready at each cut)
+            return dict((await client.get("/v1/conversations/e/context")).json())
+
+        cuts = 0
+        for i in range(13):  # two cuts (turns 7 and 10: the head at turn 6), then turns 11 and 12
+            transcript.append({"role": "user", "content": f"turn {i}"})
+            cuts += (await turn(transcript))["cut"]
+        assert cuts == 2
+        # Turn 7 edited: after the head, inside what the summary for the next cut covers.
+        del transcript[2 * 7 :]
+        transcript.append({"role": "user", "content": "turn 7, edited"})
+        snapshots = [await turn(transcript)]
+        for i in range(13, 22):
+            transcript.append({"role": "user", "content": f"turn {i}"})
+            snapshots.append(await turn(transcript))
+    assert any(s["cut"] for s in snapshots)
+    assert [s["truncated"] for s in snapshots] == [0] * len(snapshots)
