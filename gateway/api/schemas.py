@@ -583,15 +583,19 @@ class ConversationCreate(BaseModel):
     }
 
 
-class ConversationUpdate(BaseModel):
-    """`POST /v1/conversations/{id}`: the conversation's metadata, all of it. Null clears it
-    (the SDK's type: `Required[Optional[Metadata]]`)."""
+class MetadataUpdate(BaseModel):
+    """A `POST` of an object's metadata, all of it; null clears it (the SDKs' type:
+    `Required[Optional[Metadata]]`)."""
 
     model_config = OWN_BODY
 
     metadata: Metadata | None
 
     error_messages: ClassVar[ErrorMessages] = {"": NOT_AN_OBJECT, "metadata": _metadata}
+
+
+class ConversationUpdate(MetadataUpdate):
+    """`POST /v1/conversations/{id}`: the conversation's metadata."""
 
 
 class ItemsCreate(BaseModel):
@@ -613,17 +617,8 @@ class Reset(BaseModel):
 # -- stored chat completions ---------------------------------------------------------------------
 
 
-class ChatCompletionUpdate(BaseModel):
-    """`POST /v1/chat/completions/{completion_id}`: a stored chat completion's metadata, all of it.
-
-    Null clears it.
-    """
-
-    model_config = OWN_BODY
-
-    metadata: Metadata | None
-
-    error_messages: ClassVar[ErrorMessages] = {"": NOT_AN_OBJECT, "metadata": _metadata}
+class ChatCompletionUpdate(MetadataUpdate):
+    """`POST /v1/chat/completions/{completion_id}`: a stored chat completion's metadata."""
 
 
 # -- Anthropic's Messages API --------------------------------------------------------------------

@@ -65,6 +65,25 @@ def _recent_cost(messages: Sequence[Message], tokens: Sequence[int], end: int, k
     return cost
 
 
+def _whole_turns_from(
+    conversation: Sequence[Message], start: int, pinned_from: int, keep_recent: int, omitted_before: int
+) -> int:
+    """Where history that would begin at `start` begins, whole turns: never with an answer whose
+    question was left out (chat templates that require user/assistant alternation reject it),
+    but at the next question, unless that answer is the one before the current request or among
+    the newest `keep_recent` messages. Nothing left out before `start`: `start` itself."""
+    while (
+        (omitted_before or start) and start < pinned_from and conversation[start].get("role") == "assistant"
+    ):
+        head_end = start + 1
+        while head_end < pinned_from and conversation[head_end].get("role") == "tool":
+            head_end += 1
+        if head_end >= pinned_from or pinned_from - head_end < keep_recent:
+            break
+        start = head_end
+    return start
+
+
 @dataclass(frozen=True, slots=True)
 class Window:
     """What goes upstream, and the numbers that explain it."""
@@ -150,41 +169,39 @@ def fit_window(
         dropped_first, first, first_cost = len(first), (), 0
     fixed += first_cost
     room = budget - fixed
-    held = hold is not None and holds(
-        conversation_tokens[hold:pinned_from],
-        room - (marker_bound if omitted_before + hold > 0 else 0),
-        max(max_history_messages, keep_recent),
+    held = (
+        hold is not None
+        and holds(
+            conversation_tokens[hold:pinned_from],
+            room - (marker_bound if omitted_before + hold > 0 else 0),
+            max(max_history_messages, keep_recent),
+        )
+        # (a head that began with the answer before its turn's request, its question left out,
+        # is no longer that answer once a turn follows: it is cut again)
+        and _whole_turns_from(conversation, hold, pinned_from, keep_recent, omitted_before) == hold
     )
     kept_from = (
         hold
         if held and hold is not None
-        else cut_start(
+        else _whole_turns_from(
             conversation,
-            conversation_tokens,
+            cut_start(
+                conversation,
+                conversation_tokens,
+                pinned_from,
+                room=room,
+                low_room=int(budget * cut_share) - fixed,
+                max_messages=max_history_messages
+                if cut_share >= 1
+                else int(max_history_messages * cut_share),
+                keep_recent=keep_recent,
+                marker=lambda start: marker_bound if omitted_before + start > 0 else 0,
+            ),
             pinned_from,
-            room=room,
-            low_room=int(budget * cut_share) - fixed,
-            max_messages=max_history_messages if cut_share >= 1 else int(max_history_messages * cut_share),
-            keep_recent=keep_recent,
-            marker=lambda start: marker_bound if omitted_before + start > 0 else 0,
+            keep_recent,
+            omitted_before,
         )
     )
-    # Whole turns: a cut never leaves an answer whose question was left out at the head of the
-    # history (chat templates that require user/assistant alternation reject it); the window
-    # starts at the next question, unless that answer is the one before the current request
-    # or among the newest keep_recent messages.
-    while (
-        not held
-        and (omitted_before or kept_from)
-        and kept_from < pinned_from
-        and conversation[kept_from].get("role") == "assistant"
-    ):
-        head_end = kept_from + 1
-        while head_end < pinned_from and conversation[head_end].get("role") == "tool":
-            head_end += 1
-        if head_end >= pinned_from or pinned_from - head_end < keep_recent:
-            break
-        kept_from = head_end
     # Stored messages left out: a result the repair added for an unanswered call is not one.
     added = sum(1 for m in conversation[:kept_from] if m.get("content") == UNANSWERED_TOOL_RESULT)
     omitted = max(0, omitted_before + kept_from - added) + dropped_first

@@ -345,6 +345,8 @@ class Planner:
             if newest is not None and not newest.compaction and fitted.window.held:
                 low_water = ctx.cut_to * budget
                 fitted = await self._newest_turns_kept(fit, fitted, newest, low_water, route, request)
+        # A new system prompt moves the head too (the provider's cache serves none of the prompt).
+        cut = cut or bool(inputs.system_in and view.turns and frame.system != _cleaned(view.system))
         window, part = fitted.window, fitted.part
         kept_abs = part.absolute(window.history_start, view.history_count)
         target = None
@@ -627,3 +629,7 @@ def tools_cost(tools_json: str, encoding: str) -> int:
 
     Counted once, as a client sends the same definitions with every turn."""
     return len(get_encoding(encoding).encode(tools_json, disallowed_special=()))
+
+
+def _cleaned(system: list[Message] | None) -> list[Message]:
+    return [clean_message(m) for m in system or []]

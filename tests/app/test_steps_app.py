@@ -112,3 +112,20 @@ async def test_the_manifests_cut_says_whether_the_head_moved_after_a_reset_and_w
             await say_each(client, CID, [text])
             after.append((await client.get(f"/v1/conversations/{CID}/context")).json()["cut"])
     assert after == [True, False]  # the reset's next turn began afresh; the one after it held
+
+
+async def test_a_new_system_prompt_is_said_to_move_the_head(tmp_path: Path) -> None:
+    """The prompt's first message changed and the manifest said `cut: false` (the head held): the
+    provider's cache served none of it."""
+    upstream = MockUpstream()
+    async with build_client(settings(tmp_path), None, upstream) as client:
+        cuts = []
+        for system in ("be brief", "be brief", "be very brief", "be very brief"):
+            body = {
+                "model": "mock/m",
+                "conversation_id": CID,
+                "messages": [{"role": "system", "content": system}, {"role": "user", "content": "hello"}],
+            }
+            assert (await client.post("/v1/chat/completions", json=body)).status_code == 200
+            cuts.append((await client.get(f"/v1/conversations/{CID}/context")).json()["cut"])
+    assert cuts == [False, False, True, False]

@@ -60,6 +60,25 @@ def converse(
     return prompts
 
 
+def begins_with_answer(messages: list[Message]) -> bool:
+    """Does the prompt's history begin with an assistant message, its question left out?"""
+    first = next(i for i, m in enumerate(messages) if m["role"] != "system")
+    return first > len(SYSTEM) and messages[first]["role"] == "assistant"
+
+
+@settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(turn_sizes(), st.integers(160, 600), st.sampled_from([0.5, 0.6, 0.75]))
+def test_no_prompt_begins_with_an_answer_but_the_one_before_its_request(
+    sizes: list[tuple[int, int, bool]], budget: int, cut_share: float
+) -> None:
+    """A held head kept beginning with the answer a cut had kept without its question (allowed
+    only as the answer before the request) on the turns after it."""
+    for messages, _, _ in converse(sizes, budget, cut_share):
+        if begins_with_answer(messages):
+            first = next(i for i, m in enumerate(messages) if m["role"] != "system")
+            assert first == len(messages) - 2, [m["role"] for m in messages]
+
+
 @settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(turn_sizes(), st.integers(160, 600), st.sampled_from([0.5, 0.6, 0.75]))
 def test_the_next_prompt_starts_with_this_one_except_at_a_cut(
@@ -84,8 +103,10 @@ def test_cuts_are_rare_steps_not_one_per_turn(sizes: list[tuple[int, int, bool]]
     full again: the next turn cuts again only when it added the room a cut frees."""
     prompts = converse(sizes, budget, 0.6)
     for i in range(1, len(prompts) - 1):
-        _, held, total = prompts[i]
-        if not held and not prompts[i + 1][1] and total <= 0.6 * budget:
+        messages, held, total = prompts[i]
+        # (A cut that kept the answer before the request without its question, a turn too large
+        # for the low water: the next turn's head may not begin with it, and is cut again.)
+        if not held and not prompts[i + 1][1] and total <= 0.6 * budget and not begins_with_answer(messages):
             asked, answered, calls = sizes[i]
             added = 4 + answered + (5 + 4 + answered if calls else 0) + 4 + sizes[i + 1][0]
             assert total + added > budget - 10  # (10: the marker may appear)
