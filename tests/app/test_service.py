@@ -1215,9 +1215,14 @@ async def test_a_conversations_folder_refusing_writes_refuses_turns_before_their
         monkeypatch.setattr(store.spares, "create", real_create)
         monkeypatch.setattr(os, "open", real_open)
         again = await client.post("/v1/chat/completions", json=body)
+        refused = await client.get(f"/v1/responses/{first.headers['x-response-id']}")
+        stored = (await client.get("/v1/chat/completions")).json()["data"]
     assert first.status_code == held.status_code == 503
     assert "Read-only file system" in held.json()["error"]["message"]
     assert again.status_code == 200 and len(upstream.requests) == 2
+    # The turn the client was told failed read back as a completed response, and was listed.
+    assert refused.json()["status"] != "completed"
+    assert [c["id"] for c in stored] == [again.headers["x-response-id"]]
 
 
 async def test_a_disk_with_less_room_than_a_turn_refuses_it_before_its_provider(

@@ -736,9 +736,11 @@ async def test_response_is_durable_before_index_names_it(
     assert await jstore.read_index("conv") == [r1, r2]
 
 
-async def test_failure_before_index_append_leaves_complete_but_unindexed_response(
+async def test_failure_before_index_append_leaves_the_response_unindexed_and_marked_failed(
     jstore: JsonlStore, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
+    """Its log was left ending with its commit: the turn the client was told failed read back
+    as a completed response (GET /v1/responses, the stored chat completions)."""
     r1 = await commit_turn(jstore, "conv", "one")
     await load(jstore, "conv")
 
@@ -752,7 +754,8 @@ async def test_failure_before_index_append_leaves_complete_but_unindexed_respons
     (r2,) = [p.stem for p in (tmp_path / "var" / "logs" / "responses").glob("*.jsonl") if p.stem != r1]
     path = tmp_path / "var" / "logs" / "responses" / f"{r2}.jsonl"
     records = [json.loads(line) for line in path.read_text().splitlines()]
-    assert records[-1]["type"] == "commit"  # complete on disk ...
+    assert [r["type"] for r in records[-2:]] == ["commit", "incomplete"]  # written, then failed ...
+    assert records[-1]["reason"] == "storage_error"
     index = tmp_path / "var" / "logs" / "conversations" / "conv.jsonl"
     assert index.read_text() == f"{r1}\n"  # ... but never named by the index
     assert (await load(jstore, "conv")).response_ids == [r1]

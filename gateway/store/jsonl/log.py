@@ -253,8 +253,9 @@ class JsonlLog(ResponseLog):
             return Appended(Version(generation, before), after)
         except OSError as exc:
             reason = exc.strerror or str(exc)
-            if not (written and before < 0):  # else: complete, not indexed (as a crash leaves it)
-                self.mark_failed(b"", reason, conversation_id, before)
+            # (also when the index could not be opened: the client is told the turn failed, and
+            # its log must not read back as a completed response)
+            self.mark_failed(b"", reason, conversation_id, before)
             if written:  # the index refused (a read-only folder of its own): turns are held too
                 self.durability.refused = reason
             raise StorageError(f"could not record the response durably: {reason}") from exc
