@@ -166,6 +166,7 @@ async def delete_item(request: Request) -> Response:
 
 async def conversation_context(request: Request) -> Response:
     cid = _cid(request)
+    await services_of(request).conversations.get(tenant_of(request), cid)  # (gone once expired)
     queries = services_of(request).queries
     rid, context = await queries.latest_context(tenant_of(request), cid)
     body = {k: v for k, v in context.items() if k != "type"}

@@ -629,17 +629,15 @@ MAX_SEQUENCE = 2**53 - 1  # (a JSON number every client reads exactly)
 
 
 def _starting_after(value: str | None) -> int:
+    """The client's place in a stream: digits (not `+5`, `1_0` or `５`, which `int` takes), below
+    MAX_SEQUENCE, so that the event after it is numbered exactly too (a larger one was a 500)."""
     if value is None:
         return -1
-    try:
-        after = int(value)
-    except ValueError:
-        after = -2
-    if not 0 <= after <= MAX_SEQUENCE:  # (a larger one was a 500 once the events were written)
+    if not (value.isascii() and value.isdigit()) or int(value) >= MAX_SEQUENCE:
         raise InvalidRequest(
-            f"'starting_after' must be a sequence number (0 to {MAX_SEQUENCE})", param="starting_after"
+            f"'starting_after' must be a sequence number (0 to {MAX_SEQUENCE - 1})", param="starting_after"
         )
-    return after
+    return int(value)
 
 
 async def _in_progress(request: Request, rid: str, tenant: str, status: str) -> dict[str, Any]:

@@ -173,7 +173,8 @@ class Conversations:
 
     async def add_items(self, tenant: str, cid: str, raw_items: object) -> list[Item]:
         store = await self.stores.get(tenant)
-        await self._existing(store, cid)
+        if not await store.exists(cid):  # (an expired one is archived under its lock, then a 404)
+            raise NotFound(f"No conversation found with id {cid!r}", param="conversation_id")
         return await self._add_items(store, cid, raw_items)
 
     @staticmethod

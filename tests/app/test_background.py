@@ -203,12 +203,13 @@ async def test_a_replay_rebuilt_from_the_log_ends_as_the_response_did() -> None:
         negative = await client.get(f"/v1/responses/{rid}?stream=true&starting_after=-1")
         # Past 64 bits: a 200 whose stream broke off (the last event's number could not be written)
         huge = await client.get(f"/v1/responses/{rid}?stream=true&starting_after={2**64 - 1}")
+        odd = [await client.get(f"/v1/responses/{rid}?stream=true&starting_after={v}") for v in ("+5", "1_0")]
         got = (await client.get(f"/v1/responses/{rid}")).json()
     assert kinds(whole)[0] == ("response.created", 0) and kinds(whole)[-1][0] == "response.completed"
     assert len(kinds(whole)) < 10 and kinds(live)[-1][1] > 15  # fewer than the live stream had
     assert kinds(past) == [("response.completed", 16)]  # its end, after the client's place
     assert [kind for kind, _ in kinds(broken)][-2:] == ["error", "response.failed"]
-    assert negative.status_code == huge.status_code == 400
+    assert negative.status_code == huge.status_code == odd[0].status_code == odd[1].status_code == 400
     assert got["completed_at"] == done["response"]["completed_at"]
 
 

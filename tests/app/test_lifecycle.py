@@ -238,8 +238,10 @@ async def test_an_expired_conversation_takes_no_items_and_reads_as_gone(tmp_path
     assert (await client.get("/v1/conversations/c6")).status_code == 404
     assert (await client.get("/v1/conversations/c6/items")).status_code == 404
     item = {"type": "message", "role": "user", "content": "an item after expiry"}
+    assert (await client.get("/v1/conversations/c6/context")).status_code == 404
     r = await client.post("/v1/conversations/c6/items", json={"items": [item]})
     assert r.status_code == 404 and "expired" in r.json()["error"]["message"]
+    assert not await store.exists("c6")  # archived, as a turn would have
     await say(client, "c6", "what was the secret?")
     sent = [m["content"] for m in model.turns[-1]["messages"]]
     assert sent == ["what was the secret?"]
