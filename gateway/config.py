@@ -114,7 +114,7 @@ class _Section(BaseModel):
 
 
 class ServerSettings(_Section):
-    host: str = "127.0.0.1"
+    host: str = Field("127.0.0.1", min_length=1)  # (empty: uvicorn listens on every interface)
     port: int = Field(8080, ge=0, le=65535)
     max_body_bytes: int = Field(10_000_000, gt=0)
     # Seconds a client may take to send its whole request body ("0" = no limit); then 408.
@@ -392,7 +392,9 @@ _VALUES_NOT_SHOWN = ("headers", "dsn", "base_url", "password", "api_base")
 def _error_line(
     exc: ValidationError, file: TomlFileSource, env: GatewayEnvSource, overrides: Mapping[str, object]
 ) -> str:
-    err: ErrorDetails = exc.errors()[0]
+    errors = exc.errors()
+    # A mistyped key first: the "required" error of the key it was meant to be follows from it.
+    err: ErrorDetails = next((e for e in errors if e["type"] == "extra_forbidden"), errors[0])
     loc = [str(p) for p in err["loc"]]
     # Union errors end with pydantic's member label ("int", "literal['auto']"): not part of the key.
     while loc and _TYPE_LABEL.match(loc[-1]):
@@ -402,10 +404,13 @@ def _error_line(
     if err["type"] == "extra_forbidden":
         msg = "unknown key"
     got = err.get("input")
-    shown = "" if isinstance(got, dict) or err["type"] == "missing" else f" (got {got!r})"
+    # (an unknown key's value is not shown: a mistyped `api_kye` holds a key all the same)
+    shown = (
+        "" if isinstance(got, dict) or err["type"] in ("missing", "extra_forbidden") else f" (got {got!r})"
+    )
     if any(names_a_secret(part) or part.lower() in _VALUES_NOT_SHOWN for part in loc):
         shown = ""  # (a key, a header's value, a DSN's password: never on stderr or in a log)
-    more = f" (+{len(exc.errors()) - 1} more)" if len(exc.errors()) > 1 else ""
+    more = f" (+{len(errors) - 1} more)" if len(errors) > 1 else ""
     # A missing key is blamed on whoever made the table it is missing from; a flag on nobody.
     blamed = loc[:-1] if err["type"] == "missing" else loc
     by_flag = _sets(overrides, blamed)

@@ -149,3 +149,20 @@ def test_fsck_on_a_data_dir_that_is_a_file_says_so(tmp_path: Path, upstream: Moc
     (tmp_path / "var").write_text("not a folder")
     done = fsck(tmp_path / "var", config)
     assert done.returncode == 1 and "is a file, not a folder" in done.stderr
+
+
+def test_fsck_names_a_file_no_reader_can_open_and_leaves_it(tmp_path: Path, upstream: MockServer) -> None:
+    """A folder where a response file or an index should be (or a file it may not read) was a
+    traceback, with `--repair` too; a folder named like an index was not reported at all."""
+    config = write_config(tmp_path / "g.toml", upstream.url)
+    data_dir = tmp_path / "var"
+    logs = data_dir / "logs"
+    (logs / "responses" / "mock-m-0123456789ab.jsonl").mkdir(parents=True)
+    (logs / "conversations" / "c1.jsonl").mkdir(parents=True)
+    (logs / "conversations" / "c2.jsonl").write_text("mock-m-0123456789ab\n")
+    for args in ((), ("--repair",)):
+        done = fsck(data_dir, config, *args)
+        assert done.returncode == 1 and "Traceback" not in done.stderr, done.stderr
+        assert "logs/responses/mock-m-0123456789ab.jsonl: cannot be read (Is a directory)" in done.stdout
+        assert "logs/conversations/c1.jsonl: cannot be read (Is a directory)" in done.stdout
+    assert (logs / "conversations" / "c2.jsonl").read_text() == "mock-m-0123456789ab\n"  # (left)

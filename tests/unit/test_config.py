@@ -404,6 +404,21 @@ def test_unknown_env_key_is_an_error() -> None:
     assert "unknown key" in message
 
 
+def test_a_mistyped_key_is_named_and_its_value_never_shown(tmp_path: Path) -> None:
+    """`api_kye` (or any key the gateway does not know) was quoted with its value; a mistyped
+    `basse_url` was hidden behind "base_url: Field required (+1 more)"."""
+    path = write(tmp_path, '[providers.x]\nkind = "openai"\napi_kye = "sk-SECRET123"\n')
+    message = config_error(path=path)
+    assert "providers.x.api_kye: unknown key" in message and "SECRET" not in message
+    path = write(tmp_path, '[providers.x]\nkind = "openai"\nbasse_url = "http://gpu:8000/v1"\n')
+    assert "providers.x.basse_url: unknown key" in config_error(path=path)
+
+
+def test_an_empty_host_is_refused() -> None:
+    """An empty host (`GATEWAY_SERVER__HOST=${UNSET}`) made uvicorn listen on every interface."""
+    assert "server.host:" in config_error(path=SHIPPED, environ={"GATEWAY_SERVER__HOST": ""})
+
+
 def test_bad_union_value_names_the_key_itself() -> None:
     message = config_error(path=SHIPPED, overrides={"context": {"max_context_tokens": "lots"}})
     assert "context.max_context_tokens:" in message

@@ -30,6 +30,7 @@ from gateway.types import Record
 TORN = "torn last line (a write cut short)"
 MOVE_LINE = "the line is moved to quarantine/"
 MOVE_FILE = "the file is moved to quarantine/"
+LEFT = "left as it is: make it readable, or move it away"
 # A response file no conversation claims may be one a stateless request is still writing.
 LOOSE_QUIET_SECONDS = 900.0
 
@@ -43,6 +44,7 @@ class Scanned:
     torn: int | None = None  # line number of a torn last line
     records: list[Record] = field(default_factory=list)  # response files and side logs
     entries: list[tuple[int, str | Record]] = field(default_factory=list)  # index files
+    unreadable: str | None = None  # why it could not be read at all (a permission, a folder)
 
 
 def scan(path: Path, *, index: bool = False) -> Scanned | None:
@@ -54,6 +56,8 @@ def scan(path: Path, *, index: bool = False) -> Scanned | None:
         data = path.read_bytes()
     except FileNotFoundError:
         return None
+    except OSError as exc:  # (a file its readers cannot open either: named, not a traceback)
+        return Scanned(b"", unreadable=exc.strerror or str(exc))
     out = Scanned(data)
     lines = data.split(b"\n")
     if lines[-1]:
@@ -108,12 +112,14 @@ def response_problem(scanned: Scanned | None) -> str | None:
 
 
 def _files(folder: Path, valid: Callable[[str], bool] | None = None) -> list[Path]:
+    """The folder's `*.jsonl` entries with a valid stem (a folder so named among them: its
+    readers fail on it, and `scan` says so)."""
     if not folder.is_dir():
         return []
     out = []
     for entry in sorted(os.scandir(folder), key=lambda e: e.name):
         stem = entry.name[:-6] if entry.name.endswith(".jsonl") else ""
-        if stem and (valid is None or valid(stem)) and entry.is_file():
+        if stem and (valid is None or valid(stem)):
             out.append(Path(entry.path))
     return out
 
@@ -164,7 +170,9 @@ class Walk:
         self.found.owners.setdefault(path, owner)
 
     def report_lines(self, path: Path, scanned: Scanned, owner: str | None) -> None:
-        """A file's undecodable lines and torn last line."""
+        """A file's undecodable lines and torn last line, or that it cannot be read at all."""
+        if scanned.unreadable is not None:
+            self.report(path, owner, None, f"cannot be read ({scanned.unreadable})", LEFT)
         for lineno, problem in sorted(scanned.bad.items()):
             self.report(path, owner, lineno, problem, MOVE_LINE)
         if scanned.torn is not None:
@@ -182,8 +190,9 @@ class Walk:
             for lineno, entry in scanned.entries:
                 if isinstance(entry, str):
                     self.claimed.setdefault(entry, cid)
-                    problem = response_problem(self.response(entry))
-                    if problem is not None:
+                    named = self.response(entry)
+                    problem = response_problem(named) if named is None or named.unreadable is None else None
+                    if problem is not None:  # (one that cannot be read is reported as a file)
                         self.report(path, cid, lineno, f"{problem} ({entry})", MOVE_LINE)
 
     def response_files(self) -> None:
@@ -198,10 +207,14 @@ class Walk:
                 continue
             self.found.files += 1
             owner = self.claimed.get(rid) or _requested_conversation(scanned)
-            if owner is None and now - path.stat().st_mtime < LOOSE_QUIET_SECONDS:
+            if (
+                owner is None
+                and scanned.unreadable is None
+                and now - path.stat().st_mtime < LOOSE_QUIET_SECONDS
+            ):
                 continue  # perhaps a stateless request's log being written: looked at later
             self.report_lines(path, scanned, owner)
-            if not scanned.records and not scanned.bad:
+            if not scanned.records and not scanned.bad and scanned.unreadable is None:
                 self.report(path, owner, None, "empty response file", MOVE_FILE)
 
     def side_logs(self) -> None:
@@ -305,7 +318,7 @@ class _Changed(Exception):
 def repair_file(q: Quarantine, path: Path) -> list[Damage]:
     """Set aside a file's undecodable lines and torn tail; an empty file is moved whole."""
     scanned = scan(path)
-    if scanned is None:
+    if scanned is None or scanned.unreadable is not None:
         return []
     drop = dict(scanned.bad)
     if scanned.torn is not None:
@@ -332,15 +345,16 @@ def repair_conversation(q: Quarantine, cid: str, files: list[Path]) -> list[Dama
     for path in files:
         if path.parent != q.data_dir.conversations_dir:
             done += repair_file(q, path)
-    if scanned is None:
+    if scanned is None or scanned.unreadable is not None:
         return done
     drop = dict(scanned.bad)
     if scanned.torn is not None:
         drop[scanned.torn] = TORN
     for lineno, entry in scanned.entries:
         if isinstance(entry, str):
-            problem = response_problem(scan(q.data_dir.response_path(entry)))
-            if problem is not None:
+            response = scan(q.data_dir.response_path(entry))
+            problem = response_problem(response) if response is None or response.unreadable is None else None
+            if problem is not None:  # (one that cannot be read is left: it may be whole)
                 drop[lineno] = f"{found.get(entry) or problem} ({entry})"
     return done + (q.move_lines(index, scanned, drop) if drop else [])
 
