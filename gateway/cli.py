@@ -57,6 +57,13 @@ def _no_conversation(settings: Settings, conversation_id: str) -> GatewayError:
     return GatewayError(f"no conversation {conversation_id!r} in {_where(settings)}")
 
 
+def _need_data_dir(settings: Settings, conversation_id: str) -> None:
+    """A command changing a conversation in a data dir that is not there: no such conversation
+    (opening the store made the folders, leaving a mistyped --data-dir behind)."""
+    if settings.storage.backend == "jsonl" and not Path(settings.storage.data_dir).exists():
+        raise _no_conversation(settings, conversation_id)
+
+
 _TENANT = re.compile(r"^t[0-9a-f]{16}$")
 
 
@@ -586,6 +593,7 @@ def delete(
     from gateway.ids import check_conversation_id
 
     check_conversation_id(conversation_id)
+    _need_data_dir(settings, conversation_id)
     if not yes and not click.confirm(f"Delete conversation {conversation_id!r}?", default=False):
         raise GatewayError("not deleted")
 
@@ -615,6 +623,7 @@ def reset(
     tenant: str | None,
 ) -> None:
     """Start a conversation afresh: appends a reset marker to its index (nothing is rewritten)."""
+    _need_data_dir(settings, conversation_id)
 
     async def run(services: Services) -> None:
         name, _ = await _conversation_tenant(services, tenant, conversation_id)

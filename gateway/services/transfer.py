@@ -69,6 +69,8 @@ def _copy_data(source: Path, target: Path) -> int:
             indexes[rel] = (source / rel).read_bytes()
         except FileNotFoundError:
             continue  # (deleted since it was listed)
+        except OSError as exc:
+            raise GatewayError(f"could not read {source / rel} ({exc.strerror or exc}); nothing was copied") from None
     rest = [f for f in _data_files(source) if not _is_index(f)]  # (listed after the indexes were read)
     rest.sort(key=lambda rel: 0 if "responses" in rel.parts else 1)
     written = 0
@@ -83,8 +85,10 @@ def _copy_data(source: Path, target: Path) -> int:
             copy(temp)
             os.replace(temp, dest)
         except OSError as exc:
+            read = exc.filename is not None and Path(os.fsdecode(exc.filename)) == source / rel
+            what = f"read {source / rel}" if read else f"write {dest}"
             raise GatewayError(
-                f"could not write {dest} ({exc.strerror or exc}): {written} of {len(rest) + len(indexes)} "
+                f"could not {what} ({exc.strerror or exc}): {written} of {len(rest) + len(indexes)} "
                 f"files copied into {target} (responses first, the conversations' indexes last)"
             ) from None
 

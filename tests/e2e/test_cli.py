@@ -175,6 +175,12 @@ def test_errors_are_one_line_and_nonzero(tmp_path: Path) -> None:
     assert result.returncode == 1 and "is a directory" in result.stderr
     result = gw("conversations", "--data-dir", str(tmp_path), env={"GATEWAY_CONFIG": ""})
     assert result.returncode == 0, result.stderr  # an empty GATEWAY_CONFIG is unset
+    # A change to a conversation in a data dir that is not there made the folders (a mistyped
+    # --data-dir left behind).
+    for args in (["reset", "c1"], ["delete", "c1", "--yes"]):
+        result = gw(*args, "--data-dir", str(tmp_path / "typo"))
+        assert result.returncode == 1 and "no conversation 'c1'" in result.stderr
+        assert not (tmp_path / "typo").exists()
     # A bare `gateway` is not a mistake: its help, as `gateway --help` prints it (was an "error").
     bare, asked = gw(), gw("--help")
     assert (bare.returncode, bare.stdout, bare.stderr) == (0, asked.stdout, "")

@@ -75,6 +75,26 @@ def test_an_import_into_a_data_dir_that_is_a_file_is_one_line(tmp_path: Path) ->
         import_data(settings, tmp_path / "exported")
 
 
+def test_an_export_that_cannot_read_a_file_says_so(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """It said "could not write" the copy in the target of a file it could not read."""
+    import shutil
+
+    from gateway.exceptions import GatewayError
+    from gateway.services.transfer import export_data
+    from tests.conftest import make_settings
+
+    source = tmp_path / "var" / "logs" / "responses"
+    source.mkdir(parents=True)
+    (source / "demo-0123456789ab.jsonl").write_text("{}\n")
+
+    def unreadable(src: Path, dst: Path) -> None:
+        raise PermissionError(13, "Permission denied", str(src))
+
+    monkeypatch.setattr(shutil, "copy2", unreadable)
+    with pytest.raises(GatewayError, match=r"could not read .*demo-0123456789ab.jsonl \(Permission denied\)"):
+        export_data(make_settings(tmp_path), tmp_path / "exported")
+
+
 async def test_a_response_read_through_a_file_where_a_folder_was_says_why(tmp_path: Path) -> None:
     """It was "No response" (`exists()` says False of a path through a file): `gateway context`
     and `GET /v1/responses/{id}` hid that the data dir cannot be read."""
@@ -84,5 +104,8 @@ async def test_a_response_read_through_a_file_where_a_folder_was_says_why(tmp_pa
     responses = tmp_path / "var" / "logs" / "responses"
     responses.rmdir()
     responses.write_text("not a folder")
-    with pytest.raises(StorageError, match="could not read the response: Not a directory"):
+    with pytest.raises(StorageError, match="could not read the response: Not a directory") as raised:
         await JsonlStore(tmp_path / "var").read_response("demo-0123456789ab")
+    # The file by its folder and name (a CLI's operator is told which), never a server path.
+    assert raised.value.message.endswith("(responses/demo-0123456789ab.jsonl)")
+    assert str(tmp_path) not in raised.value.message

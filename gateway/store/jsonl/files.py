@@ -161,12 +161,15 @@ def index_generation(fd: int, stat: os.stat_result, first_line: bytes = b"") -> 
 def os_errors(action: str) -> Iterator[None]:
     """What the OS refuses (EACCES, EIO, EMFILE, ENOTDIR, ...) as a StorageError.
 
-    A 503 saying what could not be done and why, never a server path.
+    A 503 saying what could not be done and why, and the file by its folder and name (the
+    data dir's own names: never a server path).
     """
     try:
         yield
     except OSError as exc:
-        raise StorageError(f"could not {action}: {exc.strerror or type(exc).__name__}") from exc
+        named = Path(os.fsdecode(exc.filename)) if isinstance(exc.filename, str | bytes) else None
+        where = f" ({named.parent.name}/{named.name})" if named is not None else ""
+        raise StorageError(f"could not {action}: {exc.strerror or type(exc).__name__}{where}") from exc
 
 
 def fsync_dir(path: Path) -> None:
