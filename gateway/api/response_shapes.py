@@ -29,10 +29,11 @@ def _response_tools(tools: object) -> list[JSONObject]:
 
 
 def output_items(
-    message: Message | None, response_id: str, position: int, text_after: int = 0
+    message: Message | None, response_id: str, position: int, text_after: int = 0, status: str = "completed"
 ) -> list[JSONObject]:
     """The answer's output items: its text, then its calls; `text_after` calls first, as a
-    stream that gave them before the text listed them."""
+    stream that gave them before the text listed them. The text of an answer cut short
+    (`status` incomplete) is an `incomplete` message, as OpenAI's."""
     if message is None:
         return []
     items = message_to_items(message, response_id, position)
@@ -41,6 +42,8 @@ def output_items(
         if item["type"] == "message" and isinstance(content, list):
             for part in content:
                 part.setdefault("annotations", [])
+            if status == "incomplete":
+                item["status"] = "incomplete"
     if text_after and items and items[0]["type"] == "message":
         text = items.pop(0)
         items.insert(min(text_after, len(items)), text)
@@ -86,7 +89,7 @@ def response_object(
         else None,
         "status": status,
         "model": model,
-        "output": [*(lead or ()), *output_items(message, response_id, position, text_after)],
+        "output": [*(lead or ()), *output_items(message, response_id, position, text_after, status)],
         "error": error,
         "incomplete_details": {"reason": "max_output_tokens"}
         if status == "incomplete" and not error
@@ -106,7 +109,9 @@ def response_object(
         "truncation": params.get("truncation", "auto"),
         "text": params.get("text") or {"format": {"type": "text"}},
         "reasoning": params.get("reasoning") or {"effort": None, "summary": None},
-        "usage": {
+        "usage": None  # (not known yet, or never: OpenAI's null, not zeros)
+        if usage is None and status not in ("completed", "incomplete")
+        else {
             "input_tokens": prompt,
             "input_tokens_details": {
                 "cached_tokens": _detail(prompt_details, "cached_tokens"),
@@ -124,6 +129,13 @@ def response_object(
 
 # Request fields a response object says back as the client sent them (null when it did not).
 ECHOED_AS_SENT = ("prompt_cache_key", "prompt_cache_retention", "safety_identifier")
+
+
+def response_error(error: JSONObject | None) -> JSONObject | None:
+    """An error in the Responses API's shape (`code`, `message`), from OpenAI's error object."""
+    if error is None:
+        return None
+    return {"code": str(error.get("code") or "server_error"), "message": str(error.get("message") or "")}
 
 
 def _detail(details: object, key: str) -> int:
@@ -429,7 +441,7 @@ def failure_events(
         finish_reason=None,
         usage=None,
         status="failed",
-        error={"code": str(err.get("code") or "server_error"), "message": err["message"]},
+        error=response_error(err),
         lead=lead,
         **common,
     )

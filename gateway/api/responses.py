@@ -41,6 +41,7 @@ from gateway.api.response_shapes import (
     failed_events,
     queued_events,
     replayed_events,
+    response_error,
     response_events,
     response_object,
 )
@@ -585,6 +586,7 @@ def _stored_object(stored: StoredResponse) -> dict[str, Any]:
     rid = stored.response_id
     params = stored.params
     echo = stored.request.get("responses")  # a Responses-API turn: what its create returned
+    status = _status(stored.status, stored.outcome, echo)
     return response_object(
         response_id=rid,
         created=stored.created,
@@ -604,8 +606,8 @@ def _stored_object(stored: StoredResponse) -> dict[str, Any]:
         },
         conversation_id=stored.conversation_id,
         previous_response_id=echo.get("previous_response_id") if isinstance(echo, dict) else None,
-        status=_status(stored.status, stored.outcome, echo),
-        error=stored.error,
+        status=status,
+        error=None if status == "cancelled" else response_error(stored.error),  # (OpenAI's: null)
         lead=lead_items(echo),
         completed=number(stored.outcome.get("committed")),
         served=stored.served,

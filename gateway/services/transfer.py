@@ -70,7 +70,9 @@ def _copy_data(source: Path, target: Path) -> int:
         except FileNotFoundError:
             continue  # (deleted since it was listed)
         except OSError as exc:
-            raise GatewayError(f"could not read {source / rel} ({exc.strerror or exc}); nothing was copied") from None
+            raise GatewayError(
+                f"could not read {source / rel} ({exc.strerror or exc}); nothing was copied"
+            ) from None
     rest = [f for f in _data_files(source) if not _is_index(f)]  # (listed after the indexes were read)
     rest.sort(key=lambda rel: 0 if "responses" in rel.parts else 1)
     written = 0

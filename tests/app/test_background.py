@@ -71,10 +71,14 @@ async def test_a_cancelled_background_response_frees_its_conversation() -> None:
     async with build_client(make_settings(), None, upstream) as client:
         conv = (await client.post("/v1/conversations", json={})).json()["id"]
         body = {"model": "mock/m", "input": "hi", "background": True, "conversation": conv}
-        rid = (await client.post("/v1/responses", json=body)).json()["id"]
+        queued = (await client.post("/v1/responses", json=body)).json()
+        rid = queued["id"]
+        assert queued["usage"] is None  # (not known yet: it said zero tokens)
         cancelled = await client.post(f"/v1/responses/{rid}/cancel")  # (queued, maybe)
         assert cancelled.status_code == 200 and cancelled.json()["status"] == "cancelled"
-        assert (await client.get(f"/v1/responses/{rid}")).json()["status"] == "cancelled"
+        polled = (await client.get(f"/v1/responses/{rid}")).json()
+        assert polled["status"] == "cancelled"
+        assert polled["error"] is None and cancelled.json()["error"] is None  # (OpenAI's: no error)
         upstream.gate = None
         after = {"model": "mock/m", "input": "again", "conversation": conv}
         r = await client.post("/v1/responses", json=after)
@@ -196,6 +200,8 @@ async def test_a_replay_rebuilt_from_the_log_ends_as_the_response_did() -> None:
     async with build_client(make_settings(), store, MockUpstream(fails)) as client:
         failed = (await client.post("/v1/responses", json={**body, "stream": False})).json()["id"]
         await poll(client, failed, {"failed"})
+        error = (await client.get(f"/v1/responses/{failed}")).json()["error"]
+        assert set(error) == {"code", "message"}  # the Responses API's (chat's, with type and param)
     async with build_client(make_settings(), store, Slow()) as client:  # neither run kept here
         whole = (await client.get(f"/v1/responses/{rid}?stream=true")).content
         past = (await client.get(f"/v1/responses/{rid}?stream=true&starting_after=15")).content

@@ -117,11 +117,15 @@ async def test_an_answer_cut_short_ends_its_stream_incomplete() -> None:
 
     async with build_client(make_settings(), MemoryStore(), MockUpstream(cut)) as client:
         streamed = await respond(client, "hello", max_output_tokens=16, stream=True)
+        whole = (await respond(client, "hello", max_output_tokens=16)).json()
     types = sse_types(streamed.text)
     assert types[-1] == "response.incomplete" and "response.completed" not in types
     final = json.loads(streamed.text.strip().rsplit("data: ", 1)[1])
     assert final["response"]["status"] == "incomplete"
     assert final["response"]["incomplete_details"] == {"reason": "max_output_tokens"}
+    # Its message is `incomplete` too, as OpenAI's (it said `completed`).
+    assert [item["status"] for item in final["response"]["output"]] == ["incomplete"]
+    assert [item["status"] for item in whole["output"]] == ["incomplete"]
 
 
 async def test_input_items_leave_the_instructions_out() -> None:
