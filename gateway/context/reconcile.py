@@ -95,6 +95,8 @@ def reconcile(incoming: Sequence[Message], view: ConversationView) -> Reconciled
       overlap is dropped;
     - starts with a stored run that is not the tail, an answer among it (a trimmed history that
       was edited or regenerated): a branch after that run;
+    - differs from the stored history in its first message alone, an answer among the rest (the
+      first message edited): a branch at the start;
     - else every message is new. The last message is always new: one that is the stored last
       answer, or text going on from it, after nothing or after what is stored before that answer,
       takes that answer back to go on from it (a prefill).
@@ -148,6 +150,12 @@ def reconcile(incoming: Sequence[Message], view: ConversationView) -> Reconciled
         if trimmed is not None:
             shared, branch_at = trimmed
             return _branch(incoming[shared:], branch_at, view)
+        # The first message edited, the rest resent as stored (an answer among it): the client's
+        # version from the start (it was appended whole: every message twice, the edit beside
+        # the original).
+        after_first = _common_prefix(incoming[1 : n - 1], history[1:])
+        if any(message.get("role") == "assistant" for message in incoming[1 : 1 + after_first]):
+            return _branch(incoming, 0, view)
     return Reconciled(list(incoming))
 
 

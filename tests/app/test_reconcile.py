@@ -70,6 +70,29 @@ def test_the_rules_with_examples() -> None:
     assert reconcile([u("q1")], view).new == [u("q1")] and reconcile([u("q1")], view).branch_at is None
     # two new messages, the first equal to the conversation's first: not an edit (no answer shared)
     assert reconcile([u("q1"), u("more")], view) == type(edited)([u("q1"), u("more")], None)
+    # the first question edited, the rest resent as stored: the client's version from the start
+    # (it was appended whole, every message then twice)
+    resent = [u("q1, better"), a("a1"), u("q2"), a("a2"), u("q3")]
+    first_edited = reconcile(resent, view)
+    assert first_edited.new == resent and first_edited.branch_at == 0 and not first_edited.regenerated
+    assert first_edited.left_from == ("r0", 0)
+
+
+async def test_an_edited_first_message_reaches_the_model_once_with_the_rest() -> None:
+    upstream = MockUpstream(lambda body: "ok")
+    async with build_client(make_settings(), MemoryStore(), upstream) as client:
+
+        async def say(messages: list[dict[str, Any]]) -> None:
+            body = {"model": "mock/m", "messages": messages, "conversation_id": "first"}
+            assert (await client.post("/v1/chat/completions", json=body)).status_code == 200
+
+        await say([u("My name is Ann.")])
+        await say([u("My name is Ann."), a("ok"), u("I like tea.")])
+        edited = [u("My name is Bob."), a("ok"), u("I like tea."), a("ok"), u("What is my name?")]
+        await say(edited)
+        assert upstream.requests[-1]["messages"] == edited
+        await say([u("And my drink?")])
+        assert upstream.requests[-1]["messages"] == [*edited, a("ok"), u("And my drink?")]
 
 
 def call(arguments: str) -> dict[str, Any]:
