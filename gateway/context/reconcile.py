@@ -139,24 +139,31 @@ def reconcile(incoming: Sequence[Message], view: ConversationView) -> Reconciled
         k = _matched_at_end(keys, table, stored)
         if k:
             return Reconciled(list(incoming[k:]))
-    if answered:
-        roles = [msg.get("role") for msg in incoming]
-        first_answer = roles.index("assistant")  # (there is one: `answered`)
-        trimmed = _trimmed_divergence(keys, table, first_answer, transcript)
-        if trimmed is not None:  # a run of the transcript: branch after its history messages
-            shared, end = trimmed
-            return _branch(incoming[shared:], _in_history(transcript[:end], history), view)
-        trimmed = _trimmed_divergence(keys, table, first_answer, history)
-        if trimmed is not None:
-            shared, branch_at = trimmed
-            return _branch(incoming[shared:], branch_at, view)
-        # The first message edited, the rest resent as stored (an answer among it): the client's
-        # version from the start (it was appended whole: every message twice, the edit beside
-        # the original).
-        after_first = _common_prefix(incoming[1 : n - 1], history[1:])
-        if any(message.get("role") == "assistant" for message in incoming[1 : 1 + after_first]):
-            return _branch(incoming, 0, view)
-    return Reconciled(list(incoming))
+    edited = _edited_elsewhere(incoming, keys, table, view) if answered else None
+    return edited if edited is not None else Reconciled(list(incoming))
+
+
+def _edited_elsewhere(
+    incoming: Sequence[Message], keys: Sequence[bytes], table: Sequence[int], view: ConversationView
+) -> Reconciled | None:
+    """A resent history, an answer among it, that neither starts nor ends as the stored one:
+    a trimmed one edited or regenerated (a branch after the stored run it starts with), or one
+    whose first message alone was edited (a branch at the start: it was appended whole, every
+    message twice, the edit beside the original). None: neither."""
+    transcript, history = view.keys("transcript"), view.keys("history")
+    first_answer = [msg.get("role") for msg in incoming].index("assistant")
+    trimmed = _trimmed_divergence(keys, table, first_answer, transcript)
+    if trimmed is not None:  # a run of the transcript: branch after its history messages
+        shared, end = trimmed
+        return _branch(incoming[shared:], _in_history(transcript[:end], history), view)
+    trimmed = _trimmed_divergence(keys, table, first_answer, history)
+    if trimmed is not None:
+        shared, branch_at = trimmed
+        return _branch(incoming[shared:], branch_at, view)
+    after_first = _common_prefix(incoming[1 : len(incoming) - 1], history[1:])
+    if any(message.get("role") == "assistant" for message in incoming[1 : 1 + after_first]):
+        return _branch(incoming, 0, view)
+    return None
 
 
 def _without_tool_results(
