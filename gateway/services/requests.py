@@ -24,9 +24,8 @@ GATEWAY_FIELDS = frozenset(
 # The prefix of the fields the gateway itself adds to a provider's body (`gateway.cache_key`,
 # `gateway.traceparent`), taken out before it is sent: a client's own such field is never passed on.
 OWN = "gateway."
-# Never forwarded: a client must not redirect the gateway or choose its credentials.
-# Where a provider is, and who it is asked as: never the client's to say. Beside OpenAI's, the
-# credentials and routing litellm takes as arguments (a client's are no provider's business).
+# Never forwarded: a client must not redirect the gateway or choose its credentials. Beside
+# OpenAI's, the credentials and routing litellm takes as arguments.
 FORBIDDEN_FIELDS = frozenset(
     {
         "api_base",

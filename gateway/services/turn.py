@@ -348,17 +348,23 @@ def check_timezone(request: ChatRequest, default: str) -> None:
 def client_params(request: ChatRequest) -> JSONObject:
     """The client's parameters a provider may see (gateway-only and forbidden fields left out).
 
-    Forbidden fields are left out of a literal `extra_body` object too (the SDK merges its
-    `extra_body` into the request; a client that sends the field itself is passed on)."""
+    Forbidden and gateway-only fields are left out of a literal `extra_body` object too (the SDK
+    merges its `extra_body` into the request; a client that sends the field itself is passed
+    on)."""
     params = {
         k: v
         for k, v in request.body.items()
         if k not in GATEWAY_FIELDS and k not in FORBIDDEN_FIELDS and k != "messages" and not k.startswith(OWN)
     }
     nested = params.get("extra_body")
-    if isinstance(nested, dict) and not FORBIDDEN_FIELDS.isdisjoint(nested):
-        params["extra_body"] = {k: v for k, v in nested.items() if k not in FORBIDDEN_FIELDS}
+    if isinstance(nested, dict) and not _NOT_NESTED.isdisjoint(nested):
+        params["extra_body"] = {k: v for k, v in nested.items() if k not in _NOT_NESTED}
     return params
+
+
+# Left out of a literal `extra_body` too: the forbidden fields, and the gateway's own (a client
+# that meant them for the gateway sent them where the SDK would not have).
+_NOT_NESTED = FORBIDDEN_FIELDS | GATEWAY_FIELDS
 
 
 def request_record(

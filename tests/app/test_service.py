@@ -568,6 +568,10 @@ async def test_a_key_inside_a_literal_extra_body_is_not_forwarded_nor_stored(
     assert r.status_code == 200
     assert mock_upstream.requests[-1]["extra_body"] == {"top_k": 3}
     assert "sk-nested" not in json.dumps(memory_store.responses[r.headers["x-response-id"]])
+    # The gateway's own fields too: a provider that validates arguments refused them.
+    nested = {"conversation_id": "c", "session_id": "s", "is_feedback": False, "top_k": 3}
+    assert (await chat(app_client, [user("hi")], extra_body=nested)).status_code == 200
+    assert mock_upstream.requests[-1]["extra_body"] == {"top_k": 3}
 
 
 async def test_storage_failure_is_503_and_not_acknowledged(
