@@ -1146,6 +1146,38 @@ async def test_a_stream_cut_by_the_servers_stop_is_logged_as_cancelled(
     assert 'gateway_failed_turns_total{outcome="cancelled"} 1.0' in metrics
 
 
+async def turns_while_refusing(
+    tmp_path: Path,
+    monkeypatch: pytest.MonkeyPatch,
+    store: JsonlStore,
+    create: Any,
+    opening: Any,
+) -> tuple[httpx.Response, httpx.Response, httpx.Response, Any]:
+    """Two turns while the data dir refuses writes (`create` and `opening` in place of the spare
+    files' and `os.open`), each checked to reach the provider only the first time, then one once
+    it takes them again: the three answers, and the app client's reads after them."""
+    upstream = MockUpstream()
+    real_create, real_open = store.spares.create, os.open
+    body = {"model": "mock/m", "messages": [user("hi")], "conversation_id": "c"}
+    async with build_client(make_settings(tmp_path), store, upstream) as client:
+        monkeypatch.setattr(store.spares, "create", create)
+        monkeypatch.setattr(os, "open", opening)
+        first = await client.post("/v1/chat/completions", json=body)
+        held = await client.post("/v1/chat/completions", json=body)
+        assert len(upstream.requests) == 1  # (the second was refused before its provider was asked)
+        monkeypatch.setattr(store.spares, "create", real_create)  # (room again: a probe sees it)
+        monkeypatch.setattr(os, "open", real_open)
+        again = await client.post("/v1/chat/completions", json=body)
+        assert len(upstream.requests) == 2
+        reads = {
+            "items": (await client.get("/v1/conversations/c/items")).json()["data"],
+            "refused": (await client.get(f"/v1/responses/{first.headers['x-response-id']}")).json(),
+            "stored": (await client.get("/v1/chat/completions")).json()["data"],
+        }
+    assert first.status_code == held.status_code == 503
+    return first, held, again, reads
+
+
 async def test_a_data_dir_refusing_writes_refuses_turns_before_their_provider_is_asked(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
@@ -1156,8 +1188,6 @@ async def test_a_data_dir_refusing_writes_refuses_turns_before_their_provider_is
 
     store = JsonlStore(tmp_path / "var")
     await store.open()
-    upstream = MockUpstream()
-    real_create = store.spares.create
 
     def full(path: Path, flags: int) -> int:
         raise OSError(errno.ENOSPC, "No space left on device")
@@ -1169,21 +1199,10 @@ async def test_a_data_dir_refusing_writes_refuses_turns_before_their_provider_is
             raise OSError(errno.ENOSPC, "No space left on device")
         return real_open(path, flags, *args)
 
-    body = {"model": "mock/m", "messages": [user("hi")], "conversation_id": "c"}
-    async with build_client(make_settings(tmp_path), store, upstream) as client:
-        monkeypatch.setattr(store.spares, "create", full)
-        monkeypatch.setattr(os, "open", no_room)
-        first = await client.post("/v1/chat/completions", json=body)
-        held = await client.post("/v1/chat/completions", json=body)
-        assert len(upstream.requests) == 1  # (the second was refused before its provider was asked)
-        monkeypatch.setattr(store.spares, "create", real_create)  # (room again: a probe sees it)
-        monkeypatch.setattr(os, "open", real_open)
-        again = await client.post("/v1/chat/completions", json=body)
-        items = (await client.get("/v1/conversations/c/items")).json()["data"]
-    assert first.status_code == held.status_code == 503
+    _, held, again, reads = await turns_while_refusing(tmp_path, monkeypatch, store, full, no_room)
     assert "No space left on device" in held.json()["error"]["message"]
     assert held.json()["error"]["code"] == "storage_unavailable"
-    assert again.status_code == 200 and len(upstream.requests) == 2 and len(items) == 2
+    assert again.status_code == 200 and len(reads["items"]) == 2
 
 
 async def test_a_conversations_folder_refusing_writes_refuses_turns_before_their_provider(
@@ -1195,7 +1214,6 @@ async def test_a_conversations_folder_refusing_writes_refuses_turns_before_their
 
     store = JsonlStore(tmp_path / "var")
     await store.open()
-    upstream = MockUpstream()
     conversations = str(store.data_dir.conversations_dir)
     real_create, real_open = store.spares.create, os.open
 
@@ -1209,24 +1227,12 @@ async def test_a_conversations_folder_refusing_writes_refuses_turns_before_their
             raise OSError(errno.EROFS, "Read-only file system")
         return real_open(path, flags, *args)
 
-    body = {"model": "mock/m", "messages": [user("hi")], "conversation_id": "c"}
-    async with build_client(make_settings(tmp_path), store, upstream) as client:
-        monkeypatch.setattr(store.spares, "create", create)
-        monkeypatch.setattr(os, "open", opening)
-        first = await client.post("/v1/chat/completions", json=body)
-        held = await client.post("/v1/chat/completions", json=body)
-        assert len(upstream.requests) == 1  # (the second was refused before its provider was asked)
-        monkeypatch.setattr(store.spares, "create", real_create)
-        monkeypatch.setattr(os, "open", real_open)
-        again = await client.post("/v1/chat/completions", json=body)
-        refused = await client.get(f"/v1/responses/{first.headers['x-response-id']}")
-        stored = (await client.get("/v1/chat/completions")).json()["data"]
-    assert first.status_code == held.status_code == 503
+    first, held, again, reads = await turns_while_refusing(tmp_path, monkeypatch, store, create, opening)
     assert "Read-only file system" in held.json()["error"]["message"]
-    assert again.status_code == 200 and len(upstream.requests) == 2
+    assert again.status_code == 200
     # The turn the client was told failed read back as a completed response, and was listed.
-    assert refused.json()["status"] != "completed"
-    assert [c["id"] for c in stored] == [again.headers["x-response-id"]]
+    assert reads["refused"]["status"] != "completed"
+    assert [c["id"] for c in reads["stored"]] == [again.headers["x-response-id"]]
 
 
 async def test_a_disk_with_less_room_than_a_turn_refuses_it_before_its_provider(
