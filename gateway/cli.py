@@ -378,7 +378,8 @@ class _ShowText:
             self.turn(turn)
         for record in after.pop(previous, []):
             click.echo(click.style(f"── {render_compaction(record)}", fg="magenta"))
-        footer = f"{view.turns} turns, {len(view.history)} messages, {sum(self.counts)} tokens"
+        said = f"{view.turns} turn" + ("" if view.turns == 1 else "s")
+        footer = f"{said}, {len(view.history)} messages, {sum(self.counts)} tokens"
         if self.window is not None:
             footer += f" ({self.in_window_total} of them in the last turn's window)"
         click.echo(click.style(footer, dim=True))
@@ -418,7 +419,7 @@ class _ShowText:
             for pos, m in enumerate(messages):
                 why = self.unsent.why(turn.response_id, pos) if live else None  # deleted since, say
                 note = f"{why}: no longer sent" if why is not None else ""
-                click.echo(click.style(render_message(m, note=note), dim=True))
+                click.echo(render_message(m, note=note, dim=True))
             if (
                 window is not None
                 and self.summarized
@@ -442,7 +443,7 @@ class _ShowText:
             return
         why = self.unsent.why(turn.response_id, pos)  # deleted, cut by a later edit, or an orphan
         if why is not None:
-            click.echo(click.style(render_message(m, note=f"{why}: no longer sent"), dim=True))
+            click.echo(render_message(m, note=f"{why}: no longer sent", dim=True))
             return
         n = self.stored_count.get((turn.response_id, pos)) or count_message(m)
         parts, given = self.unsent.parts(turn.response_id, pos)  # (deleted alone: the rest is sent)
@@ -451,7 +452,7 @@ class _ShowText:
         if not self.in_window(turn, m, pos):
             outside = "outside the last turn's window: left out or summarized"
             note = f"{outside}; {deleted}" if deleted else outside
-            click.echo(click.style(render_message(m, tokens=n, note=note), dim=True))
+            click.echo(render_message(m, tokens=n, note=note, dim=True))
             return
         if self.window is not None and not self.marked:  # the window begins inside this turn
             self.marked = True

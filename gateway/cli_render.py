@@ -50,9 +50,12 @@ def text(message: Message) -> str:
     return visible(text)
 
 
-def render_message(message: Message, *, tokens: int | None = None, note: str = "") -> str:
+def render_message(message: Message, *, tokens: int | None = None, note: str = "", dim: bool = False) -> str:
+    """A message as `show` and `tail` print it; `dim`: all of it faint (one no longer sent: its
+    head's own style ended a faintness put around the whole, and its text read as sent)."""
     role = str(message.get("role", "?"))
-    head = click.style(f"{role:>9}", bold=True, fg={"user": "cyan", "assistant": "green"}.get(role, "yellow"))
+    colour = {"user": "cyan", "assistant": "green"}.get(role, "yellow")
+    head = click.style(f"{role:>9}", bold=None if dim else True, dim=dim, fg=colour)
     extra = []
     if tokens is not None:
         extra.append(f"{tokens} tok")
@@ -64,7 +67,7 @@ def render_message(message: Message, *, tokens: int | None = None, note: str = "
         extra.append(note)
     suffix = click.style(f"  ({', '.join(extra)})", dim=True) if extra else ""
     body = textwrap.indent(text(message), " " * 11).lstrip()
-    return f"{head}  {body}{suffix}"
+    return f"{head}  {click.style(body, dim=True) if dim else body}{suffix}"
 
 
 def render_compaction(record: Record) -> str:
@@ -232,7 +235,13 @@ def render_context(record: Record, *, show_messages: bool) -> None:
         )
         if "cut" in record:
             start = record.get("window_from") or "the conversation's first message"
-            how = "cut here (a new head)" if record.get("cut") else "held (the previous turn's head)"
+            how = (
+                "cut here (a new head)"
+                if record.get("cut")
+                else "the conversation's first"
+                if not record.get("stored_turns")
+                else "held (the previous turn's head)"
+            )
             click.echo(f"head         {how}; history from {start}")
         if record.get("summary_version") is not None:
             covers = record.get("summary_covers_messages")

@@ -33,3 +33,12 @@ def test_an_attempt_without_an_ending_is_in_progress_or_interrupted(capsys: obje
     assert "in progress  (no answer recorded yet)" in attempt(writer())
     gone = attempt(f"{socket.gethostname()}/999999999/1")
     assert "incomplete   interrupted: the gateway process handling it stopped before it ended" in gone
+
+
+def test_a_message_no_longer_sent_is_faint_to_its_end() -> None:
+    """Faintness put around the whole was ended by the role's own style: its text read as sent."""
+    from gateway.cli_render import render_message
+
+    shown = render_message({"role": "user", "content": "hello there"}, note="no longer sent", dim=True)
+    assert "\x1b[2mhello there" in shown and "\x1b[1m" not in shown
+    assert "\x1b[1m" in render_message({"role": "user", "content": "hello there"})  # (sent: bold role)
