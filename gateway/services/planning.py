@@ -339,6 +339,11 @@ class Planner:
                 fitted = await fit(held_summary, start, route, request)
             if fitted is not None and not fitted.window.held:
                 fitted = None
+            if fitted is not None and fitted.window.omitted and _closes_more(newest, held_summary):
+                # Messages in neither the summary nor the window (a cut came before its summary
+                # was ready: an edit, a request of many messages), and a newer summary is ready:
+                # a cut now lets it in, where holding kept the gap until the next cut.
+                fitted = None
         cut = fitted is None
         if fitted is None:  # a cut: the newest summary enters here, and only here
             fitted = await fit(newest, newest.covered if newest is not None else None, route, request)
@@ -633,3 +638,8 @@ def tools_cost(tools_json: str, encoding: str) -> int:
 
 def _cleaned(system: list[Message] | None) -> list[Message]:
     return [clean_message(m) for m in system or []]
+
+
+def _closes_more(newest: Summary | None, held: Summary | None) -> bool:
+    """Does the newest summary cover more than the one the head holds?"""
+    return newest is not None and newest.covered > (held.covered if held is not None else 0)

@@ -248,3 +248,33 @@ async def test_an_edit_after_the_head_has_the_next_cuts_summary_asked_again() ->
             snapshots.append(await turn(transcript))
     assert any(s["cut"] for s in snapshots)
     assert [s["truncated"] for s in snapshots] == [0] * len(snapshots)
+
+
+async def test_a_summary_ready_after_its_cut_enters_at_once_rather_than_at_the_next_cut() -> None:
+    """A cut that came before its summary was ready (the summarizer slow, an edit, a request of
+    many messages) left messages in neither the summary nor the window until the following
+    cut, turns later; a cut now lets the summary in as soon as it is ready."""
+    settings = make_settings()
+    context = {"strategy": "summarize", "max_history_messages": 12, "keep_recent_messages": 2, "cut_to": 0.5}
+    settings = settings.model_copy(update={"context": settings.context.model_copy(update=context)})
+    ready = asyncio.Event()
+
+    class SlowSummaries(MockUpstream):
+        async def complete(self, body: dict[str, Any], *, waited: float = 0.0) -> Any:  # type: ignore[override]
+            if str(body["messages"][0].get("content")).startswith("You maintain the running summary"):
+                await ready.wait()
+            return await super().complete(body, waited=waited)
+
+    async with build_client(settings, MemoryStore(), SlowSummaries()) as client:
+        snapshots = []
+        for i in range(12):
+            await say_each(client, "slow", [f"turn {i}"])
+            snapshots.append((await client.get("/v1/conversations/slow/context")).json())
+            if snapshots[-1]["cut"]:
+                break
+        assert snapshots[-1]["cut"] and snapshots[-1]["truncated"] > 0  # (no summary yet: a gap)
+        ready.set()
+        await app_of(client).state.summarizer.wait_idle()
+        await say_each(client, "slow", ["and now?"])
+        after = (await client.get("/v1/conversations/slow/context")).json()
+    assert after["cut"] and after["summary_version"] is not None and after["truncated"] == 0
