@@ -84,6 +84,29 @@ def _whole_turns_from(
     return start
 
 
+def _with_its_question(
+    conversation: Sequence[Message],
+    tokens: Sequence[int],
+    start: int,
+    pinned_from: int,
+    room: int,
+    max_messages: int,
+) -> int:
+    """A cut's history that begins with an answer (the one before the request, a tool exchange
+    and all, kept without its question) begins with its question instead when the whole `room`
+    and `max_messages` still hold it: the low water is where a cut aims, the whole window what
+    it may not pass."""
+    if conversation[start].get("role") != "assistant":
+        return start
+    question = start - 1
+    while question > 0 and conversation[question].get("role") in ("assistant", "tool"):
+        question -= 1  # (back over the exchange the answer ends: calls, results)
+    if conversation[question].get("role") != "user":
+        return start
+    fits = pinned_from - question <= max_messages and sum(tokens[question:pinned_from]) <= room
+    return question if fits else start
+
+
 @dataclass(frozen=True, slots=True)
 class Window:
     """What goes upstream, and the numbers that explain it."""
@@ -202,6 +225,15 @@ def fit_window(
             omitted_before,
         )
     )
+    if not held and 0 < kept_from < pinned_from:
+        kept_from = _with_its_question(
+            conversation,
+            conversation_tokens,
+            kept_from,
+            pinned_from,
+            room - marker_bound,
+            max(max_history_messages, keep_recent),
+        )
     # Stored messages left out: a result the repair added for an unanswered call is not one.
     added = sum(1 for m in conversation[:kept_from] if m.get("content") == UNANSWERED_TOOL_RESULT)
     omitted = max(0, omitted_before + kept_from - added) + dropped_first

@@ -133,3 +133,41 @@ def test_head_from_a_context_snapshot() -> None:
     assert Head.of({"window_from": None, "summary_version": None}) == Head(None, None)
     assert Head.of({"truncated": 2}) is None  # recorded before heads: unknown
     assert Head.of({"window_from": 5, "summary_version": True}) == Head(None, None)
+
+
+def test_a_cut_keeps_the_question_of_a_tool_exchange_it_keeps_when_the_window_holds_it() -> None:
+    """Cut to the low water (4 of 8 messages), a tool turn (question, calls, two results,
+    answer: 5 messages) lost its question: the prompt began with the assistant's calls, which
+    chat templates requiring user/assistant alternation refuse, though 8 messages held it."""
+    calls = [
+        {"id": f"c{k}", "type": "function", "function": {"name": "f", "arguments": "{}"}} for k in (1, 2)
+    ]
+    turn = [
+        u("look it up"),
+        {"role": "assistant", "content": None, "tool_calls": calls},
+        {"role": "tool", "tool_call_id": "c1", "content": "one"},
+        {"role": "tool", "tool_call_id": "c2", "content": "two"},
+        a("found it"),
+    ]
+    conversation = [*turn, *turn, u("and now?")]
+    window = fit_window(
+        system=SYSTEM,
+        system_tokens=[count(m) for m in SYSTEM],
+        conversation=conversation,
+        conversation_tokens=[count(m) for m in conversation],
+        first_new=len(conversation) - 1,
+        budget=100_000,
+        max_history_messages=8,
+        marker_tokens=marker_tokens,
+        cut_share=0.6,
+    )
+    assert [m["role"] for m in window.messages] == [
+        "system",
+        "system",
+        "user",
+        "assistant",
+        "tool",
+        "tool",
+        "assistant",
+        "user",
+    ]
