@@ -8,11 +8,10 @@ from __future__ import annotations
 
 import asyncio
 import errno
-import functools
 import os
 import shutil
-from collections.abc import Callable
 from pathlib import Path
+from typing import NoReturn
 
 from gateway.config import Settings
 from gateway.exceptions import GatewayError
@@ -31,11 +30,13 @@ def _data_files(root: Path) -> list[Path]:
     for base in bases:
         for folder in (base / "logs", base / "archive"):
             if folder.is_dir():
-                found += [
-                    p.relative_to(root)
-                    for p in sorted(folder.rglob("*"))
-                    if p.is_file() and "journal" not in p.relative_to(folder).parts[:1]
-                ]
+                for p in sorted(folder.rglob("*")):
+                    if "journal" in p.relative_to(folder).parts[:1]:
+                        continue
+                    if p.is_file():
+                        found.append(p.relative_to(root))
+                    elif p.name.endswith(".jsonl"):  # (a folder, a FIFO: left out, it lost data)
+                        raise GatewayError(f"{p} is not a file (gateway fsck names it); nothing was copied")
     return found
 
 
@@ -77,33 +78,37 @@ def _copy_data(source: Path, target: Path) -> int:
     rest.sort(key=lambda rel: 0 if "responses" in rel.parts else 1)
     written = 0
 
-    def put(rel: Path, copy: Callable[[Path], object]) -> None:
+    def put(rel: Path, data: bytes, *, times: bool = True) -> None:
         dest = target / rel
         try:
             if dest.exists():
                 raise FileExistsError(errno.EEXIST, "it exists now")
             dest.parent.mkdir(parents=True, exist_ok=True)
             temp = dest.with_name(f".{dest.name}.importing")
-            copy(temp)
+            _write(data, temp)
+            if times:  # (as the copy it was: a response file's times are its own)
+                shutil.copystat(source / rel, temp)
             os.replace(temp, dest)
         except OSError as exc:
-            read = exc.filename is not None and Path(os.fsdecode(exc.filename)) == source / rel
-            what = f"read {source / rel}" if read else f"write {dest}"
-            raise GatewayError(
-                f"could not {what} ({exc.strerror or exc}): {written} of {len(rest) + len(indexes)} "
-                f"files copied into {target} (responses first, the conversations' indexes last)"
-            ) from None
+            failed(f"write {dest}", exc)
+
+    def failed(what: str, exc: OSError) -> NoReturn:
+        raise GatewayError(
+            f"could not {what} ({exc.strerror or exc}): {written} of {len(rest) + len(indexes)} "
+            f"files copied into {target} (responses first, the conversations' indexes last)"
+        ) from None
 
     for rel in rest:
         try:
-            put(rel, functools.partial(shutil.copy2, source / rel))
-        except GatewayError:
-            if (source / rel).exists():
-                raise
+            data = (source / rel).read_bytes()  # (read apart from the write: a failure says which)
+        except FileNotFoundError:
             continue  # (deleted since it was listed: a file a turn no longer needs)
+        except OSError as exc:
+            failed(f"read {source / rel}", exc)
+        put(rel, data)
         written += 1
     for rel, data in indexes.items():
-        put(rel, functools.partial(_write, data))
+        put(rel, data, times=False)
         written += 1
     return written
 

@@ -160,9 +160,11 @@ def test_fsck_names_a_file_no_reader_can_open_and_leaves_it(tmp_path: Path, upst
     (logs / "responses" / "mock-m-0123456789ab.jsonl").mkdir(parents=True)
     (logs / "conversations" / "c1.jsonl").mkdir(parents=True)
     (logs / "conversations" / "c2.jsonl").write_text("mock-m-0123456789ab\n")
+    os.mkfifo(logs / "responses" / "mock-m-0123456789ac.jsonl")  # (its read waited for ever)
     for args in ((), ("--repair",)):
         done = fsck(data_dir, config, *args)
         assert done.returncode == 1 and "Traceback" not in done.stderr, done.stderr
         assert "logs/responses/mock-m-0123456789ab.jsonl: cannot be read (Is a directory)" in done.stdout
         assert "logs/conversations/c1.jsonl: cannot be read (Is a directory)" in done.stdout
+        assert "logs/responses/mock-m-0123456789ac.jsonl: cannot be read (not a regular file)" in done.stdout
     assert (logs / "conversations" / "c2.jsonl").read_text() == "mock-m-0123456789ab\n"  # (left)

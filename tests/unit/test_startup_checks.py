@@ -76,23 +76,34 @@ def test_an_import_into_a_data_dir_that_is_a_file_is_one_line(tmp_path: Path) ->
 
 
 def test_an_export_that_cannot_read_a_file_says_so(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    """It said "could not write" the copy in the target of a file it could not read."""
-    import shutil
-
+    """It said "could not write" the copy in the target of a file it could not read, and left
+    out a folder or FIFO where a file should be without a word (exit 0, data missing)."""
     from gateway.exceptions import GatewayError
     from gateway.services.transfer import export_data
     from tests.conftest import make_settings
 
     source = tmp_path / "var" / "logs" / "responses"
     source.mkdir(parents=True)
-    (source / "demo-0123456789ab.jsonl").write_text("{}\n")
+    broken = source / "demo-0123456789ab.jsonl"
+    broken.write_text("{}\n")
+    real_read = Path.read_bytes
 
-    def unreadable(src: Path, dst: Path) -> None:
-        raise PermissionError(13, "Permission denied", str(src))
+    def unreadable(path: Path) -> bytes:
+        if path == broken:
+            raise OSError(5, "Input/output error", str(path))
+        return real_read(path)
 
-    monkeypatch.setattr(shutil, "copy2", unreadable)
-    with pytest.raises(GatewayError, match=r"could not read .*demo-0123456789ab.jsonl \(Permission denied\)"):
+    monkeypatch.setattr(Path, "read_bytes", unreadable)
+    with pytest.raises(
+        GatewayError, match=r"could not read .*demo-0123456789ab.jsonl \(Input/output error\)"
+    ):
         export_data(make_settings(tmp_path), tmp_path / "exported")
+    monkeypatch.undo()
+    broken.unlink()
+    broken.mkdir()
+    with pytest.raises(GatewayError, match=r"demo-0123456789ab.jsonl is not a file"):
+        export_data(make_settings(tmp_path), tmp_path / "exported2")
+    assert not (tmp_path / "exported2").exists()
 
 
 async def test_a_response_read_through_a_file_where_a_folder_was_says_why(tmp_path: Path) -> None:

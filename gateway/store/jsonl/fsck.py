@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import asyncio
 import os
+import stat
 import time
 from collections.abc import Callable
 from contextlib import AbstractAsyncContextManager
@@ -53,6 +54,9 @@ def scan(path: Path, *, index: bool = False) -> Scanned | None:
     None when there is no such file.
     """
     try:
+        mode = os.stat(path).st_mode
+        if not stat.S_ISREG(mode) and not stat.S_ISDIR(mode):  # (a FIFO's read waits for ever)
+            return Scanned(b"", unreadable="not a regular file")
         data = path.read_bytes()
     except FileNotFoundError:
         return None
