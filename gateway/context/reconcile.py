@@ -96,7 +96,8 @@ def reconcile(incoming: Sequence[Message], view: ConversationView) -> Reconciled
     - starts with a stored run that is not the tail, an answer among it (a trimmed history that
       was edited or regenerated): a branch after that run;
     - differs from the stored history in its first message alone, an answer among the rest (the
-      first message edited): a branch at the start;
+      first message edited), or in its beginning alone, laid against the stored end (its first
+      turn edited, a message put before it): a branch where that copy begins;
     - else every message is new. The last message is always new: one that is the stored last
       answer, or text going on from it, after nothing or after what is stored before that answer,
       takes that answer back to go on from it (a prefill).
@@ -163,7 +164,20 @@ def _edited_elsewhere(
     after_first = _common_prefix(incoming[1 : len(incoming) - 1], history[1:])
     if any(message.get("role") == "assistant" for message in incoming[1 : 1 + after_first]):
         return _branch(incoming, 0, view)
+    # Its end as the stored history's end, an answer among it, its beginning not (its first
+    # turn edited, a message put before it, or trimmed with its new first message edited): the
+    # client's version, from where its copy begins when laid against the stored one's end.
+    same_end = _common_suffix(keys, history)
+    if any(message.get("role") == "assistant" for message in incoming[len(keys) - same_end : len(keys)]):
+        return _branch(incoming, max(0, len(history) - len(keys)), view)
     return None
+
+
+def _common_suffix(keys: Sequence[bytes], stored: Sequence[bytes]) -> int:
+    n = 0
+    while n < len(keys) and n < len(stored) and keys[-1 - n] == stored[-1 - n]:
+        n += 1
+    return n
 
 
 def _without_tool_results(

@@ -76,6 +76,15 @@ def test_the_rules_with_examples() -> None:
     first_edited = reconcile(resent, view)
     assert first_edited.new == resent and first_edited.branch_at == 0 and not first_edited.regenerated
     assert first_edited.left_from == ("r0", 0)
+    # laid against the stored end: its first turn edited, a message put before it, or trimmed
+    # with its new first message edited (each was appended whole: every message twice)
+    turn_edited = [u("q1, better"), a("a1, better"), u("q2"), a("a2"), u("q3")]
+    assert reconcile(turn_edited, view) == type(edited)(turn_edited, 0, False, ("r0", 0))
+    put_before = [u("first of all"), u("q1"), a("a1"), u("q2"), a("a2"), u("q3")]
+    assert reconcile(put_before, view).branch_at == 0 and reconcile(put_before, view).new == put_before
+    longer = view_of(("q1", "a1"), ("q2", "a2"), ("q3", "a3"))
+    trimmed_first_edited = [u("q2, better"), a("a2"), u("q3"), a("a3"), u("q4")]
+    assert reconcile(trimmed_first_edited, longer) == type(edited)(trimmed_first_edited, 2, False, ("r1", 0))
 
 
 async def test_an_edited_first_message_reaches_the_model_once_with_the_rest() -> None:
