@@ -1232,6 +1232,7 @@ async def test_a_conversations_folder_refusing_writes_refuses_turns_before_their
     assert again.status_code == 200
     # The turn the client was told failed read back as a completed response, and was listed.
     assert reads["refused"]["status"] != "completed"
+    assert reads["refused"]["error"]["code"] == "storage_unavailable"  # (as its 503 said)
     assert [c["id"] for c in reads["stored"]] == [again.headers["x-response-id"]]
 
 

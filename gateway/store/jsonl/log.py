@@ -282,7 +282,8 @@ class JsonlLog(ResponseLog):
                     os.truncate(index, before)
             except OSError as exc:
                 log.error("could not take %s back out of %s: %s", self.response_id, index, exc)
-        line = orjson.dumps({"type": "incomplete", "reason": "storage_error", "error": {"message": reason}})
+        error = {"message": reason, "code": StorageError.code}  # (the code its client was answered with)
+        line = orjson.dumps({"type": "incomplete", "reason": "storage_error", "error": error})
         if self._fd >= 0:
             os.close(self._fd)
             self._fd = -1

@@ -176,7 +176,8 @@ class PostgresLog(ResponseLog):
         """End the log with `incomplete` after a failed commit, best effort.
 
         Never after a commit record, in case the failure hid a commit that did happen."""
-        rows = [*rows, encode_record({"type": "incomplete", "reason": reason, "error": {"message": message}})]
+        error = {"message": message, "code": StorageError.code}  # (the code its client was answered with)
+        rows = [*rows, encode_record({"type": "incomplete", "reason": reason, "error": error})]
         try:
             await self.db.insert(self.response_id, rows, 0, unless_committed=True)
         except StorageError as exc:
