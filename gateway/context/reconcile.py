@@ -6,10 +6,11 @@ edits it (a branch).
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from gateway.context.history import ConversationView, NotLoaded, message_key
+from gateway.context.history import ConversationView, NotLoaded, is_feedback, message_key
 from gateway.types import Message
 
 
@@ -86,6 +87,41 @@ def _going_on(incoming: Sequence[Message], view: ConversationView) -> Reconciled
 def reconcile(incoming: Sequence[Message], view: ConversationView) -> Reconciled:
     """Match the request's messages (system prompt already split off) with the stored ones.
 
+    What a resent copy brings beside its last turn holds no feedback (see `_past_feedback_out`).
+    """
+    matched = _match(incoming, view)
+    new = _past_feedback_out(matched.new)
+    return matched if len(new) == len(matched.new) else dataclasses.replace(matched, new=new)
+
+
+def _past_feedback_out(new: list[Message]) -> list[Message]:
+    """`new` without the feedback of its past turns (those an answer in it follows: a resent
+    copy that keeps the feedback its client sent): a feedback-only turn goes whole, its reply
+    too, and feedback beside other messages goes alone. Each was forwarded once, when it was
+    new, and was sent again, its reply then stored as history for good."""
+    last_answer = max((i for i, m in enumerate(new) if m.get("role") == "assistant"), default=-1)
+    if not any(is_feedback(m) for m in new[:last_answer]):
+        return new
+    out: list[Message] = []
+    i = 0
+    while i <= last_answer:
+        j = i
+        while j <= last_answer and new[j].get("role") != "assistant":
+            j += 1
+        said = new[i:j]  # a turn's input, then its answer from j on
+        k = j
+        while k <= last_answer and new[k].get("role") in ("assistant", "tool"):
+            k += 1
+        if said and all(is_feedback(m) for m in said):
+            i = k  # (a feedback-only turn: its answer goes with it)
+            continue
+        out += [m for m in said if not is_feedback(m)] + new[j:k]
+        i = k
+    return out + new[last_answer + 1 :]
+
+
+def _match(incoming: Sequence[Message], view: ConversationView) -> Reconciled:
+    """`reconcile`'s rules, in order:
     - starts with everything stored: the rest is new (a full-history client);
     - starts with part of the stored history, then differs (an edited message, a regenerated
       answer): the conversation branches where they differ and continues with the client's
@@ -119,7 +155,7 @@ def reconcile(incoming: Sequence[Message], view: ConversationView) -> Reconciled
     shared = min(_common_prefix(incoming, history), n - 1)
     if shared >= m:
         return Reconciled(list(incoming[shared:]))
-    answered = any(msg.get("role") == "assistant" for msg in incoming[: n - 1])
+    answered = _answers(incoming[: n - 1])
     if answered:
         toolless = _without_tool_results(incoming, view, shared)
         if toolless is not None:
@@ -130,28 +166,42 @@ def reconcile(incoming: Sequence[Message], view: ConversationView) -> Reconciled
         # feedback): it diverges where it leaves the transcript, and what it resends before
         # that is not new.
         return _branch(incoming[common:], _in_history(transcript[:common], history), view)
-    if shared > 0 and answered:
-        return _branch(incoming[shared:], shared, view)
     keys = [message_key(msg) for msg in incoming[: n - 1]]
-    # The longest overlap with the stored tail: the transcript's (a copy that still holds
-    # messages left out of history since), else the history's (a copy without them).
     table = _failure_table(keys)
-    for stored in (transcript, history):
-        k = _matched_at_end(keys, table, stored)
-        if k:
-            return Reconciled(list(incoming[k:]))
+    # The longest overlap with the stored tail: the transcript's (a copy that still holds
+    # messages left out of history since) or the history's (a copy without them).
+    k = max(_matched_at_end(keys, table, transcript), _matched_at_end(keys, table, history))
+    if shared > 0 and answered and not (k == len(keys) and not _answers(incoming[:shared])):
+        # (A copy that is the stored tail whole, its start alone the stored start, no answer in
+        # it, is a trimmed one whose first message repeats the conversation's: "continue".)
+        return _branch(incoming[shared:], shared, view)
+    if k and not _answers(incoming[k : n - 1]):
+        return Reconciled(list(incoming[k:]))
+    # An overlap after which answers follow (one "ok" like the stored last): a copy that was
+    # edited is likelier, else it is the overlap still.
     edited = _edited_elsewhere(incoming, keys, table, view) if answered else None
-    return edited if edited is not None else Reconciled(list(incoming))
+    return edited if edited is not None else Reconciled(list(incoming[k:]))
+
+
+def _answers(messages: Sequence[Message]) -> bool:
+    return any(message.get("role") == "assistant" for message in messages)
 
 
 def _edited_elsewhere(
     incoming: Sequence[Message], keys: Sequence[bytes], table: Sequence[int], view: ConversationView
 ) -> Reconciled | None:
-    """A resent history, an answer among it, that neither starts nor ends as the stored one:
-    a trimmed one edited or regenerated (a branch after the stored run it starts with), or one
-    whose first message alone was edited (a branch at the start: it was appended whole, every
-    message twice, the edit beside the original). None: neither."""
+    """A resent history, an answer among it, that neither starts nor ends as the stored one
+    whole (None: none of these):
+    - its end the stored end, an answer among it, its beginning not (its first turn edited, a
+      message put before it, a trimmed one with its new first message edited): the client's
+      version from where its copy begins, laid against the stored end (it was appended whole,
+      every message twice);
+    - a trimmed one edited or regenerated: a branch after the stored run it starts with;
+    - one whose first message alone was edited, its end edited too: a branch at the start."""
     transcript, history = view.keys("transcript"), view.keys("history")
+    same_end = _common_suffix(keys, history)
+    if _answers(incoming[len(keys) - same_end : len(keys)]):
+        return _branch(incoming, max(0, len(history) - len(keys)), view)
     first_answer = [msg.get("role") for msg in incoming].index("assistant")
     trimmed = _trimmed_divergence(keys, table, first_answer, transcript)
     if trimmed is not None:  # a run of the transcript: branch after its history messages
@@ -162,14 +212,8 @@ def _edited_elsewhere(
         shared, branch_at = trimmed
         return _branch(incoming[shared:], branch_at, view)
     after_first = _common_prefix(incoming[1 : len(incoming) - 1], history[1:])
-    if any(message.get("role") == "assistant" for message in incoming[1 : 1 + after_first]):
+    if _answers(incoming[1 : 1 + after_first]):
         return _branch(incoming, 0, view)
-    # Its end as the stored history's end, an answer among it, its beginning not (its first
-    # turn edited, a message put before it, or trimmed with its new first message edited): the
-    # client's version, from where its copy begins when laid against the stored one's end.
-    same_end = _common_suffix(keys, history)
-    if any(message.get("role") == "assistant" for message in incoming[len(keys) - same_end : len(keys)]):
-        return _branch(incoming, max(0, len(history) - len(keys)), view)
     return None
 
 

@@ -87,6 +87,24 @@ def test_the_rules_with_examples() -> None:
     assert reconcile(trimmed_first_edited, longer) == type(edited)(trimmed_first_edited, 2, False, ("r1", 0))
 
 
+def test_a_trimmed_copy_is_told_from_an_edit_when_messages_repeat() -> None:
+    """A trimmed copy whose first message repeats the conversation's first ("continue") was
+    taken for an edit there, three messages lost; an overlap of one repeated answer ("ok")
+    with the stored end won over an edit of the copy (appended: every message twice), and over
+    the whole copy's overlap with a history that holds a feedback turn."""
+    stored = view_of(("continue", "a1"), ("what is 2+2?", "a2"), ("continue", "a3"), ("and 3+3?", "a4"))
+    trimmed = [u("continue"), a("a3"), u("and 3+3?"), a("a4"), u("and 4+4?")]
+    assert reconcile(trimmed, stored) == type(reconcile(trimmed, stored))([u("and 4+4?")])
+    oks = view_of(("q1", "ok"), ("q2", "ok"), ("q3", "ok"))
+    edited = reconcile([a("ok"), u("q2, better"), a("ok"), u("q3"), a("ok"), u("q4")], oks)
+    assert edited.branch_at == 1 and edited.new[1] == u("q2, better")
+    with_feedback = view_of(("q1", "ok"), ("q2", "ok"))
+    with_feedback.extend(Turn("rf", ({**u("thumbs down"), "is_feedback": True},), a("ok")))
+    with_feedback.extend(Turn("r3", (u("q3"),), a("ok")))
+    resent = reconcile([a("ok"), u("q2"), a("ok"), u("q3"), a("ok"), u("q4")], with_feedback)
+    assert resent.new == [u("q4")] and resent.branch_at is None
+
+
 async def test_an_edited_first_message_reaches_the_model_once_with_the_rest() -> None:
     upstream = MockUpstream(lambda body: "ok")
     async with build_client(make_settings(), MemoryStore(), upstream) as client:
@@ -420,3 +438,20 @@ def test_a_turn_heading_names_the_kind_of_branch() -> None:
     # recorded before the two were told apart: neither
     older = heading(branch_at=2)
     assert "continues after message 2" in older and "edit" not in older and "regenerated" not in older
+
+
+def test_feedback_kept_in_a_resent_copy_is_not_sent_or_stored_again() -> None:
+    """A copy that keeps the feedback its client sent, edited before it: the feedback went to
+    the model again, and its reply was stored as history for good (two answers in a row)."""
+    fb = {**u("thumbs down"), "is_feedback": True}
+    view = view_of(("u1", "a1"), ("u2", "a2"))
+    view.extend(Turn("rf", (fb,), a("sorry")))
+    view.extend(Turn("r3", (u("u3"),), a("a3")))
+    edited = reconcile(
+        [u("u1"), a("a1"), u("u2, better"), a("a2"), fb, a("sorry"), u("u3"), a("a3"), u("u4")], view
+    )
+    assert edited.branch_at == 2
+    assert edited.new == [u("u2, better"), a("a2"), u("u3"), a("a3"), u("u4")]
+    # Beside another message, the feedback goes alone; the request's own feedback stays.
+    beside = reconcile([u("u1"), a("a1"), u("u2, better"), fb, a("a2"), fb], view)
+    assert beside.new == [u("u2, better"), a("a2"), fb]
