@@ -120,3 +120,32 @@ async def test_a_response_read_through_a_file_where_a_folder_was_says_why(tmp_pa
     # The file by its folder and name (a CLI's operator is told which), never a server path.
     assert raised.value.message.endswith("(responses/demo-0123456789ab.jsonl)")
     assert str(tmp_path) not in raised.value.message
+
+
+async def test_a_fifo_where_a_data_file_should_be_does_not_stop_the_reads(tmp_path: Path) -> None:
+    """Opening a FIFO waits for a writer: one in place of a response file or an index froze the
+    event loop (every request with it) and the CLI's read commands."""
+    import os
+    import signal
+
+    from gateway.exceptions import GatewayError
+
+    def waited(signum: int, frame: object) -> None:  # (a blocked open is no await to time out)
+        raise TimeoutError("a read waited on the FIFO")
+
+    store = JsonlStore(tmp_path / "var")
+    await store.open()
+    os.mkfifo(store.data_dir.responses_dir / "demo-0123456789ab.jsonl")
+    os.mkfifo(store.data_dir.conversations_dir / "c1.jsonl")
+    before = signal.signal(signal.SIGALRM, waited)
+    signal.alarm(5)
+    try:
+        assert await store.read_response("demo-0123456789ab") == []
+        try:
+            await store.read_index("c1")
+        except GatewayError:
+            pass  # (an answer, whichever: not a wait)
+    finally:
+        signal.alarm(0)
+        signal.signal(signal.SIGALRM, before)
+        await store.close()

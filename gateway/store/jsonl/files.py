@@ -172,6 +172,23 @@ def os_errors(action: str) -> Iterator[None]:
         raise StorageError(f"could not {action}: {exc.strerror or type(exc).__name__}{where}") from exc
 
 
+# Reads never wait on a FIFO where a data file should be (its open waits for a writer: one froze
+# the event loop, and every request with it); a regular file reads as ever.
+READ_FLAGS = os.O_RDONLY | os.O_CLOEXEC | os.O_NONBLOCK
+
+
+def read_whole(path: Path | str) -> bytes:
+    """A file's bytes, as `Path.read_bytes` reads them, with READ_FLAGS (a FIFO reads empty)."""
+    fd = os.open(path, READ_FLAGS)
+    try:
+        parts = []
+        while chunk := os.read(fd, max(os.fstat(fd).st_size, 1 << 16)):
+            parts.append(chunk)
+        return b"".join(parts)
+    finally:
+        os.close(fd)
+
+
 def fsync_dir(path: Path) -> None:
     fd = os.open(path, os.O_RDONLY)
     try:
@@ -210,7 +227,7 @@ def read_records(path: Path, shown: str, *, skip_context: bool = False) -> list[
     still be writing.
     """
     try:
-        data = path.read_bytes()
+        data = read_whole(path)
     except FileNotFoundError:
         return []
     whole = data.rfind(b"\n") + 1
@@ -258,7 +275,7 @@ def read_turn_records(path: Path, shown: str) -> list[Record]:
     is read whole.
     """
     try:
-        fd = os.open(path, os.O_RDONLY)
+        fd = os.open(path, READ_FLAGS)
     except FileNotFoundError:
         return []
     try:

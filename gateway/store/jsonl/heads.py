@@ -35,7 +35,7 @@ from pathlib import Path
 import orjson
 
 from gateway.ids import is_valid_response_id
-from gateway.store.jsonl.files import write_all
+from gateway.store.jsonl.files import READ_FLAGS, write_all
 from gateway.types import Api, request_api
 
 log = logging.getLogger("gateway.store")
@@ -100,7 +100,7 @@ def last_record_type(path: Path) -> str | None:
     is read (a reply whose ending is not written yet: an ending is short).
     """
     try:
-        fd = os.open(path, os.O_RDONLY)
+        fd = os.open(path, READ_FLAGS)
     except FileNotFoundError:
         return None
     try:

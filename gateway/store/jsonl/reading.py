@@ -11,7 +11,7 @@ import os
 from pathlib import Path
 
 from gateway.store.base import Version
-from gateway.store.jsonl.files import index_generation, read_index_lines
+from gateway.store.jsonl.files import READ_FLAGS, index_generation, read_index_lines
 from gateway.types import Record
 
 log = logging.getLogger("gateway.store")
@@ -37,7 +37,7 @@ def read_index_after(
     `shown`: `path` as errors name it; `repair`: cut a torn last line (only a holder of the
     conversation's lock may)."""
     try:
-        fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)  # (no buffered file: four system calls fewer)
+        fd = os.open(path, READ_FLAGS)  # (no buffered file: four system calls fewer)
     except FileNotFoundError:
         return None
     try:
@@ -64,7 +64,7 @@ def index_version(path: Path) -> Version | None:
     None: there is no index. One with a torn last line is at no version a reader was given.
     """
     try:
-        fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
+        fd = os.open(path, READ_FLAGS)
     except FileNotFoundError:
         return None
     try:

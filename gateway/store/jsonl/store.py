@@ -51,6 +51,7 @@ from gateway.store.jsonl.files import (
     probe_file,
     read_records,
     read_turn_records,
+    read_whole,
     write_all,
 )
 from gateway.store.jsonl.heads import Heads, last_record_type
@@ -316,7 +317,7 @@ class JsonlStore(Store):
         path = self.data_dir.index_path(conversation_id)
         with os_errors("read the conversation"):
             try:
-                data = path.read_bytes()
+                data = read_whole(path)
             except FileNotFoundError:
                 raise NotFound(f"No conversation {conversation_id!r}", param="conversation_id") from None
         entries, _ = parse_index(data, path=self.data_dir.shown(path))
