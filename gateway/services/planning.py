@@ -357,6 +357,13 @@ class Planner:
         target = None
         if ctx.strategy == "summarize" and view.history_count and not (newest and newest.covered > kept_abs):
             target = self._next_summary((id(store), inputs.cid), kept_abs, frame, part, window, budget)
+            if target is None and window.omitted:
+                # Messages in neither the summary nor the window (a cut came first: an edit, a
+                # request of many messages): a summary through them, asked now, closes the gap
+                # at the next turn (`_closes_more`); the next cut's was not due for turns yet.
+                gap_end = snap_to_turn_end(view, kept_abs)
+                if gap_end > (newest.covered if newest is not None else 0) and gap_end <= view.history_count:
+                    target = view.history_owner[view.loaded_from(gap_end - 1)]
         summary = part.summary
         chosen = ContextPlan(
             window=window,

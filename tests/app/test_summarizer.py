@@ -278,3 +278,33 @@ async def test_a_summary_ready_after_its_cut_enters_at_once_rather_than_at_the_n
         await say_each(client, "slow", ["and now?"])
         after = (await client.get("/v1/conversations/slow/context")).json()
     assert after["cut"] and after["summary_version"] is not None and after["truncated"] == 0
+
+
+async def test_after_an_edit_at_the_head_a_summary_of_the_gap_is_asked_at_once() -> None:
+    """An edit at the window's head makes a cut no summary was asked for: the messages it left
+    in neither the summary nor the window waited for the next cut's summary, asked only once
+    the window held what that cut drops (three turns here)."""
+    settings = make_settings()
+    context = {"strategy": "summarize", "max_history_messages": 8, "cut_to": 0.6}
+    settings = settings.model_copy(update={"context": settings.context.model_copy(update=context)})
+    async with build_client(settings, MemoryStore(), MockUpstream()) as client:
+        transcript: list[dict[str, Any]] = []
+
+        async def turn(messages: list[dict[str, Any]]) -> int:
+            body = {"model": "mock/m", "conversation_id": "gap", "messages": messages}
+            r = await client.post("/v1/chat/completions", json=body)
+            assert r.status_code == 200, r.text
+            transcript.append(r.json()["choices"][0]["message"])
+            await app_of(client).state.summarizer.wait_idle()
+            return int((await client.get("/v1/conversations/gap/context")).json()["truncated"])
+
+        for i in range(15):
+            transcript.append({"role": "user", "content": f"turn {i}"})
+            await turn(transcript)
+        k = [j for j, m in enumerate(transcript) if m["role"] == "user"][-4]
+        transcript[k] = {"role": "user", "content": "edited"}  # (and the rest resent as it was)
+        gaps = [await turn(transcript)]
+        for i in range(15, 25):
+            transcript.append({"role": "user", "content": f"turn {i}"})
+            gaps.append(await turn(transcript))
+    assert sum(1 for g in gaps if g) <= 1, gaps  # (the turn after the edit's cut, at most)
