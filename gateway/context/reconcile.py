@@ -199,8 +199,9 @@ def _edited_elsewhere(
     - a trimmed one edited or regenerated: a branch after the stored run it starts with;
     - one whose first message alone was edited, its end edited too: a branch at the start."""
     transcript, history = view.keys("transcript"), view.keys("history")
-    same_end = _common_suffix(keys, history)
-    if _answers(incoming[len(keys) - same_end : len(keys)]):
+    same_end = incoming[len(keys) - _common_suffix(keys, history) : len(keys)]
+    if _answers(same_end) and any(message.get("role") == "user" for message in same_end):
+        # (a whole turn in common at least: one answer alike, "ok", is no evidence)
         return _branch(incoming, max(0, len(history) - len(keys)), view)
     first_answer = [msg.get("role") for msg in incoming].index("assistant")
     trimmed = _trimmed_divergence(keys, table, first_answer, transcript)

@@ -103,6 +103,10 @@ def test_a_trimmed_copy_is_told_from_an_edit_when_messages_repeat() -> None:
     with_feedback.extend(Turn("r3", (u("q3"),), a("ok")))
     resent = reconcile([a("ok"), u("q2"), a("ok"), u("q3"), a("ok"), u("q4")], with_feedback)
     assert resent.new == [u("q4")] and resent.branch_at is None
+    # one answer alike at the end ("ok") is no copy of the stored end (it spliced the request
+    # into the stored history, a question of it left unanswered)
+    other = [u("x0"), u("x1"), a("ok"), u("q")]
+    assert reconcile(other, oks).branch_at is None
 
 
 async def test_an_edited_first_message_reaches_the_model_once_with_the_rest() -> None:
