@@ -84,6 +84,11 @@ def _row_after(view: ConversationView, marker: Record) -> JSONObject | None:
     return listing.record() if listing is not None else None
 
 
+async def _must_exist(store: Store, cid: str) -> None:
+    if not await store.exists(cid):
+        raise NotFound(f"No conversation found with id {cid!r}", param="conversation_id")
+
+
 class Conversations:
     def __init__(self, settings: Settings, stores: StoreRegistry, cache: ConversationCache) -> None:
         self.settings = settings
@@ -98,8 +103,7 @@ class Conversations:
         An expired one is what the next turn would archive: with its lock held (`locked`) it is
         archived now, so that no write reaches it (items added to it made it new again, and its
         old history went to the model with them)."""
-        if not await store.exists(cid):
-            raise NotFound(f"No conversation found with id {cid!r}", param="conversation_id")
+        await _must_exist(store, cid)
         view = await self.cache.load(store, cid)
         if expired(view, self.settings.sessions.ttl, self.clock()):
             if locked:
@@ -173,8 +177,7 @@ class Conversations:
 
     async def add_items(self, tenant: str, cid: str, raw_items: object) -> list[Item]:
         store = await self.stores.get(tenant)
-        if not await store.exists(cid):  # (an expired one is archived under its lock, then a 404)
-            raise NotFound(f"No conversation found with id {cid!r}", param="conversation_id")
+        await _must_exist(store, cid)  # (an expired one is archived under its lock, then a 404)
         return await self._add_items(store, cid, raw_items)
 
     @staticmethod

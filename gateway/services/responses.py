@@ -36,10 +36,7 @@ class StoredResponses:
     async def get(self, tenant: str, rid: str) -> StoredResponse:
         """The response's log, read; NotFound when absent or deleted."""
         store = await self.stores.get(tenant)
-        records = await store.read_response(rid)
-        if not records or records[-1].get("type") == "deleted":
-            raise NotFound(f"No response found with id {rid!r}", param="response_id")
-        stored = StoredResponse.of(rid, records)
+        stored = StoredResponse.of(rid, await self._live_records(store, rid))
         cid = stored.conversation_id
         index = await self._index(store, cid) if stored.status == "in_progress" and cid is not None else []
         if rid in index:  # committed since the log was read? (its commit record precedes the index's)
@@ -100,7 +97,7 @@ class StoredResponses:
         cid = (await self.get(tenant, rid)).conversation_id
         if cid is None:
             async with store.lock(_deleting(rid), self.settings.storage.lock_timeout):
-                await self._still_there(store, rid)
+                await self._live_records(store, rid)
                 await store.tombstone(rid)
             return
         lock_timeout = self.settings.storage.lock_timeout
@@ -117,7 +114,7 @@ class StoredResponses:
                 await withdraw(store, other, rid, functools.partial(self.cache.load, store, other))
                 await store.append_marker(other, marker)
         async with store.lock(cid, self.settings.storage.lock_timeout):
-            await self._still_there(store, rid)
+            await self._live_records(store, rid)
             exists = await store.exists(cid)
             if exists:
                 await withdraw(store, cid, rid, functools.partial(self.cache.load, store, cid))
@@ -126,10 +123,12 @@ class StoredResponses:
                 await store.append_marker(cid, marker)
 
     @staticmethod
-    async def _still_there(store: Store, rid: str) -> None:
+    async def _live_records(store: Store, rid: str) -> list[Record]:
+        """The response's log; NotFound when absent or deleted (also: deleted meanwhile)."""
         records = await store.read_response(rid)
-        if not records or records[-1].get("type") == "deleted":  # (deleted meanwhile)
+        if not records or records[-1].get("type") == "deleted":
             raise NotFound(f"No response found with id {rid!r}", param="response_id")
+        return records
 
     async def named_conversation(self, tenant: str, cid: str) -> str:
         """A conversation a request names (`conversation`), which must exist, as in OpenAI's API.
