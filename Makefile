@@ -12,16 +12,21 @@ DEV_STAMP := $(VENV)/.installed-dev
 install: $(STAMP)
 install-dev: $(DEV_STAMP)
 
+# Packages are installed with uv (from PyPI, into the venv; about 5x faster than pip for the
+# dev extra), and with pip where uv cannot be had or fails.
+PIP_INSTALL = { $(PY) -m uv --version >/dev/null 2>&1 && $(PY) -m uv pip install -q --python $(PY) $(1); } \
+	|| $(PY) -m pip install -q $(1)
+
 $(VENV)/bin/python:
 	@$(PYTHON) -m venv $(VENV) || { echo "error: '$(PYTHON) -m venv' failed; on Debian/Ubuntu: apt-get install python3-venv" >&2; exit 1; }
-	$(PY) -m pip install -q --upgrade pip
+	$(PY) -m pip install -q --upgrade pip uv || $(PY) -m pip install -q --upgrade pip
 
 $(STAMP): pyproject.toml | $(VENV)/bin/python
-	$(PY) -m pip install -q -e .
+	$(call PIP_INSTALL,-e .)
 	@touch $(STAMP)
 
 $(DEV_STAMP): pyproject.toml | $(VENV)/bin/python
-	$(PY) -m pip install -q -e '.[dev]'
+	$(call PIP_INSTALL,-e '.[dev]')
 	@touch $(STAMP) $(DEV_STAMP)
 
 run: install
@@ -33,7 +38,7 @@ run: install
 #   app       the whole app in-process over the store and provider twins
 #   e2e       `gateway` processes: the official SDK, the CLI, the inspector, reliability
 #   postgres  PostgreSQL-only behaviour, replicas, export/import
-#   realmodel llama.cpp's server with a real model (about 80 s on one core)
+#   realmodel llama.cpp's server with a real model (about 4 min on one core: ~120 turns)
 test-unit: install-dev
 	$(PY) -m pytest -q -p no:cacheprovider tests/unit
 test-app: install-dev
