@@ -51,15 +51,32 @@ def _branch(new: Sequence[Message], branch_at: int, view: ConversationView) -> R
     return Reconciled(list(new), branch_at, regenerated, left_from)
 
 
+def _is_text_answer(message: Message) -> bool:
+    """An assistant message of text alone (no tool calls), which an answer can go on from."""
+    text = message.get("content")
+    return (
+        message.get("role") == "assistant"
+        and isinstance(text, str)
+        and bool(text)
+        and not message.get("tool_calls")
+    )
+
+
 def _going_on(incoming: Sequence[Message], view: ConversationView) -> Reconciled | None:
     """A request that ends with the stored last answer (as stored, or text going on from it),
     after nothing or after the stored messages before that answer (the history's, or the
     transcript's with feedback: a whole or a trimmed history): the client asks that answer to go
     on (a prefill; an answer cut short). It is taken back and sent once, as the request's last
-    message, and the answer to come is stored in its place. None otherwise."""
-    if not incoming or not view.history:
+    message, and the answer to come is stored in its place. So is a request of no message but
+    its system prompt, which else would have two answers in a row stored. None otherwise."""
+    if not view.history:
         return None
-    last, stored = incoming[-1], view.history[-1]
+    stored = view.history[-1]
+    if not incoming:  # (a system prompt alone: nothing new to answer)
+        if not _is_text_answer(stored):
+            return None
+        incoming = [stored]
+    last = incoming[-1]
     if last.get("role") != "assistant" or stored.get("role") != "assistant":
         return None
     text, said = last.get("content"), stored.get("content")

@@ -254,6 +254,8 @@ class ChatService:
             try:
                 reconciled = reconcile(rest, view)
                 new = reconciled.new
+                if not rest and new:  # a system prompt alone: the stored answer taken back goes on
+                    request.prefill = cast(str, new[-1]["content"])
                 branch = reconciled if reconciled.branch_at is not None else None
                 if reconciled.branch_at is not None:
                     view = view.branched(reconciled.branch_at)  # planned on the client's version

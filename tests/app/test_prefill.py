@@ -235,3 +235,45 @@ def test_text_held_as_maybe_the_prefill_goes_out_before_a_call() -> None:
     flushed = cut.chunk(call)["choices"][0]["delta"]
     assert flushed["content"] == "Let" and flushed["tool_calls"][0]["id"] == "c"
     assert cut.held == "" and cut.chunk(text) is text  # (done: as they come)
+
+
+@pytest.mark.parametrize("echo", [False, True])
+async def test_a_request_of_a_system_message_alone_goes_on_from_the_stored_answer(echo: bool) -> None:
+    """Only a (new) system prompt on a conversation whose history ends with an answer: nothing
+    new to answer, so that answer goes on, as when it is sent back alone. The answer was stored
+    beside the last one: two assistant messages in a row, which llama.cpp refuses next turn."""
+    upstream = MockUpstream(going_on(echo))
+    async with build_client(make_settings(), MemoryStore(), upstream) as client:
+        body = {
+            "model": "mock/m",
+            "conversation_id": "c",
+            "messages": [{"role": "user", "content": "Fruits?"}],
+        }
+        assert (await client.post("/v1/chat/completions", json=body)).status_code == 200
+        system = {"role": "system", "content": "Be brief."}
+        r = await client.post("/v1/chat/completions", json={**body, "messages": [system]})
+        assert r.status_code == 200, r.text
+        assert sent(upstream) == [("system", "Be brief."), ("user", "Fruits?"), ("assistant", "Apples.")]
+        assert await history(client, "c") == [
+            ("system", "Be brief."),
+            ("user", "Fruits?"),
+            ("assistant", "Apples. and more."),
+        ]
+        r = await client.post(
+            "/v1/chat/completions", json={**body, "messages": [{"role": "user", "content": "ok"}]}
+        )
+        roles = [role for role, _ in sent(upstream)]
+        assert roles == ["system", "user", "assistant", "user"], sent(upstream)
+
+
+async def test_a_system_message_alone_on_a_new_conversation_is_answered() -> None:
+    upstream = MockUpstream(going_on(False))
+    async with build_client(make_settings(), MemoryStore(), upstream) as client:
+        body = {
+            "model": "mock/m",
+            "conversation_id": "n",
+            "messages": [{"role": "system", "content": "Greet."}],
+        }
+        assert (await client.post("/v1/chat/completions", json=body)).status_code == 200
+        assert sent(upstream) == [("system", "Greet.")]
+        assert await history(client, "n") == [("system", "Greet."), ("assistant", "Apples.")]
