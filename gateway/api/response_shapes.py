@@ -20,6 +20,10 @@ from gateway.services.turns import TurnStream
 from gateway.types import JSONObject, Usage
 
 
+# A provider's finish_reason that ends a response `incomplete`, and the reason it then gives.
+_INCOMPLETE_REASONS = {"length": "max_output_tokens", "content_filter": "content_filter"}
+
+
 def _response_tools(tools: object) -> list[JSONObject]:
     return [
         {"type": "function", "strict": None, **t["function"]}
@@ -79,7 +83,7 @@ def response_object(
     prompt_details = (usage or {}).get("prompt_tokens_details")
     completion_details = (usage or {}).get("completion_tokens_details")
     if status is None:
-        status = "incomplete" if finish_reason == "length" else "completed"
+        status = "incomplete" if finish_reason in _INCOMPLETE_REASONS else "completed"
     return {
         "id": response_id,
         "object": "response",
@@ -91,7 +95,7 @@ def response_object(
         "model": model,
         "output": [*(lead or ()), *output_items(message, response_id, position, text_after, status)],
         "error": error,
-        "incomplete_details": {"reason": "max_output_tokens"}
+        "incomplete_details": {"reason": _INCOMPLETE_REASONS.get(finish_reason or "", "max_output_tokens")}
         if status == "incomplete" and not error
         else None,
         "instructions": params.get("instructions"),

@@ -7,6 +7,7 @@ import json
 from typing import Any
 
 import httpx
+import pytest
 
 from gateway.store.memory import MemoryStore
 from gateway.upstream.mock import MockUpstream
@@ -106,23 +107,29 @@ def sse_types(body: str) -> list[str]:
     return [line[len("event: ") :] for line in body.splitlines() if line.startswith("event: ")]
 
 
-async def test_an_answer_cut_short_ends_its_stream_incomplete() -> None:
-    """The stream of a response whose status was `incomplete` ended `response.completed`."""
+@pytest.mark.parametrize(
+    ("finish_reason", "reason"), [("length", "max_output_tokens"), ("content_filter", "content_filter")]
+)
+async def test_an_answer_cut_short_ends_its_stream_incomplete(finish_reason: str, reason: str) -> None:
+    """The stream of a response whose status was `incomplete` ended `response.completed`; an
+    answer the provider's filter stopped was `completed`, with no `incomplete_details`."""
     from gateway.upstream.base import completion_from_text
 
     def cut(body: dict[str, Any]) -> Any:
         completion = completion_from_text("m", "a long answer that was")
-        completion["choices"][0]["finish_reason"] = "length"
+        completion["choices"][0]["finish_reason"] = finish_reason
         return completion
 
     async with build_client(make_settings(), MemoryStore(), MockUpstream(cut)) as client:
         streamed = await respond(client, "hello", max_output_tokens=16, stream=True)
         whole = (await respond(client, "hello", max_output_tokens=16)).json()
+        kept = (await client.get(f"/v1/responses/{whole['id']}")).json()
     types = sse_types(streamed.text)
     assert types[-1] == "response.incomplete" and "response.completed" not in types
     final = json.loads(streamed.text.strip().rsplit("data: ", 1)[1])
     assert final["response"]["status"] == "incomplete"
-    assert final["response"]["incomplete_details"] == {"reason": "max_output_tokens"}
+    assert final["response"]["incomplete_details"] == {"reason": reason}
+    assert (kept["status"], kept["incomplete_details"]) == ("incomplete", {"reason": reason})
     # Its message is `incomplete` too, as OpenAI's (it said `completed`).
     assert [item["status"] for item in final["response"]["output"]] == ["incomplete"]
     assert [item["status"] for item in whole["output"]] == ["incomplete"]
