@@ -19,7 +19,6 @@ from gateway.services.turn import PreparedTurn
 from gateway.services.turns import TurnStream
 from gateway.types import JSONObject, Usage
 
-
 # A provider's finish_reason that ends a response `incomplete`, and the reason it then gives.
 _INCOMPLETE_REASONS = {"length": "max_output_tokens", "content_filter": "content_filter"}
 

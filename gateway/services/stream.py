@@ -8,7 +8,7 @@ from typing import cast
 
 from gateway.context.tools import default_arguments
 from gateway.exceptions import GatewayError, UpstreamProtocolError
-from gateway.types import FunctionCall, JSONObject, Message, ToolCall, Usage
+from gateway.types import FunctionCall, JSONObject, Message, ToolCall, Usage, as_list, as_object
 
 log = logging.getLogger("gateway.services")
 
@@ -162,6 +162,7 @@ class StreamAccumulator:
         self.timings: JSONObject | None = None  # llama.cpp's, in its last chunk: its cache figures
         self.served: JSONObject | None = None  # `served_by` of the chunk that finished the answer
         self.text_after: int | None = None  # how many calls had begun when the text began
+        self._filled = False  # (`fillers` was asked)
 
     def add(self, chunk: JSONObject) -> None:
         usage = chunk.get("usage")
@@ -279,6 +280,29 @@ class StreamAccumulator:
             function["name"] = function.get("name", "") + str(fn["name"])
         if fn.get("arguments"):
             function["arguments"] = function.get("arguments", "") + str(fn["arguments"])
+
+    def fill_arguments(self, finishing: JSONObject) -> None:
+        """Give each call streamed without arguments so far `"{}"` in `finishing`, the chunk that
+        finished the answer (the first time it is asked), as the call is stored and as a whole
+        answer's client gets it (`default_arguments`)."""
+        if self._filled:
+            return
+        self._filled = True
+        empty = [at for at in sorted(self.tool_calls) if not self.tool_calls[at]["function"].get("arguments")]
+        choice = next(
+            (c for c in as_list(finishing.get("choices")) if as_object(c).get("index", 0) == 0), None
+        )
+        if not empty or not isinstance(choice, dict):
+            return
+        delta = choice["delta"] = as_object(choice.get("delta"))
+        calls = delta["tool_calls"] = as_list(delta.get("tool_calls"))
+        pieces = {piece.get("index"): piece for piece in calls if isinstance(piece, dict)}
+        for at in empty:
+            piece = pieces.get(at)
+            if piece is None:
+                calls.append({"index": at, "function": {"arguments": "{}"}})
+            else:
+                piece["function"] = {**as_object(piece.get("function")), "arguments": "{}"}
 
     def message(self) -> Message:
         message: Message = {"role": "assistant", "content": "".join(self.content)}

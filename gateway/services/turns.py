@@ -463,6 +463,7 @@ class ChatService:
         turn.final_message = message
         completion["id"] = turn.response_id
         completion["model"] = turn.request.model
+        completion["created"] = int(turn.created or 0)  # (the stored completion's: its request's time)
         if turn.conversation_id is not None:
             completion["conversation_id"] = turn.conversation_id
         return completion
@@ -508,8 +509,14 @@ class ChatService:
         The turn is closed when it ends or fails (a failure raised as the gateway's error: a
         shutdown's as `ShuttingDown`, anything else as a malformed stream)."""
         acc = StreamAccumulator()
-        cid = turn.conversation_id
-        model = turn.request.model
+        # What every chunk is renamed to: the turn's response (as its stored completion says it).
+        head: dict[str, object] = {
+            "id": turn.response_id,
+            "model": turn.request.model,
+            "created": int(turn.created or 0),
+        }
+        if turn.conversation_id is not None:
+            head["conversation_id"] = turn.conversation_id
         # From the chunk that finishes the answer on, chunks are held back until the turn is
         # committed: a client that stops reading at `finish_reason` must not take an answer
         # the store then failed to keep for a saved one (it gets an in-band error instead).
@@ -523,13 +530,11 @@ class ChatService:
                     answered_by = chunk.get("model")
                     if isinstance(answered_by, str):
                         turn.response_model = answered_by
-                chunk["id"] = turn.response_id
-                chunk["model"] = model
-                if cid is not None:
-                    chunk["conversation_id"] = cid
+                chunk.update(head)
                 if acc.finish_reason is None:
                     yield chunk
                 else:
+                    acc.fill_arguments(chunk)  # (the client's calls as stored)
                     held.append(chunk)
                 try:
                     chunk = await chunks.__anext__()

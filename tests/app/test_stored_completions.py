@@ -10,6 +10,7 @@ from pathlib import Path
 from typing import Any
 
 import httpx
+import orjson
 import pytest
 
 from gateway.exceptions import UpstreamUnreachable
@@ -269,3 +270,26 @@ async def test_a_stored_completion_says_how_it_was_served(tmp_path: Path, stream
         page = (await client.get("/v1/chat/completions")).json()["data"]
     assert (got["system_fingerprint"], got["service_tier"]) == ("fp_mock", "default")
     assert (page[0]["system_fingerprint"], page[0]["service_tier"]) == ("fp_mock", "default")
+
+
+@pytest.mark.parametrize("stream", [False, True])
+async def test_the_answer_and_the_stored_completion_say_the_same_created(stream: bool) -> None:
+    """The client got the provider's `created` (its clock, or a mock's 1700000000) and the
+    stored completion the request's time: a completion that was two times at once."""
+
+    def answer(body: Body) -> object:
+        completion = completion_from_text("m", "hello")
+        completion["created"] = 1_700_000_000
+        return completion
+
+    async with build_client(make_settings(), None, MockUpstream(answer)) as client:
+        body = {"model": "mock/m", "messages": [{"role": "user", "content": "hi"}], "store": True}
+        if stream:
+            r = await client.post("/v1/chat/completions", json={**body, "stream": True})
+            chunks = [orjson.loads(line[6:]) for line in r.text.splitlines() if line.startswith("data: {")]
+            rid, said = chunks[0]["id"], {c["created"] for c in chunks}
+        else:
+            answered = (await client.post("/v1/chat/completions", json=body)).json()
+            rid, said = answered["id"], {answered["created"]}
+        stored = (await client.get(f"/v1/chat/completions/{rid}")).json()
+    assert said == {stored["created"]} and stored["created"] > 1_700_000_000

@@ -3,6 +3,7 @@ calls interleaved, refusals, usage; and the same stream through the app and back
 
 from __future__ import annotations
 
+import json
 from collections.abc import AsyncIterator
 from typing import Any
 
@@ -368,3 +369,61 @@ def test_a_whole_answers_call_without_an_id_or_arguments_is_settled_for_client_a
     assert [c["function"]["arguments"] for c in stored["tool_calls"]] == ["{}", "{}"]
     assert [c["id"] for c in raw["tool_calls"]] == ids  # the client's copy says the same
     assert [c["function"]["arguments"] for c in raw["tool_calls"]] == ["{}", "{}"]
+
+
+class NoArguments(MockUpstream):
+    """Streams two calls that never get arguments: one before the chunk that finishes the answer,
+    one begun in it."""
+
+    async def stream(self, body: Body, *, waited: float = 0.0) -> AsyncIterator[Chunk]:
+        self.requests.append(body)
+        yield call_piece(0, id="call_a", name="now")
+        finishing = call_piece(1, id="call_b", name="today")
+        finishing["choices"][0]["finish_reason"] = "tool_calls"
+        yield finishing
+
+
+def _sse_data(text: str) -> list[dict[str, Any]]:
+    return [json.loads(line[6:]) for line in text.splitlines() if line.startswith("data: {")]
+
+
+async def test_calls_streamed_without_arguments_reach_the_client_as_they_are_stored() -> None:
+    """The client's stream said arguments "" while the stored calls (and so retrieve, the next
+    turn and a Responses stream's `function_call_arguments.done`) said "{}"."""
+    asked = {"model": "mock/m", "stream": True, "store": True}
+    user = [{"role": "user", "content": "When?"}]
+    async with build_client(make_settings(), MemoryStore(), NoArguments()) as client:
+        r = await client.post("/v1/chat/completions", json={**asked, "messages": user})
+        said: dict[int, str] = {}
+        for chunk in _sse_data(r.text):
+            for piece in chunk["choices"][0]["delta"].get("tool_calls") or []:
+                said[piece["index"]] = said.get(piece["index"], "") + piece["function"].get("arguments", "")
+        stored = (await client.get(f"/v1/chat/completions/{_sse_data(r.text)[0]['id']}")).json()
+        assert said == {0: "{}", 1: "{}"}
+        assert [c["function"]["arguments"] for c in stored["choices"][0]["message"]["tool_calls"]] == [
+            "{}",
+            "{}",
+        ]
+
+        r = await client.post("/v1/responses", json={"model": "mock/m", "input": "When?", "stream": True})
+        events = _sse_data(r.text)
+        deltas: dict[int, str] = {}
+        for e in events:
+            if e["type"] == "response.function_call_arguments.delta":
+                deltas[e["output_index"]] = deltas.get(e["output_index"], "") + e["delta"]
+        done = {
+            e["output_index"]: e["arguments"]
+            for e in events
+            if e["type"] == "response.function_call_arguments.done"
+        }
+        assert deltas == done == {0: "{}", 1: "{}"}
+
+        messages = {"model": "mock/m", "max_tokens": 64, "messages": user, "stream": True}
+        r = await client.post("/v1/messages", json=messages, headers={"anthropic-version": "2023-06-01"})
+        inputs: dict[int, str] = {}
+        for e in _sse_data(r.text):
+            if e["type"] == "content_block_start" and e["content_block"]["type"] == "tool_use":
+                inputs[e["index"]] = ""
+            elif e["type"] == "content_block_delta" and e["delta"]["type"] == "input_json_delta":
+                inputs[e["index"]] += e["delta"]["partial_json"]
+        assert [json.loads(text or "{}") for text in inputs.values()] == [{}, {}]
