@@ -491,10 +491,13 @@ class OpenAIUpstream(Upstream):
                         content = await _read_cut(answer.read, self.max_response_bytes + 1)
                         if len(content) > self.max_response_bytes:
                             raise self._too_large()
-                        for chunk in completion_chunks(
-                            self._whole_answer(content, answer.headers), wants_usage
-                        ):
-                            yield chunk
+                        whole = self._whole_answer(content, answer.headers)
+                        if not whole["choices"]:  # (still before the first byte: an HTTP error)
+                            raise UpstreamProtocolError(
+                                f"{provider_at(self.name, self.url)} returned no choices"
+                            )
+                        for chunk in completion_chunks(whole, wants_usage):
+                            yield check_chunk(chunk)  # (as a stream's: nothing unfit is stored)
                         return
                 async for chunk in self._events(answer, wants_usage):
                     yield chunk

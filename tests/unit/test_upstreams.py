@@ -564,3 +564,43 @@ async def test_litellm_anthropic_overloaded_is_said_as_529_and_retried(
         with pytest.raises(UpstreamStatusError, match="returned HTTP 529") as raised:
             await LitellmUpstream("anth", settings.model_copy(update={"retries": 0})).complete(dict(body))
     assert raised.value.status_code == 502
+
+
+@pytest.mark.parametrize(
+    ("message", "choices"),
+    [
+        ({"role": "assistant", "content": 5}, None),
+        (
+            {
+                "role": "assistant",
+                "content": None,
+                "tool_calls": [{"id": "c", "function": {"name": "f", "arguments": {"a": 1}}}],
+            },
+            None,
+        ),
+        ({"role": "assistant", "content": "fine", "refusal": 7}, None),
+        (None, []),
+    ],
+)
+async def test_a_whole_answer_to_a_stream_is_checked_as_a_streams_chunks_are(
+    message: dict[str, Any] | None, choices: list[Any] | None
+) -> None:
+    """A stream asked for and answered with a JSON body went out as its chunks unchecked: an
+    object for `arguments` was stored as Python's repr of it and sent back on every later turn;
+    no choices at all began a 200 stream that then broke off."""
+    from aiohttp import web
+
+    async def whole(request: web.Request) -> web.Response:
+        said = choices if choices is not None else [{"index": 0, "message": message, "finish_reason": "stop"}]
+        return web.json_response({"id": "x", "object": "chat.completion", "choices": said})
+
+    app = web.Application()
+    app.router.add_post("/v1/chat/completions", whole)
+    async with serving_app(app) as url:
+        up = OpenAIUpstream("p", ProviderSettings(kind="openai", base_url=f"{url}/v1", timeout=5))
+        try:
+            with pytest.raises(UpstreamProtocolError):
+                async for _ in up.stream({**BODY, "stream": True}):
+                    pass
+        finally:
+            await up.aclose()
