@@ -408,8 +408,9 @@ async def create_response(request: Request) -> Response:
 
 def _said_of_input(exc: BaseException) -> None:
     """An error the chat core says of its fields is said of the Responses API's: `messages` is
-    `input`, the answer's cap `max_output_tokens`."""
-    if not isinstance(exc, GatewayError):
+    `input`, the answer's cap `max_output_tokens`. A field the client itself sent and the API
+    does not take (`unknown_parameter`) is named as sent."""
+    if not isinstance(exc, GatewayError) or exc.code == "unknown_parameter":
         return
     if exc.param == "messages":
         exc.param = "input"

@@ -343,6 +343,8 @@ async def test_an_unknown_parameter_is_a_400_as_openai_says_it() -> None:
         r1 = (await respond(client, "my dog is Rex")).json()
         typo = await respond(client, "what is my dog?", previous_respons_id=r1["id"])
         capped = await respond(client, "hi", max_output_token=5)
+        chat_named = await respond(client, "hi", max_tokens=5)  # (was said to be max_output_tokens)
+        messages = await respond(client, "hi", messages=[])  # (its param was said to be input)
         conv = await client.post("/v1/conversations", json={"metdata": {"a": "1"}})
         count = await client.post(
             "/v1/responses/input_tokens", json={"model": "mock/m", "input": "x", "n": 2}
@@ -356,6 +358,8 @@ async def test_an_unknown_parameter_is_a_400_as_openai_says_it() -> None:
     for r, name in [
         (typo, "previous_respons_id"),
         (capped, "max_output_token"),
+        (chat_named, "max_tokens"),
+        (messages, "messages"),
         (conv, "metdata"),
         (count, "n"),
         (compact, "stream"),
