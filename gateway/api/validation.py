@@ -79,7 +79,8 @@ def validate(model: type[B], body: object) -> B:
         return model.model_validate(body)
     except ValidationError as exc:
         errors = exc.errors(include_url=False)
-        error = errors[0]
+        # A field the API does not take is named first: its typo is why another is missing.
+        error = next((e for e in errors if e["type"] == "extra_forbidden"), errors[0])
         # A value no member of a union took (a message's content): the member that got furthest
         # says most (a part without its type, rather than "must be a string").
         parent = error["loc"][:-1]

@@ -346,6 +346,10 @@ async def test_an_unknown_parameter_is_a_400_as_openai_says_it() -> None:
         chat_named = await respond(client, "hi", max_tokens=5)  # (was said to be max_output_tokens)
         messages = await respond(client, "hi", messages=[])  # (its param was said to be input)
         conv = await client.post("/v1/conversations", json={"metdata": {"a": "1"}})
+        cid = (await client.post("/v1/conversations", json={})).json()["id"]
+        update = await client.post(
+            f"/v1/conversations/{cid}", json={"metadta": {}}
+        )  # ('metadata' is required)
         count = await client.post(
             "/v1/responses/input_tokens", json={"model": "mock/m", "input": "x", "n": 2}
         )
@@ -361,6 +365,7 @@ async def test_an_unknown_parameter_is_a_400_as_openai_says_it() -> None:
         (chat_named, "max_tokens"),
         (messages, "messages"),
         (conv, "metdata"),
+        (update, "metadta"),
         (count, "n"),
         (compact, "stream"),
     ]:
@@ -372,7 +377,7 @@ async def test_an_unknown_parameter_is_a_400_as_openai_says_it() -> None:
             "code": "unknown_parameter",
         }
     assert known.status_code == 200, known.text
-    assert len(store.indexes) == 2  # the first turn's and the last one's
+    assert len(store.indexes) == 3  # the first turn's, the created conversation and the last turn's
 
 
 async def test_the_gateways_own_bodies_refuse_a_field_they_do_not_know() -> None:
