@@ -17,6 +17,7 @@ from gateway.context.recap_text import recap_without
 from gateway.context.steps import Head
 from gateway.context.tools import UNANSWERED_TOOL_RESULT as UNANSWERED_TOOL_RESULT
 from gateway.context.tools import repair_tool_calls as repair_tool_calls
+from gateway.context.tools import with_json_arguments
 from gateway.types import JSONObject, Message
 
 SYSTEM_ROLES = frozenset({"system", "developer"})
@@ -429,9 +430,10 @@ class ConversationView:
         self.history_end[rid] = self.history_count
 
     def _append(self, message: Message, owner: str, position: int, tokens: int | None) -> None:
-        self.history.append(message)
         if "tool_calls" in message:
             self.has_tools = True
+            message = with_json_arguments(message)  # (as the model is given it again)
+        self.history.append(message)
         self.history_owner.append(owner)
         self.history_pos.append(position)
         self.history_tokens.append(tokens)

@@ -3,6 +3,9 @@
 from __future__ import annotations
 
 from collections.abc import Sequence
+from typing import cast
+
+import orjson
 
 from gateway.types import Message
 
@@ -16,6 +19,38 @@ def default_arguments(function: object) -> None:
     """
     if isinstance(function, dict) and not function.get("arguments"):
         function["arguments"] = "{}"
+
+
+def _is_json(text: object) -> bool:
+    if not isinstance(text, str):
+        return False
+    if text.startswith("{") and text.endswith("}"):  # (most arguments: taken as they are)
+        return True
+    try:
+        orjson.loads(text)
+    except orjson.JSONDecodeError:
+        return False
+    return True
+
+
+def with_json_arguments(message: Message) -> Message:
+    """`message` as providers take it back: `"{}"` for the arguments of a call that are not JSON
+    (a call cut short by the answer's token limit, stored as it was answered). Providers that
+    read arguments as JSON (chat templates, Anthropic's `input`) refused every later turn."""
+    calls = message.get("tool_calls") if message.get("role") == "assistant" else None
+    if not calls or all(
+        _is_json(c.get("function", {}).get("arguments")) for c in calls if isinstance(c, dict)
+    ):
+        return message
+    fixed = [
+        {**c, "function": {**c["function"], "arguments": "{}"}}
+        if isinstance(c, dict)
+        and isinstance(c.get("function"), dict)
+        and not _is_json(c["function"].get("arguments"))
+        else c
+        for c in calls
+    ]
+    return cast(Message, {**message, "tool_calls": fixed})
 
 
 def repair_tool_calls(messages: Sequence[Message]) -> list[Message]:

@@ -427,3 +427,38 @@ async def test_calls_streamed_without_arguments_reach_the_client_as_they_are_sto
             elif e["type"] == "content_block_delta" and e["delta"]["type"] == "input_json_delta":
                 inputs[e["index"]] += e["delta"]["partial_json"]
         assert [json.loads(text or "{}") for text in inputs.values()] == [{}, {}]
+
+
+class CutCall(MockUpstream):
+    """Streams a call cut short by the token limit first, then answers plainly."""
+
+    async def stream(self, body: Body, *, waited: float = 0.0) -> AsyncIterator[Chunk]:
+        self.requests.append(body)
+        if len(self.requests) > 1:
+            async for chunk in super().stream(body):
+                yield chunk
+            return
+        yield call_piece(0, id="call_cut", name="weather", args='{"city": "Pa')
+        yield {"choices": [{"index": 0, "delta": {}, "finish_reason": "length"}]}
+
+
+async def test_a_call_cut_short_goes_back_to_the_provider_with_json_arguments() -> None:
+    """A call cut short by max_tokens was stored as answered and sent back so on every later
+    turn: `{"city": "Pa`, which providers that read arguments as JSON refuse."""
+    upstream = CutCall()
+    async with build_client(make_settings(), MemoryStore(), upstream) as client:
+        body = {"model": "mock/m", "conversation_id": "cut", "stream": True, "store": True}
+        r = await client.post(
+            "/v1/chat/completions", json={**body, "messages": [{"role": "user", "content": "Paris?"}]}
+        )
+        rid = _sse_data(r.text)[0]["id"]
+        again = {**body, "stream": False, "messages": [{"role": "user", "content": "Go on."}]}
+        r = await client.post("/v1/chat/completions", json=again)
+        assert r.status_code == 200, r.text
+        stored = (await client.get(f"/v1/chat/completions/{rid}")).json()
+        context = (await client.get("/v1/conversations/cut/context")).json()
+    [sent_call] = [m for m in upstream.requests[-1]["messages"] if m.get("tool_calls")][0]["tool_calls"]
+    assert sent_call["function"]["arguments"] == "{}"
+    assert stored["choices"][0]["message"]["tool_calls"][0]["function"]["arguments"] == '{"city": "Pa'
+    [snapshot_call] = [m for m in context["messages"] if m.get("tool_calls")][0]["tool_calls"]
+    assert snapshot_call["function"]["arguments"] == "{}"  # (what the model was given)
