@@ -269,15 +269,17 @@ class StreamAccumulator:
         if call.get("id"):
             if slot["id"] is None:
                 slot["id"] = cast(str, call["id"])
-            else:
-                call["id"] = slot["id"]  # (one id per call, the first, for the client as for the store)
+            else:  # (one id per call, in its first piece, as OpenAI streams it: said again, the
+                del call["id"]  # client's SDK added it up, "call_1call_1")
         call["index"] = at
         if call.get("type"):
             slot["type"] = cast(str, call["type"])
         fn = _object(call.get("function"))
         function = slot["function"]
-        if fn.get("name") and fn["name"] != function.get("name"):  # (said again: not appended)
+        if fn.get("name") and fn["name"] != function.get("name"):
             function["name"] = function.get("name", "") + str(fn["name"])
+        elif fn.get("name"):  # (said again: not appended, nor said to the client again)
+            del fn["name"]
         if fn.get("arguments"):
             function["arguments"] = function.get("arguments", "") + str(fn["arguments"])
 

@@ -462,3 +462,25 @@ async def test_a_call_cut_short_goes_back_to_the_provider_with_json_arguments() 
     assert stored["choices"][0]["message"]["tool_calls"][0]["function"]["arguments"] == '{"city": "Pa'
     [snapshot_call] = [m for m in context["messages"] if m.get("tool_calls")][0]["tool_calls"]
     assert snapshot_call["function"]["arguments"] == "{}"  # (what the model was given)
+
+
+def test_a_calls_id_and_name_said_again_in_each_piece_reach_the_client_once() -> None:
+    """Servers that repeat a call's id and name in every piece: the client's SDK adds strings up
+    (`call_1call_1call_1`), as OpenAI says each once, in the call's first piece."""
+    acc = StreamAccumulator()
+    pieces = [
+        call_piece(0, id="call_1", name="get_weather", args=part) for part in ('{"city"', ': "Paris"', "}")
+    ]
+    said = {"id": "", "name": "", "arguments": ""}
+    for chunk in pieces:
+        acc.add(chunk)
+        [piece] = chunk["choices"][0]["delta"]["tool_calls"]
+        said["id"] += piece.get("id", "")
+        said["name"] += piece["function"].get("name", "")
+        said["arguments"] += piece["function"].get("arguments", "")
+    assert said == {"id": "call_1", "name": "get_weather", "arguments": '{"city": "Paris"}'}
+    [call] = acc.message()["tool_calls"]
+    assert (call["id"], call["function"]) == (
+        "call_1",
+        {"name": "get_weather", "arguments": '{"city": "Paris"}'},
+    )
