@@ -107,6 +107,7 @@ def create_app(
     service.schedule_summary = summarizer.schedule
     summarizer.on_outcome = lambda outcome: metrics.summaries.labels(outcome).inc()
     services.summaries.on_version = lambda: metrics.summaries.labels("ok").inc()
+    services.sessions.on_failed = lambda: metrics.summaries.labels("failed").inc()
     service.on_context_refusal = lambda outcome: metrics.context_refusals.labels(outcome).inc()
     services.facts.on_rejected = lambda provider: metrics.child(metrics.calibration_rejected, provider).inc()
     gateway.metrics.refused_below_app = lambda route, status: metrics.child(

@@ -91,7 +91,7 @@ class Metrics:
         )
         self.summaries = Counter(
             "gateway_summaries",
-            "Summary versions written (ok, rolling or post-processing) and failed fold attempts (failed)",
+            "Summary versions written (ok) and attempts that failed (failed), rolling or post-processing",
             ["outcome"],
             registry=r,
         )

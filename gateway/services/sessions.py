@@ -42,6 +42,8 @@ class Sessions:
         self.stores = stores
         self.summaries = summaries
         self.cache = cache
+        # Called once per failed post-processing attempt: the metrics hook.
+        self.on_failed: Callable[[], None] = lambda: None
         # Per tenant: every conversation whose index is older than this was settled at the last
         # pass (processed, failed, or nothing to do), so the next pass need not read its
         # lifecycle log again: a pass reads the logs of recent conversations, not of all.
@@ -188,6 +190,14 @@ class Sessions:
                 message = f"post-processing took longer than its lease ({sessions.lease:g} s)"
             attempts += 1
             state = FAILED if attempts >= sessions.max_attempts else ACTIVE
+            self.on_failed()
+            log.warning(
+                "post-processing of %s failed (attempt %d of %d): %s",
+                cid,
+                attempts,
+                sessions.max_attempts,
+                message,
+            )
             await self._record(store, cid, clock, state, attempts=attempts, error=message[:500], **seen)
             return state
         await self._record(store, cid, clock, PROCESSED, attempts=attempts, **seen)

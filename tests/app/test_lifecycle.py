@@ -162,6 +162,9 @@ async def test_failures_retry_then_fail(tmp_path: Path) -> None:
     # The API says it too (the retrieved conversation had no state; the list no attempts).
     got = (await client.get("/v1/conversations/c2")).json()
     assert (got["state"], got["attempts"]) == (FAILED, 3) and "unreachable" in got["error"]
+    # Each failed attempt is a failed summary in the metrics (they said none: only the rolling ones).
+    metrics = (await client.get("/metrics")).text
+    assert 'gateway_summaries_total{outcome="failed"} 3.0' in metrics, metrics
     listed = (await client.get("/v1/conversations")).json()["data"]
     assert [(c["state"], c["attempts"]) for c in listed if c["id"] == "c2"] == [(FAILED, 3)]
     await processor.run_once()
