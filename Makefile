@@ -51,11 +51,11 @@ test-real: install-dev
 	$(PY) -m pytest -q -p no:cacheprovider tests/realmodel
 
 # Every tier: the real-model tier (one core, mostly the model) in a pytest process of its own,
-# side by side with the others, which two xdist workers share file by file (a file's
+# side by side with the others, which three xdist workers share file by file (a file's
 # module-scoped gateway or cluster is started once). TEST_WORKERS=0 runs them in one process.
 # The long files (processes, the PostgreSQL cluster) are handed out first, the many short ones
-# last, so neither worker is left with a long file at the end.
-TEST_WORKERS ?= 2
+# last, so no worker is left with a long file at the end.
+TEST_WORKERS ?= 3
 # Bytecode is cached even where the environment says not to: every gateway subprocess and xdist
 # worker would otherwise compile gateway/ and re-run pytest's assertion rewriting from source.
 test test-unit test-app test-e2e test-postgres test-real coverage: export PYTHONDONTWRITEBYTECODE =

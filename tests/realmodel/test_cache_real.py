@@ -18,7 +18,7 @@ from tests.realmodel.helpers import gateway_for
 from tests.realmodel.llama import LlamaServer
 from tests.realmodel.test_window_real import N_CTX, WORDS, context_records
 
-TURNS = 30
+TURNS = 24
 
 
 def short(rng: random.Random, turn: int) -> str:
