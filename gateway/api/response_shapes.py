@@ -35,8 +35,8 @@ def output_items(
     message: Message | None, response_id: str, position: int, text_after: int = 0, status: str = "completed"
 ) -> list[JSONObject]:
     """The answer's output items: its text, then its calls; `text_after` calls first, as a
-    stream that gave them before the text listed them. The text of an answer cut short
-    (`status` incomplete) is an `incomplete` message, as OpenAI's."""
+    stream that gave them before the text listed them. The last item of an answer cut short
+    (`status` incomplete), its text or a call, is `incomplete`, as OpenAI's."""
     if message is None:
         return []
     items = message_to_items(message, response_id, position)
@@ -45,11 +45,11 @@ def output_items(
         if item["type"] == "message" and isinstance(content, list):
             for part in content:
                 part.setdefault("annotations", [])
-            if status == "incomplete":
-                item["status"] = "incomplete"
     if text_after and items and items[0]["type"] == "message":
         text = items.pop(0)
         items.insert(min(text_after, len(items)), text)
+    if status == "incomplete" and items:
+        items[-1]["status"] = "incomplete"
     return items
 
 

@@ -36,7 +36,7 @@ from gateway.exceptions import (
     UpstreamUnreachable,
 )
 from gateway.redact import keep_secret, keep_secret_headers, keep_url_secrets
-from gateway.types import as_list, as_object
+from gateway.types import as_list, as_object, first_choice
 from gateway.upstream import http1
 from gateway.upstream.base import (
     RETRY_STATUSES,
@@ -492,9 +492,10 @@ class OpenAIUpstream(Upstream):
                         if len(content) > self.max_response_bytes:
                             raise self._too_large()
                         whole = self._whole_answer(content, answer.headers)
-                        if not whole["choices"]:  # (still before the first byte: an HTTP error)
+                        if not isinstance(first_choice(whole).get("message"), dict):
+                            # (still before the first byte: an HTTP error, as for a whole answer)
                             raise UpstreamProtocolError(
-                                f"{provider_at(self.name, self.url)} returned no choices"
+                                f"{provider_at(self.name, self.url)} returned no message"
                             )
                         for chunk in completion_chunks(whole, wants_usage):
                             yield check_chunk(chunk)  # (as a stream's: nothing unfit is stored)

@@ -484,3 +484,15 @@ def test_a_calls_id_and_name_said_again_in_each_piece_reach_the_client_once() ->
         "call_1",
         {"name": "get_weather", "arguments": '{"city": "Paris"}'},
     )
+
+
+async def test_a_call_cut_short_is_the_incomplete_item_of_an_incomplete_response() -> None:
+    """The response was `incomplete` but its cut call said `completed` (a cut text said
+    `incomplete`)."""
+    async with build_client(make_settings(), MemoryStore(), CutCall()) as client:
+        r = await client.post("/v1/responses", json={"model": "mock/m", "input": "Paris?", "stream": True})
+        final = _sse_data(r.text)[-1]["response"]
+        kept = (await client.get(f"/v1/responses/{final['id']}")).json()
+    for response in (final, kept):
+        assert response["status"] == "incomplete"
+        assert [(i["type"], i["status"]) for i in response["output"]] == [("function_call", "incomplete")]

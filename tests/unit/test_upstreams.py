@@ -580,6 +580,8 @@ async def test_litellm_anthropic_overloaded_is_said_as_529_and_retried(
         ),
         ({"role": "assistant", "content": "fine", "refusal": 7}, None),
         (None, []),
+        (None, [{"index": 0, "finish_reason": "stop"}]),  # (a choice without its message)
+        (None, [{"index": 0, "message": "hi", "finish_reason": "stop"}]),
     ],
 )
 async def test_a_whole_answer_to_a_stream_is_checked_as_a_streams_chunks_are(
