@@ -172,7 +172,7 @@ class Frame:
         repaired = view.has_tools or any("tool_calls" in m or m.get("role") == "tool" for m in clean_new)
         if repaired:
             known = {id(m): n for m, n in zip(combined, [*hist_tokens, *self.new_tokens], strict=True)}
-            conversation = repair_tool_calls(combined)
+            conversation = repair_tool_calls(combined, goes_on=not clean_new)  # (nothing new: no results)
             conversation_tokens = [known[id(m)] if id(m) in known else count(m) for m in conversation]
             new_ids = {id(m) for m in clean_new}
             first_new = next((i for i, m in enumerate(conversation) if id(m) in new_ids), len(conversation))

@@ -53,12 +53,13 @@ def with_json_arguments(message: Message) -> Message:
     return cast(Message, {**message, "tool_calls": fixed})
 
 
-def repair_tool_calls(messages: Sequence[Message]) -> list[Message]:
+def repair_tool_calls(messages: Sequence[Message], *, goes_on: bool = False) -> list[Message]:
     """Make a message list acceptable to providers' tool-call rules without losing anything.
 
     An assistant `tool_calls` message whose calls were not all answered before the next
     non-tool message gets a synthetic `tool` result per missing call; a `tool` message that
-    answers no pending call is dropped (providers reject orphans).
+    answers no pending call is dropped (providers reject orphans). `goes_on`: the turn adds no
+    message after them, and the trailing calls get their synthetic results too.
     """
     out: list[Message] = []
     pending: list[str] = []
@@ -80,9 +81,10 @@ def repair_tool_calls(messages: Sequence[Message]) -> list[Message]:
         out.append(message)
         if role == "assistant" and message.get("tool_calls"):
             pending = [str(c["id"]) for c in message["tool_calls"] if isinstance(c, dict) and c.get("id")]
-    # A trailing call without any result is the model asking for tools now: left for the client.
-    # Calls of which some were answered at the end are what the model is given now: providers
-    # refuse a call without its result ("must be followed by tool messages responding to each").
-    if pending and out and out[-1].get("role") == "tool":
+    # A trailing call without any result is the model asking for tools now: left for the client,
+    # unless the turn `goes_on` without them (a request of a system prompt alone). Calls of which
+    # some were answered at the end are what the model is given now: providers refuse a call
+    # without its result ("must be followed by tool messages responding to each").
+    if pending and out and (goes_on or out[-1].get("role") == "tool"):
         close_pending()
     return out

@@ -277,3 +277,29 @@ async def test_a_system_message_alone_on_a_new_conversation_is_answered() -> Non
         assert (await client.post("/v1/chat/completions", json=body)).status_code == 200
         assert sent(upstream) == [("system", "Greet.")]
         assert await history(client, "n") == [("system", "Greet."), ("assistant", "Apples.")]
+
+
+async def test_a_system_message_alone_after_a_call_without_its_result_sends_the_call_answered() -> None:
+    """The history ended with the model's call, no result: providers refuse a call without its
+    result (OpenAI: "must be followed by tool messages"), and the answer was stored after it."""
+    calls = [{"id": "call_1", "type": "function", "function": {"name": "now", "arguments": "{}"}}]
+
+    def answer(body: dict[str, Any]) -> Any:
+        if len(body["messages"]) == 1:
+            return {"role": "assistant", "content": None, "tool_calls": calls}
+        return "Later, then."
+
+    upstream = MockUpstream(answer)
+    async with build_client(make_settings(), MemoryStore(), upstream) as client:
+        body = {"model": "mock/m", "conversation_id": "t", "messages": [{"role": "user", "content": "Time?"}]}
+        assert (await client.post("/v1/chat/completions", json=body)).status_code == 200
+        system = {"role": "system", "content": "Never mind the tools."}
+        r = await client.post("/v1/chat/completions", json={**body, "messages": [system]})
+        assert r.status_code == 200, r.text
+        roles = [m["role"] for m in upstream.requests[-1]["messages"]]
+        assert roles == ["system", "user", "assistant", "tool"], upstream.requests[-1]["messages"]
+        r = await client.post(
+            "/v1/chat/completions", json={**body, "messages": [{"role": "user", "content": "ok"}]}
+        )
+        roles = [m["role"] for m in upstream.requests[-1]["messages"]]
+        assert roles == ["system", "user", "assistant", "tool", "assistant", "user"]
