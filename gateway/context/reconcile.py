@@ -9,6 +9,7 @@ from __future__ import annotations
 import dataclasses
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import cast
 
 from gateway.context.history import ConversationView, NotLoaded, is_feedback, message_key
 from gateway.types import Message
@@ -79,14 +80,10 @@ def _going_on(incoming: Sequence[Message], view: ConversationView) -> Reconciled
     last = incoming[-1]
     if last.get("role") != "assistant" or stored.get("role") != "assistant":
         return None
-    text, said = last.get("content"), stored.get("content")
     goes_on = (
-        isinstance(text, str)
-        and isinstance(said, str)
-        and bool(said)
-        and text.startswith(said)
-        and not last.get("tool_calls")
-        and not stored.get("tool_calls")
+        _is_text_answer(last)
+        and _is_text_answer(stored)
+        and cast(str, last["content"]).startswith(cast(str, stored["content"]))
     )
     if not goes_on and message_key(last) != view.keys("history")[-1]:
         return None

@@ -38,19 +38,19 @@ def with_json_arguments(message: Message) -> Message:
     (a call cut short by the answer's token limit, stored as it was answered). Providers that
     read arguments as JSON (chat templates, Anthropic's `input`) refused every later turn."""
     calls = message.get("tool_calls") if message.get("role") == "assistant" else None
-    if not calls or all(
-        _is_json(c.get("function", {}).get("arguments")) for c in calls if isinstance(c, dict)
-    ):
+    if not calls:
         return message
-    fixed = [
-        {**c, "function": {**c["function"], "arguments": "{}"}}
-        if isinstance(c, dict)
-        and isinstance(c.get("function"), dict)
-        and not _is_json(c["function"].get("arguments"))
-        else c
-        for c in calls
-    ]
+    fixed = [_with_json_arguments(call) for call in calls]
+    if all(new is old for new, old in zip(fixed, calls, strict=True)):
+        return message
     return cast(Message, {**message, "tool_calls": fixed})
+
+
+def _with_json_arguments(call: object) -> object:
+    function = call.get("function") if isinstance(call, dict) else None
+    if not isinstance(function, dict) or _is_json(function.get("arguments")):
+        return call
+    return {**cast(dict[str, object], call), "function": {**function, "arguments": "{}"}}
 
 
 def repair_tool_calls(messages: Sequence[Message], *, goes_on: bool = False) -> list[Message]:

@@ -162,7 +162,6 @@ class StreamAccumulator:
         self.timings: JSONObject | None = None  # llama.cpp's, in its last chunk: its cache figures
         self.served: JSONObject | None = None  # `served_by` of the chunk that finished the answer
         self.text_after: int | None = None  # how many calls had begun when the text began
-        self._filled = False  # (`fillers` was asked)
 
     def add(self, chunk: JSONObject) -> None:
         usage = chunk.get("usage")
@@ -186,6 +185,8 @@ class StreamAccumulator:
                 self._add_delta(_object(delta))
             finish = choice.get("finish_reason")
             if finish:
+                if self.finish_reason is None:  # (the piece that finishes the answer)
+                    self._fill_arguments(choice)
                 self.finish_reason = str(finish)
                 self.served = served_by(chunk)
 
@@ -283,18 +284,12 @@ class StreamAccumulator:
         if fn.get("arguments"):
             function["arguments"] = function.get("arguments", "") + str(fn["arguments"])
 
-    def fill_arguments(self, finishing: JSONObject) -> None:
-        """Give each call streamed without arguments so far `"{}"` in `finishing`, the chunk that
-        finished the answer (the first time it is asked), as the call is stored and as a whole
-        answer's client gets it (`default_arguments`)."""
-        if self._filled:
-            return
-        self._filled = True
+    def _fill_arguments(self, choice: JSONObject) -> None:
+        """Give each call streamed without arguments so far `"{}"` in `choice`, the piece that
+        finishes the answer, as the call is stored and as a whole answer's client gets it
+        (`default_arguments`): what the client adds up is what is stored."""
         empty = [at for at in sorted(self.tool_calls) if not self.tool_calls[at]["function"].get("arguments")]
-        choice = next(
-            (c for c in as_list(finishing.get("choices")) if as_object(c).get("index", 0) == 0), None
-        )
-        if not empty or not isinstance(choice, dict):
+        if not empty:
             return
         delta = choice["delta"] = as_object(choice.get("delta"))
         calls = delta["tool_calls"] = as_list(delta.get("tool_calls"))

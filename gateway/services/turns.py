@@ -534,7 +534,6 @@ class ChatService:
                 if acc.finish_reason is None:
                     yield chunk
                 else:
-                    acc.fill_arguments(chunk)  # (the client's calls as stored)
                     held.append(chunk)
                 try:
                     chunk = await chunks.__anext__()
